@@ -1,0 +1,62 @@
+"""Grouped-query self-attention with RoPE (and QK-norm as in Qwen3), over an explicit KV cache.
+
+Shape letters: B batch, T length, D model, N query heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.config import ModelConfig
+from moe_jax.layers import RMSNorm, normal_init, rope
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d, n, kh, h, dt = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.dtype
+    self.wq = nnx.Param(normal_init(rngs.params(), (d, n, h), d, dt))  # [D, N, H]
+    self.wk = nnx.Param(normal_init(rngs.params(), (d, kh, h), d, dt))  # [D, K, H]
+    self.wv = nnx.Param(normal_init(rngs.params(), (d, kh, h), d, dt))  # [D, K, H]
+    self.wo = nnx.Param(normal_init(rngs.params(), (n, h, d), n * h, dt))  # [N, H, D]
+    if config.qkv_bias:
+      self.bq = nnx.Param(jnp.zeros((n, h), dt))
+      self.bk = nnx.Param(jnp.zeros((kh, h), dt))
+      self.bv = nnx.Param(jnp.zeros((kh, h), dt))
+    else:
+      self.bq = self.bk = self.bv = None
+    self.q_norm = RMSNorm(h, eps=config.rms_eps, dtype=dt) if config.qk_norm else None
+    self.k_norm = RMSNorm(h, eps=config.rms_eps, dtype=dt) if config.qk_norm else None
+    self.rope_theta = config.rope_theta
+
+  def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x: [B, T, D], positions: int32 [B, T] -> q [B, T, N, H], k, v [B, T, K, H] (q and k rotated)."""
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.wq[...])
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.wk[...])
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.wv[...])
+    if self.bq is not None:
+      q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+
+  def out(self, o: jax.Array) -> jax.Array:
+    """[B, T, N, H] -> [B, T, D]."""
+    return jnp.einsum("BTNH,NHD->BTD", o, self.wo[...])
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Causal attention over the sequence itself. Returns ([B, T, D], (k, v)) so prefill can build a cache.
+
+    Right padding needs no extra mask: a valid query t < length only sees keys <= t, all of them valid.
+    """
+    q, k, v = self.qkv(x, positions)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.out(o), (k, v)
+
+  def decode(self, x: jax.Array, positions: jax.Array, layer_cache):
+    """x: [B, T, D] new tokens at positions [B, T] (contiguous, starting at the cached length)."""
+    q, k, v = self.qkv(x, positions)
+    o, layer_cache = layer_cache.extend(q, k, v, positions[:, 0])
+    return self.out(o), layer_cache

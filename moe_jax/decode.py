@@ -1,0 +1,101 @@
+"""Pure, jit-compiled entry points: `logits`, `prefill`, `decode_step`; and input validation before jit.
+
+The model (an NNX module, hence a pytree of its parameters) is the first argument of each; the KV cache is passed in
+and returned. Validation is done on the host, before jit, so the hot path has no Python checks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe_jax.config import ModelConfig
+from moe_jax.kv_cache import KVCache, get_kv_cache_mode
+from moe_jax.model import Transformer
+
+
+def init_model(config: ModelConfig, *, seed: int = 0, moe_implementation: str = "xla") -> Transformer:
+  """A randomly initialised model of `config`."""
+  return Transformer(config, rngs=nnx.Rngs(seed), moe_implementation=moe_implementation)
+
+
+@jax.jit
+def logits(model: Transformer, tokens: jax.Array) -> jax.Array:
+  """int32 [B, T] -> float32 logits [B, T, V] of a full causal pass."""
+  return model.forward(tokens)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("kv_cache", "cache_len"))
+def _prefill(model, tokens, lengths, *, kv_cache: str, cache_len: int):
+  return model.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache), cache_len=cache_len, mode_name=kv_cache)
+
+
+def prefill(model: Transformer, tokens, lengths, *, kv_cache: str = "bf16",
+            cache_len: int | None = None) -> tuple[jax.Array, KVCache]:
+  """Runs the prompts and builds the cache.
+
+  Args:
+    model: the Transformer.
+    tokens: int32 [B, T], right-padded prompts.
+    lengths: int32 [B], valid tokens per row (1 <= lengths <= T).
+    kv_cache: cache mode name ("bf16", "fp32", or a compressed mode of `moe_jax.kv_quant`).
+    cache_len: S, positions the cache holds (prompt + generated); default the model's max_seq_len.
+
+  Returns:
+    (float32 logits [B, T, V], KVCache with lengths = lengths).
+  """
+  cache_len = cache_len or model.config.max_seq_len
+  get_kv_cache_mode(kv_cache)  # Clear error for an unknown mode before tracing.
+  return _prefill(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), kv_cache=kv_cache,
+                  cache_len=cache_len)
+
+
+@jax.jit
+def decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
+  """Appends one token per sequence.
+
+  Args:
+    tokens: int32 [B], the next token of each sequence.
+
+  Returns:
+    (float32 logits [B, V] for the following position, KVCache with lengths + 1).
+  """
+  out, cache = model.decode(cache, tokens[:, None])
+  return out[:, 0], cache
+
+
+def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, max_new_tokens: int = 0) -> None:
+  """Raises ValueError naming the field for prompts the model cannot run.
+
+  Args:
+    tokens: int [B, T] right-padded prompts.
+    lengths: int [B].
+    cache_len: positions the cache will hold.
+    max_new_tokens: tokens to be generated after the prompt.
+  """
+  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+  if not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+  if lengths.shape != (tokens.shape[0],):
+    raise ValueError(f"lengths must have shape ({tokens.shape[0]},), got {lengths.shape}")
+  if np.any(lengths < 1):
+    raise ValueError(f"empty prompt: lengths={lengths.tolist()} must all be >= 1")
+  if np.any(lengths > tokens.shape[1]):
+    raise ValueError(f"lengths={lengths.tolist()} exceed the token array's length {tokens.shape[1]}")
+  if cache_len > config.max_seq_len:
+    raise ValueError(f"cache_len={cache_len} exceeds max_seq_len={config.max_seq_len} of config {config.name!r}")
+  if np.any(lengths + max_new_tokens > cache_len):
+    raise ValueError(f"prompt too long: lengths={lengths.max()} + max_new_tokens={max_new_tokens} exceeds "
+                     f"cache_len={cache_len}")
+  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  bad = valid & ((tokens < 0) | (tokens >= config.vocab_size))
+  if bad.any():
+    row, col = np.argwhere(bad)[0]
+    raise ValueError(f"token id {int(tokens[row, col])} at tokens[{row}, {col}] is outside the vocabulary "
+                     f"[0, vocab_size={config.vocab_size})")

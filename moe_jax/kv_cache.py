@@ -1,0 +1,140 @@
+"""The KV cache: an explicit pytree passed into `decode_step` and returned, in one of several storage modes.
+
+A mode (`kv_cache="bf16"`, `"fp32"`, and the compressed modes of `moe_jax.kv_quant`) is a small frozen object whose
+`from_prefill` builds one layer's cache from the prefill keys/values; the layer cache then serves decode attention
+itself (`extend`), so `decode_step` needs no mode argument. Every leaf of a layer cache has the batch as its leading
+axis, so the serving engine can move a sequence between caches with one `tree_map`.
+
+Keys are stored after RoPE: q·k is then exact for any storage basis, and decode needs no re-rotation.
+Shape letters: B batch, T new tokens, S cache length, N query heads, K kv heads, G = N / K, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+  """Grouped-query attention with an explicit visibility mask, softmax in float32.
+
+  Args:
+    q: [B, T, N, H].
+    k, v: [B, S, K, H].
+    visible: bool [B, T, S].
+
+  Returns:
+    [B, T, N, H] in q's dtype.
+  """
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  qg = q.reshape(b, t, kh, n // kh, h).astype(jnp.float32)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * h**-0.5
+  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
+  return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+  """One query per sequence over a dense cache.
+
+  Args:
+    q: [B, N, H].
+    k, v: [B, S, K, H].
+    lengths: int32 [B], keys s < lengths[b] are visible (each >= 1).
+
+  Returns:
+    [B, N, H].
+  """
+  visible = jnp.arange(k.shape[1])[None, None, :] < lengths[:, None, None]  # [B, 1, S]
+  return masked_gqa_attention(q[:, None], k, v, visible)[:, 0]
+
+
+@struct.dataclass
+class DenseKV:
+  """Uncompressed per-layer cache. k, v: [B, S, K, H] in the mode's dtype."""
+
+  k: jax.Array
+  v: jax.Array
+
+  def extend(self, q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array) -> tuple[jax.Array, "DenseKV"]:
+    """Writes T new tokens at positions starts[b] + t and attends causally over the cache.
+
+    Args:
+      q: [B, T, N, H]; k, v: [B, T, K, H] (post-RoPE).
+      starts: int32 [B], tokens already in the cache per sequence.
+
+    Returns:
+      ([B, T, N, H], updated cache). Writes past the cache's end are dropped (callers validate lengths first).
+    """
+    b, t = q.shape[:2]
+    pos = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    rows = jnp.arange(b)[:, None]
+    new = DenseKV(k=self.k.at[rows, pos].set(k.astype(self.k.dtype), mode="drop"),
+                  v=self.v.at[rows, pos].set(v.astype(self.v.dtype), mode="drop"))
+    visible = jnp.arange(self.k.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    return masked_gqa_attention(q, new.k, new.v, visible), new
+
+  def nbytes(self) -> int:
+    return self.k.nbytes + self.v.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMode:
+  """Stores K and V as they are, in `dtype`."""
+
+  dtype: str = "bfloat16"
+
+  def from_prefill(self, k: jax.Array, v: jax.Array, lengths: jax.Array, cache_len: int, *, layer: int) -> DenseKV:
+    """k, v: [B, T, K, H] prefill keys/values (T <= cache_len) -> DenseKV with S = cache_len."""
+    del lengths, layer  # positions >= lengths hold padding; attention masks them by length.
+    b, t, kh, h = k.shape
+    pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
+    return DenseKV(k=jnp.pad(k.astype(self.dtype), pad), v=jnp.pad(v.astype(self.dtype), pad))
+
+
+@struct.dataclass
+class KVCache:
+  """The model's whole cache: one layer cache per block, and the per-sequence lengths (tokens cached).
+
+  Attributes:
+    layers: tuple of layer caches (`DenseKV` or a compressed mode's type).
+    lengths: int32 [B].
+    mode: the `kv_cache=` name it was built with.
+  """
+
+  layers: tuple[Any, ...]
+  lengths: jax.Array
+  mode: str = struct.field(pytree_node=False, default="bf16")
+
+  @property
+  def max_len(self) -> int:
+    return int(jax.tree_util.tree_leaves(self.layers[0])[0].shape[1])
+
+  def nbytes(self) -> int:
+    """Bytes the cache occupies on device, every leaf counted (codes, scales, bases, residual windows)."""
+    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.layers)) + int(self.lengths.nbytes)
+
+
+KV_CACHE_MODES: dict[str, Any] = {"bf16": DenseMode("bfloat16"), "fp32": DenseMode("float32")}
+
+
+def register_kv_cache_mode(name: str, mode: Any) -> None:
+  KV_CACHE_MODES[name] = mode
+
+
+def get_kv_cache_mode(name: str):
+  """Returns the mode object for `kv_cache=name`, with a clear error for unknown names."""
+  if name not in KV_CACHE_MODES:
+    try:  # Compressed modes register themselves on import.
+      import moe_jax.kv_quant  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
+      pass
+  if name not in KV_CACHE_MODES:
+    raise ValueError(f"kv_cache={name!r} is not a KV cache mode; choose one of {sorted(KV_CACHE_MODES)}")
+  return KV_CACHE_MODES[name]

@@ -1,0 +1,103 @@
+"""The decoder-only MoE transformer as Flax NNX modules.
+
+Data flow of one step: tokens -> embedding -> blocks (attention with its cache, then MoE or dense FFN) -> final norm
+-> LM head. `moe_jax/decode.py` wraps the three entry points (`forward`, `prefill`, `decode`) as pure jitted
+functions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.attention import Attention
+from moe_jax.config import ModelConfig
+from moe_jax.kv_cache import KVCache
+from moe_jax.layers import DenseMLP, RMSNorm, normal_init
+from moe_jax.moe import MoE
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x))."""
+
+  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, moe_implementation: str = "xla"):
+    self.attn_norm = RMSNorm(config.d_model, eps=config.rms_eps, dtype=config.dtype)
+    self.attn = Attention(config, rngs=rngs)
+    self.ffn_norm = RMSNorm(config.d_model, eps=config.rms_eps, dtype=config.dtype)
+    if config.is_moe_layer(layer):
+      self.ffn = MoE(config, rngs=rngs, implementation=moe_implementation)
+    else:
+      self.ffn = DenseMLP(config.d_model, config.dense_hidden, dtype=config.dtype, rngs=rngs)
+
+  def feed_forward(self, x: jax.Array) -> tuple[jax.Array, dict]:
+    h = self.ffn_norm(x)
+    if isinstance(self.ffn, MoE):
+      y, aux = self.ffn(h)
+    else:
+      y, aux = self.ffn(h), {}
+    return x + y, aux
+
+  def __call__(self, x: jax.Array, positions: jax.Array):
+    """x: [B, T, D] -> ([B, T, D], aux, (k, v)) with k, v: [B, T, K, H] for building a cache."""
+    a, kv = self.attn(self.attn_norm(x), positions)
+    x, aux = self.feed_forward(x + a)
+    return x, aux, kv
+
+  def decode(self, x: jax.Array, positions: jax.Array, layer_cache):
+    a, layer_cache = self.attn.decode(self.attn_norm(x), positions, layer_cache)
+    x, _ = self.feed_forward(x + a)
+    return x, layer_cache
+
+
+class Transformer(nnx.Module):
+  """Token embedding, `n_layers` blocks, final RMSNorm, LM head (tied or untied)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe_implementation: str = "xla"):
+    self.config = config
+    d, v, dt = config.d_model, config.vocab_size, config.dtype
+    self.embedding = nnx.Param((jax.random.normal(rngs.params(), (v, d), jnp.float32)).astype(dt))  # [V, D]
+    self.blocks = nnx.List([Block(config, i, rngs=rngs, moe_implementation=moe_implementation)
+                            for i in range(config.n_layers)])
+    self.final_norm = RMSNorm(d, eps=config.rms_eps, dtype=dt)
+    self.lm_head = None if config.tie_embeddings else nnx.Param(normal_init(rngs.params(), (d, v), d, dt))  # [D, V]
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """int32 [B, T] -> [B, T, D]."""
+    return jnp.take(self.embedding[...], tokens, axis=0)
+
+  def unembed(self, x: jax.Array) -> jax.Array:
+    """[B, T, D] -> float32 logits [B, T, V]."""
+    x = self.final_norm(x)
+    w = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+    return jnp.einsum("BTD,DV->BTV", x, w, preferred_element_type=jnp.float32)
+
+  def forward(self, tokens: jax.Array, positions: jax.Array | None = None):
+    """Full causal pass (training, scoring). Returns (logits f32 [B, T, V], per-MoE-layer aux list, per-layer kv)."""
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = self.embed(tokens)
+    auxes, kvs = [], []
+    for block in self.blocks:
+      x, aux, kv = block(x, positions)
+      kvs.append(kv)
+      if aux:
+        auxes.append(aux)
+    return self.unembed(x), auxes, kvs
+
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, *, mode, cache_len: int, mode_name: str):
+    """tokens: int32 [B, T] right-padded; lengths: int32 [B] -> (logits [B, T, V], KVCache)."""
+    logits, _, kvs = self.forward(tokens)
+    layers = tuple(mode.from_prefill(k, v, lengths, cache_len, layer=i) for i, (k, v) in enumerate(kvs))
+    return logits, KVCache(layers=layers, lengths=lengths.astype(jnp.int32), mode=mode_name)
+
+  def decode(self, cache: KVCache, tokens: jax.Array):
+    """tokens: int32 [B, T] appended after each sequence's cached tokens -> (logits [B, T, V], KVCache)."""
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    x = self.embed(tokens)
+    layers = []
+    for block, layer_cache in zip(self.blocks, cache.layers):
+      x, layer_cache = block.decode(x, positions, layer_cache)
+      layers.append(layer_cache)
+    cache = cache.replace(layers=tuple(layers), lengths=cache.lengths + tokens.shape[1])
+    return self.unembed(x), cache

@@ -1,0 +1,71 @@
+"""Next-token sampling from logits with per-sequence parameters: greedy, temperature, top-k, top-p.
+
+Everything is a traced array, so one compiled step serves a batch whose rows use different settings (the serving
+engine relies on that). Validate parameters on the host with `SamplingParams` before they reach jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Host-side sampling settings of one request.
+
+  Attributes:
+    temperature: 0 for greedy; > 0 to sample.
+    top_k: keep the k most likely tokens (0: no limit).
+    top_p: keep the smallest set whose probability reaches top_p, in (0, 1].
+  """
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and self.temperature < float("inf")):
+      raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
+    if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+
+  def arrays(self, batch: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Broadcasts to per-row arrays: temperature f32 [B], top_k int32 [B], top_p f32 [B]."""
+    return (jnp.full((batch,), self.temperature, jnp.float32), jnp.full((batch,), self.top_k, jnp.int32),
+            jnp.full((batch,), self.top_p, jnp.float32))
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> jax.Array:
+  """Draws one token per row.
+
+  Args:
+    logits: float32 [B, V].
+    key: PRNG key.
+    temperature: f32 [B]; rows with 0 take the argmax.
+    top_k: int32 [B]; 0 keeps all.
+    top_p: f32 [B] in (0, 1].
+
+  Returns:
+    int32 [B].
+  """
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  v = logits.shape[-1]
+  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  order = jnp.argsort(-scaled, axis=-1)  # [B, V] most likely first
+  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+  rank = jnp.arange(v)[None, :]
+  keep = (top_k[:, None] == 0) | (rank < top_k[:, None])
+  probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+  # Keep a token while the mass before it is below top_p: the most likely token always stays.
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep &= mass_before < top_p[:, None]
+  choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+  sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)
