@@ -10,10 +10,11 @@
 
 from configs.large import MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B, SEED_480B
 from configs.tiny import SMALL, TINY
+from configs.trained import TINY_TRAINED
 from moe_jax.config import ModelConfig
 
 PRESETS: dict[str, ModelConfig] = {
-    c.name: c for c in (TINY, SMALL, MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B, SEED_480B)
+    c.name: c for c in (TINY, SMALL, TINY_TRAINED, MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B, SEED_480B)
 }
 
 

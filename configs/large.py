@@ -26,7 +26,7 @@ QWEN3_235B_A22B = ModelConfig(
 # The seed's model: ~480B total with 32 routed experts active per token. The seed gives only those two numbers;
 # the remaining shapes are our choice (Qwen3-style blocks, 256 fine-grained experts, 8 kv heads).
 SEED_480B = ModelConfig(
-    name="seed_480b", vocab_size=151936, d_model=6144, n_layers=62, n_heads=64, n_kv_heads=8, head_dim=128,
+    name="seed_480b", vocab_size=151936, d_model=6144, n_layers=65, n_heads=64, n_kv_heads=8, head_dim=128,
     n_experts=256, n_experts_per_tok=32, expert_hidden=1536, qk_norm=True, rope_theta=1e6, max_seq_len=131072,
     param_dtype="bfloat16",
 )

@@ -4,15 +4,31 @@ Shape alphabet, used in einsums, `# [B, S, K, H]` comments and sharding names:
   B batch, T query length, S key/value (cache) length, D model dim, N query heads, K kv heads,
   G query heads per kv head (N / K), H head dim, F expert hidden, E experts, X experts per token, V vocab,
   M token-expert pairs (T·X, rows of the grouped expert matmul).
+
+Public names are imported lazily (PEP 562) so that `python -m moe_jax.<module>` runs each CLI module cleanly.
 """
 
-from moe_jax.config import ModelConfig
-from moe_jax.decode import decode_step, init_model, logits, prefill, validate_prompts
-from moe_jax.kv_cache import KVCache, get_kv_cache_mode, register_kv_cache_mode
-from moe_jax.model import Transformer
-from moe_jax.sampling import SamplingParams, sample
+import importlib
 
-__all__ = [
-    "ModelConfig", "Transformer", "KVCache", "SamplingParams", "decode_step", "get_kv_cache_mode", "init_model",
-    "logits", "prefill", "register_kv_cache_mode", "sample", "validate_prompts",
-]
+_EXPORTS = {
+    "ModelConfig": "moe_jax.config",
+    "Transformer": "moe_jax.model",
+    "KVCache": "moe_jax.kv_cache",
+    "get_kv_cache_mode": "moe_jax.kv_cache",
+    "register_kv_cache_mode": "moe_jax.kv_cache",
+    "SamplingParams": "moe_jax.sampling",
+    "sample": "moe_jax.sampling",
+    "decode_step": "moe_jax.decode",
+    "init_model": "moe_jax.decode",
+    "logits": "moe_jax.decode",
+    "prefill": "moe_jax.decode",
+    "validate_prompts": "moe_jax.decode",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+  raise AttributeError(f"module 'moe_jax' has no attribute {name!r}")

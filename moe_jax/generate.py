@@ -1,0 +1,208 @@
+"""Text generation: an on-device decode loop (`lax.while_loop`), a Python streaming variant, and the CLI.
+
+    python -m moe_jax.generate --config=tiny --prompt="def f(x):" --max_new_tokens=32 [--batch=N] [--seed=S]
+    python -m moe_jax.generate --checkpoint=tiny-trained --prompt="..."
+    python -m moe_jax.generate --hf=DIR --prompt="..."
+
+prints the continuation and one report line: prefill ms, decode ms/token, tokens/s, KV cache bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax import decode
+from moe_jax.kv_cache import KVCache
+from moe_jax.sampling import SamplingParams, sample
+from moe_jax.tokenizer import PAD_ID
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+  """tokens: int32 [B, max_new_tokens] (PAD after a sequence stops); lengths: int32 [B] tokens generated (EOS
+  included); cache: the final KVCache."""
+
+  tokens: jax.Array
+  lengths: jax.Array
+  cache: KVCache
+
+
+def _last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
+  """[B, T, V] prefill logits -> [B, V] at each sequence's last prompt token."""
+  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "eos_id", "pad_id"))
+def decode_loop(model, cache: KVCache, first_logits: jax.Array, key: jax.Array, temperature: jax.Array,
+                top_k: jax.Array, top_p: jax.Array, *, max_new_tokens: int, eos_id: int | None,
+                pad_id: int = PAD_ID):
+  """Samples up to `max_new_tokens` tokens per sequence on device.
+
+  Args:
+    model: the Transformer.
+    cache: KVCache after prefill.
+    first_logits: float32 [B, V], logits for the first new token.
+    key: PRNG key.
+    temperature, top_k, top_p: per-row sampling parameters [B].
+    max_new_tokens: static loop bound.
+    eos_id: a sequence stops after emitting it (None: only max_new_tokens stops).
+
+  Returns:
+    (tokens int32 [B, max_new_tokens], lengths int32 [B], cache).
+  """
+  b = first_logits.shape[0]
+  key, sub = jax.random.split(key)
+  tok = sample(first_logits, sub, temperature, top_k, top_p)
+  out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(tok)
+  done = jnp.zeros((b,), bool) if eos_id is None else tok == eos_id
+  n = jnp.ones((b,), jnp.int32)
+
+  def cond(state):
+    i, _, _, done, _, _, _ = state
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(state):
+    i, cache, tok, done, out, n, key = state
+    logits, cache = model.decode(cache, tok[:, None])
+    key, sub = jax.random.split(key)
+    nxt = sample(logits[:, 0], sub, temperature, top_k, top_p)
+    nxt = jnp.where(done, pad_id, nxt)
+    out = out.at[:, i].set(nxt)
+    n = n + (~done).astype(jnp.int32)
+    if eos_id is not None:
+      done = done | (nxt == eos_id)
+    return i + 1, cache, nxt, done, out, n, key
+
+  _, cache, _, _, out, n, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, done, out, n, key))
+  return out, n, cache
+
+
+def generate(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
+             sampling: SamplingParams = SamplingParams(), eos_id: int | None = None, kv_cache: str = "bf16",
+             cache_len: int | None = None) -> GenerateOutput:
+  """Prefill, then the on-device decode loop.
+
+  Args:
+    model: the Transformer.
+    tokens: int [B, T] right-padded prompts; lengths: int [B].
+    key: PRNG key (explicit randomness; greedy ignores it).
+    max_new_tokens: tokens to generate per sequence (>= 1).
+    sampling: greedy by default.
+    eos_id: stop token.
+    kv_cache: cache mode name.
+    cache_len: cache positions; default prompt length + max_new_tokens.
+  """
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  cache_len = cache_len or int(tokens.shape[1]) + max_new_tokens
+  decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
+  logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
+  out, n, cache = decode_loop(model, cache, _last_logits(logits, jnp.asarray(lengths)), key,
+                              *sampling.arrays(tokens.shape[0]), max_new_tokens=max_new_tokens, eos_id=eos_id)
+  return GenerateOutput(tokens=out, lengths=n, cache=cache)
+
+
+def stream(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
+           sampling: SamplingParams = SamplingParams(), kv_cache: str = "bf16",
+           cache_len: int | None = None) -> Iterator[np.ndarray]:
+  """Python-driven decode for debugging: yields the int32 [B] tokens of each step as they are produced."""
+  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  cache_len = cache_len or int(tokens.shape[1]) + max_new_tokens
+  decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
+  logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
+  params = sampling.arrays(tokens.shape[0])
+  step_logits = _last_logits(logits, jnp.asarray(lengths))
+  sample_jit = jax.jit(sample)
+  for _ in range(max_new_tokens):
+    key, sub = jax.random.split(key)
+    tok = sample_jit(step_logits, sub, *params)
+    yield np.asarray(tok)
+    step_logits, cache = decode.decode_step(model, cache, tok)
+
+
+def pad_batch(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists -> (int32 [B, T], int32 [B])."""
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  out = np.full((len(prompts), max(1, int(lengths.max(initial=1)))), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    out[i, : len(p)] = p
+  return out, lengths
+
+
+def _load(flags_):
+  """(config, model, tokenizer) from --hf, --checkpoint or --config."""
+  from moe_jax.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
+  if sum(bool(x) for x in (flags_.hf, flags_.checkpoint)) > 1:
+    raise ValueError("give at most one of --hf and --checkpoint")
+  if flags_.hf:
+    from moe_jax import hf  # pylint: disable=g-import-not-at-top
+    config, model = hf.load(flags_.hf)
+    return config, model, hf.load_tokenizer(flags_.hf)
+  if flags_.checkpoint:
+    from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
+    config, model = checkpoints.load(flags_.checkpoint)
+    return config, model, ByteTokenizer()
+  import configs  # pylint: disable=g-import-not-at-top
+  config = configs.get(flags_.config)
+  return config, decode.init_model(config, seed=flags_.seed), ByteTokenizer()
+
+
+def main(argv):
+  del argv
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  config, model, tok = _load(f)
+  sampling = SamplingParams(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p)
+  prompt = tok.encode(f.prompt)
+  tokens, lengths = pad_batch([prompt] * f.batch)
+  cache_len = f.cache_len or len(prompt) + f.max_new_tokens
+  decode.validate_prompts(config, tokens, lengths, cache_len=cache_len, max_new_tokens=f.max_new_tokens)
+  key = jax.random.key(f.seed)
+  eos = getattr(tok, "eos_id", None)
+
+  def run():
+    t0 = time.perf_counter()
+    logits, cache = decode.prefill(model, tokens, lengths, kv_cache=f.kv_cache, cache_len=cache_len)
+    jax.block_until_ready(logits)
+    t1 = time.perf_counter()
+    out, n, cache = decode_loop(model, cache, _last_logits(logits, jnp.asarray(lengths)), key,
+                                *sampling.arrays(f.batch), max_new_tokens=f.max_new_tokens, eos_id=eos)
+    jax.block_until_ready(out)
+    return out, n, cache, t1 - t0, time.perf_counter() - t1
+
+  run()  # compile
+  out, n, cache, t_prefill, t_decode = run()
+  out, n = np.asarray(out), np.asarray(n)
+  for b in range(f.batch):
+    print(f"[{b}] {f.prompt}{tok.decode(out[b, : n[b]])}")
+  steps = int(n.max())
+  print(f"config={config.name} batch={f.batch} prompt_tokens={len(prompt)} new_tokens={steps} "
+        f"kv_cache={f.kv_cache} | prefill {t_prefill * 1e3:.2f} ms | decode {t_decode * 1e3 / steps:.3f} ms/token | "
+        f"{f.batch * steps / (t_prefill + t_decode):.1f} tokens/s | KV cache {cache.nbytes():,} bytes "
+        f"| device {jax.devices()[0].device_kind}")
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+
+  flags.DEFINE_string("config", "tiny", "Preset name (random weights).")
+  flags.DEFINE_string("checkpoint", None, "Shipped checkpoint name (e.g. tiny-trained) or a checkpoint directory.")
+  flags.DEFINE_string("hf", None, "Hugging Face model directory (config.json + safetensors + tokenizer.json).")
+  flags.DEFINE_string("prompt", "def fibonacci(n):", "Prompt text.")
+  flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
+  flags.DEFINE_integer("batch", 1, "Copies of the prompt decoded together.")
+  flags.DEFINE_integer("seed", 0, "PRNG seed (weights of --config models and sampling).")
+  flags.DEFINE_float("temperature", 0.0, "0 for greedy.")
+  flags.DEFINE_integer("top_k", 0, "0 disables top-k.")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
+  flags.DEFINE_string("kv_cache", "bf16", "KV cache mode: bf16, fp32, fp8, int8, kivi2, oskvp, oskvp3.")
+  flags.DEFINE_integer("cache_len", 0, "KV cache positions (0: prompt + max_new_tokens).")
+  app.run(main)
