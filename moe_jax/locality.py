@@ -1,0 +1,252 @@
+"""The LCVC router: locality-constrained expert choice, with low-rank surrogates for the remote experts left over.
+
+Experts are placed on nodes in contiguous blocks (expert e on node e // (E / n_nodes)), as `sharding/` places them
+when the expert axis is split over ("node", "local"); tokens too (token t of T on node t · n_nodes // T, the batch
+split over nodes). Selection then scores every expert by its affinity p, minus a penalty λ when the expert is on
+another node and p <= τ:
+
+    score[t, e] = p[t, e] + bias[e] − λ · [node(e) != node(t)] · [p[t, e] <= τ]
+
+The top-k of the score are chosen; the combine weights come from the unpenalised affinities (as DeepSeek-V3 does
+with its balancing bias), so a remote expert that survives the penalty contributes with its true weight. τ is tuned
+online toward a target remote rate with DeepSeek-V3's sign rule: τ += γ · sign(observed − target).
+
+With `surrogates` on, a chosen remote expert is computed by its rank-r surrogate (`moe_jax/surrogates.py`), present
+on every node, so that the layer needs no collective across nodes; the local experts go through the layer's dispatch
+with the remote pairs' weights zeroed (an expert-parallel dispatch in node-local mode skips them entirely).
+
+Shapes: T tokens (batch × length flattened), D model dim, E experts, X experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax import routing
+from moe_jax.dispatch import LocalDispatch
+from moe_jax.moe import MoE
+from moe_jax.surrogates import LowRankExperts, build_surrogates
+
+
+@dataclasses.dataclass(frozen=True)
+class LCVCConfig:
+  """Locality-constrained routing.
+
+  Attributes:
+    n_nodes: nodes the experts (and tokens) are split over; must divide E.
+    penalty: λ >= 0 subtracted from the score of a remote expert whose affinity is <= τ (0: exact routing).
+    threshold: initial τ in [0, 1].
+    target_remote_rate: remote fraction of chosen (token, expert) pairs that τ is tuned toward.
+    threshold_step: γ > 0 of the sign update.
+    surrogates: compute chosen remote experts with their low-rank surrogates (no cross-node traffic).
+  """
+
+  n_nodes: int = 2
+  penalty: float = 1.0
+  threshold: float = 0.5
+  target_remote_rate: float = 0.1
+  threshold_step: float = 0.01
+  surrogates: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.n_nodes, int) or self.n_nodes < 1:
+      raise ValueError(f"n_nodes={self.n_nodes!r} must be a positive int")
+    if self.penalty < 0:
+      raise ValueError(f"penalty={self.penalty} must be >= 0")
+    if not 0.0 <= self.threshold <= 1.0:
+      raise ValueError(f"threshold={self.threshold} must be in [0, 1]")
+    if not 0.0 <= self.target_remote_rate <= 1.0:
+      raise ValueError(f"target_remote_rate={self.target_remote_rate} must be in [0, 1]")
+    if self.threshold_step <= 0:
+      raise ValueError(f"threshold_step={self.threshold_step} must be > 0")
+
+
+class LCVCThreshold(nnx.Variable):
+  """τ of one layer: tuned online by `update_threshold`, not by gradient."""
+
+
+def expert_nodes(n_experts: int, n_nodes: int) -> jax.Array:
+  """int32 [E]: the node of each expert (contiguous blocks of E / n_nodes)."""
+  if n_experts % n_nodes:
+    raise ValueError(f"n_nodes={n_nodes} must divide n_experts={n_experts}")
+  return jnp.arange(n_experts, dtype=jnp.int32) // (n_experts // n_nodes)
+
+
+def simulated_token_nodes(n_tokens: int, n_nodes: int) -> jax.Array:
+  """int32 [T]: token t's node when the T tokens are split over nodes in contiguous blocks."""
+  return (jnp.arange(n_tokens, dtype=jnp.int32) * n_nodes) // n_tokens
+
+
+def token_nodes(dispatch, n_tokens: int, n_nodes: int) -> jax.Array:
+  """int32 [T]: the node of each token. An expert-parallel dispatch knows it (inside its mesh); else simulated."""
+  if hasattr(dispatch, "token_nodes"):
+    return dispatch.token_nodes(n_tokens)
+  return simulated_token_nodes(n_tokens, n_nodes)
+
+
+def locality_penalty(probs: jax.Array, token_node: jax.Array, expert_node: jax.Array, penalty: float,
+                     threshold: jax.Array) -> jax.Array:
+  """float32 [T, E]: −λ where the expert is remote and its affinity does not exceed τ, else 0.
+
+  Args:
+    probs: float32 [T, E] affinities.
+    token_node: int32 [T]; expert_node: int32 [E].
+    penalty: λ.
+    threshold: τ, a scalar.
+  """
+  remote = token_node[:, None] != expert_node[None, :]
+  return jnp.where(remote & (probs <= threshold), -penalty, 0.0).astype(jnp.float32)
+
+
+def lcvc_select(logits: jax.Array, *, k: int, router: str, norm_topk_prob: bool, bias: jax.Array,
+                token_node: jax.Array, expert_node: jax.Array, penalty: float,
+                threshold: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Locality-constrained top-k.
+
+  Args:
+    logits: float32 [T, E].
+    bias: [E] selection-only balancing bias.
+    token_node, expert_node, penalty, threshold: as `locality_penalty`.
+
+  Returns:
+    weights float32 [T, X] (from the unpenalised affinities), ids int32 [T, X], remote bool [T, X].
+  """
+  probs = routing.affinities(logits, router)
+  selection = bias[None, :] + locality_penalty(probs, token_node, expert_node, penalty, threshold)
+  weights, ids = routing.select_experts(logits, k=k, router=router, norm_topk_prob=norm_topk_prob,
+                                        selection_bias=selection)
+  remote = expert_node[ids] != token_node[:, None]
+  return weights, ids, remote
+
+
+def update_threshold(threshold: jax.Array, remote_rate: jax.Array, target: float, step: float) -> jax.Array:
+  """DeepSeek-V3-style sign update: raise τ (fewer exceptions) when too many pairs are remote, else lower it."""
+  return jnp.clip(threshold + step * jnp.sign(remote_rate - target), 0.0, 1.0)
+
+
+class LCVCMoE(MoE):
+  """An MoE layer routed by LCVC; same weights and dispatch as the `MoE` it is made from.
+
+  Attributes (besides MoE's):
+    lcvc: the `LCVCConfig`.
+    threshold: `LCVCThreshold` τ (scalar).
+    surrogate: `LowRankExperts` or None.
+    use_surrogates: compute remote experts by their surrogates (static; needs `surrogate`).
+  """
+
+  def __init__(self, moe: MoE, lcvc: LCVCConfig, surrogate: LowRankExperts | None = None):  # pylint: disable=super-init-not-called
+    for name, value in vars(moe).items():
+      if not name.startswith("_"):
+        setattr(self, name, value)
+    expert_nodes(moe.n_experts, lcvc.n_nodes)  # Validates the placement.
+    if lcvc.surrogates and surrogate is None:
+      raise ValueError("LCVCConfig.surrogates=True needs surrogates (see moe_jax.surrogates.build_surrogates)")
+    self.lcvc = lcvc
+    self.threshold = LCVCThreshold(jnp.asarray(lcvc.threshold, jnp.float32))
+    self.surrogate = surrogate
+    self.use_surrogates = lcvc.surrogates
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x: [B, T, D] -> ([B, T, D], aux) with MoE's aux plus remote_rate and surrogate_rate."""
+    b, t, d = x.shape
+    tokens = x.reshape(b * t, d)
+    logits = routing.router_logits(tokens, self.w_router[...])  # [BT, E]
+    t_node = token_nodes(self.dispatch, b * t, self.lcvc.n_nodes)
+    e_node = expert_nodes(self.n_experts, self.lcvc.n_nodes)
+    weights, ids, remote = lcvc_select(
+        logits, k=self.k, router=self.router, norm_topk_prob=self.norm_topk_prob, bias=self.router_bias[...],
+        token_node=t_node, expert_node=e_node, penalty=self.lcvc.penalty, threshold=self.threshold[...])
+    if self.use_surrogates:
+      y = self.dispatch(tokens, jnp.where(remote, 0.0, weights), ids, self.expert_fn, self.n_experts)
+      y = y + LocalDispatch()(tokens, jnp.where(remote, weights, 0.0), ids, self.surrogate, self.n_experts)
+    else:
+      y = self.dispatch(tokens, weights, ids, self.expert_fn, self.n_experts)
+    if self.shared is not None:
+      s = self.shared(tokens)
+      if self.w_shared_gate is not None:
+        s = s * jax.nn.sigmoid(tokens @ self.w_shared_gate[...])
+      y = y + s
+    probs = routing.affinities(logits, self.router)
+    remote_rate = jnp.mean(remote.astype(jnp.float32))
+    aux = {
+        "load_balance": routing.load_balancing_loss(probs, ids, self.n_experts),
+        "z_loss": routing.z_loss(logits),
+        "expert_counts": jnp.bincount(ids.reshape(-1), length=self.n_experts),
+        "remote_rate": remote_rate,
+        "surrogate_rate": remote_rate if self.use_surrogates else jnp.zeros((), jnp.float32),
+    }
+    return y.reshape(b, t, d), aux
+
+
+def moe_layers(model) -> list[MoE]:
+  """The MoE feed-forward layers of a `Transformer`, in order."""
+  return [block.ffn for block in model.blocks if isinstance(block.ffn, MoE)]
+
+
+def with_lcvc(model, lcvc: LCVCConfig, surrogates: list[LowRankExperts] | None = None):
+  """A copy of `model` whose MoE layers route by LCVC (weights shared by value, not by reference).
+
+  Args:
+    model: a `Transformer`.
+    lcvc: the routing configuration.
+    surrogates: one `LowRankExperts` per MoE layer, or None.
+  """
+  model = nnx.clone(model)
+  layers = [i for i, block in enumerate(model.blocks) if isinstance(block.ffn, MoE)]
+  if surrogates is not None and len(surrogates) != len(layers):
+    raise ValueError(f"got {len(surrogates)} surrogate sets for {len(layers)} MoE layers")
+  for j, i in enumerate(layers):
+    ffn = model.blocks[i].ffn
+    if isinstance(ffn, LCVCMoE):
+      raise ValueError("model already routes by LCVC")
+    model.blocks[i].ffn = LCVCMoE(ffn, lcvc, None if surrogates is None else surrogates[j])
+  return model
+
+
+def set_surrogates(model, on: bool):
+  """A copy of an LCVC model with surrogates switched on (decode) or off (prefill: remote experts exact)."""
+  model = nnx.clone(model)
+  for layer in moe_layers(model):
+    if not isinstance(layer, LCVCMoE):
+      raise ValueError("set_surrogates needs a model made by with_lcvc")
+    if on and layer.surrogate is None:
+      raise ValueError("this LCVC model has no surrogates")
+    layer.use_surrogates = on
+  return model
+
+
+@jax.jit
+def routing_stats(model, tokens: jax.Array) -> dict[str, jax.Array]:
+  """Per-MoE-layer remote and surrogate rates on a full causal pass: {name: float32 [n_moe_layers]}."""
+  _, auxes, _ = model.forward(tokens)
+  return {name: jnp.stack([a[name] for a in auxes]) for name in ("remote_rate", "surrogate_rate")}
+
+
+def tune_thresholds(model, token_batches, *, target: float | None = None, step: float | None = None) -> list[float]:
+  """Tunes each LCVC layer's τ online over a stream of batches (in place). Returns the remote rate of each batch.
+
+  Args:
+    model: a model made by `with_lcvc`.
+    token_batches: iterable of int32 [B, T].
+    target, step: override the config's target_remote_rate and threshold_step.
+  """
+  layers = moe_layers(model)
+  history = []
+  for tokens in token_batches:
+    rates = routing_stats(model, jnp.asarray(tokens, jnp.int32))["remote_rate"]
+    for layer, rate in zip(layers, rates):
+      tgt = layer.lcvc.target_remote_rate if target is None else target
+      stp = layer.lcvc.threshold_step if step is None else step
+      layer.threshold[...] = update_threshold(layer.threshold[...], rate, tgt, stp)
+    history.append(float(jnp.mean(rates)))
+  return history
+
+
+def make_lcvc(model, lcvc: LCVCConfig, *, rank: int = 0, calibration_tokens=None):
+  """Convenience: surrogates of rank `rank` (0: none; whitened when calibration tokens are given), then `with_lcvc`."""
+  surrogates = build_surrogates(model, rank, calibration_tokens) if rank else None
+  return with_lcvc(model, lcvc, surrogates)

@@ -1,0 +1,176 @@
+"""Low-rank surrogates of routed experts: rank-r factors of each expert's gate/up/down, built offline by SVD.
+
+A surrogate stands in for a remote expert during decode (`moe_jax/locality.py`): it is small enough to replicate on
+every node, so a token whose chosen expert lives on another node is served locally, with no collective across nodes.
+
+For one weight W [D_in, D_out] and rank r the surrogate is A [D_in, r] · B [r, D_out]:
+  * plain: the truncated SVD of W (best rank-r approximation in Frobenius norm);
+  * activation-whitened: with C = E[x xᵀ] the second moment of the weight's inputs on calibration data and
+    S = C^{1/2}, the truncated SVD of S·W gives S·W ≈ U_r Σ_r V_rᵀ, and A = S⁻¹ U_r Σ_r, B = V_rᵀ, which minimises
+    E‖xᵀ(W − AB)‖² (the output error on inputs like the calibration data) instead of ‖W − AB‖.
+The gate and up projections are whitened by the MoE layer's inputs, the down projection by each expert's own hidden
+activations silu(x·W_gate)·(x·W_up) over the same calibration tokens (all of them, not only those routed to it).
+
+Shapes: E experts, D model dim, F expert hidden, r rank, n calibration tokens, M rows (token-expert pairs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax import experts as experts_lib
+
+
+class Surrogate(nnx.Variable):
+  """Low-rank surrogate factors: replicated on every node, not trained."""
+
+
+def low_rank(w: jax.Array, rank: int, second_moment: jax.Array | None = None,
+             eps: float = 1e-4) -> tuple[jax.Array, jax.Array]:
+  """Rank-r factors of one weight.
+
+  Args:
+    w: [D_in, D_out].
+    rank: r <= min(D_in, D_out).
+    second_moment: optional [D_in, D_in] E[x xᵀ] of the inputs; whitens the approximation when given.
+    eps: relative ridge added to the second moment so that S is invertible.
+
+  Returns:
+    (a float32 [D_in, r], b float32 [r, D_out]) with x·w ≈ (x·a)·b.
+  """
+  w = w.astype(jnp.float32)
+  if second_moment is None:
+    u, s, vt = jnp.linalg.svd(w, full_matrices=False)
+    return u[:, :rank] * s[:rank], vt[:rank]
+  c = second_moment.astype(jnp.float32)
+  c = c + eps * jnp.trace(c) / c.shape[0] * jnp.eye(c.shape[0], dtype=jnp.float32)
+  evals, evecs = jnp.linalg.eigh(c)
+  evals = jnp.maximum(evals, 1e-12)
+  sqrt_c = (evecs * jnp.sqrt(evals)) @ evecs.T
+  inv_sqrt_c = (evecs / jnp.sqrt(evals)) @ evecs.T
+  u, s, vt = jnp.linalg.svd(sqrt_c @ w, full_matrices=False)
+  return inv_sqrt_c @ (u[:, :rank] * s[:rank]), vt[:rank]
+
+
+def _second_moment(x: jax.Array) -> jax.Array:
+  """[n, K] -> [K, K] E[x xᵀ] in float32."""
+  x = x.astype(jnp.float32)
+  return x.T @ x / x.shape[0]
+
+
+@jax.jit
+def _expert_hidden(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+  """x [n, D], w_gate/w_up [E, D, F] -> [E, n, F] each expert's SwiGLU hidden activations on every token."""
+  x = x.astype(jnp.float32)
+  g = jnp.einsum("nD,EDF->EnF", x, w_gate.astype(jnp.float32))
+  u = jnp.einsum("nD,EDF->EnF", x, w_up.astype(jnp.float32))
+  return jax.nn.silu(g) * u
+
+
+class LowRankExperts(nnx.Module):
+  """Rank-r surrogates of one MoE layer's E experts, callable like the layer's `expert_fn`.
+
+  Attributes:
+    gate_a, up_a: [E, D, r]; gate_b, up_b: [E, r, F]; down_a: [E, F, r]; down_b: [E, r, D] (all `Surrogate`).
+    rank: r.
+  """
+
+  def __init__(self, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, rank: int,
+               calibration: jax.Array | None = None, dtype=None):
+    """Builds the factors.
+
+    Args:
+      w_gate, w_up: [E, D, F]; w_down: [E, F, D] of the layer.
+      rank: r, 1 <= r <= min(D, F).
+      calibration: optional [n, D] inputs of the layer (after its RMSNorm) to whiten the approximation.
+      dtype: storage dtype of the factors (default the weights' dtype).
+    """
+    e, d, f = w_gate.shape
+    if not 1 <= rank <= min(d, f):
+      raise ValueError(f"rank={rank} must be in [1, min(D={d}, F={f})]")
+    dtype = dtype or w_gate.dtype
+    if calibration is None:
+      factor = jax.vmap(lambda w: low_rank(w, rank))
+      (ga, gb), (ua, ub), (da, db) = factor(w_gate), factor(w_up), factor(w_down)
+    else:
+      cx = _second_moment(calibration)
+      factor_in = jax.vmap(lambda w: low_rank(w, rank, cx))
+      (ga, gb), (ua, ub) = factor_in(w_gate), factor_in(w_up)
+      h = _expert_hidden(calibration, w_gate, w_up)  # [E, n, F]
+      ch = jax.vmap(_second_moment)(h)  # [E, F, F]
+      da, db = jax.vmap(lambda w, c: low_rank(w, rank, c))(w_down, ch)
+    self.rank = rank
+    self.gate_a, self.gate_b = Surrogate(ga.astype(dtype)), Surrogate(gb.astype(dtype))
+    self.up_a, self.up_b = Surrogate(ua.astype(dtype)), Surrogate(ub.astype(dtype))
+    self.down_a, self.down_b = Surrogate(da.astype(dtype)), Surrogate(db.astype(dtype))
+
+  def __call__(self, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The `expert_fn` contract: x_sorted [M, D] rows sorted by expert, group_sizes int32 [E] -> [M, D]."""
+
+    def mm(lhs, rhs):
+      return experts_lib.grouped_matmul(lhs.astype(x_sorted.dtype), rhs[...], group_sizes)
+
+    gate = mm(mm(x_sorted, self.gate_a), self.gate_b)
+    up = mm(mm(x_sorted, self.up_a), self.up_b)
+    h = jax.nn.silu(gate) * up  # [M, F]
+    return mm(mm(h, self.down_a), self.down_b).astype(x_sorted.dtype)
+
+  def nbytes(self) -> int:
+    return sum(int(v[...].nbytes) for v in (self.gate_a, self.gate_b, self.up_a, self.up_b, self.down_a,
+                                             self.down_b))
+
+
+def nbytes_per_layer(n_experts: int, d_model: int, expert_hidden: int, rank: int, bytes_per_element: float) -> float:
+  """Bytes of one layer's surrogates: E · r · 3 · (D + F) elements."""
+  return n_experts * rank * 3 * (d_model + expert_hidden) * bytes_per_element
+
+
+def rank_for_budget(n_experts: int, d_model: int, expert_hidden: int, n_moe_layers: int, budget_bytes: float,
+                    bytes_per_element: float = 2.0) -> int:
+  """The largest rank whose surrogates of all experts of all MoE layers fit `budget_bytes` (one replica)."""
+  per_rank = n_moe_layers * nbytes_per_layer(n_experts, d_model, expert_hidden, 1, bytes_per_element)
+  rank = int(budget_bytes // per_rank)
+  if rank < 1:
+    raise ValueError(f"budget_bytes={budget_bytes:.0f} is below one rank-1 surrogate set ({per_rank:.0f} bytes)")
+  return min(rank, d_model, expert_hidden)
+
+
+def moe_layer_inputs(model, tokens: jax.Array) -> list[jax.Array]:
+  """Calibration activations: the normalised input of every MoE layer for `tokens`.
+
+  Args:
+    model: a `moe_jax.model.Transformer`.
+    tokens: int32 [B, T].
+
+  Returns:
+    One [B·T, D] array per MoE layer, in layer order.
+  """
+  from moe_jax.moe import MoE  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def run(model, tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = model.embed(tokens)
+    out = []
+    for block in model.blocks:
+      a, _ = block.attn(block.attn_norm(x), positions)
+      x = x + a
+      if isinstance(block.ffn, MoE):
+        out.append(block.ffn_norm(x).reshape(-1, x.shape[-1]))
+      x, _ = block.feed_forward(x)
+    return out
+
+  return run(model, jnp.asarray(tokens, jnp.int32))
+
+
+def build_surrogates(model, rank: int, calibration_tokens: jax.Array | None = None,
+                     dtype=None) -> list[LowRankExperts]:
+  """One `LowRankExperts` per MoE layer of `model` (whitened when calibration tokens [B, T] are given)."""
+  from moe_jax.moe import MoE  # pylint: disable=g-import-not-at-top
+
+  layers = [b.ffn for b in model.blocks if isinstance(b.ffn, MoE)]
+  inputs = moe_layer_inputs(model, calibration_tokens) if calibration_tokens is not None else [None] * len(layers)
+  return [LowRankExperts(m.w_gate[...], m.w_up[...], m.w_down[...], rank=rank, calibration=x, dtype=dtype)
+          for m, x in zip(layers, inputs)]
