@@ -1,0 +1,29 @@
+"""Compressed KV caches. Importing this package registers the modes with `moe_jax.kv_cache`:
+
+| kv_cache= | storage | module |
+|---|---|---|
+| fp8 | float8 e4m3 + f32 scale per token and head | per_token |
+| int8 | int8 + f32 scale per token and head | per_token |
+| kivi2 | KIVI 2-bit: keys per channel, values per token, group 32, residual 128 | kivi |
+| oskvp | OS-KVP 2-bit, per-sequence U and Lloyd-Max codebooks, 8% fp8 outlier subspace, residual 128 | oskvp_cache |
+| oskvp3 | as oskvp with 3-bit codes | oskvp_cache |
+| oskvp_static | OS-KVP 2-bit with per-(layer, head) calibration; `static.calibrate_model` + `static.install` first | static |
+
+The per-head quantizer API is `moe_jax.kv_quant.oskvp` (`calibrate`, `quantize`, `dequantize`, `storage_bytes`).
+"""
+
+from moe_jax.kv_cache import register_kv_cache_mode
+from moe_jax.kv_quant import oskvp
+from moe_jax.kv_quant.kivi import KIVILayerCache, KIVIMode
+from moe_jax.kv_quant.oskvp_cache import OSKVPLayerCache, OSKVPMode, StaticOSKVPMode
+from moe_jax.kv_quant.per_token import PerTokenKV, PerTokenMode
+
+register_kv_cache_mode("fp8", PerTokenMode("float8_e4m3fn"))
+register_kv_cache_mode("int8", PerTokenMode("int8"))
+register_kv_cache_mode("kivi2", KIVIMode(window=128))
+register_kv_cache_mode("oskvp", OSKVPMode(bits=2))
+register_kv_cache_mode("oskvp3", OSKVPMode(bits=3))
+register_kv_cache_mode("oskvp_static", StaticOSKVPMode())
+
+__all__ = ["KIVILayerCache", "KIVIMode", "OSKVPLayerCache", "OSKVPMode", "PerTokenKV", "PerTokenMode",
+           "StaticOSKVPMode", "oskvp"]

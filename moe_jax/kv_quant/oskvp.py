@@ -1,0 +1,309 @@
+"""OS-KVP: Orthogonal Subspace KV Projection, one kv head's quantizer (calibrate, quantize, dequantize).
+
+The math, for a matrix x [N, H] of keys (taken AFTER RoPE, so q·k = (qU)·(kU) stays exact and decode needs no
+re-rotation) or of values:
+  1. U [H, H] = eigenvectors of the channel covariance of x, columns sorted by DESCENDING variance; x' = x @ U.
+  2. The first O rotated channels (the highest-variance, "outlier" subspace), O = max(8, round(f·H/8)·8), are kept in
+     float8 e4m3 with a per-channel scale s_j = HEADROOM·amax_j / 448 (floored, see `fit`): outl = x'[:, :O] / s.
+  3. Every channel gets a code into its own L = 2**bits level codebook cb [H, L] (sorted ascending), fitted by
+     Lloyd-Max iterations initialised at the Gaussian-optimal levels mean_j + std_j·g. The outlier channels' codebook
+     rows are zero and their codes 0, so they add nothing through the code path and every dimension stays a power of
+     two for the GPU kernel.
+  4. x'_hat[:, j] = cb[j, code_j] + (j < O ? outl_j · s_j : 0);  x_hat = x'_hat @ Uᵀ.
+
+Storage layout (shared with `pallas_kernels/oskvp_decode_attention.py`):
+  codes uint8 [T, H/4]: the low two bits of every channel's code, PLANAR-packed 4 per byte: with Q = H/4, byte i holds
+    channels i, i+Q, i+2Q, i+3Q at bit offsets 0, 2, 4, 6.
+  hi uint8 [T, H/8] (bits=3 only): the third code bit as a planar bit plane: with P = H/8, byte i holds channels
+    i + m·P at bit m, m = 0..7. A 3-bit code is `lo | hi << 2`. None for bits=2.
+  outl float8_e4m3fn [T, O]; scale f32 [O]; codebook f32 [H, L]; u f32 [H, H].
+
+Degenerate calibration data (see `fit`): non-finite rows are left out of the statistics (and `calibrate` raises
+ValueError for them); with fewer than `min_samples` (default H) usable rows U falls back to the permutation that sorts
+the channels by variance (still orthogonal, no eigenvectors estimated from a rank-deficient covariance) and the
+codebooks stay at the Gaussian-optimal levels of the (floored) channel std, without Lloyd iterations; constant
+channels get a std floor so no level collapses to a NaN. All of it is traceable (per-sequence fitting at prefill).
+Shapes: T tokens, N calibration rows, H head dim, O outlier channels, L levels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+# Scale headroom for the fp8 outlier channels: tokens decoded after prefill may exceed the prefill's amax. e4m3 is a
+# float format, so 2x headroom costs no relative precision (only the rarely used subnormal range).
+HEADROOM = 2.0
+DEFAULT_LLOYD_ITERS = 16
+# Gaussian-optimal (Lloyd-Max, Max 1960) reconstruction levels for a unit normal.
+GAUSSIAN_LEVELS = {
+    2: (-0.7979, 0.7979),
+    4: (-1.5104, -0.4528, 0.4528, 1.5104),
+    8: (-2.1520, -1.3440, -0.7560, -0.2451, 0.2451, 0.7560, 1.3440, 2.1520),
+}
+
+
+def n_outliers(head_dim: int, outlier_fraction: float) -> int:
+  """O = max(8, round(outlier_fraction·H / 8)·8), capped at H: a multiple of 8 that suits the kernel's tiles."""
+  return min(head_dim, max(8, int(round(outlier_fraction * head_dim / 8)) * 8))
+
+
+def check_head_dim(head_dim: int, bits: int, outlier_fraction: float) -> None:
+  """Raises ValueError for shapes the storage layout does not support."""
+  if bits not in (2, 3):
+    raise ValueError(f"bits={bits} must be 2 or 3")
+  if head_dim % 8 or head_dim < 8:
+    raise ValueError(f"head_dim={head_dim} must be a positive multiple of 8 (planar 2-bit and 1-bit planes)")
+  if not 0.0 <= outlier_fraction < 1.0:
+    raise ValueError(f"outlier_fraction={outlier_fraction} must be in [0, 1)")
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+
+def pack2(codes: jax.Array) -> jax.Array:
+  """uint8 [..., H] with values < 4 -> uint8 [..., H/4], planar: byte i = c[i] | c[i+Q]<<2 | c[i+2Q]<<4 | c[i+3Q]<<6."""
+  h = codes.shape[-1]
+  c = (codes.astype(jnp.uint8) & 3).reshape(*codes.shape[:-1], 4, h // 4)
+  return c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+
+
+def unpack2(packed: jax.Array) -> jax.Array:
+  """Inverse of `pack2`: uint8 [..., H/4] -> uint8 [..., H]."""
+  q = packed.shape[-1]
+  shifts = jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]  # [4, 1]
+  c = (packed[..., None, :] >> shifts) & 3  # [..., 4, Q]
+  return c.reshape(*packed.shape[:-1], 4 * q)
+
+
+def pack1(bits: jax.Array) -> jax.Array:
+  """uint8 [..., H] of 0/1 -> uint8 [..., H/8], planar: byte i holds channel i + m·(H/8) at bit m."""
+  h = bits.shape[-1]
+  b = (bits.astype(jnp.uint8) & 1).reshape(*bits.shape[:-1], 8, h // 8)
+  shifts = jnp.arange(8, dtype=jnp.uint8)[:, None]
+  b = b << shifts
+  out = b[..., 0, :]
+  for m in range(1, 8):
+    out = out | b[..., m, :]
+  return out
+
+
+def unpack1(packed: jax.Array) -> jax.Array:
+  """Inverse of `pack1`: uint8 [..., H/8] -> uint8 [..., H]."""
+  p = packed.shape[-1]
+  shifts = jnp.arange(8, dtype=jnp.uint8)[:, None]
+  return ((packed[..., None, :] >> shifts) & 1).reshape(*packed.shape[:-1], 8 * p)
+
+
+# ---------------------------------------------------------------------------------------------- containers
+
+
+@struct.dataclass
+class OSKVPParams:
+  """Per-head calibration. u f32 [H, H] (orthogonal), scale f32 [O], codebook f32 [H, L] (rows < O are zero)."""
+
+  u: jax.Array
+  scale: jax.Array
+  codebook: jax.Array
+
+  @property
+  def n_outlier(self) -> int:
+    return self.scale.shape[-1]
+
+  @property
+  def bits(self) -> int:
+    return int(np.log2(self.codebook.shape[-1]))
+
+
+@struct.dataclass
+class OSKVPCode:
+  """Quantized tokens. codes uint8 [T, H/4]; outl float8_e4m3fn [T, O]; hi uint8 [T, H/8] for bits=3, else None."""
+
+  codes: jax.Array
+  outl: jax.Array
+  hi: jax.Array | None = None
+
+
+# ---------------------------------------------------------------------------------------------- fitting
+
+
+def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int) -> tuple[jax.Array, jax.Array]:
+  """Per-channel weighted Lloyd-Max iterations.
+
+  Args:
+    x: f32 [N, H] samples; w: f32 [N] weights (0 leaves a row out); init: f32 [H, L] starting levels.
+    n_iters: iterations.
+
+  Returns:
+    (levels f32 [H, L] sorted ascending, distortion f32 [n_iters + 1]): the weighted mean squared error over all
+    channels of nearest-level quantization with the levels before each iteration and after the last. Each iteration
+    (centroid step, then nearest-level reassignment) cannot increase it; an empty cell keeps its level.
+  """
+  n_levels = init.shape[-1]
+  wsum = jnp.maximum(jnp.sum(w), 1e-30)
+
+  def assign(levels):
+    thr = 0.5 * (levels[:, 1:] + levels[:, :-1])  # [H, L-1]
+    idx = jnp.sum(x[:, :, None] > thr[None], axis=-1)  # [N, H]
+    return jax.nn.one_hot(idx, n_levels, dtype=jnp.float32)  # [N, H, L]
+
+  def distortion(levels, onehot):
+    xhat = jnp.einsum("NHL,HL->NH", onehot, levels)
+    return jnp.sum(w[:, None] * (x - xhat) ** 2) / (wsum * x.shape[1])
+
+  def step(levels, _):
+    onehot = assign(levels)
+    d = distortion(levels, onehot)
+    wo = onehot * w[:, None, None]
+    cnt = jnp.sum(wo, axis=0)  # [H, L]
+    tot = jnp.einsum("NHL,NH->HL", wo, x)
+    new = jnp.where(cnt > 0, tot / jnp.maximum(cnt, 1e-30), levels)
+    return jnp.sort(new, axis=-1), d
+
+  levels, hist = jax.lax.scan(step, jnp.sort(init, axis=-1), None, length=n_iters)
+  final = distortion(levels, assign(levels))
+  return levels, jnp.concatenate([hist, final[None]])
+
+
+def _sign_fix(u: jax.Array) -> jax.Array:
+  """Makes each column's largest-magnitude entry positive, so the basis is deterministic."""
+  idx = jnp.argmax(jnp.abs(u), axis=0)
+  sign = jnp.sign(u[idx, jnp.arange(u.shape[1])])
+  return u * jnp.where(sign == 0, 1.0, sign)[None, :]
+
+
+def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int = 2,
+        n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None) -> OSKVPParams:
+  """Traceable calibration of one head (used per sequence at prefill, through vmap).
+
+  Args:
+    x: [N, H] samples (any float dtype). w: f32 [N] row weights (1 valid, 0 padding); default all ones.
+    n_outlier: O. bits: 2 or 3. n_iters: Lloyd-Max iterations.
+    min_samples: fewer usable rows than this (default H) -> permutation U and Gaussian-level codebooks (no Lloyd).
+
+  Returns:
+    OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics.
+  """
+  n, h = x.shape
+  n_levels = 2**bits
+  min_samples = h if min_samples is None else min_samples
+  x = x.astype(jnp.float32)
+  w = jnp.ones((n,), jnp.float32) if w is None else w.astype(jnp.float32)
+  finite = jnp.all(jnp.isfinite(x), axis=-1)
+  w = jnp.where(finite, w, 0.0)
+  x = jnp.where(finite[:, None], x, 0.0)
+  count = jnp.sum(w)
+  wn = w / jnp.maximum(count, 1e-30)
+  mean = wn @ x  # [H]
+  xc = (x - mean) * (w > 0)[:, None]
+  cov = jnp.einsum("NH,NJ->HJ", xc * wn[:, None], xc)
+  cov = 0.5 * (cov + cov.T)
+  _, evecs = jnp.linalg.eigh(cov)  # ascending eigenvalues
+  u_eig = _sign_fix(evecs[:, ::-1])
+  perm = jnp.argsort(-jnp.diag(cov), stable=True)
+  u_perm = jnp.eye(h, dtype=jnp.float32)[:, perm]
+  enough = count >= min_samples
+  u = jnp.where(enough & jnp.all(jnp.isfinite(u_eig)), u_eig, u_perm)
+
+  xr = x @ u  # [N, H]
+  mean_r = mean @ u
+  var_r = wn @ ((xr - mean_r) ** 2 * (w > 0)[:, None])
+  std_r = jnp.sqrt(jnp.maximum(var_r, 1e-6 * jnp.mean(var_r) + 1e-20))
+  g = jnp.asarray(GAUSSIAN_LEVELS[n_levels], jnp.float32)
+  init = mean_r[:, None] + std_r[:, None] * g[None, :]  # [H, L]
+  levels, _ = lloyd_max(xr, w, init, n_iters)
+  levels = jnp.where(enough, levels, init)
+  is_outlier = jnp.arange(h) < n_outlier
+  codebook = jnp.where(is_outlier[:, None], 0.0, levels)
+
+  amax = jnp.max(jnp.abs(xr[:, :n_outlier]) * (w > 0)[:, None], axis=0, initial=0.0)  # [O]
+  floor = 1e-6 * jnp.max(amax, initial=0.0) + 1e-30
+  scale = jnp.maximum(amax * HEADROOM, floor) / FP8_MAX
+  return OSKVPParams(u=u, scale=scale, codebook=codebook)
+
+
+def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, weights: jax.Array | None = None,
+              n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None) -> OSKVPParams:
+  """Fits U, the fp8 scales and the codebooks of one head on x (host-side entry point, validates its input).
+
+  Args:
+    x: f32 [N, H] calibration keys (post-RoPE) or values.
+    outlier_fraction: fraction of channels kept in fp8 (rounded by `n_outliers`).
+    bits: 2 (4 levels) or 3 (8 levels).
+    weights: optional f32 [N], 0 for rows to ignore (padding).
+
+  Returns:
+    OSKVPParams.
+
+  Raises:
+    ValueError: bad shape, unsupported head_dim/bits, or non-finite values in x (drop them first; inside jit `fit`
+      leaves such rows out instead).
+  """
+  if x.ndim != 2:
+    raise ValueError(f"calibrate expects x of shape [N, H], got {x.shape}")
+  check_head_dim(x.shape[1], bits, outlier_fraction)
+  if x.shape[0] < 1:
+    raise ValueError("calibrate needs at least one row of x")
+  if not isinstance(x, jax.core.Tracer):
+    bad = ~np.isfinite(np.asarray(x, np.float32))
+    if bad.any():
+      row, col = np.argwhere(bad)[0]
+      raise ValueError(f"calibration data has {int(bad.sum())} non-finite values (first at x[{row}, {col}]); "
+                       "drop those rows or pass weights=0 for them")
+  return fit(x, weights, n_outlier=n_outliers(x.shape[1], outlier_fraction), bits=bits, n_iters=n_iters,
+             min_samples=min_samples)
+
+
+# ---------------------------------------------------------------------------------------------- (de)quantization
+
+
+def quantize_rotated(xr: jax.Array, codebook: jax.Array, scale: jax.Array) -> OSKVPCode:
+  """Quantizes rotated tokens xr f32 [T, H] with codebook [H, L] and fp8 scale [O] -> OSKVPCode."""
+  h, n_levels = codebook.shape
+  o = scale.shape[-1]
+  xr = xr.astype(jnp.float32)
+  thr = 0.5 * (codebook[:, 1:] + codebook[:, :-1])  # [H, L-1]
+  idx = jnp.sum(xr[:, :, None] > thr[None], axis=-1).astype(jnp.uint8)  # [T, H]
+  idx = jnp.where(jnp.arange(h) < o, jnp.uint8(0), idx)
+  outl = jnp.clip(xr[:, :o] / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+  hi = pack1(idx >> 2) if n_levels == 8 else None
+  return OSKVPCode(codes=pack2(idx), outl=outl, hi=hi)
+
+
+def unpack_codes(code: OSKVPCode) -> jax.Array:
+  """uint8 [..., H] level indices from the packed planes."""
+  idx = unpack2(code.codes)
+  if code.hi is not None:
+    idx = idx | (unpack1(code.hi) << 2)
+  return idx
+
+
+def dequantize_rotated(code: OSKVPCode, codebook: jax.Array, scale: jax.Array) -> jax.Array:
+  """OSKVPCode [T, ...] -> x'_hat f32 [T, H] in the rotated basis."""
+  idx = unpack_codes(code).astype(jnp.int32)  # [T, H]
+  xr = jnp.take_along_axis(codebook, idx.T, axis=1).T  # [T, H]
+  o = scale.shape[-1]
+  outl = code.outl.astype(jnp.float32) * scale
+  return xr.at[:, :o].add(outl)
+
+
+def quantize(x: jax.Array, params: OSKVPParams) -> OSKVPCode:
+  """x [T, H] (original basis) -> OSKVPCode. Batched use: `jax.vmap(quantize)`."""
+  return quantize_rotated(x.astype(jnp.float32) @ params.u, params.codebook, params.scale)
+
+
+def dequantize(code: OSKVPCode, params: OSKVPParams) -> jax.Array:
+  """OSKVPCode -> f32 [T, H] in the original basis (x'_hat @ Uᵀ)."""
+  return dequantize_rotated(code, params.codebook, params.scale) @ params.u.T
+
+
+def storage_bytes(code: OSKVPCode, params: OSKVPParams, *, include_params: bool = True) -> int:
+  """Bytes of the stored representation: codes, bit plane, fp8 outliers, and (optionally) U, scales and codebook."""
+  total = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(code))
+  if include_params:
+    total += sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(params))
+  return total

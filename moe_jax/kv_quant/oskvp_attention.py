@@ -1,0 +1,129 @@
+"""Decode attention over an OS-KVP cache: the XLA reference (lookup-table and dequantize-then-dot forms) and the
+`implementation=` switch to the Pallas kernel.
+
+Per sequence b and kv head k, for the G queries of its group (q unrotated, [G, H]):
+  q' = q @ U_k
+  score_s = q'·k'_hat_s / sqrt(H) over the compressed tokens s < n_comp and the residual tokens r < n_res, where the
+    compressed k'_hat_s[j] = cb_k[j, code_sj] + (j < O ? outl_sj·scale_j : 0) and the residual keys are stored rotated;
+  p = softmax(score) in float32;
+  o' = Σ_s p_s v'_hat_s + Σ_r p_r res_v_r;   o = o' @ U_vᵀ.
+Lookup-table form: the key term is Σ_j T[j, code_sj] with T[j, l] = q'_j·cb_k[j, l] (a [G, H, L] table built once per
+step), and the value term is o'_j = Σ_l P[j, l]·cb_v[j, l] with P[j, l] = Σ_s p_s [code_sj = l]. Dequantize-then-dot
+materializes k'_hat and v'_hat. Both are exact rewrites of each other; the tests check they agree.
+Shapes: B batch, N = K·G query heads, K kv heads, S compressed capacity, R residual window, H head dim, O outlier
+channels, L codebook levels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.kv_quant.oskvp import unpack1, unpack2
+
+IMPLEMENTATIONS = ("pallas", "xla")
+
+
+def _levels(codes: jax.Array, hi: jax.Array | None) -> jax.Array:
+  """Packed [B, K, S, H/4] (+ [B, K, S, H/8]) -> int32 level indices [B, K, S, H]."""
+  idx = unpack2(codes)
+  if hi is not None:
+    idx = idx | (unpack1(hi) << 2)
+  return idx.astype(jnp.int32)
+
+
+def dequantize_store(codes: jax.Array, outl: jax.Array, scale: jax.Array, cb: jax.Array,
+                     hi: jax.Array | None = None) -> jax.Array:
+  """Compressed store -> rotated f32 [B, K, S, H].
+
+  Args:
+    codes: uint8 [B, K, S, H/4]; outl: float8 [B, K, S, O]; scale: f32 [B, K, O]; cb: f32 [B, K, H, L];
+    hi: uint8 [B, K, S, H/8] or None.
+  """
+  idx = _levels(codes, hi)
+  onehot = jax.nn.one_hot(idx, cb.shape[-1], dtype=jnp.float32)  # [B, K, S, H, L]
+  xr = jnp.einsum("BKSHL,BKHL->BKSH", onehot, cb)
+  o = scale.shape[-1]
+  return xr.at[..., :o].add(outl.astype(jnp.float32) * scale[:, :, None, :])
+
+
+def compressed_scores(qr: jax.Array, codes, outl, scale, cb, hi=None, *, form: str = "lut") -> jax.Array:
+  """Unscaled q'·k'_hat over the compressed store.
+
+  Args:
+    qr: f32 [B, K, G, H] rotated queries. Store fields as in `dequantize_store`.
+    form: "lut" (per-channel q'·centroid tables summed over codes) or "dequant" (dequantize, then dot).
+
+  Returns:
+    f32 [B, K, G, S].
+  """
+  if form == "dequant":
+    return jnp.einsum("BKGH,BKSH->BKGS", qr, dequantize_store(codes, outl, scale, cb, hi))
+  if form != "lut":
+    raise ValueError(f"form={form!r} must be 'lut' or 'dequant'")
+  o = scale.shape[-1]
+  table = jnp.einsum("BKGH,BKHL->BKGHL", qr, cb)  # [B, K, G, H, L]
+  onehot = jax.nn.one_hot(_levels(codes, hi), cb.shape[-1], dtype=jnp.float32)  # [B, K, S, H, L]
+  code_part = jnp.einsum("BKSHL,BKGHL->BKGS", onehot, table)
+  outl_part = jnp.einsum("BKSO,BKGO->BKGS", outl.astype(jnp.float32), qr[..., :o] * scale[:, :, None, :])
+  return code_part + outl_part
+
+
+def compressed_values(p: jax.Array, codes, outl, scale, cb, hi=None, *, form: str = "lut") -> jax.Array:
+  """Σ_s p_s v'_hat_s over the compressed store: p f32 [B, K, G, S] -> f32 [B, K, G, H] (rotated basis)."""
+  if form == "dequant":
+    return jnp.einsum("BKGS,BKSH->BKGH", p, dequantize_store(codes, outl, scale, cb, hi))
+  if form != "lut":
+    raise ValueError(f"form={form!r} must be 'lut' or 'dequant'")
+  o = scale.shape[-1]
+  onehot = jax.nn.one_hot(_levels(codes, hi), cb.shape[-1], dtype=jnp.float32)
+  mass = jnp.einsum("BKGS,BKSHL->BKGHL", p, onehot)  # P[j, l]
+  out = jnp.einsum("BKGHL,BKHL->BKGH", mass, cb)
+  outl_part = jnp.einsum("BKGS,BKSO->BKGO", p, outl.astype(jnp.float32)) * scale[:, :, None, :]
+  return out.at[..., :o].add(outl_part)
+
+
+def oskvp_decode_attention_xla(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k,
+                               res_v, n_comp, n_res, *, hi_k=None, hi_v=None, form: str = "lut") -> jax.Array:
+  """One query per head over compressed + residual tokens (see the module docstring for the math).
+
+  Args:
+    q: [B, N, H] unrotated queries.
+    codes_k, codes_v: uint8 [B, K, S, H/4]; outl_k, outl_v: float8_e4m3fn [B, K, S, O]; scale_k, scale_v: f32
+      [B, K, O]; cb_k, cb_v: f32 [B, K, H, L]; u_k, u_v: f32 [B, K, H, H]; res_k, res_v: bf16 [B, K, R, H] (rotated);
+      n_comp, n_res: int32 [B]; hi_k, hi_v: uint8 [B, K, S, H/8] for 3-bit codes, else None.
+    form: "lut" or "dequant".
+
+  Returns:
+    [B, N, H] in q's dtype.
+  """
+  b, n, h = q.shape
+  kh, s, r = codes_k.shape[1], codes_k.shape[2], res_k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, kh, n // kh, h)
+  qr = jnp.einsum("BKGH,BKHJ->BKGJ", qg, u_k)
+  sc = compressed_scores(qr, codes_k, outl_k, scale_k, cb_k, hi_k, form=form)  # [B, K, G, S]
+  sr = jnp.einsum("BKGH,BKRH->BKGR", qr, res_k.astype(jnp.float32))
+  vis_c = (jnp.arange(s)[None, :] < n_comp[:, None])[:, None, None, :]  # [B, 1, 1, S]
+  vis_r = (jnp.arange(r)[None, :] < n_res[:, None])[:, None, None, :]
+  scores = jnp.concatenate([jnp.where(vis_c, sc, -jnp.inf), jnp.where(vis_r, sr, -jnp.inf)], axis=-1) * h**-0.5
+  probs = jax.nn.softmax(scores, axis=-1)
+  pc, pr = probs[..., :s], probs[..., s:]
+  out = compressed_values(pc, codes_v, outl_v, scale_v, cb_v, hi_v, form=form)
+  out = out + jnp.einsum("BKGR,BKRH->BKGH", pr, res_v.astype(jnp.float32))
+  out = jnp.einsum("BKGJ,BKHJ->BKGH", out, u_v)  # o' @ U_vᵀ
+  return out.reshape(b, n, h).astype(q.dtype)
+
+
+def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
+                           n_comp, n_res, *, hi_k=None, hi_v=None, implementation: str = "xla",
+                           interpret: bool = False) -> jax.Array:
+  """Decode attention over an OS-KVP cache, through `implementation` ("pallas" or "xla"; arguments as in
+  `oskvp_decode_attention_xla`). The Pallas kernel handles the 2-bit layout; 3-bit caches fall back to "xla"."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+  args = (q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp, n_res)
+  if implementation == "pallas" and hi_k is None and hi_v is None:
+    # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
+    from pallas_kernels import oskvp_decode_attention as kernel  # pylint: disable=g-import-not-at-top
+    return kernel.oskvp_decode_attention(*args, interpret=interpret)
+  return oskvp_decode_attention_xla(*args, hi_k=hi_k, hi_v=hi_v)

@@ -1,0 +1,259 @@
+"""The OS-KVP layer cache (`kv_cache="oskvp"`, `"oskvp3"`, `"oskvp_static"`): a compressed store plus a rotated
+bf16 residual window, and the modes that build it from the prefill.
+
+Layout per layer (every leaf batch-leading, shared with `pallas_kernels/oskvp_decode_attention.py`):
+  codes_k, codes_v  uint8 [B, K, S, H/4]     2-bit codes, planar-packed (see `oskvp.pack2`)
+  hi_k, hi_v        uint8 [B, K, S, H/8]     third code bit (bits=3 only, else None)
+  outl_k, outl_v    float8_e4m3fn [B, K, S, O]
+  scale_k, scale_v  f32 [B, K, O]
+  cb_k, cb_v        f32 [B, K, H, L]
+  u_k, u_v          f32 [B, K, H, H]
+  res_k, res_v      bf16 [B, K, R, H]        the most recent tokens, already rotated
+  n_comp, n_res     int32 [B]                tokens in the compressed store / in the window
+A sequence's tokens are compressed [0, n_comp) followed by residual [0, n_res); S = cache_len, enough for any
+sequence the cache can hold (n_comp + n_res <= cache_len).
+
+Prefill split: n_comp = R·floor((len - 1) / R) and n_res = len - n_comp, so the window holds 1..R tokens and the
+compressed store is block-aligned. Decode (`extend`, T=1 at a time): if the window is full, its R tokens are quantized
+with the prefill's U and codebooks and written as one block at n_comp (skipped entirely by `lax.cond` when no sequence
+of the batch is full); the new token, rotated, goes into the window; then attention runs over both parts.
+Keys are post-RoPE (q·k = (qU)·(kU) is exact); values use their own U_v and the output is rotated back once.
+Dynamic modes fit U and codebooks per sequence and kv head on the valid prefill tokens (padding masked by length;
+short prompts fall back as documented in `oskvp.fit`); the static mode uses per-(layer, kv head) calibration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from moe_jax.kv_quant import oskvp
+from moe_jax.kv_quant.oskvp_attention import dequantize_store, oskvp_decode_attention
+
+
+@struct.dataclass
+class OSKVPLayerCache:
+  """One layer's OS-KVP cache; fields and shapes in the module docstring."""
+
+  codes_k: jax.Array
+  codes_v: jax.Array
+  outl_k: jax.Array
+  outl_v: jax.Array
+  scale_k: jax.Array
+  scale_v: jax.Array
+  cb_k: jax.Array
+  cb_v: jax.Array
+  u_k: jax.Array
+  u_v: jax.Array
+  res_k: jax.Array
+  res_v: jax.Array
+  n_comp: jax.Array
+  n_res: jax.Array
+  hi_k: jax.Array | None = None
+  hi_v: jax.Array | None = None
+  implementation: str = struct.field(pytree_node=False, default="xla")
+
+  @property
+  def max_len(self) -> int:
+    return self.codes_k.shape[2]
+
+  @property
+  def window(self) -> int:
+    return self.res_k.shape[2]
+
+  def nbytes(self) -> int:
+    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self))
+
+  def _flush(self) -> "OSKVPLayerCache":
+    """Moves each full window (n_res == R) into the compressed store at n_comp, as one block of R tokens."""
+    b, r = self.n_res.shape[0], self.window
+    full = self.n_res == r
+    quant = jax.vmap(jax.vmap(oskvp.quantize_rotated))  # over B, K
+    ck = quant(self.res_k.astype(jnp.float32), self.cb_k, self.scale_k)
+    cv = quant(self.res_v.astype(jnp.float32), self.cb_v, self.scale_v)
+    pos = jnp.where(full, self.n_comp, self.max_len)  # out of range -> the write is dropped
+    rows = jnp.arange(b)[:, None]
+    idx = pos[:, None] + jnp.arange(r)[None, :]  # [B, R]
+
+    def put(store, block):  # store [B, K, S, X], block [B, K, R, X]
+      return store.at[rows, :, idx].set(jnp.swapaxes(block, 1, 2), mode="drop")
+
+    return self.replace(
+        codes_k=put(self.codes_k, ck.codes), codes_v=put(self.codes_v, cv.codes),
+        outl_k=put(self.outl_k, ck.outl), outl_v=put(self.outl_v, cv.outl),
+        hi_k=None if self.hi_k is None else put(self.hi_k, ck.hi),
+        hi_v=None if self.hi_v is None else put(self.hi_v, cv.hi),
+        n_comp=self.n_comp + jnp.where(full, r, 0), n_res=jnp.where(full, 0, self.n_res))
+
+  def _step(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, "OSKVPLayerCache"]:
+    """q [B, N, H], k, v [B, K, H] -> (o [B, N, H], cache)."""
+    cache = jax.lax.cond(jnp.any(self.n_res >= self.window), lambda c: c._flush(), lambda c: c, self)
+    kr = jnp.einsum("BKH,BKHJ->BKJ", k.astype(jnp.float32), cache.u_k)
+    vr = jnp.einsum("BKH,BKHJ->BKJ", v.astype(jnp.float32), cache.u_v)
+    rows = jnp.arange(q.shape[0])
+    cache = cache.replace(res_k=cache.res_k.at[rows, :, cache.n_res].set(kr.astype(cache.res_k.dtype)),
+                          res_v=cache.res_v.at[rows, :, cache.n_res].set(vr.astype(cache.res_v.dtype)),
+                          n_res=cache.n_res + 1)
+    o = oskvp_decode_attention(q, cache.codes_k, cache.outl_k, cache.scale_k, cache.cb_k, cache.codes_v,
+                               cache.outl_v, cache.scale_v, cache.cb_v, cache.u_k, cache.u_v, cache.res_k,
+                               cache.res_v, cache.n_comp, cache.n_res, hi_k=cache.hi_k, hi_v=cache.hi_v,
+                               implementation=cache.implementation)
+    return o, cache
+
+  def extend(self, q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array) -> tuple[jax.Array, "OSKVPLayerCache"]:
+    """Appends T tokens one at a time (T is static; decode uses T=1) and attends causally.
+
+    Args:
+      q: [B, T, N, H]; k, v: [B, T, K, H] (post-RoPE keys).
+      starts: int32 [B]; unused, the cache tracks n_comp + n_res itself (== starts for a consistent caller).
+
+    Returns:
+      ([B, T, N, H], updated cache).
+    """
+    del starts
+    cache, outs = self, []
+    for t in range(q.shape[1]):
+      o, cache = cache._step(q[:, t], k[:, t], v[:, t])
+      outs.append(o)
+    return jnp.stack(outs, axis=1), cache
+
+  def dequantized(self) -> tuple[jax.Array, jax.Array]:
+    """The keys and values the cache represents, in the original basis and token order.
+
+    Returns:
+      (k_hat, v_hat) f32 [B, S, K, H]: compressed tokens at [0, n_comp), the window at [n_comp, n_comp + n_res),
+      zeros after.
+    """
+    s, r = self.max_len, self.window
+
+    def one(codes, outl, scale, cb, hi, res, u):
+      comp = dequantize_store(codes, outl, scale, cb, hi)  # [B, K, S, H]
+      comp = jnp.where((jnp.arange(s)[None, :] < self.n_comp[:, None])[:, None, :, None], comp, 0.0)
+      idx = jnp.clip(self.n_comp[:, None] + jnp.arange(r)[None, :], 0, s - 1)  # [B, R]
+      live = (jnp.arange(r)[None, :] < self.n_res[:, None])[:, None, :, None]
+      res = jnp.where(live, res.astype(jnp.float32), 0.0)
+      rows = jnp.arange(res.shape[0])[:, None]
+      full = comp.at[rows, :, idx].add(jnp.swapaxes(res, 1, 2))
+      return jnp.einsum("BKSJ,BKHJ->BSKH", full, u)
+
+    return (one(self.codes_k, self.outl_k, self.scale_k, self.cb_k, self.hi_k, self.res_k, self.u_k),
+            one(self.codes_v, self.outl_v, self.scale_v, self.cb_v, self.hi_v, self.res_v, self.u_v))
+
+
+def prefill_split(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
+  """int32 [B] lengths -> (n_comp, n_res) with n_comp = R·floor((len - 1)/R), n_res = len - n_comp in [1, R]."""
+  lengths = lengths.astype(jnp.int32)
+  n_comp = jnp.maximum(lengths - 1, 0) // window * window
+  return n_comp, lengths - n_comp
+
+
+def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams, params_v: oskvp.OSKVPParams, *,
+                      window: int, implementation: str = "xla") -> OSKVPLayerCache:
+  """Quantizes the prefill into the layer layout.
+
+  Args:
+    k, v: [B, T, K, H] prefill keys (post-RoPE) / values; lengths int32 [B]; cache_len: S >= T.
+    params_k, params_v: OSKVPParams with leading [B, K].
+    window: R.
+  """
+  b, t, kh, h = k.shape
+  if cache_len < t:
+    raise ValueError(f"cache_len={cache_len} is shorter than the prefill length {t}")
+  n_comp, n_res = prefill_split(lengths, window)
+  quant = jax.vmap(jax.vmap(oskvp.quantize))  # over B, K; x [T, H]
+
+  def pack(x, params):
+    xt = jnp.swapaxes(x, 1, 2).astype(jnp.float32)  # [B, K, T, H]
+    code = quant(xt, params)
+    keep = (jnp.arange(t)[None, :] < n_comp[:, None])[:, None, :, None]  # [B, 1, T, 1]
+    pad = lambda a: jnp.pad(jnp.where(keep, a, jnp.zeros((), a.dtype)),
+                            ((0, 0), (0, 0), (0, cache_len - t), (0, 0)))
+    xr = jnp.einsum("BKTH,BKHJ->BKTJ", xt, params.u)
+    idx = jnp.clip(n_comp[:, None] + jnp.arange(window)[None, :], 0, t - 1)  # [B, R]
+    res = jnp.take_along_axis(xr, idx[:, None, :, None], axis=2)  # [B, K, R, H]
+    res = jnp.where((jnp.arange(window)[None, :] < n_res[:, None])[:, None, :, None], res, 0.0)
+    hi = None if code.hi is None else pad(code.hi)
+    return pad(code.codes), pad(code.outl), hi, res.astype(jnp.bfloat16)
+
+  ck, ok, hk, rk = pack(k, params_k)
+  cv, ov, hv, rv = pack(v, params_v)
+  return OSKVPLayerCache(codes_k=ck, codes_v=cv, outl_k=ok, outl_v=ov, scale_k=params_k.scale,
+                         scale_v=params_v.scale, cb_k=params_k.codebook, cb_v=params_v.codebook, u_k=params_k.u,
+                         u_v=params_v.u, res_k=rk, res_v=rv, n_comp=n_comp, n_res=n_res, hi_k=hk, hi_v=hv,
+                         implementation=implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class OSKVPMode:
+  """Dynamic OS-KVP: U and codebooks fitted per sequence and kv head on the prefill.
+
+  Attributes:
+    bits: 2 or 3 code bits per channel.
+    outlier_fraction: fraction of the rotated channels kept in fp8 (rounded by `oskvp.n_outliers`).
+    window: R, tokens kept in the bf16 residual window.
+    n_iters: Lloyd-Max iterations.
+    implementation: decode attention, "pallas" or "xla".
+  """
+
+  bits: int = 2
+  outlier_fraction: float = 0.08
+  window: int = 128
+  n_iters: int = oskvp.DEFAULT_LLOYD_ITERS
+  implementation: str = "xla"
+
+  def __post_init__(self):
+    if self.bits not in (2, 3):
+      raise ValueError(f"bits={self.bits} must be 2 or 3")
+    if self.window < 1:
+      raise ValueError(f"window={self.window} must be >= 1")
+    if self.implementation not in ("pallas", "xla"):
+      raise ValueError(f"implementation={self.implementation!r} must be 'pallas' or 'xla'")
+
+  def fit(self, x: jax.Array, lengths: jax.Array) -> oskvp.OSKVPParams:
+    """x [B, T, K, H], lengths [B] -> OSKVPParams with leading [B, K] (padding positions masked)."""
+    b, t, kh, h = x.shape
+    oskvp.check_head_dim(h, self.bits, self.outlier_fraction)
+    w = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)  # [B, T]
+    fit = lambda xs, ws: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits,
+                                   n_iters=self.n_iters)
+    return jax.vmap(jax.vmap(fit, in_axes=(0, None)))(jnp.swapaxes(x, 1, 2), w)
+
+  def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
+    """k, v: [B, T, K, H] prefill keys (post-RoPE) / values -> OSKVPLayerCache with S = cache_len."""
+    del layer
+    return build_layer_cache(k, v, lengths, cache_len, self.fit(k, lengths), self.fit(v, lengths),
+                             window=self.window, implementation=self.implementation)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticOSKVPMode:
+  """Static OS-KVP: U and codebooks calibrated once per (layer, kv head) (`moe_jax.kv_quant.static`).
+
+  Attributes:
+    params_k, params_v: OSKVPParams with leading [n_layers, K], or None before calibration.
+    window: R.
+    implementation: "pallas" or "xla".
+
+  The params are copied into every sequence's cache (the layout keeps every leaf batch-leading); a prompt pays no
+  fitting time, and short prompts get codebooks fitted on plenty of data.
+  """
+
+  params_k: oskvp.OSKVPParams | None = None
+  params_v: oskvp.OSKVPParams | None = None
+  window: int = 128
+  implementation: str = "xla"
+
+  def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
+    if self.params_k is None:
+      raise ValueError("kv_cache='oskvp_static' is not calibrated: run moe_jax.kv_quant.static.calibrate_model(model, "
+                       "tokens) and static.install(...) (or static.load(path)) first")
+    n_layers = self.params_k.u.shape[0]
+    if not 0 <= layer < n_layers:
+      raise ValueError(f"layer={layer} outside the {n_layers} calibrated layers")
+    b = k.shape[0]
+    per_seq = lambda p: jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a[layer], (b, *a.shape[1:])), p)
+    return build_layer_cache(k, v, lengths, cache_len, per_seq(self.params_k), per_seq(self.params_v),
+                             window=self.window, implementation=self.implementation)

@@ -1,0 +1,91 @@
+"""Static OS-KVP: U and codebooks calibrated once per (layer, kv head) on calibration text, saved with orbax.
+
+  mode = static.calibrate_model(model, tokens, lengths)   # keys/values captured by model.forward
+  static.save("/path/oskvp_static", mode); mode = static.load("/path/oskvp_static")
+  static.install(mode)                                    # now kv_cache="oskvp_static" uses it
+Prompts then pay no per-sequence fitting, and short prompts get codebooks fitted on plenty of data.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.kv_cache import KV_CACHE_MODES, register_kv_cache_mode
+from moe_jax.kv_quant import oskvp
+from moe_jax.kv_quant.oskvp_cache import StaticOSKVPMode
+
+
+def calibrate_layers(kvs, lengths, *, outlier_fraction: float = 0.08, bits: int = 2,
+                     n_iters: int = oskvp.DEFAULT_LLOYD_ITERS) -> tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]:
+  """Per-(layer, kv head) calibration.
+
+  Args:
+    kvs: per-layer (k, v) pairs, each [B, T, K, H] (keys post-RoPE), e.g. `model.forward(tokens)[2]`.
+    lengths: int32 [B] valid tokens per row.
+
+  Returns:
+    (params_k, params_v), OSKVPParams with leading [n_layers, K].
+  """
+  h = kvs[0][0].shape[-1]
+  oskvp.check_head_dim(h, bits, outlier_fraction)
+  n_out = oskvp.n_outliers(h, outlier_fraction)
+  b, t = kvs[0][0].shape[:2]
+  w = (jnp.arange(t)[None, :] < jnp.asarray(lengths)[:, None]).astype(jnp.float32).reshape(b * t)
+
+  @jax.jit
+  def per_layer(x):  # [B, T, K, H] -> params with leading [K]
+    xs = jnp.swapaxes(x, 0, 2).reshape(x.shape[2], b * t, h)  # [K, B·T, H]
+    return jax.vmap(lambda xk: oskvp.fit(xk, w, n_outlier=n_out, bits=bits, n_iters=n_iters))(xs)
+
+  for i, (k, v) in enumerate(kvs):
+    for name, x in (("keys", k), ("values", v)):
+      valid = np.asarray(x)[np.asarray(w.reshape(b, t)) > 0]
+      if not np.isfinite(valid).all():
+        raise ValueError(f"layer {i} calibration {name} contain non-finite values")
+  stack = lambda ps: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ps)
+  return (stack([per_layer(k) for k, _ in kvs]), stack([per_layer(v) for _, v in kvs]))
+
+
+def calibrate_model(model, tokens, lengths=None, *, outlier_fraction: float = 0.08, bits: int = 2,
+                    window: int = 128, implementation: str = "xla") -> StaticOSKVPMode:
+  """Runs `model.forward(tokens)` (int32 [B, T], right-padded; lengths int32 [B], default all T) and calibrates."""
+  tokens = jnp.asarray(tokens, jnp.int32)
+  lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if lengths is None else jnp.asarray(lengths)
+  _, _, kvs = jax.jit(lambda m, t: m.forward(t))(model, tokens)
+  params_k, params_v = calibrate_layers(kvs, lengths, outlier_fraction=outlier_fraction, bits=bits)
+  return StaticOSKVPMode(params_k=params_k, params_v=params_v, window=window, implementation=implementation)
+
+
+def install(mode: StaticOSKVPMode, name: str = "oskvp_static") -> None:
+  """Registers `mode` as `kv_cache=name`. Replacing an installed mode clears jax's compilation caches, because the
+  jitted prefill is keyed by the mode's name and would otherwise keep the old params."""
+  if name in KV_CACHE_MODES and KV_CACHE_MODES[name] is not mode:
+    jax.clear_caches()
+  register_kv_cache_mode(name, mode)
+
+
+def save(path: str, mode: StaticOSKVPMode) -> None:
+  """Writes the calibration (params and window) as an orbax checkpoint at `path` (absolute or relative)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  if mode.params_k is None:
+    raise ValueError("cannot save an uncalibrated static mode")
+  tree = {"k": mode.params_k, "v": mode.params_v, "window": np.int32(mode.window)}
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(os.path.abspath(path), jax.tree_util.tree_map(np.asarray, tree), force=True)
+
+
+def load(path: str, *, implementation: str = "xla") -> StaticOSKVPMode:
+  """Reads a calibration written by `save`."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  with ocp.StandardCheckpointer() as ckpt:
+    tree = ckpt.restore(os.path.abspath(path))
+  as_params = lambda d: oskvp.OSKVPParams(u=jnp.asarray(d["u"]), scale=jnp.asarray(d["scale"]),
+                                          codebook=jnp.asarray(d["codebook"]))
+  return StaticOSKVPMode(params_k=as_params(tree["k"]), params_v=as_params(tree["v"]), window=int(tree["window"]),
+                         implementation=implementation)
