@@ -114,6 +114,8 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
+    if hasattr(self.layers[0], "max_len"):  # Compressed layouts do not keep S on axis 1 of their first leaf.
+      return int(self.layers[0].max_len)
     return int(jax.tree_util.tree_leaves(self.layers[0])[0].shape[1])
 
   def nbytes(self) -> int:
