@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m moe_jax.generate --config=tiny --prompt="def fibonacci(n):" --max_new_tokens=48
+	JAX_PLATFORMS=cpu $(PY) -m moe_jax.generate --checkpoint=tiny-trained --prompt="def fibonacci(n):" --max_new_tokens=48
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist loadfile tests
