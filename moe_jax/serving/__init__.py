@@ -1,0 +1,15 @@
+"""Serving: continuous batching of many decode streams over one KV cache.
+
+`Engine` (engine.py) holds the slots, the queue and the scheduler; `request.py` validates requests and streams their
+tokens back; `steps.py` holds the compiled device functions; `metrics.py` summarises latency and occupancy;
+`http.py` serves the engine with the OpenAI completions shape.
+"""
+
+from moe_jax.serving.engine import Engine, EngineConfig, EngineStats
+from moe_jax.serving.request import (InvalidRequest, NonFiniteLogits, QueueFull, Request, RequestFailed,
+                                     RequestHandle, ServingError)
+
+__all__ = [
+    "Engine", "EngineConfig", "EngineStats", "InvalidRequest", "NonFiniteLogits", "QueueFull", "Request",
+    "RequestFailed", "RequestHandle", "ServingError",
+]

@@ -1,0 +1,425 @@
+"""Continuous batching: a fixed set of decode slots over one KV cache, a bounded request queue, and a scheduler that
+interleaves bucketed prefill with one compiled decode step over all slots.
+
+    engine = Engine(model, EngineConfig(num_slots=512, cache_len=4096))
+    engine.warmup()                      # compiles every shape once; nothing compiles afterwards
+    h = engine.submit(prompt_ids, max_tokens=64, sampling={"temperature": 0.7}, stop_tokens=[eos])
+    for token in h: ...                  # streams; or on_token=callback; or h.result()
+
+The caller either steps the engine (`step()`, `run_until_idle()`; iterating a handle steps it too) or runs it on a
+background thread (`start()` / `stop()`).
+
+One `step()`:
+  1. ends cancelled requests and frees their slots;
+  2. admits up to `max_prefill_rows` queued requests into free slots: groups them by prefill bucket (the shortest
+     `prefill_lengths` entry that holds the prompt), pads each group to a `prefill_batches` size, prefills it,
+     extends prompts longer than the largest bucket chunk by chunk (dense caches only), samples the first token and
+     inserts the rows into their slots with one tree_map;
+  3. runs the decode step over all B slots (inactive slots masked: they compute but keep their length), streams each
+     active slot's token, and ends requests on a stop token, at max_tokens, on cancellation, or on non-finite logits.
+
+Compiled shapes: prefill [P, T] for P in prefill_batches and T in prefill_lengths, extend [P, max T], insert and
+first-token sampling per P, and one decode step [B]. `warmup()` compiles them all.
+
+Shapes: B slots, P rows of a prefill group, T bucket length, S cache length.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from moe_jax.kv_cache import DenseMode, get_kv_cache_mode
+from moe_jax.serving import steps
+from moe_jax.serving.request import (CANCELLED, FAILED, FINISHED, RUNNING, InvalidRequest, NonFiniteLogits,
+                                     QueueFull, RequestHandle, validate_request)
+from moe_jax.tokenizer import PAD_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Sizes and policies of the engine.
+
+  Attributes:
+    num_slots: B, sequences decoded together by the one compiled step.
+    cache_len: S, positions per slot (prompt + generated tokens must fit).
+    kv_cache: cache mode name ("bf16", "fp32", or a compressed mode).
+    prefill_lengths: bucket lengths T prompts are padded to (each <= cache_len).
+    prefill_batches: bucket sizes P a prefill group is padded to.
+    max_queue: pending requests before `submit` raises `QueueFull`.
+    max_prefill_rows: requests admitted per step at most (bounds the pause prefill puts on running streams);
+      0 means max(prefill_batches).
+    chunked_prefill: prompts longer than the largest bucket are prefilled chunk by chunk. None: on for dense cache
+      modes, off for compressed modes (whose `extend` may only take one token), where the longest prompt is then
+      the largest bucket.
+    seed: sampling PRNG seed.
+  """
+
+  num_slots: int = 512
+  cache_len: int = 2048
+  kv_cache: str = "bf16"
+  prefill_lengths: tuple[int, ...] = (32, 128, 512)
+  prefill_batches: tuple[int, ...] = (1, 4, 16)
+  max_queue: int = 4096
+  max_prefill_rows: int = 0
+  chunked_prefill: bool | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    for field in ("num_slots", "cache_len", "max_queue"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{field}={value!r} must be a positive int")
+    for field in ("prefill_lengths", "prefill_batches"):
+      value = getattr(self, field)
+      if not isinstance(value, tuple) or not value or any(not isinstance(v, int) or v < 1 for v in value):
+        raise ValueError(f"{field}={value!r} must be a non-empty tuple of positive ints")
+      if list(value) != sorted(set(value)):
+        raise ValueError(f"{field}={value!r} must be strictly increasing")
+    if self.prefill_lengths[-1] > self.cache_len:
+      raise ValueError(f"prefill_lengths={self.prefill_lengths} must all be <= cache_len={self.cache_len}")
+    if not isinstance(self.max_prefill_rows, int) or self.max_prefill_rows < 0:
+      raise ValueError(f"max_prefill_rows={self.max_prefill_rows!r} must be an int >= 0")
+    get_kv_cache_mode(self.kv_cache)  # Clear error for an unknown mode.
+
+  @property
+  def chunked(self) -> bool:
+    if self.chunked_prefill is not None:
+      return self.chunked_prefill
+    return isinstance(get_kv_cache_mode(self.kv_cache), DenseMode)
+
+  @property
+  def max_prompt_len(self) -> int:
+    return self.cache_len - 1 if self.chunked else self.prefill_lengths[-1]
+
+  @property
+  def admit_per_step(self) -> int:
+    return self.max_prefill_rows or self.prefill_batches[-1]
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters for metrics: per decode step, the active slots and the cached positions of active slots."""
+
+  decode_steps: int = 0
+  prefill_calls: int = 0
+  active_per_step: list = dataclasses.field(default_factory=list)
+  positions_per_step: list = dataclasses.field(default_factory=list)
+  step_seconds: list = dataclasses.field(default_factory=list)
+  finished: int = 0
+  failed: int = 0
+  cancelled: int = 0
+
+
+class Engine:
+  """Continuous-batching decode over `config.num_slots` slots of one KV cache (see the module docstring)."""
+
+  def __init__(self, model, config: EngineConfig = EngineConfig()):
+    self.model = model
+    self.config = config
+    self.vocab_size = model.config.vocab_size
+    if config.cache_len > model.config.max_seq_len:
+      raise ValueError(f"cache_len={config.cache_len} exceeds the model's max_seq_len={model.config.max_seq_len}")
+    b = config.num_slots
+    self._key = jax.random.key(config.seed)
+    self._step_counter = 0
+    # The initial cache: one real prefilled row copied into every slot (real values, so compressed modes hold no
+    # degenerate zeros); all slots start free.
+    p0, t0 = config.prefill_batches[0], config.prefill_lengths[0]
+    _, rows = steps.prefill(model, np.full((p0, t0), PAD_ID % self.vocab_size, np.int32), np.ones((p0,), np.int32),
+                            kv_cache=config.kv_cache, cache_len=config.cache_len)
+    self.cache = steps.tile(rows, num_slots=b)
+    self.kv_bytes_total = self.cache.nbytes()
+    self._bytes_per_position = self.kv_bytes_total / (b * config.cache_len)
+    # Host-side slot state.
+    self._slot_handle: list[RequestHandle | None] = [None] * b
+    self._free = collections.deque(range(b))
+    self._tokens = np.zeros((b,), np.int32)
+    self._active = np.zeros((b,), bool)
+    self._temperature = np.zeros((b,), np.float32)
+    self._top_k = np.zeros((b,), np.int32)
+    self._top_p = np.ones((b,), np.float32)
+    self._lengths = np.zeros((b,), np.int64)  # host mirror of cached positions of active slots
+    self._queue: collections.deque[RequestHandle] = collections.deque()
+    self._cv = threading.Condition()
+    self._ids: set = set()
+    self._thread: threading.Thread | None = None
+    self._stop = threading.Event()
+    self.stats = EngineStats()
+
+  # ---------------------------------------------------------------- client side
+
+  def submit(self, prompt: Sequence[int], *, max_tokens: int = 16, sampling=None, stop_tokens: Sequence[int] = (),
+             request_id=None, on_token: Callable[[int], None] | None = None,
+             on_finish: Callable[[RequestHandle], None] | None = None, block: bool = False,
+             timeout: float | None = None) -> RequestHandle:
+    """Queues a request.
+
+    Args:
+      prompt: token ids (1 <= len <= the engine's longest prompt; len + max_tokens <= cache_len).
+      max_tokens: new tokens at most.
+      sampling: `SamplingParams`, a dict of its fields, or None for greedy.
+      stop_tokens: ids that end the request (emitted, then the request finishes with reason "stop").
+      request_id: unique id (default: an engine-assigned int).
+      on_token: called with each token as it is produced (on the engine's thread).
+      on_finish: called with the handle when the request ends.
+      block, timeout: when the queue is full, wait for room (up to `timeout` s) instead of raising at once.
+
+    Returns:
+      the request's `RequestHandle`.
+
+    Raises:
+      InvalidRequest: bad prompt, lengths, ids or sampling parameters (nothing is queued).
+      QueueFull: `max_queue` requests are pending (and no room appeared within `timeout` when blocking).
+    """
+    c = self.config
+    req = validate_request(prompt, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
+                           vocab_size=self.vocab_size, cache_len=c.cache_len, max_prompt_len=c.max_prompt_len,
+                           request_id=request_id)
+    handle = RequestHandle(req, self, on_token=on_token, on_finish=on_finish)
+    with self._cv:
+      if req.request_id in self._ids:
+        raise InvalidRequest(f"request_id={req.request_id!r} is already in use")
+      if len(self._queue) >= c.max_queue:
+        if not block or not self._cv.wait_for(lambda: len(self._queue) < c.max_queue, timeout=timeout):
+          raise QueueFull(f"{len(self._queue)} requests pending (max_queue={c.max_queue}); retry later")
+      self._ids.add(req.request_id)
+      handle.submit_time = time.perf_counter()
+      self._queue.append(handle)
+      self._cv.notify_all()
+    return handle
+
+  @property
+  def running(self) -> bool:
+    """Whether a background thread steps the engine."""
+    return self._thread is not None and self._thread.is_alive()
+
+  @property
+  def num_active(self) -> int:
+    return int(self._active.sum())
+
+  @property
+  def num_queued(self) -> int:
+    return len(self._queue)
+
+  def kv_bytes_in_use(self) -> float:
+    """Bytes of cache holding active sequences' positions (total bytes × used / allocated positions)."""
+    return float(self._lengths[self._active].sum()) * self._bytes_per_position
+
+  def has_work(self) -> bool:
+    return bool(self._queue) or bool(self._active.any())
+
+  # ---------------------------------------------------------------- driving
+
+  def step(self) -> bool:
+    """One scheduler iteration (cancel, admit + prefill, one decode step). Returns whether work remains."""
+    self._reap_cancelled()
+    self._admit()
+    if self._active.any():
+      self._decode()
+    return self.has_work()
+
+  def run_until_idle(self, max_steps: int | None = None) -> int:
+    """Steps until no request is queued or running; returns the steps taken."""
+    n = 0
+    while self.has_work() and (max_steps is None or n < max_steps):
+      self.step()
+      n += 1
+    return n
+
+  def start(self) -> None:
+    """Runs the scheduler on a background thread until `stop()`."""
+    if self.running:
+      return
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._loop, name="moe-jax-engine", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    with self._cv:
+      self._cv.notify_all()
+    if self._thread is not None:
+      self._thread.join()
+    self._thread = None
+
+  def _loop(self) -> None:
+    while not self._stop.is_set():
+      if not self.step():
+        with self._cv:
+          self._cv.wait_for(lambda: self._queue or self._stop.is_set(), timeout=0.1)
+
+  def warmup(self) -> int:
+    """Compiles every shape the scheduler uses, on dummy data that leaves the slots untouched. Returns the number of
+    traces it caused."""
+    c, b = self.config, self.config.num_slots
+    before = steps.total_traces()
+    drop = lambda p: np.full((p,), b, np.int32)  # noqa: E731  out-of-range slots: insert drops every row
+    for p in c.prefill_batches:
+      ones = np.ones((p,), np.int32)
+      for t in c.prefill_lengths:
+        last, rows = steps.prefill(self.model, np.zeros((p, t), np.int32), ones, kv_cache=c.kv_cache,
+                                   cache_len=c.cache_len)
+      if c.chunked:
+        last, rows = steps.extend(self.model, rows, np.zeros((p, c.prefill_lengths[-1]), np.int32), ones, last)
+      steps.sample_rows(last, self._key, np.int32(0), *self._params(p))
+      self.cache = steps.insert(self.cache, rows, drop(p))
+    out = steps.decode_slots(self.model, self.cache, self._tokens, np.zeros((b,), bool), self._key, np.int32(0),
+                             self._temperature, self._top_k, self._top_p)
+    self.cache = out[2]
+    jax.block_until_ready(self.cache)
+    return steps.total_traces() - before
+
+  # ---------------------------------------------------------------- scheduler internals
+
+  @staticmethod
+  def _params(p: int):
+    return np.zeros((p,), np.float32), np.zeros((p,), np.int32), np.ones((p,), np.float32)
+
+  def _next_key_step(self) -> np.int32:
+    self._step_counter += 1
+    return np.int32(self._step_counter)
+
+  def _end(self, handle: RequestHandle, status: str, reason: str, error=None) -> None:
+    with self._cv:
+      self._ids.discard(handle.request_id)
+    if status == FINISHED:
+      self.stats.finished += 1
+    elif status == FAILED:
+      self.stats.failed += 1
+    else:
+      self.stats.cancelled += 1
+    handle._end(status, reason, error)  # pylint: disable=protected-access
+
+  def _free_slot(self, slot: int) -> None:
+    self._active[slot] = False
+    self._slot_handle[slot] = None
+    self._free.append(slot)
+
+  def _reap_cancelled(self) -> None:
+    for slot in np.flatnonzero(self._active):
+      h = self._slot_handle[slot]
+      if h.cancelled:
+        self._free_slot(slot)
+        self._end(h, CANCELLED, "cancelled")
+
+  def _take(self) -> list[RequestHandle]:
+    """Pops up to min(free slots, admit_per_step) live requests from the queue."""
+    taken = []
+    with self._cv:
+      while self._queue and len(taken) < min(len(self._free), self.config.admit_per_step):
+        h = self._queue.popleft()
+        if h.cancelled:
+          self._end(h, CANCELLED, "cancelled")
+        else:
+          taken.append(h)
+      self._cv.notify_all()  # room in the queue for blocked submitters
+    return taken
+
+  def _admit(self) -> None:
+    taken = self._take()
+    if not taken:
+      return
+    lengths = self.config.prefill_lengths
+    groups: dict[int, list[RequestHandle]] = collections.defaultdict(list)
+    for h in taken:
+      n = h.request.prompt.size
+      groups[next((t for t in lengths if t >= n), lengths[-1])].append(h)
+    max_p = self.config.prefill_batches[-1]
+    for t, hs in sorted(groups.items()):
+      for i in range(0, len(hs), max_p):
+        self._prefill_group(hs[i:i + max_p], t)
+
+  def _prefill_group(self, hs: list[RequestHandle], t: int) -> None:
+    c = self.config
+    p = next(q for q in c.prefill_batches if q >= len(hs))
+    n = np.ones((p,), np.int32)  # padding rows: one token, dropped at insert
+    n[:len(hs)] = [h.request.prompt.size for h in hs]
+    prompts = np.full((p, int(n.max())), PAD_ID % self.vocab_size, np.int32)
+    for i, h in enumerate(hs):
+      prompts[i, :n[i]] = h.request.prompt
+    slots = np.full((p,), c.num_slots, np.int32)
+    for i, h in enumerate(hs):
+      slots[i] = self._free.popleft()
+    first = np.minimum(n, t)
+    chunk0 = np.full((p, t), PAD_ID % self.vocab_size, np.int32)
+    chunk0[:, :min(t, prompts.shape[1])] = prompts[:, :t]
+    last, rows = steps.prefill(self.model, chunk0, first, kv_cache=c.kv_cache, cache_len=c.cache_len)
+    self.stats.prefill_calls += 1
+    for start in range(t, int(n.max()), t):  # chunks of prompts longer than the largest bucket (dense modes)
+      chunk = np.full((p, t), PAD_ID % self.vocab_size, np.int32)
+      piece = prompts[:, start:start + t]
+      chunk[:, :piece.shape[1]] = piece
+      valid = np.clip(n - start, 0, t).astype(np.int32)
+      last, rows = steps.extend(self.model, rows, chunk, valid, last)
+      self.stats.prefill_calls += 1
+    temp, top_k, top_p = self._params(p)
+    for i, h in enumerate(hs):
+      s = h.request.sampling
+      temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+    tok, finite = steps.sample_rows(last, self._key, self._next_key_step(), temp, top_k, top_p)
+    self.cache = steps.insert(self.cache, rows, slots)
+    tok, finite = np.asarray(tok), np.asarray(finite)
+    now = time.perf_counter()
+    for i, h in enumerate(hs):
+      slot = int(slots[i])
+      if not finite[i]:
+        self._free.append(slot)
+        self._end(h, FAILED, "error", NonFiniteLogits(
+            f"request {h.request_id!r}: non-finite logits after the prompt; no token was sampled"))
+        continue
+      h.status, h.slot = RUNNING, slot
+      h._emit(int(tok[i]), now)  # pylint: disable=protected-access
+      if self._finished(h, int(tok[i])):
+        self._free.append(slot)
+        continue
+      self._slot_handle[slot] = h
+      self._active[slot] = True
+      self._tokens[slot] = tok[i]
+      self._lengths[slot] = n[i]
+      self._temperature[slot], self._top_k[slot], self._top_p[slot] = temp[i], top_k[i], top_p[i]
+
+  def _finished(self, h: RequestHandle, token: int) -> bool:
+    """Ends `h` if `token` stops it or it reached max_tokens."""
+    if token in h.request.stop_tokens:
+      self._end(h, FINISHED, "stop")
+      return True
+    if len(h.tokens) >= h.request.max_tokens:
+      self._end(h, FINISHED, "length")
+      return True
+    return False
+
+  def _decode(self) -> None:
+    t0 = time.perf_counter()
+    active = self._active.copy()
+    self.stats.active_per_step.append(int(active.sum()))
+    self.stats.positions_per_step.append(int(self._lengths[active].sum()))
+    nxt, finite, self.cache = steps.decode_slots(self.model, self.cache, self._tokens, active, self._key,
+                                                 self._next_key_step(), self._temperature, self._top_k, self._top_p)
+    nxt, finite = np.asarray(nxt), np.asarray(finite)
+    now = time.perf_counter()
+    self.stats.decode_steps += 1
+    self.stats.step_seconds.append(now - t0)
+    for slot in np.flatnonzero(active):
+      h = self._slot_handle[slot]
+      self._lengths[slot] += 1
+      if h.cancelled:
+        self._free_slot(slot)
+        self._end(h, CANCELLED, "cancelled")
+      elif not finite[slot]:
+        self._free_slot(slot)
+        self._end(h, FAILED, "error", NonFiniteLogits(
+            f"request {h.request_id!r}: non-finite logits at generated token {len(h.tokens)}; request stopped"))
+      else:
+        tok = int(nxt[slot])
+        h._emit(tok, now)  # pylint: disable=protected-access
+        if self._finished(h, tok):
+          self._free_slot(slot)
+        else:
+          self._tokens[slot] = tok
