@@ -1,0 +1,180 @@
+"""Runs a model on a ("node", "local") mesh: the whole prefill / decode step inside one `shard_map` ("ep" layout), or
+`jax.jit` with the rules table's shardings ("ep_tp" layout, the compiler partitions).
+
+Under "ep" every device holds its batch rows (data-parallel attention, its own KV cache rows) and its block of
+experts; the only collectives are the ones the expert-parallel dispatch issues. The decode step's dispatch can be
+node-local (LCVC with surrogates), which leaves the step with no collective across "node".
+
+Shapes: B batch (global; divisible by the devices that split it), T length, S cache length, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from moe_jax.dispatch import LocalDispatch
+from moe_jax.kv_cache import get_kv_cache_mode
+from moe_jax.moe import MoE
+from sharding import rules
+from sharding.expert_parallel import ExpertParallelDispatch
+from sharding.meshes import LOCAL, NODE
+
+
+def with_dispatch(model, dispatch):
+  """A copy of `model` whose MoE layers use `dispatch`."""
+  model = nnx.clone(model)
+  for block in model.blocks:
+    if isinstance(block.ffn, MoE):
+      block.ffn.dispatch = dispatch
+  return model
+
+
+def _set_surrogates(model, on: bool):
+  for block in model.blocks:
+    if hasattr(block.ffn, "use_surrogates"):
+      if on and getattr(block.ffn, "surrogate", None) is None:
+        raise ValueError("surrogate_decode=True needs an LCVC model with surrogates (moe_jax.locality.make_lcvc)")
+      block.ffn.use_surrogates = on
+  return model
+
+
+# shard_map bodies: the model arrives as (graphdef, this device's block of its state).
+def _logits_body(graphdef, state, tokens):
+  return nnx.merge(graphdef, state).forward(tokens)[0]
+
+
+def _prefill_body(graphdef, state, tokens, lengths, *, kv_cache: str, cache_len: int):
+  model = nnx.merge(graphdef, state)
+  return model.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache), cache_len=cache_len, mode_name=kv_cache)
+
+
+def _decode_body(graphdef, state, cache, tokens):
+  out, cache = nnx.merge(graphdef, state).decode(cache, tokens[:, None])
+  return out[:, 0], cache
+
+
+@dataclasses.dataclass
+class ShardedModel:
+  """A model placed on a mesh, with jitted `logits`, `prefill` and `decode_step` of `moe_jax.decode`'s signatures.
+
+  Attributes:
+    mesh: the ("node", "local") mesh.
+    layout: a key of `rules.RULES`.
+    state: the model's parameters, placed by the rules table.
+    prefill_def, decode_def: graph definitions of the prefill (exact dispatch) and decode step models.
+  """
+
+  mesh: Mesh
+  layout: str
+  state: Any
+  state_specs: Any
+  prefill_def: Any
+  decode_def: Any
+  _cache: dict = dataclasses.field(default_factory=dict)
+
+  def _batch(self):
+    return rules.RULES[self.layout]["batch"]
+
+  def _shard_map(self, name, body, in_specs, out_specs):
+    if name not in self._cache:
+      if self.layout == "ep":
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+      else:
+        fn = body
+      self._cache[name] = jax.jit(fn)
+    return self._cache[name]
+
+  def put(self, x, spec: P):
+    return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+  def logits(self, tokens) -> jax.Array:
+    """int32 [B, T] -> float32 [B, T, V]."""
+    b = self._batch()
+    fn = self._shard_map("logits", functools.partial(_logits_body, self.prefill_def),
+                         (self.state_specs, P(b, None)), P(b, None, None))
+    return fn(self.state, self.put(jnp.asarray(tokens, jnp.int32), P(b, None)))
+
+  def prefill(self, tokens, lengths, *, kv_cache: str = "fp32", cache_len: int):
+    """As `moe_jax.decode.prefill`: (logits [B, T, V], KVCache with batch-sharded leaves)."""
+    b = self._batch()
+    key = ("prefill", kv_cache, cache_len)
+    if key not in self._cache:
+      body = functools.partial(_prefill_body, self.prefill_def, kv_cache=kv_cache, cache_len=cache_len)
+      if self.layout == "ep":
+        cache_spec = _cache_spec_like(self, tokens, lengths, kv_cache, cache_len)
+        body = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs, P(b, None), P(b)),
+                             out_specs=(P(b, None, None), cache_spec), check_vma=False)
+      self._cache[key] = jax.jit(body)
+    return self._cache[key](self.state, self.put(jnp.asarray(tokens, jnp.int32), P(b, None)),
+                            self.put(jnp.asarray(lengths, jnp.int32), P(b)))
+
+  def decode_fn(self, cache):
+    """The jitted decode step (cache, tokens [B]) -> (logits [B, V], cache), for timing and HLO inspection."""
+    b = self._batch()
+    if "decode" not in self._cache:
+      body = functools.partial(_decode_body, self.decode_def)
+      if self.layout == "ep":
+        cs = rules.cache_specs(cache, self.layout)
+        body = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs, cs, P(b)), out_specs=(P(b, None), cs),
+                             check_vma=False)
+      self._cache["decode"] = jax.jit(body, donate_argnums=())
+    return self._cache["decode"]
+
+  def decode_step(self, cache, tokens):
+    b = self._batch()
+    return self.decode_fn(cache)(self.state, cache, self.put(jnp.asarray(tokens, jnp.int32), P(b)))
+
+  def decode_hlo(self, cache, tokens) -> str:
+    """The compiled decode step's HLO text."""
+    b = self._batch()
+    fn = self.decode_fn(cache)
+    return fn.lower(self.state, cache, self.put(jnp.asarray(tokens, jnp.int32), P(b))).compile().as_text()
+
+
+def _cache_spec_like(sm: ShardedModel, tokens, lengths, kv_cache, cache_len):
+  """Cache PartitionSpecs from the abstract shape of a local (unsharded) prefill."""
+  del lengths
+  model = nnx.merge(sm.prefill_def, sm.state)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  shape = jax.eval_shape(lambda m, t, l: _prefill_body(*nnx.split(m), t, l, kv_cache=kv_cache, cache_len=cache_len)[1],
+                         with_dispatch(model, LocalDispatch()), tokens, jnp.ones(tokens.shape[:1], jnp.int32))
+  return rules.cache_specs(shape, sm.layout)
+
+
+def shard(model, mesh: Mesh, *, layout: str = "ep", surrogate_decode: bool = False, transport: str = "padded",
+          capacity: int | None = None) -> ShardedModel:
+  """Places `model` on `mesh`.
+
+  Args:
+    model: a `Transformer` (plain, or routed by LCVC via `moe_jax.locality.with_lcvc`).
+    mesh: a ("node", "local") mesh (`sharding.meshes`).
+    layout: "ep" (shard_map, expert-parallel, data-parallel attention) or "ep_tp" (jit with shardings).
+    surrogate_decode: decode with LCVC surrogates for remote experts and a node-local dispatch (no collective
+      across "node"); prefill stays exact.
+    transport: the expert-parallel dispatch's transport ("padded", "ragged", "ragged_emulated").
+    capacity: padded rows per (source, destination); None = dropless worst case.
+  """
+  rules.spec((), layout)  # validates the layout name
+  n, l = mesh.shape[NODE], mesh.shape[LOCAL]
+  if layout == "ep":
+    prefill_model = _set_surrogates(with_dispatch(model, ExpertParallelDispatch(n, l, False, transport, capacity)),
+                                    False)
+    decode_model = _set_surrogates(
+        with_dispatch(model, ExpertParallelDispatch(n, l, surrogate_decode, transport, capacity)), surrogate_decode)
+  else:
+    if surrogate_decode:
+      raise ValueError("surrogate_decode needs layout='ep' (the compiler-partitioned layout moves tokens itself)")
+    prefill_model = decode_model = _set_surrogates(with_dispatch(model, LocalDispatch()), False)
+  prefill_def, state = nnx.split(prefill_model)
+  decode_def, _ = nnx.split(decode_model)
+  specs = rules.tree_specs(state, layout)
+  state = jax.device_put(state, rules.named(mesh, specs))
+  return ShardedModel(mesh=mesh, layout=layout, state=state, state_specs=specs, prefill_def=prefill_def,
+                      decode_def=decode_def)
