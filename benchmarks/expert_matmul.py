@@ -1,0 +1,268 @@
+"""Grouped expert matmul on the GPU: int4 / int4 2:4 / vq2 Pallas kernels next to bf16 peers, in one run.
+
+  PYTHONPATH=$PWD python3 benchmarks/expert_matmul.py --out=$OUT [--quick]
+
+Peers: `jax.lax.ragged_dot` in bf16 (XLA), jax's Mosaic GPU `ragged_dot_mgpu` (bf16, best of a few tile configs),
+jax's Hopper int8 x bf16 `hopper_mixed_type_matmul_mgpu` (a dense matmul: timed for one expert's weight against 64
+tokens next to a bf16 dense matmul of the same shape), and the measured copy bandwidth.
+
+Timing: kernel time from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), median over `--iters` calls, with L2
+(60 MB on the H200) flushed by a 256 MiB write before every call. Falls back to wall-clock if CUPTI is unavailable.
+Routing: rows are spread as evenly as possible over the experts (rows < E: the first `rows` experts get one row each).
+bytes_read counts what a kernel must read: the weights of the experts that have rows (in its format), the lhs rows
+and the float32 output written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels import vq2_grouped_matmul as v2
+
+G = 128
+INTERPRET = {"on": False}  # --smoke: Pallas interpret mode on CPU
+SHAPES = [(8, 4096, 14336), (64, 4096, 2048), (128, 2048, 768)]  # (E, K, N): Mixtral, a 4096->2048 layer, Qwen3-30B
+ROWS = [1, 16, 64, 256, 1024, 4096]
+PALLAS_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=3), dict(block_n=64, num_warps=4, num_stages=4),
+                  dict(block_n=128, num_warps=4, num_stages=5), dict(block_n=256, num_warps=8, num_stages=3)]
+
+
+def _timer():
+  try:
+    from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+    flush_buf = jnp.zeros((64 << 20,), jnp.float32)
+    flush = jax.jit(lambda b: b + 1.0)
+
+    def t(f, *args, iters):
+      nonlocal flush_buf
+      out = []
+      jax.block_until_ready(f(*args))
+      for _ in range(iters):
+        flush_buf = jax.block_until_ready(flush(flush_buf))
+        _, ms = profiler.measure(f)(*args)
+        out.append(ms)
+      return statistics.median(out)
+    jax.block_until_ready(t(jax.jit(lambda x: x * 2), jnp.ones((1024,)), iters=2))
+    return t, "cupti"
+  except Exception as e:  # noqa: BLE001
+    print("CUPTI unavailable, wall clock:", type(e).__name__, str(e)[:200], flush=True)
+
+    def t(f, *args, iters):
+      jax.block_until_ready(f(*args))
+      ts = []
+      for _ in range(iters):
+        s = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - s)
+      return statistics.median(ts) * 1e3
+    return t, "wall"
+
+
+def balanced_groups(rows: int, e: int) -> np.ndarray:
+  gs = np.full((e,), rows // e, np.int32)
+  gs[: rows % e] += 1
+  return gs
+
+
+def random_int4(key, e, k, n, sparse=False):
+  ks = jax.random.split(key, 4)
+  rows = k // 4 if sparse else k // 2
+  packed = jax.random.bits(ks[0], (e, rows, n), jnp.uint8)
+  scale = jax.random.uniform(ks[1], (e, k // G, n), jnp.float32, 0.001, 0.01).astype(jnp.bfloat16)
+  zero = jax.random.randint(ks[2], (e, k // G, n), 0, 16).astype(jnp.uint8)
+  meta = None
+  if sparse:
+    pats = jnp.array([3, 5, 9, 6, 10, 12], jnp.uint8)
+    lo = pats[jax.random.randint(ks[3], (e, k // 8, n), 0, 6)]
+    hi = pats[jax.random.randint(jax.random.fold_in(ks[3], 1), (e, k // 8, n), 0, 6)]
+    meta = lo | (hi << 4)
+  return i4.Int4Weights(packed, scale, zero, None, meta)
+
+
+def random_vq2(key, e, k, n):
+  ks = jax.random.split(key, 3)
+  idx = jax.random.bits(ks[0], (e, k // 4, n), jnp.uint8)
+  cb = v2.pack_codebook(jax.random.normal(ks[1], (e, 256, 4), jnp.float32))
+  scale = jax.random.uniform(ks[2], (e, k // G, n), jnp.float32, 0.001, 0.01).astype(jnp.bfloat16)
+  return v2.VQ2Weights(idx, cb, scale)
+
+
+def weight_bytes(fmt, k, n):
+  """Bytes of one expert's [K, N] weight in a format."""
+  groups = k // G * n
+  return {"bf16": k * n * 2, "int4": k * n // 2 + groups * 3, "int4_sp24": k * n * 3 // 8 + groups * 3,
+          "vq2": k * n // 4 + groups * 2 + 256 * 8}[fmt]
+
+
+def check_correctness():
+  """Kernels vs their XLA references on the GPU, awkward group sizes, bf16 lhs."""
+  res = {}
+  e, k, n = 6, 512, 256
+  gs = jnp.array([0, 1, 37, 0, 16, 5], jnp.int32)
+  m = int(gs.sum()) + 3  # 3 trailing rows owned by no expert: must come back zero
+  x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+  ws = {"int4": random_int4(jax.random.key(2), e, k, n), "int4_sp24": random_int4(jax.random.key(3), e, k, n, True),
+        "vq2": random_vq2(jax.random.key(4), e, k, n)}
+  for name, w in ws.items():
+    mod, fn = (v2, v2.vq2_grouped_matmul) if name == "vq2" else (i4, i4.int4_grouped_matmul)
+    ref_fn = v2.vq2_grouped_matmul_reference if name == "vq2" else i4.int4_grouped_matmul_reference
+    for cfg in PALLAS_CONFIGS[:2]:
+      got = np.asarray(fn(x, w, gs, poison=float("nan"), interpret=INTERPRET["on"], **cfg))
+      want = np.asarray(ref_fn(x, w, gs))
+      err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
+      res[f"{name}_{cfg['block_n']}"] = {"max_rel_err": err, "nan": int(np.isnan(got).sum())}
+    swi = (v2.vq2_grouped_swiglu, v2.vq2_grouped_swiglu_reference) if name == "vq2" else (
+        i4.int4_grouped_swiglu, i4.int4_grouped_swiglu_reference)
+    got = np.asarray(swi[0](x, w, w, gs, poison=float("nan"), interpret=INTERPRET["on"]).astype(jnp.float32))
+    want = np.asarray(swi[1](x, w, w, gs).astype(jnp.float32))
+    res[f"{name}_swiglu"] = {"max_rel_err": float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9)),
+                             "nan": int(np.isnan(got).sum())}
+    del mod
+  print("correctness", json.dumps(res), flush=True)
+  return res
+
+
+def copy_bandwidth(timer):
+  x = jnp.ones((1 << (18 if INTERPRET["on"] else 28),), jnp.float32)  # 1 GiB
+  out = {}
+  for name, f, moved in [("f32_add", jax.jit(lambda x: x + 1.0), 2 * x.nbytes),
+                         ("f32_sum_read_only", jax.jit(jnp.sum), x.nbytes)]:
+    ms = timer(f, x, iters=10)
+    out[name] = {"ms": ms, "TB_per_s": moved / ms / 1e9}
+  print("copy", json.dumps(out), flush=True)
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="benchmarks/results")
+  ap.add_argument("--quick", action="store_true", help="one shape, three row counts, for a first look")
+  ap.add_argument("--iters", type=int, default=15)
+  ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
+  args = ap.parse_args(argv)
+  if args.smoke:
+    INTERPRET["on"] = True
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
+  timer, timing = _timer()
+  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": G,
+          "routing": "balanced", "l2_flush": "256 MiB write before every timed call"}
+  print(meta, flush=True)
+  meta["correctness"] = check_correctness()
+  meta["copy"] = copy_bandwidth(timer)
+  shapes, rows_list = (SHAPES[1:2], [16, 64, 1024]) if args.quick else (SHAPES, ROWS)
+  if args.smoke:
+    shapes, rows_list = [(4, 256, 128)], [3, 16]
+  rows_out, tuned = [], {}
+
+  def add(impl, rows, e, k, n, ms, fmt, n_active, extra=None, n_mats=1):
+    b = n_mats * n_active * weight_bytes(fmt, k, n) + rows * k * 2 + rows * n * 4
+    r = {"impl": impl, "rows": rows, "experts": e, "k": k, "n": n, "ms": ms, "bytes_read": b,
+         "tb_per_s": b / ms / 1e9, **(extra or {})}
+    rows_out.append(r)
+    print(json.dumps(r), flush=True)
+
+  for e, k, n in shapes:
+    key = jax.random.key(e + k + n)
+    w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
+    qw = {"int4": random_int4(key, e, k, n), "int4_sp24": random_int4(key, e, k, n, True),
+          "vq2": random_vq2(key, e, k, n)}
+    kern = {"int4": i4.int4_grouped_matmul, "int4_sp24": i4.int4_grouped_matmul, "vq2": v2.vq2_grouped_matmul}
+    for rows in rows_list:
+      gs_np = balanced_groups(rows, e)
+      gs = jnp.asarray(gs_np)
+      n_active = int((gs_np > 0).sum())
+      x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.bfloat16)
+      ms = timer(jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32)),
+                 x, w_bf16, gs, iters=args.iters)
+      add("xla_ragged_dot_bf16", rows, e, k, n, ms, "bf16", n_active)
+      best = None
+      for bm, bn, st, gbn in [(64, 128, 4, 1), (64, 128, 6, 2), (64, 64, 4, 2)]:
+        if n % (bn * gbn):
+          continue
+        try:
+          f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=bm, block_n=bn, block_k=64,
+                                        max_concurrent_steps=st, grid_block_n=gbn))
+          t = timer(f, x, w_bf16, iters=args.iters)
+          if best is None or t < best[0]:
+            best = (t, dict(block_m=bm, block_n=bn, steps=st, grid_block_n=gbn))
+        except Exception as ex:  # noqa: BLE001
+          print("mgpu fail", e, k, n, rows, bm, bn, type(ex).__name__, str(ex)[:200], flush=True)
+      if best:
+        add("mgpu_ragged_dot_bf16", rows, e, k, n, best[0], "bf16", n_active, {"config": best[1]})
+      for fmt, w in qw.items():
+        cfgs = PALLAS_CONFIGS if (fmt, e) not in tuned else [tuned[(fmt, e)]]
+        best = None
+        for cfg in cfgs:
+          try:
+            f = jax.jit(functools.partial(kern[fmt], interpret=INTERPRET["on"], **cfg))
+            t = timer(f, x, w, gs, iters=args.iters)
+            if best is None or t < best[0]:
+              best = (t, cfg)
+          except Exception as ex:  # noqa: BLE001
+            print("pallas fail", fmt, cfg, type(ex).__name__, str(ex)[:300], flush=True)
+        if best:
+          if rows <= e:
+            tuned[(fmt, e)] = best[1]  # tuned at the first (decode) row count, reused for the rest
+          add(f"pallas_{fmt}", rows, e, k, n, best[0], fmt, n_active, {"config": best[1]})
+      if rows in (16, 256) or rows == rows_list[0]:
+        cfg = tuned.get(("int4", e), PALLAS_CONFIGS[0])
+        f = jax.jit(functools.partial(i4.int4_grouped_swiglu, interpret=INTERPRET["on"], **cfg))
+        t = timer(f, x, qw["int4"], qw["int4"], gs, iters=args.iters)
+        add("pallas_int4_swiglu_fused", rows, e, k, n, t, "int4", n_active, {"config": cfg}, n_mats=2)
+        f = jax.jit(lambda a, w, g: i4.int4_grouped_matmul_reference(a, w, g).astype(jnp.bfloat16))
+        t = timer(f, x, qw["int4"], gs, iters=max(3, args.iters // 3))
+        add("xla_dequant_int4_then_ragged_dot", rows, e, k, n, t, "int4", n_active)
+      del x
+    # jax's Hopper int8 x bf16 mixed matmul is dense: one expert's weight [N, K] int8 against 64 tokens.
+    try:
+      from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm  # pylint: disable=g-import-not-at-top
+      a = jax.random.randint(key, (n, k), -127, 127, jnp.int8)
+      xt = jax.random.normal(key, (k, 64), jnp.bfloat16)
+      t_bf16 = timer(jax.jit(jnp.dot), a.astype(jnp.bfloat16), xt, iters=args.iters)
+      add("xla_dense_bf16_one_expert", 64, 1, k, n, t_bf16, "bf16", 1)
+      best = None
+      for tm, tn, tk in [(64, 64, 64), (128, 64, 128)]:
+        try:
+          cfg = mm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=4, epi_tile_n=64, epi_tile_m=64,
+                                grid_minor_dim=mm.MatmulDimension.N, grid_tile_width=1,
+                                wg_dimension=mm.MatmulDimension.M)
+          f = jax.jit(functools.partial(mm.mixed_matmul_kernel, out_dtype=jnp.bfloat16, config=cfg))
+          t = timer(f, a, xt, iters=args.iters)
+          best = t if best is None else min(best, t)
+        except Exception as ex:  # noqa: BLE001
+          print("mixed fail", tm, tn, tk, type(ex).__name__, str(ex)[:200], flush=True)
+      if best:
+        b = n * k + 64 * k * 2 + 64 * n * 2
+        r = {"impl": "mgpu_mixed_int8_bf16_one_expert", "rows": 64, "experts": 1, "k": k, "n": n, "ms": best,
+             "bytes_read": b, "tb_per_s": b / best / 1e9}
+        rows_out.append(r)
+        print(json.dumps(r), flush=True)
+    except Exception as ex:  # noqa: BLE001
+      print("mixed int8 unavailable", type(ex).__name__, str(ex)[:200], flush=True)
+    del w_bf16, qw
+
+  os.makedirs(args.out, exist_ok=True)
+  name = "expert_matmul_quick" if args.quick else "expert_matmul"
+  with open(os.path.join(args.out, name + ".json"), "w") as fh:
+    json.dump({**meta, "rows": rows_out}, fh, indent=1)
+  print("SUMMARY ms (TB/s)")
+  for r in rows_out:
+    print(f"{r['impl']:34s} E={r['experts']:4d} {r['k']}->{r['n']:6d} rows={r['rows']:5d} "
+          f"{r['ms']:.4f} ms ({r['tb_per_s']:.2f})")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

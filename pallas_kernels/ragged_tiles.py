@@ -1,0 +1,133 @@
+"""Shared skeleton of the dequant-fused grouped (ragged) matmul kernels: one program per (expert, N tile).
+
+Not a kernel by itself: `int4_grouped_matmul.py` and `vq2_grouped_matmul.py` supply the per-K-group step that reads
+their compressed weights and multiplies; this module owns the ragged row handling, which is the same for every format:
+
+  program (e, j) covers rows offsets[e] <= m < offsets[e + 1] (offsets = cumsum of group_sizes) and output columns
+  j·bn <= n < (j + 1)·bn. It walks the expert's rows in blocks of `block_m` (masked at the end, zero blocks for an
+  empty expert, so an empty expert costs one launch that reads nothing) and, for each row block, the K groups of the
+  weight format, accumulating in float32. Rows past sum(group_sizes) are zeroed by the wrapper (`ragged_dot` leaves
+  them zero).
+
+Decode is weight streaming: each weight tile is read once per row block, so with <= block_m rows per expert every
+compressed byte is read exactly once. Written for the Pallas Triton backend (GPU) and its generic CPU interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# step(load_x, weight_refs, e, g, n0) -> float32 [bm, bn]: the contribution of K group g of expert e to the tile.
+# load_x(k0, size) -> [bm, size] rows of lhs (masked rows are zero).
+StepFn = Callable[..., jax.Array]
+
+
+def pow2_at_least(x: int, lo: int) -> int:
+  p = lo
+  while p < x:
+    p *= 2
+  return p
+
+
+def pick_block_m(m: int, n_experts: int) -> int:
+  """Rows per block from the static average rows per expert: 16 for decode (the smallest dot tile), up to 64."""
+  return min(64, pow2_at_least(-(-m // max(n_experts, 1)), 16))
+
+
+def pick_block_n(n: int, preferred: int = 128) -> int:
+  """The largest power of two <= preferred that divides n (at least 16)."""
+  bn = preferred
+  while bn > 16 and n % bn:
+    bn //= 2
+  if n % bn:
+    raise ValueError(f"n={n} must be a multiple of 16 for the Pallas grouped matmul")
+  return bn
+
+
+def ragged_call(lhs: jax.Array, group_sizes: jax.Array, weight_sets: Sequence[tuple], step: StepFn, *, n: int,
+                n_groups: int, epilogue: Callable[[list[jax.Array]], jax.Array] | None = None,
+                out_dtype=jnp.float32, block_m: int | None = None, block_n: int = 128, num_warps: int = 4,
+                num_stages: int = 3, interpret: bool = False, poison: float | None = None) -> jax.Array:
+  """Runs `step` over the ragged (expert, row block, N tile, K group) space.
+
+  Args:
+    lhs: [M, Kp] rows sorted by expert (Kp = n_groups · group size, already padded).
+    group_sizes: int32 [E].
+    weight_sets: one tuple of weight arrays per accumulator (two for the fused gate/up variant); every array has the
+      experts first.
+    step: the format's K-group step.
+    n: N, output columns.
+    n_groups: K groups per expert.
+    epilogue: accumulators (float32 [bm, bn] each) -> output tile; default: the single accumulator.
+    out_dtype: output dtype.
+    block_m, block_n: tile sizes (block_m default from the average rows per expert).
+    num_warps, num_stages: Triton compiler parameters.
+    interpret: run the kernel in Pallas' CPU interpret mode.
+    poison: if set, the output buffer starts filled with this value (tests use NaN to catch unwritten rows).
+
+  Returns:
+    [M, N] in out_dtype; rows past sum(group_sizes) are zero.
+  """
+  m, _ = lhs.shape
+  e = group_sizes.shape[0]
+  bm = block_m or pick_block_m(m, e)
+  bn = pick_block_n(n, block_n)
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])  # [E + 1]
+  flat, tree = jax.tree.flatten(list(weight_sets))
+  epilogue = epilogue or (lambda accs: accs[0])
+
+  def kernel(offsets_ref, lhs_ref, *refs):
+    # offsets_ref: int32 [E + 1]; lhs_ref: [M, Kp]; refs: weight refs (experts first) then out_ref [M, N].
+    *w_refs, out_ref = refs
+    w_sets = jax.tree.unflatten(tree, w_refs)
+    ei, j = pl.program_id(0), pl.program_id(1)
+    start, end = offsets_ref[ei], offsets_ref[ei + 1]
+    n0 = pl.multiple_of(j * bn, bn)
+
+    def row_block(b, carry):
+      r0 = start + b * bm
+      rows_ok = (r0 + jnp.arange(bm)) < end  # [bm]
+
+      def load_x(k0, size):
+        mask = jnp.broadcast_to(rows_ok[:, None], (bm, size))
+        return plgpu.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, size)], mask=mask, other=0)
+
+      def k_group(g, accs):
+        return tuple(acc + step(load_x, ws, ei, g, n0) for acc, ws in zip(accs, w_sets))
+
+      accs = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_sets)
+      accs = jax.lax.fori_loop(0, n_groups, k_group, accs)
+      out = epilogue(list(accs)).astype(out_ref.dtype)
+      plgpu.store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], out,
+                  mask=jnp.broadcast_to(rows_ok[:, None], (bm, bn)))
+      return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(end - start, bm), row_block, 0)
+
+  out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+  args = [offsets, lhs, *flat]
+  aliases = {}
+  if poison is not None:
+    args.append(jnp.full((m, n), poison, out_dtype))
+    aliases = {len(args) - 1: 0}
+    kernel = _drop_aliased_input(kernel)
+  out = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(e, n // bn), input_output_aliases=aliases, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      name="ragged_dequant_matmul")(*args)
+  total = offsets[-1]
+  return jnp.where((jnp.arange(m) < total)[:, None], out, jnp.zeros((), out_dtype))
+
+
+def _drop_aliased_input(kernel):
+  @functools.wraps(kernel)
+  def wrapped(*refs):
+    *ins, _poisoned_in, out_ref = refs  # The aliased input is the same buffer as out_ref.
+    return kernel(*ins, out_ref)
+  return wrapped
