@@ -226,6 +226,9 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   return OSKVPParams(u=u, scale=scale, codebook=codebook)
 
 
+_fit_jit = jax.jit(fit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples"))
+
+
 def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, weights: jax.Array | None = None,
               n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None) -> OSKVPParams:
   """Fits U, the fp8 scales and the codebooks of one head on x (host-side entry point, validates its input).
@@ -254,8 +257,8 @@ def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, we
       row, col = np.argwhere(bad)[0]
       raise ValueError(f"calibration data has {int(bad.sum())} non-finite values (first at x[{row}, {col}]); "
                        "drop those rows or pass weights=0 for them")
-  return fit(x, weights, n_outlier=n_outliers(x.shape[1], outlier_fraction), bits=bits, n_iters=n_iters,
-             min_samples=min_samples)
+  return _fit_jit(x, weights, n_outlier=n_outliers(x.shape[1], outlier_fraction), bits=bits, n_iters=n_iters,
+                  min_samples=min_samples)
 
 
 # ---------------------------------------------------------------------------------------------- (de)quantization
@@ -291,11 +294,13 @@ def dequantize_rotated(code: OSKVPCode, codebook: jax.Array, scale: jax.Array) -
   return xr.at[:, :o].add(outl)
 
 
+@jax.jit
 def quantize(x: jax.Array, params: OSKVPParams) -> OSKVPCode:
   """x [T, H] (original basis) -> OSKVPCode. Batched use: `jax.vmap(quantize)`."""
   return quantize_rotated(x.astype(jnp.float32) @ params.u, params.codebook, params.scale)
 
 
+@jax.jit
 def dequantize(code: OSKVPCode, params: OSKVPParams) -> jax.Array:
   """OSKVPCode -> f32 [T, H] in the original basis (x'_hat @ Uᵀ)."""
   return dequantize_rotated(code, params.codebook, params.scale) @ params.u.T

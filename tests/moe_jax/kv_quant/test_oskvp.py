@@ -1,0 +1,160 @@
+"""The per-head OS-KVP quantizer: packing, calibration, quantization error, degenerate inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.kv_quant import oskvp
+
+
+def planted(key, n, h, n_big=4, big=12.0):
+  """Gaussian rows with `n_big` high-variance, offset channels at random positions, mixed by a random rotation."""
+  k1, k2, k3 = jax.random.split(key, 3)
+  std = jnp.ones(h).at[jax.random.permutation(k2, h)[:n_big]].set(big)
+  x = jax.random.normal(k1, (n, h)) * std + 0.5 * std
+  q, _ = jnp.linalg.qr(jax.random.normal(k3, (h, h)))
+  return x @ q
+
+
+@pytest.mark.parametrize("h", [32, 128])
+def test_pack2_round_trip_and_planar_layout(h):
+  codes = jax.random.randint(jax.random.PRNGKey(h), (5, h), 0, 4).astype(jnp.uint8)
+  packed = oskvp.pack2(codes)
+  assert packed.shape == (5, h // 4) and packed.dtype == jnp.uint8
+  np.testing.assert_array_equal(oskvp.unpack2(packed), codes)
+  q = h // 4
+  c, p = np.asarray(codes, np.int64), np.asarray(packed, np.int64)
+  for i in (0, q - 1):  # byte i holds channels i, i+Q, i+2Q, i+3Q at bits 0, 2, 4, 6
+    assert p[3, i] == c[3, i] | c[3, i + q] << 2 | c[3, i + 2 * q] << 4 | c[3, i + 3 * q] << 6
+
+
+def test_pack1_round_trip_and_layout():
+  bits = jax.random.bernoulli(jax.random.PRNGKey(1), 0.5, (3, 64)).astype(jnp.uint8)
+  packed = oskvp.pack1(bits)
+  assert packed.shape == (3, 8)
+  np.testing.assert_array_equal(oskvp.unpack1(packed), bits)
+  b = np.asarray(bits, np.int64)
+  assert int(packed[1, 2]) == sum(int(b[1, 2 + 8 * m]) << m for m in range(8))
+
+
+def test_n_outliers_rule():
+  assert oskvp.n_outliers(64, 0.08) == 8 and oskvp.n_outliers(128, 0.08) == 8
+  assert oskvp.n_outliers(256, 0.08) == 24 and oskvp.n_outliers(32, 0.08) == 8
+
+
+def test_u_orthogonal_and_sorted_by_variance():
+  x = planted(jax.random.PRNGKey(0), 256, 32)
+  p = oskvp.calibrate(x)
+  np.testing.assert_allclose(p.u.T @ p.u, np.eye(32), atol=2e-5)
+  var = np.var(np.asarray(x @ p.u), axis=0)
+  assert np.all(np.diff(var) <= 1e-3 * var[0]), "rotated channels must come in descending variance"
+  assert var[:4].min() > 50 * np.median(var), "the planted outliers land in the first rotated channels"
+  assert p.scale.shape == (8,) and p.codebook.shape == (32, 4)
+  np.testing.assert_array_equal(p.codebook[:8], 0.0)
+  assert np.all(np.diff(np.asarray(p.codebook[8:]), axis=1) >= 0), "levels sorted ascending"
+
+
+@pytest.mark.parametrize("n_levels", [4, 8])
+def test_lloyd_max_distortion_non_increasing(n_levels):
+  key = jax.random.PRNGKey(n_levels)
+  x = jnp.concatenate([jax.random.laplace(key, (500, 6)), jax.random.uniform(key, (500, 2)) * 3], axis=1)
+  w = (jax.random.uniform(jax.random.PRNGKey(9), (500,)) > 0.2).astype(jnp.float32)
+  g = jnp.asarray(oskvp.GAUSSIAN_LEVELS[n_levels])
+  init = jnp.mean(x, 0)[:, None] + jnp.std(x, 0)[:, None] * g
+  levels, hist = jax.jit(oskvp.lloyd_max, static_argnums=3)(x, w, init, 25)
+  hist = np.asarray(hist)
+  assert np.all(np.diff(hist) <= 1e-6 * hist[0]), hist
+  assert hist[-1] < 0.97 * hist[0], "Lloyd-Max should improve on the Gaussian initialisation for these data"
+  assert np.all(np.diff(np.asarray(levels), axis=1) >= 0)
+
+
+@pytest.mark.parametrize("bits,max_rel_mse", [(2, 0.125), (3, 0.037)])
+def test_quantize_error_bounds(bits, max_rel_mse):
+  """Nearest-level codes; fp8 channels within e4m3's 2^-4 relative step; Gaussian channels near the Lloyd-Max MSE
+  (0.1175 sigma^2 at 4 levels, 0.0345 at 8)."""
+  h = 32
+  x = planted(jax.random.PRNGKey(3), 1024, h)
+  p = oskvp.calibrate(x, bits=bits)
+  code = oskvp.quantize(x, p)
+  assert code.codes.shape == (1024, h // 4) and code.outl.shape == (1024, 8)
+  assert (code.hi is None) == (bits == 2)
+  xr = np.asarray(x @ p.u)
+  xr_hat = np.asarray(oskvp.dequantize(code, p) @ p.u)
+  o = p.n_outlier
+  err_o = np.abs(xr_hat[:, :o] - xr[:, :o])
+  assert np.all(err_o <= 2.0**-4 * np.abs(xr[:, :o]) + 2.0**-9 * np.asarray(p.scale) + 1e-5)
+  cb = np.asarray(p.codebook[o:])
+  nearest = np.min(np.abs(xr[:, o:, None] - cb[None]), axis=-1)
+  np.testing.assert_allclose(np.abs(xr_hat[:, o:] - xr[:, o:]), nearest, atol=1e-4)
+  rel_mse = np.mean((xr_hat[:, o:] - xr[:, o:]) ** 2 / np.var(xr[:, o:], axis=0))
+  assert rel_mse <= max_rel_mse, rel_mse
+  np.testing.assert_allclose(oskvp.dequantize(code, p), xr_hat @ np.asarray(p.u).T, atol=1e-4)
+
+
+def test_storage_bytes_counts_every_part():
+  x = planted(jax.random.PRNGKey(4), 256, 32)
+  p = oskvp.calibrate(x)
+  code = oskvp.quantize(x[:100], p)
+  assert oskvp.storage_bytes(code, p, include_params=False) == 100 * (8 + 8)  # H/4 code bytes + O fp8 bytes
+  assert oskvp.storage_bytes(code, p) == 100 * 16 + 32 * 32 * 4 + 8 * 4 + 32 * 4 * 4
+  p3 = oskvp.calibrate(x, bits=3)
+  assert oskvp.storage_bytes(oskvp.quantize(x[:100], p3), p3, include_params=False) == 100 * (8 + 4 + 8)
+
+
+def test_batched_via_vmap():
+  x = jnp.stack([planted(jax.random.PRNGKey(i), 256, 32) for i in range(2)])
+  params = jax.jit(jax.vmap(lambda a: oskvp.fit(a, n_outlier=8)))(x)
+  codes = jax.vmap(oskvp.quantize)(x, params)
+  xh = jax.vmap(oskvp.dequantize)(codes, params)
+  for i in range(2):
+    pi = oskvp.calibrate(x[i])
+    np.testing.assert_allclose(xh[i], oskvp.dequantize(oskvp.quantize(x[i], pi), pi), atol=1e-3)
+
+
+def test_degenerate_constant_channels():
+  x = planted(jax.random.PRNGKey(5), 256, 32).at[:, 3].set(2.5).at[:, 7].set(0.0)
+  p = oskvp.calibrate(x)
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(p))
+  xh = oskvp.dequantize(oskvp.quantize(x, p), p)
+  assert np.isfinite(np.asarray(xh)).all()
+  zeros = jnp.zeros((256, 32))
+  pz = oskvp.calibrate(zeros)
+  np.testing.assert_allclose(oskvp.dequantize(oskvp.quantize(zeros, pz), pz), 0.0, atol=1e-6)
+
+
+def test_degenerate_fewer_samples_than_channels_falls_back_to_permutation():
+  """Documented fallback: < H rows -> U is the permutation sorting channels by variance, Gaussian-level codebooks."""
+  x = planted(jax.random.PRNGKey(6), 10, 32)
+  p = oskvp.calibrate(x)
+  u = np.asarray(p.u)
+  np.testing.assert_array_equal(np.sort(u, axis=0)[-1], 1.0)  # one 1 per column: a permutation
+  np.testing.assert_allclose(u.T @ u, np.eye(32))
+  var = np.var(np.asarray(x), axis=0)
+  np.testing.assert_allclose(np.var(np.asarray(x @ p.u), axis=0), np.sort(var)[::-1], rtol=1e-5)
+  more = planted(jax.random.PRNGKey(7), 256, 32)
+  xh = oskvp.dequantize(oskvp.quantize(more, p), p)
+  assert np.isfinite(np.asarray(xh)).all()
+
+
+def test_degenerate_non_finite():
+  x = planted(jax.random.PRNGKey(8), 256, 32)
+  with pytest.raises(ValueError, match="non-finite"):
+    oskvp.calibrate(x.at[5, 2].set(jnp.nan))
+  with pytest.raises(ValueError, match="non-finite"):
+    oskvp.calibrate(x.at[9, 0].set(jnp.inf))
+  # Inside jit the rows are left out: same params as without them, never a NaN.
+  bad = x.at[5, 2].set(jnp.nan).at[9, 0].set(-jnp.inf)
+  p_bad = oskvp._fit_jit(bad, None, n_outlier=8)  # pylint: disable=protected-access
+  p_ref = oskvp.calibrate(x, weights=jnp.ones(256).at[5].set(0.0).at[9].set(0.0))
+  for a, b in zip(jax.tree_util.tree_leaves(p_bad), jax.tree_util.tree_leaves(p_ref)):
+    np.testing.assert_allclose(a, b, atol=2e-4)
+
+
+def test_bad_shapes_raise():
+  with pytest.raises(ValueError, match="head_dim"):
+    oskvp.calibrate(jnp.ones((10, 12)))
+  with pytest.raises(ValueError, match="bits"):
+    oskvp.calibrate(jnp.ones((10, 16)), bits=4)
+  with pytest.raises(ValueError, match=r"\[N, H\]"):
+    oskvp.calibrate(jnp.ones((10,)))
