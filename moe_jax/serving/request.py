@@ -191,7 +191,7 @@ class RequestHandle:
     deadline = None if timeout is None else time.perf_counter() + timeout
     while not self._done.is_set():
       if self._engine is not None and not self._engine.running:
-        if not self._engine.step():
+        if not self._engine.step() and not self._done.is_set():
           raise RuntimeError("engine is idle but the request has not ended")
       else:
         left = None if deadline is None else deadline - time.perf_counter()

@@ -1,0 +1,252 @@
+"""The serving engine under load and under bad input, on the tiny model in float32 on CPU.
+
+Every engine here has the same shapes (312 slots, cache_len 32, prefill buckets 8/16 × 8/64 rows), so the module-level
+jitted steps compile once, in the fixture's warm-up, and every later test checks that nothing compiles again.
+References are "each request alone": greedy prefill + decode through `moe_jax.decode` on a ragged batch (rows are
+independent, so a ragged batch equals per-request runs), run in fixed-size chunks so they compile once too.
+"""
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax import decode, generate
+from moe_jax.serving import Engine, EngineConfig, InvalidRequest, NonFiniteLogits, QueueFull, steps
+
+CACHE_LEN = 32
+MAX_NEW = 8
+MAX_PROMPT = 24
+REF_ROWS = 128
+CONFIG = EngineConfig(num_slots=312, cache_len=CACHE_LEN, kv_cache="fp32", prefill_lengths=(8, 16),
+                      prefill_batches=(8, 64), max_queue=1000, max_prefill_rows=312)
+
+
+class CompileEvents:
+  """Counts XLA backend compiles (jax.monitoring) while active."""
+
+  def __init__(self):
+    self.count, self.on = 0, False
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+  def _listen(self, event, duration, **kwargs):
+    del duration, kwargs
+    if self.on and event == "/jax/core/compile/backend_compile_duration":
+      self.count += 1
+
+
+@pytest.fixture(scope="module")
+def compiles():
+  return CompileEvents()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+  eng = Engine(tiny_model, CONFIG)
+  assert eng.warmup() > 0
+  return eng
+
+
+def reference(model, prompts, max_new=MAX_NEW):
+  """Greedy continuation of each prompt alone: int [len(prompts), max_new]."""
+  out = []
+  for i in range(0, len(prompts), REF_ROWS):
+    chunk = [list(p) for p in prompts[i:i + REF_ROWS]]
+    chunk += [[0]] * (REF_ROWS - len(chunk))
+    tokens, lengths = generate.pad_batch(chunk)
+    tokens = np.pad(tokens, ((0, 0), (0, MAX_PROMPT - tokens.shape[1])))
+    logits, cache = decode.prefill(model, tokens, lengths, kv_cache="fp32", cache_len=CACHE_LEN)
+    tok = np.asarray(jnp.argmax(generate._last_logits(logits, jnp.asarray(lengths)), -1))  # pylint: disable=protected-access
+    rows = [tok]
+    for _ in range(max_new - 1):
+      lg, cache = decode.decode_step(model, cache, tok.astype(np.int32))
+      tok = np.asarray(jnp.argmax(lg, -1))
+      rows.append(tok)
+    out.append(np.stack(rows, 1)[:len(prompts[i:i + REF_ROWS])])
+  return np.concatenate(out)
+
+
+def expected(ref_row, max_tokens, stops=()):
+  out = []
+  for t in ref_row[:max_tokens]:
+    out.append(int(t))
+    if t in stops:
+      break
+  return out
+
+
+def test_1000_requests_at_concurrency_312_complete_once_and_match_alone(engine, tiny_model, compiles):
+  rng = np.random.default_rng(1)
+  n = 1000
+  prompts = [rng.integers(0, 256, rng.integers(1, MAX_PROMPT + 1)).tolist() for _ in range(n)]
+  max_tokens = rng.integers(1, MAX_NEW + 1, n)
+  ref = reference(tiny_model, prompts)
+  stops = [tuple(int(t) for t in rng.choice(ref[i], 1)) if i % 4 == 0 else () for i in range(n)]
+  sampled = set(range(5, n, 10))  # every 10th request samples (per-row params in the same step as greedy rows)
+  finished, tokens_cb = [], {i: [] for i in range(n)}
+  before, compiles.on = steps.total_traces(), True
+  handles = []
+  for i in range(n):
+    sampling = {"temperature": 0.8, "top_k": 5} if i in sampled else None
+    handles.append(engine.submit(prompts[i], max_tokens=int(max_tokens[i]), stop_tokens=stops[i], request_id=i,
+                                 sampling=sampling, on_token=tokens_cb[i].append, on_finish=finished.append))
+  engine.run_until_idle()
+  compiles.on = False
+  assert steps.total_traces() == before, f"recompiled after warm-up: {dict(steps.TRACES)}"
+  assert compiles.count == 0
+  assert sorted(h.request_id for h in finished) == list(range(n))  # each exactly once (a second end raises)
+  # The load really ran ~312 streams at once (requests that end on their first token leave at prefill).
+  assert max(engine.stats.active_per_step) >= 0.9 * CONFIG.num_slots
+  for i, h in enumerate(handles):
+    assert h.status == "finished", (i, h.status, h.error)
+    assert tokens_cb[i] == h.tokens
+    if i in sampled:
+      assert 1 <= len(h.tokens) <= max_tokens[i] and all(0 <= t < 264 for t in h.tokens)
+    else:
+      assert h.tokens == expected(ref[i], max_tokens[i], stops[i]), i
+      assert h.finish_reason == ("stop" if h.tokens[-1] in stops[i] else "length")
+  assert engine.num_active == 0 and engine.num_queued == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=[], max_tokens=2), "empty prompt"),
+    (dict(prompt=[1] * 40, max_tokens=2), "prompt too long"),
+    (dict(prompt=[1] * 30, max_tokens=4), "prompt too long for the context"),
+    (dict(prompt=[1, 300, 2], max_tokens=2), "token id 300 at prompt[1]"),
+    (dict(prompt=[1, -1], max_tokens=2), "token id -1"),
+    (dict(prompt=[1.5, 2.0], max_tokens=2), "must be integers"),
+    (dict(prompt=[[1, 2], [3, 4]], max_tokens=2), "flat list"),
+    (dict(prompt=[1, 2], max_tokens=0), "max_tokens=0"),
+    (dict(prompt=[1, 2], max_tokens=2, sampling={"temperature": -1.0}), "temperature=-1.0"),
+    (dict(prompt=[1, 2], max_tokens=2, sampling={"top_p": 0.0}), "top_p=0.0"),
+    (dict(prompt=[1, 2], max_tokens=2, sampling={"top_k": 2.5}), "top_k=2.5"),
+    (dict(prompt=[1, 2], max_tokens=2, sampling={"beam": 4}), "invalid sampling parameters"),
+    (dict(prompt=[1, 2], max_tokens=2, stop_tokens=[999]), "stop token 999"),
+])
+def test_bad_request_is_rejected_and_others_continue(engine, tiny_model, kwargs, message):
+  good = [[5, 6, 7], list(range(20, 40))]
+  before = engine.submit(good[0], max_tokens=MAX_NEW)
+  with pytest.raises(InvalidRequest, match=message.replace("[", r"\[")):
+    engine.submit(**kwargs)
+  after = engine.submit(good[1], max_tokens=MAX_NEW)
+  engine.run_until_idle()
+  ref = reference(tiny_model, good)
+  assert before.result() == ref[0].tolist() and after.result() == ref[1].tolist()
+
+
+def test_duplicate_request_id_is_rejected(engine):
+  h = engine.submit([1, 2], max_tokens=1, request_id="dup")
+  with pytest.raises(InvalidRequest, match="already in use"):
+    engine.submit([1, 2], max_tokens=1, request_id="dup")
+  engine.run_until_idle()
+  assert h.status == "finished"
+  engine.submit([1, 2], max_tokens=1, request_id="dup").result()  # free again once it ended
+
+
+def test_full_queue_gives_back_pressure(tiny_model):
+  eng = Engine(tiny_model, dataclasses.replace(CONFIG, max_queue=3))
+  handles = [eng.submit([1, 2, 3], max_tokens=2) for _ in range(3)]
+  with pytest.raises(QueueFull, match="max_queue=3"):
+    eng.submit([1, 2, 3], max_tokens=2)
+  with pytest.raises(QueueFull):
+    eng.submit([1, 2, 3], max_tokens=2, block=True, timeout=0.05)
+  eng.step()  # admits the queued requests into slots: room again
+  handles.append(eng.submit([1, 2, 3], max_tokens=2))
+  eng.run_until_idle()
+  assert all(h.status == "finished" and len(h.tokens) == 2 for h in handles)
+  # A blocked submitter gets in once a background engine drains the queue.
+  blocked = [eng.submit([4, 5], max_tokens=2) for _ in range(3)]
+  eng.start()
+  try:
+    late = eng.submit([4, 5], max_tokens=2, block=True, timeout=30)
+    assert late.result(timeout=30) == blocked[0].result(timeout=30)
+  finally:
+    eng.stop()
+
+
+def test_nan_logits_fail_that_request_only(tiny_model, engine):
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, 256, rng.integers(2, MAX_PROMPT + 1)).tolist() for _ in range(40)]
+  ref = reference(tiny_model, prompts)
+  poison = int(ref[0, 0])  # request 0's first token: it fails at the decode step that feeds it back
+  clean = [i for i in range(1, 40) if poison not in prompts[i] and poison not in ref[i]]
+  assert len(clean) >= 10
+  model = nnx.clone(tiny_model)
+  model.embedding.set_value(model.embedding.get_value().at[poison].set(jnp.nan))  # any path through it gives NaN
+  eng = Engine(model, CONFIG)
+  before = steps.total_traces()
+  first = eng.submit(prompts[0], max_tokens=MAX_NEW)
+  in_prompt = eng.submit(prompts[1][:3] + [poison], max_tokens=MAX_NEW)
+  others = {i: eng.submit(prompts[i], max_tokens=MAX_NEW) for i in clean}
+  eng.run_until_idle()
+  assert first.status == "failed" and isinstance(first.error, NonFiniteLogits) and first.tokens == [poison]
+  assert in_prompt.status == "failed" and isinstance(in_prompt.error, NonFiniteLogits) and in_prompt.tokens == []
+  with pytest.raises(NonFiniteLogits, match="non-finite logits"):
+    in_prompt.result()
+  for i, h in others.items():
+    assert h.result() == ref[i].tolist(), i
+  # Slots that held NaN are reused cleanly.
+  again = {i: eng.submit(prompts[i], max_tokens=MAX_NEW) for i in clean}
+  eng.run_until_idle()
+  assert all(h.result() == ref[i].tolist() for i, h in again.items())
+  assert steps.total_traces() == before
+
+
+def test_cancellation_running_and_queued(engine, tiny_model):
+  running = engine.submit([9, 8, 7], max_tokens=20)
+  queued = engine.submit([1, 2, 3], max_tokens=20)
+  other = engine.submit([4, 5, 6], max_tokens=MAX_NEW)
+  queued.cancel()
+  engine.step()
+  engine.step()
+  running.cancel()
+  engine.run_until_idle()
+  assert running.status == "cancelled" and 1 <= len(running.tokens) < 20
+  assert queued.status == "cancelled" and queued.tokens == []
+  assert other.result() == reference(tiny_model, [[4, 5, 6]])[0].tolist()
+
+
+def test_streaming_iterator_callback_and_background_thread(engine, tiny_model):
+  ref = reference(tiny_model, [[3, 1, 4, 1, 5]])[0].tolist()
+  seen = []
+  h = engine.submit([3, 1, 4, 1, 5], max_tokens=MAX_NEW, on_token=seen.append)
+  assert list(h) == ref == seen  # iterating a caller-driven engine steps it
+  engine.start()
+  try:
+    assert engine.running
+    handles = [engine.submit([3, 1, 4, 1, 5], max_tokens=MAX_NEW) for _ in range(5)]
+    outs = []
+    threads = [threading.Thread(target=lambda h=h: outs.append(list(h))) for h in handles]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=60)
+    assert outs == [ref] * 5
+  finally:
+    engine.stop()
+  assert not engine.running
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_slots=0), "num_slots=0"),
+    (dict(prefill_lengths=(16, 8)), "strictly increasing"),
+    (dict(prefill_lengths=(8, 64)), "must all be <= cache_len=32"),
+    (dict(kv_cache="nope"), "kv_cache='nope'"),
+    (dict(max_prefill_rows=-1), "max_prefill_rows=-1"),
+])
+def test_engine_config_errors_name_the_field(change, message):
+  with pytest.raises(ValueError, match=message):
+    dataclasses.replace(CONFIG, **change)
+
+
+def test_long_prompt_is_prefilled_in_chunks(engine, tiny_model):
+  prompt = list(range(100, 123))  # 23 tokens > the largest bucket (16): one bucket + one chunk
+  calls = engine.stats.prefill_calls
+  h = engine.submit(prompt, max_tokens=MAX_NEW)
+  engine.run_until_idle()
+  assert engine.stats.prefill_calls == calls + 2
+  assert h.result() == reference(tiny_model, [prompt])[0].tolist()
