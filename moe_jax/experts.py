@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 # name -> fn(lhs [M, K], rhs [E, K, N] (array or quantized value), group_sizes [E]) -> [M, N]
 GROUPED_MATMULS: dict[str, Callable[..., jax.Array]] = {}
+# name -> fn(x_sorted [M, D], w_gate, w_up, group_sizes [E]) -> silu(x W_gate) * (x W_up) [M, F]: fused kernels.
+FUSED_SWIGLU: dict[str, Callable[..., jax.Array]] = {}
 
 
 def _ragged_dot_xla(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
@@ -46,7 +48,10 @@ def swiglu_experts(x_sorted: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_
   Returns:
     [M, D] in x_sorted's dtype.
   """
-  gate = grouped_matmul(x_sorted, w_gate, group_sizes, implementation=implementation)
-  up = grouped_matmul(x_sorted, w_up, group_sizes, implementation=implementation)
-  h = (jax.nn.silu(gate) * up).astype(x_sorted.dtype)  # [M, F]
+  if implementation in FUSED_SWIGLU:
+    h = FUSED_SWIGLU[implementation](x_sorted, w_gate, w_up, group_sizes).astype(x_sorted.dtype)  # [M, F]
+  else:
+    gate = grouped_matmul(x_sorted, w_gate, group_sizes, implementation=implementation)
+    up = grouped_matmul(x_sorted, w_up, group_sizes, implementation=implementation)
+    h = (jax.nn.silu(gate) * up).astype(x_sorted.dtype)  # [M, F]
   return grouped_matmul(h, w_down, group_sizes, implementation=implementation).astype(x_sorted.dtype)

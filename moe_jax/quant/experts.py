@@ -1,0 +1,206 @@
+"""Swapping a model's routed expert weights for quantized values, with calibration on real activations.
+
+`quantize_experts(model, "int4" | "int4_awq" | "vq2" | "int4_sp24" | "int4_awq_sp24" | "vq2_sp24")` replaces the
+values of every MoE layer's `w_gate`, `w_up` ([E, D, F]) and `w_down` ([E, F, D]) Variables by `QuantizedExperts`.
+The MoE layer reads them unchanged (`v[...]`) and hands them to its grouped matmul: "xla" dequantizes then runs
+`ragged_dot`; "pallas" / "pallas_fused" (`moe_jax.quant.kernels`) read them compressed.
+
+Calibration (AWQ scales, 2:4 saliency): the model's own expert inputs on `calib` tokens (default: windows of the
+training split, never validation), collected by running the unquantized model: gate/up see the normalised hidden
+states routed to each expert, down sees silu(gate)·up of those rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax import dispatch, routing
+from moe_jax.experts import grouped_matmul
+from moe_jax.moe import MoE
+from moe_jax.quant.formats import QuantizedExperts
+from moe_jax.quant.int4 import quantize_int4
+from moe_jax.quant.vq2 import quantize_vq2
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+  """What `quantize_experts` does.
+
+  Attributes:
+    fmt: "int4" or "vq2".
+    awq: activation-aware scales and clipping (int4 only).
+    sparsity: None or "2:4".
+    group_size: G along K (shrunk to a power of two >= K for small K, within the format's minimum).
+    codebook: vq2 codebook per "expert" or per "layer".
+  """
+  fmt: str
+  awq: bool = False
+  sparsity: str | None = None
+  group_size: int = 128
+  codebook: str = "expert"
+
+  def __post_init__(self):
+    if self.fmt not in ("int4", "vq2"):
+      raise ValueError(f"fmt={self.fmt!r} must be 'int4' or 'vq2'")
+    if self.awq and self.fmt != "int4":
+      raise ValueError("awq=True is implemented for fmt='int4' only")
+    if self.sparsity not in (None, "2:4"):
+      raise ValueError(f"sparsity={self.sparsity!r} must be None or '2:4'")
+    if self.group_size not in (32, 64, 128, 256, 512):
+      raise ValueError(f"group_size={self.group_size} must be a power of two in [32, 512]")
+    if self.codebook not in ("expert", "layer"):
+      raise ValueError(f"codebook={self.codebook!r} must be 'expert' or 'layer'")
+
+  @property
+  def needs_calibration(self) -> bool:
+    return self.awq or self.sparsity is not None
+
+  def group_for(self, k: int) -> int:
+    lo = 128 if self.sparsity else (64 if self.fmt == "vq2" else 32)
+    g = self.group_size
+    while g > lo and g // 2 >= k:
+      g //= 2
+    return max(g, lo)
+
+
+MODES = {
+    "int4": QuantSpec("int4"),
+    "int4_awq": QuantSpec("int4", awq=True),
+    "vq2": QuantSpec("vq2"),
+    "int4_sp24": QuantSpec("int4", sparsity="2:4"),
+    "int4_awq_sp24": QuantSpec("int4", awq=True, sparsity="2:4"),
+    "vq2_sp24": QuantSpec("vq2", sparsity="2:4"),
+}
+
+
+def spec_for(mode: str, sparsity: str | None = None) -> QuantSpec:
+  """A mode name (a key of MODES) plus an optional sparsity override -> QuantSpec."""
+  if mode not in MODES:
+    raise ValueError(f"expert_quant={mode!r} is not a mode; choose one of {sorted(MODES)}")
+  spec = MODES[mode]
+  return dataclasses.replace(spec, sparsity=sparsity) if sparsity else spec
+
+
+def moe_layers(model) -> list[MoE | None]:
+  return [b.ffn if isinstance(b.ffn, MoE) else None for b in model.blocks]
+
+
+def default_calibration_tokens(n_windows: int = 16, seq_len: int = 256) -> np.ndarray:
+  """int32 [n_windows, seq_len] windows of the training split (`moe_jax.data`), evenly spaced."""
+  from moe_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  train = data_lib.load_corpus()["train"].tokens
+  return data_lib.eval_windows(train, n_windows=n_windows, seq_len=seq_len - 1)
+
+
+def _pad_rows(x_sorted: np.ndarray, group_sizes: np.ndarray, max_rows: int) -> np.ndarray:
+  """[M, K] sorted rows -> [E, R, K] (R = min(max_rows, max group), zero rows for padding)."""
+  e, r = group_sizes.shape[0], max(1, min(max_rows, int(group_sizes.max())))
+  out = np.zeros((e, r, x_sorted.shape[1]), np.float32)
+  start = 0
+  for i, g in enumerate(group_sizes):
+    take = min(int(g), r)
+    # Evenly spaced rows of the expert's share, so a long calibration set is subsampled, not truncated.
+    pick = start + np.linspace(0, int(g) - 1, take).astype(np.int64) if take else np.zeros((0,), np.int64)
+    out[i, :take] = x_sorted[pick]
+    start += int(g)
+  return out
+
+
+def collect_expert_inputs(model, tokens, *, max_rows: int = 512) -> list[dict[str, np.ndarray] | None]:
+  """Per block: {"gate_up": [E, R, D], "down": [E, R, F]} expert inputs on `tokens` (None for dense blocks)."""
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  x = model.embed(tokens)
+  out = []
+  for block in model.blocks:
+    a, _ = block.attn(block.attn_norm(x), positions)
+    x = x + a
+    h = block.ffn_norm(x)
+    moe = block.ffn if isinstance(block.ffn, MoE) else None
+    if moe is None:
+      out.append(None)
+    else:
+      flat = h.reshape(-1, h.shape[-1])
+      logits = routing.router_logits(flat, moe.w_router[...])
+      _, ids = routing.select_experts(logits, k=moe.k, router=moe.router, norm_topk_prob=moe.norm_topk_prob,
+                                      selection_bias=moe.router_bias[...])
+      xs, gs, _ = dispatch.permute(flat, ids, moe.n_experts)
+      g = grouped_matmul(xs, moe.w_gate[...], gs)
+      u = grouped_matmul(xs, moe.w_up[...], gs)
+      hd = (jax.nn.silu(g) * u).astype(xs.dtype)
+      gs_np = np.asarray(gs)
+      out.append({"gate_up": _pad_rows(np.asarray(xs, np.float32), gs_np, max_rows),
+                  "down": _pad_rows(np.asarray(hd, np.float32), gs_np, max_rows)})
+    y, _ = block.ffn(h) if moe is not None else (block.ffn(h), None)
+    x = x + y
+  return out
+
+
+def quantize_weight(w: jax.Array, spec: QuantSpec, calib_x: jax.Array | None = None) -> QuantizedExperts:
+  """One [E, K, N] expert weight under `spec` (calib_x [E, R, K] for AWQ / 2:4 saliency)."""
+  g = spec.group_for(w.shape[1])
+  if spec.fmt == "int4":
+    return quantize_int4(w, group_size=g, sparsity=spec.sparsity, calib_x=calib_x, awq=spec.awq)
+  return quantize_vq2(w, group_size=g, codebook=spec.codebook, sparsity=spec.sparsity, calib_x=calib_x)
+
+
+def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = None, calib=None,
+                     implementation: str | None = None):
+  """Replaces the routed experts' weights of `model` (in place) by quantized values and returns it.
+
+  Args:
+    model: a `moe_jax.model.Transformer` (use `nnx.clone` first to keep the original).
+    mode: a key of MODES or a QuantSpec.
+    sparsity: "2:4" to add micro-sparsity to the mode.
+    calib: int tokens [B, T] for calibration; None: `default_calibration_tokens()` when the mode needs it.
+      "structure": zeros stand in for activations (for `jax.eval_shape` of the quantized structure).
+    implementation: also switch the MoE layers' grouped matmul (e.g. "pallas").
+  """
+  spec = mode if isinstance(mode, QuantSpec) else spec_for(mode, sparsity)
+  layers = moe_layers(model)
+  acts: list = [None] * len(layers)
+  if spec.needs_calibration and not (isinstance(calib, str) and calib == "structure"):
+    acts = collect_expert_inputs(model, default_calibration_tokens() if calib is None else calib)
+  for moe, act in zip(layers, acts):
+    if moe is None:
+      continue
+    for name, key in (("w_gate", "gate_up"), ("w_up", "gate_up"), ("w_down", "down")):
+      var = getattr(moe, name)
+      w = var[...]
+      cx = None
+      if act is not None:
+        cx = jnp.asarray(act[key])
+      elif spec.needs_calibration:
+        cx = jnp.zeros((w.shape[0], 1, w.shape[1]), jnp.float32)
+      var.set_value(quantize_weight(w, spec, cx))
+    if implementation is not None:
+      moe.implementation = implementation
+  return model
+
+
+def set_implementation(model, implementation: str):
+  """Switches every MoE layer's grouped matmul implementation (in place)."""
+  for moe in moe_layers(model):
+    if moe is not None:
+      moe.implementation = implementation
+  return model
+
+
+def expert_weights(model) -> dict[str, jax.Array | QuantizedExperts]:
+  """{"blocks.{i}.ffn.{w_gate|w_up|w_down}": value} of every MoE layer."""
+  out = {}
+  for i, moe in enumerate(moe_layers(model)):
+    if moe is not None:
+      for name in ("w_gate", "w_up", "w_down"):
+        out[f"blocks.{i}.ffn.{name}"] = getattr(moe, name)[...]
+  return out
+
+
+def expert_bytes(model) -> int:
+  """Bytes of all routed expert weights as stored (quantized or not)."""
+  return sum(v.nbytes if isinstance(v, QuantizedExperts) else int(v.size) * v.dtype.itemsize
+             for v in expert_weights(model).values())

@@ -1,0 +1,122 @@
+"""The quantized expert weight value: one typed pytree that stands where an [E, K, N] expert weight array stood.
+
+`QuantizedExperts` holds the raw arrays of one format (the kernels' `Int4Weights` / `VQ2Weights`, or
+`VQ2SparseWeights`, which has no kernel) plus static metadata. It answers `.dequantize(dtype) -> [E, K, N]` (what the
+"xla" grouped matmul does with any non-array weight), `v[...]` (returns itself, so `Variable[...]` reads in the MoE
+layer work unchanged), `.shape` and `.nbytes`.
+
+Kinds and bits per weight (G = 128, scales bf16, zero points uint8):
+  int4        4 + 24/G        int4 codes, group-wise scale + zero point along K
+  int4_sp24   3 + 24/G        2:4 pruned along K quads, 2 int4 codes + a 4-bit keep mask per 4 weights
+  vq2         2 + 16/G        8-bit index per 4 weights into 256 bf16 4-vectors, scale per (group, column)
+  vq2_sp24    2 + 16/G        2:4 pruned, one 8-bit index per 4 kept values (8 weights) + 4-bit masks: no saving
+                              over vq2 with a 4-bit mask (the 6 possible masks would need 2.58 bits); XLA path only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pallas_kernels.int4_grouped_matmul import Int4Weights, dequantize_int4
+from pallas_kernels.vq2_grouped_matmul import VQ2Weights, dequantize_vq2, unpack_codebook
+
+KINDS = ("int4", "int4_sp24", "vq2", "vq2_sp24")
+
+
+class VQ2SparseWeights(NamedTuple):
+  """vq2 over 2:4-pruned weights: K group g splits into G/4 quads (quad r: k = g·G + r + (G/4)·j); quads r and
+  r + G/8 keep two values each, and those four values form one vector.
+
+  idx uint8 [E, Kp/8, N] (row g·G/8 + r'), meta uint8 [E, Kp/8, N] (keep masks of quads r' (low) and r' + G/8
+  (high)), codebook uint32 [C, 256, 2], scale [E, Kp/G, N], in_scale f32 [E, Kp] or None.
+  """
+  idx: jax.Array
+  meta: jax.Array
+  codebook: jax.Array
+  scale: jax.Array
+  in_scale: jax.Array | None = None
+
+
+def expand_sparse(vals: jax.Array, mask: jax.Array, fill) -> jax.Array:
+  """Places the two kept values of each quad at their slots.
+
+  Args:
+    vals: [..., G/4, N, 2] the first and second kept value of each quad.
+    mask: int [..., G/4, N] 4-bit keep masks.
+    fill: value of pruned slots (broadcastable to [..., G/4, N]).
+
+  Returns:
+    [..., G, N] with slot j of quad r at r + (G/4)·j.
+  """
+  v0, v1 = vals[..., 0], vals[..., 1]
+  b = [((mask >> j) & 1) == 1 for j in range(4)]
+  w = [jnp.where(b[0], v0, fill), jnp.where(b[1], jnp.where(b[0], v1, v0), fill),
+       jnp.where(b[2], jnp.where(b[0] | b[1], v1, v0), fill), jnp.where(b[3], v1, fill)]
+  return jnp.concatenate(w, axis=-2)
+
+
+def _dequantize_vq2_sparse(ws: VQ2SparseWeights, group_size: int) -> jax.Array:
+  e, rows, n = ws.idx.shape
+  ng, eighth = ws.scale.shape[1], group_size // 8
+  cb = jnp.broadcast_to(unpack_codebook(ws.codebook), (e, 256, 4))
+  vec = jax.vmap(lambda c, i: c[i])(cb, ws.idx.astype(jnp.int32)).reshape(e, ng, eighth, n, 4)
+  # Vector coordinates (0, 1) are quad r''s kept values, (2, 3) those of quad r' + G/8.
+  vals = jnp.concatenate([vec[..., 0:2], vec[..., 2:4]], axis=2)  # [E, Kg, G/4, N, 2]
+  m = ws.meta.astype(jnp.int32).reshape(e, ng, eighth, n)
+  mask = jnp.concatenate([m & 15, m >> 4], axis=2)  # [E, Kg, G/4, N]
+  w = expand_sparse(vals, mask, 0.0) * ws.scale.astype(jnp.float32)[:, :, None, :]
+  w = w.reshape(e, ng * group_size, n)
+  if ws.in_scale is not None:
+    w = w * ws.in_scale.astype(jnp.float32)[:, :, None]
+  return w
+
+
+@struct.dataclass
+class QuantizedExperts:
+  """A quantized [E, K, N] expert weight.
+
+  Attributes:
+    data: the format's raw arrays (Int4Weights, VQ2Weights or VQ2SparseWeights).
+    kind: one of KINDS.
+    k: the logical K (the arrays hold Kp >= k, zero-padded to a multiple of group_size).
+    group_size: G, the K group of scales (and of the kernels' layout).
+  """
+  data: Int4Weights | VQ2Weights | VQ2SparseWeights
+  kind: str = struct.field(pytree_node=False)
+  k: int = struct.field(pytree_node=False)
+  group_size: int = struct.field(pytree_node=False)
+
+  def __getitem__(self, idx):
+    if idx is Ellipsis:
+      return self
+    raise TypeError(f"a QuantizedExperts value supports only [...], not [{idx!r}]; use .dequantize()")
+
+  @property
+  def kp(self) -> int:
+    return self.data.scale.shape[1] * self.group_size
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return (self.data.scale.shape[0], self.k, self.data.scale.shape[2])
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self.data))
+
+  def bits_per_weight(self) -> float:
+    e, k, n = self.shape
+    return 8.0 * self.nbytes / (e * k * n)
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """[E, K, N] in dtype: the weight the kernels multiply by (padding rows dropped)."""
+    if self.kind in ("int4", "int4_sp24"):
+      w = dequantize_int4(self.data, group_size=self.group_size)
+    elif self.kind == "vq2":
+      w = dequantize_vq2(self.data, group_size=self.group_size)
+    else:
+      w = _dequantize_vq2_sparse(self.data, self.group_size)
+    return w[:, : self.k].astype(dtype)

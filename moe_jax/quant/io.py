@@ -1,0 +1,56 @@
+"""Orbax save / restore of a model whose experts are quantized.
+
+A quantized checkpoint directory holds `quant.json` (the `ModelConfig`, the quantization spec, the source checkpoint,
+expert bytes) and `params/`, an orbax StandardCheckpointer item with the model's whole state as a pure dict
+(quantized experts as their raw arrays). Restoring rebuilds the quantized structure with `jax.eval_shape` (no
+calibration or k-means runs) and reads the arrays into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+from flax import nnx
+
+from moe_jax import checkpoints
+from moe_jax.config import ModelConfig
+from moe_jax.quant.experts import QuantSpec, expert_bytes, quantize_experts
+
+
+def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, *, source: str = "") -> str:
+  """Writes `directory/quant.json` and `directory/params` (orbax); returns the directory."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(os.path.join(directory, "params"), nnx.to_pure_dict(nnx.state(model)), force=True)
+  ckpt.wait_until_finished()
+  meta = {"model": checkpoints.config_to_json(config), "spec": dataclasses.asdict(spec), "source": source,
+          "expert_bytes": expert_bytes(model)}
+  with open(os.path.join(directory, "quant.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+  return directory
+
+
+def load_quantized(directory: str, *, moe_implementation: str = "xla"):
+  """Reads a directory written by `save_quantized` -> (config, model, spec)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from moe_jax.model import Transformer  # pylint: disable=g-import-not-at-top
+
+  directory = os.path.abspath(directory)
+  with open(os.path.join(directory, "quant.json")) as f:
+    meta = json.load(f)
+  config = checkpoints.config_from_json(meta["model"])
+  spec = QuantSpec(**meta["spec"])
+  model = nnx.eval_shape(lambda: quantize_experts(
+      Transformer(config, rngs=nnx.Rngs(0), moe_implementation=moe_implementation), spec, calib="structure"))
+  state = nnx.state(model)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+  restored = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
+  nnx.replace_by_pure_dict(state, restored)
+  nnx.update(model, state)
+  return config, model, spec

@@ -1,0 +1,58 @@
+"""The Pallas grouped-matmul implementations for quantized experts, registered on import.
+
+  GROUPED_MATMULS["pallas"]        int4 / int4_sp24 / vq2 weights through the dequant-fused kernels of
+                                   `pallas_kernels/`; any other weight (bf16 arrays, vq2_sp24) falls back to "xla".
+  GROUPED_MATMULS["pallas_fused"]  the same per matmul, and `FUSED_SWIGLU["pallas_fused"]` computes
+                                   silu(x W_gate) · (x W_up) in one kernel (one pass over the rows, both weights
+                                   streamed by the same program).
+
+On a backend other than GPU the kernels run in Pallas interpret mode (slow, exact): what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import experts as experts_lib
+from moe_jax.quant.formats import QuantizedExperts
+from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels import vq2_grouped_matmul as v2
+
+KERNEL_KINDS = ("int4", "int4_sp24", "vq2")
+
+
+def _interpret() -> bool:
+  return jax.default_backend() != "gpu"
+
+
+def _pad_lhs(lhs: jax.Array, kp: int) -> jax.Array:
+  return lhs if lhs.shape[1] == kp else jnp.pad(lhs, ((0, 0), (0, kp - lhs.shape[1])))
+
+
+def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
+  """lhs [M, K] sorted by expert, rhs [E, K, N] (QuantizedExperts), group_sizes int32 [E] -> float32 [M, N]."""
+  if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
+    return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
+  x = _pad_lhs(lhs, rhs.kp)
+  fn = v2.vq2_grouped_matmul if rhs.kind == "vq2" else i4.int4_grouped_matmul
+  return fn(x, rhs.data, group_sizes.astype(jnp.int32), group_size=rhs.group_size, interpret=_interpret())
+
+
+def pallas_fused_swiglu(x_sorted: jax.Array, w_gate, w_up, group_sizes: jax.Array) -> jax.Array:
+  """silu(x W_gate) · (x W_up) -> [M, F] in x_sorted's dtype, one kernel when both weights share a kernel format."""
+  same = (isinstance(w_gate, QuantizedExperts) and isinstance(w_up, QuantizedExperts)
+          and w_gate.kind == w_up.kind and w_gate.kind in KERNEL_KINDS and w_gate.group_size == w_up.group_size)
+  if not same:
+    g = pallas_grouped_matmul(x_sorted, w_gate, group_sizes)
+    u = pallas_grouped_matmul(x_sorted, w_up, group_sizes)
+    return (jax.nn.silu(g) * u).astype(x_sorted.dtype)
+  x = _pad_lhs(x_sorted, w_gate.kp)
+  fn = v2.vq2_grouped_swiglu if w_gate.kind == "vq2" else i4.int4_grouped_swiglu
+  return fn(x, w_gate.data, w_up.data, group_sizes.astype(jnp.int32), group_size=w_gate.group_size,
+            interpret=_interpret())
+
+
+experts_lib.GROUPED_MATMULS["pallas"] = pallas_grouped_matmul
+experts_lib.GROUPED_MATMULS["pallas_fused"] = pallas_grouped_matmul
+experts_lib.FUSED_SWIGLU["pallas_fused"] = pallas_fused_swiglu

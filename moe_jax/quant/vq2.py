@@ -1,0 +1,111 @@
+"""vq2 expert weights: 8-bit indices into a k-means codebook of 256 four-dimensional vectors (2 bits per weight).
+
+Per K group g of G rows and column n, the weights are normalised by their RMS; the normalised vectors of four
+weights (slot j of vector r is k = g·G + r + (G/4)·j, the kernel's layout) are clustered by k-means (Lloyd, a fixed
+number of iterations, deterministic initialisation from a strided sample) into 256 centroids, per expert or per
+layer. The codebook is rounded to bf16, vectors are re-assigned to the rounded codebook, and the per-(group, column)
+scale is refit by least squares: s = <w, c> / <c, c>.
+
+2:4 variant (`vq2_sp24`): prune as in `int4.prune_24`, then the four kept values of quads r and r + G/8 form one
+vector: one index per 8 weights; with the 4-bit masks the total is still 2 bits per weight.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.quant.formats import QuantizedExperts, VQ2SparseWeights
+from moe_jax.quant.int4 import pad_k, padded_k, prune_24, quads
+from pallas_kernels.vq2_grouped_matmul import VQ2Weights, pack_codebook, unpack_codebook
+
+CODEBOOK_SIZE = 256
+
+
+def _assign(v: jax.Array, cb: jax.Array) -> jax.Array:
+  """v: [P, 4], cb: [256, 4] -> int32 [P] nearest centroid."""
+  d = jnp.sum(cb ** 2, axis=1)[None, :] - 2.0 * v @ cb.T
+  return jnp.argmin(d, axis=1).astype(jnp.int32)
+
+
+def kmeans(v: jax.Array, *, iters: int = 20) -> jax.Array:
+  """Lloyd's k-means of v [P, 4] into 256 centroids [256, 4] (float32); empty clusters keep their centroid."""
+  p = v.shape[0]
+  init = v[(jnp.arange(CODEBOOK_SIZE) * max(p // CODEBOOK_SIZE, 1)) % p]
+  init = init + 1e-3 * jnp.arange(CODEBOOK_SIZE, dtype=jnp.float32)[:, None] / CODEBOOK_SIZE  # break exact ties
+
+  def step(cb, _):
+    a = _assign(v, cb)
+    onehot_sum = jax.ops.segment_sum(v, a, num_segments=CODEBOOK_SIZE)
+    count = jax.ops.segment_sum(jnp.ones((p,), jnp.float32), a, num_segments=CODEBOOK_SIZE)
+    return jnp.where(count[:, None] > 0, onehot_sum / jnp.maximum(count, 1.0)[:, None], cb), None
+
+  cb, _ = jax.lax.scan(step, init, None, length=iters)
+  return cb
+
+
+def _fit(vecs: jax.Array, per: str, iters: int) -> tuple[jax.Array, jax.Array]:
+  """vecs [E, P, 4] -> (packed codebook uint32 [C, 256, 2], idx int32 [E, P]) against the bf16-rounded codebook."""
+  if per == "expert":
+    cb = jax.vmap(lambda v: kmeans(v, iters=iters))(vecs)
+  elif per == "layer":
+    cb = kmeans(vecs.reshape(-1, 4), iters=iters)[None]
+  else:
+    raise ValueError(f"codebook={per!r} must be 'expert' or 'layer'")
+  packed = pack_codebook(cb)
+  cbr = unpack_codebook(packed)
+  idx = jax.vmap(_assign)(vecs, jnp.broadcast_to(cbr, (vecs.shape[0], *cbr.shape[1:])))
+  return packed, idx
+
+
+def _refit_scale(w: jax.Array, w_unit: jax.Array) -> jax.Array:
+  """Least-squares scale per group column: w, w_unit [..., G, N] -> bf16 [..., N]."""
+  s = jnp.sum(w * w_unit, axis=-2) / jnp.maximum(jnp.sum(w_unit ** 2, axis=-2), 1e-12)
+  return s.astype(jnp.bfloat16)
+
+
+def quantize_vq2(w: jax.Array, *, group_size: int = 128, codebook: str = "expert", sparsity: str | None = None,
+                 calib_x: jax.Array | None = None, iters: int = 20) -> QuantizedExperts:
+  """Quantizes an expert weight [E, K, N] to vq2 (or vq2_sp24 with sparsity="2:4").
+
+  Args:
+    w: [E, K, N] float.
+    group_size: G (a multiple of 64; 128 or more with 2:4).
+    codebook: "expert" (one codebook per expert) or "layer" (one shared by all experts of the weight).
+    sparsity: None or "2:4".
+    calib_x: [E, R, K] calibration inputs (2:4 saliency only).
+    iters: k-means iterations.
+  """
+  if sparsity not in (None, "2:4"):
+    raise ValueError(f"sparsity={sparsity!r} must be None or '2:4'")
+  e, k, n = w.shape
+  kp = padded_k(k, group_size)
+  ng, quarter, eighth = kp // group_size, group_size // 4, group_size // 8
+  w = pad_k(w.astype(jnp.float32), kp)
+  wq = quads(w, group_size)  # [E, Kg, 4, G/4, N]
+  if sparsity is None:
+    rms = jnp.sqrt(jnp.mean(wq ** 2, axis=(2, 3), keepdims=True)) + 1e-12  # [E, Kg, 1, 1, N]
+    vecs = jnp.moveaxis(wq / rms, 2, -1)  # [E, Kg, G/4, N, 4]
+    packed, idx = _fit(vecs.reshape(e, -1, 4), codebook, iters)
+    cb = jnp.broadcast_to(unpack_codebook(packed), (e, CODEBOOK_SIZE, 4))
+    unit = jax.vmap(lambda c, i: c[i])(cb, idx).reshape(e, ng, quarter, n, 4)
+    unit = jnp.moveaxis(unit, -1, 2).reshape(e, ng, group_size, n)
+    scale = _refit_scale(w.reshape(e, ng, group_size, n), unit)
+    data = VQ2Weights(idx.reshape(e, kp // 4, n).astype(jnp.uint8), packed, scale, None)
+    return QuantizedExperts(data, kind="vq2", k=k, group_size=group_size)
+  x = None if calib_x is None else pad_k(jnp.swapaxes(calib_x.astype(jnp.float32), 1, 2), kp).swapaxes(1, 2)
+  h = None if x is None else jnp.mean(x ** 2, axis=1)
+  keep = quads(prune_24(w, group_size, h), group_size)  # [E, Kg, 4, G/4, N]
+  rank = jnp.cumsum(keep, axis=2)
+  vals = jnp.stack([jnp.sum(jnp.where(keep & (rank == i), wq, 0.0), axis=2) for i in (1, 2)], -1)  # [E,Kg,G/4,N,2]
+  mask = jnp.sum(keep.astype(jnp.int32) << jnp.arange(4)[None, None, :, None, None], axis=2)  # [E, Kg, G/4, N]
+  rms = jnp.sqrt(jnp.mean(vals ** 2, axis=(2, 4), keepdims=True)) + 1e-12  # [E, Kg, 1, N, 1]
+  vecs = jnp.concatenate([vals[:, :, :eighth], vals[:, :, eighth:]], axis=-1) / rms  # [E, Kg, G/8, N, 4]
+  packed, idx = _fit(vecs.reshape(e, -1, 4), codebook, iters)
+  cb = jnp.broadcast_to(unpack_codebook(packed), (e, CODEBOOK_SIZE, 4))
+  unit = jax.vmap(lambda c, i: c[i])(cb, idx).reshape(e, ng, eighth, n, 4)
+  unit_vals = jnp.concatenate([unit[..., 0:2], unit[..., 2:4]], axis=2)  # [E, Kg, G/4, N, 2]
+  s = jnp.sum(vals * unit_vals, axis=(2, 4)) / jnp.maximum(jnp.sum(unit_vals ** 2, axis=(2, 4)), 1e-12)
+  meta = (mask[:, :, :eighth] | (mask[:, :, eighth:] << 4)).astype(jnp.uint8).reshape(e, kp // 8, n)
+  data = VQ2SparseWeights(idx.reshape(e, kp // 8, n).astype(jnp.uint8), meta, packed, s.astype(jnp.bfloat16), None)
+  return QuantizedExperts(data, kind="vq2_sp24", k=k, group_size=group_size)
