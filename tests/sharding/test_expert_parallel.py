@@ -1,0 +1,115 @@
+"""Expert parallelism on 8 simulated CPU devices: sharded == unsharded, and a decode step with no cross-node traffic."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from moe_jax import decode, dispatch, experts, locality
+from sharding import expert_parallel as ep
+from sharding import hlo_collectives as hc
+from sharding import meshes, runner
+
+pytestmark = pytest.mark.needs_8_devices
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32, matmul precision "highest"
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jax.random.randint(jax.random.key(11), (8, 12), 0, 256)
+
+
+@pytest.mark.parametrize("layout", ["1x8", "2x4", "4x2", "8x1"])
+def test_sharded_model_equals_unsharded(tiny_model, tokens, layout):
+  """λ = 0, surrogates off: the expert-parallel model's logits equal the single-device model's."""
+  n, _ = meshes.parse_layout(layout)
+  lcvc0 = locality.with_lcvc(tiny_model, locality.LCVCConfig(n_nodes=n, penalty=0.0))
+  sm = runner.shard(lcvc0, meshes.make_mesh(layout=layout))
+  np.testing.assert_allclose(sm.logits(tokens), decode.logits(tiny_model, tokens), **TOL)
+
+
+def test_tensor_parallel_layout_equals_unsharded(tiny_model, tokens):
+  sm = runner.shard(tiny_model, meshes.make_mesh(layout="4x2"), layout="ep_tp")  # kv_heads=2 over local=2
+  np.testing.assert_allclose(sm.logits(tokens), decode.logits(tiny_model, tokens), **TOL)
+
+
+def test_surrogate_decode_has_no_cross_node_collective(tiny_model, tokens):
+  """LCVC + surrogates: the compiled decode step's collectives stay inside nodes, and the step equals the
+  single-device LCVC model (exact prefill, surrogate decode); the exact decode step does cross nodes."""
+  mesh = meshes.make_mesh(layout="2x4")
+  model = locality.make_lcvc(tiny_model, locality.LCVCConfig(n_nodes=2, penalty=1.0, threshold=0.3,
+                                                              surrogates=True), rank=8)
+  lengths = jnp.array([12, 5, 9, 12, 1, 7, 12, 3], jnp.int32)
+  nxt = jax.random.randint(jax.random.key(12), (8,), 0, 256)
+  ref_logits, ref_cache = decode.prefill(locality.set_surrogates(model, False), tokens, lengths, kv_cache="fp32",
+                                         cache_len=16)
+  ref_step, _ = decode.decode_step(locality.set_surrogates(model, True), ref_cache, nxt)
+
+  sm = runner.shard(model, mesh, surrogate_decode=True)
+  logits, cache = sm.prefill(tokens, lengths, kv_cache="fp32", cache_len=16)
+  step, cache = sm.decode_step(cache, nxt)
+  np.testing.assert_allclose(logits, ref_logits, **TOL)
+  np.testing.assert_allclose(step, ref_step, **TOL)
+  np.testing.assert_array_equal(cache.lengths, lengths + 1)
+
+  node_of = meshes.device_nodes(mesh)
+  local = hc.summarize(sm.decode_hlo(cache, nxt), node_of)
+  assert local["n_collectives"] > 0 and local["ops"] == ["all-to-all"]  # the within-node dispatch is there
+  assert local["n_cross_node"] == 0 and local["cross_node_bytes"] == 0
+  exact = hc.summarize(runner.shard(model, mesh).decode_hlo(cache, nxt), node_of)
+  assert exact["n_cross_node"] > 0 and exact["cross_node_bytes"] > 0
+
+
+def _dispatch_body(x, w, ids, w_gate, w_up, w_down, *, dispatcher, n_experts):
+  fn = functools.partial(experts.swiglu_experts, w_gate=w_gate, w_up=w_up, w_down=w_down)
+  return dispatcher(x, w, ids, lambda xs, gs: fn(xs, gs), n_experts)
+
+
+def _run_dispatch(dispatcher, mesh, x, w, ids, weights):
+  both = ("node", "local")
+  body = functools.partial(_dispatch_body, dispatcher=dispatcher, n_experts=weights[0].shape[0])
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(both),) * 6, out_specs=P(both), check_vma=False))
+  return f(x, w, ids, *weights)
+
+
+@pytest.mark.parametrize("node_local", [False, True])
+def test_dispatch_transports_agree_with_local_dispatch(node_local):
+  """Padded and ragged (emulated collective) transports equal `LocalDispatch`; node-local mode computes exactly
+  the pairs whose expert is on the token's node."""
+  e, d, f, t, k = 16, 32, 24, 64, 3
+  keys = jax.random.split(jax.random.key(3), 6)
+  x = jax.random.normal(keys[0], (t, d))
+  ids = jnp.argsort(jax.random.uniform(keys[1], (t, e)), axis=1)[:, :k].astype(jnp.int32)  # distinct per token
+  w = jax.random.uniform(keys[2], (t, k))
+  weights = tuple(jax.random.normal(kk, s) * 0.2 for kk, s in zip(keys[3:], [(e, d, f), (e, d, f), (e, f, d)]))
+  mesh = meshes.make_mesh(layout="2x4")
+  expect_w = w
+  if node_local:  # token t is on node t // (T / 2); expert e on node e // (E / 2)
+    expect_w = jnp.where(locality.expert_nodes(e, 2)[ids] == locality.simulated_token_nodes(t, 2)[:, None], w, 0.0)
+  expect = dispatch.LocalDispatch()(x, expect_w, ids, functools.partial(experts.swiglu_experts, w_gate=weights[0],
+                                                                          w_up=weights[1], w_down=weights[2]), e)
+  for transport in ("padded", "ragged_emulated"):
+    got = _run_dispatch(ep.ExpertParallelDispatch(2, 4, node_local, transport), mesh, x, w, ids, weights)
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5, err_msg=transport)
+
+
+def test_small_capacity_is_counted_and_never_silent():
+  e, d, f, t, k = 8, 16, 8, 32, 2
+  keys = jax.random.split(jax.random.key(4), 4)
+  x = jax.random.normal(keys[0], (t, d))
+  ids = jnp.stack([jnp.zeros((t,), jnp.int32), jnp.ones((t,), jnp.int32)], axis=1)  # all to device 0 and 1
+  w = jnp.full((t, k), 0.5)
+  weights = tuple(jax.random.normal(kk, s) * 0.2 for kk, s in zip(keys[1:], [(e, d, f), (e, d, f), (e, f, d)]))
+  mesh = meshes.make_mesh(layout="2x4")
+  full = _run_dispatch(ep.ExpertParallelDispatch(2, 4), mesh, x, w, ids, weights)
+  assert np.isfinite(np.asarray(full)).all()
+  small = np.asarray(_run_dispatch(ep.ExpertParallelDispatch(2, 4, capacity=2), mesh, x, w, ids, weights))
+  per_device = np.asarray(ids).reshape(8, -1)
+  overflow = sum(int(ep.capacity_overflow(jnp.asarray(r), n_experts=e, n_devices=8, capacity=2)) for r in per_device)
+  assert overflow == 8 * 2 * 2  # each device: 4 tokens, 2 fit per destination, for 2 destinations
+  bad_tokens = ~np.isfinite(small).all(axis=1)
+  assert bad_tokens.sum() == 8 * 2  # every token with a dropped pair is NaN ...
+  np.testing.assert_allclose(small[~bad_tokens], np.asarray(full)[~bad_tokens], rtol=1e-5, atol=1e-5)  # ... others exact
