@@ -1,0 +1,343 @@
+"""Decode attention on the GPU: the OS-KVP Pallas kernel next to cuDNN, jax's Pallas decode kernel and XLA.
+
+Run on the H200:  PYTHONPATH=$PWD python3 benchmarks/decode_attention.py --out=$OUT
+Phases (one process, one run): (1) correctness of the Pallas kernel against its jnp reference on fresh random
+inputs (ragged lengths, G 1/4/8, H 64/128, poisoned partials); (2) a tiling sweep at 64k x batch 8; (3) the grid
+contexts x batches with every implementation, copy bandwidth measured in the same run. Writes
+decode_attention.{md,json} under --out (and --results if given).
+
+Timing: each measurement jits `calls` back-to-back invocations (distinct queries, rotating over enough copies of
+the cache to exceed 3x the 60 MB L2), takes the median over `reps` runs after warm-up and divides by `calls`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.oskvp_decode_attention import (DecodeBlockConfig, _oskvp_pallas, default_num_splits,
+                                                   oskvp_decode_attention, oskvp_decode_attention_reference)
+from pallas_kernels.oskvp_random import random_oskvp_inputs
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+L2_BYTES = 60 * 2**20
+N_HEADS, KV_HEADS, HEAD_DIM, WINDOW = 32, 8, 128, 128
+
+
+def timeit(fn, make_args, bytes_per_call, reps=15, min_calls=8):
+  """fn(*args) one call; make_args(i) -> args of copy i. Returns ms per call (median)."""
+  copies = max(1, min(16, math.ceil(3 * L2_BYTES / max(bytes_per_call, 1))))
+  calls = max(min_calls, copies)
+  arg_sets = [make_args(i) for i in range(copies)]
+  qs = [jax.random.normal(jax.random.key(1000 + i), arg_sets[0][0].shape, jnp.float32).astype(arg_sets[0][0].dtype)
+        for i in range(calls)]
+
+  @jax.jit
+  def multi(qs, arg_sets):
+    return [fn(qs[i], *arg_sets[i % copies][1:]) for i in range(calls)]
+
+  jax.block_until_ready(multi(qs, arg_sets))
+  jax.block_until_ready(multi(qs, arg_sets))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(multi(qs, arg_sets))
+    times.append((time.perf_counter() - t0) * 1e3 / calls)
+  del arg_sets
+  return statistics.median(times)
+
+
+def copy_bandwidth():
+  """(copy TB/s counting read + write, read-only TB/s) on 1 GiB of f32."""
+  x = jax.random.normal(jax.random.key(0), (2**28,), jnp.float32)
+  add = jax.jit(lambda x: x + 1.0)
+  tot = jax.jit(lambda x: x.sum())
+  res = []
+  for f, nbytes in ((add, 2 * x.nbytes), (tot, x.nbytes)):
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(20):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(x))
+      ts.append(time.perf_counter() - t0)
+    res.append(nbytes / statistics.median(ts) / 1e12)
+  return res
+
+
+# ------------------------------------------------------------------------------------------------- peers (bf16 etc.)
+
+
+def bf16_cache(key, b, s):
+  k1, k2 = jax.random.split(key)
+  shape = (b, KV_HEADS, s, HEAD_DIM)  # [B, K, S, H]
+  return (jax.random.normal(k1, shape, jnp.bfloat16), jax.random.normal(k2, shape, jnp.bfloat16))
+
+
+def xla_bf16(q, k, v):
+  """q [B, N, H] bf16, k/v [B, K, S, H] bf16 -> [B, N, H]."""
+  b, n, h = q.shape
+  qg = q.reshape(b, KV_HEADS, n // KV_HEADS, h)
+  s = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) * h**-0.5
+  p = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("BKGS,BKSH->BKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32).reshape(b, n, h)
+
+
+def cudnn_bf16(q, k, v):
+  """q [B, N, H], k/v [B, S, K, H] (cuDNN's layout)."""
+  return jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")[:, 0]
+
+
+def pallas_gqa_bf16(q, k, v):
+  """jax's Pallas (Triton) decode kernel, fed its native layout: one kv head per row, k/v [B*K, S, H]."""
+  from jax.experimental.pallas.ops.gpu import decode_attention as da  # pylint: disable=g-import-not-at-top
+  b, n, h = q.shape
+  o = da.mqa(q.reshape(b * KV_HEADS, n // KV_HEADS, h), k, v, k_splits=16, block_h=16, block_k=128)
+  return o.reshape(b, n, h)
+
+
+def quant_int8(x):
+  scale = jnp.abs(x.astype(jnp.float32)).max(-1) / 127.0 + 1e-8
+  return jnp.round(x / scale[..., None]).astype(jnp.int8), scale
+
+
+def quant_fp8(x):
+  scale = jnp.abs(x.astype(jnp.float32)).max(-1) / 448.0 + 1e-8
+  return (x / scale[..., None]).astype(jnp.float8_e4m3fn), scale
+
+
+def xla_scaled(q, kq, ks, vq, vs):
+  """int8/fp8 cache with per-token scales [B, K, S]: dequantize inside the XLA einsums."""
+  b, n, h = q.shape
+  qg = q.reshape(b, KV_HEADS, n // KV_HEADS, h)
+  s = jnp.einsum("BKGH,BKSH->BKGS", qg, kq.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  p = jax.nn.softmax(s * ks[:, :, None, :] * h**-0.5, axis=-1) * vs[:, :, None, :]
+  return jnp.einsum("BKGS,BKSH->BKGH", p.astype(jnp.bfloat16), vq.astype(jnp.bfloat16),
+                    preferred_element_type=jnp.float32).reshape(b, n, h)
+
+
+def quant_kivi2(k, v, group=128):
+  """KIVI-2: keys per channel over groups of `group` tokens, values per token; 2-bit codes packed 4 per byte."""
+  b, kh, s, h = k.shape
+  kg = k.astype(jnp.float32).reshape(b, kh, s // group, group, h)
+  kmin, kmax = kg.min(3), kg.max(3)
+  kscale = (kmax - kmin) / 3 + 1e-8
+  kc = jnp.clip(jnp.round((kg - kmin[:, :, :, None]) / kscale[:, :, :, None]), 0, 3).astype(jnp.uint8)
+  vf = v.astype(jnp.float32)
+  vmin, vmax = vf.min(-1), vf.max(-1)
+  vscale = (vmax - vmin) / 3 + 1e-8
+  vc = jnp.clip(jnp.round((vf - vmin[..., None]) / vscale[..., None]), 0, 3).astype(jnp.uint8)
+  pack = lambda c: (c[..., 0::4] | c[..., 1::4] << 2 | c[..., 2::4] << 4 | c[..., 3::4] << 6)
+  return (pack(kc.reshape(b, kh, s, h)), kscale.astype(jnp.bfloat16), kmin.astype(jnp.bfloat16),
+          pack(vc), vscale.astype(jnp.bfloat16), vmin.astype(jnp.bfloat16))
+
+
+def xla_kivi2(q, kc, kscale, kmin, vc, vscale, vmin, group=128):
+  b, n, h = q.shape
+  unpack = lambda c: ((c[..., None] >> jnp.array([0, 2, 4, 6], jnp.uint8)) & 3).reshape(*c.shape[:-1], 4 * c.shape[-1])
+  s = kc.shape[2]
+  kd = (unpack(kc).astype(jnp.bfloat16).reshape(b, KV_HEADS, s // group, group, h) * kscale[:, :, :, None]
+        + kmin[:, :, :, None]).reshape(b, KV_HEADS, s, h)
+  vd = unpack(vc).astype(jnp.bfloat16) * vscale[..., None] + vmin[..., None]
+  return xla_bf16(q, kd, vd)
+
+
+# ------------------------------------------------------------------------------------------------------- oskvp side
+
+
+def oskvp_args(key, b, s):
+  return random_oskvp_inputs(key, batch=b, heads=N_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, capacity=s,
+                             window=WINDOW)
+
+
+def oskvp_bytes(b, s):
+  per_bk = 2 * (s * (HEAD_DIM // 4 + 8) + WINDOW * HEAD_DIM * 2 + HEAD_DIM * HEAD_DIM * 4 + HEAD_DIM * 16 + 32)
+  return b * KV_HEADS * per_bk
+
+
+def check_correctness(log):
+  """Kernel vs reference on fresh random inputs; returns rows of (case, form, rel_err, nan)."""
+  rows = []
+  cases = [dict(batch=4, heads=16, kv_heads=4, head_dim=128, capacity=4097, window=128,
+                n_comp=[1, 127, 1000, 4097], n_res=[0, 128, 77, 5]),
+           dict(batch=2, heads=8, kv_heads=8, head_dim=64, capacity=1000, window=64, n_comp=[999, 3], n_res=[64, 1]),
+           dict(batch=2, heads=16, kv_heads=2, head_dim=64, capacity=2048, window=128, n_comp=[2048, 0],
+                n_res=[1, 128])]
+  for i, case in enumerate(cases):
+    args = random_oskvp_inputs(jax.random.key(10 + i), **case)
+    ref = jax.jit(oskvp_decode_attention_reference)(*args).astype(jnp.float32)
+    for form in ("mma", "lut"):
+      for cfg in (DecodeBlockConfig(form=form), DecodeBlockConfig(form=form, block_s=64, num_splits=7)):
+        try:
+          out = _oskvp_pallas(*args, interpret=False, config=cfg, poison=True).astype(jnp.float32)
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          rows.append(dict(case=i, config=str(cfg), rel_err=err, nan=bool(jnp.isnan(out).any())))
+        except Exception as e:  # pylint: disable=broad-except
+          rows.append(dict(case=i, config=str(cfg), error=repr(e)[:400]))
+          traceback.print_exc()
+        log(f"check {rows[-1]}")
+  return rows
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="/tmp/decode_attention")
+  ap.add_argument("--contexts", default="4096,16384,65536,131072")
+  ap.add_argument("--batches", default="1,8,32")
+  ap.add_argument("--skip_sweep", action="store_true")
+  ap.add_argument("--extras_contexts", default="65536", help="contexts for the slower/secondary peers")
+  ap.add_argument("--max_cache_gb", type=float, default=40.0, help="skip bf16 peers whose K+V exceed this")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  logf = open(os.path.join(args.out, "log.txt"), "w")
+
+  def log(msg):
+    print(msg, flush=True)
+    logf.write(msg + "\n")
+    logf.flush()
+
+  dev = jax.devices()[0]
+  log(f"device {dev.device_kind}, jax {jax.__version__}")
+  copy_tbs, read_tbs = copy_bandwidth()
+  log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
+  checks = check_correctness(log)
+  if not any("rel_err" in c and "mma" in c["config"] for c in checks):
+    log("the mma kernel did not run; stopping before the timings")
+    return 1
+
+  # Tiling sweep at 64k x 8.
+  sweep = []
+  best = {"mma": DecodeBlockConfig(), "lut": DecodeBlockConfig(form="lut")}
+  if not args.skip_sweep:
+    b, s = 8, 65536
+    nbytes = oskvp_bytes(b, s)
+    cfgs = [DecodeBlockConfig(block_s=bs, num_warps=nw) for bs in (64, 128, 256) for nw in (4, 8)]
+    cfgs += [DecodeBlockConfig(num_stages=3), DecodeBlockConfig(num_splits=8), DecodeBlockConfig(num_splits=32)]
+    cfgs += [DecodeBlockConfig(form="lut", block_s=bs) for bs in (32, 64)]
+    best_ms = {}
+    for cfg in cfgs:
+      try:
+        ms = timeit(lambda *a, cfg=cfg: _oskvp_pallas(*a, interpret=False, config=cfg),
+                    lambda i: oskvp_args(jax.random.key(i), b, s), nbytes, reps=10, min_calls=4)
+      except Exception as e:  # pylint: disable=broad-except
+        log(f"sweep {cfg} failed: {repr(e)[:300]}")
+        continue
+      sweep.append(dict(config=str(cfg), ms=ms, tb_per_s=nbytes / ms / 1e9))
+      log(f"sweep {cfg}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s")
+      if ms < best_ms.get(cfg.form, 1e9):
+        best_ms[cfg.form], best[cfg.form] = ms, cfg
+    log(f"best: {best}")
+
+  rows = []
+  meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
+              shapes=dict(n_heads=N_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, window=WINDOW, outliers=8),
+              copy_tb_per_s=copy_tbs, read_tb_per_s=read_tbs, best_configs={k: str(v) for k, v in best.items()})
+  result = dict(meta=meta, checks=checks, sweep=sweep, rows=rows)
+
+  def save():
+    with open(os.path.join(args.out, "decode_attention.json"), "w") as f:
+      json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "decode_attention.md"), "w") as f:
+      f.write(render_md(result))
+
+  save()
+
+  def record(impl, b, s, ms, nbytes, note=""):
+    row = dict(impl=impl, batch=b, context=s, ms=ms, bytes_read=int(nbytes), tb_per_s=nbytes / ms / 1e9,
+               frac_copy_bw=nbytes / ms / 1e9 / copy_tbs, note=note)
+    rows.append(row)
+    save()
+    log(f"{impl:24s} B={b:3d} S={s:7d} {ms:8.4f} ms {row['tb_per_s']:6.2f} TB/s {note}")
+
+  def attempt(impl, b, s, fn, make_args, nbytes, note=""):
+    try:
+      record(impl, b, s, timeit(fn, make_args, nbytes), nbytes, note)
+    except Exception as e:  # pylint: disable=broad-except
+      log(f"{impl} B={b} S={s} failed: {repr(e)[:300]}")
+
+  for s in [int(x) for x in args.contexts.split(",")]:
+    for b in [int(x) for x in args.batches.split(",")]:
+      bf_bytes = 2 * b * KV_HEADS * s * HEAD_DIM * 2
+      q_of = lambda i, b=b: jax.random.normal(jax.random.key(i), (b, N_HEADS, HEAD_DIM), jnp.bfloat16)
+      for form, cfg in best.items():
+        attempt(f"oskvp_pallas_{form}", b, s, lambda *a, cfg=cfg: _oskvp_pallas(*a, interpret=False, config=cfg),
+                lambda i: oskvp_args(jax.random.key(i), b, s), oskvp_bytes(b, s), str(cfg))
+      extras = str(s) in args.extras_contexts.split(",")
+      if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
+        attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,
+                lambda i: oskvp_args(jax.random.key(i), b, s), oskvp_bytes(b, s))
+      if bf_bytes > args.max_cache_gb * 1e9:
+        log(f"skip bf16 peers at B={b} S={s}: K+V {bf_bytes / 1e9:.1f} GB > {args.max_cache_gb} GB")
+        continue
+
+      def kv_bshk(i):
+        k, v = bf16_cache(jax.random.key(i), b, s)
+        return (q_of(i), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+
+      def kv_bksh(i):
+        return (q_of(i), *bf16_cache(jax.random.key(i), b, s))
+
+      def kv_rows(i):
+        k, v = bf16_cache(jax.random.key(i), b, s)
+        return (q_of(i), k.reshape(b * KV_HEADS, s, HEAD_DIM), v.reshape(b * KV_HEADS, s, HEAD_DIM))
+
+      attempt("cudnn_bf16", b, s, cudnn_bf16, kv_bshk, bf_bytes)
+      attempt("xla_bf16", b, s, xla_bf16, kv_bksh, bf_bytes)
+      if not extras:
+        continue
+      attempt("jax_pallas_decode_bf16", b, s, pallas_gqa_bf16, kv_rows, bf_bytes, "mqa over B*K rows")
+
+      def int8_args(i, quant=quant_int8):
+        _, k, v = kv_bksh(i)
+        kq, ks = quant(k)
+        vq, vs = quant(v)
+        return (q_of(i), kq, ks, vq, vs)
+
+      scaled_bytes = 2 * b * KV_HEADS * s * (HEAD_DIM + 4)
+      attempt("xla_int8", b, s, xla_scaled, int8_args, scaled_bytes)
+      attempt("xla_fp8", b, s, xla_scaled, lambda i: int8_args(i, quant_fp8), scaled_bytes)
+      kivi_bytes = b * KV_HEADS * (2 * s * HEAD_DIM // 4 + (s // 128) * HEAD_DIM * 4 + s * 4)
+      attempt("xla_kivi2", b, s, xla_kivi2, lambda i: (q_of(i), *quant_kivi2(*kv_bksh(i)[1:])), kivi_bytes)
+
+  save()
+  print(render_md(result))
+
+
+def render_md(result):
+  meta, rows = result["meta"], result["rows"]
+  out = [f"# Decode attention, {meta['device']}, jax {meta['jax']}, {meta['date'][:16]} UTC", "",
+         f"N={meta['shapes']['n_heads']} query / K={meta['shapes']['kv_heads']} kv heads, H=128; OS-KVP: 2-bit "
+         f"codes + 8 fp8 outliers, residual window {meta['shapes']['window']}. Copy bandwidth in this run: "
+         f"{meta['copy_tb_per_s']:.2f} TB/s (f32 x+1, read+write), read-only {meta['read_tb_per_s']:.2f} TB/s.",
+         f"Best tilings: {meta['best_configs']}", "",
+         "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN |", "|---|---|---|---|---|---|---|---|"]
+  cud = {(r["batch"], r["context"]): r["ms"] for r in rows if r["impl"] == "cudnn_bf16"}
+  for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["ms"])):
+    ref = cud.get((r["batch"], r["context"]))
+    out.append(f"| {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['bytes_read'] / 1e6:.1f} MB | "
+               f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% | {ref / r['ms']:.2f}x |" if ref else
+               f"| {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['bytes_read'] / 1e6:.1f} MB | "
+               f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% | - |")
+  if result["sweep"]:
+    out += ["", "Tiling sweep at 64k x batch 8 (OS-KVP Pallas):", "", "| config | ms | TB/s |", "|---|---|---|"]
+    out += [f"| {r['config']} | {r['ms']:.4f} | {r['tb_per_s']:.2f} |" for r in sorted(result["sweep"],
+                                                                                    key=lambda r: r["ms"])]
+  out += ["", "Correctness on the GPU (relative L2 error vs the jnp reference, poisoned partials):", ""]
+  out += [f"- case {c['case']} {c['config']}: " + (f"rel_err {c['rel_err']:.2e}, nan={c['nan']}" if "rel_err" in c
+                                                   else f"ERROR {c['error'][:200]}") for c in result["checks"]]
+  return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,396 @@
+"""Fused decode attention over an OS-KVP compressed KV cache (Pallas, Triton lowering).
+
+The cache (per batch row b and kv head k; O = 8 outlier channels, Q = H / 4, R residual tokens):
+  U_k, U_v      f32 [H, H] orthogonal; the cache stores x' = x @ U (rotated basis).
+  codes         uint8 [S, Q], 2-bit codes of ALL H rotated channels, planar: byte i holds channels
+                i, i+Q, i+2Q, i+3Q at bit offsets 0, 2, 4, 6.
+  cb            f32 [H, 4] per-channel codebooks (rows of the outlier channels are zero).
+  outl          float8_e4m3fn [S, O]; scale f32 [O].
+                x'_hat[s, j] = cb[j, code[s, j]] + (j < O ? outl[s, j] * scale[j] : 0).
+  res           bf16 [R, H], the most recent tokens, already rotated.
+  n_comp, n_res int32 [B]: valid tokens at positions [0, n_comp) of the store and [0, n_res) of the window.
+
+Math, for query head n = k * G + g (G = N / K):
+  q' = q @ U_k;  s_t = q' . k'_hat_t / sqrt(H) over compressed and residual tokens;  p = softmax(s) in f32;
+  o' = sum_t p_t v'_hat_t;  o = o' @ U_v^T.
+
+Kernel: grid (B, K, NS + 1). Programs s < NS each take one contiguous share of the compressed tokens of row b
+(the share is sized from n_comp[b], so ragged batches stay balanced) in blocks of `block_s`, dequantize codes
+plane by plane and feed the tensor cores with the G query heads padded to `GP = max(G, 16)` rows
+("mma" form); program NS takes the residual window. Each writes an unnormalised partial (acc, m, l); a small
+jnp step merges them with a log-sum-exp and rotates back by U_v^T. The query rotation (and the 1/sqrt(H) and
+outlier scales, folded into the query) is done in jnp just before the call. `form="lut"` (in
+`oskvp_decode_attention_lut.py`) is the CUDA-core lookup-table variant of the same kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - m) is 0 and never NaN.
+MMA_ROWS = 16  # smallest M of a Triton dot.
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockConfig:
+  """Tiling of the Pallas kernel.
+
+  Attributes:
+    block_s: tokens per inner step (power of two, >= 16).
+    num_splits: programs per (batch row, kv head) over the compressed store; None picks one from the shapes.
+    num_warps, num_stages: Triton launch parameters.
+    form: "mma" (dequantize to bf16, dot on tensor cores) or "lut" (query-folded lookup table on CUDA cores).
+  """
+
+  block_s: int = 128
+  num_splits: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+  form: str = "mma"
+
+  def __post_init__(self):
+    if self.block_s < 16 or self.block_s & (self.block_s - 1):
+      raise ValueError(f"{self.block_s=} must be a power of two >= 16")
+    if self.num_splits is not None and self.num_splits < 1:
+      raise ValueError(f"{self.num_splits=} must be >= 1")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"{self.num_warps=} must be a power of two <= 16")
+    if self.num_stages < 1:
+      raise ValueError(f"{self.num_stages=} must be >= 1")
+    if self.form not in ("mma", "lut"):
+      raise ValueError(f"{self.form=} must be 'mma' or 'lut'")
+
+
+def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:
+  """Enough programs to fill a large GPU (~4 per SM on 132 SMs), without splits shorter than 2 blocks."""
+  return max(1, min(pl.cdiv(target_programs, batch * kv_heads), pl.cdiv(capacity, 2 * block_s)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference (plain jnp).
+
+
+def unpack_codes(codes: jax.Array) -> jax.Array:
+  """uint8 [..., Q] planar-packed -> int32 [..., 4Q] codes in channel order (channel p*Q + i = byte i, bits 2p)."""
+  planes = (codes[..., None, :].astype(jnp.int32) >> (2 * jnp.arange(4)[:, None])) & 3  # [..., 4, Q]
+  return planes.reshape(*codes.shape[:-1], 4 * codes.shape[-1])
+
+
+def dequantize_rotated(codes: jax.Array, outl: jax.Array, scale: jax.Array, cb: jax.Array) -> jax.Array:
+  """Rotated keys/values of the compressed store.
+
+  Args:
+    codes: uint8 [B, K, S, H/4]; outl: float8 [B, K, S, O]; scale: f32 [B, K, O]; cb: f32 [B, K, H, 4].
+
+  Returns:
+    f32 [B, K, S, H] = cb[j, code_j] + (j < O ? outl_j * scale_j : 0).
+  """
+  c = unpack_codes(codes)  # [B, K, S, H]
+  x = jnp.take_along_axis(cb[:, :, None].astype(jnp.float32), c[..., None], axis=-1)[..., 0]  # [B, K, S, H]
+  o = outl.shape[-1]
+  return x.at[..., :o].add(outl.astype(jnp.float32) * scale[:, :, None, :].astype(jnp.float32))
+
+
+def oskvp_decode_attention_reference(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v,
+                                     res_k, res_v, n_comp, n_res, **unused) -> jax.Array:
+  """Plain-jnp decode attention over the OS-KVP cache (same arguments as `oskvp_decode_attention`).
+
+  Returns:
+    [B, N, H] in q's dtype. Needs n_comp + n_res >= 1 for every row.
+  """
+  del unused
+  b, n, h = q.shape
+  kh, s, r = codes_k.shape[1], codes_k.shape[2], res_k.shape[2]
+  hi = lax.Precision.HIGHEST
+  qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, n // kh, h), u_k, precision=hi)
+  k_hat = dequantize_rotated(codes_k, outl_k, scale_k, cb_k)  # [B, K, S, H]
+  v_hat = dequantize_rotated(codes_v, outl_v, scale_v, cb_v)
+  keys = jnp.concatenate([k_hat, res_k.astype(jnp.float32)], axis=2)  # [B, K, S + R, H]
+  vals = jnp.concatenate([v_hat, res_v.astype(jnp.float32)], axis=2)
+  pos = jnp.arange(s + r)
+  visible = jnp.where(pos[None] < s, pos[None] < n_comp[:, None], pos[None] - s < n_res[:, None])  # [B, S + R]
+  scores = jnp.einsum("BKGJ,BKSJ->BKGS", qr, keys, precision=hi) * h**-0.5
+  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  o_rot = jnp.einsum("BKGS,BKSJ->BKGJ", probs, vals, precision=hi)
+  o = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=hi)
+  return o.reshape(b, n, h).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel ("mma" form).
+
+
+def split_range(n_ref, split, num_splits: int, block_s: int):
+  """Split `split`'s token range [start, end) of the compressed store and its number of blocks."""
+  n = n_ref[()]
+  chunk = pl.cdiv(pl.cdiv(n, num_splits), block_s) * block_s
+  start = split * chunk
+  end = jnp.minimum(n, start + chunk)
+  return start, end, pl.cdiv(jnp.maximum(end - start, 0), block_s)
+
+
+def dequant_plane(x: jax.Array, plane: int, cb: list[jax.Array]) -> jax.Array:
+  """x: uint8 [bs, Q] packed codes; cb: 4 rows [1, Q] (one per code) -> [bs, Q] cb[code of `plane`]."""
+  b0 = (x & (1 << 2 * plane)) != 0
+  b1 = (x & (2 << 2 * plane)) != 0
+  return jnp.where(b1, jnp.where(b0, cb[3], cb[2]), jnp.where(b0, cb[1], cb[0]))
+
+
+def fp8_rows(ref, rows, valid):
+  """Masked load of fp8 outlier rows [bs, O] -> f32, zero on invalid rows (Triton cannot splat an `other` to fp8,
+  and an unloaded fp8 lane may hold a NaN encoding, which 0 * NaN would spread into the accumulator)."""
+  x = plgpu.load(ref.at[rows, :], mask=valid[:, None]).astype(jnp.float32)
+  return jnp.where(valid[:, None], x, 0.0)
+
+
+def online_softmax_update(scores, valid, m, l):
+  """scores f32 [GP, bs], valid bool [bs] -> (p [GP, bs], alpha [GP], m_new, l_new)."""
+  scores = jnp.where(valid[None, :], scores, NEG_INF)
+  m_new = jnp.maximum(m, scores.max(axis=1))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(scores - m_new[:, None])
+  return p, alpha, m_new, alpha * l + p.sum(axis=1)
+
+
+def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref, nr_ref,
+                acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int):
+  # qp_ref [4, GP, Q] bf16 (rotated, scaled query, by plane); qo_ref [GP, O] f32 (outlier query x scale_k);
+  # cbk_ref, cbv_ref [4 planes, 4 codes, Q] f32; ck_ref, cv_ref [S, Q] uint8; ok_ref, ov_ref [S, O] fp8;
+  # rk_ref, rv_ref [R, H] bf16; nc_ref, nr_ref [] int32.
+  # acc_ref [4, GP, Q] f32; acco_ref [GP, O] f32; m_ref, l_ref [GP] f32.
+  gp, q_dim = qp_ref.shape[1], qp_ref.shape[2]
+  o_dim = qo_ref.shape[1]
+  split = pl.program_id(2)  # read here: interpret mode cannot see program_id inside `pl.when`.
+  qp = [qp_ref[p] for p in range(4)]  # [GP, Q] bf16 each
+  m0 = jnp.full((gp,), NEG_INF, jnp.float32)
+  l0 = jnp.zeros((gp,), jnp.float32)
+  acc0 = [jnp.zeros((gp, q_dim), jnp.float32) for _ in range(4)]
+
+  def write(acc, acco, m, l):
+    for p in range(4):
+      acc_ref[p] = acc[p]
+    acco_ref[...] = acco
+    m_ref[...] = m
+    l_ref[...] = l
+
+  @pl.when(split < num_splits)
+  def _compressed():
+    start, end, nblocks = split_range(nc_ref, split, num_splits, block_s)
+    qo = qo_ref[...]  # [GP, O]
+    cbk = [[cbk_ref[p, c][None, :].astype(jnp.bfloat16) for c in range(4)] for p in range(4)]
+    cbv = [[cbv_ref[p, c][None, :].astype(jnp.bfloat16) for c in range(4)] for p in range(4)]
+
+    def body(i, carry):
+      acc, acco, m, l = carry
+      s0 = start + i * block_s
+      valid = s0 + jnp.arange(block_s) < end  # [bs]
+      rows = pl.ds(s0, block_s)
+      ck = plgpu.load(ck_ref.at[rows, :], mask=valid[:, None], other=0)  # [bs, Q] uint8
+      ok = fp8_rows(ok_ref, rows, valid)  # [bs, O]
+      scores = (qo[:, None, :] * ok[None, :, :]).sum(axis=2)  # [GP, bs]
+      for p in range(4):
+        kd = dequant_plane(ck, p, cbk[p])  # [bs, Q] bf16
+        scores += plgpu.dot(qp[p], kd, trans_b=True)
+      pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
+      cv = plgpu.load(cv_ref.at[rows, :], mask=valid[:, None], other=0)
+      ov = fp8_rows(ov_ref, rows, valid)  # [bs, O]
+      acco = acco * alpha[:, None] + (pexp[:, :, None] * ov[None, :, :]).sum(axis=1)  # [GP, O]
+      pb = pexp.astype(jnp.bfloat16)
+      acc = [acc[p] * alpha[:, None] + plgpu.dot(pb, dequant_plane(cv, p, cbv[p])) for p in range(4)]
+      return acc, acco, m, l
+
+    acco0 = jnp.zeros((gp, o_dim), jnp.float32)
+    write(*lax.fori_loop(0, nblocks, body, (acc0, acco0, m0, l0)))
+
+  @pl.when(split == num_splits)
+  def _residual():
+    n = nr_ref[()]
+
+    def body(i, carry):
+      acc, m, l = carry
+      r0 = i * block_r
+      valid = r0 + jnp.arange(block_r) < n
+      rows = pl.ds(r0, block_r)
+      scores = jnp.zeros((gp, block_r), jnp.float32)
+      for p in range(4):
+        rk = plgpu.load(rk_ref.at[rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)  # [br, Q]
+        scores += plgpu.dot(qp[p], rk, trans_b=True)
+      pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
+      pb = pexp.astype(jnp.bfloat16)
+      acc_new = []
+      for p in range(4):
+        rv = plgpu.load(rv_ref.at[rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)
+        acc_new.append(acc[p] * alpha[:, None] + plgpu.dot(pb, rv))
+      return acc_new, m, l
+
+    acc, m, l = lax.fori_loop(0, pl.cdiv(n, block_r), body, (acc0, m0, l0))
+    write(acc, jnp.zeros((gp, o_dim), jnp.float32), m, l)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Wrapper: query rotation before, log-sum-exp merge and back-rotation after.
+
+
+def prepare_query(q, u_k, scale_k, kv_heads: int, rows: int):
+  """q [B, N, H] -> (q_planes f32 [B, K, 4, rows, Q], q_outl f32 [B, K, rows, O]); rows >= G are zero."""
+  b, n, h = q.shape
+  g = n // kv_heads
+  qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kv_heads, g, h), u_k,
+                  precision=lax.Precision.HIGHEST) * h**-0.5  # [B, K, G, H]
+  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+  q_planes = qr.reshape(b, kv_heads, rows, 4, h // 4).transpose(0, 1, 3, 2, 4)
+  q_outl = qr[..., :scale_k.shape[-1]] * scale_k[:, :, None, :]
+  return q_planes, q_outl
+
+
+def plane_codebooks(cb):
+  """cb [B, K, H, 4] -> [B, K, 4 planes, 4 codes, Q] f32."""
+  b, k, h, _ = cb.shape
+  return cb.astype(jnp.float32).reshape(b, k, 4, h // 4, 4).transpose(0, 1, 2, 4, 3)
+
+
+def merge_partials(acc, acco, m, l, scale_v, u_v, groups: int, dtype):
+  """Log-sum-exp merge over splits and rotation back.
+
+  Args:
+    acc [B, K, NS+1, 4, GP, Q], acco [B, K, NS+1, GP, O], m, l [B, K, NS+1, GP] (f32); scale_v [B, K, O];
+    u_v [B, K, H, H].
+
+  Returns:
+    [B, N, H] in dtype.
+  """
+  b, kh, _, _, _, qd = acc.shape
+  acc, acco, m, l = acc[..., :groups, :], acco[..., :groups, :], m[..., :groups], l[..., :groups]
+  w = jnp.exp(m - m.max(axis=2, keepdims=True))  # [B, K, NS+1, G]
+  denom = (w * l).sum(axis=2)  # [B, K, G]
+  o_rot = jnp.einsum("BKSG,BKSPGQ->BKGPQ", w, acc, precision=lax.Precision.HIGHEST).reshape(b, kh, groups, 4 * qd)
+  o_out = jnp.einsum("BKSG,BKSGO->BKGO", w, acco, precision=lax.Precision.HIGHEST) * scale_v[:, :, None, :]
+  o_rot = o_rot.at[..., :o_out.shape[-1]].add(o_out) / denom[..., None]
+  o = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=lax.Precision.HIGHEST)
+  return o.reshape(b, kh * groups, 4 * qd).astype(dtype)
+
+
+def _drop_aliased_inputs(kernel, n_aliased, *refs):
+  return kernel(*refs[:12], *refs[12 + n_aliased:])
+
+
+def check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp):
+  b, n, h = q.shape
+  _, kh, s, qd = codes_k.shape
+  if h % 64:
+    raise ValueError(f"head dim {h=} must be a multiple of 64 (each code plane is a Triton dot of >= 16)")
+  if qd * 4 != h:
+    raise ValueError(f"codes_k.shape[-1]={qd} must be H/4 = {h // 4}")
+  if n % kh:
+    raise ValueError(f"{kh=} kv heads must divide {n=} query heads")
+  g = n // kh
+  if g & (g - 1):
+    raise ValueError(f"G = N / K = {g} must be a power of two")
+  o = outl_k.shape[-1]
+  if o & (o - 1) or o > qd:
+    raise ValueError(f"outlier channels {o=} must be a power of two <= H/4")
+  if cb_k.shape != (b, kh, h, 4) or u_k.shape != (b, kh, h, h) or scale_k.shape != (b, kh, o):
+    raise ValueError(f"bad cache shapes: {cb_k.shape=}, {u_k.shape=}, {scale_k.shape=}")
+  if res_k.shape[:2] != (b, kh) or res_k.shape[3] != h or n_comp.shape != (b,):
+    raise ValueError(f"bad shapes: {res_k.shape=}, {n_comp.shape=}")
+
+
+@functools.partial(jax.jit, static_argnames=["interpret", "config", "poison"])
+def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
+                  n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False):
+  b, n, h = q.shape
+  _, kh, s, qd = codes_k.shape
+  g, o_dim, r = n // kh, outl_k.shape[-1], res_k.shape[2]
+  ns = config.num_splits or default_num_splits(b, kh, s, config.block_s)
+  block_r = min(config.block_s, max(16, pl.next_power_of_2(r)))
+  rows = max(g, MMA_ROWS) if config.form == "mma" else g
+  q_planes, q_outl = prepare_query(q, u_k, scale_k, kh, rows)
+  if config.form == "mma":
+    kernel, q_planes = _mma_kernel, q_planes.astype(jnp.bfloat16)
+  else:
+    from pallas_kernels.oskvp_decode_attention_lut import lut_kernel  # pylint: disable=g-import-not-at-top
+    kernel = lut_kernel
+  kernel = functools.partial(kernel, num_splits=ns, block_s=config.block_s, block_r=block_r)
+
+  def per_head(*tail):
+    return pl.BlockSpec((None, None, *tail), lambda i, j, t: (i, j) + (0,) * len(tail))
+
+  def per_row():
+    return pl.BlockSpec((None,), lambda i, j, t: (i,))
+
+  def per_prog(*tail):
+    return pl.BlockSpec((None, None, None, *tail), lambda i, j, t: (i, j, t) + (0,) * len(tail))
+
+  out_shape = [jax.ShapeDtypeStruct((b, kh, ns + 1, 4, rows, qd), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, ns + 1, rows, o_dim), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, ns + 1, rows), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, ns + 1, rows), jnp.float32)]
+  out_specs = [per_prog(4, rows, qd), per_prog(rows, o_dim), per_prog(rows), per_prog(rows)]
+  in_specs = [per_head(4, rows, qd), per_head(rows, o_dim), per_head(4, 4, qd), per_head(s, qd), per_head(s, o_dim),
+              per_head(4, 4, qd), per_head(s, qd), per_head(s, o_dim), per_head(r, h), per_head(r, h), per_row(),
+              per_row()]
+  inputs = [q_planes, q_outl, plane_codebooks(cb_k), codes_k, outl_k, plane_codebooks(cb_v), codes_v, outl_v, res_k,
+            res_v, n_comp.astype(jnp.int32), n_res.astype(jnp.int32)]
+  aliases = {}
+  if poison:  # Partials start as NaN (aliased in/out buffers): any element the kernel skips poisons the result.
+    aliases = {len(inputs) + i: i for i in range(4)}
+    inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
+    in_specs += out_specs
+    kernel = functools.partial(_drop_aliased_inputs, kernel, len(aliases))
+  acc, acco, m, l = pl.pallas_call(
+      kernel,
+      grid=(b, kh, ns + 1),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name=f"oskvp_decode_{config.form}",
+  )(*inputs)
+  return merge_partials(acc, acco, m, l, scale_v, u_v, g, q.dtype)
+
+
+def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
+                           n_comp, n_res, *, implementation: str = "pallas", interpret: bool = False,
+                           config: DecodeBlockConfig | None = None) -> jax.Array:
+  """Decode attention (one query token per sequence) over the OS-KVP cache.
+
+  Args:
+    q: [B, N, H] queries, unrotated (N = K * G, query head n reads kv head n // G).
+    codes_k, codes_v: uint8 [B, K, S, H/4] planar-packed 2-bit codes.
+    outl_k, outl_v: float8_e4m3fn [B, K, S, O]; scale_k, scale_v: f32 [B, K, O].
+    cb_k, cb_v: f32 [B, K, H, 4] per-channel codebooks.
+    u_k, u_v: f32 [B, K, H, H] orthogonal rotations.
+    res_k, res_v: bf16 [B, K, R, H] residual window, rotated.
+    n_comp, n_res: int32 [B] valid tokens in the store and in the window (n_comp + n_res >= 1).
+    implementation: "pallas" (the fused kernel; on CPU pass interpret=True) or "xla" (the jnp reference).
+    interpret: run the Pallas kernel in interpret mode (CPU).
+    config: tiling; None uses `DecodeBlockConfig()`.
+
+  Returns:
+    [B, N, H] in q's dtype.
+  """
+  args = (q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp, n_res)
+  if implementation == "xla":
+    return jax.jit(oskvp_decode_attention_reference)(*args)
+  if implementation != "pallas":
+    raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
+  check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp)
+  return _oskvp_pallas(*args, interpret=interpret, config=config or DecodeBlockConfig())
+
+
+def attention_bytes(batch: int, kv_heads: int, context: int, head_dim: int, outliers: int = 8,
+                    residual: int = 0) -> int:
+  """Bytes the kernel must read for `context` compressed tokens (+ `residual` bf16 ones), K and V."""
+  per_token = head_dim // 4 + outliers  # codes + fp8 outliers
+  return 2 * batch * kv_heads * (context * per_token + residual * head_dim * 2)
