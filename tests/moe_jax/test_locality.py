@@ -1,0 +1,114 @@
+"""The LCVC router: penalty, threshold, unpenalised combine weights, online τ, and the LCVC MoE layer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import locality, routing
+from moe_jax.dispatch import LocalDispatch
+
+
+def _logits(t=64, e=8, seed=0):
+  return jax.random.normal(jax.random.key(seed), (t, e)) * 2.0
+
+
+def test_placement():
+  np.testing.assert_array_equal(locality.expert_nodes(8, 4), [0, 0, 1, 1, 2, 2, 3, 3])
+  np.testing.assert_array_equal(locality.simulated_token_nodes(6, 2), [0, 0, 0, 1, 1, 1])
+  with pytest.raises(ValueError, match="n_nodes=3 must divide n_experts=8"):
+    locality.expert_nodes(8, 3)
+
+
+@pytest.mark.parametrize("field,value", [("penalty", -1.0), ("threshold", 1.5), ("n_nodes", 0),
+                                         ("threshold_step", 0.0), ("target_remote_rate", 2.0)])
+def test_config_errors_name_the_field(field, value):
+  with pytest.raises(ValueError, match=field):
+    locality.LCVCConfig(**{field: value})
+
+
+def _select(logits, penalty, threshold, n_nodes=2, k=2, router="softmax"):
+  t, e = logits.shape
+  return locality.lcvc_select(logits, k=k, router=router, norm_topk_prob=True, bias=jnp.zeros((e,)),
+                              token_node=locality.simulated_token_nodes(t, n_nodes),
+                              expert_node=locality.expert_nodes(e, n_nodes), penalty=penalty,
+                              threshold=jnp.float32(threshold))
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_zero_penalty_is_exact_routing(router):
+  logits = _logits()
+  w, ids, _ = _select(logits, 0.0, 0.5, router=router)
+  w_ref, ids_ref = routing.select_experts(logits, k=2, router=router)
+  np.testing.assert_array_equal(ids, ids_ref)
+  np.testing.assert_allclose(w, w_ref, rtol=1e-6)
+
+
+def test_penalty_keeps_tokens_local_below_threshold_and_weights_unpenalised():
+  logits = _logits(t=256)
+  probs = jax.nn.softmax(logits, -1)
+  _, _, remote_exact = _select(logits, 0.0, 1.0)
+  w, ids, remote = _select(logits, 10.0, 1.0)  # τ = 1: no exception, 4 local experts >= k = 2
+  assert float(remote_exact.mean()) > 0.3 and not bool(remote.any())
+  chosen = jnp.take_along_axis(probs, ids, axis=1)
+  np.testing.assert_allclose(w, chosen / chosen.sum(-1, keepdims=True), rtol=1e-6)  # combine: true affinities
+  # A remote expert above τ survives the penalty: τ = 0.4 lets through exactly the remote experts with p > 0.4
+  # that rank in the top-k among the (penalised) scores.
+  _, ids_t, remote_t = _select(logits, 10.0, 0.4)
+  p_remote = jnp.take_along_axis(probs, ids_t, axis=1)[remote_t]
+  assert bool(remote_t.any()) and float(p_remote.min()) > 0.4
+
+
+def test_threshold_sign_update_moves_toward_target():
+  assert float(locality.update_threshold(jnp.float32(0.5), 0.3, 0.1, 0.05)) == pytest.approx(0.55)
+  assert float(locality.update_threshold(jnp.float32(0.5), 0.0, 0.1, 0.05)) == pytest.approx(0.45)
+  assert float(locality.update_threshold(jnp.float32(0.99), 0.9, 0.1, 0.05)) == 1.0
+
+
+def test_lcvc_layer_with_zero_penalty_equals_moe(tiny_model):
+  moe = tiny_model.blocks[0].ffn
+  x = jax.random.normal(jax.random.key(5), (4, 6, tiny_model.config.d_model))
+  layer = locality.LCVCMoE(moe, locality.LCVCConfig(n_nodes=4, penalty=0.0))
+  (y, aux), (y_ref, _) = jax.jit(lambda a, b, x: (a(x), b(x)))(layer, moe, x)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+  assert 0.5 < float(aux["remote_rate"]) < 1.0 and float(aux["surrogate_rate"]) == 0.0  # 3 of 4 nodes are remote
+
+
+def test_lcvc_layer_splits_local_and_surrogate_pairs(tiny_model):
+  """With surrogates the layer = exact experts on local pairs + surrogates on remote pairs (checked by hand)."""
+  from moe_jax import surrogates  # pylint: disable=g-import-not-at-top
+  moe = tiny_model.blocks[1].ffn
+  sur = surrogates.LowRankExperts(moe.w_gate[...], moe.w_up[...], moe.w_down[...], rank=4)
+  cfg = locality.LCVCConfig(n_nodes=2, penalty=0.3, threshold=0.2, surrogates=True)
+  layer = locality.LCVCMoE(moe, cfg, sur)
+  x = jax.random.normal(jax.random.key(6), (2, 8, tiny_model.config.d_model))
+  y, aux = jax.jit(lambda m, x: m(x))(layer, x)
+  tokens = x.reshape(16, -1)
+  logits = routing.router_logits(tokens, moe.w_router[...])
+  w, ids, remote = locality.lcvc_select(logits, k=moe.k, router=moe.router, norm_topk_prob=moe.norm_topk_prob,
+                                        bias=moe.router_bias[...], token_node=locality.simulated_token_nodes(16, 2),
+                                        expert_node=locality.expert_nodes(8, 2), penalty=0.3,
+                                        threshold=jnp.float32(0.2))
+
+  @jax.jit
+  def expected(moe, sur, tokens, w, ids, remote):
+    return (LocalDispatch()(tokens, jnp.where(remote, 0, w), ids, moe.expert_fn, 8)
+            + LocalDispatch()(tokens, jnp.where(remote, w, 0), ids, sur, 8)
+            + moe.shared(tokens) * jax.nn.sigmoid(tokens @ moe.w_shared_gate[...]))
+
+  expect = expected(moe, sur, tokens, w, ids, remote)
+  np.testing.assert_allclose(y.reshape(16, -1), expect, rtol=1e-5, atol=1e-5)
+  assert float(aux["surrogate_rate"]) == float(aux["remote_rate"]) == float(remote.mean()) > 0
+  with pytest.raises(ValueError, match="needs surrogates"):
+    locality.LCVCMoE(moe, cfg, None)
+
+
+def test_online_threshold_tuning_reduces_remote_rate(tiny_model):
+  model = locality.with_lcvc(tiny_model, locality.LCVCConfig(n_nodes=2, penalty=1.0, threshold=0.0,
+                                                             target_remote_rate=0.05, threshold_step=0.1))
+  batches = [jax.random.randint(jax.random.key(i), (4, 32), 0, 256) for i in range(6)]
+  history = locality.tune_thresholds(model, batches)
+  taus = [float(layer.threshold[...]) for layer in locality.moe_layers(model)]
+  assert history[0] > 0.3  # τ = 0: every remote expert is an exception, as with exact routing
+  assert history[-1] < history[0] / 2 and all(t > 0 for t in taus)
+  assert not any(isinstance(b.ffn, locality.LCVCMoE) for b in tiny_model.blocks)
