@@ -34,6 +34,12 @@ def _count(name):
   return wrap
 
 
+def _sample_or_argmax(logits, key, temperature, top_k, top_p):
+  """`sample`, skipping its full-vocabulary sort when every row is greedy (the same tokens either way)."""
+  return jax.lax.cond(jnp.any(temperature > 0), lambda: sample(logits, key, temperature, top_k, top_p),
+                      lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
 def total_traces() -> int:
   return sum(TRACES.values())
 
@@ -84,7 +90,7 @@ def sample_rows(last: jax.Array, key: jax.Array, step: jax.Array, temperature: j
                 top_p: jax.Array):
   """First tokens of prefilled rows: last [P, V] -> (int32 [P], bool [P] logits all finite)."""
   finite = jnp.all(jnp.isfinite(last), axis=-1)
-  return sample(last, jax.random.fold_in(key, step), temperature, top_k, top_p), finite
+  return _sample_or_argmax(last, jax.random.fold_in(key, step), temperature, top_k, top_p), finite
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -122,7 +128,7 @@ def decode_slots(model, cache: KVCache, tokens: jax.Array, active: jax.Array, ke
   logits, new = model.decode(cache, tokens[:, None])
   logits = logits[:, 0]
   finite = jnp.all(jnp.isfinite(logits), axis=-1)
-  nxt = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
+  nxt = _sample_or_argmax(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
   return nxt, finite, new.replace(lengths=jnp.where(active, new.lengths, cache.lengths))
 
 
