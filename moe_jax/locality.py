@@ -43,6 +43,8 @@ class LCVCConfig:
     target_remote_rate: remote fraction of chosen (token, expert) pairs that τ is tuned toward.
     threshold_step: γ > 0 of the sign update.
     surrogates: compute chosen remote experts with their low-rank surrogates (no cross-node traffic).
+    surrogate_scope: "decode" uses surrogates only in single-token steps (prefill stays exact: its all-to-all is
+      amortised over the prompt), "all" in every call (e.g. to score a full causal pass as if decoded).
   """
 
   n_nodes: int = 2
@@ -51,8 +53,11 @@ class LCVCConfig:
   target_remote_rate: float = 0.1
   threshold_step: float = 0.01
   surrogates: bool = False
+  surrogate_scope: str = "decode"
 
   def __post_init__(self):
+    if self.surrogate_scope not in ("decode", "all"):
+      raise ValueError(f"surrogate_scope={self.surrogate_scope!r} must be 'decode' or 'all'")
     if not isinstance(self.n_nodes, int) or self.n_nodes < 1:
       raise ValueError(f"n_nodes={self.n_nodes!r} must be a positive int")
     if self.penalty < 0:
@@ -67,6 +72,10 @@ class LCVCConfig:
 
 class LCVCThreshold(nnx.Variable):
   """τ of one layer: tuned online by `update_threshold`, not by gradient."""
+
+
+class LCVCPenalty(nnx.Variable):
+  """λ of one layer (a value, not a static field, so that sweeping it does not recompile)."""
 
 
 def expert_nodes(n_experts: int, n_nodes: int) -> jax.Array:
@@ -88,22 +97,22 @@ def token_nodes(dispatch, n_tokens: int, n_nodes: int) -> jax.Array:
   return simulated_token_nodes(n_tokens, n_nodes)
 
 
-def locality_penalty(probs: jax.Array, token_node: jax.Array, expert_node: jax.Array, penalty: float,
+def locality_penalty(probs: jax.Array, token_node: jax.Array, expert_node: jax.Array, penalty,
                      threshold: jax.Array) -> jax.Array:
   """float32 [T, E]: −λ where the expert is remote and its affinity does not exceed τ, else 0.
 
   Args:
     probs: float32 [T, E] affinities.
     token_node: int32 [T]; expert_node: int32 [E].
-    penalty: λ.
+    penalty: λ, a scalar.
     threshold: τ, a scalar.
   """
   remote = token_node[:, None] != expert_node[None, :]
-  return jnp.where(remote & (probs <= threshold), -penalty, 0.0).astype(jnp.float32)
+  return jnp.where(remote & (probs <= threshold), -jnp.asarray(penalty, jnp.float32), 0.0)
 
 
 def lcvc_select(logits: jax.Array, *, k: int, router: str, norm_topk_prob: bool, bias: jax.Array,
-                token_node: jax.Array, expert_node: jax.Array, penalty: float,
+                token_node: jax.Array, expert_node: jax.Array, penalty,
                 threshold: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Locality-constrained top-k.
 
@@ -134,6 +143,7 @@ class LCVCMoE(MoE):
   Attributes (besides MoE's):
     lcvc: the `LCVCConfig`.
     threshold: `LCVCThreshold` τ (scalar).
+    penalty: `LCVCPenalty` λ (scalar).
     surrogate: `LowRankExperts` or None.
     use_surrogates: compute remote experts by their surrogates (static; needs `surrogate`).
   """
@@ -147,6 +157,7 @@ class LCVCMoE(MoE):
       raise ValueError("LCVCConfig.surrogates=True needs surrogates (see moe_jax.surrogates.build_surrogates)")
     self.lcvc = lcvc
     self.threshold = LCVCThreshold(jnp.asarray(lcvc.threshold, jnp.float32))
+    self.penalty = LCVCPenalty(jnp.asarray(lcvc.penalty, jnp.float32))
     self.surrogate = surrogate
     self.use_surrogates = lcvc.surrogates
 
@@ -159,8 +170,9 @@ class LCVCMoE(MoE):
     e_node = expert_nodes(self.n_experts, self.lcvc.n_nodes)
     weights, ids, remote = lcvc_select(
         logits, k=self.k, router=self.router, norm_topk_prob=self.norm_topk_prob, bias=self.router_bias[...],
-        token_node=t_node, expert_node=e_node, penalty=self.lcvc.penalty, threshold=self.threshold[...])
-    if self.use_surrogates:
+        token_node=t_node, expert_node=e_node, penalty=self.penalty[...], threshold=self.threshold[...])
+    surrogates = self.use_surrogates and (self.lcvc.surrogate_scope == "all" or t == 1)
+    if surrogates:
       y = self.dispatch(tokens, jnp.where(remote, 0.0, weights), ids, self.expert_fn, self.n_experts)
       y = y + LocalDispatch()(tokens, jnp.where(remote, weights, 0.0), ids, self.surrogate, self.n_experts)
     else:
@@ -177,7 +189,7 @@ class LCVCMoE(MoE):
         "z_loss": routing.z_loss(logits),
         "expert_counts": jnp.bincount(ids.reshape(-1), length=self.n_experts),
         "remote_rate": remote_rate,
-        "surrogate_rate": remote_rate if self.use_surrogates else jnp.zeros((), jnp.float32),
+        "surrogate_rate": remote_rate if surrogates else jnp.zeros((), jnp.float32),
     }
     return y.reshape(b, t, d), aux
 
@@ -204,6 +216,15 @@ def with_lcvc(model, lcvc: LCVCConfig, surrogates: list[LowRankExperts] | None =
     if isinstance(ffn, LCVCMoE):
       raise ValueError("model already routes by LCVC")
     model.blocks[i].ffn = LCVCMoE(ffn, lcvc, None if surrogates is None else surrogates[j])
+  return model
+
+
+def set_penalty(model, penalty: float, threshold: float | None = None):
+  """Sets λ (and optionally τ) of every LCVC layer in place; returns the model."""
+  for layer in moe_layers(model):
+    layer.penalty[...] = jnp.asarray(penalty, jnp.float32)
+    if threshold is not None:
+      layer.threshold[...] = jnp.asarray(threshold, jnp.float32)
   return model
 
 

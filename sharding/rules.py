@@ -48,6 +48,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "ffn/w_router": ("embed", "router_experts"),
     "ffn/router_bias": ("router_experts",),
     "ffn/threshold": (),
+    "ffn/penalty": (),
     "ffn/w_shared_gate": ("embed", None),
     "ffn/w_gate": ("experts", "embed", "expert_mlp"),
     "ffn/w_up": ("experts", "embed", "expert_mlp"),

@@ -1,5 +1,7 @@
 """The LCVC router: penalty, threshold, unpenalised combine weights, online τ, and the LCVC MoE layer."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,7 +81,7 @@ def test_lcvc_layer_splits_local_and_surrogate_pairs(tiny_model):
   from moe_jax import surrogates  # pylint: disable=g-import-not-at-top
   moe = tiny_model.blocks[1].ffn
   sur = surrogates.LowRankExperts(moe.w_gate[...], moe.w_up[...], moe.w_down[...], rank=4)
-  cfg = locality.LCVCConfig(n_nodes=2, penalty=0.3, threshold=0.2, surrogates=True)
+  cfg = locality.LCVCConfig(n_nodes=2, penalty=0.3, threshold=0.2, surrogates=True, surrogate_scope="all")
   layer = locality.LCVCMoE(moe, cfg, sur)
   x = jax.random.normal(jax.random.key(6), (2, 8, tiny_model.config.d_model))
   y, aux = jax.jit(lambda m, x: m(x))(layer, x)
@@ -101,6 +103,9 @@ def test_lcvc_layer_splits_local_and_surrogate_pairs(tiny_model):
   assert float(aux["surrogate_rate"]) == float(aux["remote_rate"]) == float(remote.mean()) > 0
   with pytest.raises(ValueError, match="needs surrogates"):
     locality.LCVCMoE(moe, cfg, None)
+  decode_scope = dataclasses.replace(cfg, surrogate_scope="decode")
+  _, aux = jax.jit(lambda m, x: m(x))(locality.LCVCMoE(moe, decode_scope, sur), x)
+  assert float(aux["surrogate_rate"]) == 0.0  # scope "decode": a multi-token call keeps remote experts exact
 
 
 def test_online_threshold_tuning_reduces_remote_rate(tiny_model):
