@@ -113,3 +113,19 @@ def test_small_capacity_is_counted_and_never_silent():
   bad_tokens = ~np.isfinite(small).all(axis=1)
   assert bad_tokens.sum() == 8 * 2  # every token with a dropped pair is NaN ...
   np.testing.assert_allclose(small[~bad_tokens], np.asarray(full)[~bad_tokens], rtol=1e-5, atol=1e-5)  # ... others exact
+
+
+def test_ragged_transport_lowers_to_ragged_all_to_all():
+  """XLA:CPU cannot compile ragged-all-to-all, but the GPU variant must trace and lower to it (the bookkeeping
+  around it is checked numerically through the emulated collective above)."""
+  e, d, f, t, k = 16, 8, 8, 8, 2
+  mesh = meshes.make_mesh(layout="2x4")
+  args = (jnp.zeros((t, d)), jnp.zeros((t, k)), jnp.zeros((t, k), jnp.int32), jnp.zeros((e, d, f)),
+          jnp.zeros((e, d, f)), jnp.zeros((e, f, d)))
+  both = ("node", "local")
+  for node_local in (False, True):
+    body = functools.partial(_dispatch_body, dispatcher=ep.ExpertParallelDispatch(2, 4, node_local, "ragged"),
+                             n_experts=e)
+    f_ = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(both),) * 6, out_specs=P(both), check_vma=False))
+    text = f_.lower(*args).as_text()
+    assert text.count("ragged_all_to_all") >= 3  # dispatch rows, their expert ids, and the combine
