@@ -18,6 +18,7 @@ XLA inserts the gradient all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -118,13 +119,25 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   )
 
 
+@functools.lru_cache(maxsize=8)
+def _state_builder(config: ModelConfig, tc: TrainConfig) -> Callable[[], dict[str, Any]]:
+  @jax.jit
+  def build():
+    _, params, rest = nnx.split(init_model(config, seed=tc.seed), nnx.Param, ...)
+    return {"params": params, "rest": rest, "opt_state": make_optimizer(tc).init(params),
+            "step": jnp.zeros((), jnp.int32)}
+  return build
+
+
 def init_state(config: ModelConfig, tc: TrainConfig) -> tuple[nnx.GraphDef, dict[str, Any]]:
-  """A fresh train state (float32 parameters whatever `config.param_dtype`, for stable AdamW)."""
-  model = init_model(config.replace(param_dtype="float32"), seed=tc.seed)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  state = {"params": params, "rest": rest, "opt_state": make_optimizer(tc).init(params),
-           "step": jnp.zeros((), jnp.int32)}
-  return graphdef, state
+  """A fresh train state (float32 parameters whatever `config.param_dtype`, for stable AdamW).
+
+  Built in one jitted function (eager initialisation would compile every random draw separately), compiled once
+  per (config, options) in a process.
+  """
+  config = config.replace(param_dtype="float32")
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(config, seed=tc.seed)))
+  return graphdef, _state_builder(config, tc)()
 
 
 def model_from_state(graphdef: nnx.GraphDef, state: dict[str, Any]) -> Transformer:
@@ -141,6 +154,7 @@ def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+@functools.lru_cache(maxsize=8)  # one compilation per (model structure, options) in a process
 def make_train_step(graphdef: nnx.GraphDef, tc: TrainConfig) -> Callable:
   """Returns the jitted `step(state, batch int32 [B, T+1], total_steps) -> (state, metrics)` (state donated)."""
   optimizer = make_optimizer(tc)
@@ -167,7 +181,7 @@ def make_train_step(graphdef: nnx.GraphDef, tc: TrainConfig) -> Callable:
       moe_blocks = [b for b in model.blocks if hasattr(b.ffn, "router_bias")]
       for block, c in zip(moe_blocks, counts):
         c = c.astype(jnp.float32)
-        block.ffn.router_bias.value = block.ffn.router_bias.value + tc.bias_update_rate * jnp.sign(jnp.mean(c) - c)
+        block.ffn.router_bias[...] = block.ffn.router_bias[...] + tc.bias_update_rate * jnp.sign(jnp.mean(c) - c)
       _, _, rest = nnx.split(model, nnx.Param, ...)
     imbalance = (jnp.mean(jnp.stack([jnp.max(c) / jnp.maximum(jnp.mean(c), 1e-9) for c in counts]))
                  if counts else jnp.ones(()))
@@ -179,6 +193,7 @@ def make_train_step(graphdef: nnx.GraphDef, tc: TrainConfig) -> Callable:
   return jax.jit(step, donate_argnums=0)
 
 
+@functools.lru_cache(maxsize=8)
 def make_eval_fn(graphdef: nnx.GraphDef) -> Callable:
   """Jitted `(params, rest, windows int32 [W, T+1]) -> mean nats per token` through the full causal forward."""
 
@@ -197,7 +212,8 @@ def _mesh_shardings(batch_size: int):
     return None, None
   if batch_size % n:
     raise ValueError(f"batch_size={batch_size} must be divisible by the {n} devices for data parallelism")
-  mesh = jax.make_mesh((n,), ("data",))
+  # Auto axes: XLA propagates the batch sharding through the model (the MoE's sort and gathers included).
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   return NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 
 

@@ -1,0 +1,68 @@
+"""Checkpoints: orbax train-state round trip is bitwise exact; the shipped format round-trips; the shipped model loads."""
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax import checkpoints, decode, train
+
+
+def _assert_trees_equal(a, b):
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb
+  for x, y in zip(la, lb):
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_orbax_train_state_round_trip_is_bitwise(tiny_config, tmp_path):
+  tc = train.TrainConfig(steps=12, batch_size=4, seq_len=32, lr=3e-3, warmup=2, save_every=4, keep=2, log_every=1,
+                         eval_windows=2)
+  _, state = train.init_state(tiny_config.replace(n_layers=1, name="tiny-1block"), tc)
+  # Non-trivial optimizer moments and router biases, from fresh random values.
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  rng = np.random.default_rng()
+  state = jax.tree_util.tree_unflatten(treedef, [
+      jax.numpy.asarray(rng.standard_normal(x.shape).astype(x.dtype) if np.issubdtype(x.dtype, np.floating)
+                        else np.asarray(x) + 7) for x in leaves])
+  manager = checkpoints.train_manager(str(tmp_path / "ckpt"), save_every=1, keep=1)
+  manager.save(3, args=checkpoints.train_save_args(state, {"note": "x"}))
+  manager.wait_until_finished()
+  assert manager.latest_step() == 3
+  restored = checkpoints.restore_train_state(manager, state)
+  _assert_trees_equal(state, restored)
+
+
+def test_export_load_round_trip(tiny_model, tiny_config, tmp_path):
+  checkpoints.export(tiny_model, tiny_config, str(tmp_path / "f32"), storage_dtype="float32")
+  config, model = checkpoints.load(str(tmp_path / "f32"))
+  assert config == tiny_config
+  _assert_trees_equal(checkpoints.named_variables(tiny_model), checkpoints.named_variables(model))
+  # bfloat16 storage: every value is the bf16 rounding of the original, loaded back as float32.
+  checkpoints.export(tiny_model, tiny_config, str(tmp_path / "bf16"))
+  _, model16 = checkpoints.load(str(tmp_path / "bf16"))
+  for name, x in checkpoints.named_variables(tiny_model).items():
+    y = checkpoints.named_variables(model16)[name]
+    assert y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x.astype(jax.numpy.bfloat16).astype(x.dtype)))
+
+
+def test_load_errors(tmp_path):
+  with pytest.raises(ValueError, match="checkpoint='nope'"):
+    checkpoints.load("nope")
+
+
+def test_shipped_checkpoint_loads_and_is_small():
+  import os  # pylint: disable=g-import-not-at-top
+  directory = checkpoints.resolve("tiny-trained")
+  size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+  assert size <= 10 * 2**20
+  config, model = checkpoints.load("tiny-trained")
+  assert config.name == "tiny-trained" and config.head_dim >= 32 and config.n_layers >= 2
+  import configs  # pylint: disable=g-import-not-at-top
+  assert configs.get("tiny-trained") == config
+  tokens = np.array([[257] + list(b"import os\nimport sys\n")], np.int32)
+  logits = np.asarray(decode.logits(model, tokens))
+  # A trained byte model is confident on boilerplate: "import s" -> "y" after "import os\nimport s".
+  assert np.argmax(logits[0, tokens.shape[1] - 4]) == ord("y")
