@@ -48,6 +48,9 @@ class DecodeBlockConfig:
     num_splits: programs per (batch row, kv head) over the compressed store; None picks one from the shapes.
     num_warps, num_stages: Triton launch parameters.
     form: "mma" (dequantize to bf16, dot on tensor cores) or "lut" (query-folded lookup table on CUDA cores).
+    prefetch: ("mma") load block i+1 while block i is computed (hand-written software pipelining).
+    outlier_mma: ("mma") the fp8 outlier channels go through the tensor cores as a 16-wide padded tile instead
+      of a broadcast multiply-reduce on CUDA cores.
   """
 
   block_s: int = 128
@@ -55,6 +58,8 @@ class DecodeBlockConfig:
   num_warps: int = 4
   num_stages: int = 2
   form: str = "mma"
+  prefetch: bool = False
+  outlier_mma: bool = False
 
   def __post_init__(self):
     if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -67,6 +72,8 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.num_stages=} must be >= 1")
     if self.form not in ("mma", "lut"):
       raise ValueError(f"{self.form=} must be 'mma' or 'lut'")
+    if self.form == "lut" and (self.prefetch or self.outlier_mma):
+      raise ValueError(f"{self.prefetch=} and {self.outlier_mma=} apply to form='mma' only")
 
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:
@@ -145,11 +152,19 @@ def dequant_plane(x: jax.Array, plane: int, cb: list[jax.Array]) -> jax.Array:
   return jnp.where(b1, jnp.where(b0, cb[3], cb[2]), jnp.where(b0, cb[1], cb[0]))
 
 
-def fp8_rows(ref, rows, valid):
-  """Masked load of fp8 outlier rows [bs, O] -> f32, zero on invalid rows (Triton cannot splat an `other` to fp8,
-  and an unloaded fp8 lane may hold a NaN encoding, which 0 * NaN would spread into the accumulator)."""
-  x = plgpu.load(ref.at[rows, :], mask=valid[:, None]).astype(jnp.float32)
-  return jnp.where(valid[:, None], x, 0.0)
+def fp8_rows(ref, rows, valid, cols: int | None = None, width: int | None = None):
+  """Masked load of fp8 outlier rows -> f32 [bs, width], zero on invalid rows and on columns >= cols.
+
+  Triton cannot splat an `other` to fp8, and an unloaded fp8 lane may hold a NaN encoding (0 * NaN would spread
+  into the accumulator), so masked lanes are zeroed after the conversion. width > cols reads a padded tile whose
+  extra columns are masked off (no memory traffic).
+  """
+  if width is None:
+    x = plgpu.load(ref.at[rows, :], mask=valid[:, None]).astype(jnp.float32)
+    return jnp.where(valid[:, None], x, 0.0)
+  mask = valid[:, None] & (jnp.arange(width) < cols)[None, :]
+  x = plgpu.load(ref.at[rows, pl.ds(0, width)], mask=mask).astype(jnp.float32)
+  return jnp.where(mask, x, 0.0)
 
 
 def online_softmax_update(scores, valid, m, l):
@@ -162,13 +177,14 @@ def online_softmax_update(scores, valid, m, l):
 
 
 def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref, nr_ref,
-                acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int):
-  # qp_ref [4, GP, Q] bf16 (rotated, scaled query, by plane); qo_ref [GP, O] f32 (outlier query x scale_k);
+                acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, prefetch: bool,
+                outlier_mma: bool, o_dim: int):
+  # qp_ref [4, GP, Q] bf16 (rotated, scaled query, by plane); qo_ref [GP, OP] (outlier query x scale_k; OP = O,
+  # f32, or OP = 16, bf16, with outlier_mma);
   # cbk_ref, cbv_ref [4 planes, 4 codes, Q] f32; ck_ref, cv_ref [S, Q] uint8; ok_ref, ov_ref [S, O] fp8;
   # rk_ref, rv_ref [R, H] bf16; nc_ref, nr_ref [] int32.
-  # acc_ref [4, GP, Q] f32; acco_ref [GP, O] f32; m_ref, l_ref [GP] f32.
+  # acc_ref [4, GP, Q] f32; acco_ref [GP, OP] f32; m_ref, l_ref [GP] f32.
   gp, q_dim = qp_ref.shape[1], qp_ref.shape[2]
-  o_dim = qo_ref.shape[1]
   split = pl.program_id(2)  # read here: interpret mode cannot see program_id inside `pl.when`.
   qp = [qp_ref[p] for p in range(4)]  # [GP, Q] bf16 each
   m0 = jnp.full((gp,), NEG_INF, jnp.float32)
@@ -185,31 +201,50 @@ def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref
   @pl.when(split < num_splits)
   def _compressed():
     start, end, nblocks = split_range(nc_ref, split, num_splits, block_s)
-    qo = qo_ref[...]  # [GP, O]
+    qo = qo_ref[...]  # [GP, OP]: f32 (broadcast path) or bf16 padded to 16 columns (outlier_mma)
     cbk = [[cbk_ref[p, c][None, :].astype(jnp.bfloat16) for c in range(4)] for p in range(4)]
     cbv = [[cbv_ref[p, c][None, :].astype(jnp.bfloat16) for c in range(4)] for p in range(4)]
 
-    def body(i, carry):
-      acc, acco, m, l = carry
+    def load_block(i):
+      """Raw tiles of block i: codes [bs, Q] uint8 (K, V) and outliers [bs, OP] f32 (K, V), zero where invalid."""
       s0 = start + i * block_s
-      valid = s0 + jnp.arange(block_s) < end  # [bs]
+      valid = s0 + jnp.arange(block_s) < end
       rows = pl.ds(s0, block_s)
-      ck = plgpu.load(ck_ref.at[rows, :], mask=valid[:, None], other=0)  # [bs, Q] uint8
-      ok = fp8_rows(ok_ref, rows, valid)  # [bs, O]
-      scores = (qo[:, None, :] * ok[None, :, :]).sum(axis=2)  # [GP, bs]
-      for p in range(4):
-        kd = dequant_plane(ck, p, cbk[p])  # [bs, Q] bf16
-        scores += plgpu.dot(qp[p], kd, trans_b=True)
-      pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
+      ck = plgpu.load(ck_ref.at[rows, :], mask=valid[:, None], other=0)
       cv = plgpu.load(cv_ref.at[rows, :], mask=valid[:, None], other=0)
-      ov = fp8_rows(ov_ref, rows, valid)  # [bs, O]
-      acco = acco * alpha[:, None] + (pexp[:, :, None] * ov[None, :, :]).sum(axis=1)  # [GP, O]
+      if outlier_mma:  # 16 columns so the outliers ride the tensor cores; columns >= O are masked (no traffic).
+        return ck, fp8_rows(ok_ref, rows, valid, o_dim, MMA_ROWS), cv, fp8_rows(ov_ref, rows, valid, o_dim, MMA_ROWS)
+      return ck, fp8_rows(ok_ref, rows, valid), cv, fp8_rows(ov_ref, rows, valid)
+
+    def compute(i, tiles, acc, acco, m, l):
+      ck, ok, cv, ov = tiles
+      valid = start + i * block_s + jnp.arange(block_s) < end  # [bs]
+      if outlier_mma:
+        scores = plgpu.dot(qo, ok.astype(jnp.bfloat16), trans_b=True)  # [GP, bs]
+      else:
+        scores = (qo[:, None, :] * ok[None, :, :]).sum(axis=2)  # [GP, bs]
+      for p in range(4):
+        scores += plgpu.dot(qp[p], dequant_plane(ck, p, cbk[p]), trans_b=True)
+      pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
       pb = pexp.astype(jnp.bfloat16)
+      if outlier_mma:
+        acco = acco * alpha[:, None] + plgpu.dot(pb, ov.astype(jnp.bfloat16))  # [GP, OP]
+      else:
+        acco = acco * alpha[:, None] + (pexp[:, :, None] * ov[None, :, :]).sum(axis=1)  # [GP, O]
       acc = [acc[p] * alpha[:, None] + plgpu.dot(pb, dequant_plane(cv, p, cbv[p])) for p in range(4)]
       return acc, acco, m, l
 
-    acco0 = jnp.zeros((gp, o_dim), jnp.float32)
-    write(*lax.fori_loop(0, nblocks, body, (acc0, acco0, m0, l0)))
+    acco0 = jnp.zeros(acco_ref.shape, jnp.float32)
+    if prefetch:  # Manual software pipelining: block i+1's loads are in flight while block i is computed.
+      def body(i, carry):
+        tiles, state = carry
+        nxt = load_block(i + 1)  # masked off (no traffic) past the end
+        return nxt, compute(i, tiles, *state)
+
+      _, state = lax.fori_loop(0, nblocks, body, (load_block(0), (acc0, acco0, m0, l0)))
+    else:
+      state = lax.fori_loop(0, nblocks, lambda i, c: compute(i, load_block(i), *c), (acc0, acco0, m0, l0))
+    write(*state)
 
   @pl.when(split == num_splits)
   def _residual():
@@ -233,7 +268,7 @@ def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref
       return acc_new, m, l
 
     acc, m, l = lax.fori_loop(0, pl.cdiv(n, block_r), body, (acc0, m0, l0))
-    write(acc, jnp.zeros((gp, o_dim), jnp.float32), m, l)
+    write(acc, jnp.zeros(acco_ref.shape, jnp.float32), m, l)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,14 +297,15 @@ def merge_partials(acc, acco, m, l, scale_v, u_v, groups: int, dtype):
   """Log-sum-exp merge over splits and rotation back.
 
   Args:
-    acc [B, K, NS+1, 4, GP, Q], acco [B, K, NS+1, GP, O], m, l [B, K, NS+1, GP] (f32); scale_v [B, K, O];
+    acc [B, K, NS+1, 4, GP, Q], acco [B, K, NS+1, GP, >= O], m, l [B, K, NS+1, GP] (f32); scale_v [B, K, O];
     u_v [B, K, H, H].
 
   Returns:
     [B, N, H] in dtype.
   """
   b, kh, _, _, _, qd = acc.shape
-  acc, acco, m, l = acc[..., :groups, :], acco[..., :groups, :], m[..., :groups], l[..., :groups]
+  o_dim = scale_v.shape[-1]
+  acc, acco, m, l = acc[..., :groups, :], acco[..., :groups, :o_dim], m[..., :groups], l[..., :groups]
   w = jnp.exp(m - m.max(axis=2, keepdims=True))  # [B, K, NS+1, G]
   denom = (w * l).sum(axis=2)  # [B, K, G]
   o_rot = jnp.einsum("BKSG,BKSPGQ->BKGPQ", w, acc, precision=lax.Precision.HIGHEST).reshape(b, kh, groups, 4 * qd)
@@ -314,8 +350,13 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
   block_r = min(config.block_s, max(16, pl.next_power_of_2(r)))
   rows = max(g, MMA_ROWS) if config.form == "mma" else g
   q_planes, q_outl = prepare_query(q, u_k, scale_k, kh, rows)
+  o_cols = o_dim  # columns of the outlier query and accumulator
   if config.form == "mma":
-    kernel, q_planes = _mma_kernel, q_planes.astype(jnp.bfloat16)
+    q_planes = q_planes.astype(jnp.bfloat16)
+    if config.outlier_mma:
+      o_cols = MMA_ROWS
+      q_outl = jnp.pad(q_outl, ((0, 0), (0, 0), (0, 0), (0, o_cols - o_dim))).astype(jnp.bfloat16)
+    kernel = functools.partial(_mma_kernel, prefetch=config.prefetch, outlier_mma=config.outlier_mma, o_dim=o_dim)
   else:
     from pallas_kernels.oskvp_decode_attention_lut import lut_kernel  # pylint: disable=g-import-not-at-top
     kernel = lut_kernel
@@ -331,11 +372,11 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
     return pl.BlockSpec((None, None, None, *tail), lambda i, j, t: (i, j, t) + (0,) * len(tail))
 
   out_shape = [jax.ShapeDtypeStruct((b, kh, ns + 1, 4, rows, qd), jnp.float32),
-               jax.ShapeDtypeStruct((b, kh, ns + 1, rows, o_dim), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, ns + 1, rows, o_cols), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, ns + 1, rows), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, ns + 1, rows), jnp.float32)]
-  out_specs = [per_prog(4, rows, qd), per_prog(rows, o_dim), per_prog(rows), per_prog(rows)]
-  in_specs = [per_head(4, rows, qd), per_head(rows, o_dim), per_head(4, 4, qd), per_head(s, qd), per_head(s, o_dim),
+  out_specs = [per_prog(4, rows, qd), per_prog(rows, o_cols), per_prog(rows), per_prog(rows)]
+  in_specs = [per_head(4, rows, qd), per_head(rows, o_cols), per_head(4, 4, qd), per_head(s, qd), per_head(s, o_dim),
               per_head(4, 4, qd), per_head(s, qd), per_head(s, o_dim), per_head(r, h), per_head(r, h), per_row(),
               per_row()]
   inputs = [q_planes, q_outl, plane_codebooks(cb_k), codes_k, outl_k, plane_codebooks(cb_v), codes_v, outl_v, res_k,

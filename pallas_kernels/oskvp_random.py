@@ -7,8 +7,11 @@ and a bf16 residual window.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def random_oskvp_inputs(key, *, batch: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
@@ -17,7 +20,14 @@ def random_oskvp_inputs(key, *, batch: int, heads: int, kv_heads: int, head_dim:
 
   n_comp / n_res: int or sequence of length `batch` (default: full store, full window).
   """
-  b, k, h, s, r, o = batch, kv_heads, head_dim, capacity, window, outliers
+  lens = lambda v, full: jnp.asarray(np.broadcast_to(np.asarray(full if v is None else v, np.int32), (batch,)))
+  return _random_cache(key, batch, heads, kv_heads, head_dim, capacity, window, outliers,
+                       jnp.dtype(q_dtype)) + (lens(n_comp, capacity), lens(n_res, window))
+
+
+@functools.partial(jax.jit, static_argnums=range(1, 9))
+def _random_cache(key, b, heads, k, h, s, r, o, q_dtype):
+  """One compiled program (eager op-by-op generation costs seconds of compiles on CPU)."""
   ks = jax.random.split(key, 12)
   q = jax.random.normal(ks[0], (b, heads, h), jnp.float32).astype(q_dtype)
 
@@ -41,7 +51,30 @@ def random_oskvp_inputs(key, *, batch: int, heads: int, kv_heads: int, head_dim:
   def res(kk):
     return jax.random.normal(kk, (b, k, r, h), jnp.float32).astype(jnp.bfloat16)
 
-  lens = lambda v, full: jnp.broadcast_to(jnp.asarray(full if v is None else v, jnp.int32), (b,))
   return (q, codes(ks[1]), outl(ks[2]), scale(ks[3]), codebook(ks[4]), codes(ks[5]), outl(ks[6]), scale(ks[7]),
-          codebook(ks[8]), orth(ks[9]), orth(ks[10]), res(ks[11]), res(jax.random.fold_in(ks[11], 1)),
-          lens(n_comp, s), lens(n_res, r))
+          codebook(ks[8]), orth(ks[9]), orth(ks[10]), res(ks[11]), res(jax.random.fold_in(ks[11], 1)))
+
+
+def random_oskvp_inputs_host(seed: int, *, batch: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
+                             window: int = 128, outliers: int = 8, n_comp=None, n_res=None, q_dtype=jnp.bfloat16):
+  """Same distribution as `random_oskvp_inputs`, drawn with numpy on the host: no XLA compile at all, which is
+  what small CPU tests want (compiling the jitted generator costs ~15 s of CPU per shape)."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  b, k, h, s, r, o = batch, kv_heads, head_dim, capacity, window, outliers
+  f32 = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+
+  def codebook():
+    cb = np.sort(f32(b, k, h, 4), axis=-1)
+    cb[:, :, :o] = 0.0
+    return cb
+
+  codes = lambda: rng.integers(0, 256, (b, k, s, h // 4), dtype=np.uint8)
+  outl = lambda: (f32(b, k, s, o) * 4).astype(ml_dtypes.float8_e4m3fn)
+  scale = lambda: rng.uniform(0.5, 2.0, (b, k, o)).astype(np.float32)
+  orth = lambda: np.linalg.qr(f32(b, k, h, h))[0].astype(np.float32)
+  res = lambda: f32(b, k, r, h).astype(ml_dtypes.bfloat16)
+  lens = lambda v, full: np.broadcast_to(np.asarray(full if v is None else v, np.int32), (b,)).copy()
+  arrays = (f32(b, heads, h).astype(q_dtype), codes(), outl(), scale(), codebook(), codes(), outl(), scale(),
+            codebook(), orth(), orth(), res(), res(), lens(n_comp, s), lens(n_res, r))
+  return tuple(jnp.asarray(x) for x in arrays)

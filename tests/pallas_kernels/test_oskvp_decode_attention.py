@@ -4,8 +4,11 @@ Every case draws a fresh random cache (random orthogonal U by QR, random codes, 
 bf16 residual window) and runs the kernel with its partial outputs poisoned with NaN (aliased buffers), so any
 element the kernel forgets to write turns the result into NaN. Lengths are dynamic, so one compiled shape covers a
 whole batch of awkward lengths. Tolerances: the "mma" form feeds bf16 operands to the dot (query, dequantized keys
-and values, probabilities): relative L2 error <= 1.5e-2; the "lut" form is f32 throughout: <= 1e-4.
+and values, probabilities): relative L2 error <= 1.5e-2; the "lut" form is f32 throughout: <= 1e-3.
 """
+
+import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +18,9 @@ import pytest
 from pallas_kernels.oskvp_decode_attention import (DecodeBlockConfig, _oskvp_pallas, dequantize_rotated,
                                                    oskvp_decode_attention, oskvp_decode_attention_reference,
                                                    unpack_codes)
-from pallas_kernels.oskvp_random import random_oskvp_inputs
+from pallas_kernels.oskvp_random import random_oskvp_inputs_host as random_oskvp_inputs
 
-TOL = {"mma": 1.5e-2, "lut": 1e-4}
+TOL = {"mma": 1.5e-2, "lut": 1e-3}
 
 
 def rel_err(out, ref):
@@ -25,42 +28,66 @@ def rel_err(out, ref):
   return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-def run_case(seed, form, config_kw, **shape):
-  args = random_oskvp_inputs(jax.random.key(seed), **shape)
+def run_case(seed, config, **shape):
+  args = random_oskvp_inputs(seed, **shape)
   ref = oskvp_decode_attention_reference(*args)
-  out = _oskvp_pallas(*args, interpret=True, config=DecodeBlockConfig(form=form, **config_kw), poison=True)
+  out = _oskvp_pallas(*args, interpret=True, config=config, poison=True)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   assert not np.isnan(np.asarray(out, np.float32)).any()
   # Per query head as well as overall: every row must be right, not only most of them.
   per_row = [rel_err(out[b], ref[b]) for b in range(out.shape[0])]
-  assert max(per_row) < TOL[form], per_row
+  assert max(per_row) < TOL[config.form], per_row
   return out, ref
 
 
-@pytest.mark.parametrize("form", ["mma", "lut"])
-def test_mixed_lengths_g4_h64(form):
+CONFIGS = {
+    "mma": DecodeBlockConfig(block_s=64, num_splits=5),
+    "mma_prefetch_outlier_mma": DecodeBlockConfig(block_s=64, num_splits=5, prefetch=True, outlier_mma=True),
+    "lut": DecodeBlockConfig(block_s=64, num_splits=5, form="lut"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_mixed_lengths_g4_h64(name):
   """One batch with lengths 1, 127, 1000 and a full 1024-token store; partly filled residual windows."""
-  run_case(1, form, dict(block_s=64, num_splits=5), batch=4, heads=8, kv_heads=2, head_dim=64, capacity=1024,
-           window=48, n_comp=[1, 127, 1000, 1024], n_res=[0, 17, 48, 1])
+  run_case(1, CONFIGS[name], batch=4, heads=8, kv_heads=2, head_dim=64, capacity=1024, window=48,
+           n_comp=[1, 127, 1000, 1024], n_res=[0, 17, 48, 1])
 
 
 def test_long_ragged_g1_h128():
-  """4097 tokens (one past a power of two), G = 1, head dim 128, default splits."""
-  run_case(2, "mma", dict(block_s=128), batch=1, heads=2, kv_heads=2, head_dim=128, capacity=4097, window=128,
+  """4097 tokens (one past a power of two), G = 1, head dim 128, default tiling and splits."""
+  run_case(2, DecodeBlockConfig(), batch=1, heads=2, kv_heads=2, head_dim=128, capacity=4097, window=128,
            n_comp=[4097], n_res=[100])
 
 
 def test_g8_empty_store_and_more_splits_than_blocks():
   """G = 8; a row with an empty store (window only) and a row with 3 tokens split 8 ways (empty splits)."""
-  run_case(3, "mma", dict(block_s=16, num_splits=8), batch=2, heads=16, kv_heads=2, head_dim=64, capacity=200,
-           window=16, n_comp=[0, 3], n_res=[9, 16])
+  run_case(3, DecodeBlockConfig(block_s=16, num_splits=8, prefetch=True), batch=2, heads=16, kv_heads=2,
+           head_dim=64, capacity=200, window=16, n_comp=[0, 3], n_res=[9, 16])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_lowers_to_triton_ir_for_hopper(name):
+  """Lowers the real (non-interpret) kernel to Triton IR for an H100-class GPU on the CPU: catches Pallas-to-Triton
+  lowering errors (unsupported casts, shapes, primitives) in CI. Compiling that IR needs a GPU, so errors of the
+  Triton compiler itself are only caught by benchmarks/decode_attention.py there."""
+  try:
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    pytest.skip("jax internals moved")
+  args = random_oskvp_inputs(7, batch=2, heads=8, kv_heads=2, head_dim=128, capacity=300, window=128)
+  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  fn = jax.jit(functools.partial(_oskvp_pallas, interpret=False, config=CONFIGS[name]))
+  with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100):
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
 
 
 def test_reference_matches_dense_attention_on_dequantized_cache():
   """The reference is plain softmax attention over [dequantized store ; window] rotated back: checked against an
   independent float64 numpy computation, including the planar code layout."""
   b, n, kh, h, s, r = 2, 4, 2, 64, 37, 8
-  args = random_oskvp_inputs(jax.random.key(4), batch=b, heads=n, kv_heads=kh, head_dim=h, capacity=s, window=r,
+  args = random_oskvp_inputs(4, batch=b, heads=n, kv_heads=kh, head_dim=h, capacity=s, window=r,
                              n_comp=[37, 5], n_res=[3, 0], q_dtype=jnp.float32)
   q, ck, ok, sk, cbk, cv, ov, sv, cbv, uk, uv, rk, rv, nc, nr = [np.asarray(x.astype(jnp.float32)) if x.dtype not in
                                                                 (jnp.uint8, jnp.int32) else np.asarray(x) for x in args]
@@ -90,7 +117,7 @@ def test_reference_matches_dense_attention_on_dequantized_cache():
 
 
 def test_entry_point_switch_and_validation():
-  args = random_oskvp_inputs(jax.random.key(5), batch=1, heads=4, kv_heads=1, head_dim=64, capacity=16, window=16)
+  args = random_oskvp_inputs(5, batch=1, heads=4, kv_heads=1, head_dim=64, capacity=16, window=16)
   np.testing.assert_allclose(np.asarray(oskvp_decode_attention(*args, implementation="xla"), np.float32),
                              np.asarray(oskvp_decode_attention_reference(*args), np.float32))
   with pytest.raises(ValueError, match="implementation"):
@@ -99,6 +126,6 @@ def test_entry_point_switch_and_validation():
     DecodeBlockConfig(block_s=48)
   with pytest.raises(ValueError, match="form"):
     DecodeBlockConfig(form="tma")
-  bad = random_oskvp_inputs(jax.random.key(6), batch=1, heads=3, kv_heads=2, head_dim=64, capacity=16, window=16)
+  bad = random_oskvp_inputs(6, batch=1, heads=3, kv_heads=2, head_dim=64, capacity=16, window=16)
   with pytest.raises(ValueError, match="kv heads must divide"):
     oskvp_decode_attention(*bad, interpret=True)
