@@ -217,6 +217,14 @@ def _mesh_shardings(batch_size: int):
   return NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 
 
+def read_metrics(path: str) -> list[dict[str, float]]:
+  """The JSON lines of a `metrics.jsonl` (a workdir's, or `assets/tiny-trained/train_metrics.jsonl`)."""
+  if os.path.isdir(path):
+    path = os.path.join(path, "metrics.jsonl")
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
 def _truncate_metrics(path: str, step: int) -> None:
   """Drops metric lines logged after `step` (written before an interruption, recomputed on resume)."""
   if not os.path.exists(path):
