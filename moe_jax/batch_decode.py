@@ -1,0 +1,192 @@
+"""Offline batch decoding of a JSONL file through the serving engine, resumable, with a progress bar.
+
+    python -m moe_jax.batch_decode --checkpoint=tiny-trained --input=prompts.jsonl --output=out.jsonl
+    python -m moe_jax.batch_decode --config=tiny --input=prompts.jsonl --output=out.jsonl --slots=64
+
+Input, one JSON object per line: {"id": ..., "prompt": "text"} or {"id": ..., "tokens": [ids]}, optionally
+"max_tokens", "temperature", "top_k", "top_p", "stop" (list of token ids; the tokenizer's EOS always stops).
+Output, one line per finished input line, in completion order:
+  {"id", "line", "text", "tokens", "finish_reason"}   or   {"id", "line", "error"} for a request that failed.
+Resumable: ids already present in the output are skipped, so rerunning after an interruption finishes the rest.
+A bad line (invalid JSON, no id, a duplicate id, a prompt the engine rejects) is reported on stderr with its line
+number (and in the output when it has an id); the other lines continue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable
+
+from moe_jax.serving import Engine, EngineConfig, InvalidRequest, QueueFull
+
+_SAMPLING = ("temperature", "top_k", "top_p")
+
+
+def read_done_ids(path: str) -> set:
+  """Ids already in the output file (lines that do not parse, e.g. a torn last line, are ignored)."""
+  done = set()
+  if not os.path.exists(path):
+    return done
+  with open(path) as f:
+    for line in f:
+      try:
+        done.add(json.loads(line)["id"])
+      except (ValueError, KeyError, TypeError):
+        continue
+  return done
+
+
+def _ends_with_newline(path: str) -> bool:
+  with open(path, "rb") as f:
+    f.seek(-1, os.SEEK_END)
+    return f.read(1) == b"\n"
+
+
+def parse_line(text: str, tokenizer, default_max_tokens: int) -> dict:
+  """One input line -> {"id", "prompt" (token ids), "max_tokens", "sampling", "stop"}; ValueError if bad."""
+  try:
+    obj = json.loads(text)
+  except ValueError as e:
+    raise ValueError(f"invalid JSON: {e}") from e
+  if not isinstance(obj, dict):
+    raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+  if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
+    raise ValueError("missing \"id\" (a string or an int)")
+  if ("prompt" in obj) == ("tokens" in obj):
+    raise ValueError("give exactly one of \"prompt\" (text) or \"tokens\" (ids)")
+  if "prompt" in obj:
+    if not isinstance(obj["prompt"], str):
+      raise ValueError("\"prompt\" must be a string")
+    prompt = tokenizer.encode(obj["prompt"])
+  else:
+    prompt = obj["tokens"]
+  stop = obj.get("stop", [])
+  if not isinstance(stop, list):
+    raise ValueError("\"stop\" must be a list of token ids")
+  return {"id": obj["id"], "prompt": prompt, "max_tokens": obj.get("max_tokens", default_max_tokens),
+          "sampling": {k: obj[k] for k in _SAMPLING if k in obj}, "stop": stop}
+
+
+def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: EngineConfig,
+        max_tokens: int = 64, progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
+  """Decodes every line of `input_path` not yet in `output_path`; returns counts.
+
+  Returns:
+    {"lines", "skipped" (already done), "bad" (rejected lines), "finished", "failed"}.
+  """
+  log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+  with open(input_path) as f:
+    lines = f.read().splitlines()
+  done = read_done_ids(output_path)
+  engine = Engine(model, engine_config)
+  eos = getattr(tokenizer, "eos_id", None)
+  counts = {"lines": 0, "skipped": 0, "bad": 0, "finished": 0, "failed": 0}
+  bar = None
+  if progress:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(total=sum(1 for line in lines if line.strip()), desc="batch_decode", unit="req")
+  seen = set()
+  torn = os.path.exists(output_path) and os.path.getsize(output_path) > 0 and not _ends_with_newline(output_path)
+  with open(output_path, "a") as out:
+    if torn:
+      out.write("\n")  # the interrupted run's cut last line stays on its own line (and is ignored)
+
+    def write(record: dict) -> None:
+      out.write(json.dumps(record) + "\n")
+      out.flush()  # every finished request is on disk: an interrupted run resumes after it
+
+    def finish(h, line_no: int):
+      if h.error is not None:
+        counts["failed"] += 1
+        log(f"{input_path}:{line_no}: id {h.request_id!r} failed: {h.error}")
+        write({"id": h.request_id, "line": line_no, "error": str(h.error)})
+      else:
+        counts["finished"] += 1
+        write({"id": h.request_id, "line": line_no, "text": tokenizer.decode(h.tokens), "tokens": h.tokens,
+               "finish_reason": h.finish_reason})
+      if bar is not None:
+        bar.update(1)
+
+    for line_no, text in enumerate(lines, start=1):
+      if not text.strip():
+        continue
+      counts["lines"] += 1
+      try:
+        req = parse_line(text, tokenizer, max_tokens)
+      except ValueError as e:
+        counts["bad"] += 1
+        log(f"{input_path}:{line_no}: bad line: {e}")
+        if bar is not None:
+          bar.update(1)
+        continue
+      if req["id"] in done:
+        counts["skipped"] += 1
+        if bar is not None:
+          bar.update(1)
+        continue
+      if req["id"] in seen:
+        counts["bad"] += 1
+        log(f"{input_path}:{line_no}: bad line: duplicate id {req['id']!r}")
+        if bar is not None:
+          bar.update(1)
+        continue
+      seen.add(req["id"])
+      stops = list(req["stop"]) + ([eos] if eos is not None else [])
+      while True:
+        try:
+          engine.submit(req["prompt"], max_tokens=req["max_tokens"], sampling=req["sampling"], stop_tokens=stops,
+                        request_id=req["id"], on_finish=lambda h, n=line_no: finish(h, n))
+          break
+        except InvalidRequest as e:
+          counts["bad"] += 1
+          log(f"{input_path}:{line_no}: id {req['id']!r} rejected: {e}")
+          write({"id": req["id"], "line": line_no, "error": str(e)})
+          if bar is not None:
+            bar.update(1)
+          break
+        except QueueFull:  # let the engine drain, then retry
+          engine.step()
+      if engine.num_queued >= engine_config.num_slots:
+        engine.step()  # keep the queue short: decode while reading
+    engine.run_until_idle()
+  if bar is not None:
+    bar.close()
+  return counts
+
+
+def main(argv):
+  del argv
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from moe_jax.generate import _load  # pylint: disable=g-import-not-at-top
+
+  f = flags.FLAGS
+  config, model, tokenizer = _load(f)
+  cache_len = f.cache_len or config.max_seq_len
+  lengths = tuple(sorted({min(int(x), cache_len) for x in f.prefill_lengths}))
+  engine_config = EngineConfig(num_slots=f.slots, cache_len=cache_len, kv_cache=f.kv_cache, prefill_lengths=lengths,
+                               prefill_batches=tuple(int(x) for x in f.prefill_batches),
+                               max_queue=max(4 * f.slots, 64), seed=f.seed)
+  counts = run(model, tokenizer, input_path=f.input, output_path=f.output, engine_config=engine_config,
+               max_tokens=f.max_tokens, progress=not f.quiet)
+  print(json.dumps(counts), file=sys.stderr)
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+
+  flags.DEFINE_string("config", "tiny", "Preset name (random weights).")
+  flags.DEFINE_string("checkpoint", None, "Shipped checkpoint name (e.g. tiny-trained) or a checkpoint directory.")
+  flags.DEFINE_string("hf", None, "Hugging Face model directory.")
+  flags.DEFINE_string("input", None, "JSONL prompts.", required=True)
+  flags.DEFINE_string("output", None, "JSONL results (appended; ids already there are skipped).", required=True)
+  flags.DEFINE_integer("max_tokens", 64, "Default max_tokens of a line without one.")
+  flags.DEFINE_integer("slots", 32, "Decode slots.")
+  flags.DEFINE_integer("cache_len", 0, "Positions per slot (0: the model's max_seq_len).")
+  flags.DEFINE_string("kv_cache", "bf16", "KV cache mode.")
+  flags.DEFINE_list("prefill_lengths", ["32", "128", "512"], "Prefill bucket lengths.")
+  flags.DEFINE_list("prefill_batches", ["1", "8"], "Prefill group sizes.")
+  flags.DEFINE_integer("seed", 0, "PRNG seed.")
+  flags.DEFINE_bool("quiet", False, "No progress bar.")
+  app.run(main)

@@ -1,0 +1,110 @@
+"""batch_decode (resumable, bad lines reported with their line numbers) and serve_bench (metrics) on the tiny model.
+
+Both use engines of the same shapes (4 slots, cache_len 32, one 16-token bucket, groups of 1 and 4), so the module's
+tests compile once.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_jax import batch_decode, serve_bench
+from moe_jax.serving import EngineConfig, Engine
+from moe_jax.tokenizer import ByteTokenizer
+
+ENGINE = EngineConfig(num_slots=4, cache_len=32, kv_cache="fp32", prefill_lengths=(16,), prefill_batches=(1, 4),
+                      max_queue=8, chunked_prefill=False)
+
+
+def _write(path, lines):
+  path.write_text("\n".join(lines) + "\n")
+
+
+def _good(i):
+  return json.dumps({"id": f"r{i}", "prompt": f"print({i})", "max_tokens": 3 + i % 4})
+
+
+def _greedy_alone(model, text, max_tokens):
+  """The same request alone through a one-slot-busy engine of the same shapes."""
+  eng = Engine(model, ENGINE)
+  return eng.submit(ByteTokenizer().encode(text), max_tokens=max_tokens,
+                    stop_tokens=[ByteTokenizer.eos_id]).result()
+
+
+def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
+  good = [_good(i) for i in range(10)]
+  bad = {3: "not json", 5: json.dumps({"prompt": "no id"}), 7: json.dumps({"id": "x", "tokens": [1, 999]}),
+         9: json.dumps({"id": "y", "prompt": "a", "top_p": 2.0}), 11: json.dumps({"id": "r0", "prompt": "dup"}),
+         13: json.dumps({"id": "z", "prompt": "p" * 40})}
+  lines, g = [], iter(good)
+  for n in range(1, len(good) + len(bad) + 1):
+    lines.append(bad[n] if n in bad else next(g))
+  src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  logs = []
+  # "Interrupted" run: only the first 6 input lines.
+  _write(src, lines[:6])
+  first = batch_decode.run(tiny_model, ByteTokenizer(), input_path=str(src), output_path=str(out),
+                           engine_config=ENGINE, max_tokens=8, progress=False, log=logs.append)
+  assert first == {"lines": 6, "skipped": 0, "bad": 2, "finished": 4, "failed": 0}
+  with open(out, "a") as f:
+    f.write('{"id": "torn')  # a line cut by the interruption is ignored on resume
+  _write(src, lines)
+  logs.clear()
+  second = batch_decode.run(tiny_model, ByteTokenizer(), input_path=str(src), output_path=str(out),
+                            engine_config=ENGINE, max_tokens=8, progress=False, log=logs.append)
+  assert second["skipped"] == 5 and second["finished"] == 6 and second["failed"] == 0
+  assert second["bad"] == len(bad) - 1  # the duplicate "r0" (line 11) is skipped as already done
+  for n in (3, 5, 7, 9, 13):
+    assert any(msg.startswith(f"{src}:{n}: ") for msg in logs), (n, logs)
+  text = out.read_text().splitlines()
+  assert text[4] == '{"id": "torn'  # kept on its own line
+  records = [json.loads(x) for i, x in enumerate(text) if i != 4]
+  ids = [r["id"] for r in records]
+  assert sorted(i for i in ids if i.startswith("r")) == sorted(f"r{i}" for i in range(10))  # each exactly once
+  by_id = {r["id"]: r for r in records}
+  assert "outside the vocabulary" in by_id["x"]["error"] and "top_p" in by_id["y"]["error"]
+  assert "prompt too long" in by_id["z"]["error"]
+  for i in (0, 7):
+    r = by_id[f"r{i}"]
+    assert r["tokens"] == _greedy_alone(tiny_model, f"print({i})", 3 + i % 4)
+    assert r["text"] == ByteTokenizer().decode(r["tokens"])
+    assert lines[r["line"] - 1] == good[i]
+
+
+def test_read_done_ids_ignores_torn_lines(tmp_path):
+  p = tmp_path / "o.jsonl"
+  p.write_text('{"id": 1, "text": "a"}\n{"id": "b"}\n{"id": "c", "te')
+  assert batch_decode.read_done_ids(str(p)) == {1, "b"}
+  assert batch_decode.read_done_ids(str(tmp_path / "missing.jsonl")) == set()
+
+
+def test_serve_bench_metrics(tiny_model):
+  s = serve_bench.run(tiny_model, requests=12, concurrency=4, prompt_len=16, gen_len=4, kv_cache="fp32",
+                      cache_len=32, prefill_batches=(1, 4))
+  assert s["statuses"] == {"finished": 12} and s["generated_tokens"] == 48
+  for key in ("ttft_ms", "per_token_latency_ms", "decode_step_ms"):
+    d = s[key]
+    assert 0 < d["p50"] <= d["p90"] <= d["p99"], (key, d)
+  assert 0 < s["slot_occupancy_mean"] <= s["slot_occupancy_peak"] == 1.0
+  per_position = s["kv_bytes_allocated"] / (4 * 32)
+  # At most 4 active slots × (16 prompt + 3 fed-back tokens) positions are ever in use.
+  assert 16 * per_position <= s["kv_bytes_in_use_peak"] <= 4 * 19 * per_position
+  assert s["throughput_tokens_per_s"] > 0
+  text = serve_bench.metrics_lib.markdown(s)
+  assert "TTFT p50 / p90 / p99" in text and "slot occupancy" in text
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(requests=0), "requests=0"), (dict(gen_len=0), "gen_len=0")])
+def test_serve_bench_rejects_bad_settings(tiny_model, kwargs, message):
+  args = dict(requests=4, concurrency=2, prompt_len=8, gen_len=2)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    serve_bench.run(tiny_model, **args)
+
+
+def test_percentiles():
+  from moe_jax.serving import metrics  # pylint: disable=g-import-not-at-top
+  p = metrics.percentiles(np.arange(101))
+  assert (p["p50"], p["p90"], p["p99"], p["mean"]) == (50, 90, 99, 50)
+  assert np.isnan(metrics.percentiles([])["p50"])
