@@ -129,3 +129,23 @@ def mode_fidelity(mode_names, q, k, v, q_pos, *, layer: int = 0) -> dict[str, di
     k_hat, v_hat, bits = stored_kv(name, k, v, layer=layer)
     out[name] = {"bits_per_element": bits, **attention_error(q, k, v, k_hat, v_hat, q_pos)}
   return out
+
+
+def spectrum(x: jax.Array, *, outlier_fraction: float = 0.08) -> dict[str, np.ndarray | int | float]:
+  """Channel statistics of keys or values x [N, H] before and after the OS-KVP rotation (for plots).
+
+  Returns:
+    {"channel_var": per-channel variance in the original basis [H], "rotated_var": variance of x @ U [H]
+     (descending: the covariance spectrum), "n_outlier": O, "outlier_energy": share of the total variance in the
+     first O rotated channels, "top_channel_energy": share in the O highest-variance original channels}.
+  """
+  from moe_jax.kv_quant import oskvp  # pylint: disable=g-import-not-at-top
+
+  x = jnp.asarray(x, jnp.float32)
+  params = oskvp.calibrate(x, outlier_fraction=outlier_fraction)
+  raw = np.var(np.asarray(x), axis=0)
+  rot = np.var(np.asarray(x @ params.u), axis=0)
+  o = params.n_outlier
+  return {"channel_var": raw, "rotated_var": rot, "n_outlier": o,
+          "outlier_energy": float(rot[:o].sum() / rot.sum()),
+          "top_channel_energy": float(np.sort(raw)[::-1][:o].sum() / raw.sum())}

@@ -234,7 +234,7 @@ def run(*, quick: bool = False, out_dir: str = "benchmarks/results", model_level
              "device": f"CPU ({platform.processor() or platform.machine()}), {jax.devices()[0].platform}"}
   results["memory"] = memory_table()
 
-  syn_tokens, syn_queries = (1024, 64) if quick else (8192, 128)
+  syn_tokens, syn_queries = (1024, 64) if quick else (4096, 128)
   syn_modes = [m for m in MODES if m != "oskvp_static"]
   syn = synthetic_fidelity(syn_modes, tokens=syn_tokens, n_queries=syn_queries)
   for m, bits in _asymptotic_bits(128).items():
@@ -259,7 +259,7 @@ def run(*, quick: bool = False, out_dir: str = "benchmarks/results", model_level
   results["real"] = real
 
   if model_level:
-    n_eval, context, prefix = (2, 256, 128) if quick else (8, 768, 384)
+    n_eval, context, prefix = (2, 256, 128) if quick else (4, 512, 256)
     rows = []
     for mode in MODES[1:]:
       rows.append(eval_lib.evaluate(model, config, kv_cache=mode, n_windows=n_eval, context=context, prefix=prefix))
