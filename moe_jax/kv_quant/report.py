@@ -121,15 +121,19 @@ def plot(results: dict, path: str) -> None:
   fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
   for ax, (key, title) in zip(axes[0], panels):
     data = results[key]["mean"] if "mean" in results[key] else results[key]["modes"]
-    for mode, d in data.items():
+    for i, (mode, d) in enumerate(data.items()):
       if mode == "bf16":
         continue
-      ax.scatter(d["bits_per_element"], d["rel_err"], s=40)
+      color = f"C{i}"
+      ax.scatter(d["bits_per_element"], d["rel_err"], s=40, color=color)
       ax.annotate(mode, (d["bits_per_element"], d["rel_err"]), textcoords="offset points", xytext=(4, 4))
-      if "asymptotic_bits" in d:
-        ax.scatter(d["asymptotic_bits"], d["rel_err"], s=40, marker="x", color="gray")
+      if "asymptotic_bits" in d and abs(d["asymptotic_bits"] - d["bits_per_element"]) > 0.05:
+        ax.scatter(d["asymptotic_bits"], d["rel_err"], s=40, marker="x", color=color)
+        ax.plot([d["bits_per_element"], d["asymptotic_bits"]], [d["rel_err"]] * 2, ls=":", color=color)
+        ax.annotate(f"{mode} @32k", (d["asymptotic_bits"], d["rel_err"]), textcoords="offset points",
+                    xytext=(4, -10), fontsize=8, color=color)
     ax.set_yscale("log")
-    ax.set_xlabel("bits per stored element (measured cache bytes; x: same quantizer at 32k context)")
+    ax.set_xlabel("bits per stored element (o: measured cache; x: same layout at 32k tokens)")
     ax.set_ylabel("attention output relative error")
     ax.set_title(title)
     ax.grid(alpha=0.3)
