@@ -250,3 +250,33 @@ def test_long_prompt_is_prefilled_in_chunks(engine, tiny_model):
   engine.run_until_idle()
   assert engine.stats.prefill_calls == calls + 2
   assert h.result() == reference(tiny_model, [prompt])[0].tolist()
+
+
+def test_compressed_cache_mode_matches_alone(tiny_model):
+  """The engine over an int8 per-token cache (chunking off: compressed modes prefill in one shot) equals each
+  request decoded alone in the same mode."""
+  config = EngineConfig(num_slots=4, cache_len=CACHE_LEN, kv_cache="int8", prefill_lengths=(16,),
+                        prefill_batches=(4,), max_queue=16)
+  assert not config.chunked and config.max_prompt_len == 16
+  eng = Engine(tiny_model, config)
+  eng.warmup()
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, 256, rng.integers(1, 17)).tolist() for _ in range(4)]
+  max_tokens = [8, 3, 6, 1]
+  before = steps.total_traces()
+  handles = [eng.submit(p, max_tokens=m) for p, m in zip(prompts * 2, max_tokens * 2)]  # 8 requests, 4 slots
+  eng.run_until_idle()
+  assert steps.total_traces() == before
+  tokens, lengths = generate.pad_batch(prompts)
+  logits, cache = decode.prefill(tiny_model, tokens, lengths, kv_cache="int8", cache_len=CACHE_LEN)
+  tok = np.asarray(jnp.argmax(generate._last_logits(logits, jnp.asarray(lengths)), -1))  # pylint: disable=protected-access
+  ref = [tok]
+  for _ in range(MAX_NEW - 1):
+    lg, cache = decode.decode_step(tiny_model, cache, tok.astype(np.int32))
+    tok = np.asarray(jnp.argmax(lg, -1))
+    ref.append(tok)
+  ref = np.stack(ref, 1)
+  for i, h in enumerate(handles):
+    assert h.result() == ref[i % 4, :max_tokens[i % 4]].tolist(), i
+  with pytest.raises(InvalidRequest, match="longest prompt 16"):
+    eng.submit(list(range(17)), max_tokens=2)
