@@ -152,14 +152,14 @@ def dequant_plane(x: jax.Array, plane: int, cb: list[jax.Array]) -> jax.Array:
   return jnp.where(b1, jnp.where(b0, cb[3], cb[2]), jnp.where(b0, cb[1], cb[0]))
 
 
-def fp8_rows(ref, rows, valid, cols: int | None = None, width: int | None = None):
+def fp8_rows(ref, rows, valid, cols: int, width: int):
   """Masked load of fp8 outlier rows -> f32 [bs, width], zero on invalid rows and on columns >= cols.
 
   Triton cannot splat an `other` to fp8, and an unloaded fp8 lane may hold a NaN encoding (0 * NaN would spread
-  into the accumulator), so masked lanes are zeroed after the conversion. width > cols reads a padded tile whose
-  extra columns are masked off (no memory traffic).
+  into the accumulator), so masked lanes are zeroed after the conversion. width > cols (a power of two, as Triton
+  tiles must be) reads a padded tile whose extra columns are masked off (no memory traffic).
   """
-  if width is None:
+  if width == cols:
     x = plgpu.load(ref.at[rows, :], mask=valid[:, None]).astype(jnp.float32)
     return jnp.where(valid[:, None], x, 0.0)
   mask = valid[:, None] & (jnp.arange(width) < cols)[None, :]
@@ -179,8 +179,8 @@ def online_softmax_update(scores, valid, m, l):
 def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref, nr_ref,
                 acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, prefetch: bool,
                 outlier_mma: bool, o_dim: int):
-  # qp_ref [4, GP, Q] bf16 (rotated, scaled query, by plane); qo_ref [GP, OP] (outlier query x scale_k; OP = O,
-  # f32, or OP = 16, bf16, with outlier_mma);
+  # qp_ref [4, GP, Q] bf16 (rotated, scaled query, by plane); qo_ref [GP, OP] (outlier query x scale_k, zero
+  # padded to OP = a power of two >= O; f32, or bf16 and OP >= 16 with outlier_mma);
   # cbk_ref, cbv_ref [4 planes, 4 codes, Q] f32; ck_ref, cv_ref [S, Q] uint8; ok_ref, ov_ref [S, O] fp8;
   # rk_ref, rv_ref [R, H] bf16; nc_ref, nr_ref [] int32.
   # acc_ref [4, GP, Q] f32; acco_ref [GP, OP] f32; m_ref, l_ref [GP] f32.
@@ -212,9 +212,8 @@ def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref
       rows = pl.ds(s0, block_s)
       ck = plgpu.load(ck_ref.at[rows, :], mask=valid[:, None], other=0)
       cv = plgpu.load(cv_ref.at[rows, :], mask=valid[:, None], other=0)
-      if outlier_mma:  # 16 columns so the outliers ride the tensor cores; columns >= O are masked (no traffic).
-        return ck, fp8_rows(ok_ref, rows, valid, o_dim, MMA_ROWS), cv, fp8_rows(ov_ref, rows, valid, o_dim, MMA_ROWS)
-      return ck, fp8_rows(ok_ref, rows, valid), cv, fp8_rows(ov_ref, rows, valid)
+      op = acco_ref.shape[1]  # O padded to a power of two (>= 16 with outlier_mma, for the tensor cores)
+      return ck, fp8_rows(ok_ref, rows, valid, o_dim, op), cv, fp8_rows(ov_ref, rows, valid, o_dim, op)
 
     def compute(i, tiles, acc, acco, m, l):
       ck, ok, cv, ov = tiles
@@ -332,8 +331,8 @@ def check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp):
   if g & (g - 1):
     raise ValueError(f"G = N / K = {g} must be a power of two")
   o = outl_k.shape[-1]
-  if o & (o - 1) or o > qd:
-    raise ValueError(f"outlier channels {o=} must be a power of two <= H/4")
+  if not 1 <= o <= h:
+    raise ValueError(f"outlier channels {o=} must be in [1, H]")
   if cb_k.shape != (b, kh, h, 4) or u_k.shape != (b, kh, h, h) or scale_k.shape != (b, kh, o):
     raise ValueError(f"bad cache shapes: {cb_k.shape=}, {u_k.shape=}, {scale_k.shape=}")
   if res_k.shape[:2] != (b, kh) or res_k.shape[3] != h or n_comp.shape != (b,):
@@ -350,16 +349,17 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
   block_r = min(config.block_s, max(16, pl.next_power_of_2(r)))
   rows = max(g, MMA_ROWS) if config.form == "mma" else g
   q_planes, q_outl = prepare_query(q, u_k, scale_k, kh, rows)
-  o_cols = o_dim  # columns of the outlier query and accumulator
+  # Columns of the outlier query / accumulator tiles: a power of two (Triton), >= 16 on the tensor cores.
+  o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS if config.outlier_mma else 1)
+  q_outl = jnp.pad(q_outl, ((0, 0), (0, 0), (0, 0), (0, o_cols - o_dim)))
   if config.form == "mma":
     q_planes = q_planes.astype(jnp.bfloat16)
     if config.outlier_mma:
-      o_cols = MMA_ROWS
-      q_outl = jnp.pad(q_outl, ((0, 0), (0, 0), (0, 0), (0, o_cols - o_dim))).astype(jnp.bfloat16)
+      q_outl = q_outl.astype(jnp.bfloat16)
     kernel = functools.partial(_mma_kernel, prefetch=config.prefetch, outlier_mma=config.outlier_mma, o_dim=o_dim)
   else:
     from pallas_kernels.oskvp_decode_attention_lut import lut_kernel  # pylint: disable=g-import-not-at-top
-    kernel = lut_kernel
+    kernel = functools.partial(lut_kernel, o_dim=o_dim)
   kernel = functools.partial(kernel, num_splits=ns, block_s=config.block_s, block_r=block_r)
 
   def per_head(*tail):

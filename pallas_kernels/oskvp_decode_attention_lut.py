@@ -28,12 +28,12 @@ def _pick(x: jax.Array, plane: int, table: list[jax.Array]) -> jax.Array:
 
 
 def lut_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref, nr_ref,
-               acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int):
-  # qp_ref [4, G, Q] f32; qo_ref [G, O] f32; cbk_ref, cbv_ref [4, 4, Q] f32; ck_ref, cv_ref [S, Q] uint8;
+               acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, o_dim: int):
+  # qp_ref [4, G, Q] f32; qo_ref [G, OP] f32 (OP: O padded to a power of two); cbk_ref, cbv_ref [4, 4, Q] f32; ck_ref, cv_ref [S, Q] uint8;
   # ok_ref, ov_ref [S, O] fp8; rk_ref, rv_ref [R, H] bf16; nc_ref, nr_ref [] int32.
-  # acc_ref [4, G, Q] f32; acco_ref [G, O] f32; m_ref, l_ref [G] f32.
+  # acc_ref [4, G, Q] f32; acco_ref [G, OP] f32; m_ref, l_ref [G] f32.
   g, q_dim = qp_ref.shape[1], qp_ref.shape[2]
-  o_dim = qo_ref.shape[1]
+  op = qo_ref.shape[1]
   split = pl.program_id(2)
   qp = [qp_ref[p] for p in range(4)]  # [G, Q] f32
   m0 = jnp.full((g,), NEG_INF, jnp.float32)
@@ -60,19 +60,19 @@ def lut_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref,
       valid = s0 + jnp.arange(block_s) < end
       rows = pl.ds(s0, block_s)
       ck = plgpu.load(ck_ref.at[rows, :], mask=valid[:, None], other=0)  # [bs, Q] uint8
-      ok = fp8_rows(ok_ref, rows, valid)  # [bs, O]
+      ok = fp8_rows(ok_ref, rows, valid, o_dim, op)  # [bs, OP]
       scores = (qo[:, None, :] * ok[None, :, :]).sum(axis=2)  # [G, bs]
       for p in range(4):
         scores += _pick(ck, p, tables[p]).sum(axis=2)
       pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
       cv = plgpu.load(cv_ref.at[rows, :], mask=valid[:, None], other=0)
-      ov = fp8_rows(ov_ref, rows, valid)
-      acco = acco * alpha[:, None] + (pexp[:, :, None] * ov[None, :, :]).sum(axis=1)  # [G, O]
+      ov = fp8_rows(ov_ref, rows, valid, o_dim, op)
+      acco = acco * alpha[:, None] + (pexp[:, :, None] * ov[None, :, :]).sum(axis=1)  # [G, OP]
       acc = [acc[p] * alpha[:, None] + (pexp[:, :, None] * dequant_plane(cv, p, cbv[p])[None]).sum(axis=1)
              for p in range(4)]
       return acc, acco, m, l
 
-    acco0 = jnp.zeros((g, o_dim), jnp.float32)
+    acco0 = jnp.zeros((g, op), jnp.float32)
     write(*lax.fori_loop(0, nblocks, body, (acc0, acco0, m0, l0)))
 
   @pl.when(split == num_splits)
@@ -96,4 +96,4 @@ def lut_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref,
       return acc_new, m, l
 
     acc, m, l = lax.fori_loop(0, pl.cdiv(n, block_r), body, (acc0, m0, l0))
-    write(acc, jnp.zeros((g, o_dim), jnp.float32), m, l)
+    write(acc, jnp.zeros((g, op), jnp.float32), m, l)

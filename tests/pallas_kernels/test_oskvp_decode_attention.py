@@ -60,10 +60,11 @@ def test_long_ragged_g1_h128():
            n_comp=[4097], n_res=[100])
 
 
-def test_g8_empty_store_and_more_splits_than_blocks():
-  """G = 8; a row with an empty store (window only) and a row with 3 tokens split 8 ways (empty splits)."""
+def test_g8_empty_store_more_splits_than_blocks_12_outliers():
+  """G = 8; a row with an empty store (window only), a row with 3 tokens split 8 ways (empty splits); O = 12
+  outlier channels (not a power of two: the tile is padded to 16 with masked columns)."""
   run_case(3, DecodeBlockConfig(block_s=16, num_splits=8, prefetch=True), batch=2, heads=16, kv_heads=2,
-           head_dim=64, capacity=200, window=16, n_comp=[0, 3], n_res=[9, 16])
+           head_dim=64, capacity=200, window=16, outliers=12, n_comp=[0, 3], n_res=[9, 16])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -129,3 +130,24 @@ def test_entry_point_switch_and_validation():
   bad = random_oskvp_inputs(6, batch=1, heads=3, kv_heads=2, head_dim=64, capacity=16, window=16)
   with pytest.raises(ValueError, match="kv heads must divide"):
     oskvp_decode_attention(*bad, interpret=True)
+
+
+def test_matches_kv_quant_reference_on_quantized_keys():
+  """Real OS-KVP caches (moe_jax.kv_quant fits U, codebooks and fp8 scales on keys/values with outlier channels and
+  quantizes them): the kernel matches kv_quant's own XLA decode attention, and so does this file's reference."""
+  oskvp_cache = pytest.importorskip("moe_jax.kv_quant.oskvp_cache")
+  oskvp_attention = pytest.importorskip("moe_jax.kv_quant.oskvp_attention")
+  rng = np.random.default_rng(8)
+  b, t, kh, n, h = 2, 200, 2, 8, 64
+  chan = np.where(np.arange(h) < 3, 8.0, 1.0).astype(np.float32)  # a few large channels, as real keys have
+  k = jnp.asarray(rng.standard_normal((b, t, kh, h), np.float32) * chan + 0.5)
+  v = jnp.asarray(rng.standard_normal((b, t, kh, h), np.float32))
+  lengths = jnp.asarray([200, 77], jnp.int32)
+  cache = oskvp_cache.OSKVPMode(window=32, n_iters=4).from_prefill(k, v, lengths, 256, layer=0)
+  q = jnp.asarray(rng.standard_normal((b, n, h), np.float32)).astype(jnp.bfloat16)
+  args = (q, cache.codes_k, cache.outl_k, cache.scale_k, cache.cb_k, cache.codes_v, cache.outl_v, cache.scale_v,
+          cache.cb_v, cache.u_k, cache.u_v, cache.res_k, cache.res_v, cache.n_comp, cache.n_res)
+  theirs = oskvp_attention.oskvp_decode_attention_xla(*args)
+  assert rel_err(oskvp_decode_attention_reference(*args), theirs) < 1e-2  # bf16 output rounding only
+  out = _oskvp_pallas(*args, interpret=True, config=DecodeBlockConfig(block_s=32), poison=True)
+  assert max(rel_err(out[i], theirs[i]) for i in range(b)) < TOL["mma"]
