@@ -52,11 +52,16 @@ ROW_KEYS = ["layout", "routing", "transport", "step_ms", "node_axis_bytes_per_st
 
 
 def load_model(name: str):
-  """A preset (random weights, seed 0) or a checkpoint -> (config, model, is_trained)."""
-  if name in configs.PRESETS:
+  """A checkpoint (shipped name or directory) or else a preset (random weights, seed 0) -> (config, model, trained).
+
+  A checkpoint wins over a preset of the same name ("tiny-trained" is both: the shape and the trained weights).
+  """
+  from moe_jax import checkpoints
+  try:
+    checkpoints.resolve(name)
+  except ValueError:
     config = configs.get(name)
     return config, decode.init_model(config, seed=0), False
-  from moe_jax import checkpoints
   config, model = checkpoints.load(name)
   return config, model, True
 
