@@ -150,3 +150,18 @@ def test_model_decode_tracks_bf16_cache(tiny_model):
     k_hat = layer.dequantized()[0][:, :50]
     k_ref = ref_layer.k[:, :50].astype(jnp.float32)
     assert float(jnp.linalg.norm(k_hat - k_ref) / jnp.linalg.norm(k_ref)) < 0.3
+
+
+def test_layout_matches_the_pallas_kernel_reference():
+  """The cache built here, read by the kernel module's plain-jnp reference, gives the same attention output: the two
+  sides agree on the storage layout (planar codes, rotated window, outlier scales)."""
+  kernel = pytest.importorskip("pallas_kernels.oskvp_decode_attention")
+  h = 64
+  k = jax.random.normal(jax.random.PRNGKey(5), (B, 40, K, h)) * jnp.ones(h).at[9].set(5.0)
+  v = jax.random.normal(jax.random.PRNGKey(6), (B, 40, K, h))
+  c = jax.jit(lambda k, v: OSKVPMode(window=R).from_prefill(k, v, jnp.array([40, 21]), 48, layer=0))(k, v)
+  q = jax.random.normal(jax.random.PRNGKey(7), (B, K * G, h))
+  args = (q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k,
+          c.res_v, c.n_comp, c.n_res)
+  np.testing.assert_allclose(attn.oskvp_decode_attention(*args), kernel.oskvp_decode_attention_reference(*args),
+                             atol=1e-5)
