@@ -34,9 +34,23 @@ from pallas_kernels import vq2_grouped_matmul as v2
 G = 128
 INTERPRET = {"on": False}  # --smoke: Pallas interpret mode on CPU
 SHAPES = [(8, 4096, 14336), (64, 4096, 2048), (128, 2048, 768)]  # (E, K, N): Mixtral, a 4096->2048 layer, Qwen3-30B
-ROWS = [1, 16, 64, 256, 1024, 4096]
-PALLAS_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=3), dict(block_n=64, num_warps=4, num_stages=4),
-                  dict(block_n=128, num_warps=4, num_stages=5), dict(block_n=256, num_warps=8, num_stages=3)]
+ROWS = [1, 16, 64, 512, 4096]
+# Tuning candidates per format; the best at the first (decode) row count of a shape is reused for its other rows.
+CONFIGS = {
+    "int4": [dict(block_n=256, num_warps=4, num_stages=3, unpack="asm"),
+             dict(block_n=512, num_warps=4, num_stages=3, unpack="asm"),
+             dict(block_n=128, num_warps=4, num_stages=3, unpack="asm")],
+    "int4_sp24": [dict(block_n=64, num_warps=4, num_stages=4, unpack="magic")],
+    "vq2": [dict(block_n=256, num_warps=4, num_stages=3)],
+}
+# --explore: every combination on one shape, printed one by one.
+EXPLORE = {
+    "int4": [dict(block_n=bn, num_warps=w, num_stages=st, unpack=u) for u in ("asm", "magic", "convert")
+             for bn in (64, 128, 256) for w, st in ((4, 3), (4, 5), (8, 4))],
+    "int4_sp24": [dict(block_n=bn, num_warps=4, num_stages=4, unpack=u) for u in ("magic", "convert")
+                  for bn in (64, 128)],
+    "vq2": [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256) for w, st in ((4, 3), (8, 3), (4, 5))],
+}
 
 
 def _timer():
@@ -118,11 +132,17 @@ def check_correctness():
   for name, w in ws.items():
     mod, fn = (v2, v2.vq2_grouped_matmul) if name == "vq2" else (i4, i4.int4_grouped_matmul)
     ref_fn = v2.vq2_grouped_matmul_reference if name == "vq2" else i4.int4_grouped_matmul_reference
-    for cfg in PALLAS_CONFIGS[:2]:
-      got = np.asarray(fn(x, w, gs, poison=float("nan"), interpret=INTERPRET["on"], **cfg))
+    cfgs = CONFIGS[name]
+    for cfg in cfgs:
+      tag = f"{name}_" + "_".join(str(v) for v in cfg.values())
+      try:
+        got = np.asarray(fn(x, w, gs, poison=float("nan"), interpret=INTERPRET["on"], **cfg))
+      except Exception as ex:  # noqa: BLE001
+        res[tag] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
+        continue
       want = np.asarray(ref_fn(x, w, gs))
       err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
-      res[f"{name}_{cfg['block_n']}"] = {"max_rel_err": err, "nan": int(np.isnan(got).sum())}
+      res[tag] = {"max_rel_err": err, "nan": int(np.isnan(got).sum())}
     swi = (v2.vq2_grouped_swiglu, v2.vq2_grouped_swiglu_reference) if name == "vq2" else (
         i4.int4_grouped_swiglu, i4.int4_grouped_swiglu_reference)
     got = np.asarray(swi[0](x, w, w, gs, poison=float("nan"), interpret=INTERPRET["on"]).astype(jnp.float32))
@@ -145,11 +165,31 @@ def copy_bandwidth(timer):
   return out
 
 
+def explore(timer, args):
+  e, k, n = SHAPES[1]
+  key = jax.random.key(0)
+  qw = {"int4": random_int4(key, e, k, n), "int4_sp24": random_int4(key, e, k, n, True),
+        "vq2": random_vq2(key, e, k, n)}
+  kern = {"int4": i4.int4_grouped_matmul, "int4_sp24": i4.int4_grouped_matmul, "vq2": v2.vq2_grouped_matmul}
+  for rows in (64,):
+    gs = jnp.asarray(balanced_groups(rows, e))
+    x = jax.random.normal(key, (rows, k), jnp.bfloat16)
+    for fmt, cfgs in EXPLORE.items():
+      for cfg in cfgs:
+        try:
+          t = timer(jax.jit(functools.partial(kern[fmt], **cfg)), x, qw[fmt], gs, iters=args.iters)
+          b = min(rows, e) * weight_bytes(fmt, k, n)
+          print(f"EXPLORE {fmt} rows={rows} {cfg} {t:.4f} ms {b / t / 1e9:.3f} TB/s", flush=True)
+        except Exception as ex:  # noqa: BLE001
+          print(f"EXPLORE {fmt} {cfg} FAIL {type(ex).__name__} {str(ex)[:300]}", flush=True)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--quick", action="store_true", help="one shape, three row counts, for a first look")
   ap.add_argument("--iters", type=int, default=15)
+  ap.add_argument("--explore", action="store_true", help="time every kernel config on one shape, then stop")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
   args = ap.parse_args(argv)
   if args.smoke:
@@ -162,6 +202,8 @@ def main(argv=None):
   print(meta, flush=True)
   meta["correctness"] = check_correctness()
   meta["copy"] = copy_bandwidth(timer)
+  if args.explore:
+    return explore(timer, args)
   shapes, rows_list = (SHAPES[1:2], [16, 64, 1024]) if args.quick else (SHAPES, ROWS)
   if args.smoke:
     shapes, rows_list = [(4, 256, 128)], [3, 16]
@@ -189,7 +231,7 @@ def main(argv=None):
                  x, w_bf16, gs, iters=args.iters)
       add("xla_ragged_dot_bf16", rows, e, k, n, ms, "bf16", n_active)
       best = None
-      for bm, bn, st, gbn in [(64, 128, 4, 1), (64, 128, 6, 2), (64, 64, 4, 2)]:
+      for bm, bn, st, gbn in [(64, 128, 6, 2)]:  # the best of three in the --quick run and in GPU.md's probe
         if n % (bn * gbn):
           continue
         try:
@@ -203,7 +245,7 @@ def main(argv=None):
       if best:
         add("mgpu_ragged_dot_bf16", rows, e, k, n, best[0], "bf16", n_active, {"config": best[1]})
       for fmt, w in qw.items():
-        cfgs = PALLAS_CONFIGS if (fmt, e) not in tuned else [tuned[(fmt, e)]]
+        cfgs = CONFIGS[fmt] if (rows <= 64 or (fmt, e) not in tuned) else [tuned[(fmt, e)]]
         best = None
         for cfg in cfgs:
           try:
@@ -214,11 +256,11 @@ def main(argv=None):
           except Exception as ex:  # noqa: BLE001
             print("pallas fail", fmt, cfg, type(ex).__name__, str(ex)[:300], flush=True)
         if best:
-          if rows <= e:
-            tuned[(fmt, e)] = best[1]  # tuned at the first (decode) row count, reused for the rest
+          if rows <= 64:
+            tuned[(fmt, e)] = best[1]  # tuned at each row count <= 64; the last is reused for larger ones
           add(f"pallas_{fmt}", rows, e, k, n, best[0], fmt, n_active, {"config": best[1]})
-      if rows in (16, 256) or rows == rows_list[0]:
-        cfg = tuned.get(("int4", e), PALLAS_CONFIGS[0])
+      if rows == 16:
+        cfg = tuned.get(("int4", e), CONFIGS["int4"][0])
         f = jax.jit(functools.partial(i4.int4_grouped_swiglu, interpret=INTERPRET["on"], **cfg))
         t = timer(f, x, qw["int4"], qw["int4"], gs, iters=args.iters)
         add("pallas_int4_swiglu_fused", rows, e, k, n, t, "int4", n_active, {"config": cfg}, n_mats=2)
@@ -253,6 +295,9 @@ def main(argv=None):
     except Exception as ex:  # noqa: BLE001
       print("mixed int8 unavailable", type(ex).__name__, str(ex)[:200], flush=True)
     del w_bf16, qw
+    os.makedirs(args.out, exist_ok=True)  # partial results survive a timeout
+    with open(os.path.join(args.out, "expert_matmul_partial.json"), "w") as fh:
+      json.dump({**meta, "rows": rows_out}, fh, indent=1)
 
   os.makedirs(args.out, exist_ok=True)
   name = "expert_matmul_quick" if args.quick else "expert_matmul"

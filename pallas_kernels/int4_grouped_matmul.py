@@ -28,8 +28,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import ragged_tiles
+
+# PTX: 4 packed bytes (4 columns, two nibbles each) -> 128 + their low (or high) nibbles as two bf16 pairs. prmt
+# spreads bytes 0,1 (2,3) into the two 16-bit halves, lop3 computes (t & 0x000F000F) | 0x43004300 (0x4300 | q is the
+# bf16 of 128 + q); the high-nibble variant shifts first. ~1.2 instructions per weight (the Marlin trick) where
+# int -> float conversions cost several. (Two asm calls: Pallas lowers one result per inline asm.)
+_UNPACK_ASM = """{{
+.reg .b32 t0, t1;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;{shift}
+lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+}}"""
+_ASM_LO = _UNPACK_ASM.format(shift="")
+_ASM_HI = _UNPACK_ASM.format(shift="\nshr.b32 t0, t0, 4;\nshr.b32 t1, t1, 4;")
+UNPACKS = ("asm", "magic", "convert")
 
 
 class Int4Weights(NamedTuple):
@@ -41,6 +57,13 @@ class Int4Weights(NamedTuple):
   meta: jax.Array | None = None  # 2:4 keep masks; None for dense.
 
 
+def _unpack_asm(p):
+  """uint8 [R, bn] -> (128 + low nibbles, 128 + high nibbles), bf16 [R, bn] each (GPU only)."""
+  out = [jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)]
+  return tuple(plgpu.elementwise_inline_asm(asm, args=[p], constraints="=r,=r,r", pack=4, result_shape_dtypes=out)[0]
+               for asm in (_ASM_LO, _ASM_HI))
+
+
 def _to_float(q, dtype, magic: bool):
   """int32 q in [0, 15] -> dtype. magic: the bf16 bit pattern 0x4300 | q is exactly 128 + q (ulp 1 at 128), built
   with two integer ops instead of int -> float conversions (quarter rate on the GPU); the caller folds the 128 into
@@ -50,7 +73,7 @@ def _to_float(q, dtype, magic: bool):
   return q.astype(dtype)
 
 
-def _step(load_x, ws: Int4Weights, e, g, n0, *, group_size: int, bn: int, magic: bool = True):
+def _step(load_x, ws: Int4Weights, e, g, n0, *, group_size: int, bn: int, unpack: str = "magic"):
   """K group g of expert e for columns n0 : n0 + bn -> float32 [bm, bn]."""
   gs, nt = group_size, pl.ds(n0, bn)
   z = ws.zero[e, g, nt].astype(jnp.int32)[None, :]  # [1, bn]
@@ -63,6 +86,7 @@ def _step(load_x, ws: Int4Weights, e, g, n0, *, group_size: int, bn: int, magic:
     return x
 
   shift = {"on": False}
+  magic = unpack in ("magic", "asm")
 
   def dot(x, q):
     use_magic = magic and x.dtype == jnp.bfloat16
@@ -74,9 +98,15 @@ def _step(load_x, ws: Int4Weights, e, g, n0, *, group_size: int, bn: int, magic:
 
   if ws.meta is None:
     half = gs // 2
-    p = ws.packed[e, pl.ds(g * half, half), nt].astype(jnp.int32)  # [G/2, bn]
     x_lo, x_hi = x_at(g * gs, half), x_at(g * gs + half, half)  # [bm, G/2] each
-    d = dot(x_lo, p & 15) + dot(x_hi, p >> 4)
+    if unpack == "asm" and x_lo.dtype == jnp.bfloat16:
+      lo, hi = _unpack_asm(ws.packed[e, pl.ds(g * half, half), nt])  # bf16 [G/2, bn]: 128 + q
+      d = (jnp.dot(x_lo, lo, preferred_element_type=jnp.float32)
+           + jnp.dot(x_hi, hi, preferred_element_type=jnp.float32))
+      shift["on"] = True
+    else:
+      p = ws.packed[e, pl.ds(g * half, half), nt].astype(jnp.int32)  # [G/2, bn]
+      d = dot(x_lo, p & 15) + dot(x_hi, p >> 4)
     xs = rowsum(x_lo) + rowsum(x_hi)
   else:
     quarter, eighth = gs // 4, gs // 8
@@ -98,6 +128,12 @@ def _step(load_x, ws: Int4Weights, e, g, n0, *, group_size: int, bn: int, magic:
   return s * (d - xs * zf)
 
 
+def _unpack_mode(unpack: str, interpret: bool) -> str:
+  if unpack not in UNPACKS:
+    raise ValueError(f"unpack={unpack!r} must be one of {UNPACKS}")
+  return "magic" if (unpack == "asm" and interpret) else unpack  # inline PTX has no interpreter
+
+
 def _check(lhs, ws: Int4Weights, group_size: int):
   e, rows, n = ws.packed.shape
   per = group_size // 4 if ws.meta is not None else group_size // 2
@@ -110,28 +146,29 @@ def _check(lhs, ws: Int4Weights, group_size: int):
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "block_m", "block_n", "num_warps", "num_stages",
-                                             "interpret", "poison", "magic"))
+                                             "interpret", "poison", "unpack"))
 def int4_grouped_matmul(lhs: jax.Array, weights: Int4Weights, group_sizes: jax.Array, *, group_size: int = 128,
                         block_m: int | None = None, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
-                        interpret: bool = False, poison: float | None = None, magic: bool = True) -> jax.Array:
+                        interpret: bool = False, poison: float | None = None, unpack: str = "asm") -> jax.Array:
   """lhs [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes [E] -> float32 [M, N]."""
   _, kp, n = _check(lhs, weights, group_size)
   bn = ragged_tiles.pick_block_n(n, block_n)
-  step = functools.partial(_step, group_size=group_size, bn=bn, magic=magic)
+  step = functools.partial(_step, group_size=group_size, bn=bn, unpack=_unpack_mode(unpack, interpret))
   return ragged_tiles.ragged_call(lhs, group_sizes, [weights], step, n=n, n_groups=kp // group_size,
                                   block_m=block_m, block_n=bn, num_warps=num_warps, num_stages=num_stages,
                                   interpret=interpret, poison=poison)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "block_m", "block_n", "num_warps", "num_stages",
-                                             "interpret", "poison", "magic"))
+                                             "interpret", "poison", "unpack"))
 def int4_grouped_swiglu(lhs: jax.Array, gate: Int4Weights, up: Int4Weights, group_sizes: jax.Array, *,
                         group_size: int = 128, block_m: int | None = None, block_n: int = 128, num_warps: int = 4,
-                        num_stages: int = 3, interpret: bool = False, poison: float | None = None, magic: bool = True) -> jax.Array:
+                        num_stages: int = 3, interpret: bool = False, poison: float | None = None,
+                        unpack: str = "asm") -> jax.Array:
   """Fused gate/up + SwiGLU: silu(lhs @ W_gate) * (lhs @ W_up), one pass over lhs -> lhs.dtype [M, F]."""
   _, kp, n = _check(lhs, gate, group_size)
   bn = ragged_tiles.pick_block_n(n, block_n)
-  step = functools.partial(_step, group_size=group_size, bn=bn, magic=magic)
+  step = functools.partial(_step, group_size=group_size, bn=bn, unpack=_unpack_mode(unpack, interpret))
   return ragged_tiles.ragged_call(lhs, group_sizes, [gate, up], step, n=n, n_groups=kp // group_size,
                                   epilogue=lambda a: jax.nn.silu(a[0]) * a[1], out_dtype=lhs.dtype,
                                   block_m=block_m, block_n=bn, num_warps=num_warps, num_stages=num_stages,

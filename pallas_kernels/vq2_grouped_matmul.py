@@ -9,10 +9,10 @@ expert, c(e) = e, or one per layer, c(e) = 0), a float scale s per (K group of G
 per-input-channel activation scale (`in_scale` = 1/a, applied to lhs). The four weights of a vector are G/4 apart
 along K, so each codebook coordinate decodes into a contiguous [G/4, bn] tile that multiplies a contiguous slice of
 lhs: no shuffles. The codebook is stored as bf16 pairs in uint32 words (coordinate 2i in the low half, 2i + 1 in the
-high half), so a vector costs two 4-byte gathers from a 2 KiB table that stays in L1, and a bf16 is unpacked exactly
-by shifting its bits into the top half of a float32.
+high half) and split by half ([C, 2, 256]: each gather spans a 1 KiB table, 8 L1 lines), so a vector costs two
+4-byte gathers that stay in L1, and a bf16 is unpacked exactly by shifting its bits into the top half of a float32.
 
-Layouts: `idx` uint8 [E, Kp/4, N]; `codebook` uint32 [C, 256, 2]; `scale` [E, Kp/G, N]; `in_scale` f32 [E, Kp] or
+Layouts: `idx` uint8 [E, Kp/4, N]; `codebook` uint32 [C, 2, 256]; `scale` [E, Kp/G, N]; `in_scale` f32 [E, Kp] or
 None. Bits per weight: 2 + 16/G (the scale).
 """
 
@@ -45,15 +45,15 @@ def _bf16_hi(word):
 
 
 def pack_codebook(codebook: jax.Array) -> jax.Array:
-  """float [C, 256, 4] -> uint32 [C, 256, 2] bf16 pairs (rounded to bf16)."""
+  """float [C, 256, 4] -> uint32 [C, 2, 256] bf16 pairs (rounded to bf16)."""
   bits = jax.lax.bitcast_convert_type(codebook.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-  return bits[..., 0::2] | (bits[..., 1::2] << 16)
+  return jnp.swapaxes(bits[..., 0::2] | (bits[..., 1::2] << 16), 1, 2)
 
 
 def unpack_codebook(packed: jax.Array) -> jax.Array:
-  """uint32 [C, 256, 2] -> float32 [C, 256, 4]."""
-  return jnp.stack([_bf16_lo(packed[..., 0]), _bf16_hi(packed[..., 0]), _bf16_lo(packed[..., 1]),
-                    _bf16_hi(packed[..., 1])], axis=-1)
+  """uint32 [C, 2, 256] -> float32 [C, 256, 4]."""
+  return jnp.stack([_bf16_lo(packed[:, 0]), _bf16_hi(packed[:, 0]), _bf16_lo(packed[:, 1]),
+                    _bf16_hi(packed[:, 1])], axis=-1)
 
 
 def _step(load_x, ws: VQ2Weights, e, g, n0, *, group_size: int, bn: int):
@@ -63,7 +63,7 @@ def _step(load_x, ws: VQ2Weights, e, g, n0, *, group_size: int, bn: int):
   idx = ws.idx[e, pl.ds(g * quarter, quarter), nt].astype(jnp.int32)  # [G/4, bn]
   coords = []
   for half in range(2):
-    word = ws.codebook[c, idx, half]  # uint32 [G/4, bn], gathered
+    word = ws.codebook[c, half, idx]  # uint32 [G/4, bn], gathered
     coords += [_bf16_lo(word), _bf16_hi(word)]
   d = None
   for j in range(4):
@@ -83,8 +83,8 @@ def _check(lhs, ws: VQ2Weights, group_size: int):
     raise ValueError(f"lhs has K={lhs.shape[1]} but the vq2 weights hold Kp={kp}; pad lhs with zeros to Kp")
   if group_size % 64 or kp % group_size:
     raise ValueError(f"group_size={group_size} must be a multiple of 64 dividing Kp={kp}")
-  if ws.codebook.shape[1:] != (256, 2) or ws.codebook.shape[0] not in (1, e) or ws.codebook.dtype != jnp.uint32:
-    raise ValueError(f"codebook {ws.codebook.dtype}{ws.codebook.shape} must be uint32 (1 or E={e}, 256, 2); "
+  if ws.codebook.shape[1:] != (2, 256) or ws.codebook.shape[0] not in (1, e) or ws.codebook.dtype != jnp.uint32:
+    raise ValueError(f"codebook {ws.codebook.dtype}{ws.codebook.shape} must be uint32 (1 or E={e}, 2, 256); "
                      "see pack_codebook")
   return e, kp, n
 

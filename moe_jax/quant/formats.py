@@ -32,7 +32,7 @@ class VQ2SparseWeights(NamedTuple):
   r + G/8 keep two values each, and those four values form one vector.
 
   idx uint8 [E, Kp/8, N] (row g·G/8 + r'), meta uint8 [E, Kp/8, N] (keep masks of quads r' (low) and r' + G/8
-  (high)), codebook uint32 [C, 256, 2], scale [E, Kp/G, N], in_scale f32 [E, Kp] or None.
+  (high)), codebook uint32 [C, 2, 256], scale [E, Kp/G, N], in_scale f32 [E, Kp] or None.
   """
   idx: jax.Array
   meta: jax.Array

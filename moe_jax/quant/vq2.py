@@ -45,7 +45,7 @@ def kmeans(v: jax.Array, *, iters: int = 20) -> jax.Array:
 
 
 def _fit(vecs: jax.Array, per: str, iters: int) -> tuple[jax.Array, jax.Array]:
-  """vecs [E, P, 4] -> (packed codebook uint32 [C, 256, 2], idx int32 [E, P]) against the bf16-rounded codebook."""
+  """vecs [E, P, 4] -> (packed codebook uint32 [C, 2, 256], idx int32 [E, P]) against the bf16-rounded codebook."""
   if per == "expert":
     cb = jax.vmap(lambda v: kmeans(v, iters=iters))(vecs)
   elif per == "layer":

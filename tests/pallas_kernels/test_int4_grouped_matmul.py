@@ -1,0 +1,79 @@
+"""int4 dequant-fused grouped matmul (interpret mode) vs its XLA reference over awkward group sizes.
+
+Outputs start poisoned with NaN, so a row the kernel forgets to write fails the comparison; rows past
+sum(group_sizes) must come back zero, as from `jax.lax.ragged_dot`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import int4_grouped_matmul as i4
+
+E, K, N, G = 4, 256, 64, 128
+PATTERNS = [0b0011, 0b0101, 0b1001, 0b0110, 0b1010, 0b1100]
+
+
+def _weights(key, sparse=False, in_scale=False):
+  ks = jax.random.split(key, 5)
+  rows = K // 4 if sparse else K // 2
+  meta = None
+  if sparse:
+    pats = jnp.asarray(PATTERNS, jnp.int32)[jax.random.randint(ks[3], (E, K // 8, N, 2), 0, 6)]
+    meta = (pats[..., 0] | (pats[..., 1] << 4)).astype(jnp.uint8)
+  return i4.Int4Weights(
+      packed=jax.random.bits(ks[0], (E, rows, N), jnp.uint8),
+      scale=jax.random.uniform(ks[1], (E, K // G, N), jnp.float32, 0.01, 0.1),
+      zero=jax.random.randint(ks[2], (E, K // G, N), 0, 16).astype(jnp.uint8),
+      in_scale=jax.random.uniform(ks[4], (E, K), jnp.float32, 0.5, 2.0) if in_scale else None,
+      meta=meta)
+
+
+# (group sizes, extra rows owned by no expert): empty experts, one row, all rows in one expert, M not a multiple of
+# the 16-row block, trailing rows.
+CASES = [([3, 0, 17, 1], 0), ([0, 0, 21, 0], 3), ([1, 1, 1, 1], 0), ([0, 0, 0, 0], 2)]
+
+
+@pytest.mark.parametrize("sizes,extra", CASES)
+def test_dense_matches_reference(sizes, extra):
+  gs = jnp.asarray(sizes, jnp.int32)
+  m = sum(sizes) + extra
+  x = jax.random.normal(jax.random.key(len(sizes) + m), (m, K), jnp.float32)
+  ws = _weights(jax.random.key(m))
+  got = i4.int4_grouped_matmul(x, ws, gs, interpret=True, poison=float("nan"))
+  want = i4.int4_grouped_matmul_reference(x, ws, gs)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+  assert not np.any(np.asarray(got)[sum(sizes):])  # rows of no expert are zero
+
+
+@pytest.mark.parametrize("unpack", ["magic", "convert"])
+def test_sparse_with_activation_scale_bf16(unpack):
+  gs = jnp.asarray([5, 0, 16, 2], jnp.int32)
+  x = jax.random.normal(jax.random.key(1), (23, K), jnp.bfloat16)
+  ws = _weights(jax.random.key(2), sparse=True, in_scale=True)
+  got = np.asarray(i4.int4_grouped_matmul(x, ws, gs, interpret=True, poison=float("nan"), unpack=unpack))
+  # bf16 inputs: the kernel rounds x * in_scale to bf16, the reference rounds the dequantized weight instead.
+  want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), i4.dequantize_int4(ws), gs))
+  assert np.max(np.abs(got - want)) <= 1e-2 * np.max(np.abs(want))
+
+
+def test_sparse_dequant_prunes_two_of_four():
+  ws = _weights(jax.random.key(3), sparse=True)
+  w = np.asarray(i4.dequantize_int4(ws)).reshape(E, K // G, 4, G // 4, N)  # slot j of quad r: k = r + (G/4) j
+  assert np.all(np.sum(w == 0, axis=2) >= 2)
+
+
+def test_fused_swiglu_matches_reference():
+  gs = jnp.asarray([2, 0, 9, 7], jnp.int32)
+  x = jax.random.normal(jax.random.key(4), (18, K), jnp.float32)
+  gate, up = _weights(jax.random.key(5)), _weights(jax.random.key(6), sparse=True)
+  got = i4.int4_grouped_swiglu(x, gate, up, gs, interpret=True, poison=float("nan"))
+  want = i4.int4_grouped_swiglu_reference(x, gate, up, gs)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+def test_k_mismatch_is_rejected():
+  with pytest.raises(ValueError, match="pad lhs"):
+    i4.int4_grouped_matmul(jnp.zeros((4, K - 8)), _weights(jax.random.key(0)), jnp.asarray([4, 0, 0, 0]),
+                           interpret=True)
