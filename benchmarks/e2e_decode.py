@@ -62,7 +62,8 @@ flags.DEFINE_string("expert_impl", "pallas", "Grouped matmul of quantized expert
 flags.DEFINE_string("oskvp_impl", "pallas", "Decode attention of OS-KVP caches ('pallas' or 'xla').")
 flags.DEFINE_integer("steps", 16, "Timed decode steps per case (median).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps per case (the first compiles).")
-flags.DEFINE_bool("full_depth_check", True, "Also time bf16 at the first context and concurrency 32 with all layers.")
+flags.DEFINE_bool("full_depth_check", True, "Also time bf16 at the first context and concurrency <= 32 with all "
+                  "layers, to test the depth scaling.")
 flags.DEFINE_float("time_budget_s", 285.0, "Cases not started within this many seconds are skipped (and listed).")
 flags.DEFINE_string("out", "benchmarks/results", "Output folder for e2e_decode.md / .json.")
 FLAGS = flags.FLAGS
@@ -103,15 +104,21 @@ def build_model(config, expert_quant: str):
   return model
 
 
-def kv_mode_name(kv: str) -> str:
+def kv_mode_name(kv: str, implementation: str | None = None) -> str:
   """The OS-KVP modes with the requested decode-attention implementation, registered under a new name."""
+  implementation = implementation or FLAGS.oskvp_impl
   mode = get_kv_cache_mode(kv)
-  if kv.startswith("oskvp") and getattr(mode, "implementation", FLAGS.oskvp_impl) != FLAGS.oskvp_impl:
+  if kv.startswith("oskvp") and getattr(mode, "implementation", implementation) != implementation:
     import dataclasses  # pylint: disable=g-import-not-at-top
-    name = f"{kv}_{FLAGS.oskvp_impl}"
-    register_kv_cache_mode(name, dataclasses.replace(mode, implementation=FLAGS.oskvp_impl))
+    name = f"{kv}_{implementation}"
+    register_kv_cache_mode(name, dataclasses.replace(mode, implementation=implementation))
     return name
   return kv
+
+
+def uses_pallas(expert_quant: str, kv: str) -> bool:
+  return (expert_quant != "bf16" and FLAGS.expert_impl != "xla") or getattr(
+      get_kv_cache_mode(kv), "implementation", "xla") == "pallas"
 
 
 @functools.partial(jax.jit, static_argnames=("kv", "context", "n_layers", "kv_heads", "head_dim"))
@@ -313,7 +320,21 @@ def main(argv):
           skipped.append(f"{v} context={context} C={c}: time budget")
           continue
         try:
-          row.update(time_case(models[eq], config, kv, context, c))
+          try:
+            row.update(time_case(models[eq], config, kv, context, c))
+          except Exception as e:  # pylint: disable=broad-except
+            if "RESOURCE_EXHAUSTED" in str(e) or not uses_pallas(eq, kv):
+              raise
+            # A Pallas path failed to lower or run: retry this variant on the XLA paths, and say so.
+            row["fallback"] = f"xla after {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            print(f"{v}: Pallas path failed, falling back to XLA: {row['fallback']}", flush=True)
+            from moe_jax import quant  # pylint: disable=g-import-not-at-top
+            if eq != "bf16":
+              quant.set_implementation(models[eq], "xla")
+            kv = kv_mode_name(kv.split("_pallas")[0], implementation="xla")
+            variants[variants.index((v, eq, row["kv_cache"]))] = (v, eq, kv)
+            row["kv_cache"] = kv
+            row.update(time_case(models[eq], config, kv, context, c))
           b = step_bytes(config, models[eq], c, row["cache_bytes"])
           row["bytes"] = b
           need = b["other_weights"] + b["experts"] + b["kv"]
@@ -324,7 +345,7 @@ def main(argv):
           row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
           traceback.print_exc()
         rows.append(row)
-        print({k: row[k] for k in row if k != "bytes"}, flush=True)
+        print(f"[{time.perf_counter() - t_start:6.1f} s]", {k: row[k] for k in row if k != "bytes"}, flush=True)
         gc.collect()
         write(FLAGS.out, meta, rows, projection(rows, bw), skipped)
   if FLAGS.full_depth_check and layers < base.n_layers and time.perf_counter() - t_start > FLAGS.time_budget_s - 60:
@@ -332,7 +353,7 @@ def main(argv):
   elif FLAGS.full_depth_check and layers < base.n_layers:
     models.clear()
     gc.collect()
-    c, context = 32, contexts[0]
+    c, context = max([x for x in concurrency if x <= 32] or [min(concurrency)]), contexts[0]
     fc = dict(variant="bf16+bf16", context=context, concurrency=c)
     ref = next((r for r in rows if r["variant"] == "bf16+bf16" and r["context"] == context
                 and r["concurrency"] == c and "step_ms" in r), None)
