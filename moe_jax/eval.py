@@ -76,9 +76,8 @@ def available_modes() -> dict[str, list[str]]:
       except ImportError:
         pass
   try:
-    get_kv_cache_mode("bf16")  # imports moe_jax.kv_quant, which registers compressed modes
-    get_kv_cache_mode("__none__")
-  except ValueError:
+    importlib.import_module("moe_jax.kv_quant")  # registers the compressed cache modes
+  except ImportError:
     pass
   return {"kv_cache": sorted(KV_CACHE_MODES), "expert_quant": ["none", *sorted(EXPERT_QUANT_MODES)],
           "routing": ["default", *sorted(ROUTING_MODES)]}
@@ -92,13 +91,12 @@ def _teacher_forced_logprobs(model, windows: jax.Array, *, prefix: int, kv_cache
   """
   b = windows.shape[0]
   lengths = jnp.full((b,), prefix, jnp.int32)
-  logits0, cache = decode._prefill(model, windows[:, :prefix], lengths, kv_cache=kv_cache,  # pylint: disable=protected-access
-                                   cache_len=cache_len)
+  logits0, cache = decode.prefill(model, windows[:, :prefix], lengths, kv_cache=kv_cache, cache_len=cache_len)
   inputs = windows[:, prefix:-1].T  # [L - prefix, B], token fed at each step
 
   def body(cache, tok):
-    out, cache = model.decode(cache, tok[:, None])
-    return cache, jax.nn.log_softmax(out[:, 0].astype(jnp.float32), axis=-1)
+    out, cache = decode.decode_step(model, cache, tok)  # [B, V]
+    return cache, jax.nn.log_softmax(out.astype(jnp.float32), axis=-1)
 
   cache, steps = jax.lax.scan(body, cache, inputs)  # [L - prefix, B, V]
   first = jax.nn.log_softmax(logits0[:, prefix - 1].astype(jnp.float32), axis=-1)  # [B, V]

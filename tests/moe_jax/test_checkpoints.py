@@ -1,4 +1,4 @@
-"""Checkpoints: orbax train-state round trip is bitwise exact; the shipped format round-trips; the shipped model loads."""
+"""Checkpoints: the orbax train-state round trip is bitwise; the shipped format round-trips and loads."""
 
 import jax
 import jax.numpy as jnp
