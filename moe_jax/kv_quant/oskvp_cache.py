@@ -195,6 +195,8 @@ class OSKVPMode:
     outlier_fraction: fraction of the rotated channels kept in fp8 (rounded by `oskvp.n_outliers`).
     window: R, tokens kept in the bf16 residual window.
     n_iters: Lloyd-Max iterations.
+    max_fit_tokens: prompts longer than this are fitted on that many evenly spaced tokens of each sequence (bounds
+      the prefill's fitting memory, [B, K, max_fit_tokens, H, L] one-hots, at long context).
     implementation: decode attention, "pallas" or "xla".
   """
 
@@ -202,6 +204,7 @@ class OSKVPMode:
   outlier_fraction: float = 0.08
   window: int = 128
   n_iters: int = oskvp.DEFAULT_LLOYD_ITERS
+  max_fit_tokens: int = 4096
   implementation: str = "xla"
 
   def __post_init__(self):
@@ -209,6 +212,8 @@ class OSKVPMode:
       raise ValueError(f"bits={self.bits} must be 2 or 3")
     if self.window < 1:
       raise ValueError(f"window={self.window} must be >= 1")
+    if self.max_fit_tokens < 1:
+      raise ValueError(f"max_fit_tokens={self.max_fit_tokens} must be >= 1")
     if self.implementation not in ("pallas", "xla"):
       raise ValueError(f"implementation={self.implementation!r} must be 'pallas' or 'xla'")
 
@@ -216,6 +221,12 @@ class OSKVPMode:
     """x [B, T, K, H], lengths [B] -> OSKVPParams with leading [B, K] (padding positions masked)."""
     b, t, kh, h = x.shape
     oskvp.check_head_dim(h, self.bits, self.outlier_fraction)
+    if t > self.max_fit_tokens:  # evenly spaced over each sequence's own length (ragged batches stay fitted)
+      m, lengths = self.max_fit_tokens, lengths.astype(jnp.int32)
+      ar = jnp.arange(m)[None, :]
+      idx = jnp.where(lengths[:, None] <= m, ar, ar * lengths[:, None] // m)  # [B, M]
+      x = jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+      lengths, t = jnp.minimum(lengths, m), m
     w = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)  # [B, T]
     fit = lambda xs, ws: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits,
                                    n_iters=self.n_iters)
