@@ -184,14 +184,56 @@ def explore(timer, args):
           print(f"EXPLORE {fmt} {cfg} FAIL {type(ex).__name__} {str(ex)[:300]}", flush=True)
 
 
+def markdown(result: dict) -> str:
+  """The results table: per (experts, K, N, rows) the peers and the kernels, ms (TB/s on bytes read)."""
+  copy = result["copy"]["f32_sum_read_only"]["TB_per_s"]
+  by = {}
+  for r in result["rows"]:
+    by.setdefault((r["experts"], r["k"], r["n"], r["rows"]), {})[r["impl"]] = r
+  out = [f"Device {result['device']}, jax {result['jax']}, {result['date']}; kernel time by {result['timing']} "
+         f"(median, L2 flushed before each call); group size {result['group_size']}, {result['routing']} routing. "
+         f"Copy bandwidth in the same run: read-only sum {copy:.2f} TB/s, f32 x+1 "
+         f"{result['copy']['f32_add']['TB_per_s']:.2f} TB/s. bytes_read: weights of the experts that have rows "
+         "(in each format) + lhs + f32 output.\n",
+         "Cells: ms (TB/s on bytes read); kernels add [speed-up over the best bf16 peer, % of copy bandwidth].\n",
+         "| E, K->N | rows | rows/expert | XLA ragged_dot bf16 | Mosaic ragged_dot_mgpu bf16 | Pallas int4 | "
+         "Pallas int4 2:4 | Pallas vq2 | int4 fused gate+up SwiGLU (2 weights) |", "|---|---|---|---|---|---|---|---|---|"]
+  for (e, k, n, rows), v in sorted(by.items()):
+    if "xla_ragged_dot_bf16" not in v:
+      continue
+    peer = min(v[p]["ms"] for p in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16") if p in v)
+    cell = lambda r: f"{r['ms']:.4f} ({r['tb_per_s']:.2f})"
+    kcell = lambda r: f"{cell(r)} [{peer / r['ms']:.2f}x, {100 * r['tb_per_s'] / copy:.0f}%]"
+    row = [f"{e}, {k}->{n}", str(rows), str(-(-rows // e)), cell(v["xla_ragged_dot_bf16"]),
+           cell(v["mgpu_ragged_dot_bf16"]) if "mgpu_ragged_dot_bf16" in v else "-"]
+    row += [kcell(v[f"pallas_{f}"]) if f"pallas_{f}" in v else "-" for f in ("int4", "int4_sp24", "vq2")]
+    sw = v.get("pallas_int4_swiglu_fused")
+    row.append(f"{cell(sw)} [{2 * peer / sw['ms']:.2f}x vs 2 bf16 matmuls]" if sw else "-")
+    out.append("| " + " | ".join(row) + " |")
+  dense = [r for r in result["rows"] if r["impl"].endswith("one_expert")]
+  if dense:
+    out += ["", "Dense, one expert's [K, N] weight against 64 tokens (jax's Hopper int8 x bf16 kernel is not grouped):",
+            "", "| impl | K->N | ms | TB/s on bytes read |", "|---|---|---|---|"]
+    out += [f"| {r['impl']} | {r['k']}->{r['n']} | {r['ms']:.4f} | {r['tb_per_s']:.2f} |" for r in dense]
+  return "\n".join(out) + "\n"
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--quick", action="store_true", help="one shape, three row counts, for a first look")
   ap.add_argument("--iters", type=int, default=15)
   ap.add_argument("--explore", action="store_true", help="time every kernel config on one shape, then stop")
+  ap.add_argument("--md_from", default="", help="only rewrite the markdown of an existing results JSON")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
   args = ap.parse_args(argv)
+  if args.md_from:
+    with open(args.md_from) as fh:
+      md = markdown(json.load(fh))
+    with open(args.md_from[:-len(".json")] + ".md", "w") as fh:
+      fh.write(md)
+    print(md)
+    return 0
   if args.smoke:
     INTERPRET["on"] = True
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
@@ -303,6 +345,8 @@ def main(argv=None):
   name = "expert_matmul_quick" if args.quick else "expert_matmul"
   with open(os.path.join(args.out, name + ".json"), "w") as fh:
     json.dump({**meta, "rows": rows_out}, fh, indent=1)
+  with open(os.path.join(args.out, name + ".md"), "w") as fh:
+    fh.write(markdown({**meta, "rows": rows_out}))
   print("SUMMARY ms (TB/s)")
   for r in rows_out:
     print(f"{r['impl']:34s} E={r['experts']:4d} {r['k']}->{r['n']:6d} rows={r['rows']:5d} "
