@@ -216,9 +216,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv):
   del argv
+  from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top
   from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
 
-  f = flags.FLAGS
+  f = absl_flags.FLAGS
   if f.record:
     print(json.dumps(record_metrics(f.checkpoint), indent=2))
     return
@@ -241,4 +242,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("prefix", DEFAULTS["prefix"], "Tokens prefilled before teacher-forced decoding.")
   flags.DEFINE_bool("record", False, "Measure the checkpoint (defaults) and write its metrics.json.")
   flags.DEFINE_bool("json", False, "Print JSON instead of a markdown table.")
-  app.run(main)
+  # Run the imported module's main, not __main__'s: mode providers register into `moe_jax.eval`'s registries.
+  from moe_jax import eval as _canonical  # pylint: disable=g-import-not-at-top
+  app.run(_canonical.main)
