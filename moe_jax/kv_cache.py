@@ -80,6 +80,11 @@ class DenseKV:
     visible = jnp.arange(self.k.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
     return masked_gqa_attention(q, new.k, new.v, visible), new
 
+  @property
+  def max_len(self) -> int:
+    """S, the positions this cache holds."""
+    return int(self.k.shape[1])
+
   def nbytes(self) -> int:
     return self.k.nbytes + self.v.nbytes
 
@@ -114,9 +119,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    if hasattr(self.layers[0], "max_len"):  # Compressed layouts do not keep S on axis 1 of their first leaf.
-      return int(self.layers[0].max_len)
-    return int(jax.tree_util.tree_leaves(self.layers[0])[0].shape[1])
+    return int(self.layers[0].max_len)
 
   def nbytes(self) -> int:
     """Bytes the cache occupies on device, every leaf counted (codes, scales, bases, residual windows)."""
