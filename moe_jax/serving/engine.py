@@ -122,6 +122,7 @@ class Engine:
 
   def __init__(self, model, config: EngineConfig = EngineConfig()):
     self.model = model
+    self._flat = steps.FlatModel.of(model)  # snapshot of the weights, cheap to pass to every compiled step
     self.config = config
     self.vocab_size = model.config.vocab_size
     if config.cache_len > model.config.max_seq_len:
@@ -132,8 +133,8 @@ class Engine:
     # The initial cache: one real prefilled row copied into every slot (real values, so compressed modes hold no
     # degenerate zeros); all slots start free.
     p0, t0 = config.prefill_batches[0], config.prefill_lengths[0]
-    _, rows = steps.prefill(model, np.full((p0, t0), PAD_ID % self.vocab_size, np.int32), np.ones((p0,), np.int32),
-                            kv_cache=config.kv_cache, cache_len=config.cache_len)
+    _, rows = steps.prefill(self._flat, np.full((p0, t0), PAD_ID % self.vocab_size, np.int32),
+                            np.ones((p0,), np.int32), kv_cache=config.kv_cache, cache_len=config.cache_len)
     self.cache = steps.tile(rows, num_slots=b)
     self.kv_bytes_total = self.cache.nbytes()
     self._bytes_per_position = self.kv_bytes_total / (b * config.cache_len)
@@ -264,13 +265,13 @@ class Engine:
     for p in c.prefill_batches:
       ones = np.ones((p,), np.int32)
       for t in c.prefill_lengths:
-        last, rows = steps.prefill(self.model, np.zeros((p, t), np.int32), ones, kv_cache=c.kv_cache,
+        last, rows = steps.prefill(self._flat, np.zeros((p, t), np.int32), ones, kv_cache=c.kv_cache,
                                    cache_len=c.cache_len)
       if c.chunked:
-        last, rows = steps.extend(self.model, rows, np.zeros((p, c.prefill_lengths[-1]), np.int32), ones, last)
+        last, rows = steps.extend(self._flat, rows, np.zeros((p, c.prefill_lengths[-1]), np.int32), ones, last)
       steps.sample_rows(last, self._key, np.int32(0), *self._params(p))
       self.cache = steps.insert(self.cache, rows, drop(p))
-    out = steps.decode_slots(self.model, self.cache, self._tokens, np.zeros((b,), bool), self._key, np.int32(0),
+    out = steps.decode_slots(self._flat, self.cache, self._tokens, np.zeros((b,), bool), self._key, np.int32(0),
                              self._temperature, self._top_k, self._top_p)
     self.cache = out[2]
     jax.block_until_ready(self.cache)
@@ -350,14 +351,14 @@ class Engine:
     first = np.minimum(n, t)
     chunk0 = np.full((p, t), PAD_ID % self.vocab_size, np.int32)
     chunk0[:, :min(t, prompts.shape[1])] = prompts[:, :t]
-    last, rows = steps.prefill(self.model, chunk0, first, kv_cache=c.kv_cache, cache_len=c.cache_len)
+    last, rows = steps.prefill(self._flat, chunk0, first, kv_cache=c.kv_cache, cache_len=c.cache_len)
     self.stats.prefill_calls += 1
     for start in range(t, int(n.max()), t):  # chunks of prompts longer than the largest bucket (dense modes)
       chunk = np.full((p, t), PAD_ID % self.vocab_size, np.int32)
       piece = prompts[:, start:start + t]
       chunk[:, :piece.shape[1]] = piece
       valid = np.clip(n - start, 0, t).astype(np.int32)
-      last, rows = steps.extend(self.model, rows, chunk, valid, last)
+      last, rows = steps.extend(self._flat, rows, chunk, valid, last)
       self.stats.prefill_calls += 1
     temp, top_k, top_p = self._params(p)
     for i, h in enumerate(hs):
@@ -400,7 +401,7 @@ class Engine:
     active = self._active.copy()
     self.stats.active_per_step.append(int(active.sum()))
     self.stats.positions_per_step.append(int(self._lengths[active].sum()))
-    nxt, finite, self.cache = steps.decode_slots(self.model, self.cache, self._tokens, active, self._key,
+    nxt, finite, self.cache = steps.decode_slots(self._flat, self.cache, self._tokens, active, self._key,
                                                  self._next_key_step(), self._temperature, self._top_k, self._top_p)
     nxt, finite = np.asarray(nxt), np.asarray(finite)
     now = time.perf_counter()

@@ -51,6 +51,12 @@ def engine(tiny_model):
   return eng
 
 
+@pytest.fixture(scope="module")
+def good_reference(tiny_model):
+  good = [[5, 6, 7], list(range(20, 40))]
+  return good, reference(tiny_model, good)
+
+
 def reference(model, prompts, max_new=MAX_NEW):
   """Greedy continuation of each prompt alone: int [len(prompts), max_new]."""
   out = []
@@ -60,7 +66,8 @@ def reference(model, prompts, max_new=MAX_NEW):
     tokens, lengths = generate.pad_batch(chunk)
     tokens = np.pad(tokens, ((0, 0), (0, MAX_PROMPT - tokens.shape[1])))
     logits, cache = decode.prefill(model, tokens, lengths, kv_cache="fp32", cache_len=CACHE_LEN)
-    tok = np.asarray(jnp.argmax(generate._last_logits(logits, jnp.asarray(lengths)), -1))  # pylint: disable=protected-access
+    last = generate._last_logits(logits, jnp.asarray(lengths))  # pylint: disable=protected-access
+    tok = np.asarray(jnp.argmax(last, -1))
     rows = [tok]
     for _ in range(max_new - 1):
       lg, cache = decode.decode_step(model, cache, tok.astype(np.int32))
@@ -127,14 +134,13 @@ def test_1000_requests_at_concurrency_312_complete_once_and_match_alone(engine, 
     (dict(prompt=[1, 2], max_tokens=2, sampling={"beam": 4}), "invalid sampling parameters"),
     (dict(prompt=[1, 2], max_tokens=2, stop_tokens=[999]), "stop token 999"),
 ])
-def test_bad_request_is_rejected_and_others_continue(engine, tiny_model, kwargs, message):
-  good = [[5, 6, 7], list(range(20, 40))]
+def test_bad_request_is_rejected_and_others_continue(engine, good_reference, kwargs, message):
+  good, ref = good_reference
   before = engine.submit(good[0], max_tokens=MAX_NEW)
   with pytest.raises(InvalidRequest, match=message.replace("[", r"\[")):
     engine.submit(**kwargs)
   after = engine.submit(good[1], max_tokens=MAX_NEW)
   engine.run_until_idle()
-  ref = reference(tiny_model, good)
   assert before.result() == ref[0].tolist() and after.result() == ref[1].tolist()
 
 
@@ -269,7 +275,8 @@ def test_compressed_cache_mode_matches_alone(tiny_model):
   assert steps.total_traces() == before
   tokens, lengths = generate.pad_batch(prompts)
   logits, cache = decode.prefill(tiny_model, tokens, lengths, kv_cache="int8", cache_len=CACHE_LEN)
-  tok = np.asarray(jnp.argmax(generate._last_logits(logits, jnp.asarray(lengths)), -1))  # pylint: disable=protected-access
+  last = generate._last_logits(logits, jnp.asarray(lengths))  # pylint: disable=protected-access
+  tok = np.asarray(jnp.argmax(last, -1))
   ref = [tok]
   for _ in range(MAX_NEW - 1):
     lg, cache = decode.decode_step(tiny_model, cache, tok.astype(np.int32))
