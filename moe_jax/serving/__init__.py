@@ -2,7 +2,7 @@
 
 `Engine` (engine.py) holds the slots, the queue and the scheduler; `request.py` validates requests and streams their
 tokens back; `steps.py` holds the compiled device functions; `metrics.py` summarises latency and occupancy;
-`http.py` serves the engine with the OpenAI completions shape.
+`server.py` serves the engine with the OpenAI completions shape.
 """
 
 from moe_jax.serving.engine import Engine, EngineConfig, EngineStats

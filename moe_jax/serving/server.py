@@ -1,0 +1,219 @@
+"""An HTTP endpoint with the OpenAI completions shape, streaming included, over the engine (stdlib only).
+
+    python -m moe_jax.serving.server --checkpoint=tiny-trained --port=8000 [--slots=32]
+    curl -s localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 16}'
+    curl -sN localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 16, "stream": true}'
+
+POST /v1/completions takes {"prompt": text or token ids, "max_tokens", "temperature", "top_p", "top_k" (extension),
+"stop": a string or list of strings, "stream"} and answers a `text_completion` object, or with "stream": true
+server-sent events, one `data: {...}` chunk per text delta and `data: [DONE]` at the end. GET /v1/models lists the
+model. Errors: 400 invalid request (the engine's message), 429 queue full (back-pressure), 500 a request that failed
+(e.g. non-finite logits). The engine runs on its own thread; each HTTP request is served on its own thread and waits
+on its request handle.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from moe_jax.serving.engine import Engine
+from moe_jax.serving.request import InvalidRequest, QueueFull, RequestFailed
+
+_SAMPLING = ("temperature", "top_p", "top_k")
+
+
+class TextStream:
+  """Turns a growing token list into text deltas, holding back a trailing incomplete UTF-8 character or a tail that
+  may begin a stop string, and cuts the text at a stop string."""
+
+  def __init__(self, tokenizer, stops: list[str]):
+    self.tokenizer, self.stops = tokenizer, stops
+    self.sent = ""
+
+  def delta(self, tokens: list[int], final: bool) -> tuple[str, bool]:
+    """(new text to send, whether a stop string was reached)."""
+    text = self.tokenizer.decode(tokens)
+    hit = min((text.find(s) for s in self.stops if s and s in text), default=-1)
+    if hit >= 0:
+      text, final = text[:hit], True
+    if not final:
+      if text.endswith("\ufffd"):
+        text = text[:-1]
+      # Hold back a tail that may be the start of a stop string.
+      held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+      text = text[:len(text) - held]
+    new = text[len(self.sent):] if text.startswith(self.sent) else ""
+    self.sent = text if text.startswith(self.sent) else self.sent
+    return new, hit >= 0
+
+
+def _parse(body: dict, tokenizer) -> dict:
+  if not isinstance(body, dict):
+    raise InvalidRequest("the request body must be a JSON object")
+  prompt = body.get("prompt")
+  if isinstance(prompt, str):
+    ids = tokenizer.encode(prompt)
+  elif isinstance(prompt, list):
+    ids = prompt
+  else:
+    raise InvalidRequest("\"prompt\" must be a string or a list of token ids")
+  stop = body.get("stop") or []
+  stop = [stop] if isinstance(stop, str) else stop
+  if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+    raise InvalidRequest("\"stop\" must be a string or a list of strings")
+  return dict(prompt=ids, max_tokens=body.get("max_tokens", 16), stream=bool(body.get("stream", False)),
+              sampling={k: body[k] for k in _SAMPLING if k in body and body[k] is not None}, stop=stop)
+
+
+def make_handler(engine: Engine, tokenizer, model_name: str):
+  """The request handler class bound to one engine."""
+  eos = getattr(tokenizer, "eos_id", None)
+
+  class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):  # noqa: A002  pylint: disable=redefined-builtin
+      del format, args  # quiet
+
+    def _json(self, code: int, obj: dict) -> None:
+      data = json.dumps(obj).encode()
+      self.send_response(code)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+
+    def _error(self, code: int, kind: str, message: str) -> None:
+      self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+
+    def do_GET(self):  # noqa: N802
+      if self.path.rstrip("/") == "/v1/models":
+        self._json(200, {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "moe-jax"}]})
+      else:
+        self._error(404, "not_found", f"no route {self.path}")
+
+    def do_POST(self):  # noqa: N802
+      if self.path.rstrip("/") != "/v1/completions":
+        self._error(404, "not_found", f"no route {self.path}")
+        return
+      try:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+        req = _parse(body, tokenizer)
+        handle = engine.submit(req["prompt"], max_tokens=req["max_tokens"], sampling=req["sampling"],
+                               stop_tokens=[eos] if eos is not None else [])
+      except (ValueError, InvalidRequest) as e:
+        self._error(400, "invalid_request_error", str(e))
+        return
+      except QueueFull as e:
+        self._error(429, "queue_full", str(e))
+        return
+      cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+      text = TextStream(tokenizer, req["stop"])
+      n_prompt = len(handle.request.prompt)
+
+      def chunk(delta: str, finish: str | None) -> dict:
+        return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+      def reason() -> str:
+        return "length" if handle.finish_reason == "length" else "stop"
+
+      if not req["stream"]:
+        out, stopped = "", False
+        try:
+          tokens = handle.result()
+        except RequestFailed as e:
+          self._error(500, "request_failed", str(e))
+          return
+        out, stopped = text.delta(tokens, final=True)
+        body = chunk(out, "stop" if stopped else reason())
+        body["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
+                         "total_tokens": n_prompt + len(tokens)}
+        self._json(200, body)
+        return
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.send_header("Cache-Control", "no-cache")
+      self.send_header("Connection", "close")
+      self.end_headers()
+      tokens = []
+      try:
+        try:
+          for t in handle:
+            tokens.append(t)
+            delta, stopped = text.delta(tokens, final=False)
+            if delta:
+              self.wfile.write(f"data: {json.dumps(chunk(delta, None))}\n\n".encode())
+              self.wfile.flush()
+            if stopped:
+              handle.cancel()
+              break
+          delta, stopped = text.delta(tokens, final=True)
+          final = chunk(delta, "stop" if stopped or handle.cancelled else reason())
+          self.wfile.write(f"data: {json.dumps(final)}\n\n".encode())
+        except RequestFailed as e:
+          err = {"error": {"message": str(e), "type": "request_failed", "code": 500}}
+          self.wfile.write(f"data: {json.dumps(err)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+      except (BrokenPipeError, ConnectionResetError):
+        handle.cancel()  # the client went away: free the slot
+      self.close_connection = True
+
+  return Handler
+
+
+def serve(engine: Engine, tokenizer, *, host: str = "127.0.0.1", port: int = 0,
+          model_name: str = "moe-jax") -> ThreadingHTTPServer:
+  """Starts the engine's thread and an HTTP server thread; returns the server (`server.server_address` has the
+  port; `shutdown()` it, then `engine.stop()`)."""
+  engine.start()
+  server = ThreadingHTTPServer((host, port), make_handler(engine, tokenizer, model_name))
+  server.daemon_threads = True
+  threading.Thread(target=server.serve_forever, name="moe-jax-http", daemon=True).start()
+  return server
+
+
+def main(argv):
+  del argv
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from moe_jax.generate import _load  # pylint: disable=g-import-not-at-top
+  from moe_jax.serving.engine import EngineConfig  # pylint: disable=g-import-not-at-top
+
+  f = flags.FLAGS
+  config, model, tokenizer = _load(f)
+  cache_len = f.cache_len or config.max_seq_len
+  engine = Engine(model, EngineConfig(num_slots=f.slots, cache_len=cache_len, kv_cache=f.kv_cache,
+                                      prefill_lengths=tuple(sorted({min(int(x), cache_len)
+                                                                    for x in f.prefill_lengths})),
+                                      prefill_batches=(1, 8), max_queue=f.max_queue))
+  engine.warmup()
+  server = serve(engine, tokenizer, host=f.host, port=f.port, model_name=config.name)
+  print(f"serving {config.name} on http://{server.server_address[0]}:{server.server_address[1]}/v1/completions",
+        flush=True)
+  try:
+    threading.Event().wait()
+  except KeyboardInterrupt:
+    server.shutdown()
+    engine.stop()
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+
+  flags.DEFINE_string("config", "tiny", "Preset name (random weights).")
+  flags.DEFINE_string("checkpoint", None, "Shipped checkpoint name or a checkpoint directory.")
+  flags.DEFINE_string("hf", None, "Hugging Face model directory.")
+  flags.DEFINE_integer("seed", 0, "PRNG seed of random weights.")
+  flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
+  flags.DEFINE_integer("port", 8000, "Port (0: any free port).")
+  flags.DEFINE_integer("slots", 32, "Decode slots.")
+  flags.DEFINE_integer("cache_len", 0, "Positions per slot (0: the model's max_seq_len).")
+  flags.DEFINE_string("kv_cache", "bf16", "KV cache mode.")
+  flags.DEFINE_list("prefill_lengths", ["32", "128", "512"], "Prefill bucket lengths.")
+  flags.DEFINE_integer("max_queue", 256, "Pending requests before 429.")
+  app.run(main)
