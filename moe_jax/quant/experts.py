@@ -13,6 +13,7 @@ states routed to each expert, down sees silu(gate)·up of those rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -110,9 +111,9 @@ def _pad_rows(x_sorted: np.ndarray, group_sizes: np.ndarray, max_rows: int) -> n
   return out
 
 
-def collect_expert_inputs(model, tokens, *, max_rows: int = 512) -> list[dict[str, np.ndarray] | None]:
-  """Per block: {"gate_up": [E, R, D], "down": [E, R, F]} expert inputs on `tokens` (None for dense blocks)."""
-  tokens = jnp.asarray(tokens, jnp.int32)
+@jax.jit
+def _routed_inputs(model, tokens):
+  """Per block: (x_sorted [M, D], group_sizes [E], silu(gate)·up [M, F]) of the unquantized experts, or None."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   x = model.embed(tokens)
   out = []
@@ -120,28 +121,39 @@ def collect_expert_inputs(model, tokens, *, max_rows: int = 512) -> list[dict[st
     a, _ = block.attn(block.attn_norm(x), positions)
     x = x + a
     h = block.ffn_norm(x)
-    moe = block.ffn if isinstance(block.ffn, MoE) else None
-    if moe is None:
+    if not isinstance(block.ffn, MoE):
       out.append(None)
-    else:
-      flat = h.reshape(-1, h.shape[-1])
-      logits = routing.router_logits(flat, moe.w_router[...])
-      _, ids = routing.select_experts(logits, k=moe.k, router=moe.router, norm_topk_prob=moe.norm_topk_prob,
-                                      selection_bias=moe.router_bias[...])
-      xs, gs, _ = dispatch.permute(flat, ids, moe.n_experts)
-      g = grouped_matmul(xs, moe.w_gate[...], gs)
-      u = grouped_matmul(xs, moe.w_up[...], gs)
-      hd = (jax.nn.silu(g) * u).astype(xs.dtype)
-      gs_np = np.asarray(gs)
-      out.append({"gate_up": _pad_rows(np.asarray(xs, np.float32), gs_np, max_rows),
-                  "down": _pad_rows(np.asarray(hd, np.float32), gs_np, max_rows)})
-    y, _ = block.ffn(h) if moe is not None else (block.ffn(h), None)
-    x = x + y
+      x = x + block.ffn(h)
+      continue
+    moe = block.ffn
+    flat = h.reshape(-1, h.shape[-1])
+    logits = routing.router_logits(flat, moe.w_router[...])
+    _, ids = routing.select_experts(logits, k=moe.k, router=moe.router, norm_topk_prob=moe.norm_topk_prob,
+                                    selection_bias=moe.router_bias[...])
+    xs, gs, _ = dispatch.permute(flat, ids, moe.n_experts)
+    g = grouped_matmul(xs, moe.w_gate[...], gs)
+    u = grouped_matmul(xs, moe.w_up[...], gs)
+    out.append((xs, gs, (jax.nn.silu(g) * u).astype(xs.dtype)))
+    x = x + moe(h)[0]
   return out
 
 
+def collect_expert_inputs(model, tokens, *, max_rows: int = 512) -> list[dict[str, np.ndarray] | None]:
+  """Per block: {"gate_up": [E, R, D], "down": [E, R, F]} expert inputs on `tokens` (None for dense blocks)."""
+  out = []
+  for item in _routed_inputs(model, jnp.asarray(tokens, jnp.int32)):
+    if item is None:
+      out.append(None)
+      continue
+    xs, gs, hd = (np.asarray(a, np.float32) for a in item)
+    gs = gs.astype(np.int64)
+    out.append({"gate_up": _pad_rows(xs, gs, max_rows), "down": _pad_rows(hd, gs, max_rows)})
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
 def quantize_weight(w: jax.Array, spec: QuantSpec, calib_x: jax.Array | None = None) -> QuantizedExperts:
-  """One [E, K, N] expert weight under `spec` (calib_x [E, R, K] for AWQ / 2:4 saliency)."""
+  """One [E, K, N] expert weight under `spec` (calib_x [E, R, K] for AWQ / 2:4 saliency); jitted."""
   g = spec.group_for(w.shape[1])
   if spec.fmt == "int4":
     return quantize_int4(w, group_size=g, sparsity=spec.sparsity, calib_x=calib_x, awq=spec.awq)

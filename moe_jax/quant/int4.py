@@ -95,9 +95,10 @@ def awq_scales(w: jax.Array, x: jax.Array, group_size: int, keep: jax.Array | No
                      None if keep is None else _groups(keep, group_size)).reshape(w.shape) / a[:, :, None]
     return jnp.sum(jnp.einsum("ERK,EKN->ERN", x, w - wq) ** 2, axis=(1, 2)), a
 
-  errs, scales = zip(*[err_for(al) for al in ALPHAS])
-  best = jnp.argmin(jnp.stack(errs), axis=0)  # [E]
-  return jnp.take_along_axis(jnp.stack(scales, axis=1), best[:, None, None], axis=1)[:, 0]
+  # lax.map: one traced body, candidates evaluated in sequence (memory of one candidate at a time).
+  errs, scales = jax.lax.map(err_for, jnp.asarray(ALPHAS, jnp.float32))  # [A, E], [A, E, Kp]
+  best = jnp.argmin(errs, axis=0)  # [E]
+  return jnp.take_along_axis(scales, best[None, :, None], axis=0)[0]
 
 
 def clip_ratios(w: jax.Array, h: jax.Array, group_size: int, keep: jax.Array | None = None) -> jax.Array:
@@ -105,8 +106,9 @@ def clip_ratios(w: jax.Array, h: jax.Array, group_size: int, keep: jax.Array | N
   wg = _groups(w, group_size)
   hg = h.reshape(wg.shape[:3])[..., None]
   kg = None if keep is None else _groups(keep, group_size)
-  errs = jnp.stack([jnp.sum(hg * (wg - _fake_quant(wg, kg, r)) ** 2, axis=2, keepdims=True) for r in CLIP_RATIOS])
-  return jnp.asarray(CLIP_RATIOS, jnp.float32)[jnp.argmin(errs, axis=0)]
+  ratios = jnp.asarray(CLIP_RATIOS, jnp.float32)
+  errs = jax.lax.map(lambda r: jnp.sum(hg * (wg - _fake_quant(wg, kg, r)) ** 2, axis=2, keepdims=True), ratios)
+  return ratios[jnp.argmin(errs, axis=0)]
 
 
 def quantize_int4(w: jax.Array, *, group_size: int = 128, sparsity: str | None = None,

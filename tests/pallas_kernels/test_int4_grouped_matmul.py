@@ -32,7 +32,7 @@ def _weights(key, sparse=False, in_scale=False):
 
 # (group sizes, extra rows owned by no expert): empty experts, one row, all rows in one expert, M not a multiple of
 # the 16-row block, trailing rows.
-CASES = [([3, 0, 17, 1], 0), ([0, 0, 21, 0], 3), ([1, 1, 1, 1], 0), ([0, 0, 0, 0], 2)]
+CASES = [([3, 0, 17, 1], 0), ([0, 0, 21, 0], 3), ([0, 0, 0, 0], 2)]
 
 
 @pytest.mark.parametrize("sizes,extra", CASES)
@@ -47,12 +47,11 @@ def test_dense_matches_reference(sizes, extra):
   assert not np.any(np.asarray(got)[sum(sizes):])  # rows of no expert are zero
 
 
-@pytest.mark.parametrize("unpack", ["magic", "convert"])
-def test_sparse_with_activation_scale_bf16(unpack):
+def test_sparse_with_activation_scale_bf16():
   gs = jnp.asarray([5, 0, 16, 2], jnp.int32)
   x = jax.random.normal(jax.random.key(1), (23, K), jnp.bfloat16)
   ws = _weights(jax.random.key(2), sparse=True, in_scale=True)
-  got = np.asarray(i4.int4_grouped_matmul(x, ws, gs, interpret=True, poison=float("nan"), unpack=unpack))
+  got = np.asarray(i4.int4_grouped_matmul(x, ws, gs, interpret=True, poison=float("nan"), unpack="magic"))
   # bf16 inputs: the kernel rounds x * in_scale to bf16, the reference rounds the dequantized weight instead.
   want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), i4.dequantize_int4(ws), gs))
   assert np.max(np.abs(got - want)) <= 1e-2 * np.max(np.abs(want))
