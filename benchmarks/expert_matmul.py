@@ -49,7 +49,8 @@ EXPLORE = {
              for bn in (64, 128, 256) for w, st in ((4, 3), (4, 5), (8, 4))],
     "int4_sp24": [dict(block_n=bn, num_warps=4, num_stages=4, unpack=u) for u in ("magic", "convert")
                   for bn in (64, 128)],
-    "vq2": [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256) for w, st in ((4, 3), (8, 3), (4, 5))],
+    "vq2": [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256)
+            for w, st in ((4, 3), (8, 3), (4, 5))],
 }
 
 
@@ -197,7 +198,8 @@ def markdown(result: dict) -> str:
          "(in each format) + lhs + f32 output.\n",
          "Cells: ms (TB/s on bytes read); kernels add [speed-up over the best bf16 peer, % of copy bandwidth].\n",
          "| E, K->N | rows | rows/expert | XLA ragged_dot bf16 | Mosaic ragged_dot_mgpu bf16 | Pallas int4 | "
-         "Pallas int4 2:4 | Pallas vq2 | int4 fused gate+up SwiGLU (2 weights) |", "|---|---|---|---|---|---|---|---|---|"]
+         "Pallas int4 2:4 | Pallas vq2 | int4 fused gate+up SwiGLU (2 weights) |",
+         "|---|---|---|---|---|---|---|---|---|"]
   for (e, k, n, rows), v in sorted(by.items()):
     if "xla_ragged_dot_bf16" not in v:
       continue
@@ -312,7 +314,7 @@ def main(argv=None):
       del x
     # jax's Hopper int8 x bf16 mixed matmul is dense: one expert's weight [N, K] int8 against 64 tokens.
     try:
-      from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm  # pylint: disable=g-import-not-at-top
+      from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm  # noqa: E501
       a = jax.random.randint(key, (n, k), -127, 127, jnp.int8)
       xt = jax.random.normal(key, (k, 64), jnp.bfloat16)
       t_bf16 = timer(jax.jit(jnp.dot), a.astype(jnp.bfloat16), xt, iters=args.iters)
