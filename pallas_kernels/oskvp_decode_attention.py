@@ -48,18 +48,23 @@ class DecodeBlockConfig:
     num_splits: programs per (batch row, kv head) over the compressed store; None picks one from the shapes.
     num_warps, num_stages: Triton launch parameters.
     form: "mma" (dequantize to bf16, dot on tensor cores) or "lut" (query-folded lookup table on CUDA cores).
-    prefetch: ("mma") load block i+1 while block i is computed (hand-written software pipelining).
-    outlier_mma: ("mma") the fp8 outlier channels go through the tensor cores as a 16-wide padded tile instead
-      of a broadcast multiply-reduce on CUDA cores.
+    prefetch: ("mma") load block i+1 while block i is computed (hand-written software pipelining); doubles the
+      live tiles and spills heavily under Triton (see the notes), kept for measurement.
+    outlier_mma: ("mma"; ignored by "lut") the fp8 outlier channels go through the tensor cores as a 16-wide
+      padded tile instead of a broadcast multiply-reduce on CUDA cores.
   """
 
-  block_s: int = 128
+  # Defaults chosen from the SASS of the compiled kernel (benchmarks/decode_attention_sass.py, no GPU needed): at
+  # block 128 / broadcast outliers / 2 stages (the configuration timed on the H200, 1.33 ms at 64k x 8) the loop
+  # spills (255 registers + 1.2 KB stack, 457 local loads/stores per warp per block); block 64 with the outliers on
+  # the tensor cores and 1 stage issues 27% fewer instructions per token and spills almost nothing. Not yet timed.
+  block_s: int = 64
   num_splits: int | None = None
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 1
   form: str = "mma"
   prefetch: bool = False
-  outlier_mma: bool = False
+  outlier_mma: bool = True
 
   def __post_init__(self):
     if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -72,8 +77,8 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.num_stages=} must be >= 1")
     if self.form not in ("mma", "lut"):
       raise ValueError(f"{self.form=} must be 'mma' or 'lut'")
-    if self.form == "lut" and (self.prefetch or self.outlier_mma):
-      raise ValueError(f"{self.prefetch=} and {self.outlier_mma=} apply to form='mma' only")
+    if self.form == "lut" and self.prefetch:
+      raise ValueError(f"{self.prefetch=} applies to form='mma' only")
 
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:
@@ -350,11 +355,12 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
   rows = max(g, MMA_ROWS) if config.form == "mma" else g
   q_planes, q_outl = prepare_query(q, u_k, scale_k, kh, rows)
   # Columns of the outlier query / accumulator tiles: a power of two (Triton), >= 16 on the tensor cores.
-  o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS if config.outlier_mma else 1)
+  outlier_mma = config.outlier_mma and config.form == "mma"  # the lut form keeps its outliers on CUDA cores
+  o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS if outlier_mma else 1)
   q_outl = jnp.pad(q_outl, ((0, 0), (0, 0), (0, 0), (0, o_cols - o_dim)))
   if config.form == "mma":
     q_planes = q_planes.astype(jnp.bfloat16)
-    if config.outlier_mma:
+    if outlier_mma:
       q_outl = q_outl.astype(jnp.bfloat16)
     kernel = functools.partial(_mma_kernel, prefetch=config.prefetch, outlier_mma=config.outlier_mma, o_dim=o_dim)
   else:

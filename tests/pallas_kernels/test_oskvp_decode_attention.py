@@ -41,9 +41,9 @@ def run_case(seed, config, **shape):
 
 
 CONFIGS = {
-    "mma": DecodeBlockConfig(block_s=64, num_splits=5),
-    "mma_prefetch_outlier_mma": DecodeBlockConfig(block_s=64, num_splits=5, prefetch=True, outlier_mma=True),
-    "lut": DecodeBlockConfig(block_s=64, num_splits=5, form="lut"),
+    "mma": DecodeBlockConfig(num_splits=5),  # the default tiling, outliers on the tensor cores
+    "mma_broadcast_outliers": DecodeBlockConfig(num_splits=5, outlier_mma=False, num_stages=2),  # as timed first
+    "lut": DecodeBlockConfig(num_splits=5, form="lut"),
 }
 
 
