@@ -320,6 +320,7 @@ def main(argv):
       msg = f"variant {v!r} unavailable: {type(e).__name__}: {e}"
       print(msg, flush=True)
       skipped.append(msg)
+  fell_back = {}  # variant -> why it runs on the XLA paths
   kv_layer_bf16 = 2 * config.n_kv_heads * config.head_dim * 2
   counts = param_counts(config)
   for context in contexts:  # the 4k grid of every variant first, so a time-out still leaves a comparison
@@ -327,6 +328,8 @@ def main(argv):
       for v, eq, kv in variants:
         row = dict(variant=v, expert_quant=eq, kv_cache=kv, context=context, concurrency=c, layers=layers,
                    kv_bytes_per_token_per_layer=kv_layer_bf16, params_per_expert=counts["per_expert"])
+        if v in fell_back:
+          row["fallback"] = fell_back[v]
         if time.perf_counter() - t_start > FLAGS.time_budget_s:
           skipped.append(f"{v} context={context} C={c}: time budget")
           continue
@@ -337,7 +340,7 @@ def main(argv):
             if "RESOURCE_EXHAUSTED" in str(e) or not uses_pallas(eq, kv):
               raise
             # A Pallas path failed to lower or run: retry this variant on the XLA paths, and say so.
-            row["fallback"] = f"xla after {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            row["fallback"] = fell_back[v] = f"xla after {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             print(f"{v}: Pallas path failed, falling back to XLA: {row['fallback']}", flush=True)
             from moe_jax import quant  # pylint: disable=g-import-not-at-top
             if eq != "bf16":
