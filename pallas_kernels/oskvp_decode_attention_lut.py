@@ -65,7 +65,7 @@ def lut_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref,
       for p in range(4):
         scores += _pick(ck, p, tables[p]).sum(axis=2)
       pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
-      cv = plgpu.load(cv_ref.at[rows, :], mask=valid[:, None], other=0)
+      cv = plgpu.load(cv_ref.at[rows, :], mask=valid[:, None], other=0).astype(jnp.int32)
       ov = fp8_rows(ov_ref, rows, valid, o_dim, op)
       acco = acco * alpha[:, None] + (pexp[:, :, None] * ov[None, :, :]).sum(axis=1)  # [G, OP]
       acc = [acc[p] * alpha[:, None] + (pexp[:, :, None] * dequant_plane(cv, p, cbv[p])[None]).sum(axis=1)
