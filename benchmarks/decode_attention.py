@@ -192,6 +192,7 @@ def check_correctness(log):
       cfgs = [DecodeBlockConfig(form=form), DecodeBlockConfig(form=form, block_s=32, num_splits=7)]
       if form == "mma":
         cfgs.append(DecodeBlockConfig(block_s=128, num_splits=7, num_stages=2, outlier_mma=False, prefetch=True))
+        cfgs.append(DecodeBlockConfig(decode="poly"))
       for cfg in cfgs:
         try:
           out = _oskvp_pallas(*args, interpret=False, config=cfg, poison=True).astype(jnp.float32)
@@ -242,7 +243,8 @@ def main():
     timed_first = DecodeBlockConfig(block_s=128, num_stages=2, outlier_mma=False)
     cfgs = [timed_first, DecodeBlockConfig(), DecodeBlockConfig(num_stages=2), DecodeBlockConfig(block_s=32),
             DecodeBlockConfig(block_s=32, num_stages=2), DecodeBlockConfig(block_s=128),
-            DecodeBlockConfig(num_warps=8), DecodeBlockConfig(prefetch=True), DecodeBlockConfig(form="lut", block_s=32)]
+            DecodeBlockConfig(num_warps=8), DecodeBlockConfig(prefetch=True), DecodeBlockConfig(decode="poly"),
+            DecodeBlockConfig(block_s=32, decode="poly"), DecodeBlockConfig(form="lut", block_s=32)]
     best_ms = {}
     for cfg in cfgs:
       try:

@@ -91,6 +91,7 @@ def main():
       "b32 om ns2": DecodeBlockConfig(block_s=32, num_stages=2),
       "b128 om ns1": DecodeBlockConfig(block_s=128),
       "b64 om ns1 prefetch": DecodeBlockConfig(prefetch=True),
+      "b64 om ns1 poly decode": DecodeBlockConfig(decode="poly"),
   }
   print(f"{'config':30s} regs stack | per warp per block: instrs (per token, all warps) HMMA LDL/STL BAR LDS/STS "
         "SEL LOP3 ISETP PRMT")

@@ -52,6 +52,8 @@ class DecodeBlockConfig:
       live tiles and spills heavily under Triton (see the notes), kept for measurement.
     outlier_mma: ("mma"; ignored by "lut") the fp8 outlier channels go through the tensor cores as a 16-wide
       padded tile instead of a broadcast multiply-reduce on CUDA cores.
+    decode: ("mma") "select" (two bit tests, three selects per element) or "poly" (code to float by the 2**23
+      trick, then the cubic through the 4 codebook entries: FP32-pipe work instead of integer/logic-pipe work).
   """
 
   # Defaults chosen from the SASS of the compiled kernel (benchmarks/decode_attention_sass.py, no GPU needed): at
@@ -65,6 +67,7 @@ class DecodeBlockConfig:
   form: str = "mma"
   prefetch: bool = False
   outlier_mma: bool = True
+  decode: str = "select"
 
   def __post_init__(self):
     if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -77,6 +80,8 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.num_stages=} must be >= 1")
     if self.form not in ("mma", "lut"):
       raise ValueError(f"{self.form=} must be 'mma' or 'lut'")
+    if self.decode not in ("select", "poly"):
+      raise ValueError(f"{self.decode=} must be 'select' or 'poly'")
     if self.form == "lut" and self.prefetch:
       raise ValueError(f"{self.prefetch=} applies to form='mma' only")
 
@@ -177,6 +182,21 @@ def fp8_rows(ref, rows, valid, cols: int, width: int):
   return jnp.where(mask, x, 0.0)
 
 
+# Monomial coefficients of the cubic through (c, cb[c]), c = 0..3: poly[d] = sum_c POLY[d, c] * cb[c].
+POLY = ((1.0, 0.0, 0.0, 0.0), (-11 / 6, 3.0, -1.5, 1 / 3), (1.0, -2.5, 2.0, -0.5), (-1 / 6, 0.5, -0.5, 1 / 6))
+MAGIC = 0x4B000000  # float bits of 2**23: (MAGIC | c) as f32 is 2**23 + c exactly for 0 <= c < 2**23
+
+
+def dequant_plane_poly(x: jax.Array, plane: int, poly: list[jax.Array], dtype=jnp.float32) -> jax.Array:
+  """x: int32 [bs, Q] code bytes; poly: 4 f32 rows [1, Q] (cubic coefficients) -> [bs, Q] cb[code of `plane`].
+
+  The code becomes a float with one shift, one LOP3 and one FADD (no conversion instruction), then three FMAs:
+  the work moves from the integer/logic pipe (64 lanes/clk/SM) to the FP32 pipe (128).
+  """
+  c = lax.bitcast_convert_type(((x >> 2 * plane) & 3) | MAGIC, jnp.float32) - float(2**23)
+  return (((poly[3] * c + poly[2]) * c + poly[1]) * c + poly[0]).astype(dtype)
+
+
 def online_softmax_update(scores, valid, m, l):
   """scores f32 [GP, bs], valid bool [bs] -> (p [GP, bs], alpha [GP], m_new, l_new)."""
   scores = jnp.where(valid[None, :], scores, NEG_INF)
@@ -188,7 +208,7 @@ def online_softmax_update(scores, valid, m, l):
 
 def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref, nr_ref,
                 acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, prefetch: bool,
-                outlier_mma: bool, o_dim: int):
+                outlier_mma: bool, o_dim: int, poly: bool):
   # qp_ref [4, GP, Q] bf16 (rotated, scaled query, by plane); qo_ref [GP, OP] (outlier query x scale_k, zero
   # padded to OP = a power of two >= O; f32, or bf16 and OP >= 16 with outlier_mma);
   # cbk_ref, cbv_ref [4 planes, 4 codes, Q] f32; ck_ref, cv_ref [S, Q] uint8; ok_ref, ov_ref [S, O] fp8;
@@ -212,7 +232,8 @@ def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref
   def _compressed():
     start, end, nblocks = split_range(nc_ref, split, num_splits, block_s)
     qo = qo_ref[...]  # [GP, OP]: f32 (broadcast path) or bf16 padded to 16 columns (outlier_mma)
-    cbk = [[cbk_ref[p, c][None, :] for c in range(4)] for p in range(4)]  # [1, Q] f32
+    decode = dequant_plane_poly if poly else dequant_plane
+    cbk = [[cbk_ref[p, c][None, :] for c in range(4)] for p in range(4)]  # [1, Q] f32 (codebook or cubic rows)
     cbv = [[cbv_ref[p, c][None, :] for c in range(4)] for p in range(4)]
 
     def load_block(i):
@@ -234,14 +255,14 @@ def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref
       else:
         scores = (qo[:, None, :] * ok[None, :, :]).sum(axis=2)  # [GP, bs]
       for p in range(4):
-        scores += plgpu.dot(qp[p], dequant_plane(ck, p, cbk[p], jnp.bfloat16), trans_b=True)
+        scores += plgpu.dot(qp[p], decode(ck, p, cbk[p], jnp.bfloat16), trans_b=True)
       pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
       pb = pexp.astype(jnp.bfloat16)
       if outlier_mma:
         acco = acco * alpha[:, None] + plgpu.dot(pb, ov.astype(jnp.bfloat16))  # [GP, OP]
       else:
         acco = acco * alpha[:, None] + (pexp[:, :, None] * ov[None, :, :]).sum(axis=1)  # [GP, O]
-      acc = [acc[p] * alpha[:, None] + plgpu.dot(pb, dequant_plane(cv, p, cbv[p], jnp.bfloat16)) for p in range(4)]
+      acc = [acc[p] * alpha[:, None] + plgpu.dot(pb, decode(cv, p, cbv[p], jnp.bfloat16)) for p in range(4)]
       return acc, acco, m, l
 
     acco0 = jnp.zeros(acco_ref.shape, jnp.float32)
@@ -297,10 +318,13 @@ def prepare_query(q, u_k, scale_k, kv_heads: int, rows: int):
   return q_planes, q_outl
 
 
-def plane_codebooks(cb):
-  """cb [B, K, H, 4] -> [B, K, 4 planes, 4 codes, Q] f32."""
+def plane_codebooks(cb, poly: bool = False):
+  """cb [B, K, H, 4] -> [B, K, 4 planes, 4 codes (or 4 cubic coefficients with poly), Q] f32."""
   b, k, h, _ = cb.shape
-  return cb.astype(jnp.float32).reshape(b, k, 4, h // 4, 4).transpose(0, 1, 2, 4, 3)
+  cb = cb.astype(jnp.float32)
+  if poly:
+    cb = jnp.einsum("BKHC,DC->BKHD", cb, jnp.asarray(POLY, jnp.float32), precision=lax.Precision.HIGHEST)
+  return cb.reshape(b, k, 4, h // 4, 4).transpose(0, 1, 2, 4, 3)
 
 
 def merge_partials(acc, acco, m, l, scale_v, u_v, groups: int, dtype):
@@ -368,7 +392,8 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
     q_planes = q_planes.astype(jnp.bfloat16)
     if outlier_mma:
       q_outl = q_outl.astype(jnp.bfloat16)
-    kernel = functools.partial(_mma_kernel, prefetch=config.prefetch, outlier_mma=config.outlier_mma, o_dim=o_dim)
+    kernel = functools.partial(_mma_kernel, prefetch=config.prefetch, outlier_mma=config.outlier_mma, o_dim=o_dim,
+                               poly=config.decode == "poly")
   else:
     from pallas_kernels.oskvp_decode_attention_lut import lut_kernel  # pylint: disable=g-import-not-at-top
     kernel = functools.partial(lut_kernel, o_dim=o_dim)
@@ -391,8 +416,9 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
   in_specs = [per_head(4, rows, qd), per_head(rows, o_cols), per_head(4, 4, qd), per_head(s, qd), per_head(s, o_dim),
               per_head(4, 4, qd), per_head(s, qd), per_head(s, o_dim), per_head(r, h), per_head(r, h), per_row(),
               per_row()]
-  inputs = [q_planes, q_outl, plane_codebooks(cb_k), codes_k, outl_k, plane_codebooks(cb_v), codes_v, outl_v, res_k,
-            res_v, n_comp.astype(jnp.int32), n_res.astype(jnp.int32)]
+  poly = config.form == "mma" and config.decode == "poly"
+  inputs = [q_planes, q_outl, plane_codebooks(cb_k, poly), codes_k, outl_k, plane_codebooks(cb_v, poly), codes_v,
+            outl_v, res_k, res_v, n_comp.astype(jnp.int32), n_res.astype(jnp.int32)]
   aliases = {}
   if poison:  # Partials start as NaN (aliased in/out buffers): any element the kernel skips poisons the result.
     aliases = {len(inputs) + i: i for i in range(4)}

@@ -43,6 +43,7 @@ def run_case(seed, config, **shape):
 CONFIGS = {
     "mma": DecodeBlockConfig(num_splits=5),  # the default tiling, outliers on the tensor cores
     "mma_broadcast_outliers": DecodeBlockConfig(num_splits=5, outlier_mma=False, num_stages=2),  # as timed first
+    "mma_poly_decode": DecodeBlockConfig(block_s=32, num_splits=3, decode="poly"),
     "lut": DecodeBlockConfig(num_splits=5, form="lut"),
 }
 
