@@ -240,6 +240,9 @@ def markdown(res: dict) -> str:
       "| " + " | ".join(ROW_KEYS) + " |", "|" + "---|" * len(ROW_KEYS)]
   for r in res["rows"]:
     lines.append("| " + " | ".join(fmt(r[k]) for k in ROW_KEYS) + " |")
+  errors = [f"- {r['layout']} {r['routing']} {r['transport']}: {r['error']}" for r in res["rows"] if r.get("error")]
+  if errors:
+    lines += ["", "Rows that did not run:", *errors]
   lines += ["", "Surrogate memory per device (replicated on every device, so per node = devices per node × this): "
             + ", ".join(f"rank {r}: {b / 1e6:.3f} MB" for r, b in res["surrogate_bytes_per_device"].items())
             + f"; all routed experts: {res['expert_bytes_total'] / 1e6:.3f} MB.", "",
