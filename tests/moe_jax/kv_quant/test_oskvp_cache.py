@@ -31,20 +31,18 @@ def test_prefill_split_and_stored_tokens():
   assert cache.codes_k.shape == (B, K, 48, H // 4) and cache.outl_k.shape == (B, K, 48, 8)
   assert cache.res_k.shape == (B, K, R, H) and cache.res_k.dtype == jnp.bfloat16 and cache.u_k.shape == (B, K, H, H)
   assert cache.hi_k is None and cache.max_len == 48
-  cache3 = jax.jit(lambda k, v: OSKVPMode(window=R, bits=3).from_prefill(k, v, lengths, 48, layer=0))(k, v)
-  err = lambda c: float(jnp.linalg.norm(c.dequantized()[0][0, :32] - k[0, :32]) / jnp.linalg.norm(k[0, :32]))
-  assert err(cache3) < 0.6 * err(cache) < 0.6 * 0.3, (err(cache3), err(cache))
   k_hat, v_hat = jax.jit(lambda c: c.dequantized())(cache)
   for b, n in enumerate([40, 29]):
     nc = int(cache.n_comp[b])
     # The window holds the last tokens up to bf16 rounding (rotated, stored, rotated back).
     np.testing.assert_allclose(k_hat[b, nc:n], k[b, nc:n], atol=0.03 * float(jnp.abs(k).max()))
     np.testing.assert_allclose(v_hat[b, n:], 0.0)
-    for h in range(K):
+    for h in range(K):  # the first 24 compressed tokens of each row (one shape, one compile)
       params = jax.tree_util.tree_map(lambda a, b=b, h=h: a[b, h],
                                       oskvp.OSKVPParams(cache.u_k, cache.scale_k, cache.cb_k))
-      ref = oskvp.dequantize(oskvp.quantize(k[b, :nc, h], params), params)
-      np.testing.assert_allclose(k_hat[b, :nc, h], ref, atol=1e-4)
+      ref = oskvp.dequantize(oskvp.quantize(k[b, :24, h], params), params)
+      np.testing.assert_allclose(k_hat[b, :24, h], ref, atol=1e-4)
+    assert float(jnp.linalg.norm(k_hat[b, :nc] - k[b, :nc]) / jnp.linalg.norm(k[b, :nc])) < 0.3
   # A fitted basis is orthogonal per (sequence, head).
   np.testing.assert_allclose(jnp.einsum("BKHI,BKHJ->BKIJ", cache.u_k, cache.u_k),
                              jnp.broadcast_to(jnp.eye(H), (B, K, H, H)), atol=3e-5)
@@ -61,16 +59,18 @@ def test_lut_scores_equal_dequantized_scores(bits):
   scale = jax.random.uniform(ks[2], (B, K, o), minval=0.01, maxval=0.1)
   cb = jnp.sort(jax.random.normal(ks[3], (B, K, H, n_levels)), axis=-1).at[:, :, :o].set(0.0)
   qr = jax.random.normal(ks[4], (B, K, G, H))
-  lut = attn.compressed_scores(qr, codes, outl, scale, cb, hi, form="lut")
-  deq = attn.compressed_scores(qr, codes, outl, scale, cb, hi, form="dequant")
+  scores = jax.jit(attn.compressed_scores, static_argnames="form")
+  lut = scores(qr, codes, outl, scale, cb, hi, form="lut")
+  deq = scores(qr, codes, outl, scale, cb, hi, form="dequant")
   np.testing.assert_allclose(lut, deq, rtol=1e-5, atol=1e-4)
   # And against an explicit per-element dequantization.
   xr = jnp.take_along_axis(cb, jnp.swapaxes(idx.astype(jnp.int32), 2, 3), axis=-1)  # [B, K, H, S]
   xr = jnp.swapaxes(xr, 2, 3).at[..., :o].add(outl.astype(jnp.float32) * scale[:, :, None])
   np.testing.assert_allclose(deq, jnp.einsum("BKGH,BKSH->BKGS", qr, xr), rtol=1e-5, atol=1e-4)
   p = jax.nn.softmax(lut, axis=-1)
-  np.testing.assert_allclose(attn.compressed_values(p, codes, outl, scale, cb, hi, form="lut"),
-                             attn.compressed_values(p, codes, outl, scale, cb, hi, form="dequant"), atol=1e-5)
+  values = jax.jit(attn.compressed_values, static_argnames="form")
+  np.testing.assert_allclose(values(p, codes, outl, scale, cb, hi, form="lut"),
+                             values(p, codes, outl, scale, cb, hi, form="dequant"), atol=1e-5)
 
 
 @functools.partial(jax.jit, static_argnames=("form",))
@@ -88,11 +88,11 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits):
   k, v = kv(jax.random.PRNGKey(1), 40)
   lengths = jnp.array([40, 29])
   cache = jax.jit(lambda k, v: OSKVPMode(window=R, bits=bits).from_prefill(k, v, lengths, 64, layer=0))(k, v)
-  new_k, new_v = kv(jax.random.PRNGKey(2), 12)
-  qs = jax.random.normal(jax.random.PRNGKey(3), (B, 12, K * G, H))
+  new_k, new_v = kv(jax.random.PRNGKey(2), 9)
+  qs = jax.random.normal(jax.random.PRNGKey(3), (B, 9, K * G, H))
   step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
   deq = jax.jit(lambda c: c.dequantized())
-  for t in range(12):
+  for t in range(9):
     o, cache = step(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
     k_hat, v_hat = deq(cache)
     total = cache.n_comp + cache.n_res
@@ -101,16 +101,16 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits):
     ref = masked_gqa_attention(qs[:, t:t + 1], k_hat, v_hat, visible)
     np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(_attend(cache, qs[:, t], "dequant"), o[:, 0], rtol=1e-4, atol=1e-4)
-  np.testing.assert_array_equal(cache.n_comp, [48, 40])  # two flushes for row 0, two for row 1
-  np.testing.assert_array_equal(cache.n_res, [4, 1])
-  # Row 1's tokens 24..39 were flushed after decode: they are quantized with the prefill's U and codebooks.
-  seq_k = jnp.concatenate([k[1, :29], new_k[1]], axis=0)  # [41, K, H]
+  np.testing.assert_array_equal(cache.n_comp, [48, 32])  # two flushes for row 0, one for row 1
+  np.testing.assert_array_equal(cache.n_res, [1, 6])
+  # Row 1's tokens 24..31 (5 from the prefill, 3 decoded) were flushed at step 4 with the prefill's U and codebooks.
+  seq_k = jnp.concatenate([k[1, :29], new_k[1]], axis=0)  # [38, K, H]
   for h in range(K):
     params = oskvp.OSKVPParams(cache.u_k[1, h], cache.scale_k[1, h], cache.cb_k[1, h])
-    rot = (seq_k[24:40, h] @ params.u).astype(jnp.bfloat16).astype(jnp.float32)
+    rot = (seq_k[24:32, h] @ params.u).astype(jnp.bfloat16).astype(jnp.float32)
     ref = oskvp.dequantize_rotated(oskvp.quantize_rotated(rot, params.codebook, params.scale), params.codebook,
                                    params.scale) @ params.u.T
-    np.testing.assert_allclose(k_hat[1, 24:40, h], ref, atol=1e-4)
+    np.testing.assert_allclose(k_hat[1, 24:32, h], ref, atol=1e-4)
 
 
 def test_implementation_switch():
@@ -170,8 +170,8 @@ def test_layout_matches_the_pallas_kernel_reference():
 
 def test_long_prompts_fit_on_evenly_spaced_tokens():
   """max_fit_tokens: each sequence is subsampled over its own length; the fitted outlier direction is unchanged."""
-  k = jax.random.normal(jax.random.PRNGKey(8), (B, 300, K, H)) * jnp.ones(H).at[3].set(8.0)
-  lengths = jnp.array([300, 90])
+  k = jax.random.normal(jax.random.PRNGKey(8), (B, 160, K, H)) * jnp.ones(H).at[3].set(8.0)
+  lengths = jnp.array([160, 50])
   sub = jax.jit(lambda k: OSKVPMode(window=R, max_fit_tokens=64).fit(k, lengths))(k)
   full = jax.jit(lambda k: OSKVPMode(window=R).fit(k, lengths))(k)
   assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(sub))
@@ -188,7 +188,8 @@ def test_rope_shift_augmentation_fits_later_positions():
   k = rope(pre, jnp.arange(512)[None], 1e4)
   errs = []
   for mode in (OSKVPMode(window=R), OSKVPMode(window=R, rope_theta=None)):
-    p = jax.tree_util.tree_map(lambda a: a[0, 0], mode.fit(k[:, :256], jnp.array([256]), rope_span=512))
+    fit = jax.jit(lambda x, mode=mode: mode.fit(x, jnp.array([256]), rope_span=512))
+    p = jax.tree_util.tree_map(lambda a: a[0, 0], fit(k[:, :256]))
     x = k[0, 256:, 0]
     errs.append(float(jnp.linalg.norm(oskvp.dequantize(oskvp.quantize(x, p), p) - x) / jnp.linalg.norm(x)))
   assert errs[0] < 0.9 * errs[1], errs

@@ -10,8 +10,8 @@ from moe_jax.kv_quant import static
 
 def test_calibrate_save_load_install_and_decode(tiny_model, tiny_config, tmp_path):
   c = tiny_config
-  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 96), 0, 256)
-  mode = static.calibrate_model(tiny_model, tokens, jnp.array([96, 80]), window=16)
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, 256)
+  mode = static.calibrate_model(tiny_model, tokens, jnp.array([64, 50]), window=16)
   h, kh, o = c.head_dim, c.n_kv_heads, 8
   assert mode.params_k.u.shape == (c.n_layers, kh, h, h) and mode.params_v.codebook.shape == (c.n_layers, kh, h, 4)
   assert mode.params_k.scale.shape == (c.n_layers, kh, o)
