@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.oskvp_decode_attention import (DecodeBlockConfig, _oskvp_pallas, default_num_splits,
+from pallas_kernels.oskvp_decode_attention import (SASS_CANDIDATE, DecodeBlockConfig, _oskvp_pallas,
+                                                   default_num_splits,
                                                    oskvp_decode_attention, oskvp_decode_attention_reference)
 from pallas_kernels.oskvp_random import random_oskvp_inputs
 
@@ -233,7 +234,7 @@ def main():
 
   # Tiling sweep at 64k x 8.
   sweep = []
-  best = {"mma": DecodeBlockConfig(), "lut": DecodeBlockConfig(form="lut")}
+  best = {"mma": SASS_CANDIDATE, "lut": DecodeBlockConfig(form="lut")}
   if not args.skip_sweep:
     b, s = 8, 65536
     nbytes = oskvp_bytes(b, s)
@@ -241,7 +242,8 @@ def main():
     # the default within 3%; 8 warps, 3 stages and block 256 slower; lut 3.5x slower. The SASS (see
     # decode_attention_sass.py) showed that configuration spilling; this sweep times the non-spilling candidates.
     timed_first = DecodeBlockConfig(block_s=128, num_stages=2, outlier_mma=False)
-    cfgs = [timed_first, DecodeBlockConfig(), DecodeBlockConfig(num_stages=2), DecodeBlockConfig(block_s=32),
+    cfgs = [timed_first, SASS_CANDIDATE, DecodeBlockConfig(block_s=64, num_stages=2, outlier_mma=True),
+            DecodeBlockConfig(block_s=32),
             DecodeBlockConfig(block_s=32, num_stages=2), DecodeBlockConfig(block_s=128),
             DecodeBlockConfig(num_warps=8), DecodeBlockConfig(prefetch=True), DecodeBlockConfig(decode="poly"),
             DecodeBlockConfig(block_s=32, decode="poly"), DecodeBlockConfig(form="lut", block_s=32)]

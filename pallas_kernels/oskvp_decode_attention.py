@@ -56,17 +56,17 @@ class DecodeBlockConfig:
       trick, then the cubic through the 4 codebook entries: FP32-pipe work instead of integer/logic-pipe work).
   """
 
-  # Defaults chosen from the SASS of the compiled kernel (benchmarks/decode_attention_sass.py, no GPU needed): at
-  # block 128 / broadcast outliers / 2 stages (the configuration timed on the H200, 1.33 ms at 64k x 8) the loop
-  # spills (255 registers + 1.2 KB stack, 457 local loads/stores per warp per block); block 64 with the outliers on
-  # the tensor cores and 1 stage issues 27% fewer instructions per token and spills almost nothing. Not yet timed.
-  block_s: int = 64
+  # Defaults: the tiling that compiled, ran correctly and was timed on the H200 (1.33 ms at 64k x 8). Its loop
+  # spills (255 registers + 1.2 KB stack, per benchmarks/decode_attention_sass.py); `SASS_CANDIDATE` below issues 27%
+  # fewer instructions per token and spills almost nothing, but has not run under XLA's Triton on a GPU yet, so it
+  # is not the default until it has been measured there.
+  block_s: int = 128
   num_splits: int | None = None
   num_warps: int = 4
-  num_stages: int = 1
+  num_stages: int = 2
   form: str = "mma"
   prefetch: bool = False
-  outlier_mma: bool = True
+  outlier_mma: bool = False
   decode: str = "select"
 
   def __post_init__(self):
@@ -84,6 +84,10 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.decode=} must be 'select' or 'poly'")
     if self.form == "lut" and self.prefetch:
       raise ValueError(f"{self.prefetch=} applies to form='mma' only")
+
+
+# Block 64, fp8 outlier channels through the tensor cores, 1 stage: chosen from the compiled SASS, not yet timed.
+SASS_CANDIDATE = DecodeBlockConfig(block_s=64, num_stages=1, outlier_mma=True)
 
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:
