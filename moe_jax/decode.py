@@ -31,7 +31,7 @@ def logits(model: Transformer, tokens: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("kv_cache", "cache_len"))
 def _prefill(model, tokens, lengths, *, kv_cache: str, cache_len: int):
-  return model.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache), cache_len=cache_len, mode_name=kv_cache)
+  return model.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache, model.config), cache_len=cache_len, mode_name=kv_cache)
 
 
 def prefill(model: Transformer, tokens, lengths, *, kv_cache: str = "bf16",

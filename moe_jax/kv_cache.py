@@ -133,8 +133,12 @@ def register_kv_cache_mode(name: str, mode: Any) -> None:
   KV_CACHE_MODES[name] = mode
 
 
-def get_kv_cache_mode(name: str):
-  """Returns the mode object for `kv_cache=name`, with a clear error for unknown names."""
+def get_kv_cache_mode(name: str, config=None):
+  """Returns the mode object for `kv_cache=name`, with a clear error for unknown names.
+
+  With a `ModelConfig`, a mode that depends on the model (OS-KVP fits keys at the model's RoPE base) is specialised
+  through its optional `for_config(config)` method.
+  """
   if name not in KV_CACHE_MODES:
     try:  # Compressed modes register themselves on import.
       import moe_jax.kv_quant  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
@@ -142,4 +146,6 @@ def get_kv_cache_mode(name: str):
       pass
   if name not in KV_CACHE_MODES:
     raise ValueError(f"kv_cache={name!r} is not a KV cache mode; choose one of {sorted(KV_CACHE_MODES)}")
-  return KV_CACHE_MODES[name]
+  mode = KV_CACHE_MODES[name]
+  for_config = getattr(mode, "for_config", None)
+  return for_config(config) if (config is not None and for_config is not None) else mode

@@ -52,7 +52,7 @@ def _logits_body(graphdef, state, tokens):
 
 def _prefill_body(graphdef, state, tokens, lengths, *, kv_cache: str, cache_len: int):
   model = nnx.merge(graphdef, state)
-  return model.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache), cache_len=cache_len, mode_name=kv_cache)
+  return model.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache, model.config), cache_len=cache_len, mode_name=kv_cache)
 
 
 def _decode_body(graphdef, state, cache, tokens):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from moe_jax.kv_quant.oskvp import unpack1, unpack2
 
-IMPLEMENTATIONS = ("pallas", "xla")
+IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 
 def _levels(codes: jax.Array, hi: jax.Array | None) -> jax.Array:
@@ -115,12 +115,16 @@ def oskvp_decode_attention_xla(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_
 
 
 def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
-                           n_comp, n_res, *, hi_k=None, hi_v=None, implementation: str = "xla",
+                           n_comp, n_res, *, hi_k=None, hi_v=None, implementation: str = "auto",
                            interpret: bool = False) -> jax.Array:
-  """Decode attention over an OS-KVP cache, through `implementation` ("pallas" or "xla"; arguments as in
-  `oskvp_decode_attention_xla`). The Pallas kernel handles the 2-bit layout; 3-bit caches fall back to "xla"."""
+  """Decode attention over an OS-KVP cache, through `implementation` ("auto", "pallas" or "xla"; arguments as in
+  `oskvp_decode_attention_xla`). "auto" is the Pallas kernel on GPU (faster than the XLA reference there:
+  benchmarks/results/decode_attention.md) and the XLA reference elsewhere. The Pallas kernel handles the 2-bit
+  layout; 3-bit caches fall back to "xla"."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+  if implementation == "auto":
+    implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
   args = (q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp, n_res)
   if implementation == "pallas" and hi_k is None and hi_v is None:
     # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.

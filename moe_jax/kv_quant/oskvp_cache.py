@@ -56,7 +56,7 @@ class OSKVPLayerCache:
   n_res: jax.Array
   hi_k: jax.Array | None = None
   hi_v: jax.Array | None = None
-  implementation: str = struct.field(pytree_node=False, default="xla")
+  implementation: str = struct.field(pytree_node=False, default="auto")
 
   @property
   def max_len(self) -> int:
@@ -153,7 +153,7 @@ def prefill_split(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array
 
 
 def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams, params_v: oskvp.OSKVPParams, *,
-                      window: int, implementation: str = "xla") -> OSKVPLayerCache:
+                      window: int, implementation: str = "auto") -> OSKVPLayerCache:
   """Quantizes the prefill into the layer layout.
 
   Args:
@@ -204,10 +204,9 @@ class OSKVPMode:
       codebooks fitted on prefill positions alone misfit decoded tokens (measured on tiny-trained: key error 0.47
       instead of 0.23 on positions 256-511 when fitted on 0-255). The keys are therefore fitted on `rope_shifts`
       copies of the prefill keys rotated by position shifts m·cache_len/rope_shifts (m = 0..rope_shifts-1) with
-      RoPE base `rope_theta` (0.26 in-sample, 0.26 on later positions). The mode API does not pass the model's
-      base: 1e4 (the built-in configs) is the default, and a smaller base than the model's over-rotates, which is
-      the safe side; register `OSKVPMode(rope_theta=config.rope_theta)` for the exact one. None disables it.
-    implementation: decode attention, "pallas" or "xla".
+      RoPE base `rope_theta` (0.26 in-sample, 0.26 on later positions). `prefill` sets it to the model's base
+      through `for_config`; a bare mode uses 1e4 (the built-in configs). None disables it.
+    implementation: decode attention: "auto" (Pallas on GPU, XLA elsewhere), "pallas" or "xla".
   """
 
   bits: int = 2
@@ -217,7 +216,7 @@ class OSKVPMode:
   max_fit_tokens: int = 4096
   rope_theta: float | None = 1e4
   rope_shifts: int = 8
-  implementation: str = "xla"
+  implementation: str = "auto"
 
   def __post_init__(self):
     if self.bits not in (2, 3):
@@ -228,8 +227,14 @@ class OSKVPMode:
       raise ValueError(f"max_fit_tokens={self.max_fit_tokens} must be >= 1")
     if self.rope_shifts < 1:
       raise ValueError(f"rope_shifts={self.rope_shifts} must be >= 1")
-    if self.implementation not in ("pallas", "xla"):
-      raise ValueError(f"implementation={self.implementation!r} must be 'pallas' or 'xla'")
+    if self.implementation not in ("auto", "pallas", "xla"):
+      raise ValueError(f"implementation={self.implementation!r} must be 'auto', 'pallas' or 'xla'")
+
+  def for_config(self, config) -> "OSKVPMode":
+    """The same mode fitting keys at `config.rope_theta` (a no-op when augmentation is disabled)."""
+    if self.rope_theta is None or self.rope_theta == config.rope_theta:
+      return self
+    return dataclasses.replace(self, rope_theta=float(config.rope_theta))
 
   def fit(self, x: jax.Array, lengths: jax.Array, *, rope_span: int = 0) -> oskvp.OSKVPParams:
     """x [B, T, K, H], lengths [B] -> OSKVPParams with leading [B, K] (padding positions masked).
@@ -271,7 +276,7 @@ class StaticOSKVPMode:
   Attributes:
     params_k, params_v: OSKVPParams with leading [n_layers, K], or None before calibration.
     window: R.
-    implementation: "pallas" or "xla".
+    implementation: "auto" (Pallas on GPU, XLA elsewhere), "pallas" or "xla".
 
   The params are copied into every sequence's cache (the layout keeps every leaf batch-leading); a prompt pays no
   fitting time, and short prompts get codebooks fitted on plenty of data.
@@ -280,7 +285,7 @@ class StaticOSKVPMode:
   params_k: oskvp.OSKVPParams | None = None
   params_v: oskvp.OSKVPParams | None = None
   window: int = 128
-  implementation: str = "xla"
+  implementation: str = "auto"
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
     if self.params_k is None:

@@ -51,7 +51,7 @@ def calibrate_layers(kvs, lengths, *, outlier_fraction: float = 0.08, bits: int 
 
 
 def calibrate_model(model, tokens, lengths=None, *, outlier_fraction: float = 0.08, bits: int = 2,
-                    window: int = 128, implementation: str = "xla") -> StaticOSKVPMode:
+                    window: int = 128, implementation: str = "auto") -> StaticOSKVPMode:
   """Runs `model.forward(tokens)` (int32 [B, T], right-padded; lengths int32 [B], default all T) and calibrates."""
   tokens = jnp.asarray(tokens, jnp.int32)
   lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if lengths is None else jnp.asarray(lengths)
@@ -79,7 +79,7 @@ def save(path: str, mode: StaticOSKVPMode) -> None:
     ckpt.save(os.path.abspath(path), jax.tree_util.tree_map(np.asarray, tree), force=True)
 
 
-def load(path: str, *, implementation: str = "xla") -> StaticOSKVPMode:
+def load(path: str, *, implementation: str = "auto") -> StaticOSKVPMode:
   """Reads a calibration written by `save`."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 

@@ -91,8 +91,9 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, *, kv_cache: str, cach
   Returns:
     (float32 [P, V], KVCache of P rows, S = cache_len).
   """
-  logits, cache = _module(model).prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache), cache_len=cache_len,
-                                mode_name=kv_cache)
+  module = _module(model)
+  logits, cache = module.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache, module.config), cache_len=cache_len,
+                                 mode_name=kv_cache)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
   return last, cache
 
