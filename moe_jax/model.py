@@ -85,6 +85,18 @@ class Transformer(nnx.Module):
         auxes.append(aux)
     return self.unembed(x), auxes, kvs
 
+  def ffn_inputs(self, tokens: jax.Array) -> list[jax.Array]:
+    """Calibration hook: the normalised input of every block's feed-forward, one [B, T, D] per block."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = self.embed(tokens)
+    out = []
+    for block in self.blocks:
+      a, _ = block.attn(block.attn_norm(x), positions)
+      x = x + a
+      out.append(block.ffn_norm(x))
+      x, _ = block.feed_forward(x)
+    return out
+
   def prefill(self, tokens: jax.Array, lengths: jax.Array, *, mode, cache_len: int, mode_name: str):
     """tokens: int32 [B, T] right-padded; lengths: int32 [B] -> (logits [B, T, V], KVCache)."""
     logits, _, kvs = self.forward(tokens)

@@ -151,16 +151,8 @@ def moe_layer_inputs(model, tokens: jax.Array) -> list[jax.Array]:
 
   @jax.jit
   def run(model, tokens):
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = model.embed(tokens)
-    out = []
-    for block in model.blocks:
-      a, _ = block.attn(block.attn_norm(x), positions)
-      x = x + a
-      if isinstance(block.ffn, MoE):
-        out.append(block.ffn_norm(x).reshape(-1, x.shape[-1]))
-      x, _ = block.feed_forward(x)
-    return out
+    return [h.reshape(-1, h.shape[-1]) for block, h in zip(model.blocks, model.ffn_inputs(tokens))
+            if isinstance(block.ffn, MoE)]
 
   return run(model, jnp.asarray(tokens, jnp.int32))
 

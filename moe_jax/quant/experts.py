@@ -114,16 +114,10 @@ def _pad_rows(x_sorted: np.ndarray, group_sizes: np.ndarray, max_rows: int) -> n
 @jax.jit
 def _routed_inputs(model, tokens):
   """Per block: (x_sorted [M, D], group_sizes [E], silu(gate)·up [M, F]) of the unquantized experts, or None."""
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  x = model.embed(tokens)
   out = []
-  for block in model.blocks:
-    a, _ = block.attn(block.attn_norm(x), positions)
-    x = x + a
-    h = block.ffn_norm(x)
+  for block, h in zip(model.blocks, model.ffn_inputs(tokens)):
     if not isinstance(block.ffn, MoE):
       out.append(None)
-      x = x + block.ffn(h)
       continue
     moe = block.ffn
     flat = h.reshape(-1, h.shape[-1])
@@ -134,7 +128,6 @@ def _routed_inputs(model, tokens):
     g = grouped_matmul(xs, moe.w_gate[...], gs)
     u = grouped_matmul(xs, moe.w_up[...], gs)
     out.append((xs, gs, (jax.nn.silu(g) * u).astype(xs.dtype)))
-    x = x + moe(h)[0]
   return out
 
 
