@@ -177,17 +177,10 @@ class LCVCMoE(MoE):
       y = y + LocalDispatch()(tokens, jnp.where(remote, weights, 0.0), ids, self.surrogate, self.n_experts)
     else:
       y = self.dispatch(tokens, weights, ids, self.expert_fn, self.n_experts)
-    if self.shared is not None:
-      s = self.shared(tokens)
-      if self.w_shared_gate is not None:
-        s = s * jax.nn.sigmoid(tokens @ self.w_shared_gate[...])
-      y = y + s
-    probs = routing.affinities(logits, self.router)
+    y = self.add_shared(tokens, y)
     remote_rate = jnp.mean(remote.astype(jnp.float32))
     aux = {
-        "load_balance": routing.load_balancing_loss(probs, ids, self.n_experts),
-        "z_loss": routing.z_loss(logits),
-        "expert_counts": jnp.bincount(ids.reshape(-1), length=self.n_experts),
+        **self.router_aux(logits, ids),
         "remote_rate": remote_rate,
         "surrogate_rate": remote_rate if surrogates else jnp.zeros((), jnp.float32),
     }

@@ -56,15 +56,22 @@ class MoE(nnx.Module):
     weights, ids = routing.select_experts(logits, k=self.k, router=self.router, norm_topk_prob=self.norm_topk_prob,
                                           selection_bias=self.router_bias[...])
     y = self.dispatch(tokens, weights, ids, self.expert_fn, self.n_experts)
-    if self.shared is not None:
-      s = self.shared(tokens)
-      if self.w_shared_gate is not None:
-        s = s * jax.nn.sigmoid(tokens @ self.w_shared_gate[...])
-      y = y + s
+    return self.add_shared(tokens, y).reshape(b, t, d), self.router_aux(logits, ids)
+
+  def add_shared(self, tokens: jax.Array, y: jax.Array) -> jax.Array:
+    """y + the (optionally sigmoid-gated) shared expert of tokens [T, D]; y unchanged without one."""
+    if self.shared is None:
+      return y
+    s = self.shared(tokens)
+    if self.w_shared_gate is not None:
+      s = s * jax.nn.sigmoid(tokens @ self.w_shared_gate[...])
+    return y + s
+
+  def router_aux(self, logits: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
+    """Router statistics for the training losses, from logits [T, E] and chosen ids [T, X]."""
     probs = routing.affinities(logits, self.router)
-    aux = {
+    return {
         "load_balance": routing.load_balancing_loss(probs, ids, self.n_experts),
         "z_loss": routing.z_loss(logits),
         "expert_counts": jnp.bincount(ids.reshape(-1), length=self.n_experts),
     }
-    return y.reshape(b, t, d), aux
