@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import datetime
 import json
 import math
@@ -178,7 +179,7 @@ def oskvp_bytes(b, s):
   return b * KV_HEADS * per_bk
 
 
-def check_correctness(log):
+def check_correctness(log, forms=("mma", "lut", "bitplane")):
   """Kernel vs reference on fresh random inputs; returns rows of (case, form, rel_err, nan)."""
   rows = []
   cases = [dict(batch=4, heads=16, kv_heads=4, head_dim=128, capacity=4097, window=128,
@@ -189,8 +190,11 @@ def check_correctness(log):
   for i, case in enumerate(cases):
     args = random_oskvp_inputs(jax.random.key(10 + i), **case)
     ref = jax.jit(oskvp_decode_attention_reference)(*args).astype(jnp.float32)
-    for form in ("mma", "lut"):
+    for form in forms:
       cfgs = [DecodeBlockConfig(form=form), DecodeBlockConfig(form=form, block_s=32, num_splits=7)]
+      if form == "bitplane":
+        cfgs = [DecodeBlockConfig(form=form, block_s=64, num_stages=1),
+                DecodeBlockConfig(form=form, block_s=32, num_splits=7, extract="jnp")]
       if form == "mma":
         cfgs.append(DecodeBlockConfig(block_s=128, num_splits=7, num_stages=2, outlier_mma=False, prefetch=True))
         cfgs.append(DecodeBlockConfig(decode="poly"))
@@ -212,6 +216,7 @@ def main():
   ap.add_argument("--contexts", default="4096,16384,65536,131072")
   ap.add_argument("--batches", default="1,8,32")
   ap.add_argument("--skip_sweep", action="store_true")
+  ap.add_argument("--sweep_only", action="store_true", help="stop after the tiling sweep (and cuDNN at 64k x 8)")
   ap.add_argument("--extras_contexts", default="65536", help="contexts for the slower/secondary peers")
   ap.add_argument("--max_cache_gb", type=float, default=40.0, help="skip bf16 peers whose K+V exceed this")
   args = ap.parse_args()
@@ -227,14 +232,15 @@ def main():
   log(f"device {dev.device_kind}, jax {jax.__version__}")
   copy_tbs, read_tbs = copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
-  checks = check_correctness(log)
+  checks = check_correctness(log, ("bitplane",) if args.sweep_only else ("mma", "lut", "bitplane"))
   if not any("rel_err" in c and "mma" in c["config"] for c in checks):
     log("the mma kernel did not run; stopping before the timings")
     return 1
 
   # Tiling sweep at 64k x 8.
   sweep = []
-  best = {"mma": SASS_CANDIDATE, "lut": DecodeBlockConfig(form="lut")}
+  best = {"mma": SASS_CANDIDATE, "lut": DecodeBlockConfig(form="lut"),
+          "bitplane": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1)}
   if not args.skip_sweep:
     b, s = 8, 65536
     nbytes = oskvp_bytes(b, s)
@@ -247,6 +253,12 @@ def main():
             DecodeBlockConfig(block_s=32, num_stages=2), DecodeBlockConfig(block_s=128),
             DecodeBlockConfig(num_warps=8), DecodeBlockConfig(prefetch=True), DecodeBlockConfig(decode="poly"),
             DecodeBlockConfig(block_s=32, decode="poly"), DecodeBlockConfig(form="lut", block_s=32)]
+    bitplane = functools.partial(DecodeBlockConfig, form="bitplane")
+    cfgs += [bitplane(block_s=64, num_stages=1), bitplane(block_s=32, num_stages=1), bitplane(block_s=128, num_stages=1),
+             bitplane(block_s=64, num_stages=2), bitplane(block_s=32, num_stages=2), bitplane(block_s=64, num_warps=2),
+             bitplane(block_s=64, num_stages=1, extract="jnp")]
+    if args.sweep_only:
+      cfgs = [c for c in cfgs if c.form == "bitplane"] + [timed_first, SASS_CANDIDATE]
     best_ms = {}
     for cfg in cfgs:
       try:
@@ -260,6 +272,14 @@ def main():
       if ms < best_ms.get(cfg.form, 1e9):
         best_ms[cfg.form], best[cfg.form] = ms, cfg
     log(f"best: {best}")
+    if args.sweep_only:
+      ms = timeit(cudnn_bf16, lambda i: (jax.random.normal(jax.random.key(i), (b, N_HEADS, HEAD_DIM), jnp.bfloat16),
+                                         *[x.transpose(0, 2, 1, 3) for x in bf16_cache(jax.random.key(i), b, s)]),
+                  2 * b * KV_HEADS * s * HEAD_DIM * 2)
+      log(f"cudnn_bf16 B={b} S={s}: {ms:.4f} ms")
+      with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(dict(sweep=sweep, checks=checks, cudnn_ms=ms, copy_tb_per_s=copy_tbs), f, indent=1)
+      return 0
 
   rows = []
   meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),

@@ -71,7 +71,7 @@ def main_loop_stats(sass: str) -> dict:
            for m in [re.search(r"BRA\s.*?(\.L_x_\d+)", t)] if m and labels.get(m.group(1), 1 << 30) <= i]
   _, a, b = max(loops)
   body = ins[a:b + 1]
-  kinds = {"all": ".", "HMMA": "HMMA", "LDL/STL": "LDL|STL", "BAR": "BAR", "LDS/STS": "LDS|STS|LDSM", "SEL": "SEL",
+  kinds = {"all": ".", "HMMA": "HMMA|IMMA", "LDL/STL": "LDL|STL", "BAR": "BAR", "LDS/STS": "LDS|STS|LDSM", "SEL": "SEL",
            "LOP3": "LOP3", "ISETP": "ISETP", "PRMT": "PRMT", "LDG": "LDG"}
   return {k: sum(1 for x in body if re.search(p, x)) for k, p in kinds.items()}
 
@@ -81,6 +81,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--triton_python", default="/tmp/tvenv/bin/python")
   ap.add_argument("--out", default=tempfile.mkdtemp(prefix="oskvp_sass_"))
+  ap.add_argument("--only", default="", help="compile only the configs whose name contains this")
   args = ap.parse_args()
   shape = dict(batch=8, heads=32, kv_heads=8, head_dim=128, capacity=1024, window=128)
   configs = {
@@ -92,8 +93,13 @@ def main():
       "b128 om ns1": DecodeBlockConfig(block_s=128),
       "b64 om ns1 prefetch": DecodeBlockConfig(prefetch=True),
       "b64 om ns1 poly decode": DecodeBlockConfig(decode="poly"),
+      "bitplane b64 ns1": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1),
+      "bitplane b128 ns1": DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1),
+      "bitplane b64 ns2": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=2),
+      "bitplane b32 ns1": DecodeBlockConfig(form="bitplane", block_s=32, num_stages=1),
   }
-  print(f"{'config':30s} regs stack | per warp per block: instrs (per token, all warps) HMMA LDL/STL BAR LDS/STS "
+  configs = {k: v for k, v in configs.items() if args.only in k}
+  print(f"{'config':30s} regs stack | per warp per block: instrs (per token, all warps) MMA LDL/STL BAR LDS/STS "
         "SEL LOP3 ISETP PRMT")
   for name, cfg in configs.items():
     path = os.path.join(args.out, re.sub(r"\W+", "_", name) + ".ttir")

@@ -47,13 +47,16 @@ class DecodeBlockConfig:
     block_s: tokens per inner step (power of two, >= 16).
     num_splits: programs per (batch row, kv head) over the compressed store; None picks one from the shapes.
     num_warps, num_stages: Triton launch parameters.
-    form: "mma" (dequantize to bf16, dot on tensor cores) or "lut" (query-folded lookup table on CUDA cores).
+    form: "mma" (dequantize to bf16, dot on tensor cores), "lut" (query-folded lookup table on CUDA cores) or
+      "bitplane" (no dequantization: int8 dots on the codes' 0/1 bit planes, `oskvp_decode_attention_bitplane.py`).
     prefetch: ("mma") load block i+1 while block i is computed (hand-written software pipelining); doubles the
       live tiles and spills heavily under Triton (see the notes), kept for measurement.
     outlier_mma: ("mma"; ignored by "lut") the fp8 outlier channels go through the tensor cores as a 16-wide
       padded tile instead of a broadcast multiply-reduce on CUDA cores.
     decode: ("mma") "select" (two bit tests, three selects per element) or "poly" (code to float by the 2**23
       trick, then the cubic through the 4 codebook entries: FP32-pipe work instead of integer/logic-pipe work).
+    extract: ("bitplane") how the 0/1 planes leave the code bytes: "asm" (inline PTX, four codes per 32-bit
+      instruction; interpret mode falls back to "jnp") or "jnp" (per-element ops, whatever Triton makes of them).
   """
 
   # Defaults: the tiling that compiled, ran correctly and was timed on the H200 (1.33 ms at 64k x 8). Its loop
@@ -68,6 +71,7 @@ class DecodeBlockConfig:
   prefetch: bool = False
   outlier_mma: bool = False
   decode: str = "select"
+  extract: str = "asm"
 
   def __post_init__(self):
     if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -78,11 +82,13 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.num_warps=} must be a power of two <= 16")
     if self.num_stages < 1:
       raise ValueError(f"{self.num_stages=} must be >= 1")
-    if self.form not in ("mma", "lut"):
-      raise ValueError(f"{self.form=} must be 'mma' or 'lut'")
+    if self.form not in ("mma", "lut", "bitplane"):
+      raise ValueError(f"{self.form=} must be 'mma', 'lut' or 'bitplane'")
     if self.decode not in ("select", "poly"):
       raise ValueError(f"{self.decode=} must be 'select' or 'poly'")
-    if self.form == "lut" and self.prefetch:
+    if self.extract not in ("asm", "jnp"):
+      raise ValueError(f"{self.extract=} must be 'asm' or 'jnp'")
+    if self.form != "mma" and self.prefetch:
       raise ValueError(f"{self.prefetch=} applies to form='mma' only")
 
 
@@ -381,6 +387,10 @@ def check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp):
 @functools.partial(jax.jit, static_argnames=["interpret", "config", "poison"])
 def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
                   n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False):
+  if config.form == "bitplane":
+    from pallas_kernels.oskvp_decode_attention_bitplane import oskvp_bitplane_pallas  # pylint: disable=g-import-not-at-top
+    return oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k,
+                                 res_v, n_comp, n_res, interpret=interpret, config=config, poison=poison)
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
   g, o_dim, r = n // kh, outl_k.shape[-1], res_k.shape[2]
