@@ -56,8 +56,8 @@ def unpack_codebook(packed: jax.Array) -> jax.Array:
                     _bf16_hi(packed[:, 1])], axis=-1)
 
 
-def _step(load_x, ws: VQ2Weights, e, g, n0, *, group_size: int, bn: int):
-  """K group g of expert e for columns n0 : n0 + bn -> float32 [bm, bn]."""
+def _step(load_x, ws: VQ2Weights, e, g, n0, acc, *, group_size: int, bn: int):
+  """acc float32 [bm, bn] + K group g of expert e for columns n0 : n0 + bn."""
   quarter, nt = group_size // 4, pl.ds(n0, bn)
   c = e if ws.codebook.shape[0] > 1 else 0
   idx = ws.idx[e, pl.ds(g * quarter, quarter), nt].astype(jnp.int32)  # [G/4, bn]
@@ -73,7 +73,7 @@ def _step(load_x, ws: VQ2Weights, e, g, n0, *, group_size: int, bn: int):
            ).astype(x.dtype)
     dj = jnp.dot(x, coords[j].astype(x.dtype), preferred_element_type=jnp.float32)
     d = dj if d is None else d + dj
-  return ws.scale[e, g, nt].astype(jnp.float32)[None, :] * d
+  return acc + ws.scale[e, g, nt].astype(jnp.float32)[None, :] * d
 
 
 def _check(lhs, ws: VQ2Weights, group_size: int):

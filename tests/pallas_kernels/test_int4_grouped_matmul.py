@@ -1,7 +1,8 @@
 """int4 dequant-fused grouped matmul (interpret mode) vs its XLA reference over awkward group sizes.
 
 Outputs start poisoned with NaN, so a row the kernel forgets to write fails the comparison; rows past
-sum(group_sizes) must come back zero, as from `jax.lax.ragged_dot`.
+sum(group_sizes) must come back zero, as from `jax.lax.ragged_dot`. Both weight layouts run: uint8 (x @ W) and the
+uint16 kernel layout (A/B-swapped W^T x^T, rows as the narrow side, split-K).
 """
 
 import jax
@@ -47,6 +48,48 @@ def test_dense_matches_reference(sizes, extra):
   assert not np.any(np.asarray(got)[sum(sizes):])  # rows of no expert are zero
 
 
+@pytest.mark.parametrize("sizes,extra", CASES)
+@pytest.mark.parametrize("block_m,split_k", [(None, None), (8, 2)])
+def test_nk_layout_matches_reference(sizes, extra, block_m, split_k):
+  gs = jnp.asarray(sizes, jnp.int32)
+  m = sum(sizes) + extra
+  x = jax.random.normal(jax.random.key(len(sizes) + m), (m, K), jnp.float32)
+  ws = _weights(jax.random.key(m))
+  nk = i4.to_nk_layout(ws)
+  got = i4.int4_grouped_matmul(x, nk, gs, interpret=True, poison=float("nan"), block_m=block_m, split_k=split_k)
+  want = i4.int4_grouped_matmul_reference(x, ws, gs)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+  assert not np.any(np.asarray(got)[sum(sizes):])
+
+
+def test_nk_layout_round_trips():
+  ws = _weights(jax.random.key(7), in_scale=True)
+  nk = i4.to_nk_layout(ws)
+  assert nk.packed.dtype == jnp.uint16 and nk.packed.shape == (E, N, K // 4)
+  np.testing.assert_array_equal(np.asarray(i4.dequantize_int4(nk)), np.asarray(i4.dequantize_int4(ws)))
+  with pytest.raises(ValueError, match="2:4"):
+    i4.to_nk_layout(_weights(jax.random.key(8), sparse=True))
+
+
+@pytest.mark.parametrize("unpack,in_scale", [("magic", False), ("magic", True), ("convert", True)])
+def test_nk_layout_bf16(unpack, in_scale):
+  # bf16 rows: "magic" decodes q as the bf16 128 + q (the zero point absorbs the 128) with group sums from XLA;
+  # with activation scales the kernel scales x and sums it itself.
+  gs = jnp.asarray([1, 0, 9, 30], jnp.int32)
+  x = jax.random.normal(jax.random.key(9), (40, K), jnp.bfloat16)
+  ws = _weights(jax.random.key(10), in_scale=in_scale)
+  got = np.asarray(i4.int4_grouped_matmul(x, i4.to_nk_layout(ws), gs, interpret=True, poison=float("nan"),
+                                          unpack=unpack, split_k=2))
+  want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), i4.dequantize_int4(ws), gs))
+  assert np.max(np.abs(got - want)) <= 1e-2 * np.max(np.abs(want))
+
+
+def test_split_k_must_divide_groups():
+  with pytest.raises(ValueError, match="split_k"):
+    i4.int4_grouped_matmul(jnp.zeros((4, K)), i4.to_nk_layout(_weights(jax.random.key(0))), jnp.asarray([4, 0, 0, 0]),
+                           interpret=True, split_k=3)
+
+
 def test_sparse_with_activation_scale_bf16():
   gs = jnp.asarray([5, 0, 16, 2], jnp.int32)
   x = jax.random.normal(jax.random.key(1), (23, K), jnp.bfloat16)
@@ -70,6 +113,19 @@ def test_fused_swiglu_matches_reference():
   got = i4.int4_grouped_swiglu(x, gate, up, gs, interpret=True, poison=float("nan"))
   want = i4.int4_grouped_swiglu_reference(x, gate, up, gs)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_fused_swiglu_nk_layout(split_k):
+  gs = jnp.asarray([0, 5, 1, 12], jnp.int32)
+  x = jax.random.normal(jax.random.key(11), (20, K), jnp.float32)
+  gate, up = _weights(jax.random.key(12)), _weights(jax.random.key(13), in_scale=True)
+  got = i4.int4_grouped_swiglu(x, i4.to_nk_layout(gate), i4.to_nk_layout(up), gs, interpret=True,
+                               poison=float("nan"), split_k=split_k)
+  want = i4.int4_grouped_swiglu_reference(x, gate, up, gs)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+  with pytest.raises(ValueError, match="one layout"):
+    i4.int4_grouped_swiglu(x, i4.to_nk_layout(gate), up, gs, interpret=True)
 
 
 def test_k_mismatch_is_rejected():
