@@ -1,6 +1,10 @@
 """Grouped expert matmul on the GPU: int4 / int4 2:4 / vq2 Pallas kernels next to bf16 peers, in one run.
 
-  PYTHONPATH=$PWD python3 benchmarks/expert_matmul.py --out=$OUT [--quick]
+  PYTHONPATH=$PWD python3 benchmarks/expert_matmul.py --out=$OUT [--quick | --sweep]
+
+Formats: `int4` (uint8 layout, x @ W), `int4_nk` (uint16 [E, N, Kp/4] layout, the A/B-swapped W^T x^T kernel with
+split-K), `int4_sp24`, `vq2`. `--sweep` times tile candidates of `int4_nk` at the decode shapes (<= 16 rows per
+expert) next to the peers, then stops.
 
 Peers: `jax.lax.ragged_dot` in bf16 (XLA), jax's Mosaic GPU `ragged_dot_mgpu` (bf16, best of a few tile configs),
 jax's Hopper int8 x bf16 `hopper_mixed_type_matmul_mgpu` (a dense matmul: timed for one expert's weight against 64
@@ -34,15 +38,23 @@ from pallas_kernels import vq2_grouped_matmul as v2
 G = 128
 INTERPRET = {"on": False}  # --smoke: Pallas interpret mode on CPU
 SHAPES = [(8, 4096, 14336), (64, 4096, 2048), (128, 2048, 768)]  # (E, K, N): Mixtral, a 4096->2048 layer, Qwen3-30B
-ROWS = [1, 16, 64, 512, 4096]
-# Tuning candidates per format; the best at the first (decode) row count of a shape is reused for its other rows.
+ROWS = [1, 16, 64, 512, 4096]  # plus 16 rows per expert (16·E) for each shape
+# Kernel configs per format (the best of a list is reported).
 CONFIGS = {
-    "int4": [dict(block_n=256, num_warps=4, num_stages=3, unpack="asm"),
-             dict(block_n=512, num_warps=4, num_stages=3, unpack="asm"),
-             dict(block_n=128, num_warps=4, num_stages=3, unpack="asm")],
+    "int4": [dict(block_n=256, num_warps=4, num_stages=3, unpack="asm")],
+    "int4_nk": [dict(block_n=256, num_warps=4, num_stages=3, unpack="asm")],
     "int4_sp24": [dict(block_n=64, num_warps=4, num_stages=4, unpack="magic")],
     "vq2": [dict(block_n=256, num_warps=4, num_stages=3)],
 }
+# --sweep: int4_nk candidates (block_m and split_k automatic unless given) at decode shapes (E, K, N, rows).
+SWEEP = {
+    "bn128_w4": dict(block_n=128, num_warps=4, num_stages=3),
+    "bn256_w4": dict(block_n=256, num_warps=4, num_stages=3),
+    "bn256_w8": dict(block_n=256, num_warps=8, num_stages=3),
+    "bn512_w8": dict(block_n=512, num_warps=8, num_stages=3),
+    "bn256_w4_nosplit": dict(block_n=256, num_warps=4, num_stages=3, split_k=1),
+}
+SWEEP_SHAPES = [(64, 4096, 2048, [16, 64, 1024]), (128, 2048, 768, [64, 128, 2048]), (8, 4096, 14336, [16, 128])]
 # --explore: every combination on one shape, printed one by one.
 EXPLORE = {
     "int4": [dict(block_n=bn, num_warps=w, num_stages=st, unpack=u) for u in ("asm", "magic", "convert")
@@ -52,6 +64,8 @@ EXPLORE = {
     "vq2": [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256)
             for w, st in ((4, 3), (8, 3), (4, 5))],
 }
+KERNELS = {"int4": i4.int4_grouped_matmul, "int4_nk": i4.int4_grouped_matmul, "int4_sp24": i4.int4_grouped_matmul,
+           "vq2": v2.vq2_grouped_matmul}
 
 
 def _timer():
@@ -117,23 +131,34 @@ def random_vq2(key, e, k, n):
 def weight_bytes(fmt, k, n):
   """Bytes of one expert's [K, N] weight in a format."""
   groups = k // G * n
-  return {"bf16": k * n * 2, "int4": k * n // 2 + groups * 3, "int4_sp24": k * n * 3 // 8 + groups * 3,
-          "vq2": k * n // 4 + groups * 2 + 256 * 8}[fmt]
+  return {"bf16": k * n * 2, "int4": k * n // 2 + groups * 3, "int4_nk": k * n // 2 + groups * 3,
+          "int4_sp24": k * n * 3 // 8 + groups * 3, "vq2": k * n // 4 + groups * 2 + 256 * 8}[fmt]
 
 
-def check_correctness():
+def quantized(key, e, k, n, formats):
+  """Random weights of each format."""
+  make = {"int4": lambda: random_int4(key, e, k, n), "int4_nk": lambda: i4.to_nk_layout(random_int4(key, e, k, n)),
+          "int4_sp24": lambda: random_int4(key, e, k, n, True), "vq2": lambda: random_vq2(key, e, k, n)}
+  return {f: make[f]() for f in formats}
+
+
+def check_correctness(sweep=False):
   """Kernels vs their XLA references on the GPU, awkward group sizes, bf16 lhs."""
   res = {}
-  e, k, n = 6, 512, 256
+  e, k, n = 6, 512, 512
   gs = jnp.array([0, 1, 37, 0, 16, 5], jnp.int32)
   m = int(gs.sum()) + 3  # 3 trailing rows owned by no expert: must come back zero
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-  ws = {"int4": random_int4(jax.random.key(2), e, k, n), "int4_sp24": random_int4(jax.random.key(3), e, k, n, True),
-        "vq2": random_vq2(jax.random.key(4), e, k, n)}
+  ws = {"int4": random_int4(jax.random.key(2), e, k, n),
+        "int4_nk": i4.to_nk_layout(random_int4(jax.random.key(2), e, k, n)),
+        "int4_sp24": random_int4(jax.random.key(3), e, k, n, True), "vq2": random_vq2(jax.random.key(4), e, k, n)}
+  if sweep:
+    ws = {f: ws[f] for f in ("int4", "int4_nk")}
   for name, w in ws.items():
     mod, fn = (v2, v2.vq2_grouped_matmul) if name == "vq2" else (i4, i4.int4_grouped_matmul)
     ref_fn = v2.vq2_grouped_matmul_reference if name == "vq2" else i4.int4_grouped_matmul_reference
-    cfgs = CONFIGS[name]
+    cfgs = CONFIGS[name] + (list(SWEEP.values()) + [dict(block_n=256, split_k=4)] if sweep and name == "int4_nk"
+                            else [])
     for cfg in cfgs:
       tag = f"{name}_" + "_".join(str(v) for v in cfg.values())
       try:
@@ -197,9 +222,10 @@ def markdown(result: dict) -> str:
          f"{result['copy']['f32_add']['TB_per_s']:.2f} TB/s. bytes_read: weights of the experts that have rows "
          "(in each format) + lhs + f32 output.\n",
          "Cells: ms (TB/s on bytes read); kernels add [speed-up over the best bf16 peer, % of copy bandwidth].\n",
-         "| E, K->N | rows | rows/expert | XLA ragged_dot bf16 | Mosaic ragged_dot_mgpu bf16 | Pallas int4 | "
-         "Pallas int4 2:4 | Pallas vq2 | int4 fused gate+up SwiGLU (2 weights) |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "| E, K->N | rows | rows/expert | XLA ragged_dot bf16 | Mosaic ragged_dot_mgpu bf16 | Pallas int4 u16 "
+         "(A/B swap) | Pallas int4 u8 (x@W) | Pallas int4 2:4 | Pallas vq2 | int4 u16 fused gate+up SwiGLU "
+         "(2 weights) |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
   for (e, k, n, rows), v in sorted(by.items()):
     if "xla_ragged_dot_bf16" not in v:
       continue
@@ -208,8 +234,9 @@ def markdown(result: dict) -> str:
     kcell = lambda r: f"{cell(r)} [{peer / r['ms']:.2f}x, {100 * r['tb_per_s'] / copy:.0f}%]"
     row = [f"{e}, {k}->{n}", str(rows), str(-(-rows // e)), cell(v["xla_ragged_dot_bf16"]),
            cell(v["mgpu_ragged_dot_bf16"]) if "mgpu_ragged_dot_bf16" in v else "-"]
-    row += [kcell(v[f"pallas_{f}"]) if f"pallas_{f}" in v else "-" for f in ("int4", "int4_sp24", "vq2")]
-    sw = v.get("pallas_int4_swiglu_fused")
+    row += [kcell(v[f"pallas_{f}"]) if f"pallas_{f}" in v else "-"
+            for f in ("int4_nk", "int4", "int4_sp24", "vq2")]
+    sw = v.get("pallas_int4_nk_swiglu_fused")
     row.append(f"{cell(sw)} [{2 * peer / sw['ms']:.2f}x vs 2 bf16 matmuls]" if sw else "-")
     out.append("| " + " | ".join(row) + " |")
   dense = [r for r in result["rows"] if r["impl"].endswith("one_expert")]
@@ -220,12 +247,29 @@ def markdown(result: dict) -> str:
   return "\n".join(out) + "\n"
 
 
+def sweep_markdown(result: dict) -> str:
+  """Per decode shape: every timed impl, ms, speed-up over the best bf16 peer and % of copy bandwidth."""
+  copy = result["copy"]["f32_sum_read_only"]["TB_per_s"]
+  by = {}
+  for r in result["rows"]:
+    by.setdefault((r["experts"], r["k"], r["n"], r["rows"]), []).append(r)
+  out = [f"Device {result['device']}, jax {result['jax']}, {result['date']}; copy (read-only sum) {copy:.2f} TB/s.",
+         "", "| E, K->N | rows | impl | ms | TB/s | x best bf16 | % copy |", "|---|---|---|---|---|---|---|"]
+  for (e, k, n, rows), rs in sorted(by.items()):
+    peer = min(r["ms"] for r in rs if r["impl"] in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16"))
+    for r in sorted(rs, key=lambda r: r["ms"]):
+      out.append(f"| {e}, {k}->{n} | {rows} | {r['impl']} | {r['ms']:.4f} | {r['tb_per_s']:.2f} | "
+                 f"{peer / r['ms']:.2f} | {100 * r['tb_per_s'] / copy:.0f} |")
+  return "\n".join(out) + "\n"
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--quick", action="store_true", help="one shape, three row counts, for a first look")
   ap.add_argument("--iters", type=int, default=15)
   ap.add_argument("--explore", action="store_true", help="time every kernel config on one shape, then stop")
+  ap.add_argument("--sweep", action="store_true", help="time int4_nk tile candidates at decode shapes, then stop")
   ap.add_argument("--md_from", default="", help="only rewrite the markdown of an existing results JSON")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
   args = ap.parse_args(argv)
@@ -244,29 +288,43 @@ def main(argv=None):
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": G,
           "routing": "balanced", "l2_flush": "256 MiB write before every timed call"}
   print(meta, flush=True)
-  meta["correctness"] = check_correctness()
+  meta["correctness"] = check_correctness(sweep=args.sweep)
   meta["copy"] = copy_bandwidth(timer)
   if args.explore:
     return explore(timer, args)
-  shapes, rows_list = (SHAPES[1:2], [16, 64, 1024]) if args.quick else (SHAPES, ROWS)
+  t_start = time.perf_counter()
+  if args.sweep:
+    plan = [(e, k, n, rows, ["int4", "int4_nk"]) for e, k, n, rows in SWEEP_SHAPES]
+    configs = {"int4": CONFIGS["int4"], "int4_nk": list(SWEEP.values())}
+  else:
+    shapes, rows_list = (SHAPES[1:2], [16, 64, 1024]) if args.quick else (SHAPES, ROWS)
+    if args.smoke:
+      shapes, rows_list = [(4, 256, 128)], [3, 16]
+    plan = [(e, k, n, sorted(set(rows_list) | ({16 * e} if not (args.smoke or args.quick) else set())),
+             list(CONFIGS)) for e, k, n in shapes]
+    configs = CONFIGS
   if args.smoke:
-    shapes, rows_list = [(4, 256, 128)], [3, 16]
-  rows_out, tuned = [], {}
+    plan = [(4, 256, 128, [3, 16], fmts) for *_, fmts in plan[:1]]
+  rows_out = []
+  name = "expert_matmul_sweep" if args.sweep else ("expert_matmul_quick" if args.quick else "expert_matmul")
 
   def add(impl, rows, e, k, n, ms, fmt, n_active, extra=None, n_mats=1):
     b = n_mats * n_active * weight_bytes(fmt, k, n) + rows * k * 2 + rows * n * 4
     r = {"impl": impl, "rows": rows, "experts": e, "k": k, "n": n, "ms": ms, "bytes_read": b,
          "tb_per_s": b / ms / 1e9, **(extra or {})}
     rows_out.append(r)
-    print(json.dumps(r), flush=True)
+    print(json.dumps(r), f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
 
-  for e, k, n in shapes:
+  def save(suffix=""):
+    os.makedirs(args.out, exist_ok=True)  # partial results survive a timeout
+    with open(os.path.join(args.out, name + suffix + ".json"), "w") as fh:
+      json.dump({**meta, "rows": rows_out}, fh, indent=1)
+
+  for e, k, n, rows_here, formats in plan:
     key = jax.random.key(e + k + n)
     w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
-    qw = {"int4": random_int4(key, e, k, n), "int4_sp24": random_int4(key, e, k, n, True),
-          "vq2": random_vq2(key, e, k, n)}
-    kern = {"int4": i4.int4_grouped_matmul, "int4_sp24": i4.int4_grouped_matmul, "vq2": v2.vq2_grouped_matmul}
-    for rows in rows_list:
+    qw = quantized(key, e, k, n, formats)
+    for rows in rows_here:
       gs_np = balanced_groups(rows, e)
       gs = jnp.asarray(gs_np)
       n_active = int((gs_np > 0).sum())
@@ -274,7 +332,6 @@ def main(argv=None):
       ms = timer(jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32)),
                  x, w_bf16, gs, iters=args.iters)
       add("xla_ragged_dot_bf16", rows, e, k, n, ms, "bf16", n_active)
-      best = None
       for bm, bn, st, gbn in [(64, 128, 6, 2)]:  # the best of three in the --quick run and in GPU.md's probe
         if n % (bn * gbn):
           continue
@@ -282,36 +339,40 @@ def main(argv=None):
           f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=bm, block_n=bn, block_k=64,
                                         max_concurrent_steps=st, grid_block_n=gbn))
           t = timer(f, x, w_bf16, iters=args.iters)
-          if best is None or t < best[0]:
-            best = (t, dict(block_m=bm, block_n=bn, steps=st, grid_block_n=gbn))
+          add("mgpu_ragged_dot_bf16", rows, e, k, n, t, "bf16", n_active,
+              {"config": dict(block_m=bm, block_n=bn, steps=st, grid_block_n=gbn)})
         except Exception as ex:  # noqa: BLE001
           print("mgpu fail", e, k, n, rows, bm, bn, type(ex).__name__, str(ex)[:200], flush=True)
-      if best:
-        add("mgpu_ragged_dot_bf16", rows, e, k, n, best[0], "bf16", n_active, {"config": best[1]})
-      for fmt, w in qw.items():
-        cfgs = CONFIGS[fmt] if (rows <= 64 or (fmt, e) not in tuned) else [tuned[(fmt, e)]]
+      for fmt in formats:
         best = None
-        for cfg in cfgs:
+        for cfg in configs[fmt]:
           try:
-            f = jax.jit(functools.partial(kern[fmt], interpret=INTERPRET["on"], **cfg))
-            t = timer(f, x, w, gs, iters=args.iters)
-            if best is None or t < best[0]:
-              best = (t, cfg)
+            f = jax.jit(functools.partial(KERNELS[fmt], interpret=INTERPRET["on"], **cfg))
+            t = timer(f, x, qw[fmt], gs, iters=args.iters)
           except Exception as ex:  # noqa: BLE001
             print("pallas fail", fmt, cfg, type(ex).__name__, str(ex)[:300], flush=True)
-        if best:
-          if rows <= 64:
-            tuned[(fmt, e)] = best[1]  # tuned at each row count <= 64; the last is reused for larger ones
+            continue
+          if args.sweep:
+            tag = [kk for kk, v in SWEEP.items() if v == cfg]
+            add(f"pallas_{fmt}" + (f"[{tag[0]}]" if tag else ""), rows, e, k, n, t, fmt, n_active, {"config": cfg})
+          if best is None or t < best[0]:
+            best = (t, cfg)
+        if best and not args.sweep:
           add(f"pallas_{fmt}", rows, e, k, n, best[0], fmt, n_active, {"config": best[1]})
-      if rows == 16:
-        cfg = tuned.get(("int4", e), CONFIGS["int4"][0])
-        f = jax.jit(functools.partial(i4.int4_grouped_swiglu, interpret=INTERPRET["on"], **cfg))
-        t = timer(f, x, qw["int4"], qw["int4"], gs, iters=args.iters)
-        add("pallas_int4_swiglu_fused", rows, e, k, n, t, "int4", n_active, {"config": cfg}, n_mats=2)
+      if rows == 16 and not args.sweep:
+        for fmt in ("int4", "int4_nk"):
+          cfg = CONFIGS[fmt][0]
+          f = jax.jit(functools.partial(i4.int4_grouped_swiglu, interpret=INTERPRET["on"], **cfg))
+          t = timer(f, x, qw[fmt], qw[fmt], gs, iters=args.iters)
+          add(f"pallas_{fmt}_swiglu_fused", rows, e, k, n, t, fmt, n_active, {"config": cfg}, n_mats=2)
         f = jax.jit(lambda a, w, g: i4.int4_grouped_matmul_reference(a, w, g).astype(jnp.bfloat16))
         t = timer(f, x, qw["int4"], gs, iters=max(3, args.iters // 3))
         add("xla_dequant_int4_then_ragged_dot", rows, e, k, n, t, "int4", n_active)
       del x
+      save("_partial")
+    if args.sweep:
+      del w_bf16, qw
+      continue
     # jax's Hopper int8 x bf16 mixed matmul is dense: one expert's weight [N, K] int8 against 64 tokens.
     try:
       from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm  # noqa: E501
@@ -339,20 +400,15 @@ def main(argv=None):
     except Exception as ex:  # noqa: BLE001
       print("mixed int8 unavailable", type(ex).__name__, str(ex)[:200], flush=True)
     del w_bf16, qw
-    os.makedirs(args.out, exist_ok=True)  # partial results survive a timeout
-    with open(os.path.join(args.out, "expert_matmul_partial.json"), "w") as fh:
-      json.dump({**meta, "rows": rows_out}, fh, indent=1)
+    save("_partial")
 
-  os.makedirs(args.out, exist_ok=True)
-  name = "expert_matmul_quick" if args.quick else "expert_matmul"
-  with open(os.path.join(args.out, name + ".json"), "w") as fh:
-    json.dump({**meta, "rows": rows_out}, fh, indent=1)
+  save()
+  result = {**meta, "rows": rows_out}
+  md = sweep_markdown(result) if args.sweep else markdown(result)
   with open(os.path.join(args.out, name + ".md"), "w") as fh:
-    fh.write(markdown({**meta, "rows": rows_out}))
-  print("SUMMARY ms (TB/s)")
-  for r in rows_out:
-    print(f"{r['impl']:34s} E={r['experts']:4d} {r['k']}->{r['n']:6d} rows={r['rows']:5d} "
-          f"{r['ms']:.4f} ms ({r['tb_per_s']:.2f})")
+    fh.write(md)
+  print(md)
+  print(f"total {time.perf_counter() - t_start:.0f} s")
 
 
 if __name__ == "__main__":
