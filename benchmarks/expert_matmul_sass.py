@@ -8,7 +8,8 @@ GPU IR (a `convert_layout`/`local_alloc` of the unpacked bf16 tile means the deq
 memory; of the packed i8 tile, that only the packed bytes do). XLA's bundled Triton is a different build, so this is
 a guide, not the measurement.
 
-  JAX_PLATFORMS=cpu PYTHONPATH=$PWD .venv/bin/python benchmarks/expert_matmul_sass.py --triton_python=/tmp/tvenv/bin/python
+  JAX_PLATFORMS=cpu PYTHONPATH=$PWD .venv/bin/python benchmarks/expert_matmul_sass.py \
+      --triton_python=/tmp/tvenv/bin/python
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ q in [0, 15], G the group size along K (128), s a float scale and z an integer z
 an optional per-input-channel activation scale (AWQ; the kernel multiplies lhs by 1/a, stored as `in_scale`).
 
 Layouts (Kp = K padded to a multiple of G; within K group g, local index r):
+  dense, kernel layout, `packed` uint16 [E, N, Kp/4] (`to_nk_layout`; what the quantizer stores): word
+    (n, g·G/4 + c) holds in nibble j (bits 4j..4j+3) k = g·G + (G/4)·j + c, j = 0..3.
   dense `packed` uint8 [E, Kp/2, N]: row g·G/2 + r holds k = g·G + r (low nibble) and k = g·G + G/2 + r (high).
   2:4 `packed` uint8 [E, Kp/4, N] + `meta` uint8 [E, Kp/8, N]: K group g splits into G/4 quads; quad r holds
     k = g·G + r + (G/4)·j for j = 0..3, of which two are kept. Row g·G/4 + r of `packed` holds the first kept value
@@ -18,6 +20,14 @@ Layouts (Kp = K padded to a multiple of G; within K group g, local index r):
 Per K group the kernel computes s · (x @ q - rowsum(x) · z): the zero point and scale act on the [rows, N] tile, so
 the only per-weight work is unpacking nibbles to the matmul dtype. 4 bits/weight (+ 24 bits per G for s and z);
 2:4 stores 2 values + a 4-bit mask per 4 weights: 3 bits/weight.
+
+Two kernels share the ragged skeleton of `ragged_tiles`:
+  uint16 layout (decode): out^T = W^T x^T per (expert, N tile, K split). The decoded weight is the left (A) operand
+    of Hopper's wgmma, taken from registers, so Triton converts the layout of the packed words (cp.async -> shared ->
+    registers in the mma operand layout) and the nibbles decode in place: a shift and a lop3 per 2 weights (PTX),
+    no shared-memory round trip of the bf16 tile; rows are the narrow N side of the tile (8, or 16 from 9 rows per
+    expert); the rows' group sums come from XLA; split-K when few (expert, N tile) programs have rows.
+  uint8 layout (dense or 2:4): x @ W with the decoded tile as the right operand (mma.sync, M = rows padded to 16).
 """
 
 from __future__ import annotations
@@ -238,7 +248,7 @@ _STATIC = ("group_size", "block_m", "block_n", "num_warps", "num_stages", "inter
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul(lhs: jax.Array, weights: Int4Weights, group_sizes: jax.Array, *, group_size: int = 128,
-                        block_m: int | None = None, block_n: int = 256, num_warps: int = 4, num_stages: int = 3,
+                        block_m: int | None = None, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
                         interpret: bool = False, poison: float | None = None, unpack: str = "asm",
                         split_k: int | None = None) -> jax.Array:
   """lhs [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes [E] -> float32 [M, N].
@@ -253,7 +263,7 @@ def int4_grouped_matmul(lhs: jax.Array, weights: Int4Weights, group_sizes: jax.A
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_swiglu(lhs: jax.Array, gate: Int4Weights, up: Int4Weights, group_sizes: jax.Array, *,
-                        group_size: int = 128, block_m: int | None = None, block_n: int = 256, num_warps: int = 4,
+                        group_size: int = 128, block_m: int | None = None, block_n: int = 128, num_warps: int = 4,
                         num_stages: int = 3, interpret: bool = False, poison: float | None = None,
                         unpack: str = "asm", split_k: int | None = None) -> jax.Array:
   """Fused gate/up + SwiGLU: silu(lhs @ W_gate) * (lhs @ W_up), one pass over lhs -> lhs.dtype [M, F]."""

@@ -1,12 +1,13 @@
-"""Shared skeleton of the dequant-fused grouped (ragged) matmul kernels: one program per (expert, N tile).
+"""Shared skeleton of the dequant-fused grouped (ragged) matmul kernels: one program per (expert, N tile, K split).
 
 Not a kernel by itself: `int4_grouped_matmul.py` and `vq2_grouped_matmul.py` supply the per-K-group step that reads
 their compressed weights and multiplies; this module owns the ragged row handling, which is the same for every format:
 
-  program (e, j) covers rows offsets[e] <= m < offsets[e + 1] (offsets = cumsum of group_sizes) and output columns
-  j·bn <= n < (j + 1)·bn. It walks the expert's rows in blocks of `block_m` (masked at the end, zero blocks for an
-  empty expert, so an empty expert costs one launch that reads nothing) and, for each row block, the K groups of the
-  weight format, accumulating in float32. Rows past sum(group_sizes) are zeroed by the wrapper (`ragged_dot` leaves
+  program (e, j, s) covers rows offsets[e] <= m < offsets[e + 1] (offsets = cumsum of group_sizes), output columns
+  j·bn <= n < (j + 1)·bn and K split s (split-K: partial sums added by XLA). It walks the expert's rows in blocks
+  of `block_m` (masked at the end, zero blocks for an empty expert, so an empty expert costs one launch that reads
+  nothing) and, for each row block, the K groups of its split, accumulating in float32 (optionally transposed: the
+  tile [bn, bm] of W^T x^T). Rows past sum(group_sizes) are zeroed by the wrapper (`ragged_dot` leaves
   them zero).
 
 Decode is weight streaming: each weight tile is read once per row block, so with <= block_m rows per expert every

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.quant.formats import QuantizedExperts
-from pallas_kernels.int4_grouped_matmul import Int4Weights
+from pallas_kernels.int4_grouped_matmul import Int4Weights, to_nk_layout
 
 ALPHAS = tuple(i / 10 for i in range(11))
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
@@ -147,7 +147,8 @@ def quantize_int4(w: jax.Array, *, group_size: int = 128, sparsity: str | None =
   if keep is None:
     half = group_size // 2
     packed = (q[:, :, :half] | (q[:, :, half:] << 4)).astype(jnp.uint8).reshape(e, kp // 2, n)
-    data = Int4Weights(packed, scale, zero, in_scale, None)
+    # Stored in the kernel's uint16 [E, N, Kp/4] layout (the A/B-swapped decode kernel reads it directly).
+    data = to_nk_layout(Int4Weights(packed, scale, zero, in_scale, None), group_size=group_size)
     return QuantizedExperts(data, kind="int4", k=k, group_size=group_size)
   qq, kq = quads(q.reshape(e, kp, n), group_size), quads(keep, group_size)  # [E, Kg, 4, G/4, N]
   rank = jnp.cumsum(kq, axis=2)
