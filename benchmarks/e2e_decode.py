@@ -6,6 +6,20 @@ the seed_480b preset on 8 GPUs.
     JAX_PLATFORMS=cpu python benchmarks/e2e_decode.py --config=tiny --contexts=64,128 --concurrency=1,4 \\
         --steps=2 --full_depth_check=false --out=/tmp/e2e                              # CPU smoke test
 
+One case again, merged into an earlier results file (its other rows kept, each row labelled with the run it came
+from; the projection recomputed from the merged rows, each at its own run's copy bandwidth):
+
+    PYTHONPATH=$PWD python3 benchmarks/e2e_decode.py --cases=bf16+bf16:32768:312 --steps=8 \\
+        --full_depth_check=false --merge_into=benchmarks/results/e2e_decode.json --out=$OUT
+
+The script exits with status 1 when a case named in `--cases` failed, so a command can retry it, e.g. with GEMM
+autotuning off (`XLA_FLAGS=--xla_gpu_autotune_level=0`, recorded in the run's meta).
+
+Memory at 312 streams × 32k (bf16, 4 layers): the cache alone is 84 GB. The first H200 run used jax's default
+pool (75% of the GPU); XLA's GEMM autotuner then had no room for its copies of the attention operands (each ~10 GB)
+and failed ("Failed to get configs for: 4 out of 58 instructions"). The pool is now 95% of the GPU
+(XLA_PYTHON_CLIENT_MEM_FRACTION below), and a `--cases` run builds only the variants it needs.
+
 What is timed: `moe_jax.serving.steps.decode_slots` (the engine's one compiled step: embed, every block's attention
 over its cache and MoE, LM head, NaN check, greedy token) over C slots, all active, each step followed by the
 device-to-host copy of the C tokens as the engine does; the median over `--steps` steps after warm-up.
@@ -70,10 +84,25 @@ flags.DEFINE_bool("full_depth_check", True, "Also time bf16 at the first context
                   "layers, to test the depth scaling.")
 flags.DEFINE_float("time_budget_s", 285.0, "Cases not started within this many seconds are skipped (and listed).")
 flags.DEFINE_string("out", "benchmarks/results", "Output folder for e2e_decode.md / .json.")
+flags.DEFINE_list("cases", [], "Only these cases, each variant:context:concurrency (e.g. bf16+bf16:32768:312); "
+                  "overrides --variants, --contexts and --concurrency.")
+flags.DEFINE_string("merge_into", "", "An earlier e2e_decode.json: its rows are kept, those of the cases run here "
+                    "replaced; the merged file is written to --out.")
 FLAGS = flags.FLAGS
 
 SEED_CLAIM_MS = 2.8  # the seed: 2.8 ms/token at 312 concurrent streams, 480B model, 8 GPUs
 SEED_STREAMS, SEED_GPUS = 312, 8
+
+
+def parse_cases(specs: list[str]) -> set[tuple[str, int, int]]:
+  """["bf16+bf16:32768:312", ...] -> {(variant, context, concurrency), ...}."""
+  out = set()
+  for spec in specs:
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+      raise ValueError(f"--cases entry {spec!r} must be variant:context:concurrency, e.g. bf16+bf16:32768:312")
+    out.add((parts[0], int(parts[1]), int(parts[2])))
+  return out
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -218,6 +247,7 @@ def projection(measured: list[dict], bw: float, spec_bw: float = 4.8e12) -> list
     kv = SEED_STREAMS * r["context"] * rep["kv_bytes_per_token_bf16"] * kv_ratio
     per_gpu = (weights + kv) / SEED_GPUS
     frac = r["fraction_of_roofline"]
+    bw = r.get("copy_bandwidth_tb_s", bw / 1e12) * 1e12  # the bandwidth of the run the row came from
     out.append(dict(variant=r["variant"], context=r["context"], from_concurrency=base_c, per_gpu_bytes=per_gpu,
                     weights_bytes=weights,
                     kv_bytes=kv, expert_bytes_per_weight=expert_bpw, kv_bytes_vs_bf16=kv_ratio,
@@ -231,31 +261,71 @@ def _bytes(n: float) -> str:
   return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
 
-def write(out_dir: str, meta: dict, rows: list[dict], proj: list[dict], skipped: list[str]) -> None:
+def _run_label(i: int) -> str:
+  return chr(ord("A") + i)
+
+
+def merge_runs(old: dict, meta: dict, rows: list[dict], skipped: list[str]):
+  """An earlier results file (`old`, as written by `write`) with this run's rows: a row of the same (variant,
+  context, concurrency) replaces the earlier one, the others stay. Returns (runs, rows, skipped); each row's "run"
+  indexes runs, and carries its run's copy bandwidth."""
+  runs = [dict(r) for r in old.get("runs") or [old["meta"]]]
+  key = lambda r: (r["variant"], r["context"], r["concurrency"])  # noqa: E731
+  kept = []
+  for r in old["rows"]:
+    r = dict(r, run=r.get("run", 0))
+    r.setdefault("copy_bandwidth_tb_s", runs[r["run"]]["copy_bandwidth_tb_s"])
+    kept.append(r)
+  new = {key(r): dict(r, run=len(runs)) for r in rows}
+  notes = [f"replaced: {r['variant']} context={r['context']} C={r['concurrency']} failed in run "
+           f"{_run_label(r['run'])} ({r['error']}), re-run in run {_run_label(len(runs))}"
+           for r in kept if key(r) in new and "error" in r]
+  merged = [new.pop(key(r), r) for r in kept] + list(new.values())
+  redone = {f"{v} context={c} C={n}" for v, c, n in map(key, rows)}
+  earlier = [x for x in old.get("skipped", []) if not any(x.startswith(k) for k in redone)]
+  return runs + [meta], merged, earlier + notes + skipped
+
+
+def write(out_dir: str, runs: list[dict], rows: list[dict], proj: list[dict], skipped: list[str]) -> None:
+  """e2e_decode.json and .md; `runs` holds each run's meta (the last is this run's), rows[i]["run"] indexes it."""
+  meta = runs[-1]
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "e2e_decode.json"), "w") as f:
-    json.dump(dict(meta=meta, rows=rows, seed_480b_projection=proj, skipped=skipped), f, indent=2)
-  full = meta["full_layers"]
+    json.dump(dict(meta=meta, runs=runs, rows=rows, seed_480b_projection=proj, skipped=skipped), f, indent=2)
+  full, layers = meta["full_layers"], runs[0]["layers"]  # a row instantiated at another depth says so
+  if len(runs) == 1:
+    title = f"{meta['date']}, {meta['device']}, jax {meta['jax']}"
+    bw_text = f"Copy bandwidth in this run: {meta['copy_bandwidth_tb_s']:.2f} TB/s ({meta['copy_probe']})."
+  else:
+    title = f"{meta['device']}, jax {meta['jax']}, rows from {len(runs)} runs"
+    bw_text = "Runs (column \"run\"; each row's roofline uses its own run's copy bandwidth): " + "; ".join(
+        f"**{_run_label(i)}** {m['date']}, {m['device']}, jax {m['jax']}, copy bandwidth "
+        f"{m['copy_bandwidth_tb_s']:.2f} TB/s ({m['copy_probe']}), median of {m['steps']} steps, "
+        + (f"XLA_FLAGS={m['xla_flags'] or '(none)'}, GPU memory fraction {m['mem_fraction']}" if "mem_fraction" in m
+           else "XLA_FLAGS and memory fraction not recorded (the script then set neither: jax's default 0.75)")
+        + f", `{m['command']}`" for i, m in enumerate(runs)) + "."
   lines = [
-      f"# End-to-end decode ({meta['date']}, {meta['device']}, jax {meta['jax']})", "",
-      f"Model: `{meta['config']}` shape, random bf16 weights, **{meta['layers']} of {full} layers** instantiated "
-      f"(times scaled to {full} layers: t_head + (t_step - t_head)·{full}/{meta['layers']}). Step = the serving "
+      f"# End-to-end decode ({title})", "",
+      f"Model: `{meta['config']}` shape, random bf16 weights, **{layers} of {full} layers** instantiated "
+      f"(times scaled to {full} layers: t_head + (t_step - t_head)·{full}/{layers}). Step = the serving "
       f"engine's `decode_slots` over C active slots + the token copy to the host; median of {meta['steps']} steps. "
-      f"Copy bandwidth in this run: {meta['copy_bandwidth_tb_s']:.2f} TB/s ({meta['copy_probe']}). Cache content "
+      f"{bw_text} Cache content "
       "synthetic (random keys/values through the mode's from_prefill, copied to every slot).", "",
       "| variant | context | C | step ms (measured, L layers) | ms/token at full depth | tokens/s at full depth "
-      "| roofline ms (L layers) | roofline/measured | KV bytes (L layers) | head ms |",
-      "|---|---|---|---|---|---|---|---|---|---|"]
+      "| roofline ms (L layers) | roofline/measured | KV bytes (L layers) | head ms | run |",
+      "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
+    run = _run_label(r.get("run", 0))
     if "step_ms" not in r:
       lines.append(f"| {r['variant']} | {r['context']} | {r['concurrency']} | {r.get('error', 'skipped')} |"
-                   " | | | | | |")
+                   f" | | | | | | {run} |")
       continue
-    name = r["variant"] + (" (XLA fallback)" if "fallback" in r else "")
+    name = r["variant"] + (" (XLA fallback)" if "fallback" in r else "") + (
+        f" ({r['layers']} layers)" if r["layers"] != layers else "")
     lines.append(
         f"| {name} | {r['context']} | {r['concurrency']} | {r['step_ms']:.2f} | {r['full_depth_ms']:.2f} | "
         f"{r['concurrency'] / r['full_depth_ms'] * 1e3:,.0f} | {r['roofline_ms']:.2f} | "
-        f"{r['fraction_of_roofline']:.0%} | {_bytes(r['cache_bytes'])} | {r['head_ms']:.2f} |")
+        f"{r['fraction_of_roofline']:.0%} | {_bytes(r['cache_bytes'])} | {r['head_ms']:.2f} | {run} |")
   if meta.get("full_depth_check"):
     fc = meta["full_depth_check"]
     lines += ["", f"Full-depth check ({fc['variant']}, context {fc['context']}, C={fc['concurrency']}, all "
@@ -282,6 +352,10 @@ def write(out_dir: str, meta: dict, rows: list[dict], proj: list[dict], skipped:
   fallbacks = sorted({f"{r['variant']}: {r['fallback']}" for r in rows if "fallback" in r})
   if fallbacks:
     lines += ["", "Pallas paths that failed and were re-run on XLA: " + "; ".join(fallbacks)]
+  replaced = [x for x in skipped if x.startswith("replaced: ")]
+  if replaced:
+    lines += ["", "Re-run cases: " + "; ".join(x[len("replaced: "):] for x in replaced) + "."]
+  skipped = [x for x in skipped if not x.startswith("replaced: ")]
   if skipped:
     lines += ["", "Skipped: " + "; ".join(skipped)]
   with open(os.path.join(out_dir, "e2e_decode.md"), "w") as f:
@@ -293,8 +367,19 @@ def main(argv):
   del argv
   t_start = time.perf_counter()
   base = configs.get(FLAGS.config)
-  contexts = [int(x) for x in FLAGS.contexts]
-  concurrency = [int(x) for x in FLAGS.concurrency]
+  cases = parse_cases(FLAGS.cases)
+  if cases:
+    variant_names = list(dict.fromkeys(v for v, _, _ in cases))
+    contexts = sorted({x for _, x, _ in cases})
+    concurrency = sorted({c for _, _, c in cases})
+  else:
+    variant_names = FLAGS.variants
+    contexts = [int(x) for x in FLAGS.contexts]
+    concurrency = [int(x) for x in FLAGS.concurrency]
+  old = None
+  if FLAGS.merge_into:
+    with open(FLAGS.merge_into) as f:
+      old = json.load(f)  # read once: --out may be the same folder
   layers = min(FLAGS.layers or base.n_layers, base.n_layers)
   config = base.replace(n_layers=layers, max_seq_len=max(base.max_seq_len, max(contexts)))
   on_gpu = jax.default_backend() == "gpu"
@@ -304,12 +389,22 @@ def main(argv):
               device=jax.devices()[0].device_kind, jax=jax.__version__, config=base.name, layers=layers,
               full_layers=base.n_layers, steps=FLAGS.steps, copy_bandwidth_tb_s=bw / 1e12, copy_probe=probe,
               copy_probes_tb_s={k: v / 1e12 for k, v in bws.items()}, contexts=contexts, concurrency=concurrency,
-              expert_impl=FLAGS.expert_impl, oskvp_impl=FLAGS.oskvp_impl, command=" ".join(sys.argv))
+              expert_impl=FLAGS.expert_impl, oskvp_impl=FLAGS.oskvp_impl, command=" ".join(sys.argv),
+              xla_flags=os.environ.get("XLA_FLAGS", ""),
+              mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (default)"))
   print(meta, flush=True)
+
+  def save():
+    if old is None:
+      runs, merged, skip = [meta], [dict(r, run=0, copy_bandwidth_tb_s=bw / 1e12) for r in rows], skipped
+    else:
+      runs, merged, skip = merge_runs(old, meta, [dict(r, copy_bandwidth_tb_s=bw / 1e12) for r in rows], skipped)
+    write(FLAGS.out, runs, merged, projection(merged, bw), skip)
+
   rows, skipped = [], []
   models = {}
   variants = []
-  for v in FLAGS.variants:
+  for v in variant_names:
     eq, _, kv = v.partition("+")
     try:
       kv_name = kv_mode_name(kv or "bf16")
@@ -326,6 +421,8 @@ def main(argv):
   for context in contexts:  # the 4k grid of every variant first, so a time-out still leaves a comparison
     for c in concurrency:
       for v, eq, kv in variants:
+        if cases and (v, context, c) not in cases:
+          continue
         row = dict(variant=v, expert_quant=eq, kv_cache=kv, context=context, concurrency=c, layers=layers,
                    kv_bytes_per_token_per_layer=kv_layer_bf16, params_per_expert=counts["per_expert"])
         if v in fell_back:
@@ -357,11 +454,12 @@ def main(argv):
           row["full_depth_ms"] = row["head_ms"] + (row["step_ms"] - row["head_ms"]) * base.n_layers / layers
         except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory: record and go on)
           row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+          row["error_detail"] = str(e)[:4000]
           traceback.print_exc()
         rows.append(row)
         print(f"[{time.perf_counter() - t_start:6.1f} s]", {k: row[k] for k in row if k != "bytes"}, flush=True)
         gc.collect()
-        write(FLAGS.out, meta, rows, projection(rows, bw), skipped)
+        save()
   if FLAGS.full_depth_check and layers < base.n_layers and time.perf_counter() - t_start > FLAGS.time_budget_s - 60:
     meta["full_depth_check"] = dict(variant="bf16+bf16", error="skipped: less than 60 s of the time budget left")
   elif FLAGS.full_depth_check and layers < base.n_layers:
@@ -383,7 +481,9 @@ def main(argv):
         traceback.print_exc()
     meta["full_depth_check"] = fc
   meta["wall_s"] = time.perf_counter() - t_start
-  write(FLAGS.out, meta, rows, projection(rows, bw), skipped)
+  save()
+  if cases and any("error" in r for r in rows):
+    sys.exit(1)  # a named case failed: let the caller retry it (e.g. with other XLA flags)
 
 
 if __name__ == "__main__":
