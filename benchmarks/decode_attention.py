@@ -186,15 +186,21 @@ def check_correctness(log, forms=("mma", "lut", "bitplane")):
                 n_comp=[1, 127, 1000, 4097], n_res=[0, 128, 77, 5]),
            dict(batch=2, heads=8, kv_heads=8, head_dim=64, capacity=1000, window=64, n_comp=[999, 3], n_res=[64, 1]),
            dict(batch=2, heads=16, kv_heads=2, head_dim=64, capacity=2048, window=128, n_comp=[2048, 0],
+                n_res=[1, 128]),
+           dict(batch=2, heads=8, kv_heads=8, head_dim=128, capacity=1000, window=64, n_comp=[999, 3], n_res=[64, 1]),
+           dict(batch=2, heads=16, kv_heads=2, head_dim=128, capacity=2048, window=128, n_comp=[2048, 0],
                 n_res=[1, 128])]
   for i, case in enumerate(cases):
     args = random_oskvp_inputs(jax.random.key(10 + i), **case)
     ref = jax.jit(oskvp_decode_attention_reference)(*args).astype(jnp.float32)
     for form in forms:
+      if form == "bitplane" and case["head_dim"] < 128:
+        continue  # needs H >= 128 (see oskvp_decode_attention_bitplane)
       cfgs = [DecodeBlockConfig(form=form), DecodeBlockConfig(form=form, block_s=32, num_splits=7)]
       if form == "bitplane":
-        cfgs = [DecodeBlockConfig(form=form, block_s=64, num_stages=1),
-                DecodeBlockConfig(form=form, block_s=32, num_splits=7, extract="jnp")]
+        cfgs = [DecodeBlockConfig(form=form, block_s=128, num_stages=1),
+                DecodeBlockConfig(form=form, block_s=32, num_splits=7, extract="jnp"),
+                DecodeBlockConfig(form=form, block_s=128, num_stages=1, query_digits=1)]
       if form == "mma":
         cfgs.append(DecodeBlockConfig(block_s=128, num_splits=7, num_stages=2, outlier_mma=False, prefetch=True))
         cfgs.append(DecodeBlockConfig(decode="poly"))
@@ -217,6 +223,8 @@ def main():
   ap.add_argument("--batches", default="1,8,32")
   ap.add_argument("--skip_sweep", action="store_true")
   ap.add_argument("--sweep_only", action="store_true", help="stop after the tiling sweep (and cuDNN at 64k x 8)")
+  ap.add_argument("--quick", action="store_true",
+                  help="check and sweep only the bit-plane candidates and the mma default; no lut in the grid")
   ap.add_argument("--extras_contexts", default="65536", help="contexts for the slower/secondary peers")
   ap.add_argument("--max_cache_gb", type=float, default=40.0, help="skip bf16 peers whose K+V exceed this")
   args = ap.parse_args()
@@ -232,7 +240,7 @@ def main():
   log(f"device {dev.device_kind}, jax {jax.__version__}")
   copy_tbs, read_tbs = copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
-  checks = check_correctness(log, ("bitplane",) if args.sweep_only else ("mma", "lut", "bitplane"))
+  checks = check_correctness(log, ("bitplane",) if args.sweep_only or args.quick else ("mma", "lut", "bitplane"))
   if not any("rel_err" in c and "mma" in c["config"] for c in checks):
     log("the mma kernel did not run; stopping before the timings")
     return 1
@@ -254,11 +262,18 @@ def main():
             DecodeBlockConfig(num_warps=8), DecodeBlockConfig(prefetch=True), DecodeBlockConfig(decode="poly"),
             DecodeBlockConfig(block_s=32, decode="poly"), DecodeBlockConfig(form="lut", block_s=32)]
     bitplane = functools.partial(DecodeBlockConfig, form="bitplane")
-    cfgs += [bitplane(block_s=64, num_stages=1), bitplane(block_s=32, num_stages=1), bitplane(block_s=128, num_stages=1),
-             bitplane(block_s=64, num_stages=2), bitplane(block_s=32, num_stages=2), bitplane(block_s=64, num_warps=2),
-             bitplane(block_s=64, num_stages=1, extract="jnp")]
+    # Second run (one kv head per program, 2 query digits): block 128 / 1 stage best, 0.79 ms; 2 stages, 2 warps,
+    # block 32 and the jnp plane extraction slower. Third: heads sharing the 16 rows, one query digit.
+    # The third (heads sharing rows) spent its minutes compiling 8 unrolled heads; see the notes.
+    bp = lambda **k: bitplane(num_stages=1, **k)
+    cfgs += [bp(block_s=128), bp(block_s=128, query_digits=1), bp(block_s=64), bp(block_s=64, query_digits=1),
+             bp(block_s=64, heads_per_program=2, query_digits=1)]
     if args.sweep_only:
-      cfgs = [c for c in cfgs if c.form == "bitplane"] + [timed_first, SASS_CANDIDATE]
+      cfgs = [c for c in cfgs if c.form == "bitplane"] + [SASS_CANDIDATE]
+    if args.quick:  # Fourth run: the candidates the third run's compiled code (decode_attention_sass.py) left.
+      cfgs = [bp(block_s=128), bp(block_s=128, query_digits=1), bp(block_s=64), bp(block_s=64, query_digits=1),
+              SASS_CANDIDATE]
+      best.pop("lut")
     best_ms = {}
     for cfg in cfgs:
       try:

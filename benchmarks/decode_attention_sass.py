@@ -93,10 +93,13 @@ def main():
       "b128 om ns1": DecodeBlockConfig(block_s=128),
       "b64 om ns1 prefetch": DecodeBlockConfig(prefetch=True),
       "b64 om ns1 poly decode": DecodeBlockConfig(decode="poly"),
-      "bitplane b64 ns1": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1),
-      "bitplane b128 ns1": DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1),
-      "bitplane b64 ns2": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=2),
-      "bitplane b32 ns1": DecodeBlockConfig(form="bitplane", block_s=32, num_stages=1),
+      "bitplane b64 hp4 d2": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1),
+      "bitplane b64 hp4 d1": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1, query_digits=1),
+      "bitplane b64 hp2 d1": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1, query_digits=1,
+                                               heads_per_program=2),
+      "bitplane b128 hp1 d1": DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1, query_digits=1,
+                                                heads_per_program=1),
+      "bitplane b128 hp1 d2": DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1, heads_per_program=1),
   }
   configs = {k: v for k, v in configs.items() if args.only in k}
   print(f"{'config':30s} regs stack | per warp per block: instrs (per token, all warps) MMA LDL/STL BAR LDS/STS "

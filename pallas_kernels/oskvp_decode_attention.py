@@ -57,6 +57,10 @@ class DecodeBlockConfig:
       trick, then the cubic through the 4 codebook entries: FP32-pipe work instead of integer/logic-pipe work).
     extract: ("bitplane") how the 0/1 planes leave the code bytes: "asm" (inline PTX, four codes per 32-bit
       instruction; interpret mode falls back to "jnp") or "jnp" (per-element ops, whatever Triton makes of them).
+    heads_per_program: ("bitplane") kv heads per program, their G query rows stacked block-diagonally in one
+      16-row tile so that the per-row work is shared; None is 1. Not a win (see the notes): the block-diagonal query
+      operands multiply the live registers by the head count and spill, and 8 heads took minutes to compile.
+    query_digits: ("bitplane") int8 digits of the folded query: 2 (~15 bits) or 1 (~7 bits, half the registers).
   """
 
   # Defaults: the tiling that compiled, ran correctly and was timed on the H200 (1.33 ms at 64k x 8). Its loop
@@ -72,6 +76,8 @@ class DecodeBlockConfig:
   outlier_mma: bool = False
   decode: str = "select"
   extract: str = "asm"
+  heads_per_program: int | None = None
+  query_digits: int = 2
 
   def __post_init__(self):
     if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -86,6 +92,8 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.form=} must be 'mma', 'lut' or 'bitplane'")
     if self.decode not in ("select", "poly"):
       raise ValueError(f"{self.decode=} must be 'select' or 'poly'")
+    if self.query_digits not in (1, 2):
+      raise ValueError(f"{self.query_digits=} must be 1 or 2")
     if self.extract not in ("asm", "jnp"):
       raise ValueError(f"{self.extract=} must be 'asm' or 'jnp'")
     if self.form != "mma" and self.prefetch:
@@ -177,18 +185,20 @@ def dequant_plane(x: jax.Array, plane: int, cb: list[jax.Array], dtype=jnp.float
   return jnp.where(b1, jnp.where(b0, cb[3], cb[2]), jnp.where(b0, cb[1], cb[0])).astype(dtype)
 
 
-def fp8_rows(ref, rows, valid, cols: int, width: int):
+def fp8_rows(ref, rows, valid, cols: int, width: int, head=None):
   """Masked load of fp8 outlier rows -> f32 [bs, width], zero on invalid rows and on columns >= cols.
 
   Triton cannot splat an `other` to fp8, and an unloaded fp8 lane may hold a NaN encoding (0 * NaN would spread
   into the accumulator), so masked lanes are zeroed after the conversion. width > cols (a power of two, as Triton
-  tiles must be) reads a padded tile whose extra columns are masked off (no memory traffic).
+  tiles must be) reads a padded tile whose extra columns are masked off (no memory traffic). `head`: a leading index
+  into a [heads, S, O] ref (one indexer: Triton lowers no chained `.at`).
   """
+  lead = () if head is None else (jnp.int32(head),)
   if width == cols:
-    x = plgpu.load(ref.at[rows, :], mask=valid[:, None]).astype(jnp.float32)
+    x = plgpu.load(ref.at[(*lead, rows, slice(None))], mask=valid[:, None]).astype(jnp.float32)
     return jnp.where(valid[:, None], x, 0.0)
   mask = valid[:, None] & (jnp.arange(width) < cols)[None, :]
-  x = plgpu.load(ref.at[rows, pl.ds(0, width)], mask=mask).astype(jnp.float32)
+  x = plgpu.load(ref.at[(*lead, rows, pl.ds(0, width))], mask=mask).astype(jnp.float32)
   return jnp.where(mask, x, 0.0)
 
 

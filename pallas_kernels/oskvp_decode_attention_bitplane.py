@@ -14,11 +14,13 @@ Each "plane" is a 0/1 matrix [tokens, Q] per channel group, got from the packed 
 (four codes per 32-bit instruction through inline PTX on the GPU), and each product is an int8 x int8 -> int32 dot
 on the tensor cores: three per channel group and per side.
 
-Precision: every int8 operand is split into two digits (x ~= hi + lo / 256, both int8, the two dots summed exactly
-in int32 as 256 hi + lo): ~15 bits, finer than bf16. The folded query q' * d_type gets one scale per row (all types);
+Precision: int8 operands are split into two digits (x ~= hi + lo / 256, both int8, the two dots summed exactly in
+int32 as 256 hi + lo): ~15 bits, finer than bf16. The folded query q' * d_type gets one scale per row (all types);
 probabilities enter the value dot relative to the block's own row maximum, x = 127 exp(s - max_block s), with
-exp(max_block s - m) / (127 * 256) applied to the int32 product. One digit each would halve the tensor-core work but
-costs ~1.5e-2 relative error on random caches (flat attention: many small probabilities per block).
+exp(max_block s - m) / (127 * 256) applied to the int32 product. On random caches (relative L2 error against the f32
+reference): two digits everywhere ~2e-3 (as the bf16 "mma" form); one query digit (`query_digits=1`, half the
+query's registers) ~6e-3; one probability digit ~1.5e-2 (flat attention: many small probabilities per block), so
+probabilities always take two.
 
 Partials (per split): acc [4 slots, 4 planes, GP, Q] f32 — slot 0 the plain bf16-value accumulator of the residual
 window's program, slots 1..3 sum_t p_t plane_type — acco [GP, OP], m, l [GP]; `merge_bitplane_partials` applies the
@@ -81,17 +83,25 @@ def planes(x: jax.Array, plane: int, extract: str) -> list[jax.Array]:
 
 def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref,
                      nc_ref, nr_ref, acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int,
-                     o_dim: int, extract: str):
-  # qhi_ref, qlo_ref [3 types, 4 planes, GP, Q] int8: the two digits of q' * d_type; qs_ref [GP] f32 their
-  # scale, one per row (q' * d ~= qs * (256 qhi + qlo)); qc_ref [GP] f32 = sum_j q'_j c0_j; qp_ref [4, GP, Q] bf16 the
-  # query planes (residual window); qo_ref [GP, OP] bf16 outlier query x scale_k; ck_ref, cv_ref [S, Q] uint8;
-  # ok_ref, ov_ref [S, O] fp8; rk_ref, rv_ref [R, H] bf16; nc_ref, nr_ref [] int32.
+                     o_dim: int, groups: int, extract: str, two_digits: bool):
+  # One program serves HP kv heads of one batch row: its GP rows are (kv head h, query g) = h * G + g, and each
+  # head's query sits block-diagonally (zero in the other heads' rows), so the per-row work (softmax, scaling,
+  # accumulator updates) is shared by HP heads instead of padding G rows to 16.
+  # qhi_ref, qlo_ref [3 types, 4 planes, HP, GP, Q] int8: the two digits of q' * d_type; qs_ref [GP] f32 their
+  # scale, one per row (q' * d ~= qs * (256 qhi + qlo); with one digit qlo is unused and q' * d ~= qs * qhi); qc_ref [GP] f32 = sum_j q'_j c0_j; qp_ref [4, HP, GP, Q]
+  # bf16 the query planes (residual window); qo_ref [HP, GP, OP] bf16 outlier query x scale_k;
+  # ck_ref, cv_ref [HP, S, Q] uint8; ok_ref, ov_ref [HP, S, O] fp8; rk_ref, rv_ref [HP, R, H] bf16; nc_ref, nr_ref [].
   # acc_ref [4 slots, 4 planes, GP, Q] f32; acco_ref [GP, OP] f32; m_ref, l_ref [GP] f32.
-  gp, q_dim = qp_ref.shape[1], qp_ref.shape[2]
+  hp, gp, q_dim = qp_ref.shape[1], qp_ref.shape[2], qp_ref.shape[3]
   split = pl.program_id(2)  # read here: interpret mode cannot see program_id inside `pl.when`.
   m0 = jnp.full((gp,), NEG_INF, jnp.float32)
   l0 = jnp.zeros((gp,), jnp.float32)
   zeros = jnp.zeros((gp, q_dim), jnp.float32)
+  row_head = jnp.arange(gp) // groups  # [GP]; padding rows get heads >= HP
+
+  def head_rows(x, h):
+    """x [GP, n]: the rows of head h, zero elsewhere (no-op with one head per program)."""
+    return x if hp == 1 else jnp.where((row_head == h)[:, None], x, jnp.zeros_like(x))
 
   def write(acc, acco, m, l):
     for s in range(4):
@@ -104,11 +114,8 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
   @pl.when(split < num_splits)
   def _compressed():
     start, end, nblocks = split_range(nc_ref, split, num_splits, block_s)
-    qhi = [[qhi_ref[t, p] for p in range(4)] for t in range(PLANE_TYPES)]  # [GP, Q] int8
-    qlo = [[qlo_ref[t, p] for p in range(4)] for t in range(PLANE_TYPES)]
     qs = qs_ref[...]  # [GP] f32
     qc = qc_ref[...]  # [GP]
-    qo = qo_ref[...]  # [GP, OP] bf16
     op = acco_ref.shape[1]
 
     def body(i, carry):
@@ -116,18 +123,22 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
       s0 = start + i * block_s
       valid = s0 + jnp.arange(block_s) < end  # [bs]
       rows = pl.ds(s0, block_s)
-      ck = plgpu.load(ck_ref.at[rows, :], mask=valid[:, None], other=0)  # [bs, Q] uint8
-      cv = plgpu.load(cv_ref.at[rows, :], mask=valid[:, None], other=0)
-      ok = fp8_rows(ok_ref, rows, valid, o_dim, op)  # [bs, OP] f32
-      ov = fp8_rows(ov_ref, rows, valid, o_dim, op)
-      # Scores: per plane type, both digits summed over the 4 channel groups in int32, then one scale per row.
-      scores = qc[:, None] + plgpu.dot(qo, ok.astype(jnp.bfloat16), trans_b=True)  # [GP, bs] f32
-      kplanes = [planes(ck, p, extract) for p in range(4)]  # [plane][type] int8 [bs, Q]
-      pairs = [(t, p) for t in range(PLANE_TYPES) for p in range(4)]
-      hi = sum(plgpu.dot(qhi[t][p], kplanes[p][t], trans_b=True) for t, p in pairs)  # [GP, bs] int32
-      lo = sum(plgpu.dot(qlo[t][p], kplanes[p][t], trans_b=True) for t, p in pairs)
-      scores += qs[:, None] * (hi * 256 + lo).astype(jnp.float32)  # qs carries the 1/256 of the lo digit
-      # Online softmax with the block's probabilities as int8, relative to the block's own row maximum.
+      # Scores: every key dot (heads, plane types, channel groups) chained in int32 per digit (the tensor cores
+      # accumulate), one conversion and one scale per row.
+      scores = qc[:, None] + jnp.zeros((gp, block_s), jnp.float32)
+      hi, lo = 0, 0
+      for h in range(hp):
+        ok = fp8_rows(ok_ref, rows, valid, o_dim, op, head=h)  # [bs, OP] f32
+        scores += plgpu.dot(qo_ref[h], ok.astype(jnp.bfloat16), trans_b=True)  # [GP, bs]
+        ck = plgpu.load(ck_ref.at[jnp.int32(h), rows, :], mask=valid[:, None], other=0)  # [bs, Q] uint8
+        for p in range(4):
+          kplanes = planes(ck, p, extract)
+          for t in range(PLANE_TYPES):
+            hi += plgpu.dot(qhi_ref[t, p, h], kplanes[t], trans_b=True)  # [GP, bs] int32
+            if two_digits:
+              lo += plgpu.dot(qlo_ref[t, p, h], kplanes[t], trans_b=True)
+      scores += qs[:, None] * (hi * 256 + lo if two_digits else hi).astype(jnp.float32)
+      # Online softmax, the block's probabilities as two int8 digits relative to the block's own row maximum.
       scores = jnp.where(valid[None, :], scores, NEG_INF)
       m_blk = scores.max(axis=1)
       m_new = jnp.maximum(m, m_blk)
@@ -138,16 +149,27 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
       x = pt * 127.0
       p_hi = (x + 0.5).astype(jnp.int8)  # round to nearest (x >= 0)
       p_lo = ((x - p_hi.astype(jnp.float32)) * 256.0 + jnp.where(x >= p_hi, 0.5, -0.5)).astype(jnp.int8)
+      pb = pt.astype(jnp.bfloat16)
       w = p_blk * (1.0 / (127.0 * 256.0))
-      acco = acco * alpha[:, None] + plgpu.dot(pt.astype(jnp.bfloat16), ov.astype(jnp.bfloat16)) * p_blk[:, None]
-      new = [acc[0]]
-      for t in range(PLANE_TYPES):
-        new.append([acc[1 + t][p] * alpha[:, None] for p in range(4)])
+      ov_sum = 0
+      cvs, phs, pls = [], [], []
+      for h in range(hp):
+        ov = fp8_rows(ov_ref, rows, valid, o_dim, op, head=h)
+        ov_sum += plgpu.dot(head_rows(pb, h), ov.astype(jnp.bfloat16))  # [GP, OP]
+        cvs.append(plgpu.load(cv_ref.at[jnp.int32(h), rows, :], mask=valid[:, None], other=0))  # [bs, Q] uint8
+        phs.append(head_rows(p_hi, h))
+        pls.append(head_rows(p_lo, h))
+      acco = acco * alpha[:, None] + ov_sum * p_blk[:, None]
+      new = [acc[0]] + [[None] * 4 for _ in range(PLANE_TYPES)]
       for p in range(4):
-        vplanes = planes(cv, p, extract)
+        v_hi, v_lo = [0] * PLANE_TYPES, [0] * PLANE_TYPES  # int32 [GP, Q] chains over heads, per digit
+        for h in range(hp):
+          vplanes = planes(cvs[h], p, extract)
+          for t in range(PLANE_TYPES):
+            v_hi[t] += plgpu.dot(phs[h], vplanes[t])
+            v_lo[t] += plgpu.dot(pls[h], vplanes[t])
         for t in range(PLANE_TYPES):
-          pv = plgpu.dot(p_hi, vplanes[t]) * 256 + plgpu.dot(p_lo, vplanes[t])  # [GP, Q] int32
-          new[1 + t][p] += pv.astype(jnp.float32) * w[:, None]
+          new[1 + t][p] = acc[1 + t][p] * alpha[:, None] + (v_hi[t] * 256 + v_lo[t]).astype(jnp.float32) * w[:, None]
       return new, acco, m_new, l
 
     acc0 = [[zeros] * 4 for _ in range(4)]
@@ -157,7 +179,6 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
   @pl.when(split == num_splits)
   def _residual():
     n = nr_ref[()]
-    qp = [qp_ref[p] for p in range(4)]  # [GP, Q] bf16
 
     def body(i, carry):
       acc, m, l = carry
@@ -165,15 +186,18 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
       valid = r0 + jnp.arange(block_r) < n
       rows = pl.ds(r0, block_r)
       scores = jnp.zeros((gp, block_r), jnp.float32)
-      for p in range(4):
-        rk = plgpu.load(rk_ref.at[rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)  # [br, Q]
-        scores += plgpu.dot(qp[p], rk, trans_b=True)
+      for h in range(hp):
+        for p in range(4):
+          rk = plgpu.load(rk_ref.at[jnp.int32(h), rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)  # [br, Q]
+          scores += plgpu.dot(qp_ref[p, h], rk, trans_b=True)
       pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
       pb = pexp.astype(jnp.bfloat16)
-      acc_new = []
-      for p in range(4):
-        rv = plgpu.load(rv_ref.at[rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)
-        acc_new.append(acc[p] * alpha[:, None] + plgpu.dot(pb, rv))
+      acc_new = [a * alpha[:, None] for a in acc]
+      for h in range(hp):
+        pbh = head_rows(pb, h)
+        for p in range(4):
+          rv = plgpu.load(rv_ref.at[jnp.int32(h), rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)
+          acc_new[p] += plgpu.dot(pbh, rv)
       return acc_new, m, l
 
     acc, m, l = lax.fori_loop(0, pl.cdiv(n, block_r), body, ([zeros] * 4, m0, l0))
@@ -184,31 +208,73 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
 # Wrapper.
 
 
-def prepare_bitplane_query(q, u_k, cb_k, scale_k, kv_heads: int, rows: int, o_cols: int):
-  """q [B, N, H] -> the kernel's query inputs (see `_bitplane_kernel`), rows >= G zero-padded.
+def heads_per_program(kv_heads: int, requested: int | None = None) -> int:
+  """kv heads one program serves (default 1), lowered to a divisor of K."""
+  hp = min(requested or 1, kv_heads)
+  while kv_heads % hp:
+    hp -= 1
+  return hp
+
+
+def block_diagonal(x: jax.Array, hp: int, rows: int) -> jax.Array:
+  """x [B, K, ..., G, C] -> [B, K / hp, ..., hp, rows, C]: head h's G rows at rows h*G.., zero elsewhere."""
+  b, k, *mid, g, c = x.shape
+  x = x.reshape(b, k // hp, hp, *mid, g, c)
+  x = jnp.moveaxis(x, 2, -3)  # [B, KG, ..., hp, G, C]
+  eye = jnp.eye(hp, dtype=x.dtype)
+  bd = x[..., None, :, :, :] * eye[:, :, None, None]  # [B, KG, ..., hp (slot), hp (head), G, C]
+  bd = bd.reshape(*bd.shape[:-3], hp * g, c)
+  return jnp.pad(bd, [(0, 0)] * (bd.ndim - 2) + [(0, rows - hp * g), (0, 0)])
+
+
+def group_rows(x: jax.Array, hp: int, rows: int) -> jax.Array:
+  """x [B, K, G] -> [B, K / hp, rows]: row h*G + g holds head h's query g, zero padded."""
+  b, k, g = x.shape
+  return jnp.pad(x.reshape(b, k // hp, hp * g), ((0, 0), (0, 0), (0, rows - hp * g)))
+
+
+def prepare_bitplane_query(q, u_k, cb_k, scale_k, kv_heads: int, hp: int, rows: int, o_cols: int,
+                           digits: int = 2):
+  """q [B, N, H] -> the kernel's query inputs (see `_bitplane_kernel`), KG = K / hp programs per batch row.
 
   Returns:
-    qhi, qlo int8 [B, K, 3, 4, rows, Q]; qs f32 [B, K, rows] with q' * d ~= qs * (256 qhi + qlo); qc f32 [B, K, rows];
-    q_planes bf16 [B, K, 4, rows, Q]; q_outl bf16 [B, K, rows, o_cols].
+    qhi, qlo int8 [B, KG, 3, 4, hp, rows, Q]; qs f32 [B, KG, rows] with q' * d ~= qs * (256 qhi + qlo) (two
+    digits) or qs * qhi (one digit; qlo is then zero);
+    qc f32 [B, KG, rows]; q_planes bf16 [B, KG, 4, hp, rows, Q]; q_outl bf16 [B, KG, hp, rows, o_cols].
   """
   b, n, h = q.shape
   g = n // kv_heads
   hi = lax.Precision.HIGHEST
   qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kv_heads, g, h), u_k, precision=hi) * h**-0.5
-  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [B, K, rows, H]
   deltas = codebook_deltas(cb_k)  # [B, K, 4, H]
   qc = jnp.einsum("BKGH,BKH->BKG", qr, deltas[:, :, 0], precision=hi)
-  qd = qr[:, :, None] * deltas[:, :, 1:, None, :]  # [B, K, 3, rows, H]
+  qd = qr[:, :, None] * deltas[:, :, 1:, None, :]  # [B, K, 3, G, H]
   # One scale per row for all three types, so the kernel sums every key dot in int32 and converts once.
-  qs = jnp.maximum(jnp.abs(qd).max(axis=(2, 4)), 1e-30) / 127.0  # [B, K, rows]
+  qs = jnp.maximum(jnp.abs(qd).max(axis=(2, 4)), 1e-30) / 127.0  # [B, K, G]
   x = qd / qs[:, :, None, :, None]  # in [-127, 127]
   q_hi = jnp.round(x)
   q_lo = jnp.clip(jnp.round((x - q_hi) * 256.0), -127, 127)  # |x - hi| <= 0.5: |lo| <= 128, clipped to int8
-  split = lambda a: a.reshape(b, kv_heads, PLANE_TYPES, rows, 4, h // 4).swapaxes(3, 4).astype(jnp.int8)
-  q_planes = qr.reshape(b, kv_heads, rows, 4, h // 4).swapaxes(2, 3).astype(jnp.bfloat16)
+  if digits == 1:
+    q_lo, qs = jnp.zeros_like(q_lo), qs * 256.0
+  by_plane = lambda a: a.reshape(*a.shape[:-1], 4, h // 4).swapaxes(-3, -2)  # [..., G, H] -> [..., 4, G, Q]
+  digits = [block_diagonal(by_plane(d), hp, rows).astype(jnp.int8) for d in (q_hi, q_lo)]
+  q_planes = block_diagonal(by_plane(qr), hp, rows).astype(jnp.bfloat16)
   q_outl = qr[..., :scale_k.shape[-1]] * scale_k[:, :, None, :]
-  q_outl = jnp.pad(q_outl, ((0, 0), (0, 0), (0, 0), (0, o_cols - q_outl.shape[-1]))).astype(jnp.bfloat16)
-  return split(q_hi), split(q_lo), qs / 256.0, qc, q_planes, q_outl
+  q_outl = jnp.pad(q_outl, ((0, 0), (0, 0), (0, 0), (0, o_cols - q_outl.shape[-1])))
+  q_outl = block_diagonal(q_outl, hp, rows).astype(jnp.bfloat16)
+  return (*digits, group_rows(qs, hp, rows) / 256.0, group_rows(qc, hp, rows), q_planes, q_outl)
+
+
+def ungroup_rows(x: jax.Array, hp: int, groups: int) -> jax.Array:
+  """[B, KG, NS, ..., rows, C?] partials with rows (head, g) -> [B, KG * hp, NS, ..., G, C?] per kv head."""
+  b, kg, ns = x.shape[:3]
+  if x.ndim == 4:  # m, l: [B, KG, NS, rows]
+    x = x[..., :hp * groups].reshape(b, kg, ns, hp, groups)
+    return jnp.moveaxis(x, 3, 2).reshape(b, kg * hp, ns, groups)
+  x = x[..., :hp * groups, :]
+  x = x.reshape(*x.shape[:-2], hp, groups, x.shape[-1])
+  x = jnp.moveaxis(x, -3, 2)  # [B, KG, hp, NS, ..., G, C]
+  return x.reshape(b, kg * hp, *x.shape[3:])
 
 
 def merge_bitplane_partials(acc, acco, m, l, cb_v, scale_v, u_v, groups: int, dtype):
@@ -249,17 +315,26 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
   g, o_dim, r = n // kh, outl_k.shape[-1], res_k.shape[2]
+  if qd < 32:
+    raise ValueError(f"form='bitplane' needs head dim >= 128 (got {h}): int8 tensor-core dots over H/4 = {qd} "
+                     "channels gave wrong results under XLA's Triton on the H200; use form='mma'")
   extract = "jnp" if interpret else config.extract  # inline PTX has no interpreter
-  ns = config.num_splits or default_num_splits(b, kh, s, config.block_s)
+  hp = heads_per_program(kh, config.heads_per_program)
+  kg = kh // hp
+  ns = config.num_splits or default_num_splits(b, kg, s, config.block_s)
   block_r = min(config.block_s, max(16, pl.next_power_of_2(r)))
-  rows = max(g, MMA_ROWS)
+  rows = max(pl.next_power_of_2(hp * g), MMA_ROWS)
   o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS)
-  qhi, qlo, qs, qc, q_planes, q_outl = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, rows, o_cols)
+  qhi, qlo, qs, qc, q_planes, q_outl = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, hp, rows, o_cols,
+                                                              config.query_digits)
   kernel = functools.partial(_bitplane_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
-                             extract=extract)
+                             groups=g, extract=extract, two_digits=config.query_digits == 2)
 
   def per_head(*tail):
     return pl.BlockSpec((None, None, *tail), lambda i, j, t: (i, j) + (0,) * len(tail))
+
+  def per_group(*tail):  # hp consecutive kv heads of a cache array [B, K, ...]
+    return pl.BlockSpec((None, hp, *tail), lambda i, j, t: (i, j) + (0,) * len(tail))
 
   def per_row():
     return pl.BlockSpec((None,), lambda i, j, t: (i,))
@@ -267,14 +342,15 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   def per_prog(*tail):
     return pl.BlockSpec((None, None, None, *tail), lambda i, j, t: (i, j, t) + (0,) * len(tail))
 
-  out_shape = [jax.ShapeDtypeStruct((b, kh, ns + 1, 4, 4, rows, qd), jnp.float32),
-               jax.ShapeDtypeStruct((b, kh, ns + 1, rows, o_cols), jnp.float32),
-               jax.ShapeDtypeStruct((b, kh, ns + 1, rows), jnp.float32),
-               jax.ShapeDtypeStruct((b, kh, ns + 1, rows), jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct((b, kg, ns + 1, 4, 4, rows, qd), jnp.float32),
+               jax.ShapeDtypeStruct((b, kg, ns + 1, rows, o_cols), jnp.float32),
+               jax.ShapeDtypeStruct((b, kg, ns + 1, rows), jnp.float32),
+               jax.ShapeDtypeStruct((b, kg, ns + 1, rows), jnp.float32)]
   out_specs = [per_prog(4, 4, rows, qd), per_prog(rows, o_cols), per_prog(rows), per_prog(rows)]
-  in_specs = [per_head(PLANE_TYPES, 4, rows, qd), per_head(PLANE_TYPES, 4, rows, qd), per_head(rows),
-              per_head(rows), per_head(4, rows, qd), per_head(rows, o_cols), per_head(s, qd), per_head(s, o_dim),
-              per_head(s, qd), per_head(s, o_dim), per_head(r, h), per_head(r, h), per_row(), per_row()]
+  in_specs = [per_head(PLANE_TYPES, 4, hp, rows, qd), per_head(PLANE_TYPES, 4, hp, rows, qd), per_head(rows),
+              per_head(rows), per_head(4, hp, rows, qd), per_head(hp, rows, o_cols), per_group(s, qd),
+              per_group(s, o_dim), per_group(s, qd), per_group(s, o_dim), per_group(r, h), per_group(r, h),
+              per_row(), per_row()]
   inputs = [qhi, qlo, qs, qc, q_planes, q_outl, codes_k, outl_k, codes_v, outl_v, res_k, res_v,
             n_comp.astype(jnp.int32), n_res.astype(jnp.int32)]
   aliases = {}
@@ -286,7 +362,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
     kernel = functools.partial(_drop_aliased_inputs, kernel, n_in, len(aliases))
   acc, acco, m, l = pl.pallas_call(
       kernel,
-      grid=(b, kh, ns + 1),
+      grid=(b, kg, ns + 1),
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
@@ -295,4 +371,5 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
       interpret=interpret,
       name="oskvp_decode_bitplane",
   )(*inputs)
+  acc, acco, m, l = (ungroup_rows(x, hp, g) for x in (acc, acco, m, l))
   return merge_bitplane_partials(acc, acco, m, l, cb_v, scale_v, u_v, g, q.dtype)
