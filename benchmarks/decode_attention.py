@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.oskvp_decode_attention import (SASS_CANDIDATE, DecodeBlockConfig, _oskvp_pallas,
+from pallas_kernels.oskvp_decode_attention import (BITPLANE, DecodeBlockConfig, _oskvp_pallas,
                                                    default_num_splits,
                                                    oskvp_decode_attention, oskvp_decode_attention_reference)
 from pallas_kernels.oskvp_random import random_oskvp_inputs
@@ -247,8 +247,7 @@ def main():
 
   # Tiling sweep at 64k x 8.
   sweep = []
-  best = {"mma": SASS_CANDIDATE, "lut": DecodeBlockConfig(form="lut"),
-          "bitplane": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1)}
+  best = {"mma": DecodeBlockConfig(), "lut": DecodeBlockConfig(form="lut"), "bitplane": BITPLANE}
   if not args.skip_sweep:
     b, s = 8, 65536
     nbytes = oskvp_bytes(b, s)
@@ -256,7 +255,7 @@ def main():
     # the default within 3%; 8 warps, 3 stages and block 256 slower; lut 3.5x slower. The SASS (see
     # decode_attention_sass.py) showed that configuration spilling; this sweep times the non-spilling candidates.
     timed_first = DecodeBlockConfig(block_s=128, num_stages=2, outlier_mma=False)
-    cfgs = [timed_first, SASS_CANDIDATE, DecodeBlockConfig(block_s=64, num_stages=2, outlier_mma=True),
+    cfgs = [timed_first, DecodeBlockConfig(), DecodeBlockConfig(num_stages=2),
             DecodeBlockConfig(block_s=32),
             DecodeBlockConfig(block_s=32, num_stages=2), DecodeBlockConfig(block_s=128),
             DecodeBlockConfig(num_warps=8), DecodeBlockConfig(prefetch=True), DecodeBlockConfig(decode="poly"),
@@ -269,10 +268,10 @@ def main():
     cfgs += [bp(block_s=128), bp(block_s=128, query_digits=1), bp(block_s=64), bp(block_s=64, query_digits=1),
              bp(block_s=64, heads_per_program=2, query_digits=1)]
     if args.sweep_only:
-      cfgs = [c for c in cfgs if c.form == "bitplane"] + [SASS_CANDIDATE]
+      cfgs = [c for c in cfgs if c.form == "bitplane"] + [DecodeBlockConfig()]
     if args.quick:  # Fourth run: the candidates the third run's compiled code (decode_attention_sass.py) left.
       cfgs = [bp(block_s=128), bp(block_s=128, query_digits=1), bp(block_s=64), bp(block_s=64, query_digits=1),
-              SASS_CANDIDATE]
+              DecodeBlockConfig()]
       best.pop("lut")
     best_ms = {}
     for cfg in cfgs:

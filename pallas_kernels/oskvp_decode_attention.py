@@ -63,17 +63,16 @@ class DecodeBlockConfig:
     query_digits: ("bitplane") int8 digits of the folded query: 2 (~15 bits) or 1 (~7 bits, half the registers).
   """
 
-  # Defaults: the tiling that compiled, ran correctly and was timed on the H200 (1.33 ms at 64k x 8). Its loop
-  # spills (255 registers + 1.2 KB stack, per benchmarks/decode_attention_sass.py); `SASS_CANDIDATE` below issues 27%
-  # fewer instructions per token and spills almost nothing, but has not run under XLA's Triton on a GPU yet, so it
-  # is not the default until it has been measured there.
-  block_s: int = 128
+  # Defaults: the fastest "mma" tiling on the H200 (block 64, outliers on the tensor cores, 1 stage: 0.94-1.06 ms
+  # at 64k x 8, against 1.87 ms for the first session's block 128 / 2 stages, which spilled). The GPU default for
+  # head dims >= 128 is `BITPLANE` (`default_config`).
+  block_s: int = 64
   num_splits: int | None = None
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 1
   form: str = "mma"
   prefetch: bool = False
-  outlier_mma: bool = False
+  outlier_mma: bool = True
   decode: str = "select"
   extract: str = "asm"
   heads_per_program: int | None = None
@@ -100,8 +99,13 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.prefetch=} applies to form='mma' only")
 
 
-# Block 64, fp8 outlier channels through the tensor cores, 1 stage: chosen from the compiled SASS, not yet timed.
-SASS_CANDIDATE = DecodeBlockConfig(block_s=64, num_stages=1, outlier_mma=True)
+# The fastest bit-plane tiling on the H200 (0.74-0.78 ms at 64k x 8; two query digits 0.81 ms, block 64 1.05-1.09).
+BITPLANE = DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1, query_digits=1)
+
+
+def default_config(head_dim: int) -> DecodeBlockConfig:
+  """The measured-fastest form for the head dim: bit planes where each plane spans >= 32 channels, else "mma"."""
+  return BITPLANE if head_dim // 4 >= 32 else DecodeBlockConfig()
 
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:
@@ -478,7 +482,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     n_comp, n_res: int32 [B] valid tokens in the store and in the window (n_comp + n_res >= 1).
     implementation: "pallas" (the fused kernel; on CPU pass interpret=True) or "xla" (the jnp reference).
     interpret: run the Pallas kernel in interpret mode (CPU).
-    config: tiling; None uses `DecodeBlockConfig()`.
+    config: form and tiling; None uses `default_config(H)` (the bit-plane form for H >= 128).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -489,7 +493,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   if implementation != "pallas":
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
   check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp)
-  return _oskvp_pallas(*args, interpret=interpret, config=config or DecodeBlockConfig())
+  return _oskvp_pallas(*args, interpret=interpret, config=config or default_config(q.shape[-1]))
 
 
 def attention_bytes(batch: int, kv_heads: int, context: int, head_dim: int, outliers: int = 8,

@@ -119,8 +119,8 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
                            interpret: bool = False) -> jax.Array:
   """Decode attention over an OS-KVP cache, through `implementation` ("auto", "pallas" or "xla"; arguments as in
   `oskvp_decode_attention_xla`). "auto" is the Pallas kernel on GPU and the XLA reference elsewhere. On the
-  H200 at 64k context the kernel beats the XLA reference at batch 8 (1.33 vs 1.88 ms) but not at batch 1 (0.66 vs
-  0.40 ms): benchmarks/results/decode_attention.md. The Pallas kernel handles the 2-bit
+  H200 at 64k context the kernel (bit-plane form) beats the XLA reference 2.6x at batch 1 and 8 (0.18 vs 0.47 ms,
+  0.74 vs 1.90 ms) but is still 1.2-1.8x slower than cuDNN on a bf16 cache: benchmarks/results/decode_attention.md. The Pallas kernel handles the 2-bit
   layout; 3-bit caches fall back to "xla"."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")

@@ -4,7 +4,8 @@ Every case draws a fresh random cache (random orthogonal U by QR, random codes, 
 bf16 residual window) and runs the kernel with its partial outputs poisoned with NaN (aliased buffers), so any
 element the kernel forgets to write turns the result into NaN. Lengths are dynamic, so one compiled shape covers a
 whole batch of awkward lengths. Tolerances: the "mma" form feeds bf16 operands to the dot (query, dequantized keys
-and values, probabilities): relative L2 error <= 1.5e-2; the "lut" form is f32 throughout: <= 1e-3.
+and values, probabilities): relative L2 error <= 1.5e-2; the "lut" form is f32 throughout: <= 1e-3; the "bitplane"
+form has int8 digits of the query (one: ~7 bits, two: ~15) and probabilities (two): <= 1.5e-2, as bf16.
 """
 
 import dataclasses
@@ -16,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.oskvp_decode_attention import (SASS_CANDIDATE, DecodeBlockConfig, _oskvp_pallas,
+from pallas_kernels.oskvp_decode_attention import (BITPLANE, DecodeBlockConfig, _oskvp_pallas, default_config,
                                                    dequantize_rotated, oskvp_decode_attention, oskvp_decode_attention_reference,
                                                    unpack_codes)
+from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas
 from pallas_kernels.oskvp_random import random_oskvp_inputs_host as random_oskvp_inputs
 
-TOL = {"mma": 1.5e-2, "lut": 1e-3}
+TOL = {"mma": 1.5e-2, "lut": 1e-3, "bitplane": 1.5e-2}
 
 
 def rel_err(out, ref):
@@ -42,10 +44,17 @@ def run_case(seed, config, **shape):
 
 
 CONFIGS = {
-    "mma": DecodeBlockConfig(num_splits=5),  # the default tiling (as timed on the H200)
-    "mma_outliers_on_tensor_cores": dataclasses.replace(SASS_CANDIDATE, num_splits=5),  # the untimed candidate
+    "mma": DecodeBlockConfig(num_splits=5),  # the "mma" default (outliers on the tensor cores)
+    "mma_first_timed": DecodeBlockConfig(block_s=128, num_stages=2, outlier_mma=False, num_splits=5),
     "mma_poly_decode": DecodeBlockConfig(block_s=32, num_splits=3, decode="poly"),
     "lut": DecodeBlockConfig(num_splits=5, form="lut"),
+}
+# The bit-plane form needs H >= 128 (planes of >= 32 channels).
+BITPLANE_CONFIGS = {
+    "bitplane": dataclasses.replace(BITPLANE, num_splits=3),  # the GPU default for H >= 128
+    "bitplane_two_query_digits": dataclasses.replace(BITPLANE, block_s=64, num_splits=4, query_digits=2),
+    "bitplane_two_heads_per_program": dataclasses.replace(BITPLANE, block_s=32, num_splits=2, heads_per_program=2),
+    "bitplane_jnp_extract": dataclasses.replace(BITPLANE, block_s=32, num_splits=5, extract="jnp"),
 }
 
 
@@ -69,7 +78,40 @@ def test_g8_empty_store_more_splits_than_blocks_12_outliers():
            head_dim=64, capacity=200, window=16, outliers=12, n_comp=[0, 3], n_res=[9, 16])
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(BITPLANE_CONFIGS))
+def test_bitplane_mixed_lengths_g4_h128(name):
+  """Lengths 1, 127 and a full 600-token store in one batch; partly filled windows (one empty)."""
+  run_case(11, BITPLANE_CONFIGS[name], batch=3, heads=8, kv_heads=2, head_dim=128, capacity=600, window=48,
+           n_comp=[1, 127, 600], n_res=[0, 17, 48])
+
+
+def test_bitplane_long_g1_and_g8():
+  """4097 tokens at G = 1 (8 kv heads); G = 8 with an empty store, 1000 tokens and 12 outlier channels."""
+  run_case(12, BITPLANE, batch=1, heads=4, kv_heads=4, head_dim=128, capacity=4097, window=128, n_comp=[4097],
+           n_res=[100])
+  run_case(13, dataclasses.replace(BITPLANE, num_splits=6), batch=2, heads=16, kv_heads=2, head_dim=128,
+           capacity=1000, window=16, outliers=12, n_comp=[0, 1000], n_res=[9, 16])
+
+
+def test_codebook_deltas_rebuild_every_codebook_entry():
+  """cb[c] = c0 + d1 b0 + d2 b1 + d3 b0 b1 with c = b0 + 2 b1, exactly (the identity the bit-plane form rests on)."""
+  cb = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 4)), jnp.float32)
+  c0, d1, d2, d3 = np.moveaxis(np.asarray(codebook_deltas(cb)), -2, 0)
+  for c in range(4):
+    b0, b1 = c & 1, c >> 1
+    np.testing.assert_allclose(c0 + d1 * b0 + d2 * b1 + d3 * b0 * b1, np.asarray(cb)[..., c], rtol=0, atol=1e-6)
+
+
+def test_bitplane_form_rejects_small_heads_and_default_picks_by_head_dim():
+  args = random_oskvp_inputs(14, batch=1, heads=4, kv_heads=1, head_dim=64, capacity=32, window=16)
+  with pytest.raises(ValueError, match="head dim >= 128"):
+    _oskvp_pallas(*args, interpret=True, config=BITPLANE)
+  assert default_config(64).form == "mma" and default_config(128) == BITPLANE
+  with pytest.raises(ValueError, match="query_digits"):
+    DecodeBlockConfig(form="bitplane", query_digits=3)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS) + list(BITPLANE_CONFIGS))
 def test_lowers_to_triton_ir_for_hopper(name):
   """Lowers the real (non-interpret) kernel to Triton IR for an H100-class GPU on the CPU: catches Pallas-to-Triton
   lowering errors (unsupported casts, shapes, primitives) in CI. Compiling that IR needs a GPU, so errors of the
@@ -80,7 +122,7 @@ def test_lowers_to_triton_ir_for_hopper(name):
     pytest.skip("jax internals moved")
   args = random_oskvp_inputs(7, batch=2, heads=8, kv_heads=2, head_dim=128, capacity=300, window=128)
   h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-  fn = jax.jit(functools.partial(_oskvp_pallas, interpret=False, config=CONFIGS[name]))
+  fn = jax.jit(functools.partial(_oskvp_pallas, interpret=False, config={**CONFIGS, **BITPLANE_CONFIGS}[name]))
   with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100):
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text
