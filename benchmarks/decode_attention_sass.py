@@ -13,6 +13,7 @@ not the measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import re
@@ -77,7 +78,7 @@ def main_loop_stats(sass: str) -> dict:
 
 
 def main():
-  from pallas_kernels.oskvp_decode_attention import DecodeBlockConfig  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.oskvp_decode_attention import BITPLANE, DecodeBlockConfig  # pylint: disable=g-import-not-at-top
   ap = argparse.ArgumentParser()
   ap.add_argument("--triton_python", default="/tmp/tvenv/bin/python")
   ap.add_argument("--out", default=tempfile.mkdtemp(prefix="oskvp_sass_"))
@@ -86,20 +87,21 @@ def main():
   shape = dict(batch=8, heads=32, kv_heads=8, head_dim=128, capacity=1024, window=128)
   configs = {
       "timed_first (b128 bcast ns2)": DecodeBlockConfig(block_s=128, num_stages=2, outlier_mma=False),
-      "default (b64 om ns1)": DecodeBlockConfig(),
+      "default mma (b64 om ns1)": DecodeBlockConfig(),
       "b64 om ns2": DecodeBlockConfig(num_stages=2),
       "b32 om ns1": DecodeBlockConfig(block_s=32),
       "b32 om ns2": DecodeBlockConfig(block_s=32, num_stages=2),
       "b128 om ns1": DecodeBlockConfig(block_s=128),
       "b64 om ns1 prefetch": DecodeBlockConfig(prefetch=True),
       "b64 om ns1 poly decode": DecodeBlockConfig(decode="poly"),
-      "bitplane b64 hp4 d2": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1),
-      "bitplane b64 hp4 d1": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1, query_digits=1),
+      "bitplane b64 hp4 d2": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1, heads_per_program=4),
       "bitplane b64 hp2 d1": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1, query_digits=1,
                                                heads_per_program=2),
-      "bitplane b128 hp1 d1": DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1, query_digits=1,
-                                                heads_per_program=1),
-      "bitplane b128 hp1 d2": DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1, heads_per_program=1),
+      "bitplane b128 hp1 d2": DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1),
+      "bitplane default (b128 hp1 d1)": BITPLANE,
+      "bitplane b128 d1 prefetch": dataclasses.replace(BITPLANE, prefetch=True),
+      "bitplane b256 d1": dataclasses.replace(BITPLANE, block_s=256),
+      "bitplane b128 d1 8 warps": dataclasses.replace(BITPLANE, num_warps=8),
   }
   configs = {k: v for k, v in configs.items() if args.only in k}
   print(f"{'config':30s} regs stack | per warp per block: instrs (per token, all warps) MMA LDL/STL BAR LDS/STS "

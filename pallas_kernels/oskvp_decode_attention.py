@@ -49,8 +49,8 @@ class DecodeBlockConfig:
     num_warps, num_stages: Triton launch parameters.
     form: "mma" (dequantize to bf16, dot on tensor cores), "lut" (query-folded lookup table on CUDA cores) or
       "bitplane" (no dequantization: int8 dots on the codes' 0/1 bit planes, `oskvp_decode_attention_bitplane.py`).
-    prefetch: ("mma") load block i+1 while block i is computed (hand-written software pipelining); doubles the
-      live tiles and spills heavily under Triton (see the notes), kept for measurement.
+    prefetch: ("mma", "bitplane") load block i+1 while block i is computed (hand-written software pipelining);
+      doubles the live tiles ("mma" spills heavily under Triton, see the notes).
     outlier_mma: ("mma"; ignored by "lut") the fp8 outlier channels go through the tensor cores as a 16-wide
       padded tile instead of a broadcast multiply-reduce on CUDA cores.
     decode: ("mma") "select" (two bit tests, three selects per element) or "poly" (code to float by the 2**23
@@ -95,8 +95,8 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.query_digits=} must be 1 or 2")
     if self.extract not in ("asm", "jnp"):
       raise ValueError(f"{self.extract=} must be 'asm' or 'jnp'")
-    if self.form != "mma" and self.prefetch:
-      raise ValueError(f"{self.prefetch=} applies to form='mma' only")
+    if self.form == "lut" and self.prefetch:
+      raise ValueError(f"{self.prefetch=} applies to forms 'mma' and 'bitplane' only")
 
 
 # The fastest bit-plane tiling on the H200 (0.74-0.78 ms at 64k x 8; two query digits 0.81 ms, block 64 1.05-1.09).

@@ -83,7 +83,7 @@ def planes(x: jax.Array, plane: int, extract: str) -> list[jax.Array]:
 
 def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref,
                      nc_ref, nr_ref, acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int,
-                     o_dim: int, groups: int, extract: str, two_digits: bool):
+                     o_dim: int, groups: int, extract: str, two_digits: bool, prefetch: bool):
   # One program serves HP kv heads of one batch row: its GP rows are (kv head h, query g) = h * G + g, and each
   # head's query sits block-diagonally (zero in the other heads' rows), so the per-row work (softmax, scaling,
   # accumulator updates) is shared by HP heads instead of padding G rows to 16.
@@ -118,21 +118,27 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
     qc = qc_ref[...]  # [GP]
     op = acco_ref.shape[1]
 
-    def body(i, carry):
-      acc, acco, m, l = carry
+    def load_block(i):
+      """Raw tiles of block i, per head: codes [bs, Q] uint8 (K, V), outliers [bs, OP] f32 (K, V), zero past end."""
       s0 = start + i * block_s
       valid = s0 + jnp.arange(block_s) < end  # [bs]
       rows = pl.ds(s0, block_s)
+      codes = lambda ref, h: plgpu.load(ref.at[jnp.int32(h), rows, :], mask=valid[:, None], other=0)
+      return ([codes(ck_ref, h) for h in range(hp)], [codes(cv_ref, h) for h in range(hp)],
+              [fp8_rows(ok_ref, rows, valid, o_dim, op, head=h) for h in range(hp)],
+              [fp8_rows(ov_ref, rows, valid, o_dim, op, head=h) for h in range(hp)])
+
+    def compute(i, tiles, acc, acco, m, l):
+      cks, cvs, oks, ovs = tiles
+      valid = start + i * block_s + jnp.arange(block_s) < end  # [bs]
       # Scores: every key dot (heads, plane types, channel groups) chained in int32 per digit (the tensor cores
       # accumulate), one conversion and one scale per row.
       scores = qc[:, None] + jnp.zeros((gp, block_s), jnp.float32)
       hi, lo = 0, 0
       for h in range(hp):
-        ok = fp8_rows(ok_ref, rows, valid, o_dim, op, head=h)  # [bs, OP] f32
-        scores += plgpu.dot(qo_ref[h], ok.astype(jnp.bfloat16), trans_b=True)  # [GP, bs]
-        ck = plgpu.load(ck_ref.at[jnp.int32(h), rows, :], mask=valid[:, None], other=0)  # [bs, Q] uint8
+        scores += plgpu.dot(qo_ref[h], oks[h].astype(jnp.bfloat16), trans_b=True)  # [GP, bs]
         for p in range(4):
-          kplanes = planes(ck, p, extract)
+          kplanes = planes(cks[h], p, extract)
           for t in range(PLANE_TYPES):
             hi += plgpu.dot(qhi_ref[t, p, h], kplanes[t], trans_b=True)  # [GP, bs] int32
             if two_digits:
@@ -151,14 +157,9 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
       p_lo = ((x - p_hi.astype(jnp.float32)) * 256.0 + jnp.where(x >= p_hi, 0.5, -0.5)).astype(jnp.int8)
       pb = pt.astype(jnp.bfloat16)
       w = p_blk * (1.0 / (127.0 * 256.0))
-      ov_sum = 0
-      cvs, phs, pls = [], [], []
-      for h in range(hp):
-        ov = fp8_rows(ov_ref, rows, valid, o_dim, op, head=h)
-        ov_sum += plgpu.dot(head_rows(pb, h), ov.astype(jnp.bfloat16))  # [GP, OP]
-        cvs.append(plgpu.load(cv_ref.at[jnp.int32(h), rows, :], mask=valid[:, None], other=0))  # [bs, Q] uint8
-        phs.append(head_rows(p_hi, h))
-        pls.append(head_rows(p_lo, h))
+      ov_sum = sum(plgpu.dot(head_rows(pb, h), ovs[h].astype(jnp.bfloat16)) for h in range(hp))  # [GP, OP]
+      phs = [head_rows(p_hi, h) for h in range(hp)]
+      pls = [head_rows(p_lo, h) for h in range(hp)]
       acco = acco * alpha[:, None] + ov_sum * p_blk[:, None]
       new = [acc[0]] + [[None] * 4 for _ in range(PLANE_TYPES)]
       for p in range(4):
@@ -172,8 +173,15 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
           new[1 + t][p] = acc[1 + t][p] * alpha[:, None] + (v_hi[t] * 256 + v_lo[t]).astype(jnp.float32) * w[:, None]
       return new, acco, m_new, l
 
-    acc0 = [[zeros] * 4 for _ in range(4)]
-    state = lax.fori_loop(0, nblocks, body, (acc0, jnp.zeros(acco_ref.shape, jnp.float32), m0, l0))
+    state0 = ([[zeros] * 4 for _ in range(4)], jnp.zeros(acco_ref.shape, jnp.float32), m0, l0)
+    if prefetch:  # block i+1's loads are in flight while block i is computed
+      def body(i, carry):
+        tiles, state = carry
+        return load_block(i + 1), compute(i, tiles, *state)
+
+      _, state = lax.fori_loop(0, nblocks, body, (load_block(0), state0))
+    else:
+      state = lax.fori_loop(0, nblocks, lambda i, c: compute(i, load_block(i), *c), state0)
     write(*state)
 
   @pl.when(split == num_splits)
@@ -328,7 +336,8 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   qhi, qlo, qs, qc, q_planes, q_outl = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, hp, rows, o_cols,
                                                               config.query_digits)
   kernel = functools.partial(_bitplane_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
-                             groups=g, extract=extract, two_digits=config.query_digits == 2)
+                             groups=g, extract=extract, two_digits=config.query_digits == 2,
+                             prefetch=config.prefetch)
 
   def per_head(*tail):
     return pl.BlockSpec((None, None, *tail), lambda i, j, t: (i, j) + (0,) * len(tail))
