@@ -99,8 +99,10 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.prefetch=} applies to forms 'mma' and 'bitplane' only")
 
 
-# The fastest bit-plane tiling on the H200 (0.74-0.78 ms at 64k x 8; two query digits 0.81 ms, block 64 1.05-1.09).
-BITPLANE = DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1, query_digits=1)
+# The fastest bit-plane tiling on the H200 at 64k x 8: block 256, 1 stage, one query digit, 0.65-0.67 ms (16 splits
+# 0.62; cuDNN 0.55-0.57 in the same runs). Block 128 0.74-0.78, block 512 1.04, two query digits +5%, 2 stages,
+# 8 warps and prefetching slower (benchmarks/results/decode_attention_sweep{5,6}.log).
+BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=1)
 
 
 def default_config(head_dim: int) -> DecodeBlockConfig:
