@@ -375,8 +375,9 @@ def merge_partials(acc, acco, m, l, scale_v, u_v, groups: int, dtype):
   return o.reshape(b, kh * groups, 4 * qd).astype(dtype)
 
 
-def _drop_aliased_inputs(kernel, n_aliased, *refs):
-  return kernel(*refs[:12], *refs[12 + n_aliased:])
+def drop_aliased_inputs(kernel, n_inputs, n_aliased, *refs):
+  """Calls `kernel` without the `n_aliased` refs that follow its `n_inputs` inputs (the poisoned aliased outputs)."""
+  return kernel(*refs[:n_inputs], *refs[n_inputs + n_aliased:])
 
 
 def check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp):
@@ -454,7 +455,7 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
     aliases = {len(inputs) + i: i for i in range(4)}
     inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
     in_specs += out_specs
-    kernel = functools.partial(_drop_aliased_inputs, kernel, len(aliases))
+    kernel = functools.partial(drop_aliased_inputs, kernel, len(inputs) - len(aliases), len(aliases))
   acc, acco, m, l = pl.pallas_call(
       kernel,
       grid=(b, kh, ns + 1),

@@ -22,6 +22,10 @@ reference): two digits everywhere ~2e-3 (as the bf16 "mma" form); one query digi
 query's registers) ~6e-3; one probability digit ~1.5e-2 (flat attention: many small probabilities per block), so
 probabilities always take two.
 
+Needs H >= 128: the int8 dots over H/4 = 16 channels (H = 64) gave wrong results under XLA's Triton on the H200, so
+H = 64 is rejected (`default_config` picks "mma" there). `heads_per_program` > 1 stacks several kv heads' query rows
+block-diagonally into the 16-row tile; measured no gain (registers). H200 numbers: benchmarks/notes_decode_attention.md.
+
 Partials (per split): acc [4 slots, 4 planes, GP, Q] f32 — slot 0 the plain bf16-value accumulator of the residual
 window's program, slots 1..3 sum_t p_t plane_type — acco [GP, OP], m, l [GP]; `merge_bitplane_partials` applies the
 value codebooks (c0 l_compressed + sum_type d_type * slot), the outliers, the log-sum-exp weights and U_v^T.
@@ -38,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, DecodeBlockConfig, default_num_splits,
+                                                   drop_aliased_inputs,
                                                    fp8_rows, online_softmax_update, split_range)
 
 PLANE_TYPES = 3  # b0, b1, b0 & b1
@@ -312,10 +317,6 @@ def merge_bitplane_partials(acc, acco, m, l, cb_v, scale_v, u_v, groups: int, dt
   return o.reshape(b, kh * groups, h).astype(dtype)
 
 
-def _drop_aliased_inputs(kernel, n_inputs, n_aliased, *refs):
-  return kernel(*refs[:n_inputs], *refs[n_inputs + n_aliased:])
-
-
 @functools.partial(jax.jit, static_argnames=["interpret", "config", "poison"])
 def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
                           n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False):
@@ -368,7 +369,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
     aliases = {n_in + i: i for i in range(4)}
     inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
     in_specs += out_specs
-    kernel = functools.partial(_drop_aliased_inputs, kernel, n_in, len(aliases))
+    kernel = functools.partial(drop_aliased_inputs, kernel, n_in, len(aliases))
   acc, acco, m, l = pl.pallas_call(
       kernel,
       grid=(b, kg, ns + 1),
