@@ -280,8 +280,8 @@ def main():
       cfgs = [dataclasses.replace(BITPLANE, **k) for k in (
           dict(block_s=256), dict(block_s=256, query_digits=2), dict(block_s=512), dict(block_s=256, num_splits=16),
           dict(block_s=256, num_warps=8))]
-    if args.quick:  # Fourth run: the candidates the third run's compiled code (decode_attention_sass.py) left.
-      cfgs = [bp(block_s=128), bp(block_s=128, query_digits=1), bp(block_s=64), bp(block_s=64, query_digits=1),
+    if args.quick:  # The current defaults and their nearest rivals (the grid file's run used block 128 candidates).
+      cfgs = [BITPLANE, dataclasses.replace(BITPLANE, num_splits=16), dataclasses.replace(BITPLANE, block_s=128),
               DecodeBlockConfig()]
       best.pop("lut")
     best_ms = {}
