@@ -27,11 +27,9 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.oskvp_decode_attention import (BITPLANE, DecodeBlockConfig, _oskvp_pallas,
-                                                   default_num_splits,
-                                                   oskvp_decode_attention, oskvp_decode_attention_reference)
+                                                   oskvp_decode_attention_reference)
 from pallas_kernels.oskvp_random import random_oskvp_inputs
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
