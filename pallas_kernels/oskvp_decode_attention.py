@@ -231,6 +231,57 @@ def online_softmax_update(scores, valid, m, l):
   return p, alpha, m_new, alpha * l + p.sum(axis=1)
 
 
+def run_blocks(nblocks, load_block, compute, state0, prefetch: bool):
+  """fori_loop over a split's blocks: compute(i, load_block(i), *state) -> state. With `prefetch`, block i+1's loads
+  are issued before block i is computed (hand-written software pipelining; masked off past the end)."""
+  if not prefetch:
+    return lax.fori_loop(0, nblocks, lambda i, c: compute(i, load_block(i), *c), state0)
+
+  def body(i, carry):
+    tiles, state = carry
+    return load_block(i + 1), compute(i, tiles, *state)
+
+  return lax.fori_loop(0, nblocks, body, (load_block(0), state0))[1]
+
+
+def window_attention(n, block_r: int, qp, rk_ref, rv_ref, acc0, m0, l0, head_rows=None):
+  """Online softmax over the bf16 residual window on the tensor cores (the window program of "mma" and "bitplane").
+
+  Args:
+    n: [] int32 valid window tokens. qp: qp[h][p] bf16 [GP, Q], the query planes of each of the HP kv heads.
+    rk_ref, rv_ref: [R, H] (one head) or [HP, R, H] bf16. acc0: 4 f32 [GP, Q]; m0, l0 f32 [GP].
+    head_rows: (x [GP, n], h) -> x on head h's rows, zero elsewhere; None with one head.
+
+  Returns:
+    (acc: 4 f32 [GP, Q] planes of sum_t p_t v'_t, m, l).
+  """
+  gp, q_dim = qp[0][0].shape
+
+  def load(ref, h, rows, p, valid):  # [br, Q]
+    lead = (jnp.int32(h),) if len(ref.shape) == 3 else ()
+    return plgpu.load(ref.at[(*lead, rows, pl.ds(p * q_dim, q_dim))], mask=valid[:, None], other=0)
+
+  def body(i, carry):
+    acc, m, l = carry
+    r0 = i * block_r
+    valid = r0 + jnp.arange(block_r) < n
+    rows = pl.ds(r0, block_r)
+    scores = jnp.zeros((gp, block_r), jnp.float32)
+    for h, qh in enumerate(qp):
+      for p in range(4):
+        scores += plgpu.dot(qh[p], load(rk_ref, h, rows, p, valid), trans_b=True)
+    pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
+    pb = pexp.astype(jnp.bfloat16)
+    acc = [a * alpha[:, None] for a in acc]
+    for h in range(len(qp)):
+      pbh = pb if head_rows is None else head_rows(pb, h)
+      for p in range(4):
+        acc[p] += plgpu.dot(pbh, load(rv_ref, h, rows, p, valid))
+    return acc, m, l
+
+  return lax.fori_loop(0, pl.cdiv(n, block_r), body, (acc0, m0, l0))
+
+
 def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref, nr_ref,
                 acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, prefetch: bool,
                 outlier_mma: bool, o_dim: int, poly: bool):
@@ -291,39 +342,11 @@ def _mma_kernel(qp_ref, qo_ref, cbk_ref, ck_ref, ok_ref, cbv_ref, cv_ref, ov_ref
       return acc, acco, m, l
 
     acco0 = jnp.zeros(acco_ref.shape, jnp.float32)
-    if prefetch:  # Manual software pipelining: block i+1's loads are in flight while block i is computed.
-      def body(i, carry):
-        tiles, state = carry
-        nxt = load_block(i + 1)  # masked off (no traffic) past the end
-        return nxt, compute(i, tiles, *state)
-
-      _, state = lax.fori_loop(0, nblocks, body, (load_block(0), (acc0, acco0, m0, l0)))
-    else:
-      state = lax.fori_loop(0, nblocks, lambda i, c: compute(i, load_block(i), *c), (acc0, acco0, m0, l0))
-    write(*state)
+    write(*run_blocks(nblocks, load_block, compute, (acc0, acco0, m0, l0), prefetch))
 
   @pl.when(split == num_splits)
   def _residual():
-    n = nr_ref[()]
-
-    def body(i, carry):
-      acc, m, l = carry
-      r0 = i * block_r
-      valid = r0 + jnp.arange(block_r) < n
-      rows = pl.ds(r0, block_r)
-      scores = jnp.zeros((gp, block_r), jnp.float32)
-      for p in range(4):
-        rk = plgpu.load(rk_ref.at[rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)  # [br, Q]
-        scores += plgpu.dot(qp[p], rk, trans_b=True)
-      pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
-      pb = pexp.astype(jnp.bfloat16)
-      acc_new = []
-      for p in range(4):
-        rv = plgpu.load(rv_ref.at[rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)
-        acc_new.append(acc[p] * alpha[:, None] + plgpu.dot(pb, rv))
-      return acc_new, m, l
-
-    acc, m, l = lax.fori_loop(0, pl.cdiv(n, block_r), body, (acc0, m0, l0))
+    acc, m, l = window_attention(nr_ref[()], block_r, [qp], rk_ref, rv_ref, acc0, m0, l0)
     write(acc, jnp.zeros(acco_ref.shape, jnp.float32), m, l)
 
 

@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, DecodeBlockConfig, default_num_splits,
-                                                   drop_aliased_inputs,
-                                                   fp8_rows, online_softmax_update, split_range)
+                                                   drop_aliased_inputs, fp8_rows, run_blocks, split_range,
+                                                   window_attention)
 
 PLANE_TYPES = 3  # b0, b1, b0 & b1
 
@@ -179,41 +179,12 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
       return new, acco, m_new, l
 
     state0 = ([[zeros] * 4 for _ in range(4)], jnp.zeros(acco_ref.shape, jnp.float32), m0, l0)
-    if prefetch:  # block i+1's loads are in flight while block i is computed
-      def body(i, carry):
-        tiles, state = carry
-        return load_block(i + 1), compute(i, tiles, *state)
-
-      _, state = lax.fori_loop(0, nblocks, body, (load_block(0), state0))
-    else:
-      state = lax.fori_loop(0, nblocks, lambda i, c: compute(i, load_block(i), *c), state0)
-    write(*state)
+    write(*run_blocks(nblocks, load_block, compute, state0, prefetch))
 
   @pl.when(split == num_splits)
   def _residual():
-    n = nr_ref[()]
-
-    def body(i, carry):
-      acc, m, l = carry
-      r0 = i * block_r
-      valid = r0 + jnp.arange(block_r) < n
-      rows = pl.ds(r0, block_r)
-      scores = jnp.zeros((gp, block_r), jnp.float32)
-      for h in range(hp):
-        for p in range(4):
-          rk = plgpu.load(rk_ref.at[jnp.int32(h), rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)  # [br, Q]
-          scores += plgpu.dot(qp_ref[p, h], rk, trans_b=True)
-      pexp, alpha, m, l = online_softmax_update(scores, valid, m, l)
-      pb = pexp.astype(jnp.bfloat16)
-      acc_new = [a * alpha[:, None] for a in acc]
-      for h in range(hp):
-        pbh = head_rows(pb, h)
-        for p in range(4):
-          rv = plgpu.load(rv_ref.at[jnp.int32(h), rows, pl.ds(p * q_dim, q_dim)], mask=valid[:, None], other=0)
-          acc_new[p] += plgpu.dot(pbh, rv)
-      return acc_new, m, l
-
-    acc, m, l = lax.fori_loop(0, pl.cdiv(n, block_r), body, ([zeros] * 4, m0, l0))
+    qp = [[qp_ref[p, h] for p in range(4)] for h in range(hp)]  # [GP, Q] bf16, block-diagonal over heads
+    acc, m, l = window_attention(nr_ref[()], block_r, qp, rk_ref, rv_ref, [zeros] * 4, m0, l0, head_rows)
     write([acc] + [[zeros] * 4 for _ in range(PLANE_TYPES)], jnp.zeros(acco_ref.shape, jnp.float32), m, l)
 
 
