@@ -1,8 +1,7 @@
 """Static look at the int4 / vq2 grouped-matmul kernels' machine code, without a GPU.
 
-Lowers each kernel variant to Triton IR on the CPU (as for an H100-class GPU), compiles it for sm_90 with a pip
-`triton` in a separate environment (`python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton`; not a project
-dependency), and reports per variant: the MMA kind the tensor cores run (HMMA = mma.sync, HGMMA = wgmma), registers,
+Lowers each kernel variant to Triton IR on the CPU and compiles it for sm_90 with a pip Triton (`triton_sass.py`),
+then reports per variant: the MMA kind the tensor cores run (HMMA = mma.sync, HGMMA = wgmma), registers,
 spills, and in the K loop per weight the instructions by kind, plus where the layout conversions sit in the Triton
 GPU IR (a `convert_layout`/`local_alloc` of the unpacked bf16 tile means the dequantized weight goes through shared
 memory; of the packed i8 tile, that only the packed bytes do). XLA's bundled Triton is a different build, so this is
@@ -18,68 +17,23 @@ import argparse
 import functools
 import os
 import re
-import subprocess
 import tempfile
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import triton_sass
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import vq2_grouped_matmul as v2
 
-COMPILE = r"""
-import sys, json, os, triton
-from triton.backends.compiler import GPUTarget
-src, nw, ns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, num_stages=ns))
-base = src[:-5]
-open(base + ".cubin", "wb").write(k.asm["cubin"])
-open(base + ".ttgir", "w").write(k.asm["ttgir"])
-open(base + ".ptx", "w").write(k.asm["ptx"])
-print(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"))
-"""
-
-
-def lower_to_ttir(fn, *args) -> str:
-  """Triton IR (text) of the last Pallas kernel in jitted `fn(*args)`, lowered on the CPU for an H100-class GPU."""
-  from jax._src.pallas.triton import gpu_info, pallas_call_registration as pcr  # pylint: disable=g-import-not-at-top
-  captured = []
-  orig = pcr.lowering.lower_jaxpr_to_triton_module
-
-  def capture(*a, **k):
-    res = orig(*a, **k)
-    captured.append(res.module.operation.get_asm(enable_debug_info=False))
-    return res
-
-  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-  pcr.lowering.lower_jaxpr_to_triton_module, saved_info = capture, pcr.gpu_info_lib.get_gpu_info
-  pcr.gpu_info_lib.get_gpu_info = lambda: h100
-  try:
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  finally:
-    pcr.lowering.lower_jaxpr_to_triton_module, pcr.gpu_info_lib.get_gpu_info = orig, saved_info
-  return captured[-1]
-
-
 def loop_stats(sass: str) -> dict:
   """Instruction counts of the K-group loop: the smallest backward-branch loop that holds a tensor-core op."""
-  labels, ins = {}, []
-  for ln in sass.splitlines():
-    m = re.match(r"^\s*(\.L_x_\d+):", ln)
-    if m:
-      labels[m.group(1)] = len(ins)
-      continue
-    m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)
-    if m:
-      ins.append(m.group(1))
-  loops = [(i - labels[m.group(1)] + 1, labels[m.group(1)], i) for i, t in enumerate(ins)
-           for m in [re.search(r"BRA\s.*?(\.L_x_\d+)", t)] if m and labels.get(m.group(1), 1 << 30) <= i]
-  _, a, b = min(lp for lp in loops if any("MMA" in t for t in ins[lp[1]:lp[2] + 1]))
-  body = ins[a:b + 1]
+  ins, found = triton_sass.loops(sass)
+  _, a, b = min(lp for lp in found if any("MMA" in t for t in ins[lp[1]:lp[2] + 1]))
   kinds = {"all": ".", "HMMA": r"\bHMMA", "HGMMA": "HGMMA", "LDL/STL": r"\bLDL|\bSTL", "BAR": r"\bBAR",
            "STS": r"\bSTS", "LDS": r"\bLDS\b|\bLDS\.", "LDSM": "LDSM", "LDG": r"\bLDG", "PRMT": "PRMT",
            "LOP3": "LOP3", "I2F/F2F": r"I2F|F2F|F2I", "FFMA/FMUL/FADD": r"\bFFMA|\bFMUL|\bFADD", "SHFL": "SHFL"}
-  return {k: sum(1 for x in body if re.search(p, x)) for k, p in kinds.items()}
+  return triton_sass.count(ins[a:b + 1], kinds)
 
 
 def variants(e=64, k=4096, n=2048, rows_per_expert=16):
@@ -118,25 +72,18 @@ def main():
     if args.only and args.only not in name:
       continue
     path = os.path.join(args.out, re.sub(r"\W+", "_", name) + ".ttir")
-    with open(path, "w") as f:
-      f.write(lower_to_ttir(fn, *fargs))
-    r = subprocess.run([args.triton_python, "-c", COMPILE, path, str(nw), str(ns)], capture_output=True, text=True)
-    if r.returncode:
-      print(f"{name:28s} compile failed: {r.stderr.strip().splitlines()[-1][:200]}")
+    try:
+      regs, stack, sass = triton_sass.compile_sass(triton_sass.lower_to_ttir(fn, *fargs), path, nw, ns,
+                                                   args.triton_python)
+    except RuntimeError as e:
+      print(f"{name:28s} compile failed: {e}")
       continue
-    bindir = r.stdout.strip().splitlines()[-1]
-    cubin = path[:-5] + ".cubin"
-    res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True)
-    regs = re.search(r"REG:(\d+) STACK:(\d+)", res.stdout)
-    sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
-    with open(path[:-5] + ".sass", "w") as f:
-      f.write(sass)
     st = loop_stats(sass)
     ttgir = open(path[:-5] + ".ttgir").read()
     cvts = sorted(set(re.findall(r"(?:convert_layout|local_alloc)[^\n]*?-> !?t?t?g?\.?(?:memdesc|tensor)<(\d+x\d+x\w+)",
                                  ttgir)))
     per_w = st["all"] * nw * 32 / per_iter
-    print(f"{name:28s} {regs.group(1):>4s} {regs.group(2):>5s} | {st['all']:5d} ({per_w:5.2f}) {st['HMMA']:4d} "
+    print(f"{name:28s} {regs:>4s} {stack:>5s} | {st['all']:5d} ({per_w:5.2f}) {st['HMMA']:4d} "
           f"{st['HGMMA']:5d} {st['LDL/STL']:4d} {st['BAR']:3d} {st['STS']:3d} {st['LDS']:3d} {st['LDSM']:4d} "
           f"{st['LDG']:3d} {st['PRMT']:4d} {st['LOP3']:4d} {st['I2F/F2F']:3d} {st['FFMA/FMUL/FADD']:3d} | "
           f"{' '.join(cvts)}")

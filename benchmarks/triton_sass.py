@@ -1,0 +1,92 @@
+"""Reading a Pallas (Triton) kernel's machine code without a GPU: the shared half of the `*_sass.py` tools.
+
+Lowers a jitted function's last Pallas kernel to Triton IR on the CPU (as for an H100-class GPU), compiles that IR
+for sm_90 with a pip `triton` in a separate environment (`python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install
+triton`; not a project dependency), and disassembles it with the `cuobjdump`/`nvdisasm` Triton ships. XLA's bundled
+Triton is a different build, so what this shows is a guide, not the measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import jax
+
+# Run by the pip Triton's Python: compiles <src>.ttir, writes <src>.cubin/.ttgir/.ptx, prints Triton's nvidia bin dir.
+COMPILE = r"""
+import sys, os, triton
+from triton.backends.compiler import GPUTarget
+src, nw, ns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, num_stages=ns))
+base = src[:-5]
+open(base + ".cubin", "wb").write(k.asm["cubin"])
+open(base + ".ttgir", "w").write(k.asm["ttgir"])
+open(base + ".ptx", "w").write(k.asm["ptx"])
+print(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"))
+"""
+
+
+def lower_to_ttir(fn, *args) -> str:
+  """Triton IR (text) of the last Pallas kernel in jitted `fn(*args)`, lowered on the CPU for an H100-class GPU."""
+  from jax._src.pallas.triton import gpu_info, pallas_call_registration as pcr  # pylint: disable=g-import-not-at-top
+  captured = []
+  orig = pcr.lowering.lower_jaxpr_to_triton_module
+
+  def capture(*a, **k):
+    res = orig(*a, **k)
+    captured.append(res.module.operation.get_asm(enable_debug_info=False))
+    return res
+
+  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  pcr.lowering.lower_jaxpr_to_triton_module, saved_info = capture, pcr.gpu_info_lib.get_gpu_info
+  pcr.gpu_info_lib.get_gpu_info = lambda: h100
+  try:
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  finally:
+    pcr.lowering.lower_jaxpr_to_triton_module, pcr.gpu_info_lib.get_gpu_info = orig, saved_info
+  return captured[-1]
+
+
+def compile_sass(ttir: str, path: str, num_warps: int, num_stages: int, triton_python: str) -> tuple[str, str, str]:
+  """Writes `ttir` to `path` (…/name.ttir), compiles it beside it; returns (registers, stack bytes, SASS text).
+
+  Raises:
+    RuntimeError: the pip Triton failed to compile (message: its last stderr line).
+  """
+  with open(path, "w") as f:
+    f.write(ttir)
+  r = subprocess.run([triton_python, "-c", COMPILE, path, str(num_warps), str(num_stages)], capture_output=True,
+                     text=True)
+  if r.returncode:
+    raise RuntimeError(r.stderr.strip().splitlines()[-1][:200])
+  bindir = r.stdout.strip().splitlines()[-1]
+  cubin = path[:-5] + ".cubin"
+  res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True)
+  regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", res.stdout).groups()
+  sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+  with open(path[:-5] + ".sass", "w") as f:
+    f.write(sass)
+  return regs, stack, sass
+
+
+def loops(sass: str) -> tuple[list[str], list[tuple[int, int, int]]]:
+  """(instructions, loops): every backward branch as (length, first index, branch index) into the instructions."""
+  labels, ins = {}, []
+  for ln in sass.splitlines():
+    m = re.match(r"^\s*(\.L_x_\d+):", ln)
+    if m:
+      labels[m.group(1)] = len(ins)
+      continue
+    m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)
+    if m:
+      ins.append(m.group(1))
+  found = [(i - labels[m.group(1)] + 1, labels[m.group(1)], i) for i, t in enumerate(ins)
+           for m in [re.search(r"BRA\s.*?(\.L_x_\d+)", t)] if m and labels.get(m.group(1), 1 << 30) <= i]
+  return ins, found
+
+
+def count(body: list[str], kinds: dict[str, str]) -> dict[str, int]:
+  """Instructions of `body` matching each kind's regex."""
+  return {k: sum(1 for x in body if re.search(p, x)) for k, p in kinds.items()}
