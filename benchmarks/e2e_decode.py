@@ -64,6 +64,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import configs  # noqa: E402
+from benchmarks.timing import median_ms  # noqa: E402
 from moe_jax import decode  # noqa: E402
 from moe_jax.config import analytical_report, param_counts  # noqa: E402
 from moe_jax.kv_cache import KVCache, get_kv_cache_mode, register_kv_cache_mode  # noqa: E402
@@ -105,22 +106,12 @@ def parse_cases(specs: list[str]) -> set[tuple[str, int, int]]:
   return out
 
 
-def _median_ms(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times) * 1e3)
-
-
 def copy_bandwidth(nbytes: int) -> dict:
   """Bytes/s of elementwise copies (read + write) over `nbytes` of input."""
   out = {}
   for name, dtype, fn in (("bf16 x*2", jnp.bfloat16, lambda a: a * 2), ("f32 x+1", jnp.float32, lambda a: a + 1)):
     x, f = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype), jax.jit(fn)
-    ms = _median_ms(lambda: f(x), 10)  # noqa: B023
+    ms = median_ms(lambda: f(x), 10)  # noqa: B023
     out[name] = 2 * x.nbytes / (ms / 1e3)
     del x
   return out
@@ -219,7 +210,7 @@ def time_case(model, config, kv: str, context: int, c: int) -> dict:
       compile_s = time.perf_counter() - t0
   ok = bool(np.asarray(finite).all())
   del cache
-  head_ms = _median_ms(lambda: head_only(flat, tokens), 5)
+  head_ms = median_ms(lambda: head_only(flat, tokens), 5)
   return dict(step_ms=float(np.median(times[FLAGS.warmup:]) * 1e3), step_ms_mean=float(np.mean(
       times[FLAGS.warmup:]) * 1e3), head_ms=head_ms, first_step_s=compile_s, cache_bytes=cache_bytes,
               finite=ok)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import numpy as np
 from absl import app, flags
 
 import configs
+from benchmarks.timing import median_ms
 from moe_jax import decode
 from moe_jax.config import param_counts
 from moe_jax.generate import _last_logits, decode_loop
@@ -30,16 +30,6 @@ flags.DEFINE_integer("repeats", 5, "Timed repeats (median).")
 flags.DEFINE_string("kv_cache", "bf16", "Cache mode.")
 flags.DEFINE_string("out", "benchmarks/results", "Output folder.")
 FLAGS = flags.FLAGS
-
-
-def median_ms(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # warm-up / compile
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times) * 1e3)
 
 
 def copy_bandwidth() -> float:
