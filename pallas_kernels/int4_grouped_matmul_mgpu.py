@@ -1,0 +1,226 @@
+"""Grouped (ragged) matmul reading int4 weights, in Mosaic GPU (Hopper: TMA pipeline + wgmma from registers).
+
+Same contract as `jax.lax.ragged_dot` and `int4_grouped_matmul`: out[m] = lhs[m] @ W[e(m)] for the rows m of
+expert e (rows sorted by expert), with the int4 weight of the quantizer
+
+  W[e, k, n] = (q[e, k, n] - z[e, k // G, n]) · s[e, k // G, n],   q, z in [0, 15], G = 128.
+
+Layout (`to_mgpu_layout`, converted once from the quantizer's `Int4Weights`; same 4 bits per weight):
+  `q` int4 [E, N, Kp]: c = q - 8 (the signed nibble q ^ 8), K contiguous per column.
+  `scale` bf16 [E, Kg, N]: s.   `zero` bf16 [E, Kg, N]: z - 8, so that W = (c - (z - 8)) · s.
+
+The kernel computes the transposed tile out^T[N_tile, R] = W^T x^T per (row tile, N tile): the dequantized weight
+tile [N_tile, 128] is the wgmma A operand taken from registers (int4 loaded from shared memory, converted to bf16
+with the prmt/lop3 trick of Mosaic GPU's int4 -> bf16 cast, minus the zero point and times the scale in bf16:
+(c - z') is exact in bf16 and one rounding of its product with s gives the same bf16 weight as the XLA
+reference), and x^T is the B operand read from shared memory ([R, K_tile] K-major, R = 8 or 16 rows of lhs).
+TMA streams [N_tile, K_tile] int4 weight tiles and the x tile through a `max_concurrent_steps`-deep ring
+(`plgpu.emit_pipeline`); each step issues its wgmmas and waits only for the previous step's (one group in flight),
+so the decode of step k overlaps the tensor-core work of step k - 1.
+
+Rows: a row tile is R consecutive rows of one expert (XLA builds the table of tiles before the kernel: expert,
+first row, row count; an expert with more than R rows gets several tiles, an empty expert none). The tile loads R
+rows of lhs starting at min(first row, M - R) (so TMA never reads past lhs; rows of other experts are computed and
+dropped) and stores only its own rows of out [M, N] with a ladder of power-of-two TMA stores. A virtual expert E
+covers the rows past sum(group_sizes) and stores zeros.
+
+CPU interpret mode (`interpret=True`, Mosaic GPU's interpreter) simulates TMA, barriers and wgmma, but its wgmma
+takes the A operand from shared memory only: there the decoded tile goes through a shared-memory buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import int4_grouped_matmul as i4
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
+_G = 128  # K group of the scale and zero point: one wgmma K extent of the decoded tile
+
+
+class MgpuInt4Weights(NamedTuple):
+  """One int4 expert weight [E, K, N] in the Mosaic GPU kernel's layout (see the module docstring)."""
+  q: jax.Array  # int4 [E, N, Kp]: q - 8
+  scale: jax.Array  # bf16 [E, Kg, N]
+  zero: jax.Array  # bf16 [E, Kg, N]: z - 8
+
+
+def to_mgpu_layout(ws: i4.Int4Weights, *, group_size: int = _G) -> MgpuInt4Weights:
+  """Dense int4 weights of the quantizer (either layout of `int4_grouped_matmul`) -> the Mosaic GPU layout."""
+  if ws.meta is not None or ws.in_scale is not None:
+    raise ValueError("the Mosaic GPU int4 kernel takes dense weights without activation scales")
+  if group_size != _G:
+    raise ValueError(f"group_size={group_size} must be {_G} for the Mosaic GPU int4 kernel")
+  codes = i4._codes_kn(ws, group_size)  # int32 [E, Kg, G, N]  # pylint: disable=protected-access
+  e, ng, _, n = codes.shape
+  c = jnp.moveaxis(codes.reshape(e, ng * group_size, n), 2, 1) - 8  # [E, N, Kp] in [-8, 7]
+  return MgpuInt4Weights(c.astype(jnp.int4), ws.scale.astype(jnp.bfloat16),
+                         (ws.zero.astype(jnp.float32) - 8.0).astype(jnp.bfloat16))
+
+
+def row_tiles(group_sizes: jax.Array, m: int, block_r: int, m_loaded: int | None = None) -> jax.Array:
+  """The ragged row tiles: int32 [T, 4] rows (expert, first row, row count, first loaded row), T static.
+
+  Expert e's rows are cut into tiles of `block_r`; the virtual expert E holds the rows past sum(group_sizes)
+  (its tiles store zeros). Unused tiles have row count 0. Each tile loads a window of R + 8 rows that starts at a
+  multiple of 8 (TMA into the 8-row-tiled shared memory of wgmma needs it) at or before its first row, clipped to
+  M' - R - 8 (M' = m_loaded, the rows of the padded lhs; default M).
+  """
+  e = group_sizes.shape[0]
+  sizes = jnp.concatenate([group_sizes.astype(jnp.int32), jnp.maximum(m - group_sizes.sum(), 0)[None]])  # [E + 1]
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)[:-1]])
+  n_tiles = -(-sizes // block_r)  # [E + 1]
+  tile_end = jnp.cumsum(n_tiles)
+  t_max = -(-m // block_r) + e + 1
+  t = jnp.arange(t_max, dtype=jnp.int32)
+  expert = jnp.minimum(jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32), e)
+  local = t - (tile_end[expert] - n_tiles[expert])
+  first = starts[expert] + local * block_r
+  count = jnp.clip(starts[expert] + sizes[expert] - first, 0, block_r)
+  count = jnp.where(t < tile_end[-1], count, 0)
+  loaded = jnp.clip(first // 8 * 8, 0, (m_loaded or m) - block_r - 8)
+  return jnp.stack([expert, first, count, loaded], axis=1)
+
+
+def _swizzled(dtype, minor: int = _G):
+  """Tiling + swizzle of a shared-memory tile read in column slices of `minor` elements (wgmma's K extent)."""
+  bits = 4 if dtype == jnp.int4 else jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(minor * bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_smem, a_smem, bar, *, block_n: int,
+            block_k: int, block_r: int, n_experts: int, n_groups: int, steps: int, a_from_smem: bool):
+  # tiles_ref: int32 [T, 4] (row_tiles); lhs_ref: bf16 [M, Kp]; q_ref: int4 [E, N, Kp]; scale_ref, zero_ref:
+  # bf16 [E, Kg, N]; out_ref: float32 [M, N]. sz_smem: bf16 [2, Kg, bn] (scale, zero' of this N tile);
+  # o_smem: float32 [R, bn]; a_smem: bf16 [bn, G] (interpret mode's route of the decoded tile); bar: 2 barriers.
+  t, j = jax.lax.axis_index("t"), jax.lax.axis_index("n")
+  expert, first, count, loaded = (tiles_ref[t, i] for i in range(4))
+  loaded = pl.multiple_of(loaded, 8)
+  window = block_r + 8
+  nt = pl.ds(j * block_n, block_n)
+
+  @pl.when(count > 0)
+  def _tile():
+    def acc_scope(acc_ref):  # acc_ref: float32 [bn, R], out^T
+      @pl.when(expert < n_experts)
+      def _stream():
+        plgpu.copy_gmem_to_smem(scale_ref.at[expert, :, nt], sz_smem.at[0], bar.at[0])
+        plgpu.copy_gmem_to_smem(zero_ref.at[expert, :, nt], sz_smem.at[1], bar.at[1])
+        plgpu.barrier_wait(bar.at[0])
+        plgpu.barrier_wait(bar.at[1])
+
+        def step(idx, q_smem, x_smem):  # q_smem: int4 [bn, block_k]; x_smem: bf16 [R, block_k]
+          (kk,) = idx
+          for c in range(block_k // _G):
+            g = kk * (block_k // _G) + c
+            ks = pl.ds(c * _G, _G)
+            w = plgpu.load(q_smem.at[:, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [bn, G]
+            w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+            s = plgpu.load(sz_smem.at[0, g], layout=_ROW)  # bf16 [bn]
+            z = plgpu.load(sz_smem.at[1, g], layout=_ROW)
+            bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (block_n, _G), (0,)), plgpu.Layout.WGMMA)
+            w = (w - bcast(z)) * bcast(s)  # bf16 [bn, G]: the dequantized W^T tile
+            if a_from_smem:
+              a_smem[...] = w
+              plgpu.commit_smem()
+              plgpu.wgmma(acc_ref, a_smem, x_smem.at[:, ks].T)
+              plgpu.wgmma_wait(0)
+            else:
+              plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
+          if not a_from_smem:
+            plgpu.wgmma_wait(1)  # this step's wgmmas stay in flight while the next step decodes
+
+        plgpu.emit_pipeline(
+            step, grid=(n_groups * _G // block_k,), max_concurrent_steps=steps,
+            in_specs=[plgpu.BlockSpec((block_n, block_k), lambda k: (j, k), transforms=_swizzled(jnp.int4), delay_release=1),
+                      plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=_swizzled(jnp.bfloat16), delay_release=1)],
+        )(q_ref.at[expert], lhs_ref.at[pl.ds(loaded, window)])
+        plgpu.wgmma_wait(0)
+      return acc_ref[...]
+
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((block_n, window)))  # float32 [bn, R + 8]
+    o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)  # o_smem [R + 8, bn]: out rows
+    plgpu.commit_smem()
+    # TMA boxes are static: store `count` rows starting at row first - loaded of o_smem as a ladder of
+    # power-of-two row counts (the bits of count).
+    start = first - loaded
+    size = 1 << int(math.log2(block_r))
+    done = jnp.int32(0)
+    while size:
+      @pl.when((count & size) != 0)
+      def _store(size=size, done=done):
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size), nt])
+      done = done + (count & size)
+      size //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+_STATIC = ("block_n", "block_k", "block_r", "max_concurrent_steps", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
+                             block_n: int = 128, block_k: int = 256, block_r: int | None = None,
+                             max_concurrent_steps: int = 4, interpret: bool = False) -> jax.Array:
+  """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
+
+  Args:
+    lhs: bf16 [M, Kp], Kp = the weights' padded K.
+    weights: `to_mgpu_layout` of the quantized weight.
+    group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
+    block_n: output columns per program (a multiple of 64 dividing N).
+    block_k: K per pipeline step (a multiple of 128 dividing Kp).
+    block_r: rows per tile (8 or 16; default from the average rows per expert).
+    max_concurrent_steps: depth of the TMA ring.
+    interpret: run in Mosaic GPU's CPU interpreter.
+  """
+  m, kp = lhs.shape
+  e, n, kq = weights.q.shape
+  if lhs.dtype != jnp.bfloat16:
+    raise TypeError(f"lhs must be bfloat16, got {lhs.dtype}")
+  if kq != kp:
+    raise ValueError(f"lhs has K={kp} but the int4 weights hold Kp={kq}; pad lhs with zeros to Kp")
+  if block_n % 64 or n % block_n or block_k % _G or kp % block_k:
+    raise ValueError(f"block_n={block_n} must be a multiple of 64 dividing N={n} and block_k={block_k} a multiple "
+                     f"of {_G} dividing Kp={kp}")
+  block_r = block_r or (8 if m <= 8 * e else 16)
+  if block_r not in (8, 16):
+    raise ValueError(f"block_r={block_r} must be 8 or 16")
+  pad = max(block_r + 8 - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
+  lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
+  tiles = row_tiles(group_sizes, m, block_r, m + pad)
+  n_groups = kp // _G
+  body = functools.partial(_kernel, block_n=block_n, block_k=block_k, block_r=block_r, n_experts=e,
+                           n_groups=n_groups, steps=max_concurrent_steps, a_from_smem=interpret)
+  scratch = dict(
+      sz_smem=plgpu.SMEM((2, n_groups, block_n), jnp.bfloat16),
+      o_smem=plgpu.SMEM((block_r + 8, block_n), jnp.float32),
+      a_smem=(plgpu.SMEM((block_n, _G), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16))
+              if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)),  # unused on the GPU
+      bar=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((m + pad, n), jnp.float32), grid=(tiles.shape[0], n // block_n),
+      grid_names=("t", "n"), scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}))
+  out = kernel(tiles, lhs_p, weights.q, weights.scale, weights.zero)
+  return out[:m] if pad else out
+
+
+def int4_grouped_matmul_mgpu_reference(lhs: jax.Array, weights: MgpuInt4Weights,
+                                       group_sizes: jax.Array) -> jax.Array:
+  """XLA reference: dequantize to bf16, then `jax.lax.ragged_dot` with float32 accumulation -> float32 [M, N]."""
+  e, n, kp = weights.q.shape
+  c = weights.q.astype(jnp.float32).reshape(e, n, kp // _G, _G)
+  w = (c - jnp.moveaxis(weights.zero.astype(jnp.float32), 1, 2)[..., None]) * jnp.moveaxis(
+      weights.scale.astype(jnp.float32), 1, 2)[..., None]  # [E, N, Kg, G]
+  w = jnp.moveaxis(w.reshape(e, n, kp), 1, 2).astype(lhs.dtype)  # [E, Kp, N]
+  return jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)
