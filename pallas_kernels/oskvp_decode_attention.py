@@ -423,13 +423,15 @@ def check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp):
     raise ValueError(f"bad shapes: {res_k.shape=}, {n_comp.shape=}")
 
 
-@functools.partial(jax.jit, static_argnames=["interpret", "config", "poison"])
+@functools.partial(jax.jit, static_argnames=["interpret", "config", "poison", "symmetric_codebooks"])
 def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
-                  n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False):
+                  n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False,
+                  symmetric_codebooks: bool = False):
   if config.form == "bitplane":
     from pallas_kernels.oskvp_decode_attention_bitplane import oskvp_bitplane_pallas  # pylint: disable=g-import-not-at-top
     return oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k,
-                                 res_v, n_comp, n_res, interpret=interpret, config=config, poison=poison)
+                                 res_v, n_comp, n_res, interpret=interpret, config=config, poison=poison,
+                                 symmetric_codebooks=symmetric_codebooks)
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
   g, o_dim, r = n // kh, outl_k.shape[-1], res_k.shape[2]
@@ -494,7 +496,7 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
 
 def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
                            n_comp, n_res, *, implementation: str = "pallas", interpret: bool = False,
-                           config: DecodeBlockConfig | None = None) -> jax.Array:
+                           config: DecodeBlockConfig | None = None, symmetric_codebooks: bool = False) -> jax.Array:
   """Decode attention (one query token per sequence) over the OS-KVP cache.
 
   Args:
@@ -508,6 +510,8 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     implementation: "pallas" (the fused kernel; on CPU pass interpret=True) or "xla" (the jnp reference).
     interpret: run the Pallas kernel in interpret mode (CPU).
     config: form and tiling; None uses `default_config(H)` (the bit-plane form for H >= 128).
+    symmetric_codebooks: every codebook row satisfies cb0 + cb3 = cb1 + cb2 (`OSKVPMode(symmetric=True)`); the
+      bit-plane form then skips the b0 & b1 plane (a third less work). Results are wrong if the rows are not.
 
   Returns:
     [B, N, H] in q's dtype.
@@ -518,7 +522,8 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   if implementation != "pallas":
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
   check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp)
-  return _oskvp_pallas(*args, interpret=interpret, config=config or default_config(q.shape[-1]))
+  return _oskvp_pallas(*args, interpret=interpret, config=config or default_config(q.shape[-1]),
+                       symmetric_codebooks=symmetric_codebooks)
 
 
 def attention_bytes(batch: int, kv_heads: int, context: int, head_dim: int, outliers: int = 8,

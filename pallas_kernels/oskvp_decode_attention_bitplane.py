@@ -45,7 +45,7 @@ from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, DecodeBloc
                                                    drop_aliased_inputs, fp8_rows, run_blocks, split_range,
                                                    window_attention)
 
-PLANE_TYPES = 3  # b0, b1, b0 & b1
+PLANE_TYPES = 3  # b0, b1, b0 & b1; symmetric codebooks (d3 = 0) need the first two only
 
 
 def codebook_deltas(cb: jax.Array) -> jax.Array:
@@ -71,15 +71,15 @@ def _plane_asm(plane: int, kind: int) -> str:
   return f"{{ .reg .b32 t, u; {shift_lo}shr.b32 u, $1, {hi}; lop3.b32 $0, t, u, 0x01010101, 0x80; }}"
 
 
-def planes(x: jax.Array, plane: int, extract: str) -> list[jax.Array]:
-  """x uint8 [bs, Q] packed code bytes -> [b0, b1, b0 & b1] of `plane`, int8 [bs, Q] each, values 0/1."""
+def planes(x: jax.Array, plane: int, extract: str, types: int = PLANE_TYPES) -> list[jax.Array]:
+  """x uint8 [bs, Q] packed code bytes -> the first `types` of [b0, b1, b0 & b1] of `plane`, int8 [bs, Q], 0/1."""
   if extract == "asm":  # four codes per 32-bit instruction (GPU only: inline PTX has no interpreter)
     out = [jax.ShapeDtypeStruct(x.shape, jnp.int8)]
     return [plgpu.elementwise_inline_asm(_plane_asm(plane, kind), args=[x], constraints="=r,r", pack=4,
-                                         result_shape_dtypes=out)[0] for kind in range(PLANE_TYPES)]
+                                         result_shape_dtypes=out)[0] for kind in range(types)]
   b0 = (x >> 2 * plane) & 1
   b1 = (x >> (2 * plane + 1)) & 1
-  return [b.astype(jnp.int8) for b in (b0, b1, b0 & b1)]
+  return [b.astype(jnp.int8) for b in (b0, b1, b0 & b1)[:types]]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,15 +88,15 @@ def planes(x: jax.Array, plane: int, extract: str) -> list[jax.Array]:
 
 def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref,
                      nc_ref, nr_ref, acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int,
-                     o_dim: int, groups: int, extract: str, two_digits: bool, prefetch: bool):
+                     o_dim: int, groups: int, extract: str, two_digits: bool, prefetch: bool, types: int):
   # One program serves HP kv heads of one batch row: its GP rows are (kv head h, query g) = h * G + g, and each
   # head's query sits block-diagonally (zero in the other heads' rows), so the per-row work (softmax, scaling,
   # accumulator updates) is shared by HP heads instead of padding G rows to 16.
-  # qhi_ref, qlo_ref [3 types, 4 planes, HP, GP, Q] int8: the two digits of q' * d_type; qs_ref [GP] f32 their
+  # qhi_ref, qlo_ref [T types (3, or 2 for symmetric codebooks), 4 planes, HP, GP, Q] int8: the two digits of q' * d_type; qs_ref [GP] f32 their
   # scale, one per row (q' * d ~= qs * (256 qhi + qlo); with one digit qlo is unused and q' * d ~= qs * qhi); qc_ref [GP] f32 = sum_j q'_j c0_j; qp_ref [4, HP, GP, Q]
   # bf16 the query planes (residual window); qo_ref [HP, GP, OP] bf16 outlier query x scale_k;
   # ck_ref, cv_ref [HP, S, Q] uint8; ok_ref, ov_ref [HP, S, O] fp8; rk_ref, rv_ref [HP, R, H] bf16; nc_ref, nr_ref [].
-  # acc_ref [4 slots, 4 planes, GP, Q] f32; acco_ref [GP, OP] f32; m_ref, l_ref [GP] f32.
+  # acc_ref [1 + T slots, 4 planes, GP, Q] f32; acco_ref [GP, OP] f32; m_ref, l_ref [GP] f32.
   hp, gp, q_dim = qp_ref.shape[1], qp_ref.shape[2], qp_ref.shape[3]
   split = pl.program_id(2)  # read here: interpret mode cannot see program_id inside `pl.when`.
   m0 = jnp.full((gp,), NEG_INF, jnp.float32)
@@ -109,7 +109,7 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
     return x if hp == 1 else jnp.where((row_head == h)[:, None], x, jnp.zeros_like(x))
 
   def write(acc, acco, m, l):
-    for s in range(4):
+    for s in range(1 + types):
       for p in range(4):
         acc_ref[s, p] = acc[s][p]
     acco_ref[...] = acco
@@ -143,8 +143,8 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
       for h in range(hp):
         scores += plgpu.dot(qo_ref[h], oks[h].astype(jnp.bfloat16), trans_b=True)  # [GP, bs]
         for p in range(4):
-          kplanes = planes(cks[h], p, extract)
-          for t in range(PLANE_TYPES):
+          kplanes = planes(cks[h], p, extract, types)
+          for t in range(types):
             hi += plgpu.dot(qhi_ref[t, p, h], kplanes[t], trans_b=True)  # [GP, bs] int32
             if two_digits:
               lo += plgpu.dot(qlo_ref[t, p, h], kplanes[t], trans_b=True)
@@ -166,26 +166,26 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
       phs = [head_rows(p_hi, h) for h in range(hp)]
       pls = [head_rows(p_lo, h) for h in range(hp)]
       acco = acco * alpha[:, None] + ov_sum * p_blk[:, None]
-      new = [acc[0]] + [[None] * 4 for _ in range(PLANE_TYPES)]
+      new = [acc[0]] + [[None] * 4 for _ in range(types)]
       for p in range(4):
-        v_hi, v_lo = [0] * PLANE_TYPES, [0] * PLANE_TYPES  # int32 [GP, Q] chains over heads, per digit
+        v_hi, v_lo = [0] * types, [0] * types  # int32 [GP, Q] chains over heads, per digit
         for h in range(hp):
-          vplanes = planes(cvs[h], p, extract)
-          for t in range(PLANE_TYPES):
+          vplanes = planes(cvs[h], p, extract, types)
+          for t in range(types):
             v_hi[t] += plgpu.dot(phs[h], vplanes[t])
             v_lo[t] += plgpu.dot(pls[h], vplanes[t])
-        for t in range(PLANE_TYPES):
+        for t in range(types):
           new[1 + t][p] = acc[1 + t][p] * alpha[:, None] + (v_hi[t] * 256 + v_lo[t]).astype(jnp.float32) * w[:, None]
       return new, acco, m_new, l
 
-    state0 = ([[zeros] * 4 for _ in range(4)], jnp.zeros(acco_ref.shape, jnp.float32), m0, l0)
+    state0 = ([[zeros] * 4 for _ in range(1 + types)], jnp.zeros(acco_ref.shape, jnp.float32), m0, l0)
     write(*run_blocks(nblocks, load_block, compute, state0, prefetch))
 
   @pl.when(split == num_splits)
   def _residual():
     qp = [[qp_ref[p, h] for p in range(4)] for h in range(hp)]  # [GP, Q] bf16, block-diagonal over heads
     acc, m, l = window_attention(nr_ref[()], block_r, qp, rk_ref, rv_ref, [zeros] * 4, m0, l0, head_rows)
-    write([acc] + [[zeros] * 4 for _ in range(PLANE_TYPES)], jnp.zeros(acco_ref.shape, jnp.float32), m, l)
+    write([acc] + [[zeros] * 4 for _ in range(types)], jnp.zeros(acco_ref.shape, jnp.float32), m, l)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,11 +218,11 @@ def group_rows(x: jax.Array, hp: int, rows: int) -> jax.Array:
 
 
 def prepare_bitplane_query(q, u_k, cb_k, scale_k, kv_heads: int, hp: int, rows: int, o_cols: int,
-                           digits: int = 2):
+                           digits: int = 2, types: int = PLANE_TYPES):
   """q [B, N, H] -> the kernel's query inputs (see `_bitplane_kernel`), KG = K / hp programs per batch row.
 
   Returns:
-    qhi, qlo int8 [B, KG, 3, 4, hp, rows, Q]; qs f32 [B, KG, rows] with q' * d ~= qs * (256 qhi + qlo) (two
+    qhi, qlo int8 [B, KG, T, 4, hp, rows, Q] (T = types); qs f32 [B, KG, rows] with q' * d ~= qs * (256 qhi + qlo) (two
     digits) or qs * qhi (one digit; qlo is then zero);
     qc f32 [B, KG, rows]; q_planes bf16 [B, KG, 4, hp, rows, Q]; q_outl bf16 [B, KG, hp, rows, o_cols].
   """
@@ -232,7 +232,7 @@ def prepare_bitplane_query(q, u_k, cb_k, scale_k, kv_heads: int, hp: int, rows: 
   qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kv_heads, g, h), u_k, precision=hi) * h**-0.5
   deltas = codebook_deltas(cb_k)  # [B, K, 4, H]
   qc = jnp.einsum("BKGH,BKH->BKG", qr, deltas[:, :, 0], precision=hi)
-  qd = qr[:, :, None] * deltas[:, :, 1:, None, :]  # [B, K, 3, G, H]
+  qd = qr[:, :, None] * deltas[:, :, 1:1 + types, None, :]  # [B, K, T, G, H]
   # One scale per row for all three types, so the kernel sums every key dot in int32 and converts once.
   qs = jnp.maximum(jnp.abs(qd).max(axis=(2, 4)), 1e-30) / 127.0  # [B, K, G]
   x = qd / qs[:, :, None, :, None]  # in [-127, 127]
@@ -265,33 +265,38 @@ def merge_bitplane_partials(acc, acco, m, l, cb_v, scale_v, u_v, groups: int, dt
   """Log-sum-exp merge over splits, value codebooks applied, rotation back.
 
   Args:
-    acc [B, K, NS+1, 4, 4, GP, Q] (slot, plane), acco [B, K, NS+1, GP, >= O], m, l [B, K, NS+1, GP] (f32), the
+    acc [B, K, NS+1, 1 + T, 4, GP, Q] (slot, plane), acco [B, K, NS+1, GP, >= O], m, l [B, K, NS+1, GP] (f32), the
       last split being the residual window's; cb_v [B, K, H, 4]; scale_v [B, K, O]; u_v [B, K, H, H].
 
   Returns:
     [B, N, H] in dtype.
   """
-  b, kh, ns1, _, _, _, qd = acc.shape
+  b, kh, ns1, n_slots, _, _, qd = acc.shape
   h, o_dim = 4 * qd, scale_v.shape[-1]
   hi = lax.Precision.HIGHEST
   acc, acco, m, l = acc[..., :groups, :], acco[..., :groups, :o_dim], m[..., :groups], l[..., :groups]
   w = jnp.exp(m - m.max(axis=2, keepdims=True))  # [B, K, NS+1, G]
   denom = (w * l).sum(axis=2)  # [B, K, G]
-  slots = jnp.einsum("BKSG,BKSTPGQ->BKTGPQ", w, acc, precision=hi).reshape(b, kh, 4, groups, h)
+  slots = jnp.einsum("BKSG,BKSTPGQ->BKTGPQ", w, acc, precision=hi).reshape(b, kh, n_slots, groups, h)
   deltas = codebook_deltas(cb_v)  # [B, K, 4, H]: c0, d1, d2, d3
   l_comp = (w[:, :, :ns1 - 1] * l[:, :, :ns1 - 1]).sum(axis=2)  # [B, K, G] probability mass of the store
   o_rot = slots[:, :, 0] + l_comp[..., None] * deltas[:, :, None, 0]
-  o_rot += jnp.einsum("BKTGH,BKTH->BKGH", slots[:, :, 1:], deltas[:, :, 1:], precision=hi)
+  o_rot += jnp.einsum("BKTGH,BKTH->BKGH", slots[:, :, 1:], deltas[:, :, 1:n_slots], precision=hi)
   o_out = jnp.einsum("BKSG,BKSGO->BKGO", w, acco, precision=hi) * scale_v[:, :, None, :]
   o_rot = o_rot.at[..., :o_dim].add(o_out) / denom[..., None]
   o = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=hi)
   return o.reshape(b, kh * groups, h).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=["interpret", "config", "poison"])
+@functools.partial(jax.jit, static_argnames=["interpret", "config", "poison", "symmetric_codebooks"])
 def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
-                          n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False):
-  """The bit-plane kernel (arguments as `oskvp_decode_attention`; partials poisoned with NaN if `poison`)."""
+                          n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False,
+                          symmetric_codebooks: bool = False):
+  """The bit-plane kernel (arguments as `oskvp_decode_attention`; partials poisoned with NaN if `poison`).
+
+  symmetric_codebooks: every 4-level row has cb0 + cb3 = cb1 + cb2 (d3 = 0, `oskvp.fit(symmetric=True)`), so the
+  b0 & b1 plane is skipped on both sides: a third fewer dots and accumulators. Wrong results if the rows are not.
+  """
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
   g, o_dim, r = n // kh, outl_k.shape[-1], res_k.shape[2]
@@ -305,11 +310,12 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   block_r = min(config.block_s, max(16, pl.next_power_of_2(r)))
   rows = max(pl.next_power_of_2(hp * g), MMA_ROWS)
   o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS)
+  types = PLANE_TYPES - 1 if symmetric_codebooks else PLANE_TYPES
   qhi, qlo, qs, qc, q_planes, q_outl = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, hp, rows, o_cols,
-                                                              config.query_digits)
+                                                              config.query_digits, types)
   kernel = functools.partial(_bitplane_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
                              groups=g, extract=extract, two_digits=config.query_digits == 2,
-                             prefetch=config.prefetch)
+                             prefetch=config.prefetch, types=types)
 
   def per_head(*tail):
     return pl.BlockSpec((None, None, *tail), lambda i, j, t: (i, j) + (0,) * len(tail))
@@ -323,12 +329,12 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   def per_prog(*tail):
     return pl.BlockSpec((None, None, None, *tail), lambda i, j, t: (i, j, t) + (0,) * len(tail))
 
-  out_shape = [jax.ShapeDtypeStruct((b, kg, ns + 1, 4, 4, rows, qd), jnp.float32),
+  out_shape = [jax.ShapeDtypeStruct((b, kg, ns + 1, 1 + types, 4, rows, qd), jnp.float32),
                jax.ShapeDtypeStruct((b, kg, ns + 1, rows, o_cols), jnp.float32),
                jax.ShapeDtypeStruct((b, kg, ns + 1, rows), jnp.float32),
                jax.ShapeDtypeStruct((b, kg, ns + 1, rows), jnp.float32)]
-  out_specs = [per_prog(4, 4, rows, qd), per_prog(rows, o_cols), per_prog(rows), per_prog(rows)]
-  in_specs = [per_head(PLANE_TYPES, 4, hp, rows, qd), per_head(PLANE_TYPES, 4, hp, rows, qd), per_head(rows),
+  out_specs = [per_prog(1 + types, 4, rows, qd), per_prog(rows, o_cols), per_prog(rows), per_prog(rows)]
+  in_specs = [per_head(types, 4, hp, rows, qd), per_head(types, 4, hp, rows, qd), per_head(rows),
               per_head(rows), per_head(4, hp, rows, qd), per_head(hp, rows, o_cols), per_group(s, qd),
               per_group(s, o_dim), per_group(s, qd), per_group(s, o_dim), per_group(r, h), per_group(r, h),
               per_row(), per_row()]

@@ -2,7 +2,8 @@
 
 Builds every argument of `oskvp_decode_attention` from a key: random orthogonal rotations (QR), uniform random
 2-bit codes, sorted random codebooks (zero rows for the outlier channels), fp8 outliers with positive scales,
-and a bf16 residual window.
+and a bf16 residual window. `symmetric=True` draws codebook rows symmetric about a random centre, c -+ (a, b), as
+`oskvp.fit(symmetric=True)` makes them (cb0 + cb3 = cb1 + cb2).
 """
 
 from __future__ import annotations
@@ -15,18 +16,28 @@ import numpy as np
 
 
 def random_oskvp_inputs(key, *, batch: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
-                        window: int = 128, outliers: int = 8, n_comp=None, n_res=None, q_dtype=jnp.bfloat16):
+                        window: int = 128, outliers: int = 8, n_comp=None, n_res=None, q_dtype=jnp.bfloat16,
+                        symmetric: bool = False):
   """Returns the 15 positional arguments of `oskvp_decode_attention` as a tuple.
 
   n_comp / n_res: int or sequence of length `batch` (default: full store, full window).
   """
   lens = lambda v, full: jnp.asarray(np.broadcast_to(np.asarray(full if v is None else v, np.int32), (batch,)))
   return _random_cache(key, batch, heads, kv_heads, head_dim, capacity, window, outliers,
-                       jnp.dtype(q_dtype)) + (lens(n_comp, capacity), lens(n_res, window))
+                       jnp.dtype(q_dtype), symmetric) + (lens(n_comp, capacity), lens(n_res, window))
 
 
-@functools.partial(jax.jit, static_argnums=range(1, 9))
-def _random_cache(key, b, heads, k, h, s, r, o, q_dtype):
+def symmetrize(cb):
+  """Sorted rows [..., 4] -> rows symmetric about their mean, c -+ (a, b) with the rows' mean half-gaps (a, b)."""
+  c = cb.mean(axis=-1, keepdims=True)
+  a = 0.5 * (cb[..., 3:] - cb[..., :1])
+  b = 0.5 * (cb[..., 2:3] - cb[..., 1:2])
+  return c + np.concatenate([-a, -b, b, a], axis=-1) if isinstance(cb, np.ndarray) else \
+      c + jnp.concatenate([-a, -b, b, a], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnums=range(1, 10))
+def _random_cache(key, b, heads, k, h, s, r, o, q_dtype, symmetric):
   """One compiled program (eager op-by-op generation costs seconds of compiles on CPU)."""
   ks = jax.random.split(key, 12)
   q = jax.random.normal(ks[0], (b, heads, h), jnp.float32).astype(q_dtype)
@@ -37,6 +48,7 @@ def _random_cache(key, b, heads, k, h, s, r, o, q_dtype):
 
   def codebook(kk):
     cb = jnp.sort(jax.random.normal(kk, (b, k, h, 4), jnp.float32), axis=-1)
+    cb = symmetrize(cb) if symmetric else cb
     return cb.at[:, :, :o].set(0.0)
 
   def codes(kk):
@@ -56,7 +68,8 @@ def _random_cache(key, b, heads, k, h, s, r, o, q_dtype):
 
 
 def random_oskvp_inputs_host(seed: int, *, batch: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
-                             window: int = 128, outliers: int = 8, n_comp=None, n_res=None, q_dtype=jnp.bfloat16):
+                             window: int = 128, outliers: int = 8, n_comp=None, n_res=None, q_dtype=jnp.bfloat16,
+                             symmetric: bool = False):
   """Same distribution as `random_oskvp_inputs`, drawn with numpy on the host: no XLA compile at all, which is
   what small CPU tests want (compiling the jitted generator costs ~15 s of CPU per shape)."""
   import ml_dtypes  # pylint: disable=g-import-not-at-top
@@ -66,6 +79,7 @@ def random_oskvp_inputs_host(seed: int, *, batch: int, heads: int, kv_heads: int
 
   def codebook():
     cb = np.sort(f32(b, k, h, 4), axis=-1)
+    cb = symmetrize(cb) if symmetric else cb
     cb[:, :, :o] = 0.0
     return cb
 

@@ -177,13 +177,16 @@ def _sign_fix(u: jax.Array) -> jax.Array:
 
 
 def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int = 2,
-        n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None) -> OSKVPParams:
+        n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None, symmetric: bool = False) -> OSKVPParams:
   """Traceable calibration of one head (used per sequence at prefill, through vmap).
 
   Args:
     x: [N, H] samples (any float dtype). w: f32 [N] row weights (1 valid, 0 padding); default all ones.
     n_outlier: O. bits: 2 or 3. n_iters: Lloyd-Max iterations.
     min_samples: fewer usable rows than this (default H) -> permutation U and Gaussian-level codebooks (no Lloyd).
+    symmetric: fit codebooks symmetric about each channel's mean, levels mean -+ (a, b): Lloyd-Max with L/2 levels
+      on |x' - mean|. For 2 bits this makes cb0 + cb3 = cb1 + cb2, so the bit-plane decode kernel needs two plane
+      types instead of three (`symmetric_codebooks`). Costs some fidelity on skewed channels.
 
   Returns:
     OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics.
@@ -215,7 +218,11 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   std_r = jnp.sqrt(jnp.maximum(var_r, 1e-6 * jnp.mean(var_r) + 1e-20))
   g = jnp.asarray(GAUSSIAN_LEVELS[n_levels], jnp.float32)
   init = mean_r[:, None] + std_r[:, None] * g[None, :]  # [H, L]
-  levels, _ = lloyd_max(xr, w, init, n_iters)
+  if symmetric:  # the optimal symmetric quantizer: Lloyd-Max on the folded deviations, mirrored
+    half, _ = lloyd_max(jnp.abs(xr - mean_r), w, init[:, n_levels // 2:] - mean_r[:, None], n_iters)
+    levels = mean_r[:, None] + jnp.concatenate([-half[:, ::-1], half], axis=-1)
+  else:
+    levels, _ = lloyd_max(xr, w, init, n_iters)
   levels = jnp.where(enough, levels, init)
   is_outlier = jnp.arange(h) < n_outlier
   codebook = jnp.where(is_outlier[:, None], 0.0, levels)
@@ -226,11 +233,21 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   return OSKVPParams(u=u, scale=scale, codebook=codebook)
 
 
-_fit_jit = jax.jit(fit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples"))
+_fit_jit = jax.jit(fit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric"))
+
+
+def symmetric_codebooks(codebook: jax.Array, rtol: float = 1e-5) -> bool:
+  """True if every 4-level row [..., H, 4] has cb0 + cb3 = cb1 + cb2 (to rtol of its range): two plane types."""
+  cb = np.asarray(codebook, np.float64)
+  if cb.shape[-1] != 4:
+    return False
+  gap = np.abs(cb[..., 0] + cb[..., 3] - cb[..., 1] - cb[..., 2])
+  return bool(np.all(gap <= rtol * (np.abs(cb).max(axis=-1) + 1e-30)))
 
 
 def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, weights: jax.Array | None = None,
-              n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None) -> OSKVPParams:
+              n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None,
+              symmetric: bool = False) -> OSKVPParams:
   """Fits U, the fp8 scales and the codebooks of one head on x (host-side entry point, validates its input).
 
   Args:
@@ -238,6 +255,7 @@ def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, we
     outlier_fraction: fraction of channels kept in fp8 (rounded by `n_outliers`).
     bits: 2 (4 levels) or 3 (8 levels).
     weights: optional f32 [N], 0 for rows to ignore (padding).
+    symmetric: codebooks symmetric about each channel's mean (see `fit`).
 
   Returns:
     OSKVPParams.
@@ -258,7 +276,7 @@ def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, we
       raise ValueError(f"calibration data has {int(bad.sum())} non-finite values (first at x[{row}, {col}]); "
                        "drop those rows or pass weights=0 for them")
   return _fit_jit(x, weights, n_outlier=n_outliers(x.shape[1], outlier_fraction), bits=bits, n_iters=n_iters,
-                  min_samples=min_samples)
+                  min_samples=min_samples, symmetric=symmetric)
 
 
 # ---------------------------------------------------------------------------------------------- (de)quantization

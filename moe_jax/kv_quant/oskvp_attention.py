@@ -116,7 +116,7 @@ def oskvp_decode_attention_xla(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_
 
 def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
                            n_comp, n_res, *, hi_k=None, hi_v=None, implementation: str = "auto",
-                           interpret: bool = False) -> jax.Array:
+                           interpret: bool = False, symmetric_codebooks: bool = False) -> jax.Array:
   """Decode attention over an OS-KVP cache, through `implementation` ("auto", "pallas" or "xla"; arguments as in
   `oskvp_decode_attention_xla`). "auto" is the Pallas kernel on GPU and the XLA reference elsewhere. On the
   H200 at 64k context the kernel (bit-plane form) beats the XLA reference 2.6x at batch 1 and 8 (0.18 vs 0.47 ms,
@@ -130,5 +130,5 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   if implementation == "pallas" and hi_k is None and hi_v is None:
     # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
     from pallas_kernels import oskvp_decode_attention as kernel  # pylint: disable=g-import-not-at-top
-    return kernel.oskvp_decode_attention(*args, interpret=interpret)
+    return kernel.oskvp_decode_attention(*args, interpret=interpret, symmetric_codebooks=symmetric_codebooks)
   return oskvp_decode_attention_xla(*args, hi_k=hi_k, hi_v=hi_v)

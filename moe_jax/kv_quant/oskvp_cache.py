@@ -57,6 +57,7 @@ class OSKVPLayerCache:
   hi_k: jax.Array | None = None
   hi_v: jax.Array | None = None
   implementation: str = struct.field(pytree_node=False, default="auto")
+  symmetric: bool = struct.field(pytree_node=False, default=False)  # codebooks from `OSKVPMode(symmetric=True)`
 
   @property
   def max_len(self) -> int:
@@ -102,7 +103,7 @@ class OSKVPLayerCache:
     o = oskvp_decode_attention(q, cache.codes_k, cache.outl_k, cache.scale_k, cache.cb_k, cache.codes_v,
                                cache.outl_v, cache.scale_v, cache.cb_v, cache.u_k, cache.u_v, cache.res_k,
                                cache.res_v, cache.n_comp, cache.n_res, hi_k=cache.hi_k, hi_v=cache.hi_v,
-                               implementation=cache.implementation)
+                               implementation=cache.implementation, symmetric_codebooks=cache.symmetric)
     return o, cache
 
   def extend(self, q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array) -> tuple[jax.Array, "OSKVPLayerCache"]:
@@ -153,13 +154,14 @@ def prefill_split(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array
 
 
 def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams, params_v: oskvp.OSKVPParams, *,
-                      window: int, implementation: str = "auto") -> OSKVPLayerCache:
+                      window: int, implementation: str = "auto", symmetric: bool = False) -> OSKVPLayerCache:
   """Quantizes the prefill into the layer layout.
 
   Args:
     k, v: [B, T, K, H] prefill keys (post-RoPE) / values; lengths int32 [B]; cache_len: S >= T.
     params_k, params_v: OSKVPParams with leading [B, K].
     window: R.
+    symmetric: the codebooks are symmetric (`oskvp.fit(symmetric=True)`), which lets the kernel skip a plane type.
   """
   b, t, kh, h = k.shape
   if cache_len < t:
@@ -185,7 +187,7 @@ def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams
   return OSKVPLayerCache(codes_k=ck, codes_v=cv, outl_k=ok, outl_v=ov, scale_k=params_k.scale,
                          scale_v=params_v.scale, cb_k=params_k.codebook, cb_v=params_v.codebook, u_k=params_k.u,
                          u_v=params_v.u, res_k=rk, res_v=rv, n_comp=n_comp, n_res=n_res, hi_k=hk, hi_v=hv,
-                         implementation=implementation)
+                         implementation=implementation, symmetric=symmetric)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +209,8 @@ class OSKVPMode:
       RoPE base `rope_theta` (0.26 in-sample, 0.26 on later positions). `prefill` sets it to the model's base
       through `for_config`; a bare mode uses 1e4 (the built-in configs). None disables it.
     implementation: decode attention: "auto" (Pallas on GPU, XLA elsewhere), "pallas" or "xla".
+    symmetric: 2-bit codebooks symmetric about each channel's mean (`oskvp.fit`): the bit-plane kernel then needs
+      two plane types per side instead of three; fidelity cost in benchmarks/results/kv_cache.md.
   """
 
   bits: int = 2
@@ -217,10 +221,14 @@ class OSKVPMode:
   rope_theta: float | None = 1e4
   rope_shifts: int = 8
   implementation: str = "auto"
+  symmetric: bool = False
 
   def __post_init__(self):
     if self.bits not in (2, 3):
       raise ValueError(f"bits={self.bits} must be 2 or 3")
+    if self.symmetric and self.bits != 2:
+      raise ValueError(f"symmetric=True needs bits=2 (got bits={self.bits}): only 4-level codebooks have a "
+                       "two-plane-type form")
     if self.window < 1:
       raise ValueError(f"window={self.window} must be >= 1")
     if self.max_fit_tokens < 1:
@@ -258,7 +266,7 @@ class OSKVPMode:
       w = jnp.tile(w, (1, shifts))
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
     fit = lambda xs, ws: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits,
-                                   n_iters=self.n_iters, min_samples=h * shifts)
+                                   n_iters=self.n_iters, min_samples=h * shifts, symmetric=self.symmetric)
     return jax.vmap(jax.vmap(fit, in_axes=(0, None)))(jnp.swapaxes(x, 1, 2), w)
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
@@ -266,7 +274,7 @@ class OSKVPMode:
     del layer
     params_k = self.fit(k, lengths, rope_span=cache_len)
     return build_layer_cache(k, v, lengths, cache_len, params_k, self.fit(v, lengths), window=self.window,
-                             implementation=self.implementation)
+                             implementation=self.implementation, symmetric=self.symmetric)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -31,10 +31,10 @@ def rel_err(out, ref):
   return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-def run_case(seed, config, **shape):
-  args = random_oskvp_inputs(seed, **shape)
+def run_case(seed, config, symmetric=False, **shape):
+  args = random_oskvp_inputs(seed, symmetric=symmetric, **shape)
   ref = oskvp_decode_attention_reference(*args)
-  out = _oskvp_pallas(*args, interpret=True, config=config, poison=True)
+  out = _oskvp_pallas(*args, interpret=True, config=config, poison=True, symmetric_codebooks=symmetric)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   assert not np.isnan(np.asarray(out, np.float32)).any()
   # Per query head as well as overall: every row must be right, not only most of them.
@@ -91,6 +91,20 @@ def test_bitplane_long_g1_and_g8():
            n_res=[100])
   run_case(13, dataclasses.replace(BITPLANE, num_splits=6), batch=2, heads=16, kv_heads=2, head_dim=128,
            capacity=1000, window=16, outliers=12, n_comp=[0, 1000], n_res=[9, 16])
+
+
+def test_bitplane_symmetric_codebooks_two_plane_types():
+  """Symmetric codebooks (cb0 + cb3 = cb1 + cb2): the kernel skips the b0 & b1 plane and still matches the
+  reference (which uses the full codebooks); ragged lengths, G = 4 and G = 8. And the skip is not free on general
+  codebooks: with asymmetric rows the same kernel is far off, so the test would catch a wrong flag."""
+  run_case(15, dataclasses.replace(BITPLANE, block_s=64, num_splits=3), symmetric=True, batch=3, heads=8,
+           kv_heads=2, head_dim=128, capacity=600, window=48, n_comp=[1, 127, 600], n_res=[0, 17, 48])
+  run_case(16, dataclasses.replace(BITPLANE, block_s=32, num_splits=4, query_digits=2), symmetric=True, batch=1,
+           heads=16, kv_heads=2, head_dim=128, capacity=300, window=16, n_comp=[300], n_res=[5])
+  args = random_oskvp_inputs(17, batch=1, heads=8, kv_heads=2, head_dim=128, capacity=256, window=16)
+  wrong = _oskvp_pallas(*args, interpret=True, config=dataclasses.replace(BITPLANE, block_s=64),
+                        symmetric_codebooks=True)
+  assert rel_err(wrong, oskvp_decode_attention_reference(*args)) > 0.1
 
 
 def test_codebook_deltas_rebuild_every_codebook_entry():

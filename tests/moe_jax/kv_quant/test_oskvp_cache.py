@@ -1,5 +1,6 @@
 """The OS-KVP layer cache: prefill split, flushes, the two attention forms, and model-level decode."""
 
+import dataclasses
 import functools
 
 import jax
@@ -118,6 +119,27 @@ def test_implementation_switch():
     OSKVPMode(implementation="cuda")
   with pytest.raises(ValueError, match="bits"):
     OSKVPMode(bits=4)
+  with pytest.raises(ValueError, match="symmetric"):
+    OSKVPMode(bits=3, symmetric=True)
+
+
+def test_symmetric_mode_reaches_the_bitplane_kernel():
+  """OSKVPMode(symmetric=True) fits symmetric codebooks, marks the cache, and the Pallas bit-plane kernel (interpret
+  mode, two plane types) agrees with the XLA path on that cache to the kernel's 1.5e-2 relative tolerance."""
+  kernel = pytest.importorskip("pallas_kernels.oskvp_decode_attention")
+  h = 128
+  k = jax.random.normal(jax.random.PRNGKey(5), (B, 300, K, h)) * jnp.ones(h).at[9].set(5.0)
+  v = jax.random.normal(jax.random.PRNGKey(6), (B, 300, K, h))
+  c = jax.jit(lambda k, v: OSKVPMode(window=R, symmetric=True).from_prefill(k, v, jnp.array([300, 150]), 320,
+                                                                            layer=0))(k, v)
+  assert c.symmetric and oskvp.symmetric_codebooks(c.cb_k) and oskvp.symmetric_codebooks(c.cb_v)
+  q = jax.random.normal(jax.random.PRNGKey(7), (B, K * G, h))
+  args = (q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k,
+          c.res_v, c.n_comp, c.n_res)
+  config = dataclasses.replace(kernel.BITPLANE, block_s=64)
+  out = kernel.oskvp_decode_attention(*args, interpret=True, config=config, symmetric_codebooks=True)
+  ref = attn.oskvp_decode_attention(*args, implementation="xla")
+  assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1.5e-2
 
 
 def test_model_decode_tracks_bf16_cache(tiny_model):
