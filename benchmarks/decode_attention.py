@@ -172,9 +172,14 @@ def xla_kivi2(q, kc, kscale, kmin, vc, vscale, vmin, group=128):
 # ------------------------------------------------------------------------------------------------------- oskvp side
 
 
-def oskvp_args(key, b, s):
+def oskvp_args(key, b, s, symmetric=False):
   return random_oskvp_inputs(key, batch=b, heads=N_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, capacity=s,
-                             window=WINDOW)
+                             window=WINDOW, symmetric=symmetric)
+
+
+def kernel_fn(cfg, symmetric=False):
+  """The Pallas kernel at `cfg`, taking the 15 arguments (symmetric: two plane types, `OSKVPMode(symmetric=True)`)."""
+  return lambda *a: _oskvp_pallas(*a, interpret=False, config=cfg, symmetric_codebooks=symmetric)
 
 
 def oskvp_bytes(b, s):
@@ -206,13 +211,19 @@ def check_correctness(log, forms=("mma", "lut", "bitplane"), only=None):
       if form == "mma":
         cfgs.append(DecodeBlockConfig(block_s=128, num_splits=7, num_stages=2, outlier_mma=False, prefetch=True))
         cfgs.append(DecodeBlockConfig(decode="poly"))
-      for cfg in cfgs:
+      runs = [(cfg, args, ref, False) for cfg in cfgs]
+      if form == "bitplane":  # symmetric codebooks, two plane types
+        sargs = random_oskvp_inputs(jax.random.key(10 + i), symmetric=True, **case)
+        sref = jax.jit(oskvp_decode_attention_reference)(*sargs).astype(jnp.float32)
+        runs.append((cfgs[0], sargs, sref, True))
+      for cfg, a, r, sym in runs:
         try:
-          out = _oskvp_pallas(*args, interpret=False, config=cfg, poison=True).astype(jnp.float32)
-          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-          rows.append(dict(case=i, config=str(cfg), rel_err=err, nan=bool(jnp.isnan(out).any())))
+          out = _oskvp_pallas(*a, interpret=False, config=cfg, poison=True,
+                              symmetric_codebooks=sym).astype(jnp.float32)
+          err = float(jnp.linalg.norm(out - r) / jnp.linalg.norm(r))
+          rows.append(dict(case=i, config=str(cfg), symmetric=sym, rel_err=err, nan=bool(jnp.isnan(out).any())))
         except Exception as e:  # pylint: disable=broad-except
-          rows.append(dict(case=i, config=str(cfg), error=repr(e)[:400]))
+          rows.append(dict(case=i, config=str(cfg), symmetric=sym, error=repr(e)[:400]))
           traceback.print_exc()
         log(f"check {rows[-1]}")
   return rows
@@ -278,22 +289,25 @@ def main():
       cfgs = [dataclasses.replace(BITPLANE, **k) for k in (
           dict(block_s=256), dict(block_s=256, query_digits=2), dict(block_s=512), dict(block_s=256, num_splits=16),
           dict(block_s=256, num_warps=8))]
-    if args.quick:  # The current defaults and their nearest rivals (the grid file's run used block 128 candidates).
-      cfgs = [BITPLANE, dataclasses.replace(BITPLANE, num_splits=16), dataclasses.replace(BITPLANE, block_s=128),
-              DecodeBlockConfig()]
+    cfgs = [(c, False) for c in cfgs]
+    if args.quick:  # The current defaults and their nearest rivals, with and without symmetric codebooks.
+      near = [BITPLANE, dataclasses.replace(BITPLANE, num_splits=16), dataclasses.replace(BITPLANE, block_s=128)]
+      cfgs = [(c, sym) for sym in (False, True) for c in near] + [(DecodeBlockConfig(), False)]
       best.pop("lut")
+      best["bitplane_sym"] = BITPLANE
     best_ms = {}
-    for cfg in cfgs:
+    for cfg, sym in cfgs:
       try:
-        ms = timeit(lambda *a, cfg=cfg: _oskvp_pallas(*a, interpret=False, config=cfg),
-                    lambda i: oskvp_args(jax.random.key(i), b, s), nbytes, reps=10, min_calls=4)
+        ms = timeit(kernel_fn(cfg, sym), lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), nbytes,
+                    reps=10, min_calls=4)
       except Exception as e:  # pylint: disable=broad-except
-        log(f"sweep {cfg} failed: {repr(e)[:300]}")
+        log(f"sweep {cfg} symmetric={sym} failed: {repr(e)[:300]}")
         continue
-      sweep.append(dict(config=str(cfg), ms=ms, tb_per_s=nbytes / ms / 1e9))
-      log(f"sweep {cfg}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s")
-      if ms < best_ms.get(cfg.form, 1e9):
-        best_ms[cfg.form], best[cfg.form] = ms, cfg
+      sweep.append(dict(config=str(cfg), symmetric=sym, ms=ms, tb_per_s=nbytes / ms / 1e9))
+      log(f"sweep {cfg} symmetric={sym}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s")
+      key = cfg.form + ("_sym" if sym else "")
+      if ms < best_ms.get(key, 1e9):
+        best_ms[key], best[key] = ms, cfg
     log(f"best: {best}")
     if args.sweep_only:
       ms = timeit(cudnn_bf16, lambda i: (jax.random.normal(jax.random.key(i), (b, N_HEADS, HEAD_DIM), jnp.bfloat16),
@@ -337,8 +351,9 @@ def main():
       q_of = lambda i, b=b: jax.random.normal(jax.random.key(i), (b, N_HEADS, HEAD_DIM), jnp.bfloat16)
       for form, cfg in best.items():
         cfg = dataclasses.replace(cfg, num_splits=None)  # splits sized per shape (the sweep is at batch 8 only)
-        attempt(f"oskvp_pallas_{form}", b, s, lambda *a, cfg=cfg: _oskvp_pallas(*a, interpret=False, config=cfg),
-                lambda i: oskvp_args(jax.random.key(i), b, s), oskvp_bytes(b, s), str(cfg))
+        sym = form.endswith("_sym")
+        attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
+                lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,
@@ -397,10 +412,11 @@ def render_md(result):
                f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% | - |")
   if result["sweep"]:
     out += ["", "Tiling sweep at 64k x batch 8 (OS-KVP Pallas):", "", "| config | ms | TB/s |", "|---|---|---|"]
-    out += [f"| {r['config']} | {r['ms']:.4f} | {r['tb_per_s']:.2f} |" for r in sorted(result["sweep"],
-                                                                                    key=lambda r: r["ms"])]
+    sym = lambda r: " (symmetric codebooks)" if r.get("symmetric") else ""
+    out += [f"| {r['config']}{sym(r)} | {r['ms']:.4f} | {r['tb_per_s']:.2f} |" for r in sorted(result["sweep"],
+                                                                                          key=lambda r: r["ms"])]
   out += ["", "Correctness on the GPU (relative L2 error vs the jnp reference, poisoned partials):", ""]
-  out += [f"- case {c['case']} {c['config']}: " + (f"rel_err {c['rel_err']:.2e}, nan={c['nan']}" if "rel_err" in c
+  out += [f"- case {c['case']} {c['config']}{' symmetric' if c.get('symmetric') else ''}: " + (f"rel_err {c['rel_err']:.2e}, nan={c['nan']}" if "rel_err" in c
                                                    else f"ERROR {c['error'][:200]}") for c in result["checks"]]
   return "\n".join(out) + "\n"
 
