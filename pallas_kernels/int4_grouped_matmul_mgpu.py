@@ -6,7 +6,8 @@ expert e (rows sorted by expert), with the int4 weight of the quantizer
   W[e, k, n] = (q[e, k, n] - z[e, k // G, n]) · s[e, k // G, n],   q, z in [0, 15], G = 128.
 
 Layout (`to_mgpu_layout`, converted once from the quantizer's `Int4Weights`; same 4 bits per weight):
-  `q` int4 [E, N, Kp]: c = q - 8 (the signed nibble q ^ 8), K contiguous per column.
+  `q` int4 [E, N, Kp]: c = q - 8 (the signed nibble q ^ 8), K contiguous per column, in each block of 32 K
+    positions permuted by `K_ORDER` (so that a loaded 32-bit word is already a wgmma operand fragment).
   `scale` bf16 [E, Kg, N]: s.   `zero` bf16 [E, Kg, N]: z - 8, so that W = (c - (z - 8)) · s.
 
 The kernel computes the transposed tile out^T[N_tile, R] = W^T x^T per (row tile, N tile): the dequantized weight
@@ -37,11 +38,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
 
 from pallas_kernels import int4_grouped_matmul as i4
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
+# Stored K order within each block of 32: position 8p + v holds k = 8(v // 2) + 2p + v % 2 (p = 0..3, v = 0..7).
+# A thread of the 4X-upcast layout loads 8 consecutive nibbles (one 32-bit word) at 8p; with this order they are
+# exactly the four 2-element pairs the thread holds in the wgmma operand layout (columns 8c + 2p, 8c + 2p + 1 for
+# c = 0..3), so the word is reinterpreted in place instead of exchanged between lanes (Marlin's offline shuffle).
+K_ORDER = np.array([8 * (v // 2) + 2 * p + v % 2 for p in range(4) for v in range(8)])
 _G = 128  # K group of the scale and zero point: one wgmma K extent of the decoded tile
 
 
@@ -61,6 +69,7 @@ def to_mgpu_layout(ws: i4.Int4Weights, *, group_size: int = _G) -> MgpuInt4Weigh
   codes = i4._codes_kn(ws, group_size)  # int32 [E, Kg, G, N]  # pylint: disable=protected-access
   e, ng, _, n = codes.shape
   c = jnp.moveaxis(codes.reshape(e, ng * group_size, n), 2, 1) - 8  # [E, N, Kp] in [-8, 7]
+  c = c.reshape(e, n, -1, 32)[..., K_ORDER].reshape(e, n, ng * group_size)  # stored order (K_ORDER)
   return MgpuInt4Weights(c.astype(jnp.int4), ws.scale.astype(jnp.bfloat16),
                          (ws.zero.astype(jnp.float32) - 8.0).astype(jnp.bfloat16))
 
@@ -96,6 +105,24 @@ def _swizzled(dtype, minor: int = _G):
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+def _as_wgmma_operand(w, block_n: int):
+  """int4 [bn, G] in the 4X-upcast layout, stored in K_ORDER -> the same registers as the wgmma operand layout.
+
+  Each 32-bit register (8 nibbles) becomes the four 2-nibble registers of column blocks 4b .. 4b + 3: no data
+  moves (Mosaic's own relayout exchanges the words between lanes with two shuffles and permutes).
+  """
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                     return_type=plgpu.ShapeDtypeStruct((block_n, _G), jnp.int4, plgpu.Layout.WGMMA))
+  def reinterpret(_, arr):
+    shape = (block_n, _G)
+    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)  # [bn/64, G/8, 1, 1, 2, 1, 1, 1, 1]
+    for idx in np.ndindex(regs.shape):
+      word = arr.registers[(idx[0], idx[1] // 4, *idx[2:])]
+      regs[idx] = mgpu.utils.vector_slice(word, slice(2 * (idx[1] % 4), 2 * (idx[1] % 4) + 2))
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=True)
+  return reinterpret(w)
+
+
 def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_smem, a_smem, bar, *, block_n: int,
             block_k: int, block_r: int, n_experts: int, n_groups: int, steps: int, a_from_smem: bool):
   # tiles_ref: int32 [T, 4] (row_tiles); lhs_ref: bf16 [M, Kp]; q_ref: int4 [E, N, Kp]; scale_ref, zero_ref:
@@ -123,7 +150,11 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
             g = kk * (block_k // _G) + c
             ks = pl.ds(c * _G, _G)
             w = plgpu.load(q_smem.at[:, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [bn, G]
-            w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+            if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
+              w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+            else:
+              w = _as_wgmma_operand(w, block_n)
+            w = w.astype(jnp.bfloat16)
             s = plgpu.load(sz_smem.at[0, g], layout=_ROW)  # bf16 [bn]
             z = plgpu.load(sz_smem.at[1, g], layout=_ROW)
             bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (block_n, _G), (0,)), plgpu.Layout.WGMMA)
@@ -135,13 +166,15 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
               plgpu.wgmma_wait(0)
             else:
               plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
-          if not a_from_smem:
-            plgpu.wgmma_wait(1)  # this step's wgmmas stay in flight while the next step decodes
+          # The decode of group c + 1 overlaps the wgmma of group c. The next step's decode reuses the registers of
+          # this step's operands (same loop body), so all wgmmas finish here: wgmma_wait(1) across steps gave
+          # wrong results on the H200.
+          plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(
             step, grid=(n_groups * _G // block_k,), max_concurrent_steps=steps,
-            in_specs=[plgpu.BlockSpec((block_n, block_k), lambda k: (j, k), transforms=_swizzled(jnp.int4), delay_release=1),
-                      plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=_swizzled(jnp.bfloat16), delay_release=1)],
+            in_specs=[plgpu.BlockSpec((block_n, block_k), lambda k: (j, k), transforms=_swizzled(jnp.int4)),
+                      plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=_swizzled(jnp.bfloat16))],
         )(q_ref.at[expert], lhs_ref.at[pl.ds(loaded, window)])
         plgpu.wgmma_wait(0)
       return acc_ref[...]
@@ -168,7 +201,7 @@ _STATIC = ("block_n", "block_k", "block_r", "max_concurrent_steps", "interpret")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
-                             block_n: int = 128, block_k: int = 256, block_r: int | None = None,
+                             block_n: int = 64, block_k: int = 256, block_r: int | None = None,
                              max_concurrent_steps: int = 4, interpret: bool = False) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
@@ -196,6 +229,8 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
     raise ValueError(f"block_r={block_r} must be 8 or 16")
   pad = max(block_r + 8 - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
+  if interpret:  # the interpreter's relayout keeps the stored K order: feed lhs in that order too
+    lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., K_ORDER].reshape(m + pad, kp)
   tiles = row_tiles(group_sizes, m, block_r, m + pad)
   n_groups = kp // _G
   body = functools.partial(_kernel, block_n=block_n, block_k=block_k, block_r=block_r, n_experts=e,
@@ -219,7 +254,8 @@ def int4_grouped_matmul_mgpu_reference(lhs: jax.Array, weights: MgpuInt4Weights,
                                        group_sizes: jax.Array) -> jax.Array:
   """XLA reference: dequantize to bf16, then `jax.lax.ragged_dot` with float32 accumulation -> float32 [M, N]."""
   e, n, kp = weights.q.shape
-  c = weights.q.astype(jnp.float32).reshape(e, n, kp // _G, _G)
+  c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., np.argsort(K_ORDER)]
+  c = c.reshape(e, n, kp // _G, _G)
   w = (c - jnp.moveaxis(weights.zero.astype(jnp.float32), 1, 2)[..., None]) * jnp.moveaxis(
       weights.scale.astype(jnp.float32), 1, 2)[..., None]  # [E, N, Kg, G]
   w = jnp.moveaxis(w.reshape(e, n, kp), 1, 2).astype(lhs.dtype)  # [E, Kp, N]
