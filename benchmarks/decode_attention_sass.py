@@ -19,12 +19,13 @@ import tempfile
 
 from benchmarks import triton_sass
 
-def lower_oskvp(config, shape) -> str:
+def lower_oskvp(config, shape, symmetric: bool = False) -> str:
   """Triton IR of the OS-KVP kernel for `config` at `shape` (random inputs drawn on the host)."""
   from pallas_kernels.oskvp_decode_attention import _oskvp_pallas  # pylint: disable=g-import-not-at-top
   from pallas_kernels.oskvp_random import random_oskvp_inputs_host  # pylint: disable=g-import-not-at-top
-  return triton_sass.lower_to_ttir(functools.partial(_oskvp_pallas, interpret=False, config=config),
-                                   *random_oskvp_inputs_host(0, **shape))
+  return triton_sass.lower_to_ttir(functools.partial(_oskvp_pallas, interpret=False, config=config,
+                                                     symmetric_codebooks=symmetric),
+                                   *random_oskvp_inputs_host(0, symmetric=symmetric, **shape))
 
 
 def main_loop_stats(sass: str) -> dict:
@@ -61,14 +62,17 @@ def main():
       "bitplane b128 d1 prefetch": dataclasses.replace(BITPLANE, prefetch=True),
       "bitplane b256 d1": dataclasses.replace(BITPLANE, block_s=256),
       "bitplane b128 d1 8 warps": dataclasses.replace(BITPLANE, num_warps=8),
+      "bitplane symmetric (BITPLANE)": (BITPLANE, True),
+      "bitplane symmetric b128": (dataclasses.replace(BITPLANE, block_s=128), True),
   }
   configs = {k: v for k, v in configs.items() if args.only in k}
   print(f"{'config':30s} regs stack | per warp per block: instrs (per token, all warps) MMA LDL/STL BAR LDS/STS "
         "SEL LOP3 ISETP PRMT")
   for name, cfg in configs.items():
+    cfg, symmetric = cfg if isinstance(cfg, tuple) else (cfg, False)
     path = os.path.join(args.out, re.sub(r"\W+", "_", name) + ".ttir")
-    regs, stack, sass = triton_sass.compile_sass(lower_oskvp(cfg, shape), path, cfg.num_warps, cfg.num_stages,
-                                                 args.triton_python)
+    regs, stack, sass = triton_sass.compile_sass(lower_oskvp(cfg, shape, symmetric), path, cfg.num_warps,
+                                                 cfg.num_stages, args.triton_python)
     st = main_loop_stats(sass)
     per_tok = st["all"] * cfg.num_warps / cfg.block_s
     print(f"{name:30s} {regs:>4s} {stack:>5s} | {st['all']:5d} ({per_tok:5.1f}) {st['HMMA']:4d} "
