@@ -28,13 +28,12 @@ from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 
 SHAPES = [(64, 4096, 2048, [64, 512, 1024]), (128, 2048, 768, [128, 2048]), (8, 4096, 14336, [16, 128])]
-CONFIGS = {  # block_n, block_k, max_concurrent_steps
-    "n64_k256_s4": dict(block_n=64, block_k=256, max_concurrent_steps=4),
-    "n64_k256_s6": dict(block_n=64, block_k=256, max_concurrent_steps=6),
-    "n64_k512_s3": dict(block_n=64, block_k=512, max_concurrent_steps=3),
-    "n128_k256_s4": dict(block_n=128, block_k=256, max_concurrent_steps=4),
-    "n128_k512_s2": dict(block_n=128, block_k=512, max_concurrent_steps=2),
-    "n64_k128_s8": dict(block_n=64, block_k=128, max_concurrent_steps=8),
+# block_n, block_k, max_concurrent_steps, dequant. The second H200 run (results/int4_mgpu_decode_run2.md) also
+# timed n64_k256_s6, n128_k256_s4, n128_k512_s2 and n64_k128_s8: all slower than these two.
+CONFIGS = {
+    "n64_k256_s4_jnp": dict(block_n=64, block_k=256, max_concurrent_steps=4, dequant="jnp"),
+    "n64_k256_s4_ptx": dict(block_n=64, block_k=256, max_concurrent_steps=4, dequant="ptx"),
+    "n64_k512_s3_ptx": dict(block_n=64, block_k=512, max_concurrent_steps=3, dequant="ptx"),
 }
 
 

@@ -123,8 +123,47 @@ def _as_wgmma_operand(w, block_n: int):
   return reinterpret(w)
 
 
+# PTX: one 32-bit word of 8 stored nibbles (c = q - 8) and the word shifted right by 4 -> the bf16 pair of nibbles
+# 2i, 2i + 1 dequantized: prmt puts byte i of each into the two 16-bit halves, lop3 computes (t & 0x000F000F) ^
+# 0x43084308, whose bf16 halves are 128 + (c ^ 8 as a nibble) = 136 + c, exactly; sub.bf16x2 of 136 + z' (z' =
+# z - 8; so the difference is q - z, exact) and mul.bf16x2 by the scale round once, as the XLA reference does.
+# 4 instructions per 2 weights; Mosaic's cast followed by jnp (w - z') * s takes 5.
+_DEQUANT_ASM = """{{
+.reg .b32 t;
+prmt.b32 t, $1, $2, 0xF{hi}F{lo};
+lop3.b32 t, t, 0x000F000F, 0x43084308, 0x6A;
+sub.bf16x2 t, t, $3;
+mul.bf16x2 $0, t, $4;
+}}"""
+
+
+def _dequant_ptx(w, zz, s, block_n: int):
+  """int4 [bn, G] (4X-upcast layout, K_ORDER), bf16 [bn] 136 + z' and scale rows -> bf16 [bn, G] wgmma operand."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, _ROW, _ROW),
+                     return_type=plgpu.ShapeDtypeStruct((block_n, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
+  def dequant(_, arr, zz_arr, s_arr):
+    from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+    from jax._src.lib.mlir.dialects import arith, llvm  # pylint: disable=g-import-not-at-top
+    i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
+    pair = lambda r: mgpu.utils.bitcast(mgpu.utils.vector_concat([r, r]), i32)  # one row value in both halves
+    rows = {idx: (pair(zz_arr.registers[idx]), pair(s_arr.registers[idx])) for idx in np.ndindex(zz_arr.registers.shape)}
+    words = {}
+    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((block_n, _G)), dtype=object)
+    for idx in np.ndindex(regs.shape):  # [bn/64, G/8, 1, 1, 2, 1, 1, 1, 1]
+      src = (idx[0], idx[1] // 4, *idx[2:])
+      if src not in words:
+        word = mgpu.utils.bitcast(arr.registers[src], i32)
+        words[src] = (word, arith.shrui(word, mgpu.utils.c(4, i32)))
+      part = idx[1] % 4
+      zz_r, s_r = rows[(idx[0], 0, idx[4], 0, 0)]
+      out = llvm.inline_asm(i32, [*words[src], zz_r, s_r], _DEQUANT_ASM.format(hi=part + 4, lo=part), "=r,r,r,r,r")
+      regs[idx] = mgpu.utils.bitcast(out, bf16x2)
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+  return dequant(w, zz, s)
+
+
 def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_smem, a_smem, bar, *, block_n: int,
-            block_k: int, block_r: int, n_experts: int, n_groups: int, steps: int, a_from_smem: bool):
+            block_k: int, block_r: int, n_experts: int, n_groups: int, steps: int, a_from_smem: bool, dequant: str):
   # tiles_ref: int32 [T, 4] (row_tiles); lhs_ref: bf16 [M, Kp]; q_ref: int4 [E, N, Kp]; scale_ref, zero_ref:
   # bf16 [E, Kg, N]; out_ref: float32 [M, N]. sz_smem: bf16 [2, Kg, bn] (scale, zero' of this N tile);
   # o_smem: float32 [R, bn]; a_smem: bf16 [bn, G] (interpret mode's route of the decoded tile); bar: 2 barriers.
@@ -150,15 +189,18 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
             g = kk * (block_k // _G) + c
             ks = pl.ds(c * _G, _G)
             w = plgpu.load(q_smem.at[:, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [bn, G]
-            if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
-              w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-            else:
-              w = _as_wgmma_operand(w, block_n)
-            w = w.astype(jnp.bfloat16)
             s = plgpu.load(sz_smem.at[0, g], layout=_ROW)  # bf16 [bn]
             z = plgpu.load(sz_smem.at[1, g], layout=_ROW)
-            bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (block_n, _G), (0,)), plgpu.Layout.WGMMA)
-            w = (w - bcast(z)) * bcast(s)  # bf16 [bn, G]: the dequantized W^T tile
+            if dequant == "ptx":
+              w = _dequant_ptx(w, z + jnp.bfloat16(136), s, block_n)  # bf16 [bn, G]: the dequantized W^T tile
+            else:
+              if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
+                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+              else:
+                w = _as_wgmma_operand(w, block_n)
+              bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (block_n, _G), (0,)),
+                                                  plgpu.Layout.WGMMA)
+              w = (w.astype(jnp.bfloat16) - bcast(z)) * bcast(s)  # bf16 [bn, G]: the dequantized W^T tile
             if a_from_smem:
               a_smem[...] = w
               plgpu.commit_smem()
@@ -196,13 +238,15 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-_STATIC = ("block_n", "block_k", "block_r", "max_concurrent_steps", "interpret")
+_STATIC = ("block_n", "block_k", "block_r", "max_concurrent_steps", "interpret", "dequant")
+DEQUANTS = ("ptx", "jnp")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
                              block_n: int = 64, block_k: int = 256, block_r: int | None = None,
-                             max_concurrent_steps: int = 4, interpret: bool = False) -> jax.Array:
+                             max_concurrent_steps: int = 4, interpret: bool = False,
+                             dequant: str = "jnp") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -214,7 +258,13 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
     block_r: rows per tile (8 or 16; default from the average rows per expert).
     max_concurrent_steps: depth of the TMA ring.
     interpret: run in Mosaic GPU's CPU interpreter.
+    dequant: "jnp" (Mosaic's int4 -> bf16 cast, then (w - z') * s) or "ptx" (one inline-PTX sequence per 2 weights;
+      GPU only: interpret mode uses "jnp").
   """
+  if dequant not in DEQUANTS:
+    raise ValueError(f"dequant={dequant!r} must be one of {DEQUANTS}")
+  if interpret:
+    dequant = "jnp"  # the interpreter runs no inline PTX
   m, kp = lhs.shape
   e, n, kq = weights.q.shape
   if lhs.dtype != jnp.bfloat16:
@@ -234,7 +284,7 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
   tiles = row_tiles(group_sizes, m, block_r, m + pad)
   n_groups = kp // _G
   body = functools.partial(_kernel, block_n=block_n, block_k=block_k, block_r=block_r, n_experts=e,
-                           n_groups=n_groups, steps=max_concurrent_steps, a_from_smem=interpret)
+                           n_groups=n_groups, steps=max_concurrent_steps, a_from_smem=interpret, dequant=dequant)
   scratch = dict(
       sz_smem=plgpu.SMEM((2, n_groups, block_n), jnp.bfloat16),
       o_smem=plgpu.SMEM((block_r + 8, block_n), jnp.float32),
