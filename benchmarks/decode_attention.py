@@ -290,11 +290,13 @@ def main():
           dict(block_s=256), dict(block_s=256, query_digits=2), dict(block_s=512), dict(block_s=256, num_splits=16),
           dict(block_s=256, num_warps=8))]
     cfgs = [(c, False) for c in cfgs]
-    if args.quick:  # The current defaults and their nearest rivals, with and without symmetric codebooks.
-      near = [BITPLANE, dataclasses.replace(BITPLANE, num_splits=16), dataclasses.replace(BITPLANE, block_s=128)]
-      cfgs = [(c, sym) for sym in (False, True) for c in near] + [(DecodeBlockConfig(), False)]
+    if args.quick:  # The bit-plane default, symmetric codebooks, compact rows and their nearest rivals.
+      compact = dataclasses.replace(BITPLANE, compact_rows=True, query_digits=2)
+      cfgs = [(BITPLANE, False), (BITPLANE, True), (compact, False), (compact, True),
+              (dataclasses.replace(compact, block_s=128), True), (dataclasses.replace(compact, num_warps=8), True),
+              (dataclasses.replace(compact, num_splits=16), True), (dataclasses.replace(compact, block_s=128), False),
+              (DecodeBlockConfig(), False)]
       best.pop("lut")
-      best["bitplane_sym"] = BITPLANE
     best_ms = {}
     for cfg, sym in cfgs:
       try:
@@ -305,9 +307,11 @@ def main():
         continue
       sweep.append(dict(config=str(cfg), symmetric=sym, ms=ms, tb_per_s=nbytes / ms / 1e9))
       log(f"sweep {cfg} symmetric={sym}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s")
-      key = cfg.form + ("_sym" if sym else "")
+      key = cfg.form + ("_compact" if cfg.compact_rows else "") + ("_sym" if sym else "")
       if ms < best_ms.get(key, 1e9):
         best_ms[key], best[key] = ms, cfg
+    if args.quick:
+      best.pop("bitplane_sym", None)  # in the sweep only; the grid times the compact forms with and without
     log(f"best: {best}")
     if args.sweep_only:
       ms = timeit(cudnn_bf16, lambda i: (jax.random.normal(jax.random.key(i), (b, N_HEADS, HEAD_DIM), jnp.bfloat16),

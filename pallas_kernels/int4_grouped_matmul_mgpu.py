@@ -10,23 +10,27 @@ Layout (`to_mgpu_layout`, converted once from the quantizer's `Int4Weights`; sam
     positions permuted by `K_ORDER` (so that a loaded 32-bit word is already a wgmma operand fragment).
   `scale` bf16 [E, Kg, N]: s.   `zero` bf16 [E, Kg, N]: z - 8, so that W = (c - (z - 8)) · s.
 
-The kernel computes the transposed tile out^T[N_tile, R] = W^T x^T per (row tile, N tile): the dequantized weight
-tile [N_tile, 128] is the wgmma A operand taken from registers (int4 loaded from shared memory, converted to bf16
-with the prmt/lop3 trick of Mosaic GPU's int4 -> bf16 cast, minus the zero point and times the scale in bf16:
-(c - z') is exact in bf16 and one rounding of its product with s gives the same bf16 weight as the XLA
-reference), and x^T is the B operand read from shared memory ([R, K_tile] K-major, R = 8 or 16 rows of lhs).
-TMA streams [N_tile, K_tile] int4 weight tiles and the x tile through a `max_concurrent_steps`-deep ring
-(`plgpu.emit_pipeline`); each step issues its wgmmas and waits only for the previous step's (one group in flight),
-so the decode of step k overlaps the tensor-core work of step k - 1.
+Per (row tile, N tile) the kernel computes the transposed tile out^T[N_tile, W] = W^T x^T, so that the
+dequantized weight tile [N_tile, 128] is the wgmma A operand, taken from registers, and x^T the B operand, read from
+shared memory ([W, K_tile] K-major). TMA streams [N_tile, K_tile] int4 weight tiles and the x tile through a
+`max_concurrent_steps`-deep ring (`plgpu.emit_pipeline`). Per K group of 128 a warpgroup loads the int4 tile in
+Mosaic's 4X-upcast layout (one 32-bit shared-memory word = 8 nibbles per thread), which with `K_ORDER` already holds
+the thread's wgmma fragments (reinterpreted, no lane exchange), dequantizes it to bf16 (`dequant="ptx"`: prmt,
+lop3, sub.bf16x2, mul.bf16x2 per 2 weights; (q - z) is exact in bf16 and the one rounding of its product with s
+gives the bf16 weight of the XLA reference) and issues the wgmma; the decode of group c + 1 overlaps the wgmma of
+group c, and a step waits for its wgmmas before the next step decodes into the same registers.
 
-Rows: a row tile is R consecutive rows of one expert (XLA builds the table of tiles before the kernel: expert,
-first row, row count; an expert with more than R rows gets several tiles, an empty expert none). The tile loads R
-rows of lhs starting at min(first row, M - R) (so TMA never reads past lhs; rows of other experts are computed and
-dropped) and stores only its own rows of out [M, N] with a ladder of power-of-two TMA stores. A virtual expert E
-covers the rows past sum(group_sizes) and stores zeros.
+Rows: a row tile is up to R (8 or 16) consecutive rows of one expert. XLA builds the table of tiles before the
+kernel (expert, first row, row count, loaded row); an expert with more than R rows gets several tiles, an empty
+expert none, and a virtual expert E covers the rows past sum(group_sizes), whose tiles store zeros. TMA loads lhs
+into 8-row-tiled shared memory, so a tile loads the window of W = R + 8 rows that starts at the multiple of 8 at or
+before its first row (rows of other experts are computed and dropped), and stores only its own rows of out [M, N]
+(from shared memory, transposed on the way in) with a ladder of power-of-two row TMA stores.
 
-CPU interpret mode (`interpret=True`, Mosaic GPU's interpreter) simulates TMA, barriers and wgmma, but its wgmma
-takes the A operand from shared memory only: there the decoded tile goes through a shared-memory buffer.
+CPU interpret mode (`interpret=True`, Mosaic GPU's interpreter) simulates TMA, barriers and wgmma, but it takes the
+wgmma A operand from shared memory only and runs no inline PTX: there the tile is relaid out by Mosaic (lhs comes
+in K_ORDER instead), dequantized with jnp and passed through a shared-memory buffer. The register reinterpretation
+and the PTX dequant are checked on the GPU (`benchmarks/int4_mgpu_decode.py`).
 """
 
 from __future__ import annotations
@@ -146,7 +150,8 @@ def _dequant_ptx(w, zz, s, block_n: int):
     from jax._src.lib.mlir.dialects import arith, llvm  # pylint: disable=g-import-not-at-top
     i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
     pair = lambda r: mgpu.utils.bitcast(mgpu.utils.vector_concat([r, r]), i32)  # one row value in both halves
-    rows = {idx: (pair(zz_arr.registers[idx]), pair(s_arr.registers[idx])) for idx in np.ndindex(zz_arr.registers.shape)}
+    rows = {idx: (pair(zz_arr.registers[idx]), pair(s_arr.registers[idx]))
+            for idx in np.ndindex(zz_arr.registers.shape)}
     words = {}
     regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((block_n, _G)), dtype=object)
     for idx in np.ndindex(regs.shape):  # [bn/64, G/8, 1, 1, 2, 1, 1, 1, 1]
@@ -166,7 +171,8 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
             block_k: int, block_r: int, n_experts: int, n_groups: int, steps: int, a_from_smem: bool, dequant: str):
   # tiles_ref: int32 [T, 4] (row_tiles); lhs_ref: bf16 [M, Kp]; q_ref: int4 [E, N, Kp]; scale_ref, zero_ref:
   # bf16 [E, Kg, N]; out_ref: float32 [M, N]. sz_smem: bf16 [2, Kg, bn] (scale, zero' of this N tile);
-  # o_smem: float32 [R, bn]; a_smem: bf16 [bn, G] (interpret mode's route of the decoded tile); bar: 2 barriers.
+  # o_smem: float32 [W, bn] (W = R + 8); a_smem: bf16 [bn, G] (interpret mode's route of the decoded tile);
+  # bar: 2 barriers.
   t, j = jax.lax.axis_index("t"), jax.lax.axis_index("n")
   expert, first, count, loaded = (tiles_ref[t, i] for i in range(4))
   loaded = pl.multiple_of(loaded, 8)
@@ -175,7 +181,7 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
 
   @pl.when(count > 0)
   def _tile():
-    def acc_scope(acc_ref):  # acc_ref: float32 [bn, R], out^T
+    def acc_scope(acc_ref):  # acc_ref: float32 [bn, W], out^T
       @pl.when(expert < n_experts)
       def _stream():
         plgpu.copy_gmem_to_smem(scale_ref.at[expert, :, nt], sz_smem.at[0], bar.at[0])
@@ -183,7 +189,7 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
         plgpu.barrier_wait(bar.at[0])
         plgpu.barrier_wait(bar.at[1])
 
-        def step(idx, q_smem, x_smem):  # q_smem: int4 [bn, block_k]; x_smem: bf16 [R, block_k]
+        def step(idx, q_smem, x_smem):  # q_smem: int4 [bn, block_k]; x_smem: bf16 [W, block_k]
           (kk,) = idx
           for c in range(block_k // _G):
             g = kk * (block_k // _G) + c
@@ -221,7 +227,7 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
         plgpu.wgmma_wait(0)
       return acc_ref[...]
 
-    acc = pl.run_scoped(acc_scope, plgpu.ACC((block_n, window)))  # float32 [bn, R + 8]
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((block_n, window)))  # float32 [bn, W]
     o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)  # o_smem [R + 8, bn]: out rows
     plgpu.commit_smem()
     # TMA boxes are static: store `count` rows starting at row first - loaded of o_smem as a ladder of
@@ -244,9 +250,9 @@ DEQUANTS = ("ptx", "jnp")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
-                             block_n: int = 64, block_k: int = 256, block_r: int | None = None,
-                             max_concurrent_steps: int = 4, interpret: bool = False,
-                             dequant: str = "jnp") -> jax.Array:
+                             block_n: int = 64, block_k: int | None = None, block_r: int | None = None,
+                             max_concurrent_steps: int | None = None, interpret: bool = False,
+                             dequant: str = "ptx") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -254,9 +260,10 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
     weights: `to_mgpu_layout` of the quantized weight.
     group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
     block_n: output columns per program (a multiple of 64 dividing N).
-    block_k: K per pipeline step (a multiple of 128 dividing Kp).
-    block_r: rows per tile (8 or 16; default from the average rows per expert).
-    max_concurrent_steps: depth of the TMA ring.
+    block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 with 8-row tiles and Kp >= 4096,
+      else 256 (the faster of the two at each decode shape of the H200 runs).
+    block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
+    max_concurrent_steps: depth of the TMA ring; default 3 for block_k 512, else 4.
     interpret: run in Mosaic GPU's CPU interpreter.
     dequant: "jnp" (Mosaic's int4 -> bf16 cast, then (w - z') * s) or "ptx" (one inline-PTX sequence per 2 weights;
       GPU only: interpret mode uses "jnp").
@@ -271,12 +278,18 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
     raise TypeError(f"lhs must be bfloat16, got {lhs.dtype}")
   if kq != kp:
     raise ValueError(f"lhs has K={kp} but the int4 weights hold Kp={kq}; pad lhs with zeros to Kp")
-  if block_n % 64 or n % block_n or block_k % _G or kp % block_k:
-    raise ValueError(f"block_n={block_n} must be a multiple of 64 dividing N={n} and block_k={block_k} a multiple "
-                     f"of {_G} dividing Kp={kp}")
+  if kp % _G:
+    raise ValueError(f"Kp={kp} must be a multiple of {_G}")
   block_r = block_r or (8 if m <= 8 * e else 16)
   if block_r not in (8, 16):
     raise ValueError(f"block_r={block_r} must be 8 or 16")
+  if block_k is None:
+    block_k = 512 if block_r == 8 and kp >= 4096 and kp % 512 == 0 else 256
+    block_k = block_k if kp % block_k == 0 else _G
+  max_concurrent_steps = max_concurrent_steps or (3 if block_k >= 512 else 4)
+  if block_n % 64 or n % block_n or block_k % _G or kp % block_k:
+    raise ValueError(f"block_n={block_n} must be a multiple of 64 dividing N={n} and block_k={block_k} a multiple "
+                     f"of {_G} dividing Kp={kp}")
   pad = max(block_r + 8 - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
   if interpret:  # the interpreter's relayout keeps the stored K order: feed lhs in that order too

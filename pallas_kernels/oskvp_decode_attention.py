@@ -60,6 +60,11 @@ class DecodeBlockConfig:
       16-row tile so that the per-row work is shared; None is 1. Not a win (see the notes): the block-diagonal query
       operands multiply the live registers by the head count and spill, and 8 heads took minutes to compile.
     query_digits: ("bitplane") int8 digits of the folded query: 2 (~15 bits) or 1 (~7 bits, half the registers).
+    compact_rows: ("bitplane", one kv head per program) put the second int8 digit in the padding rows of the 16-row
+      tensor-core tile instead of a second dot (query digits in the key dots, probability digits in the value dots:
+      rows G..2G-1), fold the rows back to the G real ones once per block, and run the softmax on [G, block] tiles
+      instead of [16, block]: half the value dots, two query digits for the price of one, a quarter of the softmax
+      work at G = 4.
   """
 
   # Defaults: the fastest "mma" tiling on the H200 (block 64, outliers on the tensor cores, 1 stage: 0.94-1.06 ms
@@ -76,6 +81,7 @@ class DecodeBlockConfig:
   extract: str = "asm"
   heads_per_program: int | None = None
   query_digits: int = 2
+  compact_rows: bool = False
 
   def __post_init__(self):
     if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -94,6 +100,8 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.query_digits=} must be 1 or 2")
     if self.extract not in ("asm", "jnp"):
       raise ValueError(f"{self.extract=} must be 'asm' or 'jnp'")
+    if self.compact_rows and (self.form != "bitplane" or (self.heads_per_program or 1) > 1):
+      raise ValueError(f"{self.compact_rows=} needs form='bitplane' and one kv head per program")
     if self.form == "lut" and self.prefetch:
       raise ValueError(f"{self.prefetch=} applies to forms 'mma' and 'bitplane' only")
 

@@ -188,6 +188,126 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
     write([acc] + [[zeros] * 4 for _ in range(types)], jnp.zeros(acco_ref.shape, jnp.float32), m, l)
 
 
+def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref,
+                    nr_ref, acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, o_dim: int,
+                    groups: int, extract: str, types: int):
+  # `compact_rows`: one kv head per program; the R = 16 tensor-core rows hold the G query rows (0..G-1) and their
+  # second int8 digit (G..2G-1), so each plane's key dot yields both query digits and each value dot both
+  # probability digits; the softmax runs on the G real rows only.
+  # qd_ref [T, 4, R, Q] int8 (rows 0..G-1 the first digit of q' * d_type, G..2G-1 the second); qw_ref [R] f32 the
+  # rows' scales (their weighted sum over the row groups is q' . d . plane); qc_ref [G] f32; qp_ref [4, R, Q] bf16
+  # (residual window, rows < G); qo_ref [R, OP] bf16 (rows < G); ck_ref, cv_ref [S, Q] uint8; ok_ref, ov_ref
+  # [S, O] fp8; rk_ref, rv_ref [R_window, H] bf16; nc_ref, nr_ref [].
+  # acc_ref [1 + T, 4, R, Q] f32: slot 0 the window's values (rows < G); slots 1.. the value planes, digit 1 in
+  # rows < G and digit 2 in rows G..2G-1 (merged as 256 x first + second); acco_ref [R, OP]; m_ref, l_ref [R].
+  r, q_dim = qw_ref.shape[0], qp_ref.shape[2]
+  n_groups = r // groups
+  split = pl.program_id(2)  # read here: interpret mode cannot see program_id inside `pl.when`.
+  zeros = jnp.zeros((r, q_dim), jnp.float32)
+
+  def fold(x):
+    """[R, n] -> [G, n]: the sum of the R/G row groups."""
+    return x.reshape(n_groups, groups, x.shape[-1]).sum(axis=0)
+
+  def unfold(parts, dtype):
+    """[G, n] arrays -> [R, n] with part i in rows iG..iG+G-1, zero elsewhere."""
+    n = parts[0].shape[-1]
+    sel = lax.broadcasted_iota(jnp.int32, (n_groups, groups, n), 0)
+    out = jnp.zeros((n_groups, groups, n), dtype)
+    for i, part in enumerate(parts):
+      out = jnp.where(sel == i, jnp.broadcast_to(part.astype(dtype)[None], out.shape), out)
+    return out.reshape(r, n)
+
+  def write(acc, acco, m, l):
+    for t in range(1 + types):
+      for p in range(4):
+        acc_ref[t, p] = acc[t][p]
+    acco_ref[...] = acco
+    m_ref[...] = m
+    l_ref[...] = l
+
+  @pl.when(split < num_splits)
+  def _compressed():
+    start, end, nblocks = split_range(nc_ref, split, num_splits, block_s)
+    qw, qc = qw_ref[...], qc_ref[...]  # [R], [G]
+    op = acco_ref.shape[1]
+
+    def load_block(i):
+      s0 = start + i * block_s
+      valid = s0 + jnp.arange(block_s) < end  # [bs]
+      rows = pl.ds(s0, block_s)
+      codes = lambda ref: plgpu.load(ref.at[rows, :], mask=valid[:, None], other=0)
+      return (codes(ck_ref), codes(cv_ref), fp8_rows(ok_ref, rows, valid, o_dim, op),
+              fp8_rows(ov_ref, rows, valid, o_dim, op))
+
+    def compute(i, tiles, acc, acco, m, l):
+      ck, cv, ok, ov = tiles
+      valid = start + i * block_s + jnp.arange(block_s) < end  # [bs]
+      idot = 0
+      for p in range(4):
+        kplanes = planes(ck, p, extract, types)
+        for t in range(types):
+          idot += plgpu.dot(qd_ref[t, p], kplanes[t], trans_b=True)  # [R, bs] int32, both digits
+      sr = idot.astype(jnp.float32) * qw[:, None] + plgpu.dot(qo_ref[...], ok.astype(jnp.bfloat16), trans_b=True)
+      scores = jnp.where(valid[None, :], fold(sr) + qc[:, None], NEG_INF)  # [G, bs]
+      m_blk = scores.max(axis=1)
+      m_new = jnp.maximum(m, m_blk)
+      alpha = jnp.exp(m - m_new)
+      p_blk = jnp.exp(m_blk - m_new)
+      pt = jnp.exp(scores - m_blk[:, None])  # [G, bs] in [0, 1], max 1 per row
+      l = alpha * l + p_blk * pt.sum(axis=1)
+      x = pt * 127.0
+      p_hi = (x + 0.5).astype(jnp.int8)
+      p_lo = ((x - p_hi.astype(jnp.float32)) * 256.0 + jnp.where(x >= p_hi, 0.5, -0.5)).astype(jnp.int8)
+      pd = unfold([p_hi, p_lo], jnp.int8)  # [R, bs]
+      col = lambda v: v[:, None]
+      alpha_r = unfold([col(alpha), col(alpha)], jnp.float32)  # [R, 1]
+      w_r = unfold([col(p_blk), col(p_blk)], jnp.float32) * (1.0 / (127.0 * 256.0))
+      pb = unfold([pt], jnp.bfloat16)
+      acco = acco * alpha_r + plgpu.dot(pb, ov.astype(jnp.bfloat16)) * (w_r * (127.0 * 256.0))
+      new = [acc[0]] + [[None] * 4 for _ in range(types)]
+      for p in range(4):
+        vplanes = planes(cv, p, extract, types)
+        for t in range(types):
+          new[1 + t][p] = acc[1 + t][p] * alpha_r + plgpu.dot(pd, vplanes[t]).astype(jnp.float32) * w_r
+      return new, acco, m_new, l
+
+    state0 = ([[zeros] * 4 for _ in range(1 + types)], jnp.zeros(acco_ref.shape, jnp.float32),
+              jnp.full((groups,), NEG_INF, jnp.float32), jnp.zeros((groups,), jnp.float32))
+    acc, acco, m, l = run_blocks(nblocks, load_block, compute, state0, False)
+    write(acc, acco, unfold([m[:, None]], jnp.float32).reshape(r), unfold([l[:, None]], jnp.float32).reshape(r))
+
+  @pl.when(split == num_splits)
+  def _residual():
+    qp = [[qp_ref[p] for p in range(4)]]
+    acc, m, l = window_attention(nr_ref[()], block_r, qp, rk_ref, rv_ref, [zeros] * 4,
+                                 jnp.full((r,), NEG_INF, jnp.float32), jnp.zeros((r,), jnp.float32))
+    write([acc] + [[zeros] * 4 for _ in range(types)], jnp.zeros(acco_ref.shape, jnp.float32), m, l)
+
+
+def compact_query(qhi, qlo, qs, qc, groups: int, digits: int):
+  """`prepare_bitplane_query` outputs (one head per program) -> the compact kernel's query rows.
+
+  Returns:
+    qd int8 [B, K, T, 4, R, Q] (digit 1 in rows < G, digit 2 in rows G..2G-1), qw f32 [B, K, R] the rows' scales,
+    qc f32 [B, K, G].
+  """
+  qhi, qlo = qhi[:, :, :, :, 0], qlo[:, :, :, :, 0]  # [B, K, T, 4, R, Q]
+  if digits == 1:
+    return qhi, qs, qc[..., :groups]
+  qd = qhi + jnp.roll(qlo, groups, axis=-2)  # disjoint rows: rows >= G of qlo are zero
+  qw = qs * 256.0 + jnp.roll(qs, groups, axis=-1)
+  return qd, qw, qc[..., :groups]
+
+
+def merge_compact_rows(acc, groups: int):
+  """[..., 1 + T, 4, R, Q] compact partials -> [..., 1 + T, 4, G, Q]: the value digits combined (256 x first + second)."""
+  first = acc[..., :groups, :]
+  second = acc[..., groups:2 * groups, :]
+  return jnp.concatenate([first[..., :1, :, :, :], 256.0 * first[..., 1:, :, :, :] + second[..., 1:, :, :, :]],
+                         axis=-4)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Wrapper.
 
@@ -340,6 +460,16 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
               per_row(), per_row()]
   inputs = [qhi, qlo, qs, qc, q_planes, q_outl, codes_k, outl_k, codes_v, outl_v, res_k, res_v,
             n_comp.astype(jnp.int32), n_res.astype(jnp.int32)]
+  if config.compact_rows:
+    if 2 * g > rows:
+      raise ValueError(f"compact_rows needs 2 G <= {rows} rows (got G = {g})")
+    qdig, qw, qc = compact_query(qhi, qlo, qs, qc, g, config.query_digits)
+    kernel = functools.partial(_compact_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
+                               groups=g, extract=extract, types=types)
+    in_specs = [per_head(types, 4, rows, qd), per_head(rows), per_head(g), per_head(4, rows, qd),
+                per_head(rows, o_cols), per_head(s, qd), per_head(s, o_dim), per_head(s, qd), per_head(s, o_dim),
+                per_head(r, h), per_head(r, h)] + in_specs[12:]
+    inputs = [qdig, qw, qc, q_planes[:, :, :, 0], q_outl[:, :, 0]] + inputs[6:]
   aliases = {}
   if poison:  # Partials start as NaN (aliased in/out buffers): any element the kernel skips poisons the result.
     n_in = len(inputs)
@@ -358,5 +488,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
       interpret=interpret,
       name="oskvp_decode_bitplane",
   )(*inputs)
+  if config.compact_rows:
+    acc = merge_compact_rows(acc, g)
   acc, acco, m, l = (ungroup_rows(x, hp, g) for x in (acc, acco, m, l))
   return merge_bitplane_partials(acc, acco, m, l, cb_v, scale_v, u_v, g, q.dtype)

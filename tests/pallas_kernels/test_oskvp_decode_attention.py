@@ -55,6 +55,8 @@ BITPLANE_CONFIGS = {
     "bitplane_two_query_digits": dataclasses.replace(BITPLANE, block_s=64, num_splits=4, query_digits=2),
     "bitplane_two_heads_per_program": dataclasses.replace(BITPLANE, block_s=32, num_splits=2, heads_per_program=2),
     "bitplane_jnp_extract": dataclasses.replace(BITPLANE, block_s=32, num_splits=5, extract="jnp"),
+    "bitplane_compact_rows": dataclasses.replace(BITPLANE, block_s=64, num_splits=3, compact_rows=True,
+                                                 query_digits=2),
 }
 
 
@@ -93,6 +95,16 @@ def test_bitplane_long_g1_and_g8():
            capacity=1000, window=16, outliers=12, n_comp=[0, 1000], n_res=[9, 16])
 
 
+def test_bitplane_compact_rows_g1_and_g8():
+  """compact_rows folds 16 rows into G: G = 1 (16 row groups) and G = 8 (2 groups: no spare rows), both digit
+  counts, symmetric and general codebooks."""
+  compact = dataclasses.replace(BITPLANE, block_s=64, compact_rows=True)
+  run_case(18, dataclasses.replace(compact, num_splits=2), batch=1, heads=4, kv_heads=4, head_dim=128, capacity=700,
+           window=128, n_comp=[700], n_res=[100])
+  run_case(19, dataclasses.replace(compact, num_splits=6, query_digits=2), symmetric=True, batch=2, heads=16,
+           kv_heads=2, head_dim=128, capacity=1000, window=16, outliers=12, n_comp=[0, 1000], n_res=[9, 16])
+
+
 def test_bitplane_symmetric_codebooks_two_plane_types():
   """Symmetric codebooks (cb0 + cb3 = cb1 + cb2): the kernel skips the b0 & b1 plane and still matches the
   reference (which uses the full codebooks); ragged lengths, G = 4 and G = 8. And the skip is not free on general
@@ -123,6 +135,10 @@ def test_bitplane_form_rejects_small_heads_and_default_picks_by_head_dim():
   assert default_config(64).form == "mma" and default_config(128) == BITPLANE
   with pytest.raises(ValueError, match="query_digits"):
     DecodeBlockConfig(form="bitplane", query_digits=3)
+  with pytest.raises(ValueError, match="compact_rows"):
+    DecodeBlockConfig(compact_rows=True)  # the "mma" form
+  with pytest.raises(ValueError, match="compact_rows"):
+    DecodeBlockConfig(form="bitplane", compact_rows=True, heads_per_program=2)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS) + list(BITPLANE_CONFIGS))
