@@ -206,8 +206,8 @@ def check_correctness(log, forms=("mma", "lut", "bitplane"), only=None):
         continue  # needs H >= 128 (see oskvp_decode_attention_bitplane)
       cfgs = [DecodeBlockConfig(form=form), DecodeBlockConfig(form=form, block_s=32, num_splits=7)]
       if form == "bitplane":
-        cfgs = only or [BITPLANE, dataclasses.replace(BITPLANE, block_s=32, num_splits=7, extract="jnp"),
-                        dataclasses.replace(BITPLANE, query_digits=2)]
+        cfgs = only or [BITPLANE, dataclasses.replace(BITPLANE, compact_rows=True, query_digits=2),
+                        dataclasses.replace(BITPLANE, block_s=32, num_splits=7, compact_rows=True)]
       if form == "mma":
         cfgs.append(DecodeBlockConfig(block_s=128, num_splits=7, num_stages=2, outlier_mma=False, prefetch=True))
         cfgs.append(DecodeBlockConfig(decode="poly"))
@@ -215,7 +215,7 @@ def check_correctness(log, forms=("mma", "lut", "bitplane"), only=None):
       if form == "bitplane":  # symmetric codebooks, two plane types
         sargs = random_oskvp_inputs(jax.random.key(10 + i), symmetric=True, **case)
         sref = jax.jit(oskvp_decode_attention_reference)(*sargs).astype(jnp.float32)
-        runs.append((cfgs[0], sargs, sref, True))
+        runs += [(cfg, sargs, sref, True) for cfg in cfgs[:2]]
       for cfg, a, r, sym in runs:
         try:
           out = _oskvp_pallas(*a, interpret=False, config=cfg, poison=True,
