@@ -3,7 +3,8 @@
   PYTHONPATH=$PWD python3 benchmarks/expert_matmul.py --out=$OUT [--quick | --sweep]
 
 Formats: `int4` (uint8 layout, x @ W), `int4_nk` (uint16 [E, N, Kp/4] layout, the A/B-swapped W^T x^T kernel with
-split-K), `int4_sp24`, `vq2`. `--sweep` times tile candidates of `int4_nk` at the decode shapes (<= 16 rows per
+split-K), `int4_mgpu` (the Mosaic GPU kernel, int4 [E, N, Kp] layout: TMA + wgmma from registers), `int4_sp24`,
+`vq2`. `--sweep` times tile candidates of `int4_nk` at the decode shapes (<= 16 rows per
 expert) next to the peers, then stops.
 
 Peers: `jax.lax.ragged_dot` in bf16 (XLA), jax's Mosaic GPU `ragged_dot_mgpu` (bf16, best of a few tile configs),
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import vq2_grouped_matmul as v2
 
 G = 128
@@ -43,6 +45,7 @@ ROWS = [1, 16, 64, 512, 4096]  # plus 16 rows per expert (16·E) for each shape
 CONFIGS = {
     "int4": [dict(block_n=256, num_warps=4, num_stages=3, unpack="asm")],
     "int4_nk": [dict(block_n=128, num_warps=4, num_stages=3, unpack="asm")],  # the best in the --sweep run
+    "int4_mgpu": [dict()],  # its defaults: the best per decode shape in results/int4_mgpu_decode.md
     "int4_sp24": [dict(block_n=64, num_warps=4, num_stages=4, unpack="magic")],
     "vq2": [dict(block_n=256, num_warps=4, num_stages=3)],
 }
@@ -65,6 +68,7 @@ EXPLORE = {
             for w, st in ((4, 3), (8, 3), (4, 5))],
 }
 KERNELS = {"int4": i4.int4_grouped_matmul, "int4_nk": i4.int4_grouped_matmul, "int4_sp24": i4.int4_grouped_matmul,
+           "int4_mgpu": mg.int4_grouped_matmul_mgpu,
            "vq2": v2.vq2_grouped_matmul}
 
 
@@ -132,12 +136,14 @@ def weight_bytes(fmt, k, n):
   """Bytes of one expert's [K, N] weight in a format."""
   groups = k // G * n
   return {"bf16": k * n * 2, "int4": k * n // 2 + groups * 3, "int4_nk": k * n // 2 + groups * 3,
+          "int4_mgpu": k * n // 2 + groups * 4,
           "int4_sp24": k * n * 3 // 8 + groups * 3, "vq2": k * n // 4 + groups * 2 + 256 * 8}[fmt]
 
 
 def quantized(key, e, k, n, formats):
   """Random weights of each format."""
   make = {"int4": lambda: random_int4(key, e, k, n), "int4_nk": lambda: i4.to_nk_layout(random_int4(key, e, k, n)),
+          "int4_mgpu": lambda: mg.to_mgpu_layout(random_int4(key, e, k, n)),
           "int4_sp24": lambda: random_int4(key, e, k, n, True), "vq2": lambda: random_vq2(key, e, k, n)}
   return {f: make[f]() for f in formats}
 
@@ -151,24 +157,30 @@ def check_correctness(sweep=False):
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
   ws = {"int4": random_int4(jax.random.key(2), e, k, n),
         "int4_nk": i4.to_nk_layout(random_int4(jax.random.key(2), e, k, n)),
+        "int4_mgpu": mg.to_mgpu_layout(random_int4(jax.random.key(2), e, k, n)),
         "int4_sp24": random_int4(jax.random.key(3), e, k, n, True), "vq2": random_vq2(jax.random.key(4), e, k, n)}
   if sweep:
     ws = {f: ws[f] for f in ("int4", "int4_nk")}
   for name, w in ws.items():
     mod, fn = (v2, v2.vq2_grouped_matmul) if name == "vq2" else (i4, i4.int4_grouped_matmul)
     ref_fn = v2.vq2_grouped_matmul_reference if name == "vq2" else i4.int4_grouped_matmul_reference
+    poison = {"poison": float("nan")}
+    if name == "int4_mgpu":  # unwritten output rows are whatever the allocator left: a wrong row shows as an error
+      fn, ref_fn, poison = mg.int4_grouped_matmul_mgpu, mg.int4_grouped_matmul_mgpu_reference, {}
     cfgs = CONFIGS[name] + (list(SWEEP.values()) + [dict(block_n=256, split_k=4)] if sweep and name == "int4_nk"
                             else [])
     for cfg in cfgs:
       tag = f"{name}_" + "_".join(str(v) for v in cfg.values())
       try:
-        got = np.asarray(fn(x, w, gs, poison=float("nan"), interpret=INTERPRET["on"], **cfg))
+        got = np.asarray(fn(x, w, gs, interpret=INTERPRET["on"], **poison, **cfg))
       except Exception as ex:  # noqa: BLE001
         res[tag] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
         continue
       want = np.asarray(ref_fn(x, w, gs))
       err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
       res[tag] = {"max_rel_err": err, "nan": int(np.isnan(got).sum())}
+    if name == "int4_mgpu":
+      continue  # no fused SwiGLU variant
     swi = (v2.vq2_grouped_swiglu, v2.vq2_grouped_swiglu_reference) if name == "vq2" else (
         i4.int4_grouped_swiglu, i4.int4_grouped_swiglu_reference)
     got = np.asarray(swi[0](x, w, w, gs, poison=float("nan"), interpret=INTERPRET["on"]).astype(jnp.float32))
@@ -223,9 +235,9 @@ def markdown(result: dict) -> str:
          "(in each format) + lhs + f32 output.\n",
          "Cells: ms (TB/s on bytes read); kernels add [speed-up over the best bf16 peer, % of copy bandwidth].\n",
          "| E, K->N | rows | rows/expert | XLA ragged_dot bf16 | Mosaic ragged_dot_mgpu bf16 | Pallas int4 u16 "
-         "(A/B swap) | Pallas int4 u8 (x@W) | Pallas int4 2:4 | Pallas vq2 | int4 u16 fused gate+up SwiGLU "
-         "(2 weights) |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "(A/B swap) | Mosaic int4 (wgmma) | Pallas int4 u8 (x@W) | Pallas int4 2:4 | Pallas vq2 | int4 u16 fused "
+         "gate+up SwiGLU (2 weights) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
   for (e, k, n, rows), v in sorted(by.items()):
     if "xla_ragged_dot_bf16" not in v:
       continue
@@ -235,7 +247,7 @@ def markdown(result: dict) -> str:
     row = [f"{e}, {k}->{n}", str(rows), str(-(-rows // e)), cell(v["xla_ragged_dot_bf16"]),
            cell(v["mgpu_ragged_dot_bf16"]) if "mgpu_ragged_dot_bf16" in v else "-"]
     row += [kcell(v[f"pallas_{f}"]) if f"pallas_{f}" in v else "-"
-            for f in ("int4_nk", "int4", "int4_sp24", "vq2")]
+            for f in ("int4_nk", "int4_mgpu", "int4", "int4_sp24", "vq2")]
     sw = v.get("pallas_int4_nk_swiglu_fused")
     row.append(f"{cell(sw)} [{2 * peer / sw['ms']:.2f}x vs 2 bf16 matmuls]" if sw else "-")
     out.append("| " + " | ".join(row) + " |")

@@ -109,7 +109,7 @@ def main(argv=None):
           continue
         try:
           f = jax.jit(functools.partial(mg.int4_grouped_matmul_mgpu, **cfg))
-          add(f"pallas_int4_mgpu[{name}]", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_nk",
+          add(f"pallas_int4_mgpu[{name}]", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu",
               n_active, {"config": cfg})
         except Exception as ex:  # noqa: BLE001
           print("mgpu int4 fail", name, type(ex).__name__, str(ex)[:400], flush=True)
