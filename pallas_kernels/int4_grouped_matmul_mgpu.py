@@ -251,7 +251,8 @@ DEQUANTS = ("ptx", "jnp")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
                              block_n: int = 64, block_k: int | None = None, block_r: int | None = None,
-                             max_concurrent_steps: int | None = None, interpret: bool = False,
+                             max_concurrent_steps: int | None = None,
+                             interpret: bool | plgpu.InterpretGPUParams = False,
                              dequant: str = "ptx") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
@@ -264,7 +265,7 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
       else 256 (the faster of the two at each decode shape of the H200 runs).
     block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
     max_concurrent_steps: depth of the TMA ring; default 3 for block_k 512, else 4.
-    interpret: run in Mosaic GPU's CPU interpreter.
+    interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`, e.g. with detect_races).
     dequant: "jnp" (Mosaic's int4 -> bf16 cast, then (w - z') * s) or "ptx" (one inline-PTX sequence per 2 weights;
       GPU only: interpret mode uses "jnp").
   """
@@ -308,7 +309,8 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
       body, out_type=jax.ShapeDtypeStruct((m + pad, n), jnp.float32), grid=(tiles.shape[0], n // block_n),
       grid_names=("t", "n"), scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}))
+      **({"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
+         if interpret else {}))
   out = kernel(tiles, lhs_p, weights.q, weights.scale, weights.zero)
   return out[:m] if pad else out
 
