@@ -40,6 +40,8 @@ import math
 from typing import NamedTuple
 
 import jax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
@@ -127,10 +129,10 @@ def _as_wgmma_operand(w, block_n: int):
   return reinterpret(w)
 
 
-# PTX: one 32-bit word of 8 stored nibbles (c = q - 8) and the word shifted right by 4 -> the bf16 pair of nibbles
-# 2i, 2i + 1 dequantized: prmt puts byte i of each into the two 16-bit halves, lop3 computes (t & 0x000F000F) ^
-# 0x43084308, whose bf16 halves are 128 + (c ^ 8 as a nibble) = 136 + c, exactly; sub.bf16x2 of 136 + z' (z' =
-# z - 8; so the difference is q - z, exact) and mul.bf16x2 by the scale round once, as the XLA reference does.
+# PTX: one 32-bit word of 8 stored nibbles (c = q - 8, i.e. the bits of q ^ 8) and the word shifted right by 4 ->
+# the bf16 pair of weights 2i, 2i + 1: prmt puts byte i of each into the two 16-bit halves, lop3 computes
+# (t & 0x000F000F) ^ 0x43084308, whose bf16 halves are 0x4300 | q = 128 + q exactly; sub.bf16x2 of 136 + z' =
+# 128 + z leaves q - z (exact) and mul.bf16x2 by the scale rounds once, as the XLA reference does.
 # 4 instructions per 2 weights; Mosaic's cast followed by jnp (w - z') * s takes 5.
 _DEQUANT_ASM = """{{
 .reg .b32 t;
@@ -146,8 +148,6 @@ def _dequant_ptx(w, zz, s, block_n: int):
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, _ROW, _ROW),
                      return_type=plgpu.ShapeDtypeStruct((block_n, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
   def dequant(_, arr, zz_arr, s_arr):
-    from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
-    from jax._src.lib.mlir.dialects import arith, llvm  # pylint: disable=g-import-not-at-top
     i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
     pair = lambda r: mgpu.utils.bitcast(mgpu.utils.vector_concat([r, r]), i32)  # one row value in both halves
     rows = {idx: (pair(zz_arr.registers[idx]), pair(s_arr.registers[idx]))
