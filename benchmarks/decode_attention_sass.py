@@ -45,6 +45,7 @@ def main():
   ap.add_argument("--only", default="", help="compile only the configs whose name contains this")
   args = ap.parse_args()
   shape = dict(batch=8, heads=32, kv_heads=8, head_dim=128, capacity=1024, window=128)
+  plain = dataclasses.replace(BITPLANE, compact_rows=False, query_digits=1)  # the default before compact rows
   configs = {
       "timed_first (b128 bcast ns2)": DecodeBlockConfig(block_s=128, num_stages=2, outlier_mma=False),
       "default mma (b64 om ns1)": DecodeBlockConfig(),
@@ -58,12 +59,14 @@ def main():
       "bitplane b64 hp2 d1": DecodeBlockConfig(form="bitplane", block_s=64, num_stages=1, query_digits=1,
                                                heads_per_program=2),
       "bitplane b128 hp1 d2": DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1),
-      "bitplane default (BITPLANE)": BITPLANE,
-      "bitplane b128 d1 prefetch": dataclasses.replace(BITPLANE, prefetch=True),
-      "bitplane b256 d1": dataclasses.replace(BITPLANE, block_s=256),
-      "bitplane b128 d1 8 warps": dataclasses.replace(BITPLANE, num_warps=8),
-      "bitplane symmetric (BITPLANE)": (BITPLANE, True),
-      "bitplane symmetric b128": (dataclasses.replace(BITPLANE, block_s=128), True),
+      "bitplane plain rows b256 d1": plain,
+      "bitplane plain rows b128 d1 prefetch": dataclasses.replace(plain, block_s=128, prefetch=True),
+      "bitplane plain rows b128 d1 8 warps": dataclasses.replace(plain, block_s=128, num_warps=8),
+      "bitplane plain rows symmetric": (plain, True),
+      "bitplane default (BITPLANE: compact rows)": BITPLANE,
+      "bitplane compact rows symmetric": (BITPLANE, True),
+      "bitplane compact rows symmetric b128": (dataclasses.replace(BITPLANE, block_s=128), True),
+      "bitplane compact rows symmetric 8 warps": (dataclasses.replace(BITPLANE, num_warps=8), True),
   }
   configs = {k: v for k, v in configs.items() if args.only in k}
   print(f"{'config':30s} regs stack | per warp per block: instrs (per token, all warps) MMA LDL/STL BAR LDS/STS "

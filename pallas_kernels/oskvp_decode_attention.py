@@ -106,10 +106,11 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.prefetch=} applies to forms 'mma' and 'bitplane' only")
 
 
-# The fastest bit-plane tiling on the H200 at 64k x 8: block 256, 1 stage, one query digit, 0.65-0.67 ms (16 splits
-# 0.62; cuDNN 0.55-0.57 in the same runs). Block 128 0.74-0.78, block 512 1.04, two query digits +5%, 2 stages,
-# 8 warps and prefetching slower (benchmarks/results/decode_attention_sweep{5,6}.log).
-BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=1)
+# The fastest bit-plane tiling on the H200 at 64k x 8: block 256, 1 stage, compact rows (so two query digits cost
+# nothing): 0.477 ms in the grid run, 0.426 ms with symmetric codebooks, against cuDNN's 0.534 ms on a bf16 cache
+# (benchmarks/results/decode_attention.md). Without compact rows (one query digit): 0.640 ms; block 128, 8 warps,
+# 16 splits, 2 stages and prefetching slower (decode_attention_run7.log, decode_attention_sweep{5,6}.log).
+BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=2, compact_rows=True)
 
 
 def default_config(head_dim: int) -> DecodeBlockConfig:

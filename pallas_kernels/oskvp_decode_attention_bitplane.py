@@ -190,7 +190,7 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
 
 def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref,
                     nr_ref, acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, o_dim: int,
-                    groups: int, extract: str, types: int):
+                    groups: int, extract: str, types: int, prefetch: bool):
   # `compact_rows`: one kv head per program; the R = 16 tensor-core rows hold the G query rows (0..G-1) and their
   # second int8 digit (G..2G-1), so each plane's key dot yields both query digits and each value dot both
   # probability digits; the softmax runs on the G real rows only.
@@ -274,7 +274,7 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
 
     state0 = ([[zeros] * 4 for _ in range(1 + types)], jnp.zeros(acco_ref.shape, jnp.float32),
               jnp.full((groups,), NEG_INF, jnp.float32), jnp.zeros((groups,), jnp.float32))
-    acc, acco, m, l = run_blocks(nblocks, load_block, compute, state0, False)
+    acc, acco, m, l = run_blocks(nblocks, load_block, compute, state0, prefetch)
     write(acc, acco, unfold([m[:, None]], jnp.float32).reshape(r), unfold([l[:, None]], jnp.float32).reshape(r))
 
   @pl.when(split == num_splits)
@@ -465,7 +465,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
       raise ValueError(f"compact_rows needs 2 G <= {rows} rows (got G = {g})")
     qdig, qw, qc = compact_query(qhi, qlo, qs, qc, g, config.query_digits)
     kernel = functools.partial(_compact_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
-                               groups=g, extract=extract, types=types)
+                               groups=g, extract=extract, types=types, prefetch=config.prefetch)
     in_specs = [per_head(types, 4, rows, qd), per_head(rows), per_head(g), per_head(4, rows, qd),
                 per_head(rows, o_cols), per_head(s, qd), per_head(s, o_dim), per_head(s, qd), per_head(s, o_dim),
                 per_head(r, h), per_head(r, h)] + in_specs[12:]

@@ -52,11 +52,12 @@ CONFIGS = {
 # The bit-plane form needs H >= 128 (planes of >= 32 channels).
 BITPLANE_CONFIGS = {
     "bitplane": dataclasses.replace(BITPLANE, num_splits=3),  # the GPU default for H >= 128
-    "bitplane_two_query_digits": dataclasses.replace(BITPLANE, block_s=64, num_splits=4, query_digits=2),
-    "bitplane_two_heads_per_program": dataclasses.replace(BITPLANE, block_s=32, num_splits=2, heads_per_program=2),
+    "bitplane_two_query_digits": dataclasses.replace(BITPLANE, block_s=64, num_splits=4, compact_rows=False),
+    "bitplane_two_heads_per_program": dataclasses.replace(BITPLANE, block_s=32, num_splits=2, heads_per_program=2,
+                                                          compact_rows=False),
     "bitplane_jnp_extract": dataclasses.replace(BITPLANE, block_s=32, num_splits=5, extract="jnp"),
-    "bitplane_compact_rows": dataclasses.replace(BITPLANE, block_s=64, num_splits=3, compact_rows=True,
-                                                 query_digits=2),
+    "bitplane_plain_rows": dataclasses.replace(BITPLANE, block_s=64, num_splits=3, compact_rows=False,
+                                               query_digits=1),
 }
 
 
