@@ -26,9 +26,16 @@ Needs H >= 128: the int8 dots over H/4 = 16 channels (H = 64) gave wrong results
 H = 64 is rejected (`default_config` picks "mma" there). `heads_per_program` > 1 stacks several kv heads' query rows
 block-diagonally into the 16-row tile; measured no gain (registers). H200 numbers: benchmarks/notes_decode_attention.md.
 
-Partials (per split): acc [4 slots, 4 planes, GP, Q] f32 — slot 0 the plain bf16-value accumulator of the residual
-window's program, slots 1..3 sum_t p_t plane_type — acco [GP, OP], m, l [GP]; `merge_bitplane_partials` applies the
-value codebooks (c0 l_compressed + sum_type d_type * slot), the outliers, the log-sum-exp weights and U_v^T.
+Two kernels share the wrapper: `_bitplane_kernel` (one dot per operand digit) and `_compact_kernel`
+(`compact_rows=True`, the default): the tile's padding rows carry the second digit (query digit 2 in the key dots'
+rows G..2G-1, probability digit 2 in the value dots' rows G..2G-1), the 16 score rows are folded to the G real ones
+once per block and the softmax runs on [G, block]. With symmetric codebooks (d3 = 0, `symmetric_codebooks=True`)
+both skip the b0 b1 plane type.
+
+Partials (per split): acc [1 + T slots, 4 planes, GP, Q] f32 — slot 0 the plain bf16-value accumulator of the
+residual window's program, slots 1..T sum_t p_t plane_type (compact: first digit in rows < G, second in G..2G-1,
+combined by `merge_compact_rows`) — acco [GP, OP], m, l [GP]; `merge_bitplane_partials` applies the value codebooks
+(c0 l_compressed + sum_type d_type * slot), the outliers, the log-sum-exp weights and U_v^T.
 """
 
 from __future__ import annotations

@@ -119,9 +119,10 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
                            interpret: bool = False, symmetric_codebooks: bool = False) -> jax.Array:
   """Decode attention over an OS-KVP cache, through `implementation` ("auto", "pallas" or "xla"; arguments as in
   `oskvp_decode_attention_xla`). "auto" is the Pallas kernel on GPU and the XLA reference elsewhere. On the
-  H200 at 64k context the kernel (bit-plane form) beats the XLA reference 2.6x at batch 1 and 8 (0.18 vs 0.47 ms,
-  0.74 vs 1.90 ms) but is still 1.2-1.8x slower than cuDNN on a bf16 cache: benchmarks/results/decode_attention.md. The Pallas kernel handles the 2-bit
-  layout; 3-bit caches fall back to "xla"."""
+  H200 at 64k context x batch 8 the kernel (bit-plane form, compact rows) takes 0.477 ms (0.426 with symmetric
+  codebooks) against 1.88 for the XLA reference and 0.534 for cuDNN on a bf16 cache
+  (benchmarks/results/decode_attention.md). The Pallas kernel handles the 2-bit layout; 3-bit caches fall back to
+  "xla". symmetric_codebooks: the caches of `OSKVPMode(symmetric=True)`; lets the kernel skip a plane type."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
   if implementation == "auto":
