@@ -65,6 +65,10 @@ class DecodeBlockConfig:
       rows G..2G-1), fold the rows back to the G real ones once per block, and run the softmax on [G, block] tiles
       instead of [16, block]: half the value dots, two query digits for the price of one, a quarter of the softmax
       work at G = 4.
+    outlier_f16: (compact rows) the fp8 outlier tiles and their query / probability operands in float16 instead of
+      bfloat16: e4m3 converts to f16 pairs in one instruction, and f16 keeps 3 more mantissa bits.
+    masked_value_planes: (compact rows) the value planes are masked in place, not shifted down (one instruction per
+      4 codes instead of two); the power-of-two weights they carry are folded into the per-row scales.
   """
 
   # Defaults: the fastest "mma" tiling on the H200 (block 64, outliers on the tensor cores, 1 stage: 0.94-1.06 ms
@@ -82,6 +86,8 @@ class DecodeBlockConfig:
   heads_per_program: int | None = None
   query_digits: int = 2
   compact_rows: bool = False
+  outlier_f16: bool = False
+  masked_value_planes: bool = False
 
   def __post_init__(self):
     if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -100,6 +106,8 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.query_digits=} must be 1 or 2")
     if self.extract not in ("asm", "jnp"):
       raise ValueError(f"{self.extract=} must be 'asm' or 'jnp'")
+    if (self.outlier_f16 or self.masked_value_planes) and not self.compact_rows:
+      raise ValueError(f"{self.outlier_f16=} and {self.masked_value_planes=} apply with compact_rows=True only")
     if self.compact_rows and (self.form != "bitplane" or (self.heads_per_program or 1) > 1):
       raise ValueError(f"{self.compact_rows=} needs form='bitplane' and one kv head per program")
     if self.form == "lut" and self.prefetch:
@@ -199,21 +207,22 @@ def dequant_plane(x: jax.Array, plane: int, cb: list[jax.Array], dtype=jnp.float
   return jnp.where(b1, jnp.where(b0, cb[3], cb[2]), jnp.where(b0, cb[1], cb[0])).astype(dtype)
 
 
-def fp8_rows(ref, rows, valid, cols: int, width: int, head=None):
-  """Masked load of fp8 outlier rows -> f32 [bs, width], zero on invalid rows and on columns >= cols.
+def fp8_rows(ref, rows, valid, cols: int, width: int, head=None, dtype=jnp.float32):
+  """Masked load of fp8 outlier rows -> [bs, width] in dtype, zero on invalid rows and on columns >= cols.
 
   Triton cannot splat an `other` to fp8, and an unloaded fp8 lane may hold a NaN encoding (0 * NaN would spread
   into the accumulator), so masked lanes are zeroed after the conversion. width > cols (a power of two, as Triton
   tiles must be) reads a padded tile whose extra columns are masked off (no memory traffic). `head`: a leading index
-  into a [heads, S, O] ref (one indexer: Triton lowers no chained `.at`).
+  into a [heads, S, O] ref (one indexer: Triton lowers no chained `.at`). dtype float16 converts e4m3 pairs directly
+  (one instruction per two values on Hopper) where f32 and bf16 go through wider conversions.
   """
   lead = () if head is None else (jnp.int32(head),)
   if width == cols:
-    x = plgpu.load(ref.at[(*lead, rows, slice(None))], mask=valid[:, None]).astype(jnp.float32)
-    return jnp.where(valid[:, None], x, 0.0)
+    x = plgpu.load(ref.at[(*lead, rows, slice(None))], mask=valid[:, None]).astype(dtype)
+    return jnp.where(valid[:, None], x, jnp.zeros((), dtype))
   mask = valid[:, None] & (jnp.arange(width) < cols)[None, :]
-  x = plgpu.load(ref.at[(*lead, rows, pl.ds(0, width))], mask=mask).astype(jnp.float32)
-  return jnp.where(mask, x, 0.0)
+  x = plgpu.load(ref.at[(*lead, rows, pl.ds(0, width))], mask=mask).astype(dtype)
+  return jnp.where(mask, x, jnp.zeros((), dtype))
 
 
 # Monomial coefficients of the cubic through (c, cb[c]), c = 0..3: poly[d] = sum_c POLY[d, c] * cb[c].

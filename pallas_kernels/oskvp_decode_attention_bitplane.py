@@ -78,12 +78,39 @@ def _plane_asm(plane: int, kind: int) -> str:
   return f"{{ .reg .b32 t, u; {shift_lo}shr.b32 u, $1, {hi}; lop3.b32 $0, t, u, 0x01010101, 0x80; }}"
 
 
-def planes(x: jax.Array, plane: int, extract: str, types: int = PLANE_TYPES) -> list[jax.Array]:
-  """x uint8 [bs, Q] packed code bytes -> the first `types` of [b0, b1, b0 & b1] of `plane`, int8 [bs, Q], 0/1."""
+def _masked_plane_asm(plane: int, kind: int) -> str:
+  """PTX for 4 packed code bytes -> plane `kind` of `plane` left in place: each byte 0 or its bit's weight."""
+  lo = 2 * plane
+  if kind < 2:
+    return f"and.b32 $0, $1, {(1 << (lo + kind)) * 0x01010101:#010x};"
+  # b0 & b1 at b0's position: x & (x >> 1) & mask (lop3 immediate 0x80 = a & b & c).
+  return f"{{ .reg .b32 u; shr.b32 u, $1, 1; lop3.b32 $0, $1, u, {(1 << lo) * 0x01010101:#010x}, 0x80; }}"
+
+
+def masked_plane_scales(plane: int, types: int = PLANE_TYPES) -> list[float]:
+  """What `planes(..., masked=True)` multiplied each plane type by, inverted: b0 sits at 4**p, b1 at 2 * 4**p (int8
+  -128 for p = 3: the sign is in the scale), b0 & b1 at 4**p. Exact powers of two."""
+  s = [4.0**-plane, 0.5 * 4.0**-plane, 4.0**-plane]
+  if plane == 3:
+    s[1] = -s[1]
+  return s[:types]
+
+
+def planes(x: jax.Array, plane: int, extract: str, types: int = PLANE_TYPES, masked: bool = False) -> list[jax.Array]:
+  """x uint8 [bs, Q] packed code bytes -> the first `types` of [b0, b1, b0 & b1] of `plane`, int8 [bs, Q], 0/1.
+
+  masked: the bits are not shifted down, only masked (one instruction per 4 codes instead of two): each plane comes
+  out multiplied by 1 / `masked_plane_scales(plane)`, which the caller folds into its int32 -> f32 scale.
+  """
   if extract == "asm":  # four codes per 32-bit instruction (GPU only: inline PTX has no interpreter)
     out = [jax.ShapeDtypeStruct(x.shape, jnp.int8)]
-    return [plgpu.elementwise_inline_asm(_plane_asm(plane, kind), args=[x], constraints="=r,r", pack=4,
+    asm = _masked_plane_asm if masked else _plane_asm
+    return [plgpu.elementwise_inline_asm(asm(plane, kind), args=[x], constraints="=r,r", pack=4,
                                          result_shape_dtypes=out)[0] for kind in range(types)]
+  if masked:
+    lo = 2 * plane
+    return [(x & m).astype(jnp.int8) for m in (1 << lo, 2 << lo)[:types]] + \
+        ([(x & (x >> 1) & (1 << lo)).astype(jnp.int8)] if types > 2 else [])
   b0 = (x >> 2 * plane) & 1
   b1 = (x >> (2 * plane + 1)) & 1
   return [b.astype(jnp.int8) for b in (b0, b1, b0 & b1)[:types]]
@@ -197,7 +224,7 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
 
 def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref,
                     nr_ref, acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, o_dim: int,
-                    groups: int, extract: str, types: int, prefetch: bool):
+                    groups: int, extract: str, types: int, prefetch: bool, masked_values: bool):
   # `compact_rows`: one kv head per program; the R = 16 tensor-core rows hold the G query rows (0..G-1) and their
   # second int8 digit (G..2G-1), so each plane's key dot yields both query digits and each value dot both
   # probability digits; the softmax runs on the G real rows only.
@@ -244,8 +271,9 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
       valid = s0 + jnp.arange(block_s) < end  # [bs]
       rows = pl.ds(s0, block_s)
       codes = lambda ref: plgpu.load(ref.at[rows, :], mask=valid[:, None], other=0)
-      return (codes(ck_ref), codes(cv_ref), fp8_rows(ok_ref, rows, valid, o_dim, op),
-              fp8_rows(ov_ref, rows, valid, o_dim, op))
+      odt = qo_ref.dtype  # float16 (outliers converted straight from e4m3) or bfloat16
+      return (codes(ck_ref), codes(cv_ref), fp8_rows(ok_ref, rows, valid, o_dim, op, dtype=odt),
+              fp8_rows(ov_ref, rows, valid, o_dim, op, dtype=odt))
 
     def compute(i, tiles, acc, acco, m, l):
       ck, cv, ok, ov = tiles
@@ -255,7 +283,7 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
         kplanes = planes(ck, p, extract, types)
         for t in range(types):
           idot += plgpu.dot(qd_ref[t, p], kplanes[t], trans_b=True)  # [R, bs] int32, both digits
-      sr = idot.astype(jnp.float32) * qw[:, None] + plgpu.dot(qo_ref[...], ok.astype(jnp.bfloat16), trans_b=True)
+      sr = idot.astype(jnp.float32) * qw[:, None] + plgpu.dot(qo_ref[...], ok, trans_b=True)
       scores = jnp.where(valid[None, :], fold(sr) + qc[:, None], NEG_INF)  # [G, bs]
       m_blk = scores.max(axis=1)
       m_new = jnp.maximum(m, m_blk)
@@ -270,13 +298,14 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
       col = lambda v: v[:, None]
       alpha_r = unfold([col(alpha), col(alpha)], jnp.float32)  # [R, 1]
       w_r = unfold([col(p_blk), col(p_blk)], jnp.float32) * (1.0 / (127.0 * 256.0))
-      pb = unfold([pt], jnp.bfloat16)
-      acco = acco * alpha_r + plgpu.dot(pb, ov.astype(jnp.bfloat16)) * (w_r * (127.0 * 256.0))
+      pb = unfold([pt], ov.dtype)
+      acco = acco * alpha_r + plgpu.dot(pb, ov) * (w_r * (127.0 * 256.0))
       new = [acc[0]] + [[None] * 4 for _ in range(types)]
       for p in range(4):
-        vplanes = planes(cv, p, extract, types)
+        vplanes = planes(cv, p, extract, types, masked_values)
+        scales = masked_plane_scales(p, types) if masked_values else [1.0] * types
         for t in range(types):
-          new[1 + t][p] = acc[1 + t][p] * alpha_r + plgpu.dot(pd, vplanes[t]).astype(jnp.float32) * w_r
+          new[1 + t][p] = acc[1 + t][p] * alpha_r + plgpu.dot(pd, vplanes[t]).astype(jnp.float32) * (w_r * scales[t])
       return new, acco, m_new, l
 
     state0 = ([[zeros] * 4 for _ in range(1 + types)], jnp.zeros(acco_ref.shape, jnp.float32),
@@ -472,11 +501,13 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
       raise ValueError(f"compact_rows needs 2 G <= {rows} rows (got G = {g})")
     qdig, qw, qc = compact_query(qhi, qlo, qs, qc, g, config.query_digits)
     kernel = functools.partial(_compact_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
-                               groups=g, extract=extract, types=types, prefetch=config.prefetch)
+                               groups=g, extract=extract, types=types, prefetch=config.prefetch,
+                               masked_values=config.masked_value_planes)
     in_specs = [per_head(types, 4, rows, qd), per_head(rows), per_head(g), per_head(4, rows, qd),
                 per_head(rows, o_cols), per_head(s, qd), per_head(s, o_dim), per_head(s, qd), per_head(s, o_dim),
                 per_head(r, h), per_head(r, h)] + in_specs[12:]
-    inputs = [qdig, qw, qc, q_planes[:, :, :, 0], q_outl[:, :, 0]] + inputs[6:]
+    q_outl = q_outl[:, :, 0].astype(jnp.float16 if config.outlier_f16 else jnp.bfloat16)
+    inputs = [qdig, qw, qc, q_planes[:, :, :, 0], q_outl] + inputs[6:]
   aliases = {}
   if poison:  # Partials start as NaN (aliased in/out buffers): any element the kernel skips poisons the result.
     n_in = len(inputs)

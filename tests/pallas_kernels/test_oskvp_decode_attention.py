@@ -20,7 +20,7 @@ import pytest
 from pallas_kernels.oskvp_decode_attention import (BITPLANE, DecodeBlockConfig, _oskvp_pallas, default_config,
                                                    dequantize_rotated, oskvp_decode_attention, oskvp_decode_attention_reference,
                                                    unpack_codes)
-from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas
+from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas, masked_plane_scales, planes
 from pallas_kernels.oskvp_random import random_oskvp_inputs_host as random_oskvp_inputs
 
 TOL = {"mma": 1.5e-2, "lut": 1e-3, "bitplane": 1.5e-2}
@@ -58,6 +58,8 @@ BITPLANE_CONFIGS = {
     "bitplane_jnp_extract": dataclasses.replace(BITPLANE, block_s=32, num_splits=5, extract="jnp"),
     "bitplane_plain_rows": dataclasses.replace(BITPLANE, block_s=64, num_splits=3, compact_rows=False,
                                                query_digits=1),
+    "bitplane_f16_outliers_masked_values": dataclasses.replace(BITPLANE, block_s=64, num_splits=3, outlier_f16=True,
+                                                               masked_value_planes=True),
 }
 
 
@@ -104,6 +106,20 @@ def test_bitplane_compact_rows_g1_and_g8():
            window=128, n_comp=[700], n_res=[100])
   run_case(19, dataclasses.replace(compact, num_splits=6, query_digits=2), symmetric=True, batch=2, heads=16,
            kv_heads=2, head_dim=128, capacity=1000, window=16, outliers=12, n_comp=[0, 1000], n_res=[9, 16])
+  run_case(20, dataclasses.replace(compact, num_splits=3, outlier_f16=True, masked_value_planes=True),
+           symmetric=True, batch=2, heads=2, kv_heads=2, head_dim=128, capacity=500, window=16, n_comp=[500, 77],
+           n_res=[16, 3])
+
+
+def test_masked_planes_times_their_scales_are_the_bit_planes():
+  """planes(masked=True) leaves each bit in place (b1 of plane 3 is int8 -128): times `masked_plane_scales` it is the
+  0/1 plane exactly, for every byte value and every plane and type."""
+  x = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8).reshape(8, 32)
+  for p in range(4):
+    exact = planes(x, p, "jnp")
+    masked = planes(x, p, "jnp", masked=True)
+    for e, m, s in zip(exact, masked, masked_plane_scales(p)):
+      np.testing.assert_array_equal(np.asarray(m, np.float64) * s, np.asarray(e, np.float64))
 
 
 def test_bitplane_symmetric_codebooks_two_plane_types():
