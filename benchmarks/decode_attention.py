@@ -28,7 +28,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.oskvp_decode_attention import (BITPLANE, DecodeBlockConfig, _oskvp_pallas,
+from pallas_kernels.oskvp_decode_attention import (BITPLANE, PLAIN_ROWS, DecodeBlockConfig, _oskvp_pallas,
                                                    oskvp_decode_attention_reference)
 from pallas_kernels.oskvp_random import random_oskvp_inputs
 
@@ -206,7 +206,7 @@ def check_correctness(log, forms=("mma", "lut", "bitplane"), only=None):
         continue  # needs H >= 128 (see oskvp_decode_attention_bitplane)
       cfgs = [DecodeBlockConfig(form=form), DecodeBlockConfig(form=form, block_s=32, num_splits=7)]
       if form == "bitplane":
-        cfgs = only or [BITPLANE, dataclasses.replace(BITPLANE, compact_rows=False, query_digits=1),
+        cfgs = only or [BITPLANE, PLAIN_ROWS,
                         dataclasses.replace(BITPLANE, block_s=32, num_splits=7, query_digits=1)]
       if form == "mma":
         cfgs.append(DecodeBlockConfig(block_s=128, num_splits=7, num_stages=2, outlier_mma=False, prefetch=True))
@@ -253,7 +253,7 @@ def main():
   log(f"device {dev.device_kind}, jax {jax.__version__}")
   copy_tbs, read_tbs = copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
-  lean = dataclasses.replace(BITPLANE, outlier_f16=True, masked_value_planes=True)
+  lean = BITPLANE  # since run 8: compact rows + f16 outliers + masked value planes
   if args.sweep_only:  # Eighth run: f16 outliers and masked value planes on top of compact rows.
     checks = check_correctness(log, ("bitplane",), only=[lean, dataclasses.replace(lean, block_s=32, num_splits=7)])
   else:
@@ -293,7 +293,7 @@ def main():
     if args.quick:  # The bit-plane default, symmetric codebooks, compact rows and their nearest rivals.
       # Seventh run (decode_attention_run7.log, 64k x 8, cuDNN 0.534 ms): compact rows 0.545 (0.491 symmetric),
       # plain rows 0.718 (0.575 symmetric); block 128, 8 warps and 16 splits slower. Compact rows is now BITPLANE.
-      compact, plain = BITPLANE, dataclasses.replace(BITPLANE, compact_rows=False, query_digits=1)
+      compact, plain = BITPLANE, PLAIN_ROWS
       cfgs = [(plain, False), (plain, True), (compact, False), (compact, True),
               (dataclasses.replace(compact, block_s=128), True), (dataclasses.replace(compact, num_warps=8), True),
               (dataclasses.replace(compact, num_splits=16), True), (dataclasses.replace(compact, block_s=128), False),
@@ -325,6 +325,8 @@ def main():
         json.dump(dict(sweep=sweep, checks=checks, cudnn_ms=ms, copy_tb_per_s=copy_tbs), f, indent=1)
       return 0
 
+  if args.quick and args.skip_sweep:  # the final defaults only, with and without symmetric codebooks
+    best = {"bitplane": BITPLANE, "bitplane_sym": BITPLANE, "mma": DecodeBlockConfig()}
   rows = []
   meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
               shapes=dict(n_heads=N_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, window=WINDOW, outliers=8),

@@ -38,14 +38,15 @@ def main_loop_stats(sass: str) -> dict:
 
 
 def main():
-  from pallas_kernels.oskvp_decode_attention import BITPLANE, DecodeBlockConfig  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.oskvp_decode_attention import BITPLANE, PLAIN_ROWS, DecodeBlockConfig  # pylint: disable=g-import-not-at-top
   ap = argparse.ArgumentParser()
   ap.add_argument("--triton_python", default="/tmp/tvenv/bin/python")
   ap.add_argument("--out", default=tempfile.mkdtemp(prefix="oskvp_sass_"))
   ap.add_argument("--only", default="", help="compile only the configs whose name contains this")
   args = ap.parse_args()
   shape = dict(batch=8, heads=32, kv_heads=8, head_dim=128, capacity=1024, window=128)
-  plain = dataclasses.replace(BITPLANE, compact_rows=False, query_digits=1)  # the default before compact rows
+  plain = PLAIN_ROWS  # the default before compact rows
+  compact = dataclasses.replace(BITPLANE, outlier_f16=False, masked_value_planes=False)  # run 7's default
   configs = {
       "timed_first (b128 bcast ns2)": DecodeBlockConfig(block_s=128, num_stages=2, outlier_mma=False),
       "default mma (b64 om ns1)": DecodeBlockConfig(),
@@ -63,10 +64,12 @@ def main():
       "bitplane plain rows b128 d1 prefetch": dataclasses.replace(plain, block_s=128, prefetch=True),
       "bitplane plain rows b128 d1 8 warps": dataclasses.replace(plain, block_s=128, num_warps=8),
       "bitplane plain rows symmetric": (plain, True),
-      "bitplane default (BITPLANE: compact rows)": BITPLANE,
-      "bitplane compact rows symmetric": (BITPLANE, True),
-      "bitplane compact rows symmetric b128": (dataclasses.replace(BITPLANE, block_s=128), True),
-      "bitplane compact rows symmetric 8 warps": (dataclasses.replace(BITPLANE, num_warps=8), True),
+      "bitplane compact rows (run 7 default)": compact,
+      "bitplane compact rows symmetric": (compact, True),
+      "bitplane default (BITPLANE: compact rows, f16 outliers, masked values)": BITPLANE,
+      "bitplane default symmetric": (BITPLANE, True),
+      "bitplane compact rows symmetric b128": (dataclasses.replace(compact, block_s=128), True),
+      "bitplane compact rows symmetric 8 warps": (dataclasses.replace(compact, num_warps=8), True),
   }
   configs = {k: v for k, v in configs.items() if args.only in k}
   print(f"{'config':30s} regs stack | per warp per block: instrs (per token, all warps) MMA LDL/STL BAR LDS/STS "

@@ -115,10 +115,14 @@ class DecodeBlockConfig:
 
 
 # The fastest bit-plane tiling on the H200 at 64k x 8: block 256, 1 stage, compact rows (so two query digits cost
-# nothing): 0.477 ms in the grid run, 0.426 ms with symmetric codebooks, against cuDNN's 0.534 ms on a bf16 cache
-# (benchmarks/results/decode_attention.md). Without compact rows (one query digit): 0.640 ms; block 128, 8 warps,
-# 16 splits, 2 stages and prefetching slower (decode_attention_run7.log, decode_attention_sweep{5,6}.log).
-BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=2, compact_rows=True)
+# nothing), f16 outliers and masked value planes: 0.461 ms (0.430 with symmetric codebooks) against cuDNN's 0.538 ms
+# on a bf16 cache in the same run (decode_attention_run8.log); compact rows alone 0.514 there (0.477 in run 7's
+# grid, where the previous one-digit default took 0.640). Block 128, 8 warps, 16 splits (except symmetric: 0.422),
+# 2 stages and prefetching slower (decode_attention_run7.log, decode_attention_sweep{5,6}.log).
+BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=2, compact_rows=True,
+                             outlier_f16=True, masked_value_planes=True)
+# The bit-plane default before compact rows (one dot per operand digit, one query digit): kept for comparisons.
+PLAIN_ROWS = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=1)
 
 
 def default_config(head_dim: int) -> DecodeBlockConfig:

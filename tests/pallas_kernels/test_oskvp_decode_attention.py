@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.oskvp_decode_attention import (BITPLANE, DecodeBlockConfig, _oskvp_pallas, default_config,
-                                                   dequantize_rotated, oskvp_decode_attention, oskvp_decode_attention_reference,
-                                                   unpack_codes)
+from pallas_kernels.oskvp_decode_attention import (BITPLANE, PLAIN_ROWS, DecodeBlockConfig, _oskvp_pallas,
+                                                   default_config, dequantize_rotated, oskvp_decode_attention,
+                                                   oskvp_decode_attention_reference, unpack_codes)
 from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas, masked_plane_scales, planes
 from pallas_kernels.oskvp_random import random_oskvp_inputs_host as random_oskvp_inputs
 
@@ -52,14 +52,12 @@ CONFIGS = {
 # The bit-plane form needs H >= 128 (planes of >= 32 channels).
 BITPLANE_CONFIGS = {
     "bitplane": dataclasses.replace(BITPLANE, num_splits=3),  # the GPU default for H >= 128
-    "bitplane_two_query_digits": dataclasses.replace(BITPLANE, block_s=64, num_splits=4, compact_rows=False),
-    "bitplane_two_heads_per_program": dataclasses.replace(BITPLANE, block_s=32, num_splits=2, heads_per_program=2,
-                                                          compact_rows=False),
+    "bitplane_two_query_digits": dataclasses.replace(PLAIN_ROWS, block_s=64, num_splits=4, query_digits=2),
+    "bitplane_two_heads_per_program": dataclasses.replace(PLAIN_ROWS, block_s=32, num_splits=2, heads_per_program=2),
     "bitplane_jnp_extract": dataclasses.replace(BITPLANE, block_s=32, num_splits=5, extract="jnp"),
-    "bitplane_plain_rows": dataclasses.replace(BITPLANE, block_s=64, num_splits=3, compact_rows=False,
-                                               query_digits=1),
-    "bitplane_f16_outliers_masked_values": dataclasses.replace(BITPLANE, block_s=64, num_splits=3, outlier_f16=True,
-                                                               masked_value_planes=True),
+    "bitplane_plain_rows": dataclasses.replace(PLAIN_ROWS, block_s=64, num_splits=3),
+    "bitplane_compact_bf16_outliers_shifted_values": dataclasses.replace(BITPLANE, block_s=64, num_splits=3,
+                                                                         outlier_f16=False, masked_value_planes=False),
 }
 
 
