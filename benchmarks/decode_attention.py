@@ -326,7 +326,7 @@ def main():
       return 0
 
   if args.quick and args.skip_sweep:  # the final defaults only, with and without symmetric codebooks
-    best = {"bitplane": BITPLANE, "bitplane_sym": BITPLANE, "mma": DecodeBlockConfig()}
+    best = {"bitplane": BITPLANE, "bitplane_sym": BITPLANE}
   rows = []
   meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
               shapes=dict(n_heads=N_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, window=WINDOW, outliers=8),
