@@ -119,6 +119,15 @@ def planes(x: jax.Array, plane: int, extract: str, types: int = PLANE_TYPES, mas
 # ----------------------------------------------------------------------------------------------------------------
 # Kernel.
 
+def write_partials(acc_ref, acco_ref, m_ref, l_ref, acc, acco, m, l):
+  """A program's partials: acc[slot][plane] [GP, Q] -> acc_ref [slots, 4, GP, Q]; acco, m, l as they are."""
+  for t, slot in enumerate(acc):
+    for p, tile in enumerate(slot):
+      acc_ref[t, p] = tile
+  acco_ref[...] = acco
+  m_ref[...] = m
+  l_ref[...] = l
+
 
 def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref,
                      nc_ref, nr_ref, acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int,
@@ -142,13 +151,7 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
     """x [GP, n]: the rows of head h, zero elsewhere (no-op with one head per program)."""
     return x if hp == 1 else jnp.where((row_head == h)[:, None], x, jnp.zeros_like(x))
 
-  def write(acc, acco, m, l):
-    for s in range(1 + types):
-      for p in range(4):
-        acc_ref[s, p] = acc[s][p]
-    acco_ref[...] = acco
-    m_ref[...] = m
-    l_ref[...] = l
+  write = functools.partial(write_partials, acc_ref, acco_ref, m_ref, l_ref)
 
   @pl.when(split < num_splits)
   def _compressed():
@@ -252,13 +255,7 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
       out = jnp.where(sel == i, jnp.broadcast_to(part.astype(dtype)[None], out.shape), out)
     return out.reshape(r, n)
 
-  def write(acc, acco, m, l):
-    for t in range(1 + types):
-      for p in range(4):
-        acc_ref[t, p] = acc[t][p]
-    acco_ref[...] = acco
-    m_ref[...] = m
-    l_ref[...] = l
+  write = functools.partial(write_partials, acc_ref, acco_ref, m_ref, l_ref)
 
   @pl.when(split < num_splits)
   def _compressed():
