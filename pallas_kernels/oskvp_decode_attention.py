@@ -424,6 +424,16 @@ def drop_aliased_inputs(kernel, n_inputs, n_aliased, *refs):
   return kernel(*refs[:n_inputs], *refs[n_inputs + n_aliased:])
 
 
+def poison_outputs(kernel, inputs, in_specs, out_specs, out_shape):
+  """Partials that start as NaN: every output is an aliased input filled with NaN, so any element the kernel skips
+  poisons the result. Returns (kernel, inputs, in_specs, input_output_aliases) for `pallas_call`."""
+  n_in = len(inputs)
+  aliases = {n_in + i: i for i in range(len(out_shape))}
+  inputs = inputs + [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
+  kernel = functools.partial(drop_aliased_inputs, kernel, n_in, len(aliases))
+  return kernel, inputs, in_specs + out_specs, aliases
+
+
 def check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp):
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
@@ -497,11 +507,8 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
   inputs = [q_planes, q_outl, plane_codebooks(cb_k, poly), codes_k, outl_k, plane_codebooks(cb_v, poly), codes_v,
             outl_v, res_k, res_v, n_comp.astype(jnp.int32), n_res.astype(jnp.int32)]
   aliases = {}
-  if poison:  # Partials start as NaN (aliased in/out buffers): any element the kernel skips poisons the result.
-    aliases = {len(inputs) + i: i for i in range(4)}
-    inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
-    in_specs += out_specs
-    kernel = functools.partial(drop_aliased_inputs, kernel, len(inputs) - len(aliases), len(aliases))
+  if poison:
+    kernel, inputs, in_specs, aliases = poison_outputs(kernel, inputs, in_specs, out_specs, out_shape)
   acc, acco, m, l = pl.pallas_call(
       kernel,
       grid=(b, kh, ns + 1),

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, DecodeBlockConfig, default_num_splits,
-                                                   drop_aliased_inputs, fp8_rows, run_blocks, split_range,
+                                                   fp8_rows, poison_outputs, run_blocks, split_range,
                                                    window_attention)
 
 PLANE_TYPES = 3  # b0, b1, b0 & b1; symmetric codebooks (d3 = 0) need the first two only
@@ -294,9 +294,10 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
       pd = unfold([p_hi, p_lo], jnp.int8)  # [R, bs]
       col = lambda v: v[:, None]
       alpha_r = unfold([col(alpha), col(alpha)], jnp.float32)  # [R, 1]
-      w_r = unfold([col(p_blk), col(p_blk)], jnp.float32) * (1.0 / (127.0 * 256.0))
+      p_blk_r = unfold([col(p_blk), col(p_blk)], jnp.float32)
+      w_r = p_blk_r * (1.0 / (127.0 * 256.0))
       pb = unfold([pt], ov.dtype)
-      acco = acco * alpha_r + plgpu.dot(pb, ov) * (w_r * (127.0 * 256.0))
+      acco = acco * alpha_r + plgpu.dot(pb, ov) * p_blk_r
       new = [acc[0]] + [[None] * 4 for _ in range(types)]
       for p in range(4):
         vplanes = planes(cv, p, extract, types, masked_values)
@@ -506,12 +507,8 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
     q_outl = q_outl[:, :, 0].astype(jnp.float16 if config.outlier_f16 else jnp.bfloat16)
     inputs = [qdig, qw, qc, q_planes[:, :, :, 0], q_outl] + inputs[6:]
   aliases = {}
-  if poison:  # Partials start as NaN (aliased in/out buffers): any element the kernel skips poisons the result.
-    n_in = len(inputs)
-    aliases = {n_in + i: i for i in range(4)}
-    inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
-    in_specs += out_specs
-    kernel = functools.partial(drop_aliased_inputs, kernel, n_in, len(aliases))
+  if poison:
+    kernel, inputs, in_specs, aliases = poison_outputs(kernel, inputs, in_specs, out_specs, out_shape)
   acc, acco, m, l = pl.pallas_call(
       kernel,
       grid=(b, kg, ns + 1),

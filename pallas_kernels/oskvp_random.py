@@ -29,11 +29,11 @@ def random_oskvp_inputs(key, *, batch: int, heads: int, kv_heads: int, head_dim:
 
 def symmetrize(cb):
   """Sorted rows [..., 4] -> rows symmetric about their mean, c -+ (a, b) with the rows' mean half-gaps (a, b)."""
+  xp = np if isinstance(cb, np.ndarray) else jnp
   c = cb.mean(axis=-1, keepdims=True)
   a = 0.5 * (cb[..., 3:] - cb[..., :1])
   b = 0.5 * (cb[..., 2:3] - cb[..., 1:2])
-  return c + np.concatenate([-a, -b, b, a], axis=-1) if isinstance(cb, np.ndarray) else \
-      c + jnp.concatenate([-a, -b, b, a], axis=-1)
+  return c + xp.concatenate([-a, -b, b, a], axis=-1)
 
 
 @functools.partial(jax.jit, static_argnums=range(1, 10))
