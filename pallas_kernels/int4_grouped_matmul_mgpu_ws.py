@@ -1,0 +1,262 @@
+"""Grouped (ragged) int4 matmul in Mosaic GPU, warp-specialized: one TMA warpgroup, C compute warpgroups, persistent.
+
+Same contract, weight layout and math as `int4_grouped_matmul_mgpu` (read its docstring first):
+out[m] = lhs[m] @ W[e(m)] for the rows m of expert e (rows sorted by expert), rows past sum(group_sizes) zero, with
+
+  W[e, k, n] = (c[e, n, k] - z'[e, k // 128, n]) · s[e, k // 128, n],   `MgpuInt4Weights` (c = q - 8, z' = z - 8).
+
+What differs (the "next step" of benchmarks/notes_expert_matmul.md):
+- **Warp specialization** (`plgpu.emit_pipeline_warp_specialized`): a CTA has C + 1 warpgroups. The last one only
+  issues TMA (weight tile int4 [C·64, block_k], x window bf16 [W, block_k], scale and zero point bf16
+  [block_k / 128, C·64]) into a `max_concurrent_steps`-deep ring and gives its registers away (`setmaxnreg`); the C
+  compute warpgroups share each x tile and each owns 64 columns of the CTA's N tile, so the x shared memory per weight
+  is 1/C of the one-warpgroup kernel's, and one warpgroup's decode runs while another's wgmma does. Each compute
+  warpgroup decodes its [64, 128] int4 slice per K group exactly as the one-warpgroup kernel (4X-upcast load,
+  registers reinterpreted thanks to `K_ORDER`, PTX dequant) and issues the wgmma from registers; a step waits for its
+  wgmmas before it releases the ring slot (and before the next step's decode reuses the registers).
+- **Persistent, bubble-free**: the grid is one CTA per SM. XLA lists the work items (row tile, N tile) that hold
+  rows and deals them round-robin to the CTAs ([C_ctas, I, 8] table). A CTA runs one pipeline per item, chained with
+  the pipeline's START / STEADY / STOP states, so the TMA warpgroup already streams the next item's tiles while the
+  compute warpgroups finish the current one and store it (the one-warpgroup kernel refills its ring per program).
+- Scale and zero point are streamed with the weight tiles (per step) instead of loaded per program up front.
+
+Rows and the output are handled as in `int4_grouped_matmul_mgpu`: a row tile is up to R (8 or 16) rows of one
+expert, loaded as a window of W = R + 8 rows that starts at a multiple of 8; each compute warpgroup writes its
+out^T [64, W] transposed into shared memory and stores the tile's rows of out [M, N] with a ladder of power-of-two
+TMA row stores. Tiles of the virtual expert E (rows past sum(group_sizes)) stream expert E - 1's weight and store
+zeros (only when such rows exist).
+
+CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
+GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
+wgmma A operand from shared memory. `setmaxnreg` is a no-op there; the PTX dequant and the register reinterpretation
+are checked on the GPU (`benchmarks/int4_mgpu_ws_decode.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+
+from pallas_kernels import int4_grouped_matmul_mgpu as mg
+
+MgpuInt4Weights = mg.MgpuInt4Weights
+to_mgpu_layout = mg.to_mgpu_layout
+int4_grouped_matmul_mgpu_ws_reference = mg.int4_grouped_matmul_mgpu_reference
+_G = 128
+_WG_N = 64  # output columns per compute warpgroup: the M extent of one wgmma
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+# Columns of the work table.
+_EXPERT, _NTILE, _LOADED, _FIRST, _COUNT, _VIRTUAL, _NITEMS = range(7)
+DEQUANTS = mg.DEQUANTS
+
+
+def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int, n_experts: int,
+               n_ctas: int) -> jax.Array:
+  """Work items (row tile, N tile) dealt round-robin to the CTAs: int32 [n_ctas, I, 8].
+
+  Row i of CTA c is item w = c + i·n_ctas of the items that hold rows, w = t·n_tiles + j for row tile t
+  (`int4_grouped_matmul_mgpu.row_tiles`) and N tile j. Columns: expert to stream (the virtual expert E clamped to
+  E - 1), N tile, first loaded row, first row, row count, 1 if the tile is the virtual expert's (store zeros), and
+  the CTA's item count (every row). Rows past the count are never read.
+  """
+  tiles = mg.row_tiles(group_sizes, m, block_r, m_loaded)  # [T, 4]
+  n_items = (tiles[:, 2] > 0).sum() * n_tiles  # valid tiles come first
+  t_max = tiles.shape[0]
+  per_cta = -(-t_max * n_tiles // n_ctas)
+  w = jnp.arange(n_ctas)[:, None] + jnp.arange(per_cta)[None, :] * n_ctas  # [C, I]
+  t = jnp.minimum(w // n_tiles, t_max - 1)
+  tile = tiles[t]  # [C, I, 4]
+  cta_items = jnp.maximum(n_items - jnp.arange(n_ctas) + n_ctas - 1, 0) // n_ctas  # [C]
+  cols = [jnp.minimum(tile[..., 0], n_experts - 1), w % n_tiles, tile[..., 3], tile[..., 1], tile[..., 2],
+          (tile[..., 0] >= n_experts).astype(jnp.int32), jnp.broadcast_to(cta_items[:, None], w.shape),
+          jnp.zeros_like(w)]
+  return jnp.stack(cols, axis=-1).astype(jnp.int32)
+
+
+def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_smem, *, n_wgs: int, block_k: int,
+            block_r: int, n_groups: int, steps: int, memory_registers: int, a_from_smem: bool, dequant: str):
+  # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
+  # zero_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64] (W = R + 8), one out tile
+  # per compute warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile).
+  cta, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
+  window, bn = block_r + 8, n_wgs * _WG_N
+  gk = block_k // _G
+  ksteps = n_groups // gk
+  wg_rows = pl.ds(pl.multiple_of(jnp.minimum(wg, n_wgs - 1) * _WG_N, _WG_N), _WG_N)  # this warpgroup's N slice
+
+  def body(_, q_smem, x_smem, s_smem, z_smem, acc_ref):
+    # q_smem: int4 [bn, block_k]; x_smem: bf16 [W, block_k]; s_smem, z_smem: bf16 [block_k / G, bn];
+    # acc_ref: float32 [64, W], out^T of this warpgroup's columns.
+    for c in range(gk):
+      ks = pl.ds(c * _G, _G)
+      w = plgpu.load(q_smem.at[wg_rows, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [64, G]
+      s = plgpu.load(s_smem.at[c, wg_rows], layout=_ROW)  # bf16 [64]
+      z = plgpu.load(z_smem.at[c, wg_rows], layout=_ROW)
+      if dequant == "ptx":
+        w = mg._dequant_ptx(w, z + jnp.bfloat16(136), s, _WG_N)  # pylint: disable=protected-access
+      else:
+        if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
+          w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+        else:
+          w = mg._as_wgmma_operand(w, _WG_N)  # pylint: disable=protected-access
+        bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (_WG_N, _G), (0,)), plgpu.Layout.WGMMA)
+        w = (w.astype(jnp.bfloat16) - bcast(z)) * bcast(s)  # bf16 [64, G]: the dequantized W^T slice
+      if a_from_smem:
+        a_smem.at[wg][...] = w
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, a_smem.at[wg], x_smem.at[:, ks].T)
+        plgpu.wgmma_wait(0)
+      else:
+        plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
+    # The ring slot is released when the body returns, and the next step decodes into the same registers.
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+  def specs(j):
+    return [plgpu.BlockSpec((bn, block_k), lambda k: (j, k), transforms=mg._swizzled(jnp.int4)),  # pylint: disable=protected-access
+            plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.bfloat16)),  # pylint: disable=protected-access
+            plgpu.BlockSpec((gk, bn), lambda k: (k, j)),
+            plgpu.BlockSpec((gk, bn), lambda k: (k, j))]
+
+  def make_pipeline(compute_context, j, state):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(ksteps,), memory_registers=memory_registers, in_specs=specs(j), max_concurrent_steps=steps,
+        wg_axis="wg", num_compute_wgs=n_wgs, compute_context=compute_context, pipeline_state=state)
+
+  def gmem(expert, loaded):
+    return (q_ref.at[expert], lhs_ref.at[pl.ds(loaded, window)], scale_ref.at[expert], zero_ref.at[expert])
+
+  ignore = lambda *_, **__: None
+  allocs = make_pipeline(ignore, 0, None).get_allocations(*gmem(0, 0))
+
+  def scope(allocs):
+    n_items = table_ref[cta, 0, _NITEMS]
+
+    @pl.loop(0, n_items)
+    def _item(i):
+      expert, j, loaded, first, count, virtual = (table_ref[cta, i, col] for col in range(6))
+      loaded = pl.multiple_of(loaded, 8)
+
+      def compute_context(run):
+        acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((_WG_N, window)))  # float32 [64, W]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
+        o_smem.at[wg].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)  # [W, 64]: out rows
+        plgpu.commit_smem()
+
+        @pl.when(virtual != 0)
+        def _zeros():
+          o_smem.at[wg][...] = jnp.zeros((window, _WG_N), jnp.float32)
+          plgpu.commit_smem()
+
+        start, done = first - loaded, jnp.int32(0)
+        cols = pl.ds(j * bn + wg * _WG_N, _WG_N)
+        size = 1 << int(math.log2(block_r))
+        while size:  # TMA boxes are static: `count` rows as a ladder of power-of-two row counts
+          @pl.when((count & size) != 0)
+          def _store(size=size, done=done):
+            plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size),
+                                                                                          cols])
+          done = done + (count & size)
+          size //= 2
+
+      # Chain the items' pipelines: the TMA warpgroup runs `steps` steps ahead across items.
+      states = ((n_items == 1, None), ((i == 0) & (n_items > 1), plgpu.PipelinePipeline.START),
+                ((i > 0) & (i < n_items - 1), plgpu.PipelinePipeline.STEADY),
+                ((i > 0) & (i == n_items - 1), plgpu.PipelinePipeline.STOP))
+      for pred, state in states:
+        @pl.when(pred)
+        def _run(state=state):
+          make_pipeline(compute_context, j, state)(*gmem(expert, loaded), allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(scope, allocs, collective_axes="wg")
+
+
+_STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
+           "interpret", "dequant")
+
+
+def _num_sms() -> int:
+  return getattr(jax.devices()[0], "core_count", 0) or 132
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
+                                num_compute_wgs: int = 2, block_k: int | None = None, block_r: int | None = None,
+                                max_concurrent_steps: int | None = None, memory_registers: int | None = None,
+                                num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
+                                dequant: str = "ptx") -> jax.Array:
+  """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
+
+  Args:
+    lhs: bf16 [M, Kp], Kp = the weights' padded K.
+    weights: `to_mgpu_layout` of the quantized weight.
+    group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
+    num_compute_wgs: compute warpgroups per CTA (C); the CTA's N tile is 64·C columns and must divide N.
+    block_k: K per pipeline step (a multiple of 128 dividing Kp); default 256.
+    block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
+    max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
+      default the largest of 6, 4, 3, 2 that divides it and fits in shared memory.
+    memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 for C = 2 (compute
+      warpgroups get 232), 32 for C = 4 (120).
+    num_ctas: CTAs of the persistent grid; default the device's SM count (4 in interpret mode).
+    interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
+    dequant: "ptx" or "jnp", as in `int4_grouped_matmul_mgpu` (interpret mode uses "jnp").
+  """
+  if dequant not in DEQUANTS:
+    raise ValueError(f"dequant={dequant!r} must be one of {DEQUANTS}")
+  if interpret:
+    dequant = "jnp"
+  m, kp = lhs.shape
+  e, n, kq = weights.q.shape
+  if lhs.dtype != jnp.bfloat16:
+    raise TypeError(f"lhs must be bfloat16, got {lhs.dtype}")
+  if kq != kp:
+    raise ValueError(f"lhs has K={kp} but the int4 weights hold Kp={kq}; pad lhs with zeros to Kp")
+  block_r = block_r or (8 if m <= 8 * e else 16)
+  if block_r not in (8, 16):
+    raise ValueError(f"block_r={block_r} must be 8 or 16")
+  bn = num_compute_wgs * _WG_N
+  if num_compute_wgs < 1 or n % bn:
+    raise ValueError(f"num_compute_wgs={num_compute_wgs} must be >= 1 with 64·C dividing N={n}")
+  block_k = block_k or (256 if kp % 256 == 0 else _G)
+  if block_k % _G or kp % block_k:
+    raise ValueError(f"block_k={block_k} must be a multiple of {_G} dividing Kp={kp}")
+  ksteps = kp // block_k
+  window = block_r + 8
+  stage_bytes = bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2
+  fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0)
+  if max_concurrent_steps is None:
+    max_concurrent_steps = next((s for s in (6, 4, 3, 2, 1) if ksteps % s == 0 and
+                                 s * stage_bytes + fixed <= 200 * 1024), 1)
+  if ksteps % max_concurrent_steps:
+    raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
+  memory_registers = memory_registers or (40 if num_compute_wgs <= 2 else 32)
+  num_ctas = num_ctas or (4 if interpret else _num_sms())
+  pad = max(window - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
+  lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
+  if interpret:  # the interpreter's relayout keeps the stored K order: feed lhs in that order too
+    lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.K_ORDER].reshape(m + pad, kp)
+  table = work_table(group_sizes, m, m + pad, block_r=block_r, n_tiles=n // bn, n_experts=e, n_ctas=num_ctas)
+  body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
+                           steps=max_concurrent_steps, memory_registers=memory_registers, a_from_smem=bool(interpret),
+                           dequant=dequant)
+  scratch = dict(
+      o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
+      a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
+              if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)))  # unused on the GPU
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((m + pad, n), jnp.float32), grid=(num_ctas,), grid_names=("c",),
+      num_threads=num_compute_wgs + 1, thread_name="wg", scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **({"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
+         if interpret else {}))
+  out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero)
+  return out[:m] if pad else out

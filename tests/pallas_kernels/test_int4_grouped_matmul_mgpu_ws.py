@@ -1,0 +1,113 @@
+"""Warp-specialized Mosaic GPU int4 grouped matmul (Mosaic GPU interpret mode on CPU) vs the XLA reference.
+
+The interpreter runs the warp-specialized pipeline itself: the TMA warpgroup and the compute warpgroups as threads,
+the produced/consumed barriers, the chained START / STEADY / STOP pipelines of a persistent CTA, and the stores of
+each compute warpgroup. It leaves unwritten memory NaN, so a row or column slice that no warpgroup stores fails the
+comparison. `setmaxnreg` is a no-op there, and the GPU-only pieces (registers reinterpreted as wgmma fragments, the
+PTX dequant) are checked here only as far as lowering to a Mosaic GPU kernel; `benchmarks/int4_mgpu_ws_decode.py`
+checks their values on the H200.
+"""
+
+import jax
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+import pytest
+
+from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
+
+E, K, G = 4, 256, 128
+
+
+def _inputs(sizes, extra, n):
+  m = sum(sizes) + extra
+  ks = jax.random.split(jax.random.key(31 * m + n), 4)
+  w = i4.Int4Weights(
+      packed=jax.random.bits(ks[0], (E, K // 2, n), jnp.uint8),
+      scale=jax.random.uniform(ks[1], (E, K // G, n), jnp.float32, 0.01, 0.1).astype(jnp.bfloat16),
+      zero=jax.random.randint(ks[2], (E, K // G, n), 0, 16).astype(jnp.uint8))
+  x = jax.random.normal(ks[3], (m, K), jnp.bfloat16)
+  return x, jnp.asarray(sizes, jnp.int32), w
+
+
+# (group sizes, rows of no expert, N, kernel config). Items per CTA: 2 (START, STOP), 3 (+ STEADY), 1 (no chaining),
+# 0 (an idle CTA); virtual-expert tiles (zeros), several tiles per expert, two N tiles, four compute warpgroups.
+CASES = [
+    ([3, 0, 17, 1], 2, 128, dict(block_k=128, num_ctas=3)),  # 6 items over 3 CTAs, 2 K steps, ring of 2
+    ([0, 0, 21, 0], 3, 256, dict(block_k=128, num_ctas=2, block_r=16)),  # 2 tiles x 2 N tiles: 2 per CTA
+    ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1)),  # 3 items in one CTA: START, STEADY, STOP
+    ([1, 1, 1, 1], 0, 128, dict(num_ctas=5)),  # one item per CTA, one CTA idle
+    ([0, 0, 0, 0], 2, 256, dict(num_compute_wgs=4, num_ctas=2)),  # only the virtual expert's rows: zeros
+    ([2, 7, 0, 3], 1, 256, dict(num_compute_wgs=4, block_k=128, num_ctas=2)),
+]
+
+
+@pytest.mark.parametrize("sizes,extra,n,cfg", CASES)
+def test_matches_reference(sizes, extra, n, cfg):
+  x, gs, w = _inputs(sizes, extra, n)
+  got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, ws.to_mgpu_layout(w), gs, interpret=True, **cfg))
+  want = np.asarray(i4.int4_grouped_matmul_reference(x, w, gs))
+  # Same bf16 weights as the reference, float32 accumulation in another order.
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
+  assert not np.any(got[sum(sizes):])  # rows of no expert are zero
+
+
+def test_no_races_in_the_interpreter():
+  """The interpreter's race detector sees no race between the TMA warpgroup, the compute warpgroups and the stores."""
+  x, gs, w = _inputs([3, 0, 9, 1], 0, 128)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  got = ws.int4_grouped_matmul_mgpu_ws(x, ws.to_mgpu_layout(w), gs, interpret=params, block_k=128, num_ctas=2)
+  assert not interpret_pallas_call.get_races().races_found
+  want = i4.int4_grouped_matmul_reference(x, w, gs)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("sizes,m,n_tiles,n_ctas", [([3, 0, 17, 1], 23, 2, 3), ([0, 0, 40, 0], 45, 1, 4),
+                                                    ([1] * 6, 6, 3, 5)])
+def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
+  block_r = 8
+  m_loaded = max(m + (-m % 8), block_r + 8)
+  table = np.asarray(ws.work_table(jnp.asarray(sizes, jnp.int32), m, m_loaded, block_r=block_r, n_tiles=n_tiles,
+                                   n_experts=len(sizes), n_ctas=n_ctas))
+  owner = np.repeat(np.arange(len(sizes) + 1), sizes + [m - sum(sizes)])  # virtual expert E past the groups
+  seen = np.zeros((m, n_tiles), np.int32)
+  counts = table[:, 0, 6]
+  assert np.all(table[:, :, 6] == counts[:, None]) and counts.max() - counts.min() <= 1  # round-robin
+  for cta in range(n_ctas):
+    for expert, j, loaded, first, count, virtual in table[cta, :counts[cta], :6]:
+      rows = np.arange(first, first + count)
+      seen[rows, j] += 1
+      assert count > 0 and np.all(owner[rows] == (len(sizes) if virtual else expert))
+      assert 0 <= expert < len(sizes) and loaded % 8 == 0 and loaded <= first
+      assert first + count <= loaded + block_r + 8 <= m_loaded
+  np.testing.assert_array_equal(seen, 1)
+
+
+@pytest.mark.parametrize("cfg", [dict(dequant="ptx"), dict(dequant="jnp"), dict(num_compute_wgs=4, block_k=512)])
+def test_gpu_path_lowers(cfg):
+  """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
+  x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
+  x = jnp.pad(x, ((0, 0), (0, 512 - K)))
+  w = ws.to_mgpu_layout(w)
+  w = w._replace(q=jnp.pad(w.q, ((0, 0), (0, 0), (0, 512 - K))),
+                 scale=jnp.pad(w.scale, ((0, 0), (0, 2), (0, 0))), zero=jnp.pad(w.zero, ((0, 0), (0, 2), (0, 0))))
+  f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, **cfg))
+  text = f.trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_rejects_bad_arguments():
+  x, gs, w = _inputs([1, 2, 3, 4], 0, 128)
+  w = ws.to_mgpu_layout(w)
+  with pytest.raises(TypeError, match="bfloat16"):
+    ws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.float32), w, gs, interpret=True)
+  with pytest.raises(ValueError, match="num_compute_wgs"):
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, num_compute_wgs=4, interpret=True)
+  with pytest.raises(ValueError, match="max_concurrent_steps"):
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=3, interpret=True)
+  with pytest.raises(ValueError, match="pad lhs"):
+    ws.int4_grouped_matmul_mgpu_ws(x[:, :128], w, gs, interpret=True)
+  with pytest.raises(ValueError, match="dequant"):
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, dequant="lut", interpret=True)
