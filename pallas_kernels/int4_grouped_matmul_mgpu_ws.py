@@ -203,7 +203,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 256.
     block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
-      default the largest of 6, 4, 3, 2 that divides it and fits in shared memory.
+      default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
     memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 for C = 2 (compute
       warpgroups get 232), 32 for C = 4 (120).
     num_ctas: CTAs of the persistent grid; default the device's SM count (4 in interpret mode).
@@ -234,7 +234,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
   stage_bytes = bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2
   fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0)
   if max_concurrent_steps is None:
-    max_concurrent_steps = next((s for s in (6, 4, 3, 2, 1) if ksteps % s == 0 and
+    max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
                                  s * stage_bytes + fixed <= 200 * 1024), 1)
   if ksteps % max_concurrent_steps:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")

@@ -1,0 +1,175 @@
+"""Warp-specialized Mosaic GPU int4 grouped matmul at decode shapes, next to its peers, in one run.
+
+  PYTHONPATH=$PWD python3 benchmarks/int4_mgpu_ws_decode.py --check_only --out=$OUT   # values first (small)
+  PYTHONPATH=$PWD python3 benchmarks/int4_mgpu_ws_decode.py --out=$OUT                # then the timings
+
+`--check_only` compares every warp-specialized config (and the one-warpgroup Mosaic kernel) with the XLA reference
+on the GPU over awkward group sizes and writes `int4_mgpu_ws_check.json`; the timing run reads it back (if present)
+and times only the configs that passed, so that a config that is wrong or hangs costs one short process. Timing: at
+<= 16 rows per expert with every expert active, XLA `ragged_dot` bf16, jax's Mosaic `ragged_dot_mgpu` bf16, the
+Triton int4 kernel (uint16 layout, default tile), the one-warpgroup Mosaic int4 kernel (default tile) and the
+warp-specialized kernel over a few configs; CUPTI kernel time with L2 flushed, median (as `expert_matmul.py`).
+Writes `int4_mgpu_ws.json` / `.md` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import expert_matmul as em
+from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels import int4_grouped_matmul_mgpu as mg
+from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
+
+SHAPES = [(64, 4096, 2048, [64, 512, 1024]), (128, 2048, 768, [128, 2048]), (8, 4096, 14336, [16, 128])]
+# Warp-specialized configs: compute warpgroups (N tile 64·C), block_k; ring depth automatic (largest of 8/6/4/3/2
+# dividing the K steps within 200 KB of shared memory).
+WS = {
+    "c2_k128": dict(num_compute_wgs=2, block_k=128),
+    "c2_k256": dict(num_compute_wgs=2, block_k=256),
+    "c2_k512": dict(num_compute_wgs=2, block_k=512),
+    "c4_k128": dict(num_compute_wgs=4, block_k=128),
+    "c4_k256": dict(num_compute_wgs=4, block_k=256),
+}
+
+
+SMOKE = {"interpret": False}  # --smoke: CPU interpret mode, tiny shapes (checks the script only)
+
+
+def _kw():
+  return {"interpret": True} if SMOKE["interpret"] else {}
+
+
+def check(res):
+  e, k, n = 6, 1024, 768
+  if SMOKE["interpret"]:
+    k, n = 256, 256
+  for sizes in ([0, 1, 37, 0, 16, 5], [1, 2, 3, 4, 5, 6], [16] * 6):
+    gs = jnp.array(sizes, jnp.int32)
+    m = int(gs.sum()) + 3  # 3 rows owned by no expert: must come back zero
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    wq = em.random_int4(jax.random.key(2), e, k, n)
+    want = np.asarray(i4.int4_grouped_matmul_reference(x, wq, gs))
+    w = mg.to_mgpu_layout(wq)
+    for name, cfg in WS.items():
+      if k % cfg["block_k"]:
+        continue
+      f = functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw())
+      name, tag = f"ws_{name}", f"n{n}_{sizes}_{name}"
+      try:
+        got = np.asarray(jax.jit(f)(x, w, gs))
+        res[tag] = {"impl": name, "max_rel_err": float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+                    "nan": int(np.isnan(got).sum()), "tail_max": float(np.abs(got[-3:]).max())}
+      except Exception as ex:  # noqa: BLE001
+        res[tag] = {"impl": name, "error": f"{type(ex).__name__}: {str(ex)[:600]}"}
+      print(tag, res[tag], flush=True)
+
+
+def passed(check_res, name):
+  rs = [r for r in check_res.values() if r["impl"] == f"ws_{name}"]
+  return bool(rs) and all("error" not in r and r["max_rel_err"] < 1e-3 and not r["nan"] and r["tail_max"] == 0
+                          for r in rs)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="benchmarks/results")
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--check_only", action="store_true")
+  ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
+  args = ap.parse_args(argv)
+  shapes = SHAPES
+  if args.smoke:
+    SMOKE["interpret"], shapes = True, [(4, 512, 256, [8, 64])]
+  os.makedirs(args.out, exist_ok=True)
+  check_path = os.path.join(args.out, "int4_mgpu_ws_check.json")
+  if args.check_only:
+    res = {}
+    check(res)
+    with open(check_path, "w") as fh:
+      json.dump(res, fh, indent=1)
+    return 0
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
+  timer, timing = em._timer()  # pylint: disable=protected-access
+  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": em.G,
+          "routing": "balanced", "l2_flush": "256 MiB write before every timed call", "ws_configs": WS}
+  if os.path.exists(check_path):
+    with open(check_path) as fh:
+      meta["correctness"] = json.load(fh)
+  else:
+    meta["correctness"] = {}
+    check(meta["correctness"])
+  todo = {name: cfg for name, cfg in WS.items() if passed(meta["correctness"], name)}
+  print("timing ws configs that passed the check:", list(todo), flush=True)
+  meta["copy"] = em.copy_bandwidth(timer)
+  rows_out, t0 = [], time.perf_counter()
+
+  def add(impl, rows, e, k, n, ms, fmt, n_active, extra=None):
+    b = n_active * em.weight_bytes(fmt, k, n) + rows * k * 2 + rows * n * 4
+    r = {"impl": impl, "rows": rows, "experts": e, "k": k, "n": n, "ms": ms, "bytes_read": b,
+         "tb_per_s": b / ms / 1e9, **(extra or {})}
+    rows_out.append(r)
+    print(json.dumps(r), f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+
+  def save():
+    with open(os.path.join(args.out, "int4_mgpu_ws.json"), "w") as fh:
+      json.dump({**meta, "rows": rows_out}, fh, indent=1)
+
+  for e, k, n, rows_list in shapes:
+    key = jax.random.key(e + k + n)
+    w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
+    wq = em.random_int4(key, e, k, n)
+    w_nk, w_mg = i4.to_nk_layout(wq), mg.to_mgpu_layout(wq)
+    for rows in rows_list:
+      gs_np = em.balanced_groups(rows, e)
+      gs, n_active = jnp.asarray(gs_np), int((gs_np > 0).sum())
+      x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.bfloat16)
+      f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32))
+      add("xla_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, gs, iters=args.iters), "bf16", n_active)
+      try:
+        f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
+                                      max_concurrent_steps=6, grid_block_n=2))
+        add("mgpu_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, iters=args.iters), "bf16", n_active)
+      except Exception as ex:  # noqa: BLE001
+        print("mgpu bf16 fail", type(ex).__name__, str(ex)[:200], flush=True)
+      f = jax.jit(functools.partial(i4.int4_grouped_matmul, **em.CONFIGS["int4_nk"][0], **_kw()))
+      add("pallas_int4_nk", rows, e, k, n, timer(f, x, w_nk, gs, iters=args.iters), "int4_nk", n_active)
+      f = jax.jit(functools.partial(mg.int4_grouped_matmul_mgpu, **_kw()))
+      add("pallas_int4_mgpu", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu", n_active)
+      want = None
+      for name, cfg in todo.items():
+        if n % (64 * cfg["num_compute_wgs"]) or k % cfg["block_k"]:
+          continue
+        try:
+          f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw()))
+          got = np.asarray(f(x, w_mg, gs))
+          if want is None:
+            want = np.asarray(mg.int4_grouped_matmul_mgpu_reference(x, w_mg, gs))
+          err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+          add(f"pallas_int4_mgpu_ws[{name}]", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu",
+              n_active, {"config": cfg, "max_rel_err": err})
+        except Exception as ex:  # noqa: BLE001
+          print("ws fail", name, type(ex).__name__, str(ex)[:400], flush=True)
+      save()
+    del w_bf16, wq, w_nk, w_mg
+  save()
+  md = em.sweep_markdown({**meta, "rows": rows_out})
+  with open(os.path.join(args.out, "int4_mgpu_ws.md"), "w") as fh:
+    fh.write(md)
+  print(md)
+  print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
