@@ -204,8 +204,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
     block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
-    memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 for C = 2 (compute
-      warpgroups get 232), 32 for C = 4 (120).
+    memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (C = 2: the compute
+      warpgroups get 232; C = 3: 152). C = 4 cannot split the registers without deadlock and is rejected.
     num_ctas: CTAs of the persistent grid; default the device's SM count (4 in interpret mode).
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
     dequant: "ptx" or "jnp", as in `int4_grouped_matmul_mgpu` (interpret mode uses "jnp").
@@ -238,7 +238,15 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
                                  s * stage_bytes + fixed <= 200 * 1024), 1)
   if ksteps % max_concurrent_steps:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
-  memory_registers = memory_registers or (40 if num_compute_wgs <= 2 else 32)
+  memory_registers = memory_registers or 40
+  # setmaxnreg only moves registers within the CTA's launch allocation (ptxas: a multiple of 8 per thread, at most
+  # 65536 per CTA): if the pipeline's split asks for more, setmaxnreg.inc waits forever (C = 4 hung on the H200).
+  launch = min(255, 65536 // (128 * (num_compute_wgs + 1))) // 8 * 8
+  compute = int(min(256, (512 - memory_registers) / num_compute_wgs) // 8 * 8)
+  if num_compute_wgs * compute + memory_registers > (num_compute_wgs + 1) * launch:
+    raise ValueError(f"num_compute_wgs={num_compute_wgs} with memory_registers={memory_registers}: the register split "
+                     f"({num_compute_wgs} x {compute} + {memory_registers}) exceeds the launch allocation "
+                     f"({num_compute_wgs + 1} x {launch}) and setmaxnreg would deadlock; use 1 to 3 compute warpgroups")
   num_ctas = num_ctas or (4 if interpret else _num_sms())
   pad = max(window - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs

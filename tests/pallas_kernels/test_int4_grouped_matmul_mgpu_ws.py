@@ -33,14 +33,14 @@ def _inputs(sizes, extra, n):
 
 
 # (group sizes, rows of no expert, N, kernel config). Items per CTA: 2 (START, STOP), 3 (+ STEADY), 1 (no chaining),
-# 0 (an idle CTA); virtual-expert tiles (zeros), several tiles per expert, two N tiles, four compute warpgroups.
+# 0 (an idle CTA); virtual-expert tiles (zeros), several tiles per expert, two N tiles, 1 or 3 compute warpgroups.
 CASES = [
     ([3, 0, 17, 1], 2, 128, dict(block_k=128, num_ctas=3)),  # 6 items over 3 CTAs, 2 K steps, ring of 2
     ([0, 0, 21, 0], 3, 256, dict(block_k=128, num_ctas=2, block_r=16)),  # 2 tiles x 2 N tiles: 2 per CTA
     ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1)),  # 3 items in one CTA: START, STEADY, STOP
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5)),  # one item per CTA, one CTA idle
-    ([0, 0, 0, 0], 2, 256, dict(num_compute_wgs=4, num_ctas=2)),  # only the virtual expert's rows: zeros
-    ([2, 7, 0, 3], 1, 256, dict(num_compute_wgs=4, block_k=128, num_ctas=2)),
+    ([0, 0, 0, 0], 2, 192, dict(num_compute_wgs=3, num_ctas=2)),  # only the virtual expert's rows: zeros
+    ([2, 7, 0, 3], 1, 128, dict(num_compute_wgs=1, block_k=128, num_ctas=2)),
 ]
 
 
@@ -85,7 +85,7 @@ def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
   np.testing.assert_array_equal(seen, 1)
 
 
-@pytest.mark.parametrize("cfg", [dict(dequant="ptx"), dict(dequant="jnp"), dict(num_compute_wgs=4, block_k=512)])
+@pytest.mark.parametrize("cfg", [dict(dequant="ptx"), dict(dequant="jnp"), dict(block_k=512, block_r=16)])
 def test_gpu_path_lowers(cfg):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
@@ -104,7 +104,10 @@ def test_rejects_bad_arguments():
   with pytest.raises(TypeError, match="bfloat16"):
     ws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.float32), w, gs, interpret=True)
   with pytest.raises(ValueError, match="num_compute_wgs"):
-    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, num_compute_wgs=4, interpret=True)
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, num_compute_wgs=3, interpret=True)  # 192 does not divide N = 128
+  x4, gs4, w4 = _inputs([1, 2, 3, 4], 0, 256)
+  with pytest.raises(ValueError, match="deadlock"):  # 4 compute warpgroups: setmaxnreg would wait forever
+    ws.int4_grouped_matmul_mgpu_ws(x4, ws.to_mgpu_layout(w4), gs4, num_compute_wgs=4, interpret=True)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=3, interpret=True)
   with pytest.raises(ValueError, match="pad lhs"):
