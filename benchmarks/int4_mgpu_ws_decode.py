@@ -39,6 +39,9 @@ WS = {
     "c2_k128": dict(num_compute_wgs=2, block_k=128),
     "c2_k256": dict(num_compute_wgs=2, block_k=256),
     "c2_k512": dict(num_compute_wgs=2, block_k=512),
+    # 3 compute warpgroups (12 compute warps per SM, 152 registers each): N tile 192, so only N = 768 here.
+    "c3_k256": dict(num_compute_wgs=3, block_k=256),
+    "c3_k512": dict(num_compute_wgs=3, block_k=512),
 }
 
 
@@ -61,7 +64,7 @@ def check(res):
     want = np.asarray(i4.int4_grouped_matmul_reference(x, wq, gs))
     w = mg.to_mgpu_layout(wq)
     for name, cfg in WS.items():
-      if k % cfg["block_k"]:
+      if k % cfg["block_k"] or n % (64 * cfg["num_compute_wgs"]):
         continue
       f = functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw())
       name, tag = f"ws_{name}", f"n{n}_{sizes}_{name}"
@@ -86,12 +89,19 @@ def main(argv=None):
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--check_only", action="store_true")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
+  ap.add_argument("--ws", default="", help="comma-separated subset of the WS configs")
+  ap.add_argument("--n", type=int, default=0, help="only the shapes with this N")
+  ap.add_argument("--tag", default="", help="suffix of the output files")
   args = ap.parse_args(argv)
-  shapes = SHAPES
+  if args.ws:
+    for name in list(WS):
+      if name not in args.ws.split(","):
+        del WS[name]
+  shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
   if args.smoke:
     SMOKE["interpret"], shapes = True, [(4, 512, 256, [8, 64])]
   os.makedirs(args.out, exist_ok=True)
-  check_path = os.path.join(args.out, "int4_mgpu_ws_check.json")
+  check_path = os.path.join(args.out, f"int4_mgpu_ws{args.tag}_check.json")
   if args.check_only:
     res = {}
     check(res)
@@ -122,7 +132,7 @@ def main(argv=None):
     print(json.dumps(r), f"[{time.perf_counter() - t0:.0f} s]", flush=True)
 
   def save():
-    with open(os.path.join(args.out, "int4_mgpu_ws.json"), "w") as fh:
+    with open(os.path.join(args.out, f"int4_mgpu_ws{args.tag}.json"), "w") as fh:
       json.dump({**meta, "rows": rows_out}, fh, indent=1)
 
   for e, k, n, rows_list in shapes:
@@ -164,7 +174,7 @@ def main(argv=None):
     del w_bf16, wq, w_nk, w_mg
   save()
   md = em.sweep_markdown({**meta, "rows": rows_out})
-  with open(os.path.join(args.out, "int4_mgpu_ws.md"), "w") as fh:
+  with open(os.path.join(args.out, f"int4_mgpu_ws{args.tag}.md"), "w") as fh:
     fh.write(md)
   print(md)
   print(f"total {time.perf_counter() - t0:.0f} s")
