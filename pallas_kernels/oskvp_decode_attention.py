@@ -69,6 +69,13 @@ class DecodeBlockConfig:
       bfloat16: e4m3 converts to f16 pairs in one instruction, and f16 keeps 3 more mantissa bits.
     masked_value_planes: (compact rows) the value planes are masked in place, not shifted down (one instruction per
       4 codes instead of two); the power-of-two weights they carry are folded into the per-row scales.
+    pallas_prologue: (compact rows) the query's rotation, codebook folding and int8 digits in one small Pallas
+      kernel (`oskvp_decode_prologue.py`) instead of ~8 XLA fusions, each a launch and a gap per decode step.
+    values_in_kernel: (compact rows) each program applies the value codebooks, the probability digits' weights and
+      the value outliers to its own partial sums and writes its rotated output [4, G, Q] (a quarter of the partial
+      bytes at T = 3), so the merge after the kernel is only the log-sum-exp weighting and U_v^T. None: on with
+      general codebooks, off with symmetric ones, where the attention kernel measured 6-8% slower with it at batch 8
+      (benchmarks/results/decode_attention_breakdown.md).
   """
 
   # Defaults: the fastest "mma" tiling on the H200 (block 64, outliers on the tensor cores, 1 stage: 0.94-1.06 ms
@@ -88,6 +95,8 @@ class DecodeBlockConfig:
   compact_rows: bool = False
   outlier_f16: bool = False
   masked_value_planes: bool = False
+  pallas_prologue: bool = False
+  values_in_kernel: bool | None = False
 
   def __post_init__(self):
     if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -106,8 +115,10 @@ class DecodeBlockConfig:
       raise ValueError(f"{self.query_digits=} must be 1 or 2")
     if self.extract not in ("asm", "jnp"):
       raise ValueError(f"{self.extract=} must be 'asm' or 'jnp'")
-    if (self.outlier_f16 or self.masked_value_planes) and not self.compact_rows:
-      raise ValueError(f"{self.outlier_f16=} and {self.masked_value_planes=} apply with compact_rows=True only")
+    compact_only = dict(outlier_f16=self.outlier_f16, masked_value_planes=self.masked_value_planes,
+                        pallas_prologue=self.pallas_prologue, values_in_kernel=self.values_in_kernel is not False)
+    if any(compact_only.values()) and not self.compact_rows:
+      raise ValueError(f"{compact_only} apply with compact_rows=True only")
     if self.compact_rows and (self.form != "bitplane" or (self.heads_per_program or 1) > 1):
       raise ValueError(f"{self.compact_rows=} needs form='bitplane' and one kv head per program")
     if self.form == "lut" and self.prefetch:
@@ -119,8 +130,11 @@ class DecodeBlockConfig:
 # on a bf16 cache in the same run (decode_attention_run8.log); compact rows alone 0.514 there (0.477 in run 7's
 # grid, where the previous one-digit default took 0.640). Block 128, 8 warps, 16 splits (except symmetric: 0.422),
 # 2 stages and prefetching slower (decode_attention_run7.log, decode_attention_sweep{5,6}.log).
+# Around the kernel, the Pallas query prologue and (general codebooks) the values applied in-kernel: 5 kernels per
+# call instead of 12-15, 383 us of kernel time instead of 400 at 64k x 8 (346 instead of 350 with symmetric
+# codebooks), 25 instead of 31 at 4k x 1 (results/decode_attention_breakdown.md).
 BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=2, compact_rows=True,
-                             outlier_f16=True, masked_value_planes=True)
+                             outlier_f16=True, masked_value_planes=True, pallas_prologue=True, values_in_kernel=None)
 # The bit-plane default before compact rows (one dot per operand digit, one query digit): kept for comparisons.
 PLAIN_ROWS = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=1)
 

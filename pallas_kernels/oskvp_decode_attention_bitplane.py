@@ -51,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, DecodeBlockConfig, default_num_splits,
                                                    fp8_rows, poison_outputs, run_blocks, split_range,
                                                    window_attention)
+from pallas_kernels.oskvp_decode_prologue import compact_query_pallas
 
 PLANE_TYPES = 3  # b0, b1, b0 & b1; symmetric codebooks (d3 = 0) need the first two only
 
@@ -225,9 +226,9 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
     write([acc] + [[zeros] * 4 for _ in range(types)], jnp.zeros(acco_ref.shape, jnp.float32), m, l)
 
 
-def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref, nc_ref,
-                    nr_ref, acc_ref, acco_ref, m_ref, l_ref, *, num_splits: int, block_s: int, block_r: int, o_dim: int,
-                    groups: int, extract: str, types: int, prefetch: bool, masked_values: bool):
+def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref, *refs,
+                    num_splits: int, block_s: int, block_r: int, o_dim: int, groups: int, extract: str, types: int,
+                    prefetch: bool, masked_values: bool, values_in_kernel: bool):
   # `compact_rows`: one kv head per program; the R = 16 tensor-core rows hold the G query rows (0..G-1) and their
   # second int8 digit (G..2G-1), so each plane's key dot yields both query digits and each value dot both
   # probability digits; the softmax runs on the G real rows only.
@@ -237,6 +238,13 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
   # [S, O] fp8; rk_ref, rv_ref [R_window, H] bf16; nc_ref, nr_ref [].
   # acc_ref [1 + T, 4, R, Q] f32: slot 0 the window's values (rows < G); slots 1.. the value planes, digit 1 in
   # rows < G and digit 2 in rows G..2G-1 (merged as 256 x first + second); acco_ref [R, OP]; m_ref, l_ref [R].
+  # values_in_kernel: refs are (cbv_ref [H, 4] value codebook rows, sv_ref [O] f32 value outlier scales, nc_ref,
+  # nr_ref, o_ref [4, G, Q] f32 the program's rotated output, not yet divided by l, m_ref, l_ref [R]): the value
+  # codebooks, the digits' weights and the outliers are applied here, and the merge only weighs and rotates back.
+  if values_in_kernel:
+    cbv_ref, sv_ref, nc_ref, nr_ref, o_ref, m_ref, l_ref = refs
+  else:
+    nc_ref, nr_ref, acc_ref, acco_ref, m_ref, l_ref = refs
   r, q_dim = qw_ref.shape[0], qp_ref.shape[2]
   n_groups = r // groups
   split = pl.program_id(2)  # read here: interpret mode cannot see program_id inside `pl.when`.
@@ -255,13 +263,40 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
       out = jnp.where(sel == i, jnp.broadcast_to(part.astype(dtype)[None], out.shape), out)
     return out.reshape(r, n)
 
-  write = functools.partial(write_partials, acc_ref, acco_ref, m_ref, l_ref)
+  def first_group(x):
+    """[R, n] -> [G, n]: rows 0..G-1."""
+    sel = lax.broadcasted_iota(jnp.int32, (n_groups, groups, x.shape[-1]), 0)
+    return jnp.where(sel == 0, x.reshape(n_groups, groups, x.shape[-1]), 0.0).sum(axis=0)
+
+  def write_values(acc, acco, m, l, l_comp):
+    """o[p] = c0_p l_comp + slot 0 + sum_type d_type,p * (the value digits folded) (+ outliers in plane 0)."""
+    op = acco.shape[1]
+    for p in range(4):
+      cb = [cbv_ref[pl.ds(p * q_dim, q_dim), c].astype(jnp.float32)[None, :] for c in range(4)]  # [1, Q] each
+      deltas = [cb[1] - cb[0], cb[2] - cb[0], cb[3] - cb[2] - cb[1] + cb[0]]
+      o = first_group(acc[0][p]) + l_comp[:, None] * cb[0]
+      for t in range(types):
+        o += deltas[t] * fold(acc[1 + t][p])
+      if p == 0:  # outlier channels j < O sit in plane 0's first columns: place [R, OP] into [R, Q] exactly
+        scale = plgpu.load(sv_ref.at[pl.ds(0, op)], mask=jnp.arange(op) < o_dim, other=0.0)  # [OP]
+        place = (jnp.arange(op)[:, None] == jnp.arange(q_dim)[None, :]).astype(jnp.float32)  # [OP, Q]
+        o += first_group(((acco * scale[None, :])[:, :, None] * place[None]).sum(axis=1))
+      o_ref[p] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+  if values_in_kernel:
+    write = lambda acc, acco, m, l: write_values(acc, acco, m, l, first_group(l[:, None])[:, 0])
+  else:
+    write = functools.partial(write_partials, acc_ref, acco_ref, m_ref, l_ref)
+  op = qo_ref.shape[1]
+  # The value digits' weights: 256 x first + second, in the kernel's per-row scale or in the merge.
+  hi_weight = 256.0 if values_in_kernel else 1.0
 
   @pl.when(split < num_splits)
   def _compressed():
     start, end, nblocks = split_range(nc_ref, split, num_splits, block_s)
     qw, qc = qw_ref[...], qc_ref[...]  # [R], [G]
-    op = acco_ref.shape[1]
 
     def load_block(i):
       s0 = start + i * block_s
@@ -295,7 +330,7 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
       col = lambda v: v[:, None]
       alpha_r = unfold([col(alpha), col(alpha)], jnp.float32)  # [R, 1]
       p_blk_r = unfold([col(p_blk), col(p_blk)], jnp.float32)
-      w_r = p_blk_r * (1.0 / (127.0 * 256.0))
+      w_r = unfold([col(p_blk * hi_weight), col(p_blk)], jnp.float32) * (1.0 / (127.0 * 256.0))
       pb = unfold([pt], ov.dtype)
       acco = acco * alpha_r + plgpu.dot(pb, ov) * p_blk_r
       new = [acc[0]] + [[None] * 4 for _ in range(types)]
@@ -306,7 +341,7 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
           new[1 + t][p] = acc[1 + t][p] * alpha_r + plgpu.dot(pd, vplanes[t]).astype(jnp.float32) * (w_r * scales[t])
       return new, acco, m_new, l
 
-    state0 = ([[zeros] * 4 for _ in range(1 + types)], jnp.zeros(acco_ref.shape, jnp.float32),
+    state0 = ([[zeros] * 4 for _ in range(1 + types)], jnp.zeros((r, op), jnp.float32),
               jnp.full((groups,), NEG_INF, jnp.float32), jnp.zeros((groups,), jnp.float32))
     acc, acco, m, l = run_blocks(nblocks, load_block, compute, state0, prefetch)
     write(acc, acco, unfold([m[:, None]], jnp.float32).reshape(r), unfold([l[:, None]], jnp.float32).reshape(r))
@@ -316,7 +351,11 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
     qp = [[qp_ref[p] for p in range(4)]]
     acc, m, l = window_attention(nr_ref[()], block_r, qp, rk_ref, rv_ref, [zeros] * 4,
                                  jnp.full((r,), NEG_INF, jnp.float32), jnp.zeros((r,), jnp.float32))
-    write([acc] + [[zeros] * 4 for _ in range(types)], jnp.zeros(acco_ref.shape, jnp.float32), m, l)
+    slots = [acc] + [[zeros] * 4 for _ in range(types)]
+    if values_in_kernel:  # no codebook mass: the window's values are plain bf16
+      write_values(slots, jnp.zeros((r, op), jnp.float32), m, l, jnp.zeros((groups,), jnp.float32))
+    else:
+      write(slots, jnp.zeros((r, op), jnp.float32), m, l)
 
 
 def compact_query(qhi, qlo, qs, qc, groups: int, digits: int):
@@ -442,6 +481,24 @@ def merge_bitplane_partials(acc, acco, m, l, cb_v, scale_v, u_v, groups: int, dt
   return o.reshape(b, kh * groups, h).astype(dtype)
 
 
+def merge_rotated_partials(o, m, l, u_v, dtype):
+  """Log-sum-exp merge of per-program rotated outputs (`values_in_kernel`) and rotation back.
+
+  Args:
+    o [B, K, NS+1, 4, G, Q] f32 (not divided by l); m, l [B, K, NS+1, >= G] f32; u_v [B, K, H, H].
+
+  Returns:
+    [B, N, H] in dtype.
+  """
+  b, kh, _, _, g, qd = o.shape
+  m, l = m[..., :g], l[..., :g]
+  w = jnp.exp(m - m.max(axis=2, keepdims=True))  # [B, K, NS+1, G]
+  o_rot = jnp.einsum("BKSG,BKSPGQ->BKGPQ", w, o, precision=lax.Precision.HIGHEST).reshape(b, kh, g, 4 * qd)
+  o_rot = o_rot / (w * l).sum(axis=2)[..., None]
+  out = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=lax.Precision.HIGHEST)
+  return out.reshape(b, kh * g, 4 * qd).astype(dtype)
+
+
 @functools.partial(jax.jit, static_argnames=["interpret", "config", "poison", "symmetric_codebooks"])
 def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
                           n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False,
@@ -465,6 +522,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   rows = max(pl.next_power_of_2(hp * g), MMA_ROWS)
   o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS)
   types = PLANE_TYPES - 1 if symmetric_codebooks else PLANE_TYPES
+  values_in_kernel = (not symmetric_codebooks) if config.values_in_kernel is None else config.values_in_kernel
   qhi, qlo, qs, qc, q_planes, q_outl = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, hp, rows, o_cols,
                                                               config.query_digits, types)
   kernel = functools.partial(_bitplane_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
@@ -497,19 +555,30 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   if config.compact_rows:
     if 2 * g > rows:
       raise ValueError(f"compact_rows needs 2 G <= {rows} rows (got G = {g})")
-    qdig, qw, qc = compact_query(qhi, qlo, qs, qc, g, config.query_digits)
+    odt = jnp.float16 if config.outlier_f16 else jnp.bfloat16
+    if config.pallas_prologue:
+      qdig, qw, qc, qp, qo = compact_query_pallas(q, u_k, cb_k, scale_k, rows=rows, o_cols=o_cols, types=types,
+                                                  digits=config.query_digits, outlier_dtype=odt,
+                                                  interpret=interpret)
+    else:
+      qdig, qw, qc = compact_query(qhi, qlo, qs, qc, g, config.query_digits)
+      qp, qo = q_planes[:, :, :, 0], q_outl[:, :, 0].astype(odt)
     kernel = functools.partial(_compact_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
                                groups=g, extract=extract, types=types, prefetch=config.prefetch,
-                               masked_values=config.masked_value_planes)
+                               masked_values=config.masked_value_planes, values_in_kernel=values_in_kernel)
     in_specs = [per_head(types, 4, rows, qd), per_head(rows), per_head(g), per_head(4, rows, qd),
                 per_head(rows, o_cols), per_head(s, qd), per_head(s, o_dim), per_head(s, qd), per_head(s, o_dim),
                 per_head(r, h), per_head(r, h)] + in_specs[12:]
-    q_outl = q_outl[:, :, 0].astype(jnp.float16 if config.outlier_f16 else jnp.bfloat16)
-    inputs = [qdig, qw, qc, q_planes[:, :, :, 0], q_outl] + inputs[6:]
+    inputs = [qdig, qw, qc, qp, qo] + inputs[6:]
+    if values_in_kernel:
+      in_specs = in_specs[:11] + [per_head(h, 4), per_head(o_dim)] + in_specs[11:]
+      inputs = inputs[:11] + [cb_v, scale_v.astype(jnp.float32)] + inputs[11:]
+      out_shape = [jax.ShapeDtypeStruct((b, kh, ns + 1, 4, g, qd), jnp.float32)] + out_shape[2:]
+      out_specs = [per_prog(4, g, qd)] + out_specs[2:]
   aliases = {}
   if poison:
     kernel, inputs, in_specs, aliases = poison_outputs(kernel, inputs, in_specs, out_specs, out_shape)
-  acc, acco, m, l = pl.pallas_call(
+  partials = pl.pallas_call(
       kernel,
       grid=(b, kg, ns + 1),
       in_specs=in_specs,
@@ -520,6 +589,9 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
       interpret=interpret,
       name="oskvp_decode_bitplane",
   )(*inputs)
+  if config.compact_rows and values_in_kernel:
+    return merge_rotated_partials(*partials, u_v, q.dtype)
+  acc, acco, m, l = partials
   if config.compact_rows:
     acc = merge_compact_rows(acc, g)
   acc, acco, m, l = (ungroup_rows(x, hp, g) for x in (acc, acco, m, l))

@@ -58,6 +58,9 @@ BITPLANE_CONFIGS = {
     "bitplane_plain_rows": dataclasses.replace(PLAIN_ROWS, block_s=64, num_splits=3),
     "bitplane_compact_bf16_outliers_shifted_values": dataclasses.replace(BITPLANE, block_s=64, num_splits=3,
                                                                          outlier_f16=False, masked_value_planes=False),
+    # The default's query prologue and value merge in XLA instead (the previous default).
+    "bitplane_xla_prologue_and_merge": dataclasses.replace(BITPLANE, block_s=64, num_splits=3, pallas_prologue=False,
+                                                           values_in_kernel=False),
 }
 
 
@@ -107,6 +110,11 @@ def test_bitplane_compact_rows_g1_and_g8():
   run_case(20, dataclasses.replace(compact, num_splits=3, outlier_f16=True, masked_value_planes=True),
            symmetric=True, batch=2, heads=2, kv_heads=2, head_dim=128, capacity=500, window=16, n_comp=[500, 77],
            n_res=[16, 3])
+  # Values applied in the kernel with symmetric codebooks (off by default there) and with one query digit at G = 1.
+  run_case(21, dataclasses.replace(compact, num_splits=4, values_in_kernel=True), symmetric=True, batch=2, heads=16,
+           kv_heads=2, head_dim=128, capacity=300, window=16, outliers=12, n_comp=[300, 1], n_res=[0, 16])
+  run_case(22, dataclasses.replace(compact, num_splits=2, query_digits=1, values_in_kernel=True), batch=1, heads=2,
+           kv_heads=2, head_dim=128, capacity=200, window=16, n_comp=[200], n_res=[7])
 
 
 def test_masked_planes_times_their_scales_are_the_bit_planes():
@@ -154,6 +162,9 @@ def test_bitplane_form_rejects_small_heads_and_default_picks_by_head_dim():
     DecodeBlockConfig(compact_rows=True)  # the "mma" form
   with pytest.raises(ValueError, match="compact_rows"):
     DecodeBlockConfig(form="bitplane", compact_rows=True, heads_per_program=2)
+  for field in ("pallas_prologue", "values_in_kernel"):
+    with pytest.raises(ValueError, match=field):
+      DecodeBlockConfig(form="bitplane", **{field: True})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS) + list(BITPLANE_CONFIGS))
