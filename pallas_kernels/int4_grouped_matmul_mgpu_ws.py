@@ -26,6 +26,11 @@ out^T [64, W] transposed into shared memory and stores the tile's rows of out [M
 TMA row stores. Tiles of the virtual expert E (rows past sum(group_sizes)) stream expert E - 1's weight and store
 zeros (only when such rows exist).
 
+Measured on the H200 (results/int4_mgpu_ws.md): 1.02-1.08x the one-warpgroup kernel at 8 x 4096->14336 and
+64 x 4096->2048 (C = 2, block_k 512), 1.5-2.1x the best bf16 peer, 33-52% of copy bandwidth; at 128 x 2048->768 the
+Triton int4 kernel stays faster. C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
+(4 x 112-120 + 40) is more than that, so setmaxnreg.inc waits forever (it hung on the H200; rejected here).
+
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
 wgmma A operand from shared memory. `setmaxnreg` is a no-op there; the PTX dequant and the register reinterpretation
@@ -189,7 +194,7 @@ def _num_sms() -> int:
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
-                                num_compute_wgs: int = 2, block_k: int | None = None, block_r: int | None = None,
+                                num_compute_wgs: int | None = None, block_k: int | None = None, block_r: int | None = None,
                                 max_concurrent_steps: int | None = None, memory_registers: int | None = None,
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
                                 dequant: str = "ptx") -> jax.Array:
@@ -199,8 +204,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
     lhs: bf16 [M, Kp], Kp = the weights' padded K.
     weights: `to_mgpu_layout` of the quantized weight.
     group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
-    num_compute_wgs: compute warpgroups per CTA (C); the CTA's N tile is 64·C columns and must divide N.
-    block_k: K per pipeline step (a multiple of 128 dividing Kp); default 256.
+    num_compute_wgs: compute warpgroups per CTA (C, 1 to 3); the CTA's N tile is 64·C columns and must divide N.
+      Default 3 where 192 divides N, else 2 (the faster in the H200 runs, results/int4_mgpu_ws.md).
+    block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 (where it
+      divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
@@ -223,10 +230,11 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
   block_r = block_r or (8 if m <= 8 * e else 16)
   if block_r not in (8, 16):
     raise ValueError(f"block_r={block_r} must be 8 or 16")
+  num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
   bn = num_compute_wgs * _WG_N
   if num_compute_wgs < 1 or n % bn:
     raise ValueError(f"num_compute_wgs={num_compute_wgs} must be >= 1 with 64·C dividing N={n}")
-  block_k = block_k or (256 if kp % 256 == 0 else _G)
+  block_k = block_k or next(b for b in ((512, 256, _G) if num_compute_wgs == 2 else (256, _G)) if kp % b == 0)
   if block_k % _G or kp % block_k:
     raise ValueError(f"block_k={block_k} must be a multiple of {_G} dividing Kp={kp}")
   ksteps = kp // block_k

@@ -35,8 +35,7 @@ def _inputs(sizes, extra, n):
 # (group sizes, rows of no expert, N, kernel config). Items per CTA: 2 (START, STOP), 3 (+ STEADY), 1 (no chaining),
 # 0 (an idle CTA); virtual-expert tiles (zeros), several tiles per expert, two N tiles, 1 or 3 compute warpgroups.
 CASES = [
-    ([3, 0, 17, 1], 2, 128, dict(block_k=128, num_ctas=3)),  # 6 items over 3 CTAs, 2 K steps, ring of 2
-    ([0, 0, 21, 0], 3, 256, dict(block_k=128, num_ctas=2, block_r=16)),  # 2 tiles x 2 N tiles: 2 per CTA
+    ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16)),  # 5 tiles x 2 N tiles over 3 CTAs, ring of 2
     ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1)),  # 3 items in one CTA: START, STEADY, STOP
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5)),  # one item per CTA, one CTA idle
     ([0, 0, 0, 0], 2, 192, dict(num_compute_wgs=3, num_ctas=2)),  # only the virtual expert's rows: zeros
@@ -64,8 +63,7 @@ def test_no_races_in_the_interpreter():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("sizes,m,n_tiles,n_ctas", [([3, 0, 17, 1], 23, 2, 3), ([0, 0, 40, 0], 45, 1, 4),
-                                                    ([1] * 6, 6, 3, 5)])
+@pytest.mark.parametrize("sizes,m,n_tiles,n_ctas", [([3, 0, 17, 1], 23, 2, 3), ([1] * 6, 6, 3, 5)])
 def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
   block_r = 8
   m_loaded = max(m + (-m % 8), block_r + 8)
@@ -85,7 +83,7 @@ def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
   np.testing.assert_array_equal(seen, 1)
 
 
-@pytest.mark.parametrize("cfg", [dict(dequant="ptx"), dict(dequant="jnp"), dict(block_k=512, block_r=16)])
+@pytest.mark.parametrize("cfg", [dict(dequant="ptx", block_k=512, block_r=16), dict(dequant="jnp")])
 def test_gpu_path_lowers(cfg):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
