@@ -12,8 +12,11 @@ from moe_jax.sampling import SamplingParams, sample
 from moe_jax.tokenizer import EOS_ID
 
 
-def _rand_tokens(shape, vocab=256):
-  return np.random.randint(0, vocab, size=shape).astype(np.int32)
+def _rand_tokens(shape, vocab=256, seed=0):
+  """Seeded, so a test's tokens do not depend on which tests ran before it in the same worker: with the global
+  numpy RNG, one CI ordering drew a sequence where bf16 rounding flipped a near-tie top-k routing decision (a
+  0.17 relative logit error at one step of test_bf16_cache_tracks_fp32; seeds 0-11 give at most 2.4e-3)."""
+  return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
 
 
 def test_incremental_decode_equals_full_forward_64_steps(tiny_model):
@@ -40,7 +43,7 @@ def test_bf16_cache_tracks_fp32(tiny_model):
 
 
 def test_ragged_batch_equals_per_sequence_runs(tiny_model):
-  prompts = [list(_rand_tokens((n,))) for n in (3, 11, 1, 7)]
+  prompts = [list(_rand_tokens((n,), seed=n)) for n in (3, 11, 1, 7)]
   tokens, lengths = pad_batch(prompts)
   key = jax.random.key(0)
   batched = generate(tiny_model, tokens, lengths, key=key, max_new_tokens=12, kv_cache="fp32", cache_len=32)
@@ -53,7 +56,7 @@ def test_ragged_batch_equals_per_sequence_runs(tiny_model):
 
 
 def test_generate_greedy_matches_argmax_loop_and_stream(tiny_model):
-  tokens, lengths = pad_batch([list(_rand_tokens((6,))), list(_rand_tokens((4,)))])
+  tokens, lengths = pad_batch([list(_rand_tokens((6,), seed=1)), list(_rand_tokens((4,), seed=2))])
   out = generate(tiny_model, tokens, lengths, key=jax.random.key(1), max_new_tokens=10, kv_cache="fp32")
   streamed = np.stack(list(stream(tiny_model, tokens, lengths, key=jax.random.key(1), max_new_tokens=10,
                                   kv_cache="fp32")), axis=1)

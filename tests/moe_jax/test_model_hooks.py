@@ -17,7 +17,7 @@ def test_ffn_inputs_are_what_the_moe_layers_see(tiny_model, monkeypatch):
     return original(self, x)
 
   monkeypatch.setattr(MoE, "__call__", recording)
-  tokens = np.random.randint(0, 256, (2, 9)).astype(np.int32)
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 9)).astype(np.int32)
   tiny_model.forward(tokens)  # eager: the recorder sees concrete arrays
   monkeypatch.setattr(MoE, "__call__", original)
   hooked = [np.asarray(h) for h in tiny_model.ffn_inputs(tokens)]
@@ -36,7 +36,7 @@ def test_cache_modes_specialise_to_the_model():
 def test_prefill_uses_the_model_rope_base(tiny_config):
   """A model with another RoPE base still decodes through an OS-KVP cache fitted at that base."""
   model = decode.init_model(tiny_config.replace(rope_theta=1e6), seed=1)
-  tokens = np.random.randint(0, 256, (1, 12)).astype(np.int32)
+  tokens = np.random.default_rng(1).integers(0, 256, (1, 12)).astype(np.int32)
   _, cache = decode.prefill(model, tokens, [12], kv_cache="oskvp", cache_len=64)
   logits, cache = decode.decode_step(model, cache, tokens[:, 0])
   _, dense = decode.prefill(model, tokens, [12], kv_cache="fp32", cache_len=64)
