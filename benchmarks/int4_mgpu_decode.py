@@ -59,12 +59,45 @@ def check(res):
       print(tag, res[tag], flush=True)
 
 
+def row_recorder(rows_out: list, t0: float):
+  """add(impl, rows, e, k, n, ms, fmt, n_active, extra=None): appends a result row (bytes read: the active experts'
+  weights in `fmt`, lhs bf16, out f32) to rows_out and prints it."""
+
+  def add(impl, rows, e, k, n, ms, fmt, n_active, extra=None):
+    b = n_active * em.weight_bytes(fmt, k, n) + rows * k * 2 + rows * n * 4
+    r = {"impl": impl, "rows": rows, "experts": e, "k": k, "n": n, "ms": ms, "bytes_read": b,
+         "tb_per_s": b / ms / 1e9, **(extra or {})}
+    rows_out.append(r)
+    print(json.dumps(r), f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+  return add
+
+
+def time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, iters, **kernel_kw):
+  """At one decode shape (balanced routing): draws x [rows, K] bf16 and times the bf16 peers (XLA `ragged_dot`, jax's
+  Mosaic `ragged_dot_mgpu`) and the Triton int4 kernel (uint16 layout `w_nk`, default tile) through `add`.
+  Returns (x, group_sizes, n_active) for the caller's own kernels."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
+  gs_np = em.balanced_groups(rows, e)
+  gs, n_active = jnp.asarray(gs_np), int((gs_np > 0).sum())
+  x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.bfloat16)
+  f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32))
+  add("xla_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, gs, iters=iters), "bf16", n_active)
+  try:
+    f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
+                                  max_concurrent_steps=6, grid_block_n=2))
+    add("mgpu_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, iters=iters), "bf16", n_active)
+  except Exception as ex:  # noqa: BLE001
+    print("mgpu bf16 fail", type(ex).__name__, str(ex)[:200], flush=True)
+  f = jax.jit(functools.partial(i4.int4_grouped_matmul, **em.CONFIGS["int4_nk"][0], **kernel_kw))
+  add("pallas_int4_nk", rows, e, k, n, timer(f, x, w_nk, gs, iters=iters), "int4_nk", n_active)
+  return x, gs, n_active
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--iters", type=int, default=10)
   args = ap.parse_args(argv)
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
   timer, timing = em._timer()  # pylint: disable=protected-access
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": em.G,
@@ -73,12 +106,7 @@ def main(argv=None):
   meta["copy"] = em.copy_bandwidth(timer)
   rows_out, t0 = [], time.perf_counter()
 
-  def add(impl, rows, e, k, n, ms, fmt, n_active, extra=None):
-    b = n_active * em.weight_bytes(fmt, k, n) + rows * k * 2 + rows * n * 4
-    r = {"impl": impl, "rows": rows, "experts": e, "k": k, "n": n, "ms": ms, "bytes_read": b,
-         "tb_per_s": b / ms / 1e9, **(extra or {})}
-    rows_out.append(r)
-    print(json.dumps(r), f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+  add = row_recorder(rows_out, t0)
 
   def save():
     os.makedirs(args.out, exist_ok=True)
@@ -91,19 +119,7 @@ def main(argv=None):
     ws = em.random_int4(key, e, k, n)
     w_nk, w_mg = i4.to_nk_layout(ws), mg.to_mgpu_layout(ws)
     for rows in rows_list:
-      gs_np = em.balanced_groups(rows, e)
-      gs, n_active = jnp.asarray(gs_np), int((gs_np > 0).sum())
-      x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.bfloat16)
-      f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32))
-      add("xla_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, gs, iters=args.iters), "bf16", n_active)
-      try:
-        f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
-                                      max_concurrent_steps=6, grid_block_n=2))
-        add("mgpu_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, iters=args.iters), "bf16", n_active)
-      except Exception as ex:  # noqa: BLE001
-        print("mgpu bf16 fail", type(ex).__name__, str(ex)[:200], flush=True)
-      f = jax.jit(functools.partial(i4.int4_grouped_matmul, **em.CONFIGS["int4_nk"][0]))
-      add("pallas_int4_nk", rows, e, k, n, timer(f, x, w_nk, gs, iters=args.iters), "int4_nk", n_active)
+      x, gs, n_active = time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters)
       for name, cfg in CONFIGS.items():
         if k % cfg["block_k"] or n % cfg["block_n"]:
           continue

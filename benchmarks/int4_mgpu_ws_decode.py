@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import expert_matmul as em
+from benchmarks import int4_mgpu_decode as base
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
@@ -108,7 +109,6 @@ def main(argv=None):
     with open(check_path, "w") as fh:
       json.dump(res, fh, indent=1)
     return 0
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
   timer, timing = em._timer()  # pylint: disable=protected-access
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": em.G,
@@ -124,12 +124,7 @@ def main(argv=None):
   meta["copy"] = em.copy_bandwidth(timer)
   rows_out, t0 = [], time.perf_counter()
 
-  def add(impl, rows, e, k, n, ms, fmt, n_active, extra=None):
-    b = n_active * em.weight_bytes(fmt, k, n) + rows * k * 2 + rows * n * 4
-    r = {"impl": impl, "rows": rows, "experts": e, "k": k, "n": n, "ms": ms, "bytes_read": b,
-         "tb_per_s": b / ms / 1e9, **(extra or {})}
-    rows_out.append(r)
-    print(json.dumps(r), f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+  add = base.row_recorder(rows_out, t0)
 
   def save():
     with open(os.path.join(args.out, f"int4_mgpu_ws{args.tag}.json"), "w") as fh:
@@ -141,19 +136,7 @@ def main(argv=None):
     wq = em.random_int4(key, e, k, n)
     w_nk, w_mg = i4.to_nk_layout(wq), mg.to_mgpu_layout(wq)
     for rows in rows_list:
-      gs_np = em.balanced_groups(rows, e)
-      gs, n_active = jnp.asarray(gs_np), int((gs_np > 0).sum())
-      x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.bfloat16)
-      f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32))
-      add("xla_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, gs, iters=args.iters), "bf16", n_active)
-      try:
-        f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
-                                      max_concurrent_steps=6, grid_block_n=2))
-        add("mgpu_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, iters=args.iters), "bf16", n_active)
-      except Exception as ex:  # noqa: BLE001
-        print("mgpu bf16 fail", type(ex).__name__, str(ex)[:200], flush=True)
-      f = jax.jit(functools.partial(i4.int4_grouped_matmul, **em.CONFIGS["int4_nk"][0], **_kw()))
-      add("pallas_int4_nk", rows, e, k, n, timer(f, x, w_nk, gs, iters=args.iters), "int4_nk", n_active)
+      x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters, **_kw())
       f = jax.jit(functools.partial(mg.int4_grouped_matmul_mgpu, **_kw()))
       add("pallas_int4_mgpu", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu", n_active)
       want = None

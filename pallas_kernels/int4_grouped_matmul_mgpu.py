@@ -248,6 +248,25 @@ _STATIC = ("block_n", "block_k", "block_r", "max_concurrent_steps", "interpret",
 DEQUANTS = ("ptx", "jnp")
 
 
+def check_inputs(lhs: jax.Array, weights: MgpuInt4Weights, dequant: str, interpret, block_r: int | None):
+  """Validates the common arguments of the Mosaic int4 kernels. Returns (dequant, block_r, (M, Kp, E, N)): "jnp" in
+  interpret mode (the interpreter runs no inline PTX) and block_r defaulted to 8 up to 8 rows per expert, else 16."""
+  if dequant not in DEQUANTS:
+    raise ValueError(f"dequant={dequant!r} must be one of {DEQUANTS}")
+  m, kp = lhs.shape
+  e, n, kq = weights.q.shape
+  if lhs.dtype != jnp.bfloat16:
+    raise TypeError(f"lhs must be bfloat16, got {lhs.dtype}")
+  if kq != kp:
+    raise ValueError(f"lhs has K={kp} but the int4 weights hold Kp={kq}; pad lhs with zeros to Kp")
+  if kp % _G:
+    raise ValueError(f"Kp={kp} must be a multiple of {_G}")
+  block_r = block_r or (8 if m <= 8 * e else 16)
+  if block_r not in (8, 16):
+    raise ValueError(f"block_r={block_r} must be 8 or 16")
+  return ("jnp" if interpret else dequant), block_r, (m, kp, e, n)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
                              block_n: int = 64, block_k: int | None = None, block_r: int | None = None,
@@ -269,21 +288,7 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
     dequant: "jnp" (Mosaic's int4 -> bf16 cast, then (w - z') * s) or "ptx" (one inline-PTX sequence per 2 weights;
       GPU only: interpret mode uses "jnp").
   """
-  if dequant not in DEQUANTS:
-    raise ValueError(f"dequant={dequant!r} must be one of {DEQUANTS}")
-  if interpret:
-    dequant = "jnp"  # the interpreter runs no inline PTX
-  m, kp = lhs.shape
-  e, n, kq = weights.q.shape
-  if lhs.dtype != jnp.bfloat16:
-    raise TypeError(f"lhs must be bfloat16, got {lhs.dtype}")
-  if kq != kp:
-    raise ValueError(f"lhs has K={kp} but the int4 weights hold Kp={kq}; pad lhs with zeros to Kp")
-  if kp % _G:
-    raise ValueError(f"Kp={kp} must be a multiple of {_G}")
-  block_r = block_r or (8 if m <= 8 * e else 16)
-  if block_r not in (8, 16):
-    raise ValueError(f"block_r={block_r} must be 8 or 16")
+  dequant, block_r, (m, kp, e, n) = check_inputs(lhs, weights, dequant, interpret, block_r)
   if block_k is None:
     block_k = 512 if block_r == 8 and kp >= 4096 and kp % 512 == 0 else 256
     block_k = block_k if kp % block_k == 0 else _G

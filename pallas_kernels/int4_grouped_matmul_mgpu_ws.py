@@ -217,19 +217,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
     dequant: "ptx" or "jnp", as in `int4_grouped_matmul_mgpu` (interpret mode uses "jnp").
   """
-  if dequant not in DEQUANTS:
-    raise ValueError(f"dequant={dequant!r} must be one of {DEQUANTS}")
-  if interpret:
-    dequant = "jnp"
-  m, kp = lhs.shape
-  e, n, kq = weights.q.shape
-  if lhs.dtype != jnp.bfloat16:
-    raise TypeError(f"lhs must be bfloat16, got {lhs.dtype}")
-  if kq != kp:
-    raise ValueError(f"lhs has K={kp} but the int4 weights hold Kp={kq}; pad lhs with zeros to Kp")
-  block_r = block_r or (8 if m <= 8 * e else 16)
-  if block_r not in (8, 16):
-    raise ValueError(f"block_r={block_r} must be 8 or 16")
+  dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
   num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
   bn = num_compute_wgs * _WG_N
   if num_compute_wgs < 1 or n % bn:
