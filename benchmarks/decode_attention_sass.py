@@ -46,7 +46,9 @@ def main():
   args = ap.parse_args()
   shape = dict(batch=8, heads=32, kv_heads=8, head_dim=128, capacity=1024, window=128)
   plain = PLAIN_ROWS  # the default before compact rows
-  compact = dataclasses.replace(BITPLANE, outlier_f16=False, masked_value_planes=False)  # run 7's default
+  compact = dataclasses.replace(BITPLANE, outlier_f16=False, masked_value_planes=False, pallas_prologue=False,
+                                values_in_kernel=False)  # run 7's default
+  run9 = dataclasses.replace(BITPLANE, pallas_prologue=False, values_in_kernel=False)
   configs = {
       "timed_first (b128 bcast ns2)": DecodeBlockConfig(block_s=128, num_stages=2, outlier_mma=False),
       "default mma (b64 om ns1)": DecodeBlockConfig(),
@@ -68,6 +70,9 @@ def main():
       "bitplane compact rows symmetric": (compact, True),
       "bitplane default (BITPLANE: compact rows, f16 outliers, masked values)": BITPLANE,
       "bitplane default symmetric": (BITPLANE, True),
+      "bitplane run 9 default (XLA prologue and merge)": run9,
+      "bitplane run 9 default symmetric": (run9, True),
+      "bitplane default symmetric, values in kernel": (dataclasses.replace(BITPLANE, values_in_kernel=True), True),
       "bitplane compact rows symmetric b128": (dataclasses.replace(compact, block_s=128), True),
       "bitplane compact rows symmetric 8 warps": (dataclasses.replace(compact, num_warps=8), True),
   }
