@@ -130,7 +130,7 @@ class DecodeBlockConfig:
 # on a bf16 cache in the same run (decode_attention_run8.log); compact rows alone 0.514 there (0.477 in run 7's
 # grid, where the previous one-digit default took 0.640). Block 128, 8 warps, 16 splits (except symmetric: 0.422),
 # 2 stages and prefetching slower (decode_attention_run7.log, decode_attention_sweep{5,6}.log).
-# Around the kernel, the Pallas query prologue and (general codebooks) the values applied in-kernel: 5 kernels per
+# Around the kernel, the Pallas query prologue and (general codebooks) the values applied in-kernel: 5-6 kernels per
 # call instead of 12-15, 383 us of kernel time instead of 400 at 64k x 8 (346 instead of 350 with symmetric
 # codebooks), 25 instead of 31 at 4k x 1 (results/decode_attention_breakdown.md).
 BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=2, compact_rows=True,
