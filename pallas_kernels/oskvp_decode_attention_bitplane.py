@@ -35,7 +35,11 @@ both skip the b0 b1 plane type.
 Partials (per split): acc [1 + T slots, 4 planes, GP, Q] f32 — slot 0 the plain bf16-value accumulator of the
 residual window's program, slots 1..T sum_t p_t plane_type (compact: first digit in rows < G, second in G..2G-1,
 combined by `merge_compact_rows`) — acco [GP, OP], m, l [GP]; `merge_bitplane_partials` applies the value codebooks
-(c0 l_compressed + sum_type d_type * slot), the outliers, the log-sum-exp weights and U_v^T.
+(c0 l_compressed + sum_type d_type * slot), the outliers, the log-sum-exp weights and U_v^T. With
+`values_in_kernel` (compact rows) each program applies the codebooks, the digits' weights and the outliers itself and
+writes o [4, G, Q] (rotated, not yet divided by l), m, l [R]; `merge_rotated_partials` only weighs and rotates back.
+The compact kernel's query inputs come from XLA (`prepare_bitplane_query` + `compact_query`) or, with
+`pallas_prologue`, from one small Pallas kernel (`oskvp_decode_prologue.py`).
 """
 
 from __future__ import annotations
