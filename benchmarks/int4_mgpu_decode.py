@@ -72,6 +72,13 @@ def row_recorder(rows_out: list, t0: float):
   return add
 
 
+def decode_weights(e: int, k: int, n: int):
+  """Random weights of one shape: (key, bf16 [E, K, N], int4 in the Triton uint16 layout, int4 in the Mosaic layout)."""
+  key = jax.random.key(e + k + n)
+  w_int4 = em.random_int4(key, e, k, n)
+  return key, jax.random.normal(key, (e, k, n), jnp.bfloat16), i4.to_nk_layout(w_int4), mg.to_mgpu_layout(w_int4)
+
+
 def time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, iters, **kernel_kw):
   """At one decode shape (balanced routing): draws x [rows, K] bf16 and times the bf16 peers (XLA `ragged_dot`, jax's
   Mosaic `ragged_dot_mgpu`) and the Triton int4 kernel (uint16 layout `w_nk`, default tile) through `add`.
@@ -114,10 +121,7 @@ def main(argv=None):
       json.dump({**meta, "rows": rows_out}, fh, indent=1)
 
   for e, k, n, rows_list in SHAPES:
-    key = jax.random.key(e + k + n)
-    w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
-    ws = em.random_int4(key, e, k, n)
-    w_nk, w_mg = i4.to_nk_layout(ws), mg.to_mgpu_layout(ws)
+    key, w_bf16, w_nk, w_mg = decode_weights(e, k, n)
     for rows in rows_list:
       x, gs, n_active = time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters)
       for name, cfg in CONFIGS.items():
@@ -130,7 +134,7 @@ def main(argv=None):
         except Exception as ex:  # noqa: BLE001
           print("mgpu int4 fail", name, type(ex).__name__, str(ex)[:400], flush=True)
       save()
-    del w_bf16, ws, w_nk, w_mg
+    del w_bf16, w_nk, w_mg
   save()
   md = em.sweep_markdown({**meta, "rows": rows_out})
   with open(os.path.join(args.out, "int4_mgpu_decode.md"), "w") as fh:

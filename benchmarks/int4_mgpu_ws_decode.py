@@ -131,10 +131,7 @@ def main(argv=None):
       json.dump({**meta, "rows": rows_out}, fh, indent=1)
 
   for e, k, n, rows_list in shapes:
-    key = jax.random.key(e + k + n)
-    w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
-    wq = em.random_int4(key, e, k, n)
-    w_nk, w_mg = i4.to_nk_layout(wq), mg.to_mgpu_layout(wq)
+    key, w_bf16, w_nk, w_mg = base.decode_weights(e, k, n)
     for rows in rows_list:
       x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters, **_kw())
       f = jax.jit(functools.partial(mg.int4_grouped_matmul_mgpu, **_kw()))
@@ -154,7 +151,7 @@ def main(argv=None):
         except Exception as ex:  # noqa: BLE001
           print("ws fail", name, type(ex).__name__, str(ex)[:400], flush=True)
       save()
-    del w_bf16, wq, w_nk, w_mg
+    del w_bf16, w_nk, w_mg
   save()
   md = em.sweep_markdown({**meta, "rows": rows_out})
   with open(os.path.join(args.out, f"int4_mgpu_ws{args.tag}.md"), "w") as fh:

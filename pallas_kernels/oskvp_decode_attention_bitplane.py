@@ -289,10 +289,12 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
     m_ref[...] = m
     l_ref[...] = l
 
-  if values_in_kernel:
-    write = lambda acc, acco, m, l: write_values(acc, acco, m, l, first_group(l[:, None])[:, 0])
-  else:
-    write = functools.partial(write_partials, acc_ref, acco_ref, m_ref, l_ref)
+  def write(acc, acco, m, l, l_comp):
+    """m, l [R]; l_comp [G] the probability mass of compressed tokens (the c0 term of the value codebooks)."""
+    if values_in_kernel:
+      write_values(acc, acco, m, l, l_comp)
+    else:
+      write_partials(acc_ref, acco_ref, m_ref, l_ref, acc, acco, m, l)
   op = qo_ref.shape[1]
   # The value digits' weights: 256 x first + second, in the kernel's per-row scale or in the merge.
   hi_weight = 256.0 if values_in_kernel else 1.0
@@ -348,18 +350,16 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
     state0 = ([[zeros] * 4 for _ in range(1 + types)], jnp.zeros((r, op), jnp.float32),
               jnp.full((groups,), NEG_INF, jnp.float32), jnp.zeros((groups,), jnp.float32))
     acc, acco, m, l = run_blocks(nblocks, load_block, compute, state0, prefetch)
-    write(acc, acco, unfold([m[:, None]], jnp.float32).reshape(r), unfold([l[:, None]], jnp.float32).reshape(r))
+    write(acc, acco, unfold([m[:, None]], jnp.float32).reshape(r), unfold([l[:, None]], jnp.float32).reshape(r), l)
 
   @pl.when(split == num_splits)
   def _residual():
     qp = [[qp_ref[p] for p in range(4)]]
     acc, m, l = window_attention(nr_ref[()], block_r, qp, rk_ref, rv_ref, [zeros] * 4,
                                  jnp.full((r,), NEG_INF, jnp.float32), jnp.zeros((r,), jnp.float32))
-    slots = [acc] + [[zeros] * 4 for _ in range(types)]
-    if values_in_kernel:  # no codebook mass: the window's values are plain bf16
-      write_values(slots, jnp.zeros((r, op), jnp.float32), m, l, jnp.zeros((groups,), jnp.float32))
-    else:
-      write(slots, jnp.zeros((r, op), jnp.float32), m, l)
+    # No codebook mass here: the window's values are plain bf16.
+    write([acc] + [[zeros] * 4 for _ in range(types)], jnp.zeros((r, op), jnp.float32), m, l,
+          jnp.zeros((groups,), jnp.float32))
 
 
 def compact_query(qhi, qlo, qs, qc, groups: int, digits: int):
@@ -527,8 +527,11 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS)
   types = PLANE_TYPES - 1 if symmetric_codebooks else PLANE_TYPES
   values_in_kernel = (not symmetric_codebooks) if config.values_in_kernel is None else config.values_in_kernel
-  qhi, qlo, qs, qc, q_planes, q_outl = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, hp, rows, o_cols,
-                                                              config.query_digits, types)
+  if config.compact_rows and config.pallas_prologue:  # the query inputs come from the Pallas prologue below
+    qhi = qlo = qs = qc = q_planes = q_outl = None
+  else:
+    qhi, qlo, qs, qc, q_planes, q_outl = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, hp, rows, o_cols,
+                                                                config.query_digits, types)
   kernel = functools.partial(_bitplane_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
                              groups=g, extract=extract, two_digits=config.query_digits == 2,
                              prefetch=config.prefetch, types=types)
