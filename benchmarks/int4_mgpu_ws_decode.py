@@ -10,6 +10,9 @@ and times only the configs that passed, so that a config that is wrong or hangs 
 Triton int4 kernel (uint16 layout, default tile), the one-warpgroup Mosaic int4 kernel (default tile) and the
 warp-specialized kernel over a few configs; CUPTI kernel time with L2 flushed, median (as `expert_matmul.py`).
 Writes `int4_mgpu_ws.json` / `.md` under --out.
+
+`--dump=E,K,N,ROWS` compiles and runs the WS configs of --ws (and the one-warpgroup kernel) once at that shape, for
+Mosaic GPU's dumps: run it with MOSAIC_GPU_DUMP_TO=<dir> (PTX, ptxas -v output, SASS, MLIR passes per kernel).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ WS = {
     "c2_k128": dict(num_compute_wgs=2, block_k=128),
     "c2_k256": dict(num_compute_wgs=2, block_k=256),
     "c2_k512": dict(num_compute_wgs=2, block_k=512),
-    # 3 compute warpgroups (12 compute warps per SM, 152 registers each): N tile 192, so only N = 768 here.
+    # 3 compute warpgroups (12 compute warps per SM, 152 registers each): N tile 192; where 192 does not divide N
+    # (2048, 14336) the last tile starts at N - 192 and overlaps the one before it (added in the fourth session).
     "c3_k256": dict(num_compute_wgs=3, block_k=256),
     "c3_k512": dict(num_compute_wgs=3, block_k=512),
 }
@@ -54,9 +58,9 @@ def _kw():
 
 
 def check(res, names=None):
-  e, k, n = 6, 1024, 768
+  e, k, n = 6, 1024, 640  # 640: C = 3's last N tile starts at 448 (overlapping the tile before it)
   if SMOKE["interpret"]:
-    k, n = 256, 256
+    k, n = 256, 320
   for sizes in ([0, 1, 37, 0, 16, 5], [16] * 6):
     gs = jnp.array(sizes, jnp.int32)
     m = int(gs.sum()) + 3  # 3 rows owned by no expert: must come back zero
@@ -65,7 +69,7 @@ def check(res, names=None):
     want = np.asarray(i4.int4_grouped_matmul_reference(x, wq, gs))
     w = mg.to_mgpu_layout(wq)
     for name, cfg in WS.items():
-      if (names is not None and name not in names) or k % cfg["block_k"] or n % (64 * cfg["num_compute_wgs"]):
+      if (names is not None and name not in names) or k % cfg["block_k"]:
         continue
       f = functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw())
       name, tag = f"ws_{name}", f"n{n}_{sizes}_{name}"
@@ -76,6 +80,26 @@ def check(res, names=None):
       except Exception as ex:  # noqa: BLE001
         res[tag] = {"impl": name, "error": f"{type(ex).__name__}: {str(ex)[:600]}"}
       print(tag, res[tag], flush=True)
+
+
+def dump(e, k, n, rows):
+  """Compiles and runs the one-warpgroup kernel and each WS config once at one shape (for MOSAIC_GPU_DUMP_TO)."""
+  _, _, _, w_mg = base.decode_weights(e, k, n)
+  gs = jnp.asarray(em.balanced_groups(rows, e))
+  x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
+  want = np.asarray(mg.int4_grouped_matmul_mgpu_reference(x, w_mg, gs))
+  fns = {"mgpu": mg.int4_grouped_matmul_mgpu}
+  fns.update({f"ws_{name}": functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg) for name, cfg in WS.items()
+              if not k % cfg["block_k"]})
+  for name, f in fns.items():
+    t = time.perf_counter()
+    try:
+      got = np.asarray(jax.jit(f)(x, w_mg, gs))
+      print(name, "max_rel_err", float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+            f"{time.perf_counter() - t:.1f} s", flush=True)
+    except Exception as ex:  # noqa: BLE001
+      print(name, "fail", type(ex).__name__, str(ex)[:600], flush=True)
+  return 0
 
 
 def passed(check_res, name):
@@ -93,11 +117,14 @@ def main(argv=None):
   ap.add_argument("--ws", default="", help="comma-separated subset of the WS configs")
   ap.add_argument("--n", type=int, default=0, help="only the shapes with this N")
   ap.add_argument("--tag", default="", help="suffix of the output files")
+  ap.add_argument("--dump", default="", help="E,K,N,ROWS: compile and run once (with MOSAIC_GPU_DUMP_TO set)")
   args = ap.parse_args(argv)
   if args.ws:
     for name in list(WS):
       if name not in args.ws.split(","):
         del WS[name]
+  if args.dump:
+    return dump(*map(int, args.dump.split(",")))
   shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
   if args.smoke:
     SMOKE["interpret"], shapes = True, [(4, 512, 256, [8, 64])]
@@ -138,7 +165,7 @@ def main(argv=None):
       add("pallas_int4_mgpu", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu", n_active)
       want = None
       for name, cfg in todo.items():
-        if n % (64 * cfg["num_compute_wgs"]) or k % cfg["block_k"]:
+        if k % cfg["block_k"]:
           continue
         try:
           f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw()))

@@ -85,7 +85,8 @@ def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n
 
 
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_smem, *, n_wgs: int, block_k: int,
-            block_r: int, n_groups: int, steps: int, memory_registers: int, a_from_smem: bool, dequant: str):
+            block_r: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, a_from_smem: bool,
+            dequant: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64] (W = R + 8), one out tile
   # per compute warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile).
@@ -123,22 +124,25 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
     plgpu.wgmma_wait(0)
     return acc_ref
 
-  def specs(j):
-    return [plgpu.BlockSpec((bn, block_k), lambda k: (j, k), transforms=mg._swizzled(jnp.int4)),  # pylint: disable=protected-access
-            plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.bfloat16)),  # pylint: disable=protected-access
-            plgpu.BlockSpec((gk, bn), lambda k: (k, j)),
-            plgpu.BlockSpec((gk, bn), lambda k: (k, j))]
+  # The item's N tile is passed as gmem refs sliced at its first column (col0, a multiple of 64), so that the last
+  # tile of an N that bn does not divide can start at N - bn (overlapping the tile before it) instead of past N.
+  specs = [plgpu.BlockSpec((bn, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.int4)),  # pylint: disable=protected-access
+           plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.bfloat16)),  # pylint: disable=protected-access
+           plgpu.BlockSpec((gk, bn), lambda k: (k, 0)),
+           plgpu.BlockSpec((gk, bn), lambda k: (k, 0))]
 
-  def make_pipeline(compute_context, j, state):
+  def make_pipeline(compute_context, state):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(ksteps,), memory_registers=memory_registers, in_specs=specs(j), max_concurrent_steps=steps,
+        body, grid=(ksteps,), memory_registers=memory_registers, in_specs=specs, max_concurrent_steps=steps,
         wg_axis="wg", num_compute_wgs=n_wgs, compute_context=compute_context, pipeline_state=state)
 
-  def gmem(expert, loaded):
-    return (q_ref.at[expert], lhs_ref.at[pl.ds(loaded, window)], scale_ref.at[expert], zero_ref.at[expert])
+  def gmem(expert, loaded, col0):
+    cols = pl.ds(col0, bn)
+    return (q_ref.at[expert, cols], lhs_ref.at[pl.ds(loaded, window)], scale_ref.at[expert, :, cols],
+            zero_ref.at[expert, :, cols])
 
   ignore = lambda *_, **__: None
-  allocs = make_pipeline(ignore, 0, None).get_allocations(*gmem(0, 0))
+  allocs = make_pipeline(ignore, None).get_allocations(*gmem(0, 0, 0))
 
   def scope(allocs):
     n_items = table_ref[cta, 0, _NITEMS]
@@ -147,6 +151,10 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
     def _item(i):
       expert, j, loaded, first, count, virtual = (table_ref[cta, i, col] for col in range(6))
       loaded = pl.multiple_of(loaded, 8)
+      # First column of the tile: j·bn, or N - bn for a last tile that would cross N; then the warpgroups whose
+      # columns the previous tile already holds (below j·bn) compute them again but do not store them.
+      col0 = pl.multiple_of(jnp.minimum(j * bn, n_cols - bn), _WG_N)
+      owner = col0 + wg * _WG_N >= j * bn
 
       def compute_context(run):
         acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((_WG_N, window)))  # float32 [64, W]
@@ -160,10 +168,10 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
           plgpu.commit_smem()
 
         start, done = first - loaded, jnp.int32(0)
-        cols = pl.ds(j * bn + wg * _WG_N, _WG_N)
+        cols = pl.ds(col0 + wg * _WG_N, _WG_N)
         size = 1 << int(math.log2(block_r))
         while size:  # TMA boxes are static: `count` rows as a ladder of power-of-two row counts
-          @pl.when((count & size) != 0)
+          @pl.when(((count & size) != 0) & owner)
           def _store(size=size, done=done):
             plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size),
                                                                                           cols])
@@ -177,7 +185,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
       for pred, state in states:
         @pl.when(pred)
         def _run(state=state):
-          make_pipeline(compute_context, j, state)(*gmem(expert, loaded), allocations=allocs)
+          make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -220,8 +228,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
   dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
   num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
   bn = num_compute_wgs * _WG_N
-  if num_compute_wgs < 1 or n % bn:
-    raise ValueError(f"num_compute_wgs={num_compute_wgs} must be >= 1 with 64·C dividing N={n}")
+  if num_compute_wgs < 1 or n % _WG_N or n < bn:
+    raise ValueError(f"num_compute_wgs={num_compute_wgs} must be >= 1, N={n} a multiple of {_WG_N} and at least 64·C")
   block_k = block_k or next(b for b in ((512, 256, _G) if num_compute_wgs == 2 else (256, _G)) if kp % b == 0)
   if block_k % _G or kp % block_k:
     raise ValueError(f"block_k={block_k} must be a multiple of {_G} dividing Kp={kp}")
@@ -248,8 +256,9 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
   if interpret:  # the interpreter's relayout keeps the stored K order: feed lhs in that order too
     lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.K_ORDER].reshape(m + pad, kp)
-  table = work_table(group_sizes, m, m + pad, block_r=block_r, n_tiles=n // bn, n_experts=e, n_ctas=num_ctas)
+  table = work_table(group_sizes, m, m + pad, block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas)
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
+                           n_cols=n,
                            steps=max_concurrent_steps, memory_registers=memory_registers, a_from_smem=bool(interpret),
                            dequant=dequant)
   scratch = dict(

@@ -40,6 +40,10 @@ CASES = [
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5)),  # one item per CTA, one CTA idle
     ([0, 0, 0, 0], 2, 192, dict(num_compute_wgs=3, num_ctas=2)),  # only the virtual expert's rows: zeros
     ([2, 7, 0, 3], 1, 128, dict(num_compute_wgs=1, block_k=128, num_ctas=2)),
+    # N not a multiple of the N tile: the last tile starts at N - 64·C and its first warpgroups do not store.
+    ([0, 1, 9, 0], 3, 256, dict(num_compute_wgs=3, num_ctas=3)),  # tiles at 0 and 64 (overlap 128)
+    ([4, 0, 1, 12], 0, 320, dict(num_compute_wgs=3, num_ctas=2, block_k=128)),  # tiles at 0 and 128 (overlap 64)
+    ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),  # C = 2, tiles at 0 and 64; one CTA
 ]
 
 
@@ -102,7 +106,7 @@ def test_rejects_bad_arguments():
   with pytest.raises(TypeError, match="bfloat16"):
     ws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.float32), w, gs, interpret=True)
   with pytest.raises(ValueError, match="num_compute_wgs"):
-    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, num_compute_wgs=3, interpret=True)  # 192 does not divide N = 128
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, num_compute_wgs=3, interpret=True)  # the N tile 192 exceeds N = 128
   x4, gs4, w4 = _inputs([1, 2, 3, 4], 0, 256)
   with pytest.raises(ValueError, match="deadlock"):  # 4 compute warpgroups: setmaxnreg would wait forever
     ws.int4_grouped_matmul_mgpu_ws(x4, ws.to_mgpu_layout(w4), gs4, num_compute_wgs=4, interpret=True)
