@@ -47,6 +47,11 @@ WS = {
     # (2048, 14336) the last tile starts at N - 192 and overlaps the one before it (added in the fourth session).
     "c3_k256": dict(num_compute_wgs=3, block_k=256),
     "c3_k512": dict(num_compute_wgs=3, block_k=512),
+    # overlap_steps (fifth session): a step's last wgmma runs into the next step's first decode (wgmma_wait(1),
+    # manual release of the previous ring slot).
+    "c2_k512_ov": dict(num_compute_wgs=2, block_k=512, overlap_steps=True),
+    "c2_k256_ov": dict(num_compute_wgs=2, block_k=256, overlap_steps=True),
+    "c3_k256_ov": dict(num_compute_wgs=3, block_k=256, overlap_steps=True),
 }
 
 

@@ -86,7 +86,7 @@ def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n
 
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_smem, *, n_wgs: int, block_k: int,
             block_r: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, a_from_smem: bool,
-            dequant: str):
+            dequant: str, overlap_steps: bool):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64] (W = R + 8), one out tile
   # per compute warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile).
@@ -96,9 +96,18 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
   ksteps = n_groups // gk
   wg_rows = pl.ds(pl.multiple_of(jnp.minimum(wg, n_wgs - 1) * _WG_N, _WG_N), _WG_N)  # this warpgroup's N slice
 
-  def body(_, q_smem, x_smem, s_smem, z_smem, acc_ref):
+  consumed = []  # overlap_steps: the ring's consumed barriers (one per input, `steps` slots), set below
+
+  def release(slot, predicate=None):
+    for bar in consumed:
+      plgpu.barrier_arrive(bar.at[slot], predicate=predicate)
+
+  def body(idx, q_smem, x_smem, s_smem, z_smem, *rest):
     # q_smem: int4 [bn, block_k]; x_smem: bf16 [W, block_k]; s_smem, z_smem: bf16 [block_k / G, bn];
-    # acc_ref: float32 [64, W], out^T of this warpgroup's columns.
+    # acc_ref: float32 [64, W], out^T of this warpgroup's columns. With overlap_steps, rest also holds the pipeline's
+    # consumed barriers of this step (unused: the step releases the previous step's slot instead).
+    acc_ref = rest[-1]
+    (k,) = idx
     for c in range(gk):
       ks = pl.ds(c * _G, _G)
       w = plgpu.load(q_smem.at[wg_rows, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [64, G]
@@ -120,8 +129,15 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
         plgpu.wgmma_wait(0)
       else:
         plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
-    # The ring slot is released when the body returns, and the next step decodes into the same registers.
-    plgpu.wgmma_wait(0)
+      if overlap_steps and c == 0:
+        # The previous step's last wgmma ran while this step decoded group 0; once it is done (all but the wgmma
+        # just issued), the previous step's ring slot goes back to the TMA warpgroup. Step 0's previous slot was
+        # released at the end of the previous item.
+        plgpu.wgmma_wait(1)
+        release(jax.lax.rem(k + steps - 1, steps), predicate=k > 0)
+    if not overlap_steps:
+      # The ring slot is released when the body returns, and the next step decodes into the same registers.
+      plgpu.wgmma_wait(0)
     return acc_ref
 
   # The item's N tile is passed as gmem refs sliced at its first column (col0, a multiple of 64), so that the last
@@ -134,7 +150,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
   def make_pipeline(compute_context, state):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(ksteps,), memory_registers=memory_registers, in_specs=specs, max_concurrent_steps=steps,
-        wg_axis="wg", num_compute_wgs=n_wgs, compute_context=compute_context, pipeline_state=state)
+        wg_axis="wg", num_compute_wgs=n_wgs, compute_context=compute_context, pipeline_state=state,
+        manual_consumed_barriers=overlap_steps)
 
   def gmem(expert, loaded, col0):
     cols = pl.ds(col0, bn)
@@ -146,6 +163,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
 
   def scope(allocs):
     n_items = table_ref[cta, 0, _NITEMS]
+    if overlap_steps:
+      consumed.extend(allocs["flat_consumed_barrier_refs"])
 
     @pl.loop(0, n_items)
     def _item(i):
@@ -157,7 +176,13 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
       owner = col0 + wg * _WG_N >= j * bn
 
       def compute_context(run):
-        acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((_WG_N, window)))  # float32 [64, W]
+        def scoped(acc_ref):
+          acc = run(acc_ref)[...]  # waits for all wgmmas
+          if overlap_steps:  # the last step's slot (ksteps - 1 = steps - 1 mod steps: steps divides ksteps)
+            release(steps - 1)
+          return acc
+
+        acc = pl.run_scoped(scoped, plgpu.ACC((_WG_N, window)))  # float32 [64, W]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
         o_smem.at[wg].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)  # [W, 64]: out rows
         plgpu.commit_smem()
@@ -193,7 +218,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
 
 
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
-           "interpret", "dequant")
+           "interpret", "dequant", "overlap_steps")
 
 
 def _num_sms() -> int:
@@ -205,7 +230,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
                                 num_compute_wgs: int | None = None, block_k: int | None = None, block_r: int | None = None,
                                 max_concurrent_steps: int | None = None, memory_registers: int | None = None,
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
-                                dequant: str = "ptx") -> jax.Array:
+                                dequant: str = "ptx", overlap_steps: bool = False) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -224,6 +249,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
     num_ctas: CTAs of the persistent grid; default the device's SM count (4 in interpret mode).
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
     dequant: "ptx" or "jnp", as in `int4_grouped_matmul_mgpu` (interpret mode uses "jnp").
+    overlap_steps: let a step's wgmmas run into the next step: the step does not wait for its last wgmma, the next
+      step decodes its first K group meanwhile, then waits for it (`wgmma_wait(1)`) and releases the previous
+      step's ring slot itself (manual consumed barriers); the item's end waits for all. False: each step waits for
+      its wgmmas (`wgmma_wait(0)`) before its slot is released (the earlier behaviour).
   """
   dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
   num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
@@ -242,6 +271,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
                                  s * stage_bytes + fixed <= 200 * 1024), 1)
   if ksteps % max_concurrent_steps:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
+  if overlap_steps and max_concurrent_steps < 2:  # a step releases the previous step's slot: one slot would deadlock
+    raise ValueError(f"overlap_steps needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
   memory_registers = memory_registers or 40
   # setmaxnreg only moves registers within the CTA's launch allocation (ptxas: a multiple of 8 per thread, at most
   # 65536 per CTA): if the pipeline's split asks for more, setmaxnreg.inc waits forever (C = 4 hung on the H200).
@@ -260,7 +291,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
                            n_cols=n,
                            steps=max_concurrent_steps, memory_registers=memory_registers, a_from_smem=bool(interpret),
-                           dequant=dequant)
+                           dequant=dequant, overlap_steps=overlap_steps)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access

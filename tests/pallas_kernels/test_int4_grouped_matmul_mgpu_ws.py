@@ -44,6 +44,10 @@ CASES = [
     ([0, 1, 9, 0], 3, 256, dict(num_compute_wgs=3, num_ctas=3)),  # tiles at 0 and 64 (overlap 128)
     ([4, 0, 1, 12], 0, 320, dict(num_compute_wgs=3, num_ctas=2, block_k=128)),  # tiles at 0 and 128 (overlap 64)
     ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),  # C = 2, tiles at 0 and 64; one CTA
+    # overlap_steps: a step releases the previous step's ring slot, the item's end its last one (manual barriers).
+    ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16, overlap_steps=True)),  # ring of 2, chained
+    ([5, 0, 2, 9], 0, 320, dict(num_compute_wgs=3, block_k=128, num_ctas=1, overlap_steps=True)),  # START..STOP
+    ([1, 1, 1, 1], 0, 128, dict(num_ctas=5, block_k=128, overlap_steps=True)),  # one item per CTA, one idle
 ]
 
 
@@ -57,11 +61,13 @@ def test_matches_reference(sizes, extra, n, cfg):
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
 
 
-def test_no_races_in_the_interpreter():
+@pytest.mark.parametrize("overlap_steps", [False, True])
+def test_no_races_in_the_interpreter(overlap_steps):
   """The interpreter's race detector sees no race between the TMA warpgroup, the compute warpgroups and the stores."""
   x, gs, w = _inputs([3, 0, 9, 1], 0, 128)
   params = plgpu.InterpretGPUParams(detect_races=True)
-  got = ws.int4_grouped_matmul_mgpu_ws(x, ws.to_mgpu_layout(w), gs, interpret=params, block_k=128, num_ctas=2)
+  got = ws.int4_grouped_matmul_mgpu_ws(x, ws.to_mgpu_layout(w), gs, interpret=params, block_k=128, num_ctas=2,
+                                       overlap_steps=overlap_steps)
   assert not interpret_pallas_call.get_races().races_found
   want = i4.int4_grouped_matmul_reference(x, w, gs)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
@@ -87,7 +93,8 @@ def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
   np.testing.assert_array_equal(seen, 1)
 
 
-@pytest.mark.parametrize("cfg", [dict(dequant="ptx", block_k=512, block_r=16), dict(dequant="jnp")])
+@pytest.mark.parametrize("cfg", [dict(dequant="ptx", block_k=512, block_r=16), dict(dequant="jnp"),
+                                 dict(dequant="ptx", num_compute_wgs=3, overlap_steps=True)])
 def test_gpu_path_lowers(cfg):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
@@ -112,6 +119,8 @@ def test_rejects_bad_arguments():
     ws.int4_grouped_matmul_mgpu_ws(x4, ws.to_mgpu_layout(w4), gs4, num_compute_wgs=4, interpret=True)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=3, interpret=True)
+  with pytest.raises(ValueError, match="overlap_steps"):  # one slot: the step would wait for its own release
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=1, overlap_steps=True, interpret=True)
   with pytest.raises(ValueError, match="pad lhs"):
     ws.int4_grouped_matmul_mgpu_ws(x[:, :128], w, gs, interpret=True)
   with pytest.raises(ValueError, match="dequant"):
