@@ -6,6 +6,10 @@ inputs (ragged lengths, G 1/4/8, H 64/128, poisoned partials); (2) a tiling swee
 contexts x batches with every implementation, copy bandwidth measured in the same run. Writes
 decode_attention.{md,json} under --out (and --results if given).
 
+`--merge=A.json,B.json` runs nothing: it writes one decode_attention.{md,json} under --out from earlier runs'
+files (each context x batch from the last file that has it), every row labelled with its run; a row's "vs cuDNN"
+is always against the cuDNN row of its own run.
+
 Timing: each measurement jits `calls` back-to-back invocations (distinct queries, rotating over enough copies of
 the cache to exceed 3x the 60 MB L2), takes the median over `reps` runs after warm-up and divides by `calls`.
 """
@@ -240,8 +244,11 @@ def main():
                   help="check and sweep only the bit-plane candidates and the mma default; no lut in the grid")
   ap.add_argument("--extras_contexts", default="65536", help="contexts for the slower/secondary peers")
   ap.add_argument("--max_cache_gb", type=float, default=40.0, help="skip bf16 peers whose K+V exceed this")
+  ap.add_argument("--merge", default="", help="comma-separated decode_attention.json files to combine (no GPU)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
+  if args.merge:
+    return write_merged(args.merge.split(","), args.out)
   logf = open(os.path.join(args.out, "log.txt"), "w")
 
   def log(msg):
@@ -407,29 +414,78 @@ def main():
   print(render_md(result))
 
 
-def render_md(result):
+def merge_runs(results: list[dict], labels: list[str]) -> dict:
+  """One result from several runs': each (context, batch) cell comes whole from the last run that timed it.
+
+  Rows gain "run" (its label); meta becomes {"runs": [each run's meta with its label]}; the checks of every run
+  are kept, labelled; sweeps are dropped (they live in the runs' own files).
+  """
+  cells, checks, metas = {}, [], []
+  for label, result in zip(labels, results):
+    metas.append(dict(result["meta"], run=label))
+    checks += [dict(c, run=label) for c in result["checks"]]
+    for cell in {(r["context"], r["batch"]) for r in result["rows"]}:
+      cells[cell] = [dict(r, run=label) for r in result["rows"] if (r["context"], r["batch"]) == cell]
+  rows = [r for cell in sorted(cells) for r in cells[cell]]
+  return dict(meta=dict(runs=metas), checks=checks, sweep=[], rows=rows)
+
+
+def write_merged(paths: list[str], out: str) -> int:
+  results = []
+  for path in paths:
+    with open(path) as f:
+      results.append(json.load(f))
+  labels = [os.path.basename(p).removesuffix(".json").removeprefix("decode_attention_") for p in paths]
+  merged = merge_runs(results, labels)
+  with open(os.path.join(out, "decode_attention.json"), "w") as f:
+    json.dump(merged, f, indent=1)
+  with open(os.path.join(out, "decode_attention.md"), "w") as f:
+    f.write(render_md(merged, sources=paths))
+  return 0
+
+
+def _run_header(meta) -> str:
+  return (f"{meta['device']}, jax {meta['jax']}, {meta['date'][:16]} UTC; copy bandwidth {meta['copy_tb_per_s']:.2f} "
+          f"TB/s (f32 x+1, read+write), read-only {meta['read_tb_per_s']:.2f} TB/s")
+
+
+def render_md(result, sources=None):
   meta, rows = result["meta"], result["rows"]
-  out = [f"# Decode attention, {meta['device']}, jax {meta['jax']}, {meta['date'][:16]} UTC", "",
-         f"N={meta['shapes']['n_heads']} query / K={meta['shapes']['kv_heads']} kv heads, H=128; OS-KVP: 2-bit "
-         f"codes + 8 fp8 outliers, residual window {meta['shapes']['window']}. Copy bandwidth in this run: "
-         f"{meta['copy_tb_per_s']:.2f} TB/s (f32 x+1, read+write), read-only {meta['read_tb_per_s']:.2f} TB/s.",
-         f"Best tilings: {meta['best_configs']}", "",
-         "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN |", "|---|---|---|---|---|---|---|---|"]
+  runs = meta.get("runs")
+  first = runs[0] if runs else meta
+  head = [f"# Decode attention, {first['device']}, jax {first['jax']}" +
+          (f", {len(runs)} runs" if runs else f", {meta['date'][:16]} UTC"), "",
+          f"N={first['shapes']['n_heads']} query / K={first['shapes']['kv_heads']} kv heads, H=128; OS-KVP: 2-bit "
+          f"codes + 8 fp8 outliers, residual window {first['shapes']['window']}."]
+  if runs:
+    head += ["Each context x batch comes whole from one run; \"of copy BW\" and \"vs cuDNN\" use that run's copy "
+             "bandwidth and cuDNN row.", ""]
+    head += [f"- {m['run']} (`{os.path.basename(src)}`): {_run_header(m)}; OS-KVP configs {m['best_configs']}"
+             for m, src in zip(runs, sources or [""] * len(runs))]
+  else:
+    head += [f"Copy bandwidth in this run: {meta['copy_tb_per_s']:.2f} TB/s (f32 x+1, read+write), read-only "
+             f"{meta['read_tb_per_s']:.2f} TB/s.", f"Best tilings: {meta['best_configs']}"]
+  run_col = lambda r: f" {r['run']} |" if runs else ""
+  out = head + ["", "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN |" +
+                (" run |" if runs else ""), "|---|---|---|---|---|---|---|---|" + ("---|" if runs else "")]
   cud = {(r["batch"], r["context"]): r["ms"] for r in rows if r["impl"] == "cudnn_bf16"}
   for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["ms"])):
     ref = cud.get((r["batch"], r["context"]))
     out.append(f"| {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['bytes_read'] / 1e6:.1f} MB | "
-               f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% | {ref / r['ms']:.2f}x |" if ref else
-               f"| {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['bytes_read'] / 1e6:.1f} MB | "
-               f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% | - |")
+               f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% | " + (f"{ref / r['ms']:.2f}x |" if ref else
+                                                                             "- |") + run_col(r))
   if result["sweep"]:
     out += ["", "Tiling sweep at 64k x batch 8 (OS-KVP Pallas):", "", "| config | ms | TB/s |", "|---|---|---|"]
     sym = lambda r: " (symmetric codebooks)" if r.get("symmetric") else ""
     out += [f"| {r['config']}{sym(r)} | {r['ms']:.4f} | {r['tb_per_s']:.2f} |" for r in sorted(result["sweep"],
                                                                                           key=lambda r: r["ms"])]
   out += ["", "Correctness on the GPU (relative L2 error vs the jnp reference, poisoned partials):", ""]
-  out += [f"- case {c['case']} {c['config']}{' symmetric' if c.get('symmetric') else ''}: " + (f"rel_err {c['rel_err']:.2e}, nan={c['nan']}" if "rel_err" in c
-                                                   else f"ERROR {c['error'][:200]}") for c in result["checks"]]
+  def check_line(c):
+    outcome = f"rel_err {c['rel_err']:.2e}, nan={c['nan']}" if "rel_err" in c else f"ERROR {c['error'][:200]}"
+    run = f"{c['run']} " if "run" in c else ""
+    return f"- {run}case {c['case']} {c['config']}{' symmetric' if c.get('symmetric') else ''}: {outcome}"
+
+  out += [check_line(c) for c in result["checks"]]
   return "\n".join(out) + "\n"
 
 

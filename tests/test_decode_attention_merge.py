@@ -1,0 +1,38 @@
+"""The decode-attention benchmark's merge of several GPU runs into one result file (no GPU needed)."""
+
+from benchmarks import decode_attention as bench
+
+
+def _run(date, cells):
+  """A run's result with rows for each (context, batch) -> (cudnn ms, kernel ms)."""
+  meta = dict(device="H200", jax="0.11.2", date=date, copy_tb_per_s=3.7, read_tb_per_s=3.6,
+              shapes=dict(n_heads=32, kv_heads=8, window=128), best_configs={})
+  rows = []
+  for (s, b), (cudnn_ms, ours_ms) in cells.items():
+    for impl, ms in (("cudnn_bf16", cudnn_ms), ("oskvp_pallas_bitplane", ours_ms)):
+      rows.append(dict(impl=impl, batch=b, context=s, ms=ms, bytes_read=10**6, tb_per_s=1e6 / ms / 1e9,
+                       frac_copy_bw=0.1, note=""))
+  return dict(meta=meta, checks=[dict(case=0, config="c", rel_err=1e-3, nan=False)], sweep=[], rows=rows)
+
+
+def test_cells_come_whole_from_the_last_run_and_ratios_stay_within_a_run():
+  old = _run("2026-11-30T17:30", {(4096, 1): (1.0, 2.0), (65536, 8): (4.0, 3.0)})
+  new = _run("2026-11-30T18:30", {(65536, 8): (5.0, 2.5), (131072, 8): (8.0, 6.0)})
+  merged = bench.merge_runs([old, new], ["run10", "run11"])
+  got = {(r["context"], r["batch"], r["impl"]): (r["ms"], r["run"]) for r in merged["rows"]}
+  assert len(merged["rows"]) == 6
+  assert got[(4096, 1, "cudnn_bf16")] == (1.0, "run10")
+  assert got[(65536, 8, "cudnn_bf16")] == (5.0, "run11")  # the later run replaces the whole cell
+  assert got[(65536, 8, "oskvp_pallas_bitplane")] == (2.5, "run11")
+  assert [m["run"] for m in merged["meta"]["runs"]] == ["run10", "run11"]
+  assert [c["run"] for c in merged["checks"]] == ["run10", "run11"]
+  md = bench.render_md(merged, sources=["a/decode_attention_run10.json", "b/decode_attention_run11.json"])
+  # vs cuDNN against the cell's own run: 5.0 / 2.5 (not the older run's 4.0 / 2.5).
+  assert "| oskvp_pallas_bitplane | 8 | 65536 | 2.5000 | 1.0 MB | 0.00 | 10% | 2.00x | run11 |" in md
+  assert "| oskvp_pallas_bitplane | 1 | 4096 | 2.0000 | 1.0 MB | 0.00 | 10% | 0.50x | run10 |" in md
+
+
+def test_a_single_run_renders_without_a_run_column():
+  md = bench.render_md(_run("2026-11-30T17:30", {(4096, 1): (1.0, 2.0)}))
+  assert "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN |\n" in md
+  assert "| oskvp_pallas_bitplane | 1 | 4096 | 2.0000 | 1.0 MB | 0.00 | 10% | 0.50x |\n" in md
