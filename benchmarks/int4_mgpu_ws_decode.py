@@ -107,6 +107,36 @@ def dump(e, k, n, rows):
   return 0
 
 
+SASS_KINDS = {"all": ".", "HGMMA": "HGMMA", "WARPGROUP": "WARPGROUP", "LDS": "LDS", "PRMT": "PRMT", "LOP3": "LOP3",
+              "HFMA2/HADD2/HMUL2": "HFMA2|HADD2|HMUL2", "SHF/SHR": "SHF|SHR", "MOV": "MOV", "SYNCS/BAR": "SYNCS|BAR",
+              "LDL/STL": "LDL|STL", "BRA": "BRA", "DEPBAR/WAIT": "DEPBAR|WARPSYNC|WAIT"}
+
+
+def analyze_dump(path, block_k_of=None):
+  """Per dumped kernel: ptxas's report (registers, spills, warnings) and, for each loop that holds HGMMA, its SASS
+  instructions by kind and per weight (a compute warpgroup's thread handles 64 · block_k / 128 weights per step)."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
+  out = {}
+  for sass_path in sorted(glob.glob(os.path.join(path, "*.sass"))):
+    base_name = sass_path[:-5]
+    rep = {}
+    ptxas = base_name + ".ptxas"
+    if os.path.exists(ptxas):
+      txt = open(ptxas).read()
+      rep["ptxas_lines"] = [ln.strip() for ln in txt.splitlines() if re.search(r"warn|Used|spill|stack", ln, re.I)]
+    ins, found = triton_sass.loops(open(sass_path).read())
+    rep["loops"] = []
+    for length, a, b in sorted(found, reverse=True):
+      body = ins[a:b + 1]
+      stats = triton_sass.count(body, SASS_KINDS)
+      if stats["HGMMA"]:
+        rep["loops"].append({"length": length, **stats})
+    out[os.path.basename(base_name)] = rep
+  return out
+
+
 def passed(check_res, name):
   rs = [r for r in check_res.values() if r["impl"] == f"ws_{name}"]
   return bool(rs) and all("error" not in r and r["max_rel_err"] < 1e-3 and not r["nan"] and r["tail_max"] == 0
@@ -123,6 +153,7 @@ def main(argv=None):
   ap.add_argument("--n", type=int, default=0, help="only the shapes with this N")
   ap.add_argument("--tag", default="", help="suffix of the output files")
   ap.add_argument("--dump", default="", help="E,K,N,ROWS: compile and run once (with MOSAIC_GPU_DUMP_TO set)")
+  ap.add_argument("--analyze_dump", default="", help="a MOSAIC_GPU_DUMP_TO folder: ptxas report and SASS loops")
   args = ap.parse_args(argv)
   if args.ws:
     for name in list(WS):
@@ -130,6 +161,9 @@ def main(argv=None):
         del WS[name]
   if args.dump:
     return dump(*map(int, args.dump.split(",")))
+  if args.analyze_dump:
+    print(json.dumps(analyze_dump(args.analyze_dump), indent=1))
+    return 0
   shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
   if args.smoke:
     SMOKE["interpret"], shapes = True, [(4, 512, 256, [8, 64])]
