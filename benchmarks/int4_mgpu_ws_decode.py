@@ -37,7 +37,7 @@ from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
 
 SHAPES = [(64, 4096, 2048, [64, 512, 1024]), (128, 2048, 768, [128, 2048]), (8, 4096, 14336, [16, 128])]
 # Warp-specialized configs: compute warpgroups (N tile 64·C), block_k; ring depth automatic (largest of 8/6/4/3/2
-# dividing the K steps within 220 KB of shared memory). 4 compute warpgroups hung in the first H200 run (setmaxnreg
+# dividing the K steps within 200 KB of shared memory). 4 compute warpgroups hung in the first H200 run (setmaxnreg
 # asked for more registers than the CTA was launched with) and are now rejected by the kernel.
 WS = {
     "c2_k128": dict(num_compute_wgs=2, block_k=128),
@@ -52,8 +52,8 @@ WS = {
     "c2_k512_ov": dict(num_compute_wgs=2, block_k=512, overlap_steps=True),
     "c2_k256_ov": dict(num_compute_wgs=2, block_k=256, overlap_steps=True),
     "c3_k256_ov": dict(num_compute_wgs=3, block_k=256, overlap_steps=True),
-    # Fewer step boundaries instead (each ends with wgmma_wait(0)): 8 K groups per step, ring of 2 with 8-row tiles.
-    "c2_k1024": dict(num_compute_wgs=2, block_k=1024),
+    # Not here any more: c2_k1024 (8 K groups per step; fifth call, with a 220 KB ring budget): ptxas serializes its
+    # wgmmas (C7511), 1.2-1.8x slower than c2_k512.
 }
 
 

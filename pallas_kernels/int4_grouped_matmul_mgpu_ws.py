@@ -27,8 +27,9 @@ TMA row stores. Tiles of the virtual expert E (rows past sum(group_sizes)) strea
 zeros (only when such rows exist).
 
 Measured on the H200 (results/int4_mgpu_ws.md): 1.02-1.08x the one-warpgroup kernel at 8 x 4096->14336 and
-64 x 4096->2048 (C = 2, block_k 512), 1.5-2.1x the best bf16 peer, 33-52% of copy bandwidth; at 128 x 2048->768 the
-Triton int4 kernel stays faster. C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
+64 x 4096->2048 (C = 2, block_k 512), 1.5-2.1x the best bf16 peer, 33-53% of copy bandwidth; at 128 x 2048->768 the
+Triton int4 kernel stays faster. `overlap_steps=True` is correct but slower (ptxas serializes the wgmmas when one stays
+in flight across the step loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
 (4 x 112-120 + 40) is more than that, so setmaxnreg.inc waits forever (it hung on the H200; rejected here).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
@@ -59,9 +60,9 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)
 # Columns of the work table.
 _EXPERT, _NTILE, _LOADED, _FIRST, _COUNT, _VIRTUAL, _NITEMS = range(7)
 DEQUANTS = mg.DEQUANTS
-# Shared memory the default ring may use (the H200 allows 227 KB per CTA; the rest is left to Mosaic's scratch).
-# 220 KB (was 200) lets block_k 1024 with 8-row tiles keep a ring of 2 (2 x 97 KB + 8 KB); smaller tiles are unchanged.
-_SMEM_BUDGET = 220 * 1024
+# Shared memory the default ring may use (the H200 allows 227 KB per CTA). The fifth H200 call ran with 220 KB, which
+# gives block_k 512 with 8-row tiles at Kp = 4096 a ring of 4 instead of 2: 2-4% slower there, so 200 KB it stays.
+_SMEM_BUDGET = 200 * 1024
 
 
 def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int, n_experts: int,
@@ -240,8 +241,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
     lhs: bf16 [M, Kp], Kp = the weights' padded K.
     weights: `to_mgpu_layout` of the quantized weight.
     group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
-    num_compute_wgs: compute warpgroups per CTA (C, 1 to 3); the CTA's N tile is 64·C columns and must divide N.
-      Default 3 where 192 divides N, else 2 (the faster in the H200 runs, results/int4_mgpu_ws.md).
+    num_compute_wgs: compute warpgroups per CTA (C, 1 to 3); the CTA's N tile is 64·C columns (N a multiple of 64,
+      at least 64·C). Where 64·C does not divide N the last N tile starts at N - 64·C and its warpgroups whose columns
+      the tile before holds do not store them. Default 3 where 192 divides N, else 2 (the faster in the H200 runs,
+      results/int4_mgpu_ws.md: C = 3 with the overlapping last tile was 1-5% slower than C = 2 at N = 2048, 14336).
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 (where it
       divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
