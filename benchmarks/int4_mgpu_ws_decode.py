@@ -44,7 +44,7 @@ WS = {
     "c2_k256": dict(num_compute_wgs=2, block_k=256),
     "c2_k512": dict(num_compute_wgs=2, block_k=512),
     # 3 compute warpgroups (12 compute warps per SM, 152 registers each): N tile 192; where 192 does not divide N
-    # (2048, 14336) the last tile starts at N - 192 and overlaps the one before it (added in the fourth session).
+    # (2048, 14336) the last tile starts at N - 192 and overlaps the one before it (added in the fifth session).
     "c3_k256": dict(num_compute_wgs=3, block_k=256),
     "c3_k512": dict(num_compute_wgs=3, block_k=512),
     # overlap_steps (fifth session): a step's last wgmma runs into the next step's first decode (wgmma_wait(1),
