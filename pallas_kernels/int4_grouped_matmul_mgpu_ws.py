@@ -28,9 +28,10 @@ zeros (only when such rows exist).
 
 Measured on the H200 (results/int4_mgpu_ws.md): 1.02-1.08x the one-warpgroup kernel at 8 x 4096->14336 and
 64 x 4096->2048 (C = 2, block_k 512), 1.5-2.1x the best bf16 peer, 33-53% of copy bandwidth; at 128 x 2048->768 the
-Triton int4 kernel stays faster. `overlap_steps=True` is correct but slower (ptxas serializes the wgmmas when one stays
-in flight across the step loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
-(4 x 112-120 + 40) is more than that, so setmaxnreg.inc waits forever (it hung on the H200; rejected here).
+Triton int4 kernel stays faster. `overlap_steps=True` is correct but slower (ptxas serializes the wgmmas when one
+stays in flight across the step loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 cannot work: the
+launch gives 640 threads 96 registers each, and the split (4 x 112-120 + 40) is more than that, so setmaxnreg.inc
+waits forever (it hung on the H200; rejected here).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
@@ -242,9 +243,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
     weights: `to_mgpu_layout` of the quantized weight.
     group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
     num_compute_wgs: compute warpgroups per CTA (C, 1 to 3); the CTA's N tile is 64·C columns (N a multiple of 64,
-      at least 64·C). Where 64·C does not divide N the last N tile starts at N - 64·C and its warpgroups whose columns
-      the tile before holds do not store them. Default 3 where 192 divides N, else 2 (the faster in the H200 runs,
-      results/int4_mgpu_ws.md: C = 3 with the overlapping last tile was 1-5% slower than C = 2 at N = 2048, 14336).
+      at least 64·C). Where 64·C does not divide N the last N tile starts at N - 64·C and its warpgroups whose
+      columns the tile before holds do not store them. Default 3 where 192 divides N, else 2 (the faster in the H200
+      runs, results/int4_mgpu_ws.md: C = 3 with the overlapping last tile was 1-5% slower than C = 2 at N = 2048 and
+      14336).
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 (where it
       divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
