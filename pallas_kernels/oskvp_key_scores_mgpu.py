@@ -1,0 +1,237 @@
+"""Feasibility prototype: the key-score half of OS-KVP decode attention in Mosaic GPU (Hopper int8 wgmma).
+
+Not wired into the attention op; `benchmarks/notes_mgpu_oskvp.md` holds the findings and the plan for a full
+kernel. Per (batch row, kv head) = one row of the leading axis BK, the keys of a token are 2-bit codes stored
+planar as in `oskvp_decode_attention_bitplane.py`: uint8 codes [S, Q], Q = H / 4, bits 2p, 2p + 1 of byte j are
+the code c = b0 + 2 b1 of channel pQ + j (plane p = 0..3). With cb[c] = c0 + d1 b0 + d2 b1 + d3 b0 b1 the scores
+minus the constant sum_j q_j c0_j are
+
+  s[t, n] = sum_{type, p, j} plane_{type}[t, pQ + j] · qd[n, type·H + pQ + j],
+
+plane_0 = b0, plane_1 = b1, plane_2 = b0 & b1 (0/1), qd = int8 digits of q * d_type (`n` = query head × digit,
+N = 8 for G = 4 heads × 2 digits). This kernel computes exactly that int32 product, transposed so that the tokens
+are the wgmma M dimension:
+
+  A = int8 [block_s tokens, T·H] planes (T = 3 plane types, 2 with symmetric codebooks), the K axis of the wgmma,
+  B = int8 qd [N, T·H] (K-major, the only B layout of int8 wgmma), acc = int32 [block_s, N].
+
+One program per (BK row, token block): TMA loads the code bytes [block_s, Q] (32-byte swizzle) and qd (128-byte
+swizzle), a warpgroup loads the codes in Mosaic's 8-bit wgmma layout (`Layout.WGMMA_8BIT`: each thread holds 4
+consecutive bytes of a row in one 32-bit register, exactly an s8 wgmma A fragment) and turns each register into the
+T·4 plane registers with 32-bit shifts and masks (`plane_words`: (w >> 2p) & 0x01010101, (w >> 2p+1) & 0x01010101,
+(w >> 2p) & (w >> 2p+1) & 0x01010101). Since plane p's channels sit at K offset type·H + pQ, the extracted register
+of code column block j (16 bytes) is the A register of K column block (type·H + pQ) / 16 + j: no data moves between
+lanes. The wgmma then takes A from registers (`a_operand="registers"`) or, as fallback, from shared memory.
+
+Why inline Mosaic (`plgpu.inline_mgpu`) instead of jnp: Mosaic GPU's FragmentedArray refuses shifts on 8-bit
+types ("Pointwise operations on 8-bit types are unsupported (except bitwise operations)"), and a jnp concatenate of
+the planes would be a relayout; the inline function works on the 32-bit words directly.
+
+CPU interpret mode (`interpret=True`): the interpreter runs no inline Mosaic and takes the wgmma A operand from
+shared memory only, so there the planes come from jnp (`key_planes_reference` on the loaded tile) through a
+shared-memory buffer. The register mapping of the GPU route is checked on the CPU by a numpy emulation of the
+8-bit wgmma layout (`emulate_register_planes`), and the GPU route itself only as far as lowering.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+
+PLANES = 4  # 2-bit codes in a byte
+_MASK = 0x01010101  # the low bit of each of the 4 bytes of a 32-bit word
+_COL_BLOCK = 16  # columns of one 8-bit wgmma layout tile (a thread holds 4 of them per row)
+A_OPERANDS = ("registers", "smem")
+
+
+def key_planes_reference(codes: jax.Array, plane_types: int = 3) -> jax.Array:
+  """uint8 codes [..., S, Q] -> int8 0/1 planes [..., S, T·4Q], K index type·4Q + pQ + j (T = plane_types)."""
+  c = codes.astype(jnp.int32)
+  b0 = jnp.concatenate([(c >> (2 * p)) & 1 for p in range(PLANES)], axis=-1)  # [..., S, H]
+  b1 = jnp.concatenate([(c >> (2 * p + 1)) & 1 for p in range(PLANES)], axis=-1)
+  return jnp.concatenate([b0, b1, b0 & b1][:plane_types], axis=-1).astype(jnp.int8)
+
+
+def key_scores_reference(codes: jax.Array, qdigits: jax.Array) -> jax.Array:
+  """XLA reference: codes uint8 [BK, S, Q], qdigits int8 [BK, N, T·H] -> int32 [BK, S, N] (exact)."""
+  plane_types = qdigits.shape[-1] // (PLANES * codes.shape[-1])
+  planes = key_planes_reference(codes, plane_types).astype(jnp.int32)
+  return jnp.einsum("bsk,bnk->bsn", planes, qdigits.astype(jnp.int32))
+
+
+def plane_words(word, shr, band, plane_types: int = 3) -> dict[tuple[int, int], object]:
+  """One 32-bit word of 4 code bytes -> {(type, plane): word of 4 int8 0/1 values}.
+
+  `shr(w, k)` and `band(a, b)` are the 32-bit ops (MLIR arith on the GPU, numpy in the emulation); the mask is
+  applied by `band(x, None)`. 7 shifts and T·4 masks per word (ptxas fuses the b0 & b1 pair and its mask into one
+  LOP3): 19 instructions per word for 3 plane types, 15 for 2.
+  """
+  sh = [word] + [shr(word, k) for k in range(1, 2 * PLANES)]
+  out = {}
+  for p in range(PLANES):
+    lo, hi = sh[2 * p], sh[2 * p + 1]
+    out[(0, p)] = band(lo, None)
+    out[(1, p)] = band(hi, None)
+    if plane_types == 3:
+      out[(2, p)] = band(band(lo, hi), None)
+  return out
+
+
+def plane_register_index(idx: tuple[int, ...], t: int, p: int, q: int) -> tuple[int, ...]:
+  """Register index (8-bit wgmma layout) of code tile [M, Q] -> register index of plane tile [M, T·4Q]."""
+  blocks = q // _COL_BLOCK  # column blocks of one plane
+  return (idx[0], (t * PLANES + p) * blocks + idx[1], *idx[2:])
+
+
+def _planes_in_registers(codes, block_s: int, q: int, plane_types: int):
+  """uint8 codes [block_s, Q] (8-bit wgmma layout) -> int8 planes [block_s, T·4Q] in the same layout (A operand)."""
+  k = plane_types * PLANES * q
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
+                     return_type=plgpu.ShapeDtypeStruct((block_s, k), jnp.int8, plgpu.Layout.WGMMA_8BIT))
+  def planes(_, arr):
+    i32 = ir.IntegerType.get_signless(32)
+    i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
+    mask = mgpu.utils.c(_MASK, i32)
+    shr = lambda w, s: arith.shrui(w, mgpu.utils.c(s, i32))
+    band = lambda a, b: arith.andi(a, mask if b is None else b)
+    regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((block_s, k)), dtype=object)
+    for idx in np.ndindex(arr.registers.shape):  # [block_s/64, Q/16, 1, 1, 2, 1, 1, 1, 1]
+      words = plane_words(mgpu.utils.bitcast(arr.registers[idx], i32), shr, band, plane_types)
+      for (t, p), w in words.items():
+        regs[plane_register_index(idx, t, p, q)] = mgpu.utils.bitcast(w, i8x4)
+    # wgmma reads int8 A as s8 (it rejects unsigned A); the planes are 0/1, so the sign is moot.
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=True)
+
+  return planes(codes)
+
+
+def emulate_register_planes(codes: np.ndarray, plane_types: int = 3) -> np.ndarray:
+  """numpy model of the GPU route: codes uint8 [M, Q] -> the int8 [M, T·4Q] matrix its plane registers hold.
+
+  Splits the tile into per-thread 32-bit registers as Mosaic's `WGMMA_LAYOUT_8BIT` does (its `Tiling`, warp, lane
+  and vector dims), runs `plane_words` and `plane_register_index` on them, and reassembles the A operand through
+  the same layout, so that a wrong register index shows up as a wrong matrix on the CPU.
+  """
+  layout = mgpu.WGMMA_LAYOUT_8BIT
+  m, q = codes.shape
+  k = plane_types * PLANES * q
+
+  def split(shape):  # element (r, c) -> (thread dims, register index, position in the vector)
+    tiled = layout.tiling.tile_shape(shape)
+    rank = len(tiled)
+    thread_dims = [d % rank for d in (*layout.warp_dims, *layout.lane_dims)]
+    vec = layout.vector_dim % rank
+    table = {}
+    for r in range(shape[0]):
+      for c in range(shape[1]):
+        ti = layout.tiling.tile_indices((r, c))
+        thread = tuple(ti[d] for d in thread_dims)
+        reg = tuple(0 if d in thread_dims or d == vec else ti[d] for d in range(rank))
+        table[(r, c)] = (thread, reg, ti[vec])
+    return table
+
+  words: dict = {}
+  for (r, c), (thread, reg, pos) in split((m, q)).items():
+    words[(thread, reg)] = words.get((thread, reg), 0) | (int(codes[r, c]) << (8 * pos))
+  shr = lambda w, s: w >> s
+  band = lambda a, b: a & (_MASK if b is None else b)
+  planes = {}
+  for (thread, reg), w in words.items():
+    for (t, p), v in plane_words(w, shr, band, plane_types).items():
+      planes[(thread, plane_register_index(reg, t, p, q))] = v
+  out = np.full((m, k), -1, np.int8)
+  for (r, c), (thread, reg, pos) in split((m, k)).items():
+    out[r, c] = (planes[(thread, reg)] >> (8 * pos)) & 0xFF
+  return out
+
+
+def _swizzled(minor_bytes: int):
+  swizzle = plgpu.find_swizzle(minor_bytes * 8)
+  return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(codes_ref, qd_ref, out_ref, c_smem, q_smem, a_smem, o_smem, bar, *, block_s: int, plane_types: int,
+            a_operand: str, interpret: bool):
+  # codes_ref: uint8 [BK, S, Q]; qd_ref: int8 [BK, N, T·H]; out_ref: int32 [BK, S, N].
+  # c_smem: uint8 [block_s, Q]; q_smem: int8 [N, T·H]; a_smem: int8 [block_s, T·H] (the planes when A is read
+  # from shared memory); o_smem: int32 [block_s, N]; bar: 2 barriers.
+  bk, i = jax.lax.axis_index("bk"), jax.lax.axis_index("s")
+  rows = pl.ds(i * block_s, block_s)
+  plgpu.copy_gmem_to_smem(codes_ref.at[bk, rows], c_smem, bar.at[0])
+  plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[1])
+  plgpu.barrier_wait(bar.at[0])
+  plgpu.barrier_wait(bar.at[1])
+  q = c_smem.shape[1]
+
+  def acc_scope(acc_ref):  # acc_ref: int32 [block_s, N]
+    if interpret:  # the interpreter: jnp planes, A through shared memory
+      a_smem[...] = key_planes_reference(c_smem[...], plane_types)
+    else:
+      codes = plgpu.load(c_smem, layout=plgpu.Layout.WGMMA_8BIT)  # uint8 [block_s, Q]
+      planes = _planes_in_registers(codes, block_s, q, plane_types)  # int8 [block_s, T·H]
+      if a_operand == "registers":
+        plgpu.wgmma(acc_ref, planes, q_smem.T)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+      a_smem[...] = planes
+    plgpu.commit_smem()
+    plgpu.wgmma(acc_ref, a_smem, q_smem.T)
+    plgpu.wgmma_wait(0)
+    return acc_ref[...]
+
+  o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC(o_smem.shape, jnp.int32))
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bk, rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_s", "a_operand", "interpret"))
+def key_scores_mgpu(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, a_operand: str = "registers",
+                    interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+  """int32 scores [BK, S, N] = planes(codes) @ qdigits^T on the tensor cores (int8 wgmma, tokens as M).
+
+  Args:
+    codes: uint8 [BK, S, Q], planar 2-bit key codes (Q = H / 4, a multiple of 16).
+    qdigits: int8 [BK, N, T·H], the query digits folded with the codebook deltas, K index type·H + channel
+      (T = 3, or 2 for symmetric codebooks); N a multiple of 8 up to 256.
+    block_s: tokens per program (64 or 128: one or two wgmma M groups); divides S.
+    a_operand: "registers" (planes extracted in registers, wgmma A from registers) or "smem" (planes stored to
+      shared memory first). Interpret mode always uses shared memory.
+    interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
+  """
+  bk, s, q = codes.shape
+  _, n, k = qdigits.shape
+  plane_types = k // (PLANES * q)
+  if codes.dtype != jnp.uint8 or qdigits.dtype != jnp.int8:
+    raise TypeError(f"codes must be uint8 and qdigits int8, got {codes.dtype} and {qdigits.dtype}")
+  if plane_types not in (2, 3) or k != plane_types * PLANES * q or qdigits.shape[0] != bk:
+    raise ValueError(f"qdigits {qdigits.shape} must be [BK={bk}, N, T·H] with T in (2, 3) and H = {PLANES * q}")
+  if q % _COL_BLOCK or n % 8 or n > 256 or block_s not in (64, 128) or s % block_s:
+    raise ValueError(f"need Q={q} a multiple of {_COL_BLOCK}, N={n} a multiple of 8 up to 256, block_s={block_s} "
+                     f"in (64, 128) dividing S={s}")
+  if a_operand not in A_OPERANDS:
+    raise ValueError(f"a_operand={a_operand!r} must be one of {A_OPERANDS}")
+  body = functools.partial(_kernel, block_s=block_s, plane_types=plane_types, a_operand=a_operand,
+                           interpret=bool(interpret))
+  a_shape = (block_s, k) if (interpret or a_operand == "smem") else (64, 128)  # unused with A in registers
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((bk, s, n), jnp.int32), grid=(bk, s // block_s), grid_names=("bk", "s"),
+      scratch_types=dict(
+          c_smem=plgpu.SMEM((block_s, q), jnp.uint8, transforms=_swizzled(q)),
+          q_smem=plgpu.SMEM((n, k), jnp.int8, transforms=_swizzled(128)),
+          a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=_swizzled(128)),
+          o_smem=plgpu.SMEM((block_s, n), jnp.int32),
+          bar=plgpu.Barrier(num_arrivals=1, num_barriers=2)),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **({"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
+         if interpret else {}))
+  return kernel(codes, qdigits)
