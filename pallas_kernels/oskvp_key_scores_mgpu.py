@@ -23,6 +23,13 @@ T·4 plane registers with 32-bit shifts and masks (`plane_words`: (w >> 2p) & 0x
 of code column block j (16 bytes) is the A register of K column block (type·H + pQ) / 16 + j: no data moves between
 lanes. The wgmma then takes A from registers (`a_operand="registers"`) or, as fallback, from shared memory.
 
+Sequence-loop variant (`key_scores_mgpu_loop`, the shape a full decode kernel has): one program per (BK row,
+split of the sequence) loads qd once and streams its S / splits tokens' code blocks through a TMA ring
+(`plgpu.emit_pipeline`), scoring each block as above. Output "scores" (int32 [BK, S, N], for checking) or "max"
+(int32 [BK, splits, N]: the max over the split's tokens per column, `key_scores_max_reference`, kept as an
+elementwise running max of the [block_s, N] tiles in registers and reduced over rows once per program), so that
+the timed bytes are the codes'. S must be a multiple of splits · block_s (ValueError otherwise; no masking).
+
 Why inline Mosaic (`plgpu.inline_mgpu`) instead of jnp: Mosaic GPU's FragmentedArray refuses shifts on 8-bit
 types ("Pointwise operations on 8-bit types are unsupported (except bitwise operations)"), and a jnp concatenate of
 the planes would be a relayout; the inline function works on the 32-bit words directly.
@@ -159,18 +166,13 @@ def _swizzled(minor_bytes: int):
   return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(codes_ref, qd_ref, out_ref, c_smem, q_smem, a_smem, o_smem, bar, *, block_s: int, plane_types: int,
-            a_operand: str, interpret: bool):
-  # codes_ref: uint8 [BK, S, Q]; qd_ref: int8 [BK, N, T·H]; out_ref: int32 [BK, S, N].
-  # c_smem: uint8 [block_s, Q]; q_smem: int8 [N, T·H]; a_smem: int8 [block_s, T·H] (the planes when A is read
-  # from shared memory); o_smem: int32 [block_s, N]; bar: 2 barriers.
-  bk, i = jax.lax.axis_index("bk"), jax.lax.axis_index("s")
-  rows = pl.ds(i * block_s, block_s)
-  plgpu.copy_gmem_to_smem(codes_ref.at[bk, rows], c_smem, bar.at[0])
-  plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[1])
-  plgpu.barrier_wait(bar.at[0])
-  plgpu.barrier_wait(bar.at[1])
-  q = c_smem.shape[1]
+def _block_scores(c_smem, q_smem, a_smem, *, n: int, plane_types: int, a_operand: str, interpret: bool):
+  """One token block: c_smem uint8 [block_s, Q], q_smem int8 [N, T·H] -> int32 [block_s, N] (WGMMA layout).
+
+  a_smem: int8 [block_s, T·H], the planes when A is read from shared memory (interpret mode or a_operand="smem").
+  Waits for its wgmmas, so the caller may reuse c_smem and a_smem afterwards.
+  """
+  block_s, q = c_smem.shape
 
   def acc_scope(acc_ref):  # acc_ref: int32 [block_s, N]
     if interpret:  # the interpreter: jnp planes, A through shared memory
@@ -188,10 +190,50 @@ def _kernel(codes_ref, qd_ref, out_ref, c_smem, q_smem, a_smem, o_smem, bar, *, 
     plgpu.wgmma_wait(0)
     return acc_ref[...]
 
-  o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC(o_smem.shape, jnp.int32))
+  return pl.run_scoped(acc_scope, plgpu.ACC((block_s, n), jnp.int32))
+
+
+def _kernel(codes_ref, qd_ref, out_ref, c_smem, q_smem, a_smem, o_smem, bar, *, block_s: int, plane_types: int,
+            a_operand: str, interpret: bool):
+  # codes_ref: uint8 [BK, S, Q]; qd_ref: int8 [BK, N, T·H]; out_ref: int32 [BK, S, N].
+  # c_smem: uint8 [block_s, Q]; q_smem: int8 [N, T·H]; a_smem: int8 [block_s, T·H] (the planes when A is read
+  # from shared memory); o_smem: int32 [block_s, N]; bar: 2 barriers.
+  bk, i = jax.lax.axis_index("bk"), jax.lax.axis_index("s")
+  rows = pl.ds(i * block_s, block_s)
+  plgpu.copy_gmem_to_smem(codes_ref.at[bk, rows], c_smem, bar.at[0])
+  plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[1])
+  plgpu.barrier_wait(bar.at[0])
+  plgpu.barrier_wait(bar.at[1])
+  o_smem[...] = _block_scores(c_smem, q_smem, a_smem, n=o_smem.shape[1], plane_types=plane_types,
+                              a_operand=a_operand, interpret=interpret)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bk, rows])
   plgpu.wait_smem_to_gmem(0)
+
+
+def _check_inputs(codes: jax.Array, qdigits: jax.Array, block_s: int, a_operand: str):
+  """Validates the arguments shared by both kernels; returns (BK, S, Q, N, T·H, T)."""
+  if codes.ndim != 3 or qdigits.ndim != 3:
+    raise ValueError(f"codes {codes.shape} must be [BK, S, Q] and qdigits {qdigits.shape} [BK, N, T·H]")
+  bk, s, q = codes.shape
+  _, n, k = qdigits.shape
+  plane_types = k // (PLANES * q)
+  if codes.dtype != jnp.uint8 or qdigits.dtype != jnp.int8:
+    raise TypeError(f"codes must be uint8 and qdigits int8, got {codes.dtype} and {qdigits.dtype}")
+  if plane_types not in (2, 3) or k != plane_types * PLANES * q or qdigits.shape[0] != bk:
+    raise ValueError(f"qdigits {qdigits.shape} must be [BK={bk}, N, T·H] with T in (2, 3) and H = {PLANES * q}")
+  if q % _COL_BLOCK or n % 8 or n > 256 or block_s not in (64, 128) or s % block_s:
+    raise ValueError(f"need Q={q} a multiple of {_COL_BLOCK}, N={n} a multiple of 8 up to 256, block_s={block_s} "
+                     f"in (64, 128) dividing S={s}")
+  if a_operand not in A_OPERANDS:
+    raise ValueError(f"a_operand={a_operand!r} must be one of {A_OPERANDS}")
+  return bk, s, q, n, k, plane_types
+
+
+def _interpret_kwargs(interpret) -> dict:
+  if not interpret:
+    return {}
+  return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "a_operand", "interpret"))
@@ -208,18 +250,7 @@ def key_scores_mgpu(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, 
       shared memory first). Interpret mode always uses shared memory.
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
   """
-  bk, s, q = codes.shape
-  _, n, k = qdigits.shape
-  plane_types = k // (PLANES * q)
-  if codes.dtype != jnp.uint8 or qdigits.dtype != jnp.int8:
-    raise TypeError(f"codes must be uint8 and qdigits int8, got {codes.dtype} and {qdigits.dtype}")
-  if plane_types not in (2, 3) or k != plane_types * PLANES * q or qdigits.shape[0] != bk:
-    raise ValueError(f"qdigits {qdigits.shape} must be [BK={bk}, N, T·H] with T in (2, 3) and H = {PLANES * q}")
-  if q % _COL_BLOCK or n % 8 or n > 256 or block_s not in (64, 128) or s % block_s:
-    raise ValueError(f"need Q={q} a multiple of {_COL_BLOCK}, N={n} a multiple of 8 up to 256, block_s={block_s} "
-                     f"in (64, 128) dividing S={s}")
-  if a_operand not in A_OPERANDS:
-    raise ValueError(f"a_operand={a_operand!r} must be one of {A_OPERANDS}")
+  bk, s, q, n, k, plane_types = _check_inputs(codes, qdigits, block_s, a_operand)
   body = functools.partial(_kernel, block_s=block_s, plane_types=plane_types, a_operand=a_operand,
                            interpret=bool(interpret))
   a_shape = (block_s, k) if (interpret or a_operand == "smem") else (64, 128)  # unused with A in registers
@@ -232,6 +263,120 @@ def key_scores_mgpu(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, 
           o_smem=plgpu.SMEM((block_s, n), jnp.int32),
           bar=plgpu.Barrier(num_arrivals=1, num_barriers=2)),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **({"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
-         if interpret else {}))
+      **_interpret_kwargs(interpret))
+  return kernel(codes, qdigits)
+
+
+# ---- Sequence-loop variant: one program per (BK row, split of the sequence), code blocks through a TMA pipeline.
+
+def key_scores_max_reference(codes: jax.Array, qdigits: jax.Array, splits: int) -> jax.Array:
+  """XLA reference of output="max": the max over each split's tokens, int32 [BK, splits, N].
+
+  Split j holds tokens [j·S/splits, (j + 1)·S/splits) (splits divides S).
+  """
+  scores = key_scores_reference(codes, qdigits)  # [BK, S, N]
+  bk, s, n = scores.shape
+  return scores.reshape(bk, splits, s // splits, n).max(axis=2)
+
+
+def _loop_kernel(codes_ref, qd_ref, out_ref, q_smem, a_smem, o_smem, r_smem, bar, *, block_s: int, steps: int,
+                 plane_types: int, a_operand: str, output: str, max_concurrent_steps: int, interpret: bool):
+  # codes_ref: uint8 [BK, S, Q]; qd_ref: int8 [BK, N, T·H]; out_ref: int32 [BK, S, N] (output="scores") or
+  # [BK, splits, N] (output="max"). q_smem: int8 [N, T·H], loaded once per program; a_smem: int8 [block_s, T·H]
+  # (planes when A is read from shared memory); o_smem: int32 [2, block_s, N] (score tiles, output="scores");
+  # r_smem: int32 [N] (the split's max); bar: 1 barrier. The pipeline's ring holds max_concurrent_steps code
+  # blocks uint8 [block_s, Q].
+  bk, sp = jax.lax.axis_index("bk"), jax.lax.axis_index("split")
+  plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[0])
+  plgpu.barrier_wait(bar.at[0])
+  q, n = codes_ref.shape[-1], q_smem.shape[0]
+  tokens = pl.ds(sp * (steps * block_s), steps * block_s)
+  c_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=_swizzled(q))
+  scores = functools.partial(_block_scores, q_smem=q_smem, a_smem=a_smem, n=n, plane_types=plane_types,
+                             a_operand=a_operand, interpret=interpret)
+
+  if output == "scores":
+    # The score tiles are stored by hand from a 2-slot buffer rather than through the pipeline's out_specs (whose
+    # predicated stores the CPU interpreter does not run): a slot is rewritten once its store two steps back has
+    # read it.
+    first = sp * steps
+
+    def body(idx, c_smem):  # c_smem: uint8 [block_s, Q]
+      (i,) = idx
+      slot = jax.lax.rem(i, 2)
+      tile = scores(c_smem)  # int32 [block_s, N]
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      o_smem.at[slot][...] = tile
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem.at[slot], out_ref.at[bk, pl.ds((first + i) * block_s, block_s)])
+
+    plgpu.emit_pipeline(body, grid=(steps,), in_specs=[c_spec], max_concurrent_steps=max_concurrent_steps)(
+        codes_ref.at[bk, tokens])
+    plgpu.wait_smem_to_gmem(0)
+    return
+
+  # output == "max": an elementwise running max of the [block_s, N] score tiles in registers (one max per
+  # accumulator register per block), reduced over the block's rows (across warps, through shared memory) once.
+  def body(_, c_smem, run_max):  # run_max: int32 [block_s, N]
+    return jnp.maximum(run_max, scores(c_smem))
+
+  init = plgpu.layout_cast(jnp.full((block_s, n), jnp.iinfo(jnp.int32).min, jnp.int32), plgpu.Layout.WGMMA)
+  run_max = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[c_spec], max_concurrent_steps=max_concurrent_steps,
+                                init_carry=init)(codes_ref.at[bk, tokens])
+  r_smem[...] = jnp.max(run_max, axis=0)  # [N]
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(r_smem, out_ref.at[bk, sp])
+  plgpu.wait_smem_to_gmem(0)
+
+
+OUTPUTS = ("scores", "max")
+
+
+@functools.partial(jax.jit, static_argnames=("block_s", "splits", "output", "a_operand", "max_concurrent_steps",
+                                             "interpret"))
+def key_scores_mgpu_loop(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, splits: int = 1,
+                         output: str = "scores", a_operand: str = "registers", max_concurrent_steps: int = 4,
+                         interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+  """The key scores of `key_scores_mgpu`, one program per (BK row, split) looping over its token blocks.
+
+  Each program loads its qdigits once, streams the code blocks uint8 [block_s, Q] of its S / splits tokens
+  through a TMA ring (`plgpu.emit_pipeline`, max_concurrent_steps deep) and scores each block with the same int8
+  wgmma route as `key_scores_mgpu` (planes in registers, or through shared memory).
+
+  Args:
+    codes: uint8 [BK, S, Q], planar 2-bit key codes (Q = H / 4, a multiple of 16).
+    qdigits: int8 [BK, N, T·H] as in `key_scores_mgpu`.
+    block_s: tokens per pipeline step (64 or 128).
+    splits: programs per BK row; S must be a multiple of splits·block_s (no masking: other S raise ValueError).
+    output: "scores" -> int32 [BK, S, N] (all scores, for checking), or "max" -> int32 [BK, splits, N], the max
+      over each split's tokens per column n (`key_scores_max_reference`), the running max a softmax needs; its
+      output is 4·N bytes per program, so the codes dominate the bytes moved.
+    a_operand: "registers" or "smem", as in `key_scores_mgpu` (interpret mode always uses shared memory).
+    max_concurrent_steps: depth of the TMA ring (code blocks in flight), at least 1.
+    interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
+  """
+  bk, s, q, n, k, plane_types = _check_inputs(codes, qdigits, block_s, a_operand)
+  if not isinstance(splits, int) or splits < 1 or s % (splits * block_s):
+    raise ValueError(f"splits={splits!r} must be a positive int with S={s} a multiple of splits·block_s = "
+                     f"{splits}·{block_s} (no masking of partial blocks or splits)")
+  if output not in OUTPUTS:
+    raise ValueError(f"output={output!r} must be one of {OUTPUTS}")
+  if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
+    raise ValueError(f"max_concurrent_steps={max_concurrent_steps!r} must be a positive int")
+  steps = s // (splits * block_s)
+  body = functools.partial(_loop_kernel, block_s=block_s, steps=steps, plane_types=plane_types,
+                           a_operand=a_operand, output=output, max_concurrent_steps=max_concurrent_steps,
+                           interpret=bool(interpret))
+  a_shape = (block_s, k) if (interpret or a_operand == "smem") else (64, 128)  # unused with A in registers
+  out_shape = (bk, s, n) if output == "scores" else (bk, splits, n)
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct(out_shape, jnp.int32), grid=(bk, splits), grid_names=("bk", "split"),
+      scratch_types=dict(
+          q_smem=plgpu.SMEM((n, k), jnp.int8, transforms=_swizzled(128)),
+          a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=_swizzled(128)),
+          o_smem=plgpu.SMEM((2, block_s, n) if output == "scores" else (1, 8, n), jnp.int32),
+          r_smem=plgpu.SMEM((n,), jnp.int32),
+          bar=plgpu.Barrier(num_arrivals=1, num_barriers=1)),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **_interpret_kwargs(interpret))
   return kernel(codes, qdigits)

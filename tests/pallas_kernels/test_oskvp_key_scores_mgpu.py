@@ -108,3 +108,58 @@ def test_rejects_bad_arguments():
     ks.key_scores_mgpu(codes, qd, block_s=96, interpret=True)
   with pytest.raises(ValueError, match="a_operand"):
     ks.key_scores_mgpu(codes, qd, a_operand="tmem", interpret=True)
+
+
+# ---- Sequence-loop variant (`key_scores_mgpu_loop`).
+
+@pytest.mark.parametrize("bk,s,n,block_s,plane_types,splits,output,steps", [
+    (2, 256, 8, 64, 3, 2, "scores", 2), (2, 384, 8, 64, 3, 3, "max", 2), (1, 512, 16, 128, 2, 2, "max", 3),
+    (1, 256, 16, 64, 2, 1, "scores", 4)])
+def test_loop_matches_reference(bk, s, n, block_s, plane_types, splits, output, steps):
+  codes, qd = _inputs(bk * s + n + splits, bk, s, n, plane_types)
+  got = ks.key_scores_mgpu_loop(codes, qd, block_s=block_s, splits=splits, output=output,
+                                max_concurrent_steps=steps, interpret=True)
+  want = (ks.key_scores_reference(codes, qd) if output == "scores"
+          else ks.key_scores_max_reference(codes, qd, splits))
+  assert got.shape == want.shape and got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_max_reference_is_the_split_max():
+  codes, qd = _inputs(7, 2, 256, 8, 3)
+  scores = np.asarray(ks.key_scores_reference(codes, qd))
+  got = np.asarray(ks.key_scores_max_reference(codes, qd, 4))
+  np.testing.assert_array_equal(got[:, 1], scores[:, 64:128].max(axis=1))
+
+
+@pytest.mark.parametrize("a_operand,output,block_s,n,plane_types", [("registers", "max", 64, 8, 3),
+                                                                     ("registers", "scores", 128, 16, 2),
+                                                                     ("smem", "max", 64, 16, 2)])
+def test_loop_gpu_route_lowers_to_int8_wgmma(a_operand, output, block_s, n, plane_types):
+  codes, qd = _inputs(0, 2, 1024, n, plane_types)
+  f = jax.jit(lambda c, q: ks.key_scores_mgpu_loop(c, q, block_s=block_s, splits=2, output=output,
+                                                   a_operand=a_operand))
+  text = _mosaic_module_text(f.trace(codes, qd).lower(lowering_platforms=("cuda",)))
+  instr = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32\.s32\.s8\.s8) \{[^}]*\}, (\S+)", text)
+  # One block's wgmmas, emitted once inside the pipeline's loop over the split's blocks.
+  assert len(instr) == block_s // 64 * plane_types * 4
+  assert {i for i, _ in instr} == {f"m64n{n}k32.s32.s8.s8"}
+  assert all(a.startswith("{") for _, a in instr) == (a_operand == "registers")
+  loop = text[text.index("scf.for"):]
+  assert len(re.findall(r"wgmma\.mma_async", loop)) == len(instr)
+
+
+def test_loop_rejects_bad_arguments():
+  codes, qd = _inputs(0, 1, 256, 8, 3)
+  with pytest.raises(ValueError, match="splits"):
+    ks.key_scores_mgpu_loop(codes, qd, splits=3, interpret=True)  # 256 tokens not a multiple of 3·64
+  with pytest.raises(ValueError, match="splits"):
+    ks.key_scores_mgpu_loop(codes, qd, splits=0, interpret=True)
+  with pytest.raises(ValueError, match="output"):
+    ks.key_scores_mgpu_loop(codes, qd, output="sum", interpret=True)
+  with pytest.raises(ValueError, match="max_concurrent_steps"):
+    ks.key_scores_mgpu_loop(codes, qd, max_concurrent_steps=0, interpret=True)
+  with pytest.raises(ValueError, match="block_s"):
+    ks.key_scores_mgpu_loop(codes, qd, block_s=32, interpret=True)
+  with pytest.raises(TypeError, match="uint8"):
+    ks.key_scores_mgpu_loop(codes.astype(jnp.int8), qd, interpret=True)
