@@ -1,0 +1,314 @@
+"""Key side of the Mosaic GPU OS-KVP decode attention on the H200: correctness, then cycles per token and kv head.
+
+Run on the H200:  PYTHONPATH=$PWD python3 benchmarks/oskvp_key_scores_mgpu_bench.py --out=$OUT
+CPU smoke test:   PYTHONPATH=$PWD python3 benchmarks/oskvp_key_scores_mgpu_bench.py --smoke --out=/tmp/ks_smoke
+CPU lowering of every timed config at its real shape:  ... --lower-only
+
+1. Checks (`pallas_kernels/oskvp_key_scores_mgpu.py`): the one-block kernel and the sequence-loop kernel (outputs
+   "scores" and "max"), planes from registers and through shared memory, against the jnp reference on random codes
+   and digits at a few shapes, exact int32. Any mismatch or compile error stops the run before timing (exit 1)
+   unless --time-on-mismatch.
+2. Timing: CUPTI kernel time (`mosaic.gpu.profiler.measure(..., aggregate=False)`, summed over the call's kernels,
+   median over --iters calls, L2 flushed before each) of the loop kernel at BK = 64 (batch 8 × 8 kv heads),
+   S = 65536 and 16384, Q = 32 (H = 128), N = 8 and 16, plane types 3 and 2, a few block sizes / splits / ring
+   depths, A from registers vs shared memory (CONFIGS below, most important first; configs past --budget-s are
+   skipped).
+3. Per config: µs, code bytes read (BK·S·Q), TB/s, and
+     cycles per token and kv head = µs · f_MHz · SMs / (BK · S)
+   (SM-cycles of the whole GPU per token-head), with SMs from jax (`device.core_count`) and f from nvidia-smi's
+   max SM clock, else the H200's 132 SMs and 1980 MHz; next to the 6.7 cycles per token-head that the 0.108 ms
+   target (issue #5: 64k context × batch 8 × 8 kv heads) leaves for the whole attention, and to the HBM floor of
+   the code bytes alone at 4.8 TB/s.
+4. Writes oskvp_key_scores_mgpu.{md,json} under --out (device, jax version, date), rewritten after every check and
+   config so that a run cut short keeps what it measured.
+
+--smoke: interpret mode on the CPU at tiny shapes (the interpreter takes A from shared memory on both routes), with
+wall-clock "timing" of one tiny config only to exercise the report; the numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import oskvp_key_scores_mgpu as ks
+
+Q = 32  # code bytes per token and kv head (H = 128)
+BK = 64  # batch 8 × 8 kv heads
+TARGET_CYCLES = 6.7  # 132 SMs × 1.98 GHz × 0.108 ms / (8 × 8 × 65536) token-heads: the whole attention's budget
+HBM_TBPS = 4.8  # H200 HBM3e peak, for the bytes floor
+DEFAULT_SMS, DEFAULT_MHZ = 132, 1980.0
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One timed kernel call: the loop kernel (or the one-block kernel, kernel="block") at BK = 64."""
+  s: int
+  n: int = 8
+  plane_types: int = 3
+  block_s: int = 64
+  splits: int = 16
+  a_operand: str = "registers"
+  output: str = "max"
+  steps: int = 4  # TMA ring depth
+  kernel: str = "loop"
+
+  @property
+  def name(self) -> str:
+    if self.kernel == "block":
+      return f"block S={self.s} N={self.n} T={self.plane_types} bs={self.block_s} A={self.a_operand}"
+    return (f"loop S={self.s} N={self.n} T={self.plane_types} bs={self.block_s} splits={self.splits} "
+            f"ring={self.steps} A={self.a_operand} out={self.output}")
+
+
+_L = 65536
+CONFIGS = [  # most important first: the run stops adding configs at --budget-s
+    Config(_L, splits=16),
+    Config(_L, splits=8),
+    Config(_L, splits=32),
+    Config(_L, splits=16, a_operand="smem"),
+    Config(_L, splits=16, plane_types=2),
+    Config(_L, splits=16, plane_types=2, a_operand="smem"),
+    Config(_L, splits=16, n=16),
+    Config(_L, splits=16, n=16, plane_types=2),
+    Config(_L, splits=16, n=16, a_operand="smem"),
+    Config(_L, splits=16, block_s=128),
+    Config(_L, splits=16, block_s=128, plane_types=2),
+    Config(_L, splits=16, steps=2),
+    Config(_L, splits=16, steps=8),
+    Config(_L, splits=64),
+    Config(_L, splits=16, output="scores"),
+    Config(_L, kernel="block", output="scores"),
+    Config(16384, splits=4),
+    Config(16384, splits=8),
+    Config(16384, splits=4, a_operand="smem"),
+    Config(16384, splits=4, plane_types=2),
+    Config(16384, splits=4, n=16),
+]
+
+# (kernel, BK, S, N, T, block_s, splits, output, ring) checked on the GPU for both A routes.
+CHECKS = [("block", 2, 256, 8, 3, 64, 1, "scores", 1), ("block", 1, 512, 16, 2, 128, 1, "scores", 1),
+          ("loop", 4, 4096, 8, 3, 64, 4, "scores", 4), ("loop", 4, 4096, 8, 3, 64, 4, "max", 4),
+          ("loop", 2, 2048, 16, 2, 128, 2, "max", 3), ("loop", 3, 3072, 8, 2, 64, 3, "max", 2),
+          ("loop", 2, 8192, 16, 3, 64, 1, "scores", 8)]
+SMOKE_CHECKS = [("block", 1, 128, 8, 3, 64, 1, "scores", 1), ("loop", 1, 256, 8, 3, 64, 2, "scores", 2),
+                ("loop", 2, 256, 16, 2, 64, 2, "max", 2)]
+
+
+def inputs(seed: int, bk: int, s: int, n: int, plane_types: int):
+  """Random codes uint8 [BK, S, Q] and digits int8 [BK, N, T·4Q] (the full int8 range)."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  codes = jax.random.bits(k1, (bk, s, Q), jnp.uint8)
+  qd = jax.random.randint(k2, (bk, n, plane_types * 4 * Q), -128, 128).astype(jnp.int8)
+  return codes, qd
+
+
+def kernel_fn(kernel: str, *, block_s: int, splits: int, output: str, a_operand: str, steps: int, interpret: bool):
+  if kernel == "block":
+    return jax.jit(lambda c, q: ks.key_scores_mgpu(c, q, block_s=block_s, a_operand=a_operand, interpret=interpret))
+  return jax.jit(lambda c, q: ks.key_scores_mgpu_loop(c, q, block_s=block_s, splits=splits, output=output,
+                                                      a_operand=a_operand, max_concurrent_steps=steps,
+                                                      interpret=interpret))
+
+
+def lower_for_cuda(cfg: Config) -> None:
+  """Traces and lowers the config's GPU kernel for CUDA at its real shapes (no device or data needed)."""
+  codes = jax.ShapeDtypeStruct((BK, cfg.s, Q), jnp.uint8)
+  qd = jax.ShapeDtypeStruct((BK, cfg.n, cfg.plane_types * 4 * Q), jnp.int8)
+  fn = kernel_fn(cfg.kernel, block_s=cfg.block_s, splits=cfg.splits, output=cfg.output, a_operand=cfg.a_operand,
+                 steps=cfg.steps, interpret=False)
+  fn.trace(codes, qd).lower(lowering_platforms=("cuda",))
+
+
+def run_check(case, a_operand: str, interpret: bool) -> dict:
+  kernel, bk, s, n, t, block_s, splits, output, steps = case
+  row = {"kernel": kernel, "bk": bk, "s": s, "n": n, "plane_types": t, "block_s": block_s, "splits": splits,
+         "output": output, "ring": steps, "a_operand": a_operand}
+  codes, qd = inputs(bk * s + n + t + splits, bk, s, n, t)
+  want = np.asarray(ks.key_scores_reference(codes, qd) if output == "scores"
+                    else ks.key_scores_max_reference(codes, qd, splits))
+  try:
+    fn = kernel_fn(kernel, block_s=block_s, splits=splits, output=output, a_operand=a_operand, steps=steps,
+                   interpret=interpret)
+    got = np.asarray(fn(codes, qd))
+  except Exception as e:  # pylint: disable=broad-except
+    return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+  bad = got != want
+  row.update(ok=not bad.any(), mismatches=int(bad.sum()), elements=int(bad.size))
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    row.update(first_mismatch=list(first), got=int(got[first]), want=int(want[first]))
+  return row
+
+
+def device_constants(smoke: bool) -> tuple[int, float, str, str]:
+  """(SM count, SM clock MHz, where each came from)."""
+  sms, sms_src = DEFAULT_SMS, "constant"
+  mhz, mhz_src = DEFAULT_MHZ, "constant"
+  if smoke:
+    return sms, mhz, sms_src, mhz_src
+  cores = getattr(jax.devices()[0], "core_count", 0)
+  if cores:
+    sms, sms_src = int(cores), "jax device.core_count"
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits", "-i", "0"],
+                         capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    mhz, mhz_src = float(out.splitlines()[0]), "nvidia-smi clocks.max.sm"
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return sms, mhz, sms_src, mhz_src
+
+
+def kernel_ms(fn, args, iters: int, smoke: bool) -> tuple[float, list[str]]:
+  """Median over `iters` calls of the summed kernel time (ms) of one call, L2 flushed before each."""
+  if smoke:  # no CUPTI on the CPU: wall clock, only to exercise the report
+    times = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), ["(cpu wall clock)"]
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+  flush_buf = jnp.zeros((64 << 20,), jnp.float32)  # 256 MB > the 50 MB L2
+  flush = jax.jit(lambda b: b + 1.0)
+  totals, names = [], []
+  for _ in range(iters):
+    flush_buf = jax.block_until_ready(flush(flush_buf))
+    _, timings = profiler.measure(fn, aggregate=False)(*args)
+    names = [n for n, _ in timings]
+    totals.append(sum(ms for _, ms in timings))
+  return statistics.median(totals), names
+
+
+def time_config(cfg: Config, args_cache: dict, iters: int, sms: int, mhz: float, smoke: bool) -> dict:
+  bk = 2 if smoke else BK
+  key = (bk, cfg.s, cfg.n, cfg.plane_types)
+  if key not in args_cache:
+    args_cache.clear()  # one input set on the device at a time
+    args_cache[key] = jax.block_until_ready(inputs(0, *key))
+  codes, qd = args_cache[key]
+  fn = kernel_fn(cfg.kernel, block_s=cfg.block_s, splits=cfg.splits, output=cfg.output, a_operand=cfg.a_operand,
+                 steps=cfg.steps, interpret=smoke)
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(codes, qd))  # compile
+  compile_s = time.perf_counter() - t0
+  ms, names = kernel_ms(fn, (codes, qd), iters, smoke)
+  us = ms * 1e3
+  code_bytes = bk * cfg.s * Q
+  out_bytes = 4 * cfg.n * (bk * cfg.s if cfg.output == "scores" else bk * cfg.splits)
+  cycles = us * mhz * sms / (bk * cfg.s)
+  floor_cycles = code_bytes / (HBM_TBPS * 1e6) * mhz * sms / (bk * cfg.s)  # µs at peak HBM → cycles
+  return {"config": cfg.name, **dataclasses.asdict(cfg), "bk": bk, "us": us, "code_bytes": code_bytes,
+          "qd_bytes": qd.size, "out_bytes": out_bytes, "tbps_codes": code_bytes / us / 1e6,
+          "cycles_per_token_head": cycles, "share_of_target": cycles / TARGET_CYCLES,
+          "hbm_floor_cycles": floor_cycles, "compile_s": compile_s, "kernels": names}
+
+
+def write_report(out_dir: str, meta: dict, checks: list, rows: list, skipped: list) -> None:
+  with open(os.path.join(out_dir, "oskvp_key_scores_mgpu.json"), "w") as fh:
+    json.dump({**meta, "checks": checks, "rows": rows, "skipped": skipped}, fh, indent=1)
+  md = [f"# Mosaic GPU OS-KVP key scores: {meta['device']}, jax {meta['jax']}, {meta['date']}", "",
+        f"Mode: {meta['mode']}. `cycles/token-head` = µs · {meta['mhz']:.0f} MHz · {meta['sms']} SMs / (BK · S) "
+        f"(SMs: {meta['sms_source']}; clock: {meta['mhz_source']}); the 0.108 ms target leaves "
+        f"{TARGET_CYCLES} for the whole attention. `floor` = the code bytes at {HBM_TBPS} TB/s in the same unit. "
+        f"CUPTI kernel time, median of {meta['iters']} calls, L2 flushed.", "",
+        "## Checks (exact int32 vs the jnp reference)", ""]
+  for c in checks:
+    what = (f"{c['kernel']} BK={c['bk']} S={c['s']} N={c['n']} T={c['plane_types']} bs={c['block_s']} "
+            f"splits={c['splits']} out={c['output']} ring={c['ring']} A={c['a_operand']}")
+    if "error" in c:
+      md.append(f"- FAIL {what}: {c['error']}")
+    elif c["ok"]:
+      md.append(f"- ok {what}")
+    else:
+      md.append(f"- MISMATCH {what}: {c['mismatches']}/{c['elements']} differ, first at {c['first_mismatch']} "
+                f"got {c['got']} want {c['want']}")
+  md += ["", f"## Timing (BK = {rows[0].get('bk', BK) if rows else BK}: batch × kv heads, Q = {Q} code bytes per "
+         "token)", "",
+         "| config | µs | code MB | TB/s (codes) | cycles/token-head | of the 6.7 budget | floor | compile s |",
+         "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      md.append(f"| {r['config']} | error: {r['error'][:200]} | | | | | | |")
+      continue
+    md.append(f"| {r['config']} | {r['us']:.1f} | {r['code_bytes'] / 1e6:.1f} | {r['tbps_codes']:.2f} | "
+              f"{r['cycles_per_token_head']:.2f} | {100 * r['share_of_target']:.0f}% | "
+              f"{r['hbm_floor_cycles']:.2f} | {r['compile_s']:.1f} |")
+  if skipped:
+    md += ["", "Skipped (time budget): " + "; ".join(skipped)]
+  with open(os.path.join(out_dir, "oskvp_key_scores_mgpu.md"), "w") as fh:
+    fh.write("\n".join(md) + "\n")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default="/tmp/oskvp_key_scores_mgpu")
+  ap.add_argument("--smoke", action="store_true", help="CPU interpret mode at tiny shapes; checks + report only")
+  ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--budget-s", type=float, default=200.0, help="start no new config after this many seconds")
+  ap.add_argument("--lower-only", action="store_true",
+                  help="only lower every timed config for CUDA at its real shape (runs on the CPU) and exit")
+  ap.add_argument("--time-on-mismatch", action="store_true", help="time even if a check fails")
+  args = ap.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  start = time.perf_counter()
+  if args.lower_only:
+    for cfg in CONFIGS:
+      lower_for_cuda(cfg)
+      print("lowered", cfg.name, flush=True)
+    return 0
+  smoke = args.smoke
+  sms, mhz, sms_src, mhz_src = device_constants(smoke)
+  meta = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "mode": "smoke (CPU interpret, numbers meaningless)" if smoke else "gpu", "iters": args.iters,
+          "sms": sms, "mhz": mhz, "sms_source": sms_src, "mhz_source": mhz_src,
+          "formula": "cycles_per_token_head = us * mhz * sms / (bk * s)", "target_cycles": TARGET_CYCLES}
+  checks, rows, skipped = [], [], []
+  print(json.dumps(meta), flush=True)
+  for case in SMOKE_CHECKS if smoke else CHECKS:
+    for a_operand in ks.A_OPERANDS:
+      checks.append(run_check(case, a_operand, interpret=smoke))
+      print("check", json.dumps(checks[-1]), flush=True)
+      write_report(args.out, meta, checks, rows, skipped)
+  failed = [c for c in checks if not c["ok"]]
+  if failed:
+    print(f"CHECK FAILED: {len(failed)} of {len(checks)} checks mismatch or fail to compile (see "
+          f"{args.out}/oskvp_key_scores_mgpu.md); routes: {sorted({c['a_operand'] for c in failed})}", flush=True)
+    if not args.time_on_mismatch:
+      return 1
+  configs = [Config(256, splits=2), Config(256, splits=1, output="scores")] if smoke else CONFIGS
+  cache: dict = {}
+  for cfg in configs:
+    if time.perf_counter() - start > args.budget_s:
+      skipped.append(cfg.name)
+      continue
+    try:
+      rows.append(time_config(cfg, cache, 1 if smoke else args.iters, sms, mhz, smoke))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append({"config": cfg.name, **dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:600]}"})
+    print("time", json.dumps(rows[-1]), flush=True)
+    write_report(args.out, meta, checks, rows, skipped)
+  write_report(args.out, meta, checks, rows, skipped)
+  with open(os.path.join(args.out, "oskvp_key_scores_mgpu.md")) as fh:
+    print(fh.read())
+  print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
