@@ -53,6 +53,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels.mosaic_gpu_introspect import layout_split
+
 PLANES = 4  # 2-bit codes in a byte
 _MASK = 0x01010101  # the low bit of each of the 4 bytes of a 32-bit word
 _COL_BLOCK = 16  # columns of one 8-bit wgmma layout tile (a thread holds 4 of them per row)
@@ -132,22 +134,8 @@ def emulate_register_planes(codes: np.ndarray, plane_types: int = 3) -> np.ndarr
   m, q = codes.shape
   k = plane_types * PLANES * q
 
-  def split(shape):  # element (r, c) -> (thread dims, register index, position in the vector)
-    tiled = layout.tiling.tile_shape(shape)
-    rank = len(tiled)
-    thread_dims = [d % rank for d in (*layout.warp_dims, *layout.lane_dims)]
-    vec = layout.vector_dim % rank
-    table = {}
-    for r in range(shape[0]):
-      for c in range(shape[1]):
-        ti = layout.tiling.tile_indices((r, c))
-        thread = tuple(ti[d] for d in thread_dims)
-        reg = tuple(0 if d in thread_dims or d == vec else ti[d] for d in range(rank))
-        table[(r, c)] = (thread, reg, ti[vec])
-    return table
-
   words: dict = {}
-  for (r, c), (thread, reg, pos) in split((m, q)).items():
+  for (r, c), (thread, reg, pos) in layout_split(layout, (m, q)).items():
     words[(thread, reg)] = words.get((thread, reg), 0) | (int(codes[r, c]) << (8 * pos))
   shr = lambda w, s: w >> s
   band = lambda a, b: a & (_MASK if b is None else b)
@@ -156,7 +144,7 @@ def emulate_register_planes(codes: np.ndarray, plane_types: int = 3) -> np.ndarr
     for (t, p), v in plane_words(w, shr, band, plane_types).items():
       planes[(thread, plane_register_index(reg, t, p, q))] = v
   out = np.full((m, k), -1, np.int8)
-  for (r, c), (thread, reg, pos) in split((m, k)).items():
+  for (r, c), (thread, reg, pos) in layout_split(layout, (m, k)).items():
     out[r, c] = (planes[(thread, reg)] >> (8 * pos)) & 0xFF
   return out
 

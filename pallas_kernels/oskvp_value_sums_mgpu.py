@@ -72,6 +72,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels.mosaic_gpu_introspect import layout_split
 from pallas_kernels.oskvp_key_scores_mgpu import plane_words
 
 PLANES = 4  # 2-bit codes in a byte
@@ -190,21 +191,6 @@ def _planes_in_registers(codes, block_s: int, q: int, plane_types: int):
   return planes(codes)
 
 
-def _layout_split(layout, shape) -> dict:
-  """Element (r, c) of an array [R, C] in a Mosaic TiledLayout -> (thread dims, register index, vector position)."""
-  rank = len(layout.tiling.tile_shape(shape))
-  thread_dims = [d % rank for d in (*layout.warp_dims, *layout.lane_dims)]
-  vec = layout.vector_dim % rank
-  table = {}
-  for r in range(shape[0]):
-    for c in range(shape[1]):
-      ti = layout.tiling.tile_indices((r, c))
-      thread = tuple(ti[d] for d in thread_dims)
-      reg = tuple(0 if d in thread_dims or d == vec else ti[d] for d in range(rank))
-      table[(r, c)] = (thread, reg, ti[vec])
-  return table
-
-
 def emulate_register_planes(vcodes: np.ndarray, plane_types: int = 3) -> np.ndarray:
   """numpy model of the GPU route: codes uint8 [Q, K] -> the int8 [T·4Q, K] A operand its plane registers hold.
 
@@ -216,7 +202,7 @@ def emulate_register_planes(vcodes: np.ndarray, plane_types: int = 3) -> np.ndar
   q, k = vcodes.shape
   m = plane_types * PLANES * q
   words: dict = {}
-  for (r, c), (thread, reg, pos) in _layout_split(CODE_LAYOUT, (q, k)).items():
+  for (r, c), (thread, reg, pos) in layout_split(CODE_LAYOUT, (q, k)).items():
     words[(thread, reg)] = words.get((thread, reg), 0) | (int(vcodes[r, c]) << (8 * pos))
   shr = lambda w, s: w >> s
   band = lambda a, b: a & (_MASK if b is None else b)
@@ -225,7 +211,7 @@ def emulate_register_planes(vcodes: np.ndarray, plane_types: int = 3) -> np.ndar
     for (t, p), v in plane_words(w, shr, band, plane_types).items():
       planes[(thread, value_register_index(reg, t, p, q))] = v
   out = np.full((m, k), -1, np.int8)
-  for (r, c), (thread, reg, pos) in _layout_split(mgpu.WGMMA_LAYOUT_8BIT, (m, k)).items():
+  for (r, c), (thread, reg, pos) in layout_split(mgpu.WGMMA_LAYOUT_8BIT, (m, k)).items():
     out[r, c] = (planes[(thread, reg)] >> (8 * pos)) & 0xFF
   return out
 

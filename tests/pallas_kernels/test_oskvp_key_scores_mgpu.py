@@ -9,14 +9,12 @@ import collections
 import re
 
 import jax
-from jax._src.interpreters import mlir as jax_mlir
-from jax._src.lib.mlir import ir
-from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import oskvp_key_scores_mgpu as ks
+from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
 from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas
 
 Q = 32  # H = 128
@@ -62,32 +60,12 @@ def test_register_planes_are_the_wgmma_operand(m, plane_types):
   np.testing.assert_array_equal(ks.emulate_register_planes(codes, plane_types), want)
 
 
-def _mosaic_module_text(lowered) -> str:
-  """The Mosaic GPU module inside the lowered custom call, as MLIR text."""
-  blobs = []
-
-  def walk(op):
-    for region in op.regions:
-      for block in region.blocks:
-        for o in block.operations:
-          if o.operation.name == "stablehlo.custom_call":
-            blobs.append(ir.StringAttr(o.operation.attributes["mhlo.backend_config"]["module"]).value_bytes)
-          walk(o.operation)
-
-  walk(lowered.compiler_ir("stablehlo").operation)
-  ctx = jax_mlir.make_ir_context()
-  with ctx, ir.Location.unknown():
-    mgpu_dialect.register_dialect(ctx)
-    ctx.allow_unregistered_dialects = True  # the serialized module still names the stable_mosaic_gpu dialect
-    return str(ir.Module.parse(blobs[0]))
-
-
 @pytest.mark.parametrize("a_operand,block_s,n,plane_types", [("registers", 64, 8, 3), ("registers", 128, 16, 2),
                                                               ("smem", 64, 8, 3)])
 def test_gpu_route_lowers_to_int8_wgmma(a_operand, block_s, n, plane_types):
   codes, qd = _inputs(0, 1, 256, n, plane_types)
   f = jax.jit(lambda c, q: ks.key_scores_mgpu(c, q, block_s=block_s, a_operand=a_operand))
-  text = _mosaic_module_text(f.trace(codes, qd).lower(lowering_platforms=("cuda",)))
+  text = mosaic_module_text(f.trace(codes, qd).lower(lowering_platforms=("cuda",)))
   instr = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32\.s32\.s8\.s8) \{[^}]*\}, (\S+)", text)
   # One wgmma per 32 channels of K per 64 tokens: (block_s / 64) · T · 4.
   assert len(instr) == block_s // 64 * plane_types * 4
@@ -139,7 +117,7 @@ def test_loop_gpu_route_lowers_to_int8_wgmma(a_operand, output, block_s, n, plan
   codes, qd = _inputs(0, 2, 1024, n, plane_types)
   f = jax.jit(lambda c, q: ks.key_scores_mgpu_loop(c, q, block_s=block_s, splits=2, output=output,
                                                    a_operand=a_operand))
-  text = _mosaic_module_text(f.trace(codes, qd).lower(lowering_platforms=("cuda",)))
+  text = mosaic_module_text(f.trace(codes, qd).lower(lowering_platforms=("cuda",)))
   instr = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32\.s32\.s8\.s8) \{[^}]*\}, (\S+)", text)
   # One block's wgmmas, emitted once inside the pipeline's loop over the split's blocks.
   assert len(instr) == block_s // 64 * plane_types * 4

@@ -10,14 +10,12 @@ import collections
 import re
 
 import jax
-from jax._src.interpreters import mlir as jax_mlir
-from jax._src.lib.mlir import ir
-from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import oskvp_value_sums_mgpu as vs
+from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
 from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas
 
 Q = 32  # H = 128
@@ -110,33 +108,13 @@ def test_emulation_catches_a_wrong_register_mapping(monkeypatch):
   assert not np.array_equal(vs.emulate_register_planes(codes, 2), want)
 
 
-def _mosaic_module_text(lowered) -> str:
-  """The Mosaic GPU module inside the lowered custom call, as MLIR text."""
-  blobs = []
-
-  def walk(op):
-    for region in op.regions:
-      for block in region.blocks:
-        for o in block.operations:
-          if o.operation.name == "stablehlo.custom_call":
-            blobs.append(ir.StringAttr(o.operation.attributes["mhlo.backend_config"]["module"]).value_bytes)
-          walk(o.operation)
-
-  walk(lowered.compiler_ir("stablehlo").operation)
-  ctx = jax_mlir.make_ir_context()
-  with ctx, ir.Location.unknown():
-    mgpu_dialect.register_dialect(ctx)
-    ctx.allow_unregistered_dialects = True  # the serialized module still names the stable_mosaic_gpu dialect
-    return str(ir.Module.parse(blobs[0]))
-
-
 @pytest.mark.parametrize("a_operand,block_s,n,plane_types", [("registers", 64, 8, 3), ("registers", 128, 16, 2),
                                                               ("smem", 64, 8, 3)])
 def test_gpu_route_lowers_to_int8_wgmma(a_operand, block_s, n, plane_types):
   p, vcodes = _inputs(0, 2, 1024, n)
   f = jax.jit(lambda p, v: vs.value_sums_mgpu(p, v, plane_types=plane_types, block_s=block_s, splits=2,
                                               a_operand=a_operand))
-  text = _mosaic_module_text(f.trace(p, vcodes).lower(lowering_platforms=("cuda",)))
+  text = mosaic_module_text(f.trace(p, vcodes).lower(lowering_platforms=("cuda",)))
   instr = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32\.s32\.s8\.s8) \{[^}]*\}, (\S+)", text)
   # One block: T·H/64 M groups × block_s/32 token (K) steps, emitted once inside the pipeline's loop.
   assert len(instr) == plane_types * 4 * Q // 64 * (block_s // 32)
