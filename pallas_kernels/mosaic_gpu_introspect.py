@@ -1,12 +1,14 @@
 """Looking inside Mosaic GPU kernels on the CPU: where a register layout puts each element, and the lowered module.
 
 The Mosaic GPU kernels whose register route cannot run in the CPU interpreter (inline Mosaic, wgmma A operands in
-registers) are checked on the CPU in two ways: a numpy model of the register layout (`layout_split`) and the text
-of the module they lower to for CUDA (`mosaic_module_text`, e.g. to count wgmma instructions and their operands).
+registers) are checked on the CPU in two ways: a numpy model of the register layouts and of a per-register routine
+(`layout_split`, `emulate_registers`) and the text of the module they lower to for CUDA (`mosaic_module_text`, e.g.
+to count wgmma instructions and their operands).
 """
 
 from __future__ import annotations
 
+import numpy as np
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
@@ -51,3 +53,24 @@ def mosaic_module_text(lowered) -> str:
     mgpu_dialect.register_dialect(ctx)
     ctx.allow_unregistered_dialects = True  # the serialized module still names the stable_mosaic_gpu dialect
     return str(ir.Module.parse(blobs[0]))
+
+
+def emulate_registers(src: np.ndarray, src_layout, dst_shape: tuple[int, int], dst_layout, word_fn) -> np.ndarray:
+  """numpy model of a per-register routine: uint8 src [R, C] in src_layout -> int8 dst [R', C'] in dst_layout.
+
+  Packs src into each thread's 32-bit registers as `src_layout` places it, calls `word_fn(reg, word)` -> {dst
+  register index: 32-bit word} on every register (what inline Mosaic does on the GPU), and reads dst back through
+  `dst_layout`. A routine that writes a wrong register index gives a wrong matrix; a register that no source
+  register feeds raises KeyError (a thread would need a word it does not hold).
+  """
+  words: dict = {}
+  for (r, c), (thread, reg, pos) in layout_split(src_layout, src.shape).items():
+    words[(thread, reg)] = words.get((thread, reg), 0) | (int(src[r, c]) << (8 * pos))
+  out_words = {}
+  for (thread, reg), w in words.items():
+    for dst_reg, v in word_fn(reg, w).items():
+      out_words[(thread, dst_reg)] = v
+  out = np.full(dst_shape, -1, np.int8)
+  for (r, c), (thread, reg, pos) in layout_split(dst_layout, dst_shape).items():
+    out[r, c] = (out_words[(thread, reg)] >> (8 * pos)) & 0xFF
+  return out

@@ -53,10 +53,10 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.mosaic_gpu_introspect import layout_split
+from pallas_kernels.mosaic_gpu_introspect import emulate_registers
 
 PLANES = 4  # 2-bit codes in a byte
-_MASK = 0x01010101  # the low bit of each of the 4 bytes of a 32-bit word
+BIT0_MASK = 0x01010101  # the low bit of each of the 4 bytes of a 32-bit word
 _COL_BLOCK = 16  # columns of one 8-bit wgmma layout tile (a thread holds 4 of them per row)
 A_OPERANDS = ("registers", "smem")
 
@@ -109,7 +109,7 @@ def _planes_in_registers(codes, block_s: int, q: int, plane_types: int):
   def planes(_, arr):
     i32 = ir.IntegerType.get_signless(32)
     i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
-    mask = mgpu.utils.c(_MASK, i32)
+    mask = mgpu.utils.c(BIT0_MASK, i32)
     shr = lambda w, s: arith.shrui(w, mgpu.utils.c(s, i32))
     band = lambda a, b: arith.andi(a, mask if b is None else b)
     regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((block_s, k)), dtype=object)
@@ -130,26 +130,19 @@ def emulate_register_planes(codes: np.ndarray, plane_types: int = 3) -> np.ndarr
   and vector dims), runs `plane_words` and `plane_register_index` on them, and reassembles the A operand through
   the same layout, so that a wrong register index shows up as a wrong matrix on the CPU.
   """
-  layout = mgpu.WGMMA_LAYOUT_8BIT
   m, q = codes.shape
-  k = plane_types * PLANES * q
-
-  words: dict = {}
-  for (r, c), (thread, reg, pos) in layout_split(layout, (m, q)).items():
-    words[(thread, reg)] = words.get((thread, reg), 0) | (int(codes[r, c]) << (8 * pos))
   shr = lambda w, s: w >> s
-  band = lambda a, b: a & (_MASK if b is None else b)
-  planes = {}
-  for (thread, reg), w in words.items():
-    for (t, p), v in plane_words(w, shr, band, plane_types).items():
-      planes[(thread, plane_register_index(reg, t, p, q))] = v
-  out = np.full((m, k), -1, np.int8)
-  for (r, c), (thread, reg, pos) in layout_split(layout, (m, k)).items():
-    out[r, c] = (planes[(thread, reg)] >> (8 * pos)) & 0xFF
-  return out
+  band = lambda a, b: a & (BIT0_MASK if b is None else b)
+
+  def word_fn(reg, w):
+    return {plane_register_index(reg, t, p, q): v for (t, p), v in plane_words(w, shr, band, plane_types).items()}
+
+  layout = mgpu.WGMMA_LAYOUT_8BIT
+  return emulate_registers(codes, layout, (m, plane_types * PLANES * q), layout, word_fn)
 
 
-def _swizzled(minor_bytes: int):
+def swizzled(minor_bytes: int):
+  """TMA transforms of a shared-memory tile whose minor dimension is `minor_bytes` wide: 8-row tiling, swizzle."""
   swizzle = plgpu.find_swizzle(minor_bytes * 8)
   return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
@@ -245,9 +238,9 @@ def key_scores_mgpu(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((bk, s, n), jnp.int32), grid=(bk, s // block_s), grid_names=("bk", "s"),
       scratch_types=dict(
-          c_smem=plgpu.SMEM((block_s, q), jnp.uint8, transforms=_swizzled(q)),
-          q_smem=plgpu.SMEM((n, k), jnp.int8, transforms=_swizzled(128)),
-          a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=_swizzled(128)),
+          c_smem=plgpu.SMEM((block_s, q), jnp.uint8, transforms=swizzled(q)),
+          q_smem=plgpu.SMEM((n, k), jnp.int8, transforms=swizzled(128)),
+          a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=swizzled(128)),
           o_smem=plgpu.SMEM((block_s, n), jnp.int32),
           bar=plgpu.Barrier(num_arrivals=1, num_barriers=2)),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -279,7 +272,7 @@ def _loop_kernel(codes_ref, qd_ref, out_ref, q_smem, a_smem, o_smem, r_smem, bar
   plgpu.barrier_wait(bar.at[0])
   q, n = codes_ref.shape[-1], q_smem.shape[0]
   tokens = pl.ds(sp * (steps * block_s), steps * block_s)
-  c_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=_swizzled(q))
+  c_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=swizzled(q))
   scores = functools.partial(_block_scores, q_smem=q_smem, a_smem=a_smem, n=n, plane_types=plane_types,
                              a_operand=a_operand, interpret=interpret)
 
@@ -360,8 +353,8 @@ def key_scores_mgpu_loop(codes: jax.Array, qdigits: jax.Array, *, block_s: int =
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct(out_shape, jnp.int32), grid=(bk, splits), grid_names=("bk", "split"),
       scratch_types=dict(
-          q_smem=plgpu.SMEM((n, k), jnp.int8, transforms=_swizzled(128)),
-          a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=_swizzled(128)),
+          q_smem=plgpu.SMEM((n, k), jnp.int8, transforms=swizzled(128)),
+          a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=swizzled(128)),
           o_smem=plgpu.SMEM((2, block_s, n) if output == "scores" else (1, 8, n), jnp.int32),
           r_smem=plgpu.SMEM((n,), jnp.int32),
           bar=plgpu.Barrier(num_arrivals=1, num_barriers=1)),

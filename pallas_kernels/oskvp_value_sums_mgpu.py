@@ -72,11 +72,10 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.mosaic_gpu_introspect import layout_split
-from pallas_kernels.oskvp_key_scores_mgpu import plane_words
+from pallas_kernels.mosaic_gpu_introspect import emulate_registers
+from pallas_kernels.oskvp_key_scores_mgpu import BIT0_MASK, plane_words, swizzled
 
 PLANES = 4  # 2-bit codes in a byte
-_MASK = 0x01010101  # the low bit of each of the 4 bytes of a 32-bit word
 _ROWS = 32  # code rows per CODE_LAYOUT tile: 4 warps × 8 lane rows
 A_OPERANDS = ("registers", "smem")
 _CODE_TILING = mgpu.fragmented_array.Tiling(((_ROWS, 16), (8, 16), (4,)))
@@ -176,7 +175,7 @@ def _planes_in_registers(codes, block_s: int, q: int, plane_types: int):
   def planes(_, arr):
     i32 = ir.IntegerType.get_signless(32)
     i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
-    mask = mgpu.utils.c(_MASK, i32)
+    mask = mgpu.utils.c(BIT0_MASK, i32)
     shr = lambda w, s: arith.shrui(w, mgpu.utils.c(s, i32))
     band = lambda a, b: arith.andi(a, mask if b is None else b)
     regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((m, block_s)), dtype=object)
@@ -200,28 +199,16 @@ def emulate_register_planes(vcodes: np.ndarray, plane_types: int = 3) -> np.ndar
   would need a word it does not hold.
   """
   q, k = vcodes.shape
-  m = plane_types * PLANES * q
-  words: dict = {}
-  for (r, c), (thread, reg, pos) in layout_split(CODE_LAYOUT, (q, k)).items():
-    words[(thread, reg)] = words.get((thread, reg), 0) | (int(vcodes[r, c]) << (8 * pos))
   shr = lambda w, s: w >> s
-  band = lambda a, b: a & (_MASK if b is None else b)
-  planes = {}
-  for (thread, reg), w in words.items():
-    for (t, p), v in plane_words(w, shr, band, plane_types).items():
-      planes[(thread, value_register_index(reg, t, p, q))] = v
-  out = np.full((m, k), -1, np.int8)
-  for (r, c), (thread, reg, pos) in layout_split(mgpu.WGMMA_LAYOUT_8BIT, (m, k)).items():
-    out[r, c] = (planes[(thread, reg)] >> (8 * pos)) & 0xFF
-  return out
+  band = lambda a, b: a & (BIT0_MASK if b is None else b)
+
+  def word_fn(reg, w):
+    return {value_register_index(reg, t, p, q): v for (t, p), v in plane_words(w, shr, band, plane_types).items()}
+
+  return emulate_registers(vcodes, CODE_LAYOUT, (plane_types * PLANES * q, k), mgpu.WGMMA_LAYOUT_8BIT, word_fn)
 
 
 # ---- Kernel.
-
-def _swizzled(minor_bytes: int):
-  swizzle = plgpu.find_swizzle(minor_bytes * 8)
-  return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-
 
 def _kernel(p_ref, v_ref, out_ref, a_smem, o_smem, *, block_s: int, steps: int, plane_types: int, a_operand: str,
             max_concurrent_steps: int, interpret: bool):
@@ -232,8 +219,8 @@ def _kernel(p_ref, v_ref, out_ref, a_smem, o_smem, *, block_s: int, steps: int, 
   q, n = v_ref.shape[1], p_ref.shape[1]
   m = plane_types * PLANES * q
   tokens = pl.ds(sp * (steps * block_s), steps * block_s)
-  v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=_swizzled(block_s))
-  p_spec = plgpu.BlockSpec((n, block_s), lambda i: (0, i), transforms=_swizzled(block_s))
+  v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=swizzled(block_s))
+  p_spec = plgpu.BlockSpec((n, block_s), lambda i: (0, i), transforms=swizzled(block_s))
 
   def acc_scope(acc_ref):  # acc_ref: int32 [T·H, N], accumulated over the split's blocks
     def body(_, v_smem, p_smem):  # v_smem: uint8 [Q, block_s]; p_smem: int8 [N, block_s]
@@ -329,7 +316,7 @@ def value_sums_mgpu(p: jax.Array, vcodes: jax.Array, *, plane_types: int = 3, bl
       body, out_type=jax.ShapeDtypeStruct((bk, splits, m, n), jnp.int32), grid=(bk, splits),
       grid_names=("bk", "split"),
       scratch_types=dict(
-          a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=_swizzled(block_s)),
+          a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=swizzled(block_s)),
           o_smem=plgpu.SMEM((m, n), jnp.int32)),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **_interpret_kwargs(interpret))
