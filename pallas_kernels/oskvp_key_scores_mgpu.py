@@ -100,25 +100,36 @@ def plane_register_index(idx: tuple[int, ...], t: int, p: int, q: int) -> tuple[
   return (idx[0], (t * PLANES + p) * blocks + idx[1], *idx[2:])
 
 
+def plane_registers(arr, out_shape: tuple[int, int], register_index, plane_types: int):
+  """Inside `plgpu.inline_mgpu`: code bytes (a FragmentedArray of 32-bit words of 4 bytes) -> int8 0/1 planes.
+
+  Each source register goes through `plane_words`; plane (t, p) of source register `idx` becomes register
+  `register_index(idx, t, p)` of the result, an int8 [out_shape] array in the 8-bit wgmma layout (an A operand).
+  """
+  i32 = ir.IntegerType.get_signless(32)
+  i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
+  mask = mgpu.utils.c(BIT0_MASK, i32)
+  shr = lambda w, s: arith.shrui(w, mgpu.utils.c(s, i32))
+  band = lambda a, b: arith.andi(a, mask if b is None else b)
+  regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(out_shape), dtype=object)
+  for idx in np.ndindex(arr.registers.shape):
+    words = plane_words(mgpu.utils.bitcast(arr.registers[idx], i32), shr, band, plane_types)
+    for (t, p), w in words.items():
+      regs[register_index(idx, t, p)] = mgpu.utils.bitcast(w, i8x4)
+  if any(r is None for r in regs.flat):
+    raise ValueError("register_index leaves registers of the plane array unwritten")
+  # wgmma reads int8 A as s8 (it rejects unsigned A); the planes are 0/1, so the sign is moot.
+  return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=True)
+
+
 def _planes_in_registers(codes, block_s: int, q: int, plane_types: int):
   """uint8 codes [block_s, Q] (8-bit wgmma layout) -> int8 planes [block_s, T·4Q] in the same layout (A operand)."""
   k = plane_types * PLANES * q
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
                      return_type=plgpu.ShapeDtypeStruct((block_s, k), jnp.int8, plgpu.Layout.WGMMA_8BIT))
-  def planes(_, arr):
-    i32 = ir.IntegerType.get_signless(32)
-    i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
-    mask = mgpu.utils.c(BIT0_MASK, i32)
-    shr = lambda w, s: arith.shrui(w, mgpu.utils.c(s, i32))
-    band = lambda a, b: arith.andi(a, mask if b is None else b)
-    regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((block_s, k)), dtype=object)
-    for idx in np.ndindex(arr.registers.shape):  # [block_s/64, Q/16, 1, 1, 2, 1, 1, 1, 1]
-      words = plane_words(mgpu.utils.bitcast(arr.registers[idx], i32), shr, band, plane_types)
-      for (t, p), w in words.items():
-        regs[plane_register_index(idx, t, p, q)] = mgpu.utils.bitcast(w, i8x4)
-    # wgmma reads int8 A as s8 (it rejects unsigned A); the planes are 0/1, so the sign is moot.
-    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=True)
+  def planes(_, arr):  # arr registers [block_s/64, Q/16, 1, 1, 2, 1, 1, 1, 1]
+    return plane_registers(arr, (block_s, k), lambda idx, t, p: plane_register_index(idx, t, p, q), plane_types)
 
   return planes(codes)
 

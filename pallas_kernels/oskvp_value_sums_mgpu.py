@@ -64,8 +64,6 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
@@ -73,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.mosaic_gpu_introspect import emulate_registers
-from pallas_kernels.oskvp_key_scores_mgpu import BIT0_MASK, plane_words, swizzled
+from pallas_kernels.oskvp_key_scores_mgpu import BIT0_MASK, plane_registers, plane_words, swizzled
 
 PLANES = 4  # 2-bit codes in a byte
 _ROWS = 32  # code rows per CODE_LAYOUT tile: 4 warps × 8 lane rows
@@ -172,20 +170,8 @@ def _planes_in_registers(codes, block_s: int, q: int, plane_types: int):
 
   @plgpu.inline_mgpu(arg_types=(_CODE_LAYOUT_PL,),
                      return_type=plgpu.ShapeDtypeStruct((m, block_s), jnp.int8, plgpu.Layout.WGMMA_8BIT))
-  def planes(_, arr):
-    i32 = ir.IntegerType.get_signless(32)
-    i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
-    mask = mgpu.utils.c(BIT0_MASK, i32)
-    shr = lambda w, s: arith.shrui(w, mgpu.utils.c(s, i32))
-    band = lambda a, b: arith.andi(a, mask if b is None else b)
-    regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((m, block_s)), dtype=object)
-    for idx in np.ndindex(arr.registers.shape):  # [Q/32, block_s/16, 1, 1, 1, 1, 1]
-      words = plane_words(mgpu.utils.bitcast(arr.registers[idx], i32), shr, band, plane_types)
-      for (t, p), w in words.items():
-        regs[value_register_index(idx, t, p, q)] = mgpu.utils.bitcast(w, i8x4)
-    assert all(r is not None for r in regs.flat)
-    # wgmma reads int8 A as s8 (it rejects unsigned A); the planes are 0/1, so the sign is moot.
-    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=True)
+  def planes(_, arr):  # arr registers [Q/32, block_s/16, 1, 1, 1, 1, 1]
+    return plane_registers(arr, (m, block_s), lambda idx, t, p: value_register_index(idx, t, p, q), plane_types)
 
   return planes(codes)
 
