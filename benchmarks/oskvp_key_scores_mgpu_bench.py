@@ -1,8 +1,8 @@
-"""Key side of the Mosaic GPU OS-KVP decode attention on the H200: correctness, then cycles per token and kv head.
+"""Key and value sides of the Mosaic GPU OS-KVP decode attention on the H200: correctness, then cycles per token-head.
 
 Run on the H200:  PYTHONPATH=$PWD python3 benchmarks/oskvp_key_scores_mgpu_bench.py --out=$OUT
 CPU smoke test:   PYTHONPATH=$PWD python3 benchmarks/oskvp_key_scores_mgpu_bench.py --smoke --out=/tmp/ks_smoke
-CPU lowering of every timed config at its real shape:  ... --lower-only
+CPU lowering of every timed config (key and value) at its real shape:  ... --lower-only
 
 1. Checks (`pallas_kernels/oskvp_key_scores_mgpu.py`): the one-block kernel and the sequence-loop kernel (outputs
    "scores" and "max"), planes from registers and through shared memory, against the jnp reference on random codes
@@ -19,8 +19,16 @@ CPU lowering of every timed config at its real shape:  ... --lower-only
    max SM clock, else the H200's 132 SMs and 1980 MHz; next to the 6.7 cycles per token-head that the 0.108 ms
    target (issue #5: 64k context × batch 8 × 8 kv heads) leaves for the whole attention, and to the HBM floor of
    the code bytes alone at 4.8 TB/s.
-4. Writes oskvp_key_scores_mgpu.{md,json} under --out (device, jax version, date), rewritten after every check and
-   config so that a run cut short keeps what it measured.
+4. Value side (`pallas_kernels/oskvp_value_sums_mgpu.py`, `value_sums_mgpu`): checked exactly against
+   `value_sums_split_reference` on both A routes at a few shapes (VALUE_CHECKS, with the key checks and before any
+   timing; a failure of either side stops the run the same way), then timed the same way at BK = 64, S = 65536 (and
+   one 16384 row): T 3/2, N 8/16, block 64/128, splits 8/16/32, A registers vs smem (VALUE_CONFIGS). V-code bytes =
+   BK·S·Q (token-contiguous [BK, Q, S]), same cycles formula; `main µs` is the largest single kernel (the Mosaic
+   kernel without the wrapper's tiny output permutation). Key and value configs are interleaved by priority
+   (SCHEDULE: the 6 first key configs, the 4 first value configs, the rest of the S = 65536 key configs, the rest of
+   the value configs, the S = 16384 key rows), all under the one --budget-s.
+5. Writes oskvp_key_scores_mgpu.{md,json} under --out (device, jax version, date; a separate value-side section),
+   rewritten after every check and config so that a run cut short keeps what it measured.
 
 --smoke: interpret mode on the CPU at tiny shapes (the interpreter takes A from shared memory on both routes), with
 wall-clock "timing" of one tiny config only to exercise the report; the numbers mean nothing.
@@ -44,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import oskvp_key_scores_mgpu as ks
+from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 Q = 32  # code bytes per token and kv head (H = 128)
 BK = 64  # batch 8 × 8 kv heads
@@ -115,12 +124,66 @@ SMOKE_CHECKS = [("block", 1, 128, 8, 3, 64, 1, "scores", 1), ("loop", 1, 256, 8,
                 ("loop", 2, 256, 16, 2, 64, 2, "max", 2)]
 
 
+@dataclasses.dataclass(frozen=True)
+class ValueConfig:
+  """One timed `value_sums_mgpu` call at BK = 64: p int8 [BK, N, S], V codes uint8 [BK, Q, S]."""
+  s: int
+  n: int = 8
+  plane_types: int = 3
+  block_s: int = 64
+  splits: int = 16
+  a_operand: str = "registers"
+  steps: int = 4  # TMA ring depth
+  flush: bool = True
+
+  @property
+  def name(self) -> str:
+    warm = "" if self.flush else " L2-warm"
+    return (f"value S={self.s} N={self.n} T={self.plane_types} bs={self.block_s} splits={self.splits} "
+            f"ring={self.steps} A={self.a_operand}{warm}")
+
+
+VALUE_CONFIGS = [  # most important first
+    ValueConfig(_L),
+    ValueConfig(_L, a_operand="smem"),
+    ValueConfig(_L, plane_types=2),
+    ValueConfig(_L, n=16),
+    ValueConfig(_L, block_s=128),
+    ValueConfig(_L, splits=8),
+    ValueConfig(_L, splits=32),
+    ValueConfig(_L, plane_types=2, a_operand="smem"),
+    ValueConfig(_L, n=16, plane_types=2, block_s=128),
+    ValueConfig(16384, splits=4),
+]
+# Key and value configs in one priority order under --budget-s (the S = 16384 key rows last).
+SCHEDULE = CONFIGS[:6] + VALUE_CONFIGS[:4] + CONFIGS[6:16] + VALUE_CONFIGS[4:] + CONFIGS[16:]
+
+# (BK, S, N, T, block_s, splits, ring) of value_sums_mgpu, checked on the GPU for both A routes.
+VALUE_CHECKS = [(2, 256, 8, 3, 64, 1, 2), (4, 4096, 8, 3, 64, 4, 4), (2, 2048, 16, 2, 128, 2, 3),
+                (3, 3072, 16, 3, 128, 3, 2), (2, 8192, 8, 2, 64, 1, 8)]
+SMOKE_VALUE_CHECKS = [(1, 128, 8, 3, 64, 1, 2), (2, 256, 16, 2, 64, 2, 2)]
+
+
 def inputs(seed: int, bk: int, s: int, n: int, plane_types: int):
   """Random codes uint8 [BK, S, Q] and digits int8 [BK, N, T·4Q] (the full int8 range)."""
   k1, k2 = jax.random.split(jax.random.key(seed))
   codes = jax.random.bits(k1, (bk, s, Q), jnp.uint8)
   qd = jax.random.randint(k2, (bk, n, plane_types * 4 * Q), -128, 128).astype(jnp.int8)
   return codes, qd
+
+
+def value_inputs(seed: int, bk: int, s: int, n: int):
+  """Random probability digits int8 [BK, N, S] (the full int8 range) and token-contiguous V codes uint8 [BK, Q, S]."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  vcodes = vs.token_contiguous(jax.random.bits(k1, (bk, s, Q), jnp.uint8))  # the cache's [BK, S, Q], transposed
+  p = jax.random.randint(k2, (bk, n, s), -128, 128).astype(jnp.int8)
+  return p, vcodes
+
+
+def value_fn(*, plane_types: int, block_s: int, splits: int, a_operand: str, steps: int, interpret: bool):
+  return jax.jit(lambda p, v: vs.value_sums_mgpu(p, v, plane_types=plane_types, block_s=block_s, splits=splits,
+                                                 a_operand=a_operand, max_concurrent_steps=steps,
+                                                 interpret=interpret))
 
 
 def kernel_fn(kernel: str, *, block_s: int, splits: int, output: str, a_operand: str, steps: int, interpret: bool):
@@ -131,8 +194,15 @@ def kernel_fn(kernel: str, *, block_s: int, splits: int, output: str, a_operand:
                                                       interpret=interpret))
 
 
-def lower_for_cuda(cfg: Config) -> None:
+def lower_for_cuda(cfg: Config | ValueConfig) -> None:
   """Traces and lowers the config's GPU kernel for CUDA at its real shapes (no device or data needed)."""
+  if isinstance(cfg, ValueConfig):
+    p = jax.ShapeDtypeStruct((BK, cfg.n, cfg.s), jnp.int8)
+    vcodes = jax.ShapeDtypeStruct((BK, Q, cfg.s), jnp.uint8)
+    fn = value_fn(plane_types=cfg.plane_types, block_s=cfg.block_s, splits=cfg.splits, a_operand=cfg.a_operand,
+                  steps=cfg.steps, interpret=False)
+    fn.trace(p, vcodes).lower(lowering_platforms=("cuda",))
+    return
   codes = jax.ShapeDtypeStruct((BK, cfg.s, Q), jnp.uint8)
   qd = jax.ShapeDtypeStruct((BK, cfg.n, cfg.plane_types * 4 * Q), jnp.int8)
   fn = kernel_fn(cfg.kernel, block_s=cfg.block_s, splits=cfg.splits, output=cfg.output, a_operand=cfg.a_operand,
@@ -161,6 +231,28 @@ def run_check(case, a_operand: str, interpret: bool) -> dict:
   return row
 
 
+def run_value_check(case, a_operand: str, interpret: bool) -> dict:
+  bk, s, n, t, block_s, splits, steps = case
+  row = {"kernel": "value", "bk": bk, "s": s, "n": n, "plane_types": t, "block_s": block_s, "splits": splits,
+         "ring": steps, "a_operand": a_operand}
+  p, vcodes = value_inputs(bk * s + n + t + splits + 1, bk, s, n)
+  want = np.asarray(vs.value_sums_split_reference(p, vcodes, splits, t))
+  try:
+    fn = value_fn(plane_types=t, block_s=block_s, splits=splits, a_operand=a_operand, steps=steps,
+                  interpret=interpret)
+    got = np.asarray(fn(p, vcodes))
+  except Exception as e:  # pylint: disable=broad-except
+    return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+  if got.shape != want.shape:
+    return {**row, "ok": False, "error": f"shape {got.shape} != reference {want.shape}"}
+  bad = got != want
+  row.update(ok=not bad.any(), mismatches=int(bad.sum()), elements=int(bad.size))
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])  # [bk, split, type, channel, n]
+    row.update(first_mismatch=list(first), got=int(got[first]), want=int(want[first]))
+  return row
+
+
 def device_constants(smoke: bool) -> tuple[int, float, str, str]:
   """(SM count, SM clock MHz, where each came from)."""
   sms, sms_src = DEFAULT_SMS, "constant"
@@ -179,19 +271,22 @@ def device_constants(smoke: bool) -> tuple[int, float, str, str]:
   return sms, mhz, sms_src, mhz_src
 
 
-def kernel_ms(fn, args, iters: int, smoke: bool, flush_l2: bool = True) -> tuple[float, list[str]]:
-  """Median over `iters` calls of the summed kernel time (ms) of one call, L2 flushed before each (flush_l2)."""
+def kernel_ms(fn, args, iters: int, smoke: bool, flush_l2: bool = True) -> tuple[float, list[str], float]:
+  """Median over `iters` calls of the summed kernel time (ms) of one call, L2 flushed before each (flush_l2).
+
+  Returns (median total ms, the call's kernel names, median ms of its largest single kernel).
+  """
   if smoke:  # no CUPTI on the CPU: wall clock, only to exercise the report
     times = []
     for _ in range(iters):
       t0 = time.perf_counter()
       jax.block_until_ready(fn(*args))
       times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), ["(cpu wall clock)"]
+    return statistics.median(times), ["(cpu wall clock)"], statistics.median(times)
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
   flush_buf = jnp.zeros((64 << 20,), jnp.float32)  # 256 MB > the 50 MB L2
   flush = jax.jit(lambda b: b + 1.0)
-  totals, names = [], []
+  totals, names, largest = [], [], []
   for _ in range(iters):
     if flush_l2:
       flush_buf = jax.block_until_ready(flush(flush_buf))
@@ -200,7 +295,8 @@ def kernel_ms(fn, args, iters: int, smoke: bool, flush_l2: bool = True) -> tuple
     _, timings = profiler.measure(fn, aggregate=False)(*args)
     names = [n for n, _ in timings]
     totals.append(sum(ms for _, ms in timings))
-  return statistics.median(totals), names
+    largest.append(max(ms for _, ms in timings))
+  return statistics.median(totals), names, statistics.median(largest)
 
 
 def time_config(cfg: Config, args_cache: dict, iters: int, sms: int, mhz: float, smoke: bool) -> dict:
@@ -215,7 +311,7 @@ def time_config(cfg: Config, args_cache: dict, iters: int, sms: int, mhz: float,
   t0 = time.perf_counter()
   jax.block_until_ready(fn(codes, qd))  # compile
   compile_s = time.perf_counter() - t0
-  ms, names = kernel_ms(fn, (codes, qd), iters, smoke, cfg.flush)
+  ms, names, _ = kernel_ms(fn, (codes, qd), iters, smoke, cfg.flush)
   us = ms * 1e3
   code_bytes = bk * cfg.s * Q
   out_bytes = 4 * cfg.n * (bk * cfg.s if cfg.output == "scores" else bk * cfg.splits)
@@ -227,10 +323,36 @@ def time_config(cfg: Config, args_cache: dict, iters: int, sms: int, mhz: float,
           "hbm_floor_cycles": floor_cycles, "compile_s": compile_s, "kernels": names}
 
 
-def write_report(out_dir: str, meta: dict, checks: list, rows: list, skipped: list) -> None:
+def time_value_config(cfg: ValueConfig, args_cache: dict, iters: int, sms: int, mhz: float, smoke: bool) -> dict:
+  bk = 2 if smoke else BK
+  key = ("value", bk, cfg.s, cfg.n)
+  if key not in args_cache:
+    args_cache.clear()  # one input set on the device at a time
+    args_cache[key] = jax.block_until_ready(value_inputs(0, *key[1:]))
+  p, vcodes = args_cache[key]
+  fn = value_fn(plane_types=cfg.plane_types, block_s=cfg.block_s, splits=cfg.splits, a_operand=cfg.a_operand,
+                steps=cfg.steps, interpret=smoke)
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(p, vcodes))  # compile
+  compile_s = time.perf_counter() - t0
+  ms, names, main_ms = kernel_ms(fn, (p, vcodes), iters, smoke, cfg.flush)
+  us, main_us = ms * 1e3, main_ms * 1e3
+  code_bytes = bk * cfg.s * Q
+  out_bytes = 4 * bk * cfg.splits * cfg.plane_types * 4 * Q * cfg.n
+  per = mhz * sms / (bk * cfg.s)  # µs → cycles per token-head
+  return {"config": cfg.name, **dataclasses.asdict(cfg), "bk": bk, "us": us, "main_us": main_us,
+          "code_bytes": code_bytes, "p_bytes": p.size, "out_bytes": out_bytes, "tbps_codes": code_bytes / us / 1e6,
+          "cycles_per_token_head": us * per, "main_cycles_per_token_head": main_us * per,
+          "share_of_target": us * per / TARGET_CYCLES, "hbm_floor_cycles": code_bytes / (HBM_TBPS * 1e6) * per,
+          "compile_s": compile_s, "kernels": names}
+
+
+def write_report(out_dir: str, meta: dict, checks: list, rows: list, skipped: list, value_checks: list = (),
+                 value_rows: list = ()) -> None:
   with open(os.path.join(out_dir, "oskvp_key_scores_mgpu.json"), "w") as fh:
-    json.dump({**meta, "checks": checks, "rows": rows, "skipped": skipped}, fh, indent=1)
-  md = [f"# Mosaic GPU OS-KVP key scores: {meta['device']}, jax {meta['jax']}, {meta['date']}", "",
+    json.dump({**meta, "checks": checks, "rows": rows, "value_checks": list(value_checks),
+               "value_rows": list(value_rows), "skipped": skipped}, fh, indent=1)
+  md = [f"# Mosaic GPU OS-KVP key scores and value sums: {meta['device']}, jax {meta['jax']}, {meta['date']}", "",
         f"Mode: {meta['mode']}. `cycles/token-head` = µs · {meta['mhz']:.0f} MHz · {meta['sms']} SMs / (BK · S) "
         f"(SMs: {meta['sms_source']}; clock: {meta['mhz_source']}); the 0.108 ms target leaves "
         f"{TARGET_CYCLES} for the whole attention. `floor` = the code bytes at {HBM_TBPS} TB/s in the same unit. "
@@ -258,6 +380,30 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, skipped: li
     md.append(f"| {r['config']} | {r['us']:.1f} | {r['code_bytes'] / 1e6:.1f} | {r['tbps_codes']:.2f} | "
               f"{r['cycles_per_token_head']:.2f} | {100 * r['share_of_target']:.0f}% | "
               f"{r['hbm_floor_cycles']:.2f} | {r['compile_s']:.1f} |")
+  md += ["", "## Value side (`value_sums_mgpu`)", "", "Checks (exact int32 vs `value_sums_split_reference`):", ""]
+  for c in value_checks:
+    what = (f"value BK={c['bk']} S={c['s']} N={c['n']} T={c['plane_types']} bs={c['block_s']} "
+            f"splits={c['splits']} ring={c['ring']} A={c['a_operand']}")
+    if "error" in c:
+      md.append(f"- FAIL {what}: {c['error']}")
+    elif c["ok"]:
+      md.append(f"- ok {what}")
+    else:
+      md.append(f"- MISMATCH {what}: {c['mismatches']}/{c['elements']} differ, first at {c['first_mismatch']} "
+                f"[bk, split, type, channel, n] got {c['got']} want {c['want']}")
+  md += ["", f"Timing (V codes token-contiguous uint8 [BK, Q, S], Q = {Q}; `main` = the largest kernel alone, "
+         "without the wrapper's output permutation):", "",
+         "| config | µs | main µs | V-code MB | out MB | TB/s (codes) | cycles/token-head | main cycles | "
+         "of the 6.7 budget | floor | compile s |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in value_rows:
+    if "error" in r:
+      md.append(f"| {r['config']} | error: {r['error'][:200]} | | | | | | | | | |")
+      continue
+    md.append(f"| {r['config']} | {r['us']:.1f} | {r['main_us']:.1f} | {r['code_bytes'] / 1e6:.1f} | "
+              f"{r['out_bytes'] / 1e6:.1f} | {r['tbps_codes']:.2f} | {r['cycles_per_token_head']:.2f} | "
+              f"{r['main_cycles_per_token_head']:.2f} | {100 * r['share_of_target']:.0f}% | "
+              f"{r['hbm_floor_cycles']:.2f} | {r['compile_s']:.1f} |")
   if skipped:
     md += ["", "Skipped (time budget): " + "; ".join(skipped)]
   with open(os.path.join(out_dir, "oskvp_key_scores_mgpu.md"), "w") as fh:
@@ -269,7 +415,8 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="/tmp/oskvp_key_scores_mgpu")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode at tiny shapes; checks + report only")
   ap.add_argument("--iters", type=int, default=5)
-  ap.add_argument("--budget-s", type=float, default=200.0, help="start no new config after this many seconds")
+  ap.add_argument("--budget-s", type=float, default=290.0,
+                  help="start no new timed config (key or value, SCHEDULE order) after this many seconds")
   ap.add_argument("--lower-only", action="store_true",
                   help="only lower every timed config for CUDA at its real shape (runs on the CPU) and exit")
   ap.add_argument("--time-on-mismatch", action="store_true", help="time even if a check fails")
@@ -277,7 +424,7 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
   if args.lower_only:
-    for cfg in CONFIGS:
+    for cfg in SCHEDULE:
       lower_for_cuda(cfg)
       print("lowered", cfg.name, flush=True)
     return 0
@@ -288,32 +435,42 @@ def main(argv=None) -> int:
           "mode": "smoke (CPU interpret, numbers meaningless)" if smoke else "gpu", "iters": args.iters,
           "sms": sms, "mhz": mhz, "sms_source": sms_src, "mhz_source": mhz_src,
           "formula": "cycles_per_token_head = us * mhz * sms / (bk * s)", "target_cycles": TARGET_CYCLES}
-  checks, rows, skipped = [], [], []
+  checks, rows, skipped, vchecks, vrows = [], [], [], [], []
+  report = lambda: write_report(args.out, meta, checks, rows, skipped, vchecks, vrows)
   print(json.dumps(meta), flush=True)
   for case in SMOKE_CHECKS if smoke else CHECKS:
     for a_operand in ks.A_OPERANDS:
       checks.append(run_check(case, a_operand, interpret=smoke))
       print("check", json.dumps(checks[-1]), flush=True)
-      write_report(args.out, meta, checks, rows, skipped)
-  failed = [c for c in checks if not c["ok"]]
+      report()
+  for case in SMOKE_VALUE_CHECKS if smoke else VALUE_CHECKS:
+    for a_operand in vs.A_OPERANDS:
+      vchecks.append(run_value_check(case, a_operand, interpret=smoke))
+      print("value check", json.dumps(vchecks[-1]), flush=True)
+      report()
+  failed = [("key", c) for c in checks if not c["ok"]] + [("value", c) for c in vchecks if not c["ok"]]
   if failed:
-    print(f"CHECK FAILED: {len(failed)} of {len(checks)} checks mismatch or fail to compile (see "
-          f"{args.out}/oskvp_key_scores_mgpu.md); routes: {sorted({c['a_operand'] for c in failed})}", flush=True)
+    sides = {side: sorted({c["a_operand"] for s, c in failed if s == side}) for side, _ in failed}
+    print(f"CHECK FAILED: {len(failed)} of {len(checks) + len(vchecks)} checks mismatch or fail to compile (see "
+          f"{args.out}/oskvp_key_scores_mgpu.md); failing side: A routes {sides}", flush=True)
     if not args.time_on_mismatch:
       return 1
-  configs = [Config(256, splits=2), Config(256, splits=1, output="scores")] if smoke else CONFIGS
+  configs = ([Config(256, splits=2), ValueConfig(256, splits=2, steps=2), Config(256, splits=1, output="scores")]
+             if smoke else SCHEDULE)
   cache: dict = {}
   for cfg in configs:
     if time.perf_counter() - start > args.budget_s:
       skipped.append(cfg.name)
       continue
+    value = isinstance(cfg, ValueConfig)
+    timer, out = (time_value_config, vrows) if value else (time_config, rows)
     try:
-      rows.append(time_config(cfg, cache, 1 if smoke else args.iters, sms, mhz, smoke))
+      out.append(timer(cfg, cache, 1 if smoke else args.iters, sms, mhz, smoke))
     except Exception as e:  # pylint: disable=broad-except
-      rows.append({"config": cfg.name, **dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:600]}"})
-    print("time", json.dumps(rows[-1]), flush=True)
-    write_report(args.out, meta, checks, rows, skipped)
-  write_report(args.out, meta, checks, rows, skipped)
+      out.append({"config": cfg.name, **dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:600]}"})
+    print("value time" if value else "time", json.dumps(out[-1]), flush=True)
+    report()
+  report()
   with open(os.path.join(args.out, "oskvp_key_scores_mgpu.md")) as fh:
     print(fh.read())
   print(f"total {time.perf_counter() - start:.0f} s", flush=True)

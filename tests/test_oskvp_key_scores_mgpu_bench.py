@@ -1,4 +1,4 @@
-"""The key-score benchmark's CPU paths: --smoke (interpret-mode checks + the report) and lowering every timed config."""
+"""The key/value benchmark's CPU paths: --smoke (interpret-mode checks + the report) and lowering every timed config."""
 
 import json
 import os
@@ -14,12 +14,16 @@ def test_smoke_checks_and_writes_the_report(tmp_path):
   assert {c["a_operand"] for c in res["checks"]} == {"registers", "smem"}
   assert res["rows"] and all("cycles_per_token_head" in r for r in res["rows"])
   assert res["jax"] and res["date"] and res["device"]
+  assert res["value_checks"] and all(c["ok"] for c in res["value_checks"])
+  assert {c["a_operand"] for c in res["value_checks"]} == {"registers", "smem"}
+  assert res["value_rows"] and all("main_cycles_per_token_head" in r for r in res["value_rows"])
   md = open(os.path.join(tmp_path, "oskvp_key_scores_mgpu.md")).read()
-  assert "cycles/token-head" in md and "MISMATCH" not in md
+  assert "cycles/token-head" in md and "MISMATCH" not in md and "## Value side" in md
 
 
 def test_every_timed_config_lowers_for_cuda():
-  for cfg in bench.CONFIGS:
+  assert set(bench.SCHEDULE) == set(bench.CONFIGS) | set(bench.VALUE_CONFIGS)
+  for cfg in bench.SCHEDULE:
     bench.lower_for_cuda(cfg)
 
 
