@@ -210,6 +210,22 @@ def lower_for_cuda(cfg: Config | ValueConfig) -> None:
   fn.trace(codes, qd).lower(lowering_platforms=("cuda",))
 
 
+def _compare(row: dict, compute, want: np.ndarray) -> dict:
+  """row + the exact comparison of compute() (the kernel's output) with want: ok, mismatch count, first mismatch."""
+  try:
+    got = np.asarray(compute())
+  except Exception as e:  # pylint: disable=broad-except
+    return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+  if got.shape != want.shape:
+    return {**row, "ok": False, "error": f"shape {got.shape} != reference {want.shape}"}
+  bad = got != want
+  row = {**row, "ok": not bad.any(), "mismatches": int(bad.sum()), "elements": int(bad.size)}
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    row.update(first_mismatch=list(first), got=int(got[first]), want=int(want[first]))
+  return row
+
+
 def run_check(case, a_operand: str, interpret: bool) -> dict:
   kernel, bk, s, n, t, block_s, splits, output, steps = case
   row = {"kernel": kernel, "bk": bk, "s": s, "n": n, "plane_types": t, "block_s": block_s, "splits": splits,
@@ -217,18 +233,9 @@ def run_check(case, a_operand: str, interpret: bool) -> dict:
   codes, qd = inputs(bk * s + n + t + splits, bk, s, n, t)
   want = np.asarray(ks.key_scores_reference(codes, qd) if output == "scores"
                     else ks.key_scores_max_reference(codes, qd, splits))
-  try:
-    fn = kernel_fn(kernel, block_s=block_s, splits=splits, output=output, a_operand=a_operand, steps=steps,
-                   interpret=interpret)
-    got = np.asarray(fn(codes, qd))
-  except Exception as e:  # pylint: disable=broad-except
-    return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
-  bad = got != want
-  row.update(ok=not bad.any(), mismatches=int(bad.sum()), elements=int(bad.size))
-  if bad.any():
-    first = tuple(int(i) for i in np.argwhere(bad)[0])
-    row.update(first_mismatch=list(first), got=int(got[first]), want=int(want[first]))
-  return row
+  fn = lambda: kernel_fn(kernel, block_s=block_s, splits=splits, output=output, a_operand=a_operand, steps=steps,
+                         interpret=interpret)(codes, qd)
+  return _compare(row, fn, want)
 
 
 def run_value_check(case, a_operand: str, interpret: bool) -> dict:
@@ -237,20 +244,9 @@ def run_value_check(case, a_operand: str, interpret: bool) -> dict:
          "ring": steps, "a_operand": a_operand}
   p, vcodes = value_inputs(bk * s + n + t + splits + 1, bk, s, n)
   want = np.asarray(vs.value_sums_split_reference(p, vcodes, splits, t))
-  try:
-    fn = value_fn(plane_types=t, block_s=block_s, splits=splits, a_operand=a_operand, steps=steps,
-                  interpret=interpret)
-    got = np.asarray(fn(p, vcodes))
-  except Exception as e:  # pylint: disable=broad-except
-    return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
-  if got.shape != want.shape:
-    return {**row, "ok": False, "error": f"shape {got.shape} != reference {want.shape}"}
-  bad = got != want
-  row.update(ok=not bad.any(), mismatches=int(bad.sum()), elements=int(bad.size))
-  if bad.any():
-    first = tuple(int(i) for i in np.argwhere(bad)[0])  # [bk, split, type, channel, n]
-    row.update(first_mismatch=list(first), got=int(got[first]), want=int(want[first]))
-  return row
+  fn = lambda: value_fn(plane_types=t, block_s=block_s, splits=splits, a_operand=a_operand, steps=steps,
+                        interpret=interpret)(p, vcodes)
+  return _compare(row, fn, want)  # first_mismatch indexes [bk, split, type, channel, n]
 
 
 def device_constants(smoke: bool) -> tuple[int, float, str, str]:
@@ -299,52 +295,59 @@ def kernel_ms(fn, args, iters: int, smoke: bool, flush_l2: bool = True) -> tuple
   return statistics.median(totals), names, statistics.median(largest)
 
 
+def _cached_inputs(args_cache: dict, key: tuple, make):
+  """One input set on the device at a time: the cached one if `key` matches, else make() (the old one dropped)."""
+  if key not in args_cache:
+    args_cache.clear()
+    args_cache[key] = jax.block_until_ready(make())
+  return args_cache[key]
+
+
+def _timed_row(cfg, fn, args, *, bk: int, extra_bytes: dict, iters: int, sms: int, mhz: float, smoke: bool) -> dict:
+  """Compiles and times fn(*args) (`kernel_ms`) -> the config's report row, in µs and cycles per token-head."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))  # compile
+  compile_s = time.perf_counter() - t0
+  ms, names, main_ms = kernel_ms(fn, args, iters, smoke, cfg.flush)
+  us, main_us = ms * 1e3, main_ms * 1e3
+  code_bytes = bk * cfg.s * Q
+  per = mhz * sms / (bk * cfg.s)  # µs → cycles per token-head
+  return {"config": cfg.name, **dataclasses.asdict(cfg), "bk": bk, "us": us, "main_us": main_us,
+          "code_bytes": code_bytes, **extra_bytes, "tbps_codes": code_bytes / us / 1e6,
+          "cycles_per_token_head": us * per, "main_cycles_per_token_head": main_us * per,
+          "share_of_target": us * per / TARGET_CYCLES, "hbm_floor_cycles": code_bytes / (HBM_TBPS * 1e6) * per,
+          "compile_s": compile_s, "kernels": names}
+
+
 def time_config(cfg: Config, args_cache: dict, iters: int, sms: int, mhz: float, smoke: bool) -> dict:
   bk = 2 if smoke else BK
-  key = (bk, cfg.s, cfg.n, cfg.plane_types)
-  if key not in args_cache:
-    args_cache.clear()  # one input set on the device at a time
-    args_cache[key] = jax.block_until_ready(inputs(0, *key))
-  codes, qd = args_cache[key]
+  codes, qd = _cached_inputs(args_cache, (bk, cfg.s, cfg.n, cfg.plane_types),
+                             lambda: inputs(0, bk, cfg.s, cfg.n, cfg.plane_types))
   fn = kernel_fn(cfg.kernel, block_s=cfg.block_s, splits=cfg.splits, output=cfg.output, a_operand=cfg.a_operand,
                  steps=cfg.steps, interpret=smoke)
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(codes, qd))  # compile
-  compile_s = time.perf_counter() - t0
-  ms, names, _ = kernel_ms(fn, (codes, qd), iters, smoke, cfg.flush)
-  us = ms * 1e3
-  code_bytes = bk * cfg.s * Q
   out_bytes = 4 * cfg.n * (bk * cfg.s if cfg.output == "scores" else bk * cfg.splits)
-  cycles = us * mhz * sms / (bk * cfg.s)
-  floor_cycles = code_bytes / (HBM_TBPS * 1e6) * mhz * sms / (bk * cfg.s)  # µs at peak HBM → cycles
-  return {"config": cfg.name, **dataclasses.asdict(cfg), "bk": bk, "us": us, "code_bytes": code_bytes,
-          "qd_bytes": qd.size, "out_bytes": out_bytes, "tbps_codes": code_bytes / us / 1e6,
-          "cycles_per_token_head": cycles, "share_of_target": cycles / TARGET_CYCLES,
-          "hbm_floor_cycles": floor_cycles, "compile_s": compile_s, "kernels": names}
+  return _timed_row(cfg, fn, (codes, qd), bk=bk, extra_bytes={"qd_bytes": qd.size, "out_bytes": out_bytes},
+                    iters=iters, sms=sms, mhz=mhz, smoke=smoke)
 
 
 def time_value_config(cfg: ValueConfig, args_cache: dict, iters: int, sms: int, mhz: float, smoke: bool) -> dict:
   bk = 2 if smoke else BK
-  key = ("value", bk, cfg.s, cfg.n)
-  if key not in args_cache:
-    args_cache.clear()  # one input set on the device at a time
-    args_cache[key] = jax.block_until_ready(value_inputs(0, *key[1:]))
-  p, vcodes = args_cache[key]
+  p, vcodes = _cached_inputs(args_cache, ("value", bk, cfg.s, cfg.n), lambda: value_inputs(0, bk, cfg.s, cfg.n))
   fn = value_fn(plane_types=cfg.plane_types, block_s=cfg.block_s, splits=cfg.splits, a_operand=cfg.a_operand,
                 steps=cfg.steps, interpret=smoke)
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(p, vcodes))  # compile
-  compile_s = time.perf_counter() - t0
-  ms, names, main_ms = kernel_ms(fn, (p, vcodes), iters, smoke, cfg.flush)
-  us, main_us = ms * 1e3, main_ms * 1e3
-  code_bytes = bk * cfg.s * Q
   out_bytes = 4 * bk * cfg.splits * cfg.plane_types * 4 * Q * cfg.n
-  per = mhz * sms / (bk * cfg.s)  # µs → cycles per token-head
-  return {"config": cfg.name, **dataclasses.asdict(cfg), "bk": bk, "us": us, "main_us": main_us,
-          "code_bytes": code_bytes, "p_bytes": p.size, "out_bytes": out_bytes, "tbps_codes": code_bytes / us / 1e6,
-          "cycles_per_token_head": us * per, "main_cycles_per_token_head": main_us * per,
-          "share_of_target": us * per / TARGET_CYCLES, "hbm_floor_cycles": code_bytes / (HBM_TBPS * 1e6) * per,
-          "compile_s": compile_s, "kernels": names}
+  return _timed_row(cfg, fn, (p, vcodes), bk=bk, extra_bytes={"p_bytes": p.size, "out_bytes": out_bytes},
+                    iters=iters, sms=sms, mhz=mhz, smoke=smoke)
+
+
+def _check_line(c: dict, what: str, index: str = "") -> str:
+  """A check's report line: ok, FAIL (compile or shape error) or MISMATCH with its first wrong element."""
+  if "error" in c:
+    return f"- FAIL {what}: {c['error']}"
+  if c["ok"]:
+    return f"- ok {what}"
+  return (f"- MISMATCH {what}: {c['mismatches']}/{c['elements']} differ, first at {c['first_mismatch']} "
+          f"{index}got {c['got']} want {c['want']}")
 
 
 def write_report(out_dir: str, meta: dict, checks: list, rows: list, skipped: list, value_checks: list = (),
@@ -360,15 +363,9 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, skipped: li
         "L2-resident, the compute side's cost).", "",
         "## Checks (exact int32 vs the jnp reference)", ""]
   for c in checks:
-    what = (f"{c['kernel']} BK={c['bk']} S={c['s']} N={c['n']} T={c['plane_types']} bs={c['block_s']} "
-            f"splits={c['splits']} out={c['output']} ring={c['ring']} A={c['a_operand']}")
-    if "error" in c:
-      md.append(f"- FAIL {what}: {c['error']}")
-    elif c["ok"]:
-      md.append(f"- ok {what}")
-    else:
-      md.append(f"- MISMATCH {what}: {c['mismatches']}/{c['elements']} differ, first at {c['first_mismatch']} "
-                f"got {c['got']} want {c['want']}")
+    md.append(_check_line(c, f"{c['kernel']} BK={c['bk']} S={c['s']} N={c['n']} T={c['plane_types']} "
+                             f"bs={c['block_s']} splits={c['splits']} out={c['output']} ring={c['ring']} "
+                             f"A={c['a_operand']}"))
   md += ["", f"## Timing (BK = {rows[0].get('bk', BK) if rows else BK}: batch × kv heads, Q = {Q} code bytes per "
          "token)", "",
          "| config | µs | code MB | TB/s (codes) | cycles/token-head | of the 6.7 budget | floor | compile s |",
@@ -382,15 +379,9 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, skipped: li
               f"{r['hbm_floor_cycles']:.2f} | {r['compile_s']:.1f} |")
   md += ["", "## Value side (`value_sums_mgpu`)", "", "Checks (exact int32 vs `value_sums_split_reference`):", ""]
   for c in value_checks:
-    what = (f"value BK={c['bk']} S={c['s']} N={c['n']} T={c['plane_types']} bs={c['block_s']} "
-            f"splits={c['splits']} ring={c['ring']} A={c['a_operand']}")
-    if "error" in c:
-      md.append(f"- FAIL {what}: {c['error']}")
-    elif c["ok"]:
-      md.append(f"- ok {what}")
-    else:
-      md.append(f"- MISMATCH {what}: {c['mismatches']}/{c['elements']} differ, first at {c['first_mismatch']} "
-                f"[bk, split, type, channel, n] got {c['got']} want {c['want']}")
+    md.append(_check_line(c, f"value BK={c['bk']} S={c['s']} N={c['n']} T={c['plane_types']} bs={c['block_s']} "
+                             f"splits={c['splits']} ring={c['ring']} A={c['a_operand']}",
+                          index="[bk, split, type, channel, n] "))
   md += ["", f"Timing (V codes token-contiguous uint8 [BK, Q, S], Q = {Q}; `main` = the largest kernel alone, "
          "without the wrapper's output permutation):", "",
          "| config | µs | main µs | V-code MB | out MB | TB/s (codes) | cycles/token-head | main cycles | "

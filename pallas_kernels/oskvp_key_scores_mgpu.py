@@ -324,6 +324,15 @@ def _loop_kernel(codes_ref, qd_ref, out_ref, q_smem, a_smem, o_smem, r_smem, bar
 OUTPUTS = ("scores", "max")
 
 
+def check_loop_args(s: int, block_s: int, splits, max_concurrent_steps) -> None:
+  """The sequence-loop kernels' split of S tokens: splits programs of whole blocks, a TMA ring of >= 1 steps."""
+  if not isinstance(splits, int) or splits < 1 or s % (splits * block_s):
+    raise ValueError(f"splits={splits!r} must be a positive int with S={s} a multiple of splits·block_s = "
+                     f"{splits}·{block_s} (no masking of partial blocks or splits)")
+  if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
+    raise ValueError(f"max_concurrent_steps={max_concurrent_steps!r} must be a positive int")
+
+
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "output", "a_operand", "max_concurrent_steps",
                                              "interpret"))
 def key_scores_mgpu_loop(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, splits: int = 1,
@@ -348,13 +357,9 @@ def key_scores_mgpu_loop(codes: jax.Array, qdigits: jax.Array, *, block_s: int =
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
   """
   bk, s, q, n, k, plane_types = _check_inputs(codes, qdigits, block_s, a_operand)
-  if not isinstance(splits, int) or splits < 1 or s % (splits * block_s):
-    raise ValueError(f"splits={splits!r} must be a positive int with S={s} a multiple of splits·block_s = "
-                     f"{splits}·{block_s} (no masking of partial blocks or splits)")
+  check_loop_args(s, block_s, splits, max_concurrent_steps)
   if output not in OUTPUTS:
     raise ValueError(f"output={output!r} must be one of {OUTPUTS}")
-  if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
-    raise ValueError(f"max_concurrent_steps={max_concurrent_steps!r} must be a positive int")
   steps = s // (splits * block_s)
   body = functools.partial(_loop_kernel, block_s=block_s, steps=steps, plane_types=plane_types,
                            a_operand=a_operand, output=output, max_concurrent_steps=max_concurrent_steps,

@@ -71,11 +71,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.mosaic_gpu_introspect import emulate_registers
-from pallas_kernels.oskvp_key_scores_mgpu import BIT0_MASK, plane_registers, plane_words, swizzled
+from pallas_kernels.oskvp_key_scores_mgpu import (A_OPERANDS, BIT0_MASK, PLANES, check_loop_args,
+                                                  plane_registers, plane_words, swizzled)
 
-PLANES = 4  # 2-bit codes in a byte
 _ROWS = 32  # code rows per CODE_LAYOUT tile: 4 warps × 8 lane rows
-A_OPERANDS = ("registers", "smem")
 _CODE_TILING = mgpu.fragmented_array.Tiling(((_ROWS, 16), (8, 16), (4,)))
 #: Code tile uint8 [Q, block_s]: thread (w, l) holds row 32·qt + 8w + l//4, bytes 16c + 4(l%4) .. + 3.
 CODE_LAYOUT = mgpu.TiledLayout(_CODE_TILING, warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
@@ -253,13 +252,9 @@ def _check_inputs(p: jax.Array, vcodes: jax.Array, plane_types: int, block_s: in
     raise ValueError(f"plane_types={plane_types!r} must be 2 (symmetric codebooks) or 3")
   if block_s not in (64, 128):  # 32 would need a 32-byte swizzle, refused for s8 A in registers
     raise ValueError(f"block_s={block_s!r} must be 64 or 128")
-  if not isinstance(splits, int) or splits < 1 or s % (splits * block_s):
-    raise ValueError(f"splits={splits!r} must be a positive int with S={s} a multiple of splits·block_s = "
-                     f"{splits}·{block_s} (no masking of partial blocks or splits)")
+  check_loop_args(s, block_s, splits, max_concurrent_steps)
   if a_operand not in A_OPERANDS:
     raise ValueError(f"a_operand={a_operand!r} must be one of {A_OPERANDS}")
-  if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
-    raise ValueError(f"max_concurrent_steps={max_concurrent_steps!r} must be a positive int")
   return bk, n, s, q
 
 
