@@ -30,6 +30,11 @@ CPU lowering of every timed config (key and value) at its real shape:  ... --low
 5. Writes oskvp_key_scores_mgpu.{md,json} under --out (device, jax version, date; a separate value-side section),
    rewritten after every check and config so that a run cut short keeps what it measured.
 
+Machine code: `MOSAIC_GPU_DUMP_TO=<dir> ... --dump=I` compiles and runs DUMP_CONFIGS[I] once on the GPU (one process
+per config, so each dump folder holds one kernel's PTX and ptxas report); `--analyze-dump=<dir>[,<dir>...]` then runs
+here, without a GPU: it compiles each dumped PTX with ptxas for sm_90a, disassembles it with nvdisasm (Triton's, as in
+`triton_sass.py`), and counts the SASS of the loop that holds the block's wgmmas, per token-head.
+
 --smoke: interpret mode on the CPU at tiny shapes (the interpreter takes A from shared memory on both routes), with
 wall-clock "timing" of one tiny config only to exercise the report; the numbers mean nothing.
 """
@@ -119,7 +124,8 @@ CONFIGS = [  # most important first: the run stops adding configs at --budget-s
 CHECKS = [("block", 2, 256, 8, 3, 64, 1, "scores", 1), ("block", 1, 512, 16, 2, 128, 1, "scores", 1),
           ("loop", 4, 4096, 8, 3, 64, 4, "scores", 4), ("loop", 4, 4096, 8, 3, 64, 4, "max", 4),
           ("loop", 2, 2048, 16, 2, 128, 2, "max", 3), ("loop", 3, 3072, 8, 2, 64, 3, "max", 2),
-          ("loop", 2, 8192, 16, 3, 64, 1, "scores", 8)]
+          ("loop", 2, 8192, 16, 3, 64, 1, "scores", 8), ("block", 2, 256, 8, 1, 64, 1, "scores", 1),
+          ("loop", 4, 4096, 8, 1, 64, 4, "max", 4), ("loop", 2, 2048, 16, 1, 128, 2, "scores", 3)]
 SMOKE_CHECKS = [("block", 1, 128, 8, 3, 64, 1, "scores", 1), ("loop", 1, 256, 8, 3, 64, 2, "scores", 2),
                 ("loop", 2, 256, 16, 2, 64, 2, "max", 2)]
 
@@ -155,13 +161,88 @@ VALUE_CONFIGS = [  # most important first
     ValueConfig(_L, n=16, plane_types=2, block_s=128),
     ValueConfig(16384, splits=4),
 ]
+# T = 1 (uniform codebooks: the codes themselves as the int8 A operand), key then value.
+UNIFORM_CONFIGS = [
+    Config(_L, plane_types=1), ValueConfig(_L, plane_types=1),
+    Config(_L, plane_types=1, splits=32), Config(_L, plane_types=1, block_s=128),
+    ValueConfig(_L, plane_types=1, block_s=128), ValueConfig(_L, plane_types=1, splits=32),
+    Config(_L, plane_types=1, n=16), ValueConfig(_L, plane_types=1, n=16),
+    Config(_L, plane_types=1, a_operand="smem"), ValueConfig(_L, plane_types=1, a_operand="smem"),
+    Config(16384, splits=4, plane_types=1), Config(16384, splits=4, plane_types=1, flush=False),
+]
 # Key and value configs in one priority order under --budget-s (the S = 16384 key rows last).
-SCHEDULE = CONFIGS[:6] + VALUE_CONFIGS[:4] + CONFIGS[6:16] + VALUE_CONFIGS[4:] + CONFIGS[16:]
+SCHEDULE = (CONFIGS[:6] + VALUE_CONFIGS[:4] + UNIFORM_CONFIGS[:6] + CONFIGS[6:16] + VALUE_CONFIGS[4:]
+            + UNIFORM_CONFIGS[6:] + CONFIGS[16:])
 
 # (BK, S, N, T, block_s, splits, ring) of value_sums_mgpu, checked on the GPU for both A routes.
 VALUE_CHECKS = [(2, 256, 8, 3, 64, 1, 2), (4, 4096, 8, 3, 64, 4, 4), (2, 2048, 16, 2, 128, 2, 3),
-                (3, 3072, 16, 3, 128, 3, 2), (2, 8192, 8, 2, 64, 1, 8)]
+                (3, 3072, 16, 3, 128, 3, 2), (2, 8192, 8, 2, 64, 1, 8), (4, 4096, 8, 1, 64, 4, 4),
+                (2, 2048, 16, 1, 128, 2, 3)]
 SMOKE_VALUE_CHECKS = [(1, 128, 8, 3, 64, 1, 2), (2, 256, 16, 2, 64, 2, 2)]
+
+
+# --dump=I: the configs whose machine code is read (S = 65536 register route, T 3/2, key then value).
+DUMP_CONFIGS = [Config(_L), Config(_L, plane_types=2), ValueConfig(_L), ValueConfig(_L, plane_types=2)]
+SASS_KINDS = {"all": ".", "HGMMA": "HGMMA", "WARPGROUP": "WARPGROUP", "LDSM": "LDSM", "LDS": r"LDS\b|LDS\.",
+              "STS": "STS", "LOP3": "LOP3", "SHF/SHR/SHL": r"SHF|SHR|SHL", "PRMT": "PRMT", "IMAD/IADD": "IMAD|IADD",
+              "IMNMX/VIMNMX": "IMNMX", "MOV": r"\bMOV", "SYNCS/BAR": "SYNCS|BAR", "LDL/STL": "LDL|STL",
+              "BRA": "BRA", "DEPBAR/WAIT": "DEPBAR|WARPSYNC|WAIT"}
+NVDISASM = "/tmp/tvenv/lib/python3.11/site-packages/triton/backends/nvidia/bin/nvdisasm"
+
+
+def dump(index: int) -> int:
+  """Compiles and runs DUMP_CONFIGS[index] once at its real shape (run with MOSAIC_GPU_DUMP_TO set)."""
+  cfg = DUMP_CONFIGS[index]
+  if isinstance(cfg, ValueConfig):
+    fn, args = value_fn(plane_types=cfg.plane_types, block_s=cfg.block_s, splits=cfg.splits,
+                        a_operand=cfg.a_operand, steps=cfg.steps, interpret=False), value_inputs(0, BK, cfg.s, cfg.n)
+  else:
+    fn = kernel_fn(cfg.kernel, block_s=cfg.block_s, splits=cfg.splits, output=cfg.output, a_operand=cfg.a_operand,
+                   steps=cfg.steps, interpret=False)
+    args = inputs(0, BK, cfg.s, cfg.n, cfg.plane_types)
+  jax.block_until_ready(fn(*args))
+  if os.environ.get("MOSAIC_GPU_DUMP_TO"):
+    with open(os.path.join(os.environ["MOSAIC_GPU_DUMP_TO"], "config.txt"), "w") as fh:
+      fh.write(cfg.name + "\n")
+  print("dumped", cfg.name, flush=True)
+  return 0
+
+
+def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str = NVDISASM) -> dict:
+  """ptxas's report and the wgmma loop's SASS counts (per token-head) of each `*.ptx` under one dump folder.
+
+  A thread of the one warpgroup handles block_s tokens × the BK row's heads per loop trip; per token-head the loop's
+  warp instructions are 4 warps × its length / block_s (the folder's config is read from its `config.txt`).
+  """
+  import glob  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
+  block_s = 64
+  cfg_txt = os.path.join(path, "config.txt")
+  if os.path.exists(cfg_txt):
+    m = re.search(r"bs=(\d+)", open(cfg_txt).read())
+    block_s = int(m.group(1)) if m else block_s
+  out = {}
+  for ptx in sorted(glob.glob(os.path.join(path, "*.ptx"))):
+    base = ptx[:-4]
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", base + ".cubin"], capture_output=True, text=True)
+    rep = {"ptxas": [ln.strip() for ln in (r.stdout + r.stderr).splitlines()
+                     if re.search(r"warn|Used|spill|stack|error", ln, re.I)]}
+    if r.returncode:
+      out[os.path.basename(base)] = rep
+      continue
+    sass = subprocess.run([nvdisasm, "-c", base + ".cubin"], capture_output=True, text=True, check=True).stdout
+    with open(base + ".sass", "w") as fh:
+      fh.write(sass)
+    ins, found = triton_sass.loops(sass)
+    rep["loops"] = []
+    for length, a, b in sorted(found, reverse=True):
+      stats = triton_sass.count(ins[a:b + 1], SASS_KINDS)
+      if stats["HGMMA"]:
+        rep["loops"].append({"length": length, "warp_instr_per_token_head": round(4 * length / block_s, 2),
+                             **stats})
+    out[os.path.basename(base)] = rep
+  return out
 
 
 def inputs(seed: int, bk: int, s: int, n: int, plane_types: int):
@@ -410,8 +491,18 @@ def main(argv=None) -> int:
                   help="start no new timed config (key or value, SCHEDULE order) after this many seconds")
   ap.add_argument("--lower-only", action="store_true",
                   help="only lower every timed config for CUDA at its real shape (runs on the CPU) and exit")
+  ap.add_argument("--match", default="",
+                  help="comma-separated substrings: time only the SCHEDULE configs whose name contains one of them")
   ap.add_argument("--time-on-mismatch", action="store_true", help="time even if a check fails")
+  ap.add_argument("--dump", type=int, default=-1,
+                  help="compile and run DUMP_CONFIGS[I] once (run with MOSAIC_GPU_DUMP_TO=<dir>) and exit")
+  ap.add_argument("--analyze-dump", default="", help="comma-separated dump folders: ptxas report and loop SASS")
   args = ap.parse_args(argv)
+  if args.dump >= 0:
+    return dump(args.dump)
+  if args.analyze_dump:
+    print(json.dumps({d: analyze_dump(d) for d in args.analyze_dump.split(",")}, indent=1))
+    return 0
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
   if args.lower_only:
@@ -447,7 +538,7 @@ def main(argv=None) -> int:
     if not args.time_on_mismatch:
       return 1
   configs = ([Config(256, splits=2), ValueConfig(256, splits=2, steps=2), Config(256, splits=1, output="scores")]
-             if smoke else SCHEDULE)
+             if smoke else [c for c in SCHEDULE if not args.match or any(m in c.name for m in args.match.split(","))])
   cache: dict = {}
   for cfg in configs:
     if time.perf_counter() - start > args.budget_s:

@@ -12,7 +12,8 @@ plane_0 = b0, plane_1 = b1, plane_2 = b0 & b1 (0/1), qd = int8 digits of q * d_t
 N = 8 for G = 4 heads × 2 digits). This kernel computes exactly that int32 product, transposed so that the tokens
 are the wgmma M dimension:
 
-  A = int8 [block_s tokens, T·H] planes (T = 3 plane types, 2 with symmetric codebooks), the K axis of the wgmma,
+  A = int8 [block_s tokens, T·H] planes (T = 3 plane types, 2 with symmetric codebooks), the K axis of the wgmma;
+      with uniform codebooks (cb[c] = c0 + d·c, T = 1) A is the codes 0..3 themselves, [block_s, H],
   B = int8 qd [N, T·H] (K-major, the only B layout of int8 wgmma), acc = int32 [block_s, N].
 
 One program per (BK row, token block): TMA loads the code bytes [block_s, Q] (32-byte swizzle) and qd (128-byte
@@ -57,13 +58,20 @@ from pallas_kernels.mosaic_gpu_introspect import emulate_registers
 
 PLANES = 4  # 2-bit codes in a byte
 BIT0_MASK = 0x01010101  # the low bit of each of the 4 bytes of a 32-bit word
+CODE_MASK = 0x03030303  # the low 2 bits (one code) of each of the 4 bytes (T = 1: the codes themselves as A)
 _COL_BLOCK = 16  # columns of one 8-bit wgmma layout tile (a thread holds 4 of them per row)
 A_OPERANDS = ("registers", "smem")
+PLANE_TYPES = (1, 2, 3)  # 3: general codebooks; 2: symmetric (d3 = 0); 1: uniform (cb[c] = c0 + d·c)
 
 
 def key_planes_reference(codes: jax.Array, plane_types: int = 3) -> jax.Array:
-  """uint8 codes [..., S, Q] -> int8 0/1 planes [..., S, T·4Q], K index type·4Q + pQ + j (T = plane_types)."""
+  """uint8 codes [..., S, Q] -> int8 planes [..., S, T·4Q], K index type·4Q + pQ + j (T = plane_types).
+
+  T = 3: b0, b1, b0 & b1 (0/1); T = 2: b0, b1; T = 1 (uniform codebooks): the codes c = b0 + 2 b1 (0..3).
+  """
   c = codes.astype(jnp.int32)
+  if plane_types == 1:
+    return jnp.concatenate([(c >> (2 * p)) & 3 for p in range(PLANES)], axis=-1).astype(jnp.int8)
   b0 = jnp.concatenate([(c >> (2 * p)) & 1 for p in range(PLANES)], axis=-1)  # [..., S, H]
   b1 = jnp.concatenate([(c >> (2 * p + 1)) & 1 for p in range(PLANES)], axis=-1)
   return jnp.concatenate([b0, b1, b0 & b1][:plane_types], axis=-1).astype(jnp.int8)
@@ -77,12 +85,15 @@ def key_scores_reference(codes: jax.Array, qdigits: jax.Array) -> jax.Array:
 
 
 def plane_words(word, shr, band, plane_types: int = 3) -> dict[tuple[int, int], object]:
-  """One 32-bit word of 4 code bytes -> {(type, plane): word of 4 int8 0/1 values}.
+  """One 32-bit word of 4 code bytes -> {(type, plane): word of 4 int8 values}.
 
-  `shr(w, k)` and `band(a, b)` are the 32-bit ops (MLIR arith on the GPU, numpy in the emulation); the mask is
-  applied by `band(x, None)`. 7 shifts and T·4 masks per word (ptxas fuses the b0 & b1 pair and its mask into one
-  LOP3): 19 instructions per word for 3 plane types, 15 for 2.
+  `shr(w, k)` and `band(a, b)` are the 32-bit ops (MLIR arith on the GPU, numpy in the emulation); `band(x, None)`
+  applies BIT0_MASK, `band(x, mask)` an int mask. T = 3 / 2: 0/1 bit planes, 7 shifts and T·4 masks per word
+  (ptxas fuses the b0 & b1 pair and its mask into one LOP3): 19 instructions per word for 3 plane types, 15 for 2.
+  T = 1: the codes (0..3), 3 shifts and 4 masks per word (CODE_MASK).
   """
+  if plane_types == 1:
+    return {(0, p): band(shr(word, 2 * p) if p else word, CODE_MASK) for p in range(PLANES)}
   sh = [word] + [shr(word, k) for k in range(1, 2 * PLANES)]
   out = {}
   for p in range(PLANES):
@@ -110,7 +121,7 @@ def plane_registers(arr, out_shape: tuple[int, int], register_index, plane_types
   i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
   mask = mgpu.utils.c(BIT0_MASK, i32)
   shr = lambda w, s: arith.shrui(w, mgpu.utils.c(s, i32))
-  band = lambda a, b: arith.andi(a, mask if b is None else b)
+  band = lambda a, b: arith.andi(a, mask if b is None else mgpu.utils.c(b, i32) if isinstance(b, int) else b)
   regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(out_shape), dtype=object)
   for idx in np.ndindex(arr.registers.shape):
     words = plane_words(mgpu.utils.bitcast(arr.registers[idx], i32), shr, band, plane_types)
@@ -212,8 +223,9 @@ def _check_inputs(codes: jax.Array, qdigits: jax.Array, block_s: int, a_operand:
   plane_types = k // (PLANES * q)
   if codes.dtype != jnp.uint8 or qdigits.dtype != jnp.int8:
     raise TypeError(f"codes must be uint8 and qdigits int8, got {codes.dtype} and {qdigits.dtype}")
-  if plane_types not in (2, 3) or k != plane_types * PLANES * q or qdigits.shape[0] != bk:
-    raise ValueError(f"qdigits {qdigits.shape} must be [BK={bk}, N, T·H] with T in (2, 3) and H = {PLANES * q}")
+  if plane_types not in PLANE_TYPES or k != plane_types * PLANES * q or qdigits.shape[0] != bk:
+    raise ValueError(f"qdigits {qdigits.shape} must be [BK={bk}, N, T·H] with T in {PLANE_TYPES} and "
+                     f"H = {PLANES * q}")
   if q % _COL_BLOCK or n % 8 or n > 256 or block_s not in (64, 128) or s % block_s:
     raise ValueError(f"need Q={q} a multiple of {_COL_BLOCK}, N={n} a multiple of 8 up to 256, block_s={block_s} "
                      f"in (64, 128) dividing S={s}")

@@ -10,7 +10,8 @@ of a query row n is o'[n, ch] = c0_ch Σ_t p[n, t] + Σ_type d_type,ch · acc[ty
 
   acc[type, ch, n] = Σ_t plane_type[ch, t] · p[n, t],        ch = pQ + j,
 
-plane_0 = b0, plane_1 = b1, plane_2 = b0 & b1 (0/1; T = 3 plane types, 2 with symmetric codebooks) and p = int8
+plane_0 = b0, plane_1 = b1, plane_2 = b0 & b1 (0/1; T = 3 plane types, 2 with symmetric codebooks; with uniform
+codebooks cb[c] = c0 + d·c, T = 1 and plane_0 = c itself, 0..3, one shift and mask per plane) and p = int8
 digits of the softmax probabilities (`n` = query head × digit, N = 8 for G = 4 heads × 2 digits, or 16). This
 kernel computes exactly that int32 sum, with the tokens as the wgmma K axis (the contraction):
 
@@ -71,7 +72,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.mosaic_gpu_introspect import emulate_registers
-from pallas_kernels.oskvp_key_scores_mgpu import (A_OPERANDS, BIT0_MASK, PLANES, check_loop_args,
+from pallas_kernels.oskvp_key_scores_mgpu import (A_OPERANDS, BIT0_MASK, PLANE_TYPES, PLANES, check_loop_args,
                                                   plane_registers, plane_words, swizzled)
 
 _ROWS = 32  # code rows per CODE_LAYOUT tile: 4 warps × 8 lane rows
@@ -98,8 +99,13 @@ def append_token(vt: jax.Array, codes: jax.Array, pos: jax.Array) -> jax.Array:
 
 
 def value_planes_reference(vcodes: jax.Array, plane_types: int = 3) -> jax.Array:
-  """uint8 codes [..., Q, S] -> int8 0/1 planes [..., T·4Q, S], row type·4Q + pQ + j (channel order)."""
+  """uint8 codes [..., Q, S] -> int8 planes [..., T·4Q, S], row type·4Q + pQ + j (channel order).
+
+  T = 3: b0, b1, b0 & b1 (0/1); T = 2: b0, b1; T = 1 (uniform codebooks): the codes c = b0 + 2 b1 (0..3).
+  """
   c = vcodes.astype(jnp.int32)
+  if plane_types == 1:
+    return jnp.concatenate([(c >> (2 * p)) & 3 for p in range(PLANES)], axis=-2).astype(jnp.int8)
   b0 = jnp.concatenate([(c >> (2 * p)) & 1 for p in range(PLANES)], axis=-2)  # [..., H, S]
   b1 = jnp.concatenate([(c >> (2 * p + 1)) & 1 for p in range(PLANES)], axis=-2)
   return jnp.concatenate([b0, b1, b0 & b1][:plane_types], axis=-2).astype(jnp.int8)
@@ -248,8 +254,8 @@ def _check_inputs(p: jax.Array, vcodes: jax.Array, plane_types: int, block_s: in
     raise ValueError(f"vcodes rows Q={q} must be a multiple of {_ROWS} (H = 4Q a multiple of 128)")
   if n % 8 or not 8 <= n <= 256:
     raise ValueError(f"p rows N={n} must be a multiple of 8 up to 256 (the wgmma N)")
-  if plane_types not in (2, 3):
-    raise ValueError(f"plane_types={plane_types!r} must be 2 (symmetric codebooks) or 3")
+  if plane_types not in PLANE_TYPES:
+    raise ValueError(f"plane_types={plane_types!r} must be 3, 2 (symmetric codebooks) or 1 (uniform codebooks)")
   if block_s not in (64, 128):  # 32 would need a 32-byte swizzle, refused for s8 A in registers
     raise ValueError(f"block_s={block_s!r} must be 64 or 128")
   check_loop_args(s, block_s, splits, max_concurrent_steps)
@@ -275,7 +281,8 @@ def value_sums_mgpu(p: jax.Array, vcodes: jax.Array, *, plane_types: int = 3, bl
     p: int8 [BK, N, S], the probability digits (N = query heads × digits, a multiple of 8 up to 256).
     vcodes: uint8 [BK, Q, S], planar 2-bit value codes, token-contiguous (`token_contiguous` of the cache's
       [BK, S, Q]); Q = H / 4 a multiple of 32.
-    plane_types: T = 3 (b0, b1, b0 & b1), or 2 for symmetric codebooks (d3 = 0).
+    plane_types: T = 3 (b0, b1, b0 & b1), 2 for symmetric codebooks (d3 = 0), or 1 for uniform codebooks
+      (cb[c] = c0 + d·c: the codes 0..3 themselves are the A operand, 4 wgmmas per 64 tokens).
     block_s: tokens per pipeline step (64 or 128: 2 or 4 k32 steps).
     splits: programs per BK row; S must be a multiple of splits · block_s.
     a_operand: "registers" (planes extracted in registers, wgmma A from registers) or "smem" (planes stored to
