@@ -52,6 +52,14 @@ WS = {
     "c2_k512_ov": dict(num_compute_wgs=2, block_k=512, overlap_steps=True),
     "c2_k256_ov": dict(num_compute_wgs=2, block_k=256, overlap_steps=True),
     "c3_k256_ov": dict(num_compute_wgs=3, block_k=256, overlap_steps=True),
+    # Dequant forms (sixth session, `dequant_form`): one bf16x2 fma per weight pair with the zero point and scale folded
+    # (magic bias 128 or 16; they change the bf16 weight, see DEQUANT_FORMS), or the scale on float32 accumulators
+    # per K group (exact). Checked against their own references (`int4_grouped_matmul_mgpu_ws_form_reference`); the
+    # distance to the bf16 reference is recorded as max_rel_err_bf16_ref.
+    "c2_k512_fma128": dict(num_compute_wgs=2, block_k=512, dequant_form="fma128"),
+    "c2_k512_fma16": dict(num_compute_wgs=2, block_k=512, dequant_form="fma16"),
+    "c2_k512_acc": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale"),
+    "c3_k256_acc": dict(num_compute_wgs=3, block_k=256, dequant_form="acc_scale"),
     # Not here any more: c2_k1024 (8 K groups per step; fifth call, with a 220 KB ring budget): ptxas serializes its
     # wgmmas (C7511), 1.2-1.8x slower than c2_k512.
 }
@@ -62,6 +70,17 @@ SMOKE = {"interpret": False}  # --smoke: CPU interpret mode, tiny shapes (checks
 
 def _kw():
   return {"interpret": True} if SMOKE["interpret"] else {}
+
+
+def rel_errs(got, want_bf16, x, w, gs, cfg):
+  """max |got - want| / max |want| against the config's own reference ("max_rel_err": the dequant form's, which is
+  the bf16 reference for the default form) and, for the other forms, against the bf16 reference too."""
+  rel = lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+  form = cfg.get("dequant_form", "sub_mul")
+  if form == "sub_mul":
+    return {"max_rel_err": rel(got, want_bf16)}
+  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, w, gs, form))
+  return {"max_rel_err": rel(got, want), "max_rel_err_bf16_ref": rel(got, want_bf16)}
 
 
 def check(res, names=None):
@@ -82,8 +101,8 @@ def check(res, names=None):
       name, tag = f"ws_{name}", f"n{n}_{sizes}_{name}"
       try:
         got = np.asarray(jax.jit(f)(x, w, gs))
-        res[tag] = {"impl": name, "max_rel_err": float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
-                    "nan": int(np.isnan(got).sum()), "tail_max": float(np.abs(got[-3:]).max())}
+        res[tag] = {"impl": name, **rel_errs(got, want, x, w, gs, cfg), "nan": int(np.isnan(got).sum()),
+                    "tail_max": float(np.abs(got[-3:]).max())}
       except Exception as ex:  # noqa: BLE001
         res[tag] = {"impl": name, "error": f"{type(ex).__name__}: {str(ex)[:600]}"}
       print(tag, res[tag], flush=True)
@@ -102,8 +121,8 @@ def dump(e, k, n, rows):
     t = time.perf_counter()
     try:
       got = np.asarray(jax.jit(f)(x, w_mg, gs))
-      print(name, "max_rel_err", float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
-            f"{time.perf_counter() - t:.1f} s", flush=True)
+      cfg = WS.get(name[3:], {}) if name.startswith("ws_") else {}
+      print(name, rel_errs(got, want, x, w_mg, gs, cfg), f"{time.perf_counter() - t:.1f} s", flush=True)
     except Exception as ex:  # noqa: BLE001
       print(name, "fail", type(ex).__name__, str(ex)[:600], flush=True)
   return 0
@@ -213,9 +232,8 @@ def main(argv=None):
           got = np.asarray(f(x, w_mg, gs))
           if want is None:
             want = np.asarray(mg.int4_grouped_matmul_mgpu_reference(x, w_mg, gs))
-          err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
           add(f"pallas_int4_mgpu_ws[{name}]", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu",
-              n_active, {"config": cfg, "max_rel_err": err})
+              n_active, {"config": cfg, **rel_errs(got, want, x, w_mg, gs, cfg)})
         except Exception as ex:  # noqa: BLE001
           print("ws fail", name, type(ex).__name__, str(ex)[:400], flush=True)
       save()

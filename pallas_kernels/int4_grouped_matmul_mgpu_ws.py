@@ -45,8 +45,11 @@ import functools
 import math
 
 import jax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
@@ -64,6 +67,32 @@ DEQUANTS = mg.DEQUANTS
 # Shared memory the default ring may use (the H200 allows 227 KB per CTA). The fifth H200 call ran with 220 KB, which
 # gives block_k 512 with 8-row tiles at Kp = 4096 a ring of 4 instead of 2: 2-4% slower there, so 200 KB it stays.
 _SMEM_BUDGET = 200 * 1024
+
+# How a K group's zero point and scale reach the weight (`dequant_form`), per pair of weights (one 32-bit register):
+# - "sub_mul": 128 + q by prmt + lop3 (magic exponent 0x4300), sub.bf16x2 of 128 + z (exact), mul.bf16x2 by s: one
+#   rounding of (q - z) s, the reference's bf16 weight. 4 instructions (+ 1 shift per 8 weights).
+# - "fma128": the same 128 + q, then one fma.rn.bf16x2 by s plus c = bf16(-(128 + z) s), precomputed per group and
+#   column. 3 instructions. c is rounded to bf16 at |c| ~ 128 s: the weight is off by up to ~s/2 (a systematic error
+#   per group and column); ~3.5% max rel. error of the output against the reference at 4096-wide K.
+# - "fma16": 1 + q/16 by prmt + lop3 (q in the top 4 mantissa bits, exponent 0x3F80: needs the words shifted left by 3
+#   and right by 1 instead of 0 and 4, one more shift per 8 weights), then fma.rn.bf16x2 by 16 s plus
+#   c = bf16(-(16 + z) s): the rounded c is smaller, the weight off by up to ~s/16; ~0.7% max rel. error.
+# - "acc_scale": q - z (exact, small integers) is the wgmma A operand, each K group's wgmma goes into its own zeroed
+#   accumulator and the step adds s · that accumulator (float32 FFMA per accumulator element, W / 2 per thread per
+#   group) to the item's accumulator. 3 instructions per pair; no bf16 rounding of the weight at all, so it differs
+#   from the reference by the reference's own rounding (~1.5e-3 max rel. at 4096-wide K), and it is exact against
+#   float32 dequantization.
+DEQUANT_FORMS = ("sub_mul", "fma128", "fma16", "acc_scale")
+# form -> (shifts of the word that the two prmt operands take (left, right), lop3 mask, lop3 xor constant, the
+# bf16x2 instructions after the lop3). $3, $4: the two per-row operands of the form (see _row_operands).
+_FORM_ASM = {
+    "sub_mul": ((0, 4), "0x000F000F", "0x43084308", "sub.bf16x2 t, t, $3;\nmul.bf16x2 $0, t, $4;"),
+    "fma128": ((0, 4), "0x000F000F", "0x43084308", "fma.rn.bf16x2 $0, t, $4, $3;"),
+    "fma16": ((3, -1), "0x00780078", "0x3FC03FC0", "fma.rn.bf16x2 $0, t, $4, $3;"),
+    "acc_scale": ((0, 4), "0x000F000F", "0x43084308", "sub.bf16x2 $0, t, $3;"),
+}
+# The bias the magic-number conversion adds to q (x = bias + q, up to a power of two): 128 (0x4300 | q), 16 (1 + q/16).
+_FORM_BIAS = {"sub_mul": 128, "fma128": 128, "fma16": 16, "acc_scale": 128}
 
 
 def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int, n_experts: int,
@@ -89,9 +118,64 @@ def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n
   return jnp.stack(cols, axis=-1).astype(jnp.int32)
 
 
+def _row_operands(form: str, s, z):
+  """bf16 [64] scale s and zero point z' = z - 8 of a K group -> the two per-row operands ($3, $4) of `_FORM_ASM`.
+
+  sub_mul / acc_scale: (128 + z, s); fma128: (bf16(-(128 + z) s), s); fma16: (bf16(-(16 + z) s), 16 s). Sums of
+  integers below 256 and products by 16 are exact in bf16; the products by s round once.
+  """
+  zz = z + jnp.bfloat16(_FORM_BIAS[form] + 8)  # bias + z, exact
+  if form in ("sub_mul", "acc_scale"):
+    return zz, s
+  return -(zz * s), (s * jnp.bfloat16(16) if form == "fma16" else s)
+
+
+def _dequant_form_ptx(w, a_row, b_row, form: str):
+  """int4 [64, G] (4X-upcast layout, K_ORDER) and the form's per-row operands bf16 [64] -> bf16 [64, G] operand."""
+  (left, right), mask, xor, tail = _FORM_ASM[form]
+  asm = ("{{\n.reg .b32 t;\nprmt.b32 t, $1, $2, 0xF{hi}F{lo};\n"
+         f"lop3.b32 t, t, {mask}, {xor}, 0x6A;\n" + tail + "\n}}")
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, _ROW, _ROW),
+                     return_type=plgpu.ShapeDtypeStruct((_WG_N, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
+  def dequant(_, arr, a_arr, b_arr):
+    i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
+    pair = lambda r: mgpu.utils.bitcast(mgpu.utils.vector_concat([r, r]), i32)  # one row value in both halves
+    rows = {idx: (pair(a_arr.registers[idx]), pair(b_arr.registers[idx])) for idx in np.ndindex(a_arr.registers.shape)}
+    shift = lambda word, n: (word if n == 0 else arith.shli(word, mgpu.utils.c(n, i32)) if n > 0 else
+                             arith.shrui(word, mgpu.utils.c(-n, i32)))
+    words = {}
+    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_WG_N, _G)), dtype=object)
+    for idx in np.ndindex(regs.shape):  # [1, G/8, 1, 1, 2, 1, 1, 1, 1]
+      src = (idx[0], idx[1] // 4, *idx[2:])
+      if src not in words:
+        word = mgpu.utils.bitcast(arr.registers[src], i32)
+        words[src] = (shift(word, left), shift(word, -right))
+      part = idx[1] % 4
+      a_r, b_r = rows[(idx[0], 0, idx[4], 0, 0)]
+      out = llvm.inline_asm(i32, [*words[src], a_r, b_r], asm.format(hi=part + 4, lo=part), "=r,r,r,r,r")
+      regs[idx] = mgpu.utils.bitcast(out, bf16x2)
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+  return dequant(w, a_row, b_row)
+
+
+def _dequant_form_jnp(w, s, z, form: str):
+  """Interpret mode's equivalent of `_dequant_form_ptx` on a relaid-out int4 [64, G] tile (c = q - 8): the same bf16
+  values (the fused multiply-add of the fma forms is exact in float32 here, then rounded once to bf16)."""
+  bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (_WG_N, _G), (0,)), plgpu.Layout.WGMMA)
+  a, b = _row_operands(form, s, z)
+  x = w.astype(jnp.float32) + float(_FORM_BIAS[form] + 8)  # bias + q
+  if form in ("sub_mul", "acc_scale"):
+    d = (x - bcast(a).astype(jnp.float32)).astype(jnp.bfloat16)  # q - z, exact
+    return d * bcast(b) if form == "sub_mul" else d
+  if form == "fma16":
+    x = x / 16.0  # 1 + q/16: b = 16 s
+  return (x * bcast(b).astype(jnp.float32) + bcast(a).astype(jnp.float32)).astype(jnp.bfloat16)
+
+
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_smem, *, n_wgs: int, block_k: int,
             block_r: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, a_from_smem: bool,
-            dequant: str, overlap_steps: bool):
+            dequant: str, overlap_steps: bool, dequant_form: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64] (W = R + 8), one out tile
   # per compute warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile).
@@ -107,33 +191,50 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
     for bar in consumed:
       plgpu.barrier_arrive(bar.at[slot], predicate=predicate)
 
+  def decode(q_smem, s_smem, z_smem, c):
+    """K group c of the step: bf16 [64, G], this warpgroup's W^T slice in the form's scale (see DEQUANT_FORMS)."""
+    ks = pl.ds(c * _G, _G)
+    w = plgpu.load(q_smem.at[wg_rows, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [64, G]
+    s = plgpu.load(s_smem.at[c, wg_rows], layout=_ROW)  # bf16 [64]
+    z = plgpu.load(z_smem.at[c, wg_rows], layout=_ROW)
+    if dequant == "ptx":
+      return _dequant_form_ptx(w, *_row_operands(dequant_form, s, z), dequant_form)
+    if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
+      w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+    else:
+      w = mg._as_wgmma_operand(w, _WG_N)  # pylint: disable=protected-access
+    return _dequant_form_jnp(w, s, z, dequant_form)
+
+  def mma(acc_ref, w, x_smem, c):
+    ks = pl.ds(c * _G, _G)
+    if a_from_smem:
+      a_smem.at[wg][...] = w
+      plgpu.commit_smem()
+      plgpu.wgmma(acc_ref, a_smem.at[wg], x_smem.at[:, ks].T)
+      plgpu.wgmma_wait(0)
+    else:
+      plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
+
   def body(idx, q_smem, x_smem, s_smem, z_smem, *rest):
     # q_smem: int4 [bn, block_k]; x_smem: bf16 [W, block_k]; s_smem, z_smem: bf16 [block_k / G, bn];
-    # acc_ref: float32 [64, W], out^T of this warpgroup's columns. With overlap_steps, rest also holds the pipeline's
-    # consumed barriers of this step (unused: the step releases the previous step's slot instead).
-    acc_ref = rest[-1]
+    # rest[-1], the carry: acc_ref float32 [64, W], out^T of this warpgroup's columns (acc_scale: the float32 [64, W]
+    # array itself). With overlap_steps, rest also holds the pipeline's consumed barriers of this step (unused: the
+    # step releases the previous step's slot instead).
+    carry = rest[-1]
     (k,) = idx
+    if dequant_form == "acc_scale":
+      def groups(*tmps):  # tmps: gk zeroed float32 [64, W] accumulators, one per K group
+        for c in range(gk):
+          mma(tmps[c], decode(q_smem, s_smem, z_smem, c), x_smem, c)
+        acc = carry
+        for c in range(gk):  # reading an accumulator waits for the wgmmas
+          s = plgpu.load(s_smem.at[c, wg_rows], layout=_ROW).astype(jnp.float32)  # [64]
+          s = plgpu.layout_cast(jax.lax.broadcast_in_dim(s, (_WG_N, window), (0,)), plgpu.Layout.WGMMA)
+          acc = acc + tmps[c][...] * s
+        return acc
+      return pl.run_scoped(groups, *[plgpu.ACC((_WG_N, window))] * gk)
     for c in range(gk):
-      ks = pl.ds(c * _G, _G)
-      w = plgpu.load(q_smem.at[wg_rows, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [64, G]
-      s = plgpu.load(s_smem.at[c, wg_rows], layout=_ROW)  # bf16 [64]
-      z = plgpu.load(z_smem.at[c, wg_rows], layout=_ROW)
-      if dequant == "ptx":
-        w = mg._dequant_ptx(w, z + jnp.bfloat16(136), s, _WG_N)  # pylint: disable=protected-access
-      else:
-        if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
-          w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-        else:
-          w = mg._as_wgmma_operand(w, _WG_N)  # pylint: disable=protected-access
-        bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (_WG_N, _G), (0,)), plgpu.Layout.WGMMA)
-        w = (w.astype(jnp.bfloat16) - bcast(z)) * bcast(s)  # bf16 [64, G]: the dequantized W^T slice
-      if a_from_smem:
-        a_smem.at[wg][...] = w
-        plgpu.commit_smem()
-        plgpu.wgmma(acc_ref, a_smem.at[wg], x_smem.at[:, ks].T)
-        plgpu.wgmma_wait(0)
-      else:
-        plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
+      mma(carry, decode(q_smem, s_smem, z_smem, c), x_smem, c)
       if overlap_steps and c == 0:
         # The previous step's last wgmma ran while this step decoded group 0; once it is done (all but the wgmma
         # just issued), the previous step's ring slot goes back to the TMA warpgroup. Step 0's previous slot was
@@ -143,7 +244,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
     if not overlap_steps:
       # The ring slot is released when the body returns, and the next step decodes into the same registers.
       plgpu.wgmma_wait(0)
-    return acc_ref
+    return carry
 
   # The item's N tile is passed as gmem refs sliced at its first column (col0, a multiple of 64), so that the last
   # tile of an N that bn does not divide can start at N - bn (overlapping the tile before it) instead of past N.
@@ -187,7 +288,10 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
             release(steps - 1)
           return acc
 
-        acc = pl.run_scoped(scoped, plgpu.ACC((_WG_N, window)))  # float32 [64, W]
+        if dequant_form == "acc_scale":  # the carry is the accumulator array itself
+          acc = run(plgpu.layout_cast(jnp.zeros((_WG_N, window), jnp.float32), plgpu.Layout.WGMMA))
+        else:
+          acc = pl.run_scoped(scoped, plgpu.ACC((_WG_N, window)))  # float32 [64, W]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
         o_smem.at[wg].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)  # [W, 64]: out rows
         plgpu.commit_smem()
@@ -223,7 +327,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
 
 
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
-           "interpret", "dequant", "overlap_steps")
+           "interpret", "dequant", "overlap_steps", "dequant_form")
 
 
 def _num_sms() -> int:
@@ -235,7 +339,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
                                 num_compute_wgs: int | None = None, block_k: int | None = None, block_r: int | None = None,
                                 max_concurrent_steps: int | None = None, memory_registers: int | None = None,
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
-                                dequant: str = "ptx", overlap_steps: bool = False) -> jax.Array:
+                                dequant: str = "ptx", overlap_steps: bool = False,
+                                dequant_form: str = "sub_mul") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -261,6 +366,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
       step decodes its first K group meanwhile, then waits for it (`wgmma_wait(1)`) and releases the previous
       step's ring slot itself (manual consumed barriers); the item's end waits for all. False: each step waits for
       its wgmmas (`wgmma_wait(0)`) before its slot is released (the earlier behaviour).
+    dequant_form: how the zero point and scale reach the weight, one of DEQUANT_FORMS (see there): "sub_mul" (exact,
+      the reference's bf16 weight), "fma128" / "fma16" (one bf16x2 fma per weight pair; the rounded per-group constant
+      moves the weight by up to ~s/2 / ~s/16), "acc_scale" (the scale applied per K group to float32 accumulators;
+      no bf16 rounding of the weight). Interpret mode reproduces each form's values with jnp.
   """
   dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
   num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
@@ -279,6 +388,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
                                  s * stage_bytes + fixed <= _SMEM_BUDGET), 1)
   if ksteps % max_concurrent_steps:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
+  if dequant_form not in DEQUANT_FORMS:
+    raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
+  if overlap_steps and dequant_form == "acc_scale":
+    raise ValueError("overlap_steps does not combine with dequant_form='acc_scale' (each step reads its accumulators)")
   if overlap_steps and max_concurrent_steps < 2:  # a step releases the previous step's slot: one slot would deadlock
     raise ValueError(f"overlap_steps needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
   memory_registers = memory_registers or 40
@@ -299,7 +412,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
                            n_cols=n,
                            steps=max_concurrent_steps, memory_registers=memory_registers, a_from_smem=bool(interpret),
-                           dequant=dequant, overlap_steps=overlap_steps)
+                           dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
@@ -312,3 +425,27 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
          if interpret else {}))
   out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero)
   return out[:m] if pad else out
+
+
+def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array,
+                                               dequant_form: str) -> jax.Array:
+  """XLA reference of a `dequant_form`: lhs bf16 [M, Kp] @ the form's weight [E, Kp, N] -> float32 [M, N].
+
+  "sub_mul" is `int4_grouped_matmul_mgpu_ws_reference` (bf16 (q - z) s); "fma128" / "fma16" round
+  (bias + q) s + bf16(-(bias + z) s) once to bf16, as fma.rn.bf16x2 does; "acc_scale" keeps (q - z) s in float32.
+  """
+  if dequant_form not in DEQUANT_FORMS:
+    raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
+  e, n, kp = weights.q.shape
+  c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., np.argsort(mg.K_ORDER)].reshape(e, n, kp // _G, _G)
+  s = jnp.moveaxis(weights.scale.astype(jnp.float32), 1, 2)[..., None]  # [E, N, Kg, 1]
+  z = jnp.moveaxis(weights.zero.astype(jnp.float32), 1, 2)[..., None]  # z - 8
+  bias = float(_FORM_BIAS[dequant_form] + 8)
+  if dequant_form in ("sub_mul", "acc_scale"):
+    w = (c - z) * s  # exact in float32
+  else:
+    w = (c + bias) * s + (-(z + bias) * s).astype(jnp.bfloat16).astype(jnp.float32)  # exact before the rounding
+  dtype = jnp.float32 if dequant_form == "acc_scale" else jnp.bfloat16
+  w = jnp.moveaxis(w.reshape(e, n, kp), 1, 2).astype(dtype)  # [E, Kp, N]
+  return jax.lax.ragged_dot(lhs.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST)

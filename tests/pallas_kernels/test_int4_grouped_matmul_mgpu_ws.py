@@ -61,6 +61,37 @@ def test_matches_reference(sizes, extra, n, cfg):
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
 
 
+@pytest.mark.parametrize("form", ws.DEQUANT_FORMS)
+def test_dequant_forms_match_their_reference(form):
+  """Each dequant form gives its own reference's values (interpret mode reproduces the form's rounding) and stays
+  within the form's stated distance of the bf16 reference."""
+  x, gs, w = _inputs([3, 0, 17, 1], 2, 256)
+  wm = ws.to_mgpu_layout(w)
+  got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, block_k=128, num_ctas=3, block_r=16,
+                                                  dequant_form=form))
+  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
+  ref = np.asarray(i4.int4_grouped_matmul_reference(x, w, gs))
+  err = np.abs(got - ref).max() / np.abs(ref).max()
+  assert err < {"sub_mul": 1e-5, "acc_scale": 1e-2, "fma16": 3e-2, "fma128": 2e-1}[form], err
+  if form == "sub_mul":
+    np.testing.assert_array_equal(want, ws.int4_grouped_matmul_mgpu_ws_reference(x, wm, gs))
+
+
+def test_fma_forms_round_as_predicted():
+  """The fma forms' weight error against the exact (q - z) s is bounded by the rounding of the per-group constant
+  (half an ulp of (bias + z) s) plus half an ulp of the weight."""
+  _, _, w = _inputs([1], 0, 256)
+  wm = ws.to_mgpu_layout(w)
+  eye = jnp.eye(K, dtype=jnp.bfloat16)
+  exact = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(eye, wm, jnp.asarray([K, 0, 0, 0]), "acc_scale"))
+  scale = np.repeat(np.asarray(w.scale[0], np.float32), G, axis=0)  # [K, N]
+  for form, bias in (("fma128", 128), ("fma16", 16)):
+    got = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(eye, wm, jnp.asarray([K, 0, 0, 0]), form))
+    bound = (bias + 15) * scale * 2.0**-8 + np.abs(exact) * 2.0**-8  # ulp(v) <= |v| 2^-7 in bf16
+    assert np.all(np.abs(got - exact) <= bound), form
+
+
 @pytest.mark.parametrize("overlap_steps", [False, True])
 def test_no_races_in_the_interpreter(overlap_steps):
   """The interpreter's race detector sees no race between the TMA warpgroup, the compute warpgroups and the stores."""
@@ -94,7 +125,9 @@ def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
 
 
 @pytest.mark.parametrize("cfg", [dict(dequant="ptx", block_k=512, block_r=16), dict(dequant="jnp"),
-                                 dict(dequant="ptx", num_compute_wgs=3, overlap_steps=True)])
+                                 dict(dequant="ptx", num_compute_wgs=3, overlap_steps=True),
+                                 *[dict(dequant="ptx", block_k=512, dequant_form=f) for f in ws.DEQUANT_FORMS[1:]],
+                                 dict(dequant="jnp", dequant_form="acc_scale", block_r=16)])
 def test_gpu_path_lowers(cfg):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
@@ -121,6 +154,10 @@ def test_rejects_bad_arguments():
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=3, interpret=True)
   with pytest.raises(ValueError, match="overlap_steps"):  # one slot: the step would wait for its own release
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=1, overlap_steps=True, interpret=True)
+  with pytest.raises(ValueError, match="dequant_form"):
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, dequant_form="fma", interpret=True)
+  with pytest.raises(ValueError, match="acc_scale"):
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, overlap_steps=True, dequant_form="acc_scale", interpret=True)
   with pytest.raises(ValueError, match="pad lhs"):
     ws.int4_grouped_matmul_mgpu_ws(x[:, :128], w, gs, interpret=True)
   with pytest.raises(ValueError, match="dequant"):
