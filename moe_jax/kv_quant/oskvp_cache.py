@@ -211,6 +211,9 @@ class OSKVPMode:
     implementation: decode attention: "auto" (Pallas on GPU, XLA elsewhere), "pallas" or "xla".
     symmetric: 2-bit codebooks symmetric about each channel's mean (`oskvp.fit`): the bit-plane kernel then needs
       two plane types per side instead of three; fidelity cost in benchmarks/results/kv_cache.md.
+    uniform: equally spaced 2-bit codebooks (`oskvp.fit(uniform=True)`): the codes themselves are the int8
+      tensor-core operand of the Mosaic GPU building blocks (one plane type); also symmetric, so the Triton
+      kernels take their two-plane-type path. Fidelity in benchmarks/results/kv_cache.md.
   """
 
   bits: int = 2
@@ -222,6 +225,7 @@ class OSKVPMode:
   rope_shifts: int = 8
   implementation: str = "auto"
   symmetric: bool = False
+  uniform: bool = False
 
   def __post_init__(self):
     if self.bits not in (2, 3):
@@ -229,6 +233,9 @@ class OSKVPMode:
     if self.symmetric and self.bits != 2:
       raise ValueError(f"symmetric=True needs bits=2 (got bits={self.bits}): only 4-level codebooks have a "
                        "two-plane-type form")
+    if self.uniform and (self.bits != 2 or self.symmetric):
+      raise ValueError(f"uniform=True needs bits=2 and symmetric=False (got bits={self.bits}, "
+                       f"symmetric={self.symmetric}): uniform codebooks are already symmetric")
     if self.window < 1:
       raise ValueError(f"window={self.window} must be >= 1")
     if self.max_fit_tokens < 1:
@@ -266,7 +273,8 @@ class OSKVPMode:
       w = jnp.tile(w, (1, shifts))
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
     fit = lambda xs, ws: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits,
-                                   n_iters=self.n_iters, min_samples=h * shifts, symmetric=self.symmetric)
+                                   n_iters=self.n_iters, min_samples=h * shifts, symmetric=self.symmetric,
+                                   uniform=self.uniform)
     return jax.vmap(jax.vmap(fit, in_axes=(0, None)))(jnp.swapaxes(x, 1, 2), w)
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
@@ -274,7 +282,7 @@ class OSKVPMode:
     del layer
     params_k = self.fit(k, lengths, rope_span=cache_len)
     return build_layer_cache(k, v, lengths, cache_len, params_k, self.fit(v, lengths), window=self.window,
-                             implementation=self.implementation, symmetric=self.symmetric)
+                             implementation=self.implementation, symmetric=self.symmetric or self.uniform)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -113,6 +113,36 @@ def test_symmetric_codebooks():
   assert mse(skew, skew_free) < 0.9 * mse(skew, skew_sym), (mse(skew, skew_free), mse(skew, skew_sym))
 
 
+def test_uniform_codebooks():
+  """uniform=True: every row is equally spaced (cb[c] = cb0 + step·c, what the one-plane-type kernel needs) and
+  symmetric. On Gaussian channels the optimal uniform quantizer is within ~1.1% of Lloyd-Max (0.1188 vs 0.1175):
+  MSE within 4% of the free fit; the Lloyd iterations never increase the error and improve on their start."""
+  h = 32
+  x = planted(jax.random.PRNGKey(3), 1024, h)
+  free, uni = oskvp.calibrate(x), oskvp.calibrate(x, uniform=True)
+  cb = np.asarray(uni.codebook[uni.n_outlier:])
+  steps = np.diff(cb, axis=-1)
+  assert np.all(steps > 0)
+  np.testing.assert_allclose(steps, steps[:, :1] * np.ones((1, 3)), rtol=1e-5)
+  assert oskvp.symmetric_codebooks(uni.codebook)
+
+  def mse(x, p):
+    xr = x @ p.u
+    return float(jnp.mean((oskvp.dequantize(oskvp.quantize(x, p), p) @ p.u - xr)[:, p.n_outlier:] ** 2))
+
+  assert mse(x, free) <= mse(x, uni) <= 1.04 * mse(x, free), (mse(x, uni), mse(x, free))
+  g = jax.random.normal(jax.random.PRNGKey(8), (4096, 8)) * jnp.linspace(0.5, 4.0, 8) + 1.0
+  w = jnp.ones((4096,))
+  std = jnp.std(g, axis=0)
+  _, hist = oskvp.uniform_lloyd(g, w, jnp.mean(g, axis=0) + 0.3 * std, 0.6 * std, 12)
+  hist = np.asarray(hist)
+  assert np.all(np.diff(hist) <= 1e-6 * hist[0]) and hist[-1] < 0.8 * hist[0], hist
+  rel = hist[-1] / float(jnp.mean(jnp.var(g, axis=0)))  # per-channel MSE / variance, averaged via the mean variance
+  assert abs(rel - 0.1188) < 0.01, rel
+  with pytest.raises(ValueError, match="bits"):
+    oskvp.calibrate(x, bits=3, uniform=True)
+
+
 def test_storage_bytes_counts_every_part():
   x = planted(jax.random.PRNGKey(4), 256, 32)
   p = oskvp.calibrate(x)

@@ -121,6 +121,10 @@ def test_implementation_switch():
     OSKVPMode(bits=4)
   with pytest.raises(ValueError, match="symmetric"):
     OSKVPMode(bits=3, symmetric=True)
+  with pytest.raises(ValueError, match="uniform"):
+    OSKVPMode(bits=3, uniform=True)
+  with pytest.raises(ValueError, match="uniform"):
+    OSKVPMode(uniform=True, symmetric=True)
 
 
 def test_symmetric_mode_reaches_the_bitplane_kernel():
@@ -140,6 +144,20 @@ def test_symmetric_mode_reaches_the_bitplane_kernel():
   out = kernel.oskvp_decode_attention(*args, interpret=True, config=config, symmetric_codebooks=True)
   ref = attn.oskvp_decode_attention(*args, implementation="xla")
   assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1.5e-2
+
+
+def test_uniform_mode_marks_a_symmetric_cache():
+  """OSKVPMode(uniform=True): equally spaced codebooks on both sides, and the cache is marked symmetric so that the
+  Triton kernel takes its two-plane-type path."""
+  h = 128
+  k = jax.random.normal(jax.random.PRNGKey(5), (B, 300, K, h)) * jnp.ones(h).at[9].set(5.0)
+  v = jax.random.normal(jax.random.PRNGKey(6), (B, 300, K, h))
+  c = OSKVPMode(window=R, uniform=True).from_prefill(k, v, jnp.array([300, 150]), 320, layer=0)
+  assert c.symmetric
+  o = oskvp.n_outliers(h, 0.08)
+  for cb in (c.cb_k, c.cb_v):
+    steps = np.diff(np.asarray(cb)[..., o:, :], axis=-1)
+    np.testing.assert_allclose(steps, np.broadcast_to(steps[..., :1], steps.shape), rtol=1e-4, atol=1e-6)
 
 
 def test_model_decode_tracks_bf16_cache(tiny_model):

@@ -1,0 +1,240 @@
+"""Feasibility prototype: the fused core of OS-KVP decode attention in Mosaic GPU, uniform codebooks (T = 1).
+
+Joins the two building blocks (`oskvp_key_scores_mgpu.py`, `oskvp_value_sums_mgpu.py`) with an online softmax in
+one kernel, to measure what the composed kernel costs per token-head (`benchmarks/notes_mgpu_oskvp.md` §9). Only the
+2-bit code part of the cache: no fp8 outlier channels, no residual window, no ragged lengths (S a multiple of
+splits · block_s); not wired into the attention op.
+
+Per row b of the leading axis BK (batch row × kv head), with uniform codebooks cb[c] = c0 + d·c on both sides:
+
+  s[n, t] = qs[n] · Σ_ch qd[n, ch] · kcode[t, ch]      (base-2 logits; qd = int8 digits of q·d_k, one per head n)
+  p[n, t] = 2^(s[n, t] − max_t s[n, t]) / Σ_t 2^(...)
+  out[n, ch] = Σ_t p[n, t] · vcode[t, ch]              (the caller applies c0_v + d_v · out, then U_vᵀ)
+
+Up to N = 8 query heads per kv head (rows of qd beyond G are zero and their outputs ignored).
+
+Kernel: grid (BK, splits), one warpgroup per program. The program loads qd [8, H] once and streams its S / splits
+tokens as key code blocks uint8 [block_s, Q] and value code blocks uint8 [Q, block_s] (token-contiguous) through a
+TMA ring (`plgpu.emit_pipeline`). Per block:
+1. key scores: the codes themselves as int8 A (planes in registers, 4 per 64 tokens), qd as B: int32 [block_s, 8];
+2. online softmax in f32 on the WGMMA layout: the block max per head (a reduction over the tokens, across the 4
+   warps), p = 2^(s − m) quantized to int8 (p8 = round(127 p), 0..127), l += Σ_t p8;
+3. p8 stored transposed to shared memory [8, block_s] (K-major, the int8 wgmma B layout; byte stores with the
+   swizzle applied by hand on the GPU route);
+4. value sums: a fresh int32 [H, 8] accumulator = vcodes [H (ACC order), block_s] @ p8ᵀ (4 wgmmas per 64 tokens),
+   added to the f32 accumulator after rescaling it by 2^(m_old − m_new).
+Outputs per program: acc f32 [H (ACC row order), 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits
+(log-sum-exp) in XLA and returns out f32 [BK, 8, H] in channel order.
+
+CPU interpret mode: the interpreter runs no inline Mosaic, so there the planes go through shared memory (as in the
+building blocks) and p8 is stored with jnp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith
+from jax._src.lib.mlir.dialects import memref
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import oskvp_key_scores_mgpu as ks
+from pallas_kernels import oskvp_value_sums_mgpu as vs
+
+N = 8  # query heads per kv head, padded: the wgmma N of both sides
+P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
+
+
+def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array) -> jax.Array:
+  """f32 reference: kcodes uint8 [BK, S, Q], vcodes uint8 [BK, Q, S], qd int8 [BK, 8, H], qs f32 [BK, 8]
+  -> out f32 [BK, 8, H] = softmax_2(s) @ vcode (exact softmax, no quantization of p)."""
+  kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes 0..3
+  s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None]
+  p = jnp.exp2(s - s.max(axis=-1, keepdims=True))
+  p = p / p.sum(axis=-1, keepdims=True)
+  vc = vs.value_planes_reference(vcodes, 1).astype(jnp.float32)  # [BK, H, S]
+  return jnp.einsum("bnt,bht->bnh", p, vc)
+
+
+def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array, *,
+                                    block_s: int, splits: int) -> jax.Array:
+  """The kernel's own arithmetic in XLA: per split, blocks in order with the running max m_j (after block j),
+  p8 = round(127 · 2^(s − m_j)), the block's sums weighed by 2^(m_j − m_final); splits merged by log-sum-exp.
+  Same shapes as `decode_core_reference`; equal to the kernel up to f32 summation order."""
+  bk, s_len, _ = kcodes.shape
+  kc = ks.key_planes_reference(kcodes, 1).astype(jnp.int32)
+  s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.int32)).astype(jnp.float32) * qs[..., None]  # [BK, 8, S]
+  nb = s_len // (splits * block_s)
+  s = s.reshape(bk, N, splits, nb, block_s)
+  m_run = jax.lax.cummax(s.max(axis=-1), axis=3)  # [BK, 8, splits, nb]
+  p8 = jnp.floor(jnp.exp2(s - m_run[..., None]) * P_LEVELS + 0.5)
+  w = jnp.exp2(m_run - m_run[..., -1:])  # block j's weight at the end of its split
+  vc = vs.value_planes_reference(vcodes, 1).astype(jnp.float32).reshape(bk, -1, splits, nb, block_s)
+  acc = jnp.einsum("bnsj,bnsjt,bhsjt->bsnh", w, p8, vc)
+  l = jnp.einsum("bnsj,bnsjt->bsn", w, p8)
+  m = m_run[..., -1].transpose(0, 2, 1)  # [BK, splits, 8]
+  ws = jnp.exp2(m - m.max(axis=1, keepdims=True))
+  return jnp.einsum("bsn,bsnh->bnh", ws, acc) / jnp.einsum("bsn,bsn->bn", ws, l)[..., None]
+
+
+def _store_p_transposed(p8, p_ref, block_s: int):
+  """Inside the kernel (GPU route): int32 [block_s, 8] WGMMA layout holding 0..127 -> int8 p_ref [8, block_s]
+  (transposed; `swizzled(block_s)` transforms, the swizzle applied by hand: 16-byte chunk ^= address bits 7+)."""
+  chunks = block_s // 16
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(ks.swizzled(block_s))))
+  def store(_, arr, ref):  # ref: the tiled memref [1, 1, 8, block_s]
+    index = ir.IndexType.get()
+    i8 = ir.IntegerType.get_signless(8)
+    zero = mgpu.utils.c(0, index)
+
+    def one(val, idx):  # idx = (token t, head n) as index values
+      t, n = idx
+      xor = arith.andi(arith.shrui(arith.muli(n, mgpu.utils.c(block_s, index)), mgpu.utils.c(7, index)),
+                       mgpu.utils.c(chunks - 1, index))
+      t_phys = arith.xori(t, arith.shli(xor, mgpu.utils.c(4, index)))
+      byte = arith.trunci(i8, val)
+      memref.store(byte, ref, [zero, zero, n, t_phys])
+
+    arr.foreach(one)
+
+  store(p8, p_ref)
+
+
+def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka_smem, va_smem, p_smem,
+            o_smem, ml_smem, bar, *, block_s: int, steps: int, max_concurrent_steps: int, interpret: bool):
+  # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
+  # padded: TMA copies move multiples of 128 bytes). acc_out f32 [BK, splits, H, 8] (ACC row order); ml_out f32
+  # [BK, splits, 32]: m in [0, 8), l in [8, 16).
+  # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
+  # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32].
+  bk, sp = jax.lax.axis_index("bk"), jax.lax.axis_index("split")
+  plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[0])
+  plgpu.copy_gmem_to_smem(qs_ref.at[bk], qs_smem, bar.at[0])
+  plgpu.barrier_wait(bar.at[0])
+  q = kc_ref.shape[-1]
+  h = 4 * q
+  col = plgpu.Layout.WGMMA.reduce(0)  # an [8] vector broadcast along the rows of a WGMMA-layout array
+  qs = plgpu.load(qs_smem.at[pl.ds(0, N)], (), layout=col)
+  tokens = pl.ds(sp * (steps * block_s), steps * block_s)
+  k_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=ks.swizzled(q))
+  v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
+
+  def body(_, k_smem, v_smem, carry):
+    m, l, acc = carry  # f32 [8] (col), [8] (col), [H, 8] (WGMMA)
+    s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
+                             interpret=interpret)
+    s = s_i32.astype(jnp.float32) * jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
+    m_new = jnp.maximum(m, jnp.max(s, axis=0))
+    alpha = jnp.exp2(m - m_new)
+    p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
+    l = l * alpha + jnp.sum(p8.astype(jnp.float32), axis=0)
+    if interpret:
+      p_smem[...] = p8.T.astype(jnp.int8)
+      va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
+    else:
+      _store_p_transposed(p8, p_smem, block_s)
+    plgpu.commit_smem()
+
+    def value_scope(vacc_ref):  # int32 [H, 8], this block's sums
+      if interpret:
+        plgpu.wgmma(vacc_ref, va_smem, p_smem.T)
+      else:
+        codes = plgpu.load(v_smem, (), layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
+        plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
+      plgpu.wgmma_wait(0)
+      return vacc_ref[...]
+
+    sums = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32))
+    acc = acc * jax.lax.broadcast_in_dim(alpha, (h, N), [1]) + sums.astype(jnp.float32)
+    return m_new, l, acc
+
+  init = (plgpu.layout_cast(jnp.full((N,), -jnp.inf, jnp.float32), col),
+          plgpu.layout_cast(jnp.zeros((N,), jnp.float32), col),
+          plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA))
+  m, l, acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[k_spec, v_spec],
+                                  max_concurrent_steps=max_concurrent_steps, init_carry=init)(
+                                      kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens])
+  o_smem[...] = acc
+  ml_smem[pl.ds(0, N)] = m
+  ml_smem[pl.ds(N, N)] = l
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
+  plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps):
+  """Validates the arguments; returns (BK, S, Q)."""
+  if kcodes.ndim != 3 or vcodes.ndim != 3 or qd.ndim != 3 or qs.ndim != 2:
+    raise ValueError(f"need kcodes [BK, S, Q] {kcodes.shape}, vcodes [BK, Q, S] {vcodes.shape}, qd [BK, 8, H] "
+                     f"{qd.shape}, qs [BK, 8] {qs.shape}")
+  if kcodes.dtype != jnp.uint8 or vcodes.dtype != jnp.uint8 or qd.dtype != jnp.int8 or qs.dtype != jnp.float32:
+    raise TypeError(f"kcodes, vcodes must be uint8, qd int8 and qs float32; got {kcodes.dtype}, {vcodes.dtype}, "
+                    f"{qd.dtype}, {qs.dtype}")
+  bk, s, q = kcodes.shape
+  if vcodes.shape != (bk, q, s):
+    raise ValueError(f"vcodes {vcodes.shape} must be [BK, Q, S] = {(bk, q, s)} (token-contiguous)")
+  if qd.shape != (bk, N, 4 * q) or qs.shape != (bk, N):
+    raise ValueError(f"qd {qd.shape} must be [BK, {N}, H={4 * q}] and qs {qs.shape} [BK, {N}]")
+  if q % 32:
+    raise ValueError(f"code bytes per token Q={q} must be a multiple of 32 (H a multiple of 128)")
+  if block_s not in (64, 128):
+    raise ValueError(f"block_s={block_s!r} must be 64 or 128")
+  ks.check_loop_args(s, block_s, splits, max_concurrent_steps)
+  return bk, s, q
+
+
+@functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret"))
+def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array, *, block_s: int = 64,
+                     splits: int = 16, max_concurrent_steps: int = 4,
+                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+  """Fused key scores + online softmax + value sums over uniform 2-bit codes (see the module docstring).
+
+  Args:
+    kcodes: uint8 [BK, S, Q], planar 2-bit key codes (token-major, as the cache stores them).
+    vcodes: uint8 [BK, Q, S], planar 2-bit value codes, token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`).
+    qd: int8 [BK, 8, H], one digit per query head of q·d_k (rows past the group size zero).
+    qs: f32 [BK, 8], the per-head scale of the integer scores in base-2 logits (digit scale · log2(e) / √H).
+    block_s: tokens per pipeline step (64 or 128).
+    splits: programs per BK row; S must be a multiple of splits · block_s.
+    max_concurrent_steps: depth of the TMA ring.
+    interpret: run in Mosaic GPU's CPU interpreter.
+
+  Returns:
+    f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over all S tokens (`decode_core_reference`, to
+    the 1/127 quantization of p).
+  """
+  bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
+  h = 4 * q
+  steps = s // (splits * block_s)
+  body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
+                           interpret=bool(interpret))
+  smem_a = interpret  # planes through shared memory only in the interpreter
+  kernel = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((bk, splits, h, N), jnp.float32),
+                jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32)),
+      grid=(bk, splits), grid_names=("bk", "split"),
+      scratch_types=dict(
+          q_smem=plgpu.SMEM((N, h), jnp.int8, transforms=ks.swizzled(128)),
+          qs_smem=plgpu.SMEM((32,), jnp.float32),
+          ka_smem=plgpu.SMEM((block_s, h) if smem_a else (64, 128), jnp.int8, transforms=ks.swizzled(128)),
+          va_smem=plgpu.SMEM((h, block_s) if smem_a else (64, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
+          p_smem=plgpu.SMEM((N, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
+          o_smem=plgpu.SMEM((h, N), jnp.float32),
+          ml_smem=plgpu.SMEM((32,), jnp.float32),
+          bar=plgpu.Barrier(num_arrivals=2, num_barriers=1)),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
+  acc, ml = kernel(kcodes, vcodes, qd, jnp.pad(qs, ((0, 0), (0, 32 - N))))  # [BK, splits, H (ACC), 8], [.., 32]
+  m, l = ml[..., :N], ml[..., N:2 * N]
+  top = m.max(axis=1, keepdims=True)
+  w = jnp.exp2(m - top)  # [BK, splits, 8]
+  out = jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.einsum("bsn,bsn->bn", w, l)[..., None]
+  return vs._channel_rows(out, q, 2)  # pylint: disable=protected-access
