@@ -83,13 +83,13 @@ _SMEM_BUDGET = 200 * 1024
 #   from the reference by the reference's own rounding (~1.5e-3 max rel. at 4096-wide K), and it is exact against
 #   float32 dequantization.
 DEQUANT_FORMS = ("sub_mul", "fma128", "fma16", "acc_scale")
-# form -> (shifts of the word that the two prmt operands take (left, right), lop3 mask, lop3 xor constant, the
-# bf16x2 instructions after the lop3). $3, $4: the two per-row operands of the form (see _row_operands).
+# form -> (left shifts of the word that the two prmt operands take (negative: right), lop3 mask, lop3 xor constant,
+# the bf16x2 instructions after the lop3). $3, $4: the two per-row operands of the form (see _row_operands).
 _FORM_ASM = {
-    "sub_mul": ((0, 4), "0x000F000F", "0x43084308", "sub.bf16x2 t, t, $3;\nmul.bf16x2 $0, t, $4;"),
-    "fma128": ((0, 4), "0x000F000F", "0x43084308", "fma.rn.bf16x2 $0, t, $4, $3;"),
+    "sub_mul": ((0, -4), "0x000F000F", "0x43084308", "sub.bf16x2 t, t, $3;\nmul.bf16x2 $0, t, $4;"),
+    "fma128": ((0, -4), "0x000F000F", "0x43084308", "fma.rn.bf16x2 $0, t, $4, $3;"),
     "fma16": ((3, -1), "0x00780078", "0x3FC03FC0", "fma.rn.bf16x2 $0, t, $4, $3;"),
-    "acc_scale": ((0, 4), "0x000F000F", "0x43084308", "sub.bf16x2 $0, t, $3;"),
+    "acc_scale": ((0, -4), "0x000F000F", "0x43084308", "sub.bf16x2 $0, t, $3;"),
 }
 # The bias the magic-number conversion adds to q (x = bias + q, up to a power of two): 128 (0x4300 | q), 16 (1 + q/16).
 _FORM_BIAS = {"sub_mul": 128, "fma128": 128, "fma16": 16, "acc_scale": 128}
@@ -132,7 +132,7 @@ def _row_operands(form: str, s, z):
 
 def _dequant_form_ptx(w, a_row, b_row, form: str):
   """int4 [64, G] (4X-upcast layout, K_ORDER) and the form's per-row operands bf16 [64] -> bf16 [64, G] operand."""
-  (left, right), mask, xor, tail = _FORM_ASM[form]
+  shifts, mask, xor, tail = _FORM_ASM[form]
   asm = ("{{\n.reg .b32 t;\nprmt.b32 t, $1, $2, 0xF{hi}F{lo};\n"
          f"lop3.b32 t, t, {mask}, {xor}, 0x6A;\n" + tail + "\n}}")
 
@@ -150,7 +150,7 @@ def _dequant_form_ptx(w, a_row, b_row, form: str):
       src = (idx[0], idx[1] // 4, *idx[2:])
       if src not in words:
         word = mgpu.utils.bitcast(arr.registers[src], i32)
-        words[src] = (shift(word, left), shift(word, -right))
+        words[src] = tuple(shift(word, n) for n in shifts)
       part = idx[1] % 4
       a_r, b_r = rows[(idx[0], 0, idx[4], 0, 0)]
       out = llvm.inline_asm(i32, [*words[src], a_r, b_r], asm.format(hi=part + 4, lo=part), "=r,r,r,r,r")

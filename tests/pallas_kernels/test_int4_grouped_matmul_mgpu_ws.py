@@ -92,6 +92,47 @@ def test_fma_forms_round_as_predicted():
     assert np.all(np.abs(got - exact) <= bound), form
 
 
+def _bf16(v):
+  return np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _emulate_form_asm(word, a, b, form, part):
+  """numpy model of `_FORM_ASM[form]` on uint32 words (8 stored nibbles) for the register pair `part` (0..3): the
+  shifts, prmt (default mode), lop3 (a & b) ^ c and the bf16x2 tail, with a, b the per-row operands."""
+  shifts, mask, xor, tail = ws._FORM_ASM[form]  # pylint: disable=protected-access
+  ops = [(word << np.uint32(n)) if n >= 0 else (word >> np.uint32(-n)) for n in shifts]
+  byte = lambda v, i: (v >> np.uint32(8 * i)) & np.uint32(0xFF)
+  t = byte(ops[0], part) | (byte(ops[1], part) << np.uint32(16))  # bytes 1 and 3 (selector F) are masked below
+  t = (t & np.uint32(int(mask, 16))) ^ np.uint32(int(xor, 16))
+  halves = [((t >> np.uint32(16 * h)) & np.uint32(0xFFFF)) << np.uint32(16) for h in (0, 1)]
+  x = [h.view(np.float32).astype(np.float64) for h in halves]
+  if tail.startswith("sub"):
+    return [_bf16(_bf16(v - a) * b) if "mul" in tail else _bf16(v - a) for v in x]
+  return [_bf16(v * b + a) for v in x]  # fma: exact in float64, rounded once
+
+
+@pytest.mark.parametrize("form", ws.DEQUANT_FORMS)
+def test_form_asm_bits(form):
+  """The PTX of each form (run on the GPU only) decodes every stored nibble of a word into the form's weight: a numpy
+  model of its prmt / lop3 / bf16x2 instructions against the form's formula (`_row_operands` for the operands)."""
+  rng = np.random.default_rng(0)
+  nib = rng.integers(0, 16, (4096, 8)).astype(np.uint32)  # stored nibbles c & 15 = q ^ 8
+  word = (nib << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
+  s = jnp.asarray(rng.uniform(0.001, 0.1, 4096), jnp.bfloat16)
+  z = jnp.asarray(rng.integers(0, 16, 4096) - 8, jnp.bfloat16)  # z - 8
+  a, b = (np.asarray(v.astype(jnp.float32), np.float64) for v in ws._row_operands(form, s, z))  # pylint: disable=protected-access
+  s64, z64 = np.asarray(s, np.float64), np.asarray(z, np.float64) + 8
+  bias = ws._FORM_BIAS[form]  # pylint: disable=protected-access
+  for part in range(4):
+    got = _emulate_form_asm(word, a, b, form, part)
+    for half in (0, 1):
+      q = (nib[:, 2 * part + half] ^ 8).astype(np.float64)
+      want = {"sub_mul": _bf16((q - z64) * s64), "acc_scale": q - z64,
+              "fma128": _bf16((bias + q) * s64 + _bf16(-(bias + z64) * s64)),
+              "fma16": _bf16((bias + q) * s64 + _bf16(-(bias + z64) * s64))}[form]
+      np.testing.assert_array_equal(got[half], want, err_msg=f"{form} part {part} half {half}")
+
+
 @pytest.mark.parametrize("overlap_steps", [False, True])
 def test_no_races_in_the_interpreter(overlap_steps):
   """The interpreter's race detector sees no race between the TMA warpgroup, the compute warpgroups and the stores."""
