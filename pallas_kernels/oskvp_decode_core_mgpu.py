@@ -18,7 +18,8 @@ tokens as key code blocks uint8 [block_s, Q] and value code blocks uint8 [Q, blo
 TMA ring (`plgpu.emit_pipeline`). Per block:
 1. key scores: the codes themselves as int8 A (planes in registers, 4 per 64 tokens), qd as B: int32 [block_s, 8];
 2. online softmax in f32 on the WGMMA layout: the block max per head (a reduction over the tokens, across the 4
-   warps), p = 2^(s − m) quantized to int8 (p8 = round(127 p), 0..127), l += Σ_t p8;
+   warps), p = 2^(s − m) quantized to int8 (p8 = round(127 p), 0..127), l += p8 elementwise ([block_s, 8],
+   rescaled with the accumulator; reduced over the tokens once, at the end: one cross-warp reduction per block);
 3. p8 stored transposed to shared memory [8, block_s] (K-major, the int8 wgmma B layout; byte stores with the
    swizzle applied by hand on the GPU route);
 4. value sums: a fresh int32 [H, 8] accumulator = vcodes [H (ACC order), block_s] @ p8ᵀ (4 wgmmas per 64 tokens),
@@ -126,14 +127,14 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
   v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
 
   def body(_, k_smem, v_smem, carry):
-    m, l, acc = carry  # f32 [8] (col), [8] (col), [H, 8] (WGMMA)
+    m, l, acc = carry  # f32 [8] (col); [block_s, 8], per-token partial sums of p8 (WGMMA); [H, 8] (WGMMA)
     s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
                              interpret=interpret)
     s = s_i32.astype(jnp.float32) * jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
     m_new = jnp.maximum(m, jnp.max(s, axis=0))
     alpha = jnp.exp2(m - m_new)
     p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
-    l = l * alpha + jnp.sum(p8.astype(jnp.float32), axis=0)
+    l = l * jax.lax.broadcast_in_dim(alpha, (block_s, N), [1]) + p8.astype(jnp.float32)  # summed over rows at the end
     if interpret:
       p_smem[...] = p8.T.astype(jnp.int8)
       va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
@@ -155,14 +156,14 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
     return m_new, l, acc
 
   init = (plgpu.layout_cast(jnp.full((N,), -jnp.inf, jnp.float32), col),
-          plgpu.layout_cast(jnp.zeros((N,), jnp.float32), col),
+          plgpu.layout_cast(jnp.zeros((block_s, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA))
   m, l, acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[k_spec, v_spec],
                                   max_concurrent_steps=max_concurrent_steps, init_carry=init)(
                                       kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens])
   o_smem[...] = acc
   ml_smem[pl.ds(0, N)] = m
-  ml_smem[pl.ds(N, N)] = l
+  ml_smem[pl.ds(N, N)] = jnp.sum(l, axis=0)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
   plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
