@@ -121,7 +121,7 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
   q = kc_ref.shape[-1]
   h = 4 * q
   col = plgpu.Layout.WGMMA.reduce(0)  # an [8] vector broadcast along the rows of a WGMMA-layout array
-  qs = plgpu.load(qs_smem.at[pl.ds(0, N)], (), layout=col)
+  qs = plgpu.load(qs_smem.at[pl.ds(0, N)], layout=col)
   tokens = pl.ds(sp * (steps * block_s), steps * block_s)
   k_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=ks.swizzled(q))
   v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
@@ -146,7 +146,7 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
       if interpret:
         plgpu.wgmma(vacc_ref, va_smem, p_smem.T)
       else:
-        codes = plgpu.load(v_smem, (), layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
+        codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
       plgpu.wgmma_wait(0)
       return vacc_ref[...]

@@ -1,0 +1,81 @@
+"""The fused Mosaic GPU OS-KVP core (uniform codebooks): interpret mode against its blockwise model and the exact
+softmax, the GPU route's lowering, argument errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import oskvp_decode_core_mgpu as dc
+from pallas_kernels import oskvp_value_sums_mgpu as vs
+from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
+
+Q = 32
+
+
+def _inputs(seed, bk, s, g=4, scale=0.004):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  kc = jax.random.bits(k1, (bk, s, Q), jnp.uint8)
+  vc = jax.random.bits(k2, (bk, Q, s), jnp.uint8)
+  qd = jax.random.randint(k3, (bk, dc.N, 4 * Q), -127, 128).astype(jnp.int8).at[:, g:].set(0)
+  return kc, vc, qd, jnp.full((bk, dc.N), scale, jnp.float32)
+
+
+@pytest.mark.parametrize("bk,s,block_s,splits,steps,g", [(2, 256, 64, 2, 2, 4), (1, 768, 128, 3, 2, 8),
+                                                         (2, 512, 64, 1, 3, 1)])
+def test_matches_blockwise_model(bk, s, block_s, splits, steps, g):
+  """The kernel does the blockwise model's arithmetic (running max per block, p8 = round(127·2^(s − m)), rescaled
+  int32 block sums, log-sum-exp over splits): equal to 1e-5 (f32 summation order)."""
+  args = _inputs(bk * s + splits, bk, s, g)
+  got = np.asarray(dc.decode_core_mgpu(*args, block_s=block_s, splits=splits, max_concurrent_steps=steps,
+                                       interpret=True))
+  want = np.asarray(dc.decode_core_blockwise_reference(*args, block_s=block_s, splits=splits))
+  assert got.shape == (bk, dc.N, 4 * Q)
+  np.testing.assert_allclose(got[:, :g], want[:, :g], atol=1e-5)
+
+
+def test_blockwise_model_tracks_the_exact_softmax():
+  """The only approximation is p's 127 levels: on a peaked and a flat score distribution the output (expected
+  code values, 0..3) stays within 0.1 of the exact softmax's; for one dominant token it is that token's codes."""
+  kc, vc, qd, qs = _inputs(3, 2, 1024)
+  for scale in (0.02, 0.001):
+    qs_ = jnp.full_like(qs, scale)
+    model = np.asarray(dc.decode_core_blockwise_reference(kc, vc, qd, qs_, block_s=64, splits=4))[:, :4]
+    exact = np.asarray(dc.decode_core_reference(kc, vc, qd, qs_))[:, :4]
+    assert np.abs(model - exact).max() < 0.1, (scale, np.abs(model - exact).max())
+  qs_ = jnp.full_like(qs, 1.0)  # scores in units of 2^1: the top token takes all the mass
+  model = np.asarray(dc.decode_core_blockwise_reference(kc, vc, qd, qs_, block_s=64, splits=4))[:, :4]
+  exact = np.asarray(dc.decode_core_reference(kc, vc, qd, qs_))[:, :4]
+  np.testing.assert_allclose(model, exact, atol=1e-3)
+
+
+def test_gpu_route_lowers():
+  """Per 128-token block: 8 key and 8 value int8 wgmmas (codes as A in registers), and p stored by hand."""
+  kc = jax.ShapeDtypeStruct((2, 2048, Q), jnp.uint8)
+  vc = jax.ShapeDtypeStruct((2, Q, 2048), jnp.uint8)
+  qd = jax.ShapeDtypeStruct((2, dc.N, 4 * Q), jnp.int8)
+  qs = jax.ShapeDtypeStruct((2, dc.N), jnp.float32)
+  f = jax.jit(lambda *a: dc.decode_core_mgpu(*a, block_s=128, splits=2, max_concurrent_steps=2))
+  text = mosaic_module_text(f.trace(kc, vc, qd, qs).lower(lowering_platforms=("cuda",)))
+  instr = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n8k32\.s32\.s8\.s8) \{[^}]*\}", text)
+  assert len(instr) == 16
+  loop = text[text.index("scf.for"):]
+  assert len(re.findall(r"wgmma\.mma_async", loop)) == 16
+  # p8 [128 tokens, 8] stored transposed by hand: 8 byte stores per thread into the tiled [8, 128] buffer.
+  assert len(re.findall(r"memref\.store\"\(.*\(i8, memref<1x1x8x128xi8", text)) == 8
+
+
+def test_rejects_bad_arguments():
+  kc, vc, qd, qs = _inputs(0, 1, 256)
+  with pytest.raises(TypeError, match="uint8"):
+    dc.decode_core_mgpu(kc.astype(jnp.int8), vc, qd, qs, interpret=True)
+  with pytest.raises(ValueError, match="token-contiguous"):
+    dc.decode_core_mgpu(kc, vs.token_contiguous(vc), qd, qs, interpret=True)
+  with pytest.raises(ValueError, match="qd"):
+    dc.decode_core_mgpu(kc, vc, qd[:, :4], qs, interpret=True)
+  with pytest.raises(ValueError, match="splits"):
+    dc.decode_core_mgpu(kc, vc, qd, qs, block_s=64, splits=3, interpret=True)
+  with pytest.raises(ValueError, match="block_s"):
+    dc.decode_core_mgpu(kc, vc, qd, qs, block_s=32, interpret=True)
