@@ -35,9 +35,10 @@ Q = 32  # H = 128
 BK = 64  # batch 8 × 8 kv heads
 CHECKS = [(2, 1024, 64, 2, 2), (3, 3072, 128, 3, 2), (2, 4096, 64, 4, 4), (1, 8192, 128, 1, 8)]  # BK, S, bs, splits, ring
 SMOKE_CHECKS = [(1, 256, 64, 2, 2)]
-# S, block_s, splits, TMA ring depth. Run 2 (results/oskvp_decode_core_mgpu.md): bs 128, 16 splits, ring 2 best.
-TIMED = [(65536, 128, 16, 2), (65536, 128, 16, 3), (65536, 128, 32, 2), (65536, 128, 16, 4), (65536, 64, 16, 2),
-         (65536, 64, 32, 2), (16384, 128, 16, 2), (16384, 128, 32, 2)]
+# S, block_s, splits, TMA ring depth, ablation. Run 2 (results/oskvp_decode_core_mgpu.md): bs 128, 16 splits, ring 2
+# best; run 3 repeated it (_run3.md). Ablations (wrong results, timing only) show what each part costs.
+TIMED = [(65536, 128, 16, 2, ""), (65536, 128, 16, 2, "no_max"), (65536, 128, 16, 2, "no_value"),
+         (65536, 128, 32, 2, ""), (16384, 128, 16, 2, "")]
 
 
 def inputs(seed: int, bk: int, s: int, g: int = 4, scale: float = 0.004):
@@ -49,9 +50,9 @@ def inputs(seed: int, bk: int, s: int, g: int = 4, scale: float = 0.004):
   return kc, vc, qd, jnp.full((bk, dc.N), scale, jnp.float32)
 
 
-def core_fn(block_s: int, splits: int, steps: int, interpret: bool):
+def core_fn(block_s: int, splits: int, steps: int, interpret: bool, ablate: str = ""):
   return jax.jit(lambda *a: dc.decode_core_mgpu(*a, block_s=block_s, splits=splits, max_concurrent_steps=steps,
-                                                interpret=interpret))
+                                                interpret=interpret, ablate=ablate))
 
 
 def run_check(case, interpret: bool) -> dict:
@@ -141,10 +142,10 @@ def main(argv=None) -> int:
   if not all(c["ok"] for c in checks):
     print("CHECK FAILED", flush=True)
     return 1
-  for s, block_s, splits, ring in [(256, 64, 2, 2)] if args.smoke else TIMED:
-    name = f"core S={s} bs={block_s} splits={splits} ring={ring}"
+  for s, block_s, splits, ring, ablate in [(256, 64, 2, 2, "")] if args.smoke else TIMED:
+    name = f"core S={s} bs={block_s} splits={splits} ring={ring}" + (f" ablate={ablate}" if ablate else "")
     try:
-      ms, kernels, _ = kb.kernel_ms(core_fn(block_s, splits, ring, args.smoke), inputs(0, BK, s), args.iters,
+      ms, kernels, _ = kb.kernel_ms(core_fn(block_s, splits, ring, args.smoke, ablate), inputs(0, BK, s), args.iters,
                                     args.smoke)
       nbytes = 2 * BK * s * Q
       rows.append(dict(config=name, s=s, us=ms * 1e3, bytes=nbytes, tb_per_s=nbytes / ms / 1e9, kernels=kernels))

@@ -108,7 +108,8 @@ def _store_p_transposed(p8, p_ref, block_s: int):
 
 
 def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka_smem, va_smem, p_smem,
-            o_smem, ml_smem, bar, *, block_s: int, steps: int, max_concurrent_steps: int, interpret: bool):
+            o_smem, ml_smem, bar, *, block_s: int, steps: int, max_concurrent_steps: int, interpret: bool,
+            ablate: str):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
   # padded: TMA copies move multiples of 128 bytes). acc_out f32 [BK, splits, H, 8] (ACC row order); ml_out f32
   # [BK, splits, 32]: m in [0, 8), l in [8, 16).
@@ -131,7 +132,8 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
     s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
                              interpret=interpret)
     s = s_i32.astype(jnp.float32) * jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
-    m_new = jnp.maximum(m, jnp.max(s, axis=0))
+    # ablate (timing experiments only, wrong results): "no_max" skips the block max, "no_value" the value wgmmas.
+    m_new = m if ablate == "no_max" else jnp.maximum(m, jnp.max(s, axis=0))
     alpha = jnp.exp2(m - m_new)
     p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
     l = l * jax.lax.broadcast_in_dim(alpha, (block_s, N), [1]) + p8.astype(jnp.float32)  # summed over rows at the end
@@ -151,11 +153,13 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
       plgpu.wgmma_wait(0)
       return vacc_ref[...]
 
+    if ablate == "no_value":
+      return m_new, l, acc
     sums = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32))
     acc = acc * jax.lax.broadcast_in_dim(alpha, (h, N), [1]) + sums.astype(jnp.float32)
     return m_new, l, acc
 
-  init = (plgpu.layout_cast(jnp.full((N,), -jnp.inf, jnp.float32), col),
+  init = (plgpu.layout_cast(jnp.full((N,), 0.0 if ablate == "no_max" else -jnp.inf, jnp.float32), col),
           plgpu.layout_cast(jnp.zeros((block_s, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA))
   m, l, acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[k_spec, v_spec],
@@ -191,10 +195,13 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
   return bk, s, q
 
 
-@functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret"))
+ABLATIONS = ("", "no_max", "no_value")
+
+
+@functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate"))
 def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array, *, block_s: int = 64,
                      splits: int = 16, max_concurrent_steps: int = 4,
-                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+                     interpret: bool | plgpu.InterpretGPUParams = False, ablate: str = "") -> jax.Array:
   """Fused key scores + online softmax + value sums over uniform 2-bit codes (see the module docstring).
 
   Args:
@@ -206,6 +213,8 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     splits: programs per BK row; S must be a multiple of splits · block_s.
     max_concurrent_steps: depth of the TMA ring.
     interpret: run in Mosaic GPU's CPU interpreter.
+    ablate: timing experiments only (the results are wrong): "no_max" (no block max: p scaled by the initial m),
+      "no_value" (no value wgmmas); "" is the kernel.
 
   Returns:
     f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over all S tokens (`decode_core_reference`, to
@@ -214,8 +223,10 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
   h = 4 * q
   steps = s // (splits * block_s)
+  if ablate not in ABLATIONS:
+    raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
-                           interpret=bool(interpret))
+                           interpret=bool(interpret), ablate=ablate)
   smem_a = interpret  # planes through shared memory only in the interpreter
   kernel = plgpu.kernel(
       body,
