@@ -40,13 +40,15 @@ SHAPES = [(64, 4096, 2048, [64, 512, 1024]), (128, 2048, 768, [128, 2048]), (8, 
 # dividing the K steps within 200 KB of shared memory). 4 compute warpgroups hung in the first H200 run (setmaxnreg
 # asked for more registers than the CTA was launched with) and are now rejected by the kernel.
 WS = {
-    "c2_k128": dict(num_compute_wgs=2, block_k=128),
-    "c2_k256": dict(num_compute_wgs=2, block_k=256),
-    "c2_k512": dict(num_compute_wgs=2, block_k=512),
+    # The configs before the sixth session's dequant forms name dequant_form="sub_mul" (the kernel's default became
+    # "acc_scale" then), so that their labels keep meaning the kernel they timed.
+    "c2_k128": dict(num_compute_wgs=2, block_k=128, dequant_form="sub_mul"),
+    "c2_k256": dict(num_compute_wgs=2, block_k=256, dequant_form="sub_mul"),
+    "c2_k512": dict(num_compute_wgs=2, block_k=512, dequant_form="sub_mul"),
     # 3 compute warpgroups (12 compute warps per SM, 152 registers each): N tile 192; where 192 does not divide N
     # (2048, 14336) the last tile starts at N - 192 and overlaps the one before it (added in the fifth session).
-    "c3_k256": dict(num_compute_wgs=3, block_k=256),
-    "c3_k512": dict(num_compute_wgs=3, block_k=512),
+    "c3_k256": dict(num_compute_wgs=3, block_k=256, dequant_form="sub_mul"),
+    "c3_k512": dict(num_compute_wgs=3, block_k=512, dequant_form="sub_mul"),
     # overlap_steps (fifth session): a step's last wgmma runs into the next step's first decode (wgmma_wait(1),
     # manual release of the previous ring slot).
     "c2_k512_ov": dict(num_compute_wgs=2, block_k=512, overlap_steps=True),
@@ -60,6 +62,7 @@ WS = {
     "c2_k512_fma16": dict(num_compute_wgs=2, block_k=512, dequant_form="fma16"),
     "c2_k512_acc": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale"),
     "c3_k256_acc": dict(num_compute_wgs=3, block_k=256, dequant_form="acc_scale"),
+    "default": dict(),  # the kernel's defaults (acc_scale; C = 3 where 192 divides N, else 2; block_k 256 / 512)
     # Not here any more: c2_k1024 (8 K groups per step; fifth call, with a 220 KB ring budget): ptxas serializes its
     # wgmmas (C7511), 1.2-1.8x slower than c2_k512.
 }
@@ -76,7 +79,7 @@ def rel_errs(got, want_bf16, x, w, gs, cfg):
   """max |got - want| / max |want| against the config's own reference ("max_rel_err": the dequant form's, which is
   the bf16 reference for the default form) and, for the other forms, against the bf16 reference too."""
   rel = lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-  form = cfg.get("dequant_form", "sub_mul")
+  form = cfg.get("dequant_form") or ("sub_mul" if cfg.get("overlap_steps") else "acc_scale")  # the kernel's default
   if form == "sub_mul":
     return {"max_rel_err": rel(got, want_bf16)}
   want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, w, gs, form))
@@ -95,7 +98,7 @@ def check(res, names=None):
     want = np.asarray(i4.int4_grouped_matmul_reference(x, wq, gs))
     w = mg.to_mgpu_layout(wq)
     for name, cfg in WS.items():
-      if (names is not None and name not in names) or k % cfg["block_k"]:
+      if (names is not None and name not in names) or k % cfg.get("block_k", 128):
         continue
       f = functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw())
       name, tag = f"ws_{name}", f"n{n}_{sizes}_{name}"
@@ -116,12 +119,12 @@ def dump(e, k, n, rows):
   want = np.asarray(mg.int4_grouped_matmul_mgpu_reference(x, w_mg, gs))
   fns = {"mgpu": mg.int4_grouped_matmul_mgpu}
   fns.update({f"ws_{name}": functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg) for name, cfg in WS.items()
-              if not k % cfg["block_k"]})
+              if not k % cfg.get("block_k", 128)})
   for name, f in fns.items():
     t = time.perf_counter()
     try:
       got = np.asarray(jax.jit(f)(x, w_mg, gs))
-      cfg = WS.get(name[3:], {}) if name.startswith("ws_") else {}
+      cfg = WS.get(name[3:], {}) if name.startswith("ws_") else {"dequant_form": "sub_mul"}
       print(name, rel_errs(got, want, x, w_mg, gs, cfg), f"{time.perf_counter() - t:.1f} s", flush=True)
     except Exception as ex:  # noqa: BLE001
       print(name, "fail", type(ex).__name__, str(ex)[:600], flush=True)
@@ -225,7 +228,7 @@ def main(argv=None):
       add("pallas_int4_mgpu", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu", n_active)
       want = None
       for name, cfg in todo.items():
-        if k % cfg["block_k"]:
+        if k % cfg.get("block_k", 128):
           continue
         try:
           f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw()))

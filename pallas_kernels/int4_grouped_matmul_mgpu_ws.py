@@ -1,9 +1,15 @@
 """Grouped (ragged) int4 matmul in Mosaic GPU, warp-specialized: one TMA warpgroup, C compute warpgroups, persistent.
 
-Same contract, weight layout and math as `int4_grouped_matmul_mgpu` (read its docstring first):
+Same contract and weight layout as `int4_grouped_matmul_mgpu` (read its docstring first):
 out[m] = lhs[m] @ W[e(m)] for the rows m of expert e (rows sorted by expert), rows past sum(group_sizes) zero, with
 
   W[e, k, n] = (c[e, n, k] - z'[e, k // 128, n]) · s[e, k // 128, n],   `MgpuInt4Weights` (c = q - 8, z' = z - 8).
+
+By default (`dequant_form="acc_scale"`) W is not rounded to bf16: the wgmma A operand is the exact q - z and each K
+group's scale multiplies that group's float32 accumulator, so the result is float32 dequantization's (max rel. error
+~3e-6 on the H200) and differs from the bf16-weight reference of the other int4 kernels by that reference's own
+rounding (~1.6e-3 of the largest output at K = 4096). `dequant_form="sub_mul"` gives the bf16 weight of
+`int4_grouped_matmul_mgpu` exactly; the fma forms fold zero point and scale into one bf16x2 fma (`DEQUANT_FORMS`).
 
 What differs (the "next step" of benchmarks/notes_expert_matmul.md):
 - **Warp specialization** (`plgpu.emit_pipeline_warp_specialized`): a CTA has C + 1 warpgroups. The last one only
@@ -11,9 +17,9 @@ What differs (the "next step" of benchmarks/notes_expert_matmul.md):
   [block_k / 128, C·64]) into a `max_concurrent_steps`-deep ring and gives its registers away (`setmaxnreg`); the C
   compute warpgroups share each x tile and each owns 64 columns of the CTA's N tile, so the x shared memory per weight
   is 1/C of the one-warpgroup kernel's, and one warpgroup's decode runs while another's wgmma does. Each compute
-  warpgroup decodes its [64, 128] int4 slice per K group exactly as the one-warpgroup kernel (4X-upcast load,
-  registers reinterpreted thanks to `K_ORDER`, PTX dequant) and issues the wgmma from registers; a step waits for its
-  wgmmas before it releases the ring slot (and before the next step's decode reuses the registers).
+  warpgroup decodes its [64, 128] int4 slice per K group as the one-warpgroup kernel (4X-upcast load, registers
+  reinterpreted thanks to `K_ORDER`, PTX dequant in the chosen form) and issues the wgmma from registers; a step waits
+  for its wgmmas before it releases the ring slot (and before the next step's decode reuses the registers).
 - **Persistent, bubble-free**: the grid is one CTA per SM. XLA lists the work items (row tile, N tile) that hold
   rows and deals them round-robin to the CTAs ([C_ctas, I, 8] table). A CTA runs one pipeline per item, chained with
   the pipeline's START / STEADY / STOP states, so the TMA warpgroup already streams the next item's tiles while the
@@ -28,10 +34,11 @@ zeros (only when such rows exist).
 
 Measured on the H200 (results/int4_mgpu_ws.md): 1.02-1.08x the one-warpgroup kernel at 8 x 4096->14336 and
 64 x 4096->2048 (C = 2, block_k 512), 1.5-2.1x the best bf16 peer, 33-53% of copy bandwidth; at 128 x 2048->768 the
-Triton int4 kernel stays faster. `overlap_steps=True` is correct but slower (ptxas serializes the wgmmas when one
-stays in flight across the step loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 cannot work: the
-launch gives 640 threads 96 registers each, and the split (4 x 112-120 + 40) is more than that, so setmaxnreg.inc
-waits forever (it hung on the H200; rejected here).
+Triton int4 kernel stays faster. The acc_scale form (sixth session): 2-6% faster than sub_mul at <= 8 rows per
+expert, up to 2.18x the best bf16 peer and 54% of copy bandwidth. `overlap_steps=True` is correct but slower (ptxas
+serializes the wgmmas when one stays in flight across the step loop's back-edge: C7512;
+benchmarks/notes_expert_matmul.md). C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
+(4 x 112-120 + 40) is more than that, so setmaxnreg.inc waits forever (it hung on the H200; rejected here).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
@@ -191,12 +198,15 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
     for bar in consumed:
       plgpu.barrier_arrive(bar.at[slot], predicate=predicate)
 
-  def decode(q_smem, s_smem, z_smem, c):
-    """K group c of the step: bf16 [64, G], this warpgroup's W^T slice in the form's scale (see DEQUANT_FORMS)."""
+  def load_rows(s_smem, z_smem, c):  # bf16 [64] scale and zero point of K group c
+    return plgpu.load(s_smem.at[c, wg_rows], layout=_ROW), plgpu.load(z_smem.at[c, wg_rows], layout=_ROW)
+
+  def decode(q_smem, s_smem, z_smem, c, rows=None):
+    """K group c of the step: bf16 [64, G], this warpgroup's W^T slice in the form's scale (see DEQUANT_FORMS); rows:
+    the group's (scale, zero point), loaded here after the int4 tile when not given."""
     ks = pl.ds(c * _G, _G)
     w = plgpu.load(q_smem.at[wg_rows, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [64, G]
-    s = plgpu.load(s_smem.at[c, wg_rows], layout=_ROW)  # bf16 [64]
-    z = plgpu.load(z_smem.at[c, wg_rows], layout=_ROW)
+    s, z = rows or load_rows(s_smem, z_smem, c)
     if dequant == "ptx":
       return _dequant_form_ptx(w, *_row_operands(dequant_form, s, z), dequant_form)
     if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
@@ -223,14 +233,18 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
     carry = rest[-1]
     (k,) = idx
     if dequant_form == "acc_scale":
+      # All groups' scale rows are read up front: a read after the wgmmas is flagged by the interpreter's race
+      # detector (against the TMA warpgroup's refill of the slot).
+      rows = [load_rows(s_smem, z_smem, c) for c in range(gk)]
+
       def groups(*tmps):  # tmps: gk zeroed float32 [64, W] accumulators, one per K group
         for c in range(gk):
-          mma(tmps[c], decode(q_smem, s_smem, z_smem, c), x_smem, c)
+          mma(tmps[c], decode(q_smem, s_smem, z_smem, c, rows[c]), x_smem, c)
         acc = carry
         for c in range(gk):  # reading an accumulator waits for the wgmmas
-          s = plgpu.load(s_smem.at[c, wg_rows], layout=_ROW).astype(jnp.float32)  # [64]
+          s = rows[c][0].astype(jnp.float32)
           s = plgpu.layout_cast(jax.lax.broadcast_in_dim(s, (_WG_N, window), (0,)), plgpu.Layout.WGMMA)
-          acc = acc + tmps[c][...] * s
+          acc = acc + tmps[c][...] * s  # [64, W]
         return acc
       return pl.run_scoped(groups, *[plgpu.ACC((_WG_N, window))] * gk)
     for c in range(gk):
@@ -340,7 +354,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
                                 max_concurrent_steps: int | None = None, memory_registers: int | None = None,
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
                                 dequant: str = "ptx", overlap_steps: bool = False,
-                                dequant_form: str = "sub_mul") -> jax.Array:
+                                dequant_form: str | None = None) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -366,10 +380,12 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
       step decodes its first K group meanwhile, then waits for it (`wgmma_wait(1)`) and releases the previous
       step's ring slot itself (manual consumed barriers); the item's end waits for all. False: each step waits for
       its wgmmas (`wgmma_wait(0)`) before its slot is released (the earlier behaviour).
-    dequant_form: how the zero point and scale reach the weight, one of DEQUANT_FORMS (see there): "sub_mul" (exact,
-      the reference's bf16 weight), "fma128" / "fma16" (one bf16x2 fma per weight pair; the rounded per-group constant
-      moves the weight by up to ~s/2 / ~s/16), "acc_scale" (the scale applied per K group to float32 accumulators;
-      no bf16 rounding of the weight). Interpret mode reproduces each form's values with jnp.
+    dequant_form: how the zero point and scale reach the weight, one of DEQUANT_FORMS (see there). Default
+      "acc_scale": the scale applied per K group to float32 accumulators, no bf16 rounding of the weight (2-6% faster
+      than "sub_mul" at <= 8 rows per expert, -1 to +2% at 16, in the sixth session's H200 runs); with overlap_steps,
+      which "acc_scale" does not support, "sub_mul" (the reference's bf16 weight). "fma128" / "fma16": one bf16x2 fma
+      per weight pair; the rounded per-group constant moves the weight by up to ~s/2 / ~s/16. Interpret mode
+      reproduces each form's values with jnp; `int4_grouped_matmul_mgpu_ws_form_reference` is each form's reference.
   """
   dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
   num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
@@ -388,6 +404,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
                                  s * stage_bytes + fixed <= _SMEM_BUDGET), 1)
   if ksteps % max_concurrent_steps:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
+  dequant_form = dequant_form or ("sub_mul" if overlap_steps else "acc_scale")
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
   if overlap_steps and dequant_form == "acc_scale":

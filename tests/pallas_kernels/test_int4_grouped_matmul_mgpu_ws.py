@@ -54,9 +54,12 @@ CASES = [
 @pytest.mark.parametrize("sizes,extra,n,cfg", CASES)
 def test_matches_reference(sizes, extra, n, cfg):
   x, gs, w = _inputs(sizes, extra, n)
-  got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, ws.to_mgpu_layout(w), gs, interpret=True, **cfg))
-  want = np.asarray(i4.int4_grouped_matmul_reference(x, w, gs))
-  # Same bf16 weights as the reference, float32 accumulation in another order.
+  wm = ws.to_mgpu_layout(w)
+  got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, **cfg))
+  # The default form (acc_scale; sub_mul with overlap_steps) against its reference: float32 accumulation in another
+  # order.
+  form = "sub_mul" if cfg.get("overlap_steps") else "acc_scale"
+  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
 
@@ -141,7 +144,8 @@ def test_no_races_in_the_interpreter(overlap_steps):
   got = ws.int4_grouped_matmul_mgpu_ws(x, ws.to_mgpu_layout(w), gs, interpret=params, block_k=128, num_ctas=2,
                                        overlap_steps=overlap_steps)
   assert not interpret_pallas_call.get_races().races_found
-  want = i4.int4_grouped_matmul_reference(x, w, gs)
+  want = ws.int4_grouped_matmul_mgpu_ws_form_reference(x, ws.to_mgpu_layout(w), gs,
+                                                      "sub_mul" if overlap_steps else "acc_scale")
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
