@@ -33,12 +33,15 @@ from pallas_kernels import oskvp_decode_core_mgpu as dc
 
 Q = 32  # H = 128
 BK = 64  # batch 8 × 8 kv heads
-CHECKS = [(2, 1024, 64, 2, 2), (3, 3072, 128, 3, 2), (2, 4096, 64, 4, 4), (1, 8192, 128, 1, 8)]  # BK, S, bs, splits, ring
-SMOKE_CHECKS = [(1, 256, 64, 2, 2)]
+# BK, S, block_s, splits, ring, lengths (None: all S, no masking)
+CHECKS = [(2, 1024, 64, 2, 2, None), (3, 3072, 128, 3, 2, None), (2, 4096, 64, 4, 4, None),
+          (1, 8192, 128, 1, 8, None), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096))]
+SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200))]
 # S, block_s, splits, TMA ring depth, ablation. Run 2 (results/oskvp_decode_core_mgpu.md): bs 128, 16 splits, ring 2
 # best; run 3 repeated it (_run3.md). Ablations (wrong results, timing only) show what each part costs.
-TIMED = [(65536, 128, 16, 2, ""), (65536, 128, 16, 2, "no_max"), (65536, 128, 16, 2, "no_value"),
-         (65536, 128, 32, 2, ""), (16384, 128, 16, 2, "")]
+# "ragged" times the masking work with every row full.
+TIMED = [(65536, 128, 16, 2, ""), (65536, 128, 16, 2, "ragged"), (65536, 128, 16, 2, "no_max"),
+         (65536, 128, 16, 2, "no_value"), (16384, 128, 16, 2, "")]
 
 
 def inputs(seed: int, bk: int, s: int, g: int = 4, scale: float = 0.004):
@@ -55,10 +58,18 @@ def core_fn(block_s: int, splits: int, steps: int, interpret: bool, ablate: str 
                                                 interpret=interpret, ablate=ablate))
 
 
+def _core_args(s: int, ablate: str):
+  """The timed inputs at BK = 64; "ragged" adds full lengths (the masking work without fewer tokens)."""
+  args = inputs(0, BK, s)
+  return (*args, jnp.full((BK,), s, jnp.int32)) if ablate == "ragged" else args
+
+
 def run_check(case, interpret: bool) -> dict:
-  bk, s, block_s, splits, steps = case
+  bk, s, block_s, splits, steps, lengths = case
   args = inputs(bk * s + splits, bk, s)
-  row = dict(bk=bk, s=s, block_s=block_s, splits=splits, ring=steps)
+  if lengths is not None:
+    args = (*args, jnp.asarray(lengths, jnp.int32))
+  row = dict(bk=bk, s=s, block_s=block_s, splits=splits, ring=steps, lengths=lengths)
   try:
     got = np.asarray(core_fn(block_s, splits, steps, interpret)(*args))[:, :4]
   except Exception as e:  # pylint: disable=broad-except
@@ -102,7 +113,8 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, peer_rows: 
         f"{meta['mhz']:.0f} MHz · {meta['sms']} SMs / (BK · S); the 0.108 ms target (5× cuDNN's 0.54 ms at 64k × 8) "
         f"leaves {kb.TARGET_CYCLES}.", "", "## Checks (GPU route vs the blockwise XLA model, max abs error ≤ 1e-3)", ""]
   for c in checks:
-    head = f"BK={c['bk']} S={c['s']} bs={c['block_s']} splits={c['splits']} ring={c['ring']}"
+    head = (f"BK={c['bk']} S={c['s']} bs={c['block_s']} splits={c['splits']} ring={c['ring']}"
+            + (f" lengths={c['lengths']}" if c.get("lengths") else ""))
     if "error" in c:
       md.append(f"- FAIL {head}: {c['error']}")
     else:
@@ -145,7 +157,8 @@ def main(argv=None) -> int:
   for s, block_s, splits, ring, ablate in [(256, 64, 2, 2, "")] if args.smoke else TIMED:
     name = f"core S={s} bs={block_s} splits={splits} ring={ring}" + (f" ablate={ablate}" if ablate else "")
     try:
-      ms, kernels, _ = kb.kernel_ms(core_fn(block_s, splits, ring, args.smoke, ablate), inputs(0, BK, s), args.iters,
+      fn = core_fn(block_s, splits, ring, args.smoke, "" if ablate == "ragged" else ablate)
+      ms, kernels, _ = kb.kernel_ms(fn, _core_args(s, ablate), args.iters,
                                     args.smoke)
       nbytes = 2 * BK * s * Q
       rows.append(dict(config=name, s=s, us=ms * 1e3, bytes=nbytes, tb_per_s=nbytes / ms / 1e9, kernels=kernels))

@@ -2,8 +2,8 @@
 
 Joins the two building blocks (`oskvp_key_scores_mgpu.py`, `oskvp_value_sums_mgpu.py`) with an online softmax in
 one kernel, to measure what the composed kernel costs per token-head (`benchmarks/notes_mgpu_oskvp.md` §9). Only the
-2-bit code part of the cache: no fp8 outlier channels, no residual window, no ragged lengths (S a multiple of
-splits · block_s); not wired into the attention op.
+2-bit code part of the cache: no fp8 outlier channels and no residual window; ragged lengths are masked in the
+kernel (the capacity S a multiple of splits · block_s); not wired into the attention op.
 
 Per row b of the leading axis BK (batch row × kv head), with uniform codebooks cb[c] = c0 + d·c on both sides:
 
@@ -49,38 +49,53 @@ from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 N = 8  # query heads per kv head, padded: the wgmma N of both sides
 P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
+MASKED = -1e30  # the score of a token past the row's length (finite: a fully masked block keeps alpha = 1)
+_LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
 
 
-def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array) -> jax.Array:
-  """f32 reference: kcodes uint8 [BK, S, Q], vcodes uint8 [BK, Q, S], qd int8 [BK, 8, H], qs f32 [BK, 8]
-  -> out f32 [BK, 8, H] = softmax_2(s) @ vcode (exact softmax, no quantization of p)."""
+def _valid(bk: int, s_len: int, lengths: jax.Array | None) -> jax.Array:
+  """bool [BK, 1, S]: token t of row b is stored (t < lengths[b]; all tokens when lengths is None)."""
+  if lengths is None:
+    return jnp.ones((bk, 1, s_len), bool)
+  return jnp.arange(s_len)[None, None, :] < lengths[:, None, None]
+
+
+def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
+                          lengths: jax.Array | None = None) -> jax.Array:
+  """f32 reference: kcodes uint8 [BK, S, Q], vcodes uint8 [BK, Q, S], qd int8 [BK, 8, H], qs f32 [BK, 8],
+  lengths int32 [BK] (optional) -> out f32 [BK, 8, H] = softmax_2(s) @ vcode over the first lengths[b] tokens
+  (exact softmax, no quantization of p; zeros where a row has no token)."""
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes 0..3
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None]
-  p = jnp.exp2(s - s.max(axis=-1, keepdims=True))
-  p = p / p.sum(axis=-1, keepdims=True)
+  valid = _valid(*kcodes.shape[:2], lengths)
+  s = jnp.where(valid, s, -jnp.inf)
+  p = jnp.where(valid, jnp.exp2(s - s.max(axis=-1, keepdims=True)), 0.0)
+  p = p / jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
   vc = vs.value_planes_reference(vcodes, 1).astype(jnp.float32)  # [BK, H, S]
   return jnp.einsum("bnt,bht->bnh", p, vc)
 
 
-def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array, *,
-                                    block_s: int, splits: int) -> jax.Array:
+def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
+                                    lengths: jax.Array | None = None, *, block_s: int, splits: int) -> jax.Array:
   """The kernel's own arithmetic in XLA: per split, blocks in order with the running max m_j (after block j),
   p8 = round(127 · 2^(s − m_j)), the block's sums weighed by 2^(m_j − m_final); splits merged by log-sum-exp.
   Same shapes as `decode_core_reference`; equal to the kernel up to f32 summation order."""
   bk, s_len, _ = kcodes.shape
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.int32)
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.int32)).astype(jnp.float32) * qs[..., None]  # [BK, 8, S]
+  valid = jnp.broadcast_to(_valid(bk, s_len, lengths), s.shape)
+  s = jnp.where(valid, s, MASKED)
   nb = s_len // (splits * block_s)
-  s = s.reshape(bk, N, splits, nb, block_s)
-  m_run = jax.lax.cummax(s.max(axis=-1), axis=3)  # [BK, 8, splits, nb]
-  p8 = jnp.floor(jnp.exp2(s - m_run[..., None]) * P_LEVELS + 0.5)
+  s, valid = s.reshape(bk, N, splits, nb, block_s), valid.reshape(bk, N, splits, nb, block_s)
+  m_run = jax.lax.cummax(jnp.maximum(s.max(axis=-1), MASKED), axis=3)  # [BK, 8, splits, nb]
+  p8 = jnp.where(valid, jnp.floor(jnp.exp2(s - m_run[..., None]) * P_LEVELS + 0.5), 0.0)
   w = jnp.exp2(m_run - m_run[..., -1:])  # block j's weight at the end of its split
   vc = vs.value_planes_reference(vcodes, 1).astype(jnp.float32).reshape(bk, -1, splits, nb, block_s)
   acc = jnp.einsum("bnsj,bnsjt,bhsjt->bsnh", w, p8, vc)
   l = jnp.einsum("bnsj,bnsjt->bsn", w, p8)
   m = m_run[..., -1].transpose(0, 2, 1)  # [BK, splits, 8]
   ws = jnp.exp2(m - m.max(axis=1, keepdims=True))
-  return jnp.einsum("bsn,bsnh->bnh", ws, acc) / jnp.einsum("bsn,bsn->bn", ws, l)[..., None]
+  return jnp.einsum("bsn,bsnh->bnh", ws, acc) / jnp.maximum(jnp.einsum("bsn,bsn->bn", ws, l), 1e-30)[..., None]
 
 
 def _store_p_transposed(p8, p_ref, block_s: int):
@@ -109,7 +124,7 @@ def _store_p_transposed(p8, p_ref, block_s: int):
 
 def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka_smem, va_smem, p_smem,
             o_smem, ml_smem, bar, *, block_s: int, steps: int, max_concurrent_steps: int, interpret: bool,
-            ablate: str):
+            ablate: str, ragged: bool):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
   # padded: TMA copies move multiples of 128 bytes). acc_out f32 [BK, splits, H, 8] (ACC row order); ml_out f32
   # [BK, splits, 32]: m in [0, 8), l in [8, 16).
@@ -127,15 +142,23 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
   k_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=ks.swizzled(q))
   v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
 
-  def body(_, k_smem, v_smem, carry):
+  n_valid = qs_smem[_LEN_SLOT].astype(jnp.int32)
+
+  def body(idx, k_smem, v_smem, carry):
     m, l, acc = carry  # f32 [8] (col); [block_s, 8], per-token partial sums of p8 (WGMMA); [H, 8] (WGMMA)
     s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
                              interpret=interpret)
     s = s_i32.astype(jnp.float32) * jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
+    if ragged:  # tokens at or past the row's length: score MASKED, p8 = 0
+      first = (sp * steps + idx[0]) * block_s
+      valid = plgpu.broadcasted_iota(jnp.int32, (block_s, N), 0, layout=plgpu.Layout.WGMMA) + first < n_valid
+      s = jnp.where(valid, s, MASKED)
     # ablate (timing experiments only, wrong results): "no_max" skips the block max, "no_value" the value wgmmas.
     m_new = m if ablate == "no_max" else jnp.maximum(m, jnp.max(s, axis=0))
     alpha = jnp.exp2(m - m_new)
     p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
+    if ragged:
+      p8 = jnp.where(valid, p8, 0)
     l = l * jax.lax.broadcast_in_dim(alpha, (block_s, N), [1]) + p8.astype(jnp.float32)  # summed over rows at the end
     if interpret:
       p_smem[...] = p8.T.astype(jnp.int8)
@@ -159,7 +182,7 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
     acc = acc * jax.lax.broadcast_in_dim(alpha, (h, N), [1]) + sums.astype(jnp.float32)
     return m_new, l, acc
 
-  init = (plgpu.layout_cast(jnp.full((N,), 0.0 if ablate == "no_max" else -jnp.inf, jnp.float32), col),
+  init = (plgpu.layout_cast(jnp.full((N,), 0.0 if ablate == "no_max" else MASKED, jnp.float32), col),
           plgpu.layout_cast(jnp.zeros((block_s, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA))
   m, l, acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[k_spec, v_spec],
@@ -199,8 +222,9 @@ ABLATIONS = ("", "no_max", "no_value")
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate"))
-def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array, *, block_s: int = 64,
-                     splits: int = 16, max_concurrent_steps: int = 4,
+def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
+                     lengths: jax.Array | None = None, *, block_s: int = 64, splits: int = 16,
+                     max_concurrent_steps: int = 4,
                      interpret: bool | plgpu.InterpretGPUParams = False, ablate: str = "") -> jax.Array:
   """Fused key scores + online softmax + value sums over uniform 2-bit codes (see the module docstring).
 
@@ -209,6 +233,8 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     vcodes: uint8 [BK, Q, S], planar 2-bit value codes, token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`).
     qd: int8 [BK, 8, H], one digit per query head of q·d_k (rows past the group size zero).
     qs: f32 [BK, 8], the per-head scale of the integer scores in base-2 logits (digit scale · log2(e) / √H).
+    lengths: int32 [BK], tokens stored per row (any value in [0, S]; tokens past it are masked in the kernel, a row
+      without tokens gives zeros); None: all S (no masking work).
     block_s: tokens per pipeline step (64 or 128).
     splits: programs per BK row; S must be a multiple of splits · block_s.
     max_concurrent_steps: depth of the TMA ring.
@@ -217,16 +243,18 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
       "no_value" (no value wgmmas); "" is the kernel.
 
   Returns:
-    f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over all S tokens (`decode_core_reference`, to
-    the 1/127 quantization of p).
+    f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over the row's tokens (`decode_core_reference`,
+    to the 1/127 quantization of p).
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
+  if lengths is not None and (lengths.shape != (bk,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
+    raise ValueError(f"lengths {lengths.shape} {lengths.dtype} must be integer [BK={bk}]")
   h = 4 * q
   steps = s // (splits * block_s)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
-                           interpret=bool(interpret), ablate=ablate)
+                           interpret=bool(interpret), ablate=ablate, ragged=lengths is not None)
   smem_a = interpret  # planes through shared memory only in the interpreter
   kernel = plgpu.kernel(
       body,
@@ -244,9 +272,12 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
           bar=plgpu.Barrier(num_arrivals=2, num_barriers=1)),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
-  acc, ml = kernel(kcodes, vcodes, qd, jnp.pad(qs, ((0, 0), (0, 32 - N))))  # [BK, splits, H (ACC), 8], [.., 32]
+  qs_row = jnp.pad(qs, ((0, 0), (0, 32 - N)))  # padded to the 128 bytes a TMA copy moves; the length rides in it
+  if lengths is not None:
+    qs_row = qs_row.at[:, _LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
+  acc, ml = kernel(kcodes, vcodes, qd, qs_row)  # [BK, splits, H (ACC), 8], [BK, splits, 32]
   m, l = ml[..., :N], ml[..., N:2 * N]
   top = m.max(axis=1, keepdims=True)
   w = jnp.exp2(m - top)  # [BK, splits, 8]
-  out = jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.einsum("bsn,bsn->bn", w, l)[..., None]
+  out = jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(jnp.einsum("bsn,bsn->bn", w, l), 1e-30)[..., None]
   return vs._channel_rows(out, q, 2)  # pylint: disable=protected-access

@@ -27,13 +27,30 @@ def _inputs(seed, bk, s, g=4, scale=0.004):
                                                          (2, 512, 64, 1, 3, 1)])
 def test_matches_blockwise_model(bk, s, block_s, splits, steps, g):
   """The kernel does the blockwise model's arithmetic (running max per block, p8 = round(127·2^(s − m)), rescaled
-  int32 block sums, log-sum-exp over splits): equal to 1e-5 (f32 summation order)."""
+  int32 block sums, log-sum-exp over splits): equal to 1e-3 (f32 summation order; a rounding tie of p8 may land on
+  the other level between XLA's exp2 and the kernel's, ~2e-4 for one token of 127)."""
   args = _inputs(bk * s + splits, bk, s, g)
   got = np.asarray(dc.decode_core_mgpu(*args, block_s=block_s, splits=splits, max_concurrent_steps=steps,
                                        interpret=True))
   want = np.asarray(dc.decode_core_blockwise_reference(*args, block_s=block_s, splits=splits))
   assert got.shape == (bk, dc.N, 4 * Q)
-  np.testing.assert_allclose(got[:, :g], want[:, :g], atol=1e-5)
+  np.testing.assert_allclose(got[:, :g], want[:, :g], atol=1e-3)
+
+
+def test_ragged_lengths():
+  """Lengths 0, 1, 127, 300 and full in one batch (capacity 512): tokens past a row's length are masked in the
+  kernel; length 1 gives that token's value codes exactly, length 0 zeros, the rest track both references."""
+  kc, vc, qd, qs = _inputs(11, 5, 512)
+  lens = jnp.array([0, 1, 127, 300, 512], jnp.int32)
+  got = np.asarray(dc.decode_core_mgpu(kc, vc, qd, qs, lens, block_s=64, splits=2, max_concurrent_steps=2,
+                                       interpret=True))[:, :4]
+  model = np.asarray(dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, block_s=64, splits=2))[:, :4]
+  exact = np.asarray(dc.decode_core_reference(kc, vc, qd, qs, lens))[:, :4]
+  np.testing.assert_allclose(got, model, atol=1e-3)
+  assert np.abs(got - exact).max() < 0.1
+  np.testing.assert_array_equal(got[0], 0.0)
+  first = np.asarray(vs.value_planes_reference(vc[1], 1))[:, 0].astype(np.float32)  # token 0's codes [H]
+  np.testing.assert_allclose(got[1], np.broadcast_to(first, got[1].shape), atol=1e-6)
 
 
 def test_blockwise_model_tracks_the_exact_softmax():
@@ -79,3 +96,5 @@ def test_rejects_bad_arguments():
     dc.decode_core_mgpu(kc, vc, qd, qs, block_s=64, splits=3, interpret=True)
   with pytest.raises(ValueError, match="block_s"):
     dc.decode_core_mgpu(kc, vc, qd, qs, block_s=32, interpret=True)
+  with pytest.raises(ValueError, match="lengths"):
+    dc.decode_core_mgpu(kc, vc, qd, qs, jnp.zeros((2,), jnp.int32), splits=2, interpret=True)
