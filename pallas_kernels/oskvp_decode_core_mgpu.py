@@ -149,16 +149,20 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
     s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
                              interpret=interpret)
     s = s_i32.astype(jnp.float32) * jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
-    if ragged:  # tokens at or past the row's length: score MASKED, p8 = 0
+    if ragged:  # tokens at or past the row's length score MASKED; only a block reaching past it pays for the mask
       first = (sp * steps + idx[0]) * block_s
-      valid = plgpu.broadcasted_iota(jnp.int32, (block_s, N), 0, layout=plgpu.Layout.WGMMA) + first < n_valid
-      s = jnp.where(valid, s, MASKED)
+
+      def mask(s):
+        valid = plgpu.broadcasted_iota(jnp.int32, (block_s, N), 0, layout=plgpu.Layout.WGMMA) + first < n_valid
+        return jnp.where(valid, s, MASKED)
+
+      s = jax.lax.cond(first + block_s > n_valid, mask, lambda s: s, s)
     # ablate (timing experiments only, wrong results): "no_max" skips the block max, "no_value" the value wgmmas.
     m_new = m if ablate == "no_max" else jnp.maximum(m, jnp.max(s, axis=0))
     alpha = jnp.exp2(m - m_new)
-    p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
-    if ragged:
-      p8 = jnp.where(valid, p8, 0)
+    # While a split has seen no stored token (m_new = MASKED), p must be 0, not 2^0: subtract +inf instead.
+    m_p = jnp.where(m_new > 0.5 * MASKED, m_new, jnp.inf) if ragged else m_new
+    p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_p, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
     l = l * jax.lax.broadcast_in_dim(alpha, (block_s, N), [1]) + p8.astype(jnp.float32)  # summed over rows at the end
     if interpret:
       p_smem[...] = p8.T.astype(jnp.int8)
