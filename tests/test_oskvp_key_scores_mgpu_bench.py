@@ -22,7 +22,8 @@ def test_smoke_checks_and_writes_the_report(tmp_path):
 
 
 def test_every_timed_config_lowers_for_cuda():
-  assert set(bench.SCHEDULE) == set(bench.CONFIGS) | set(bench.VALUE_CONFIGS)
+  assert set(bench.SCHEDULE) == set(bench.CONFIGS) | set(bench.VALUE_CONFIGS) | set(bench.UNIFORM_CONFIGS)
+  assert set(bench.DUMP_CONFIGS) <= set(bench.SCHEDULE)
   for cfg in bench.SCHEDULE:
     bench.lower_for_cuda(cfg)
 
