@@ -61,18 +61,25 @@ def _valid(bk: int, s_len: int, lengths: jax.Array | None) -> jax.Array:
 
 
 def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
-                          lengths: jax.Array | None = None) -> jax.Array:
+                          lengths: jax.Array | None = None, return_lse2: bool = False):
   """f32 reference: kcodes uint8 [BK, S, Q], vcodes uint8 [BK, Q, S], qd int8 [BK, 8, H], qs f32 [BK, 8],
   lengths int32 [BK] (optional) -> out f32 [BK, 8, H] = softmax_2(s) @ vcode over the first lengths[b] tokens
-  (exact softmax, no quantization of p; zeros where a row has no token)."""
+  (exact softmax, no quantization of p; zeros where a row has no token); with return_lse2 also
+  lse2 f32 [BK, 8] = log2 Σ_t 2^s[n, t] (-inf for a row without tokens)."""
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes 0..3
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None]
   valid = _valid(*kcodes.shape[:2], lengths)
   s = jnp.where(valid, s, -jnp.inf)
-  p = jnp.where(valid, jnp.exp2(s - s.max(axis=-1, keepdims=True)), 0.0)
-  p = p / jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
+  top = jnp.maximum(s.max(axis=-1, keepdims=True), MASKED)
+  p = jnp.where(valid, jnp.exp2(s - top), 0.0)
+  total = p.sum(axis=-1, keepdims=True)
+  p = p / jnp.maximum(total, 1e-30)
   vc = vs.value_planes_reference(vcodes, 1).astype(jnp.float32)  # [BK, H, S]
-  return jnp.einsum("bnt,bht->bnh", p, vc)
+  out = jnp.einsum("bnt,bht->bnh", p, vc)
+  if not return_lse2:
+    return out
+  lse2 = jnp.where(total[..., 0] > 0, top[..., 0] + jnp.log2(jnp.maximum(total[..., 0], 1e-30)), -jnp.inf)
+  return out, lse2
 
 
 def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
@@ -225,11 +232,13 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
 ABLATIONS = ("", "no_max", "no_value")
 
 
-@functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate"))
+@functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate",
+                                             "return_lse2"))
 def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
                      lengths: jax.Array | None = None, *, block_s: int = 64, splits: int = 16,
                      max_concurrent_steps: int = 4,
-                     interpret: bool | plgpu.InterpretGPUParams = False, ablate: str = "") -> jax.Array:
+                     interpret: bool | plgpu.InterpretGPUParams = False, ablate: str = "",
+                     return_lse2: bool = False):
   """Fused key scores + online softmax + value sums over uniform 2-bit codes (see the module docstring).
 
   Args:
@@ -245,10 +254,11 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     interpret: run in Mosaic GPU's CPU interpreter.
     ablate: timing experiments only (the results are wrong): "no_max" (no block max: p scaled by the initial m),
       "no_value" (no value wgmmas); "" is the kernel.
+    return_lse2: also return the row's log2-sum-exp2 of the scores (for merging with other tokens' attention).
 
   Returns:
     f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over the row's tokens (`decode_core_reference`,
-    to the 1/127 quantization of p).
+    to the 1/127 quantization of p); with return_lse2 also f32 [BK, 8]: log2 Σ_t 2^s (-inf without tokens).
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
   if lengths is not None and (lengths.shape != (bk,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
@@ -283,5 +293,8 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
   m, l = ml[..., :N], ml[..., N:2 * N]
   top = m.max(axis=1, keepdims=True)
   w = jnp.exp2(m - top)  # [BK, splits, 8]
-  out = jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(jnp.einsum("bsn,bsn->bn", w, l), 1e-30)[..., None]
-  return vs._channel_rows(out, q, 2)  # pylint: disable=protected-access
+  total = jnp.einsum("bsn,bsn->bn", w, l)  # Σ p8 relative to 2^top
+  out = vs._channel_rows(jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(total, 1e-30)[..., None], q, 2)  # pylint: disable=protected-access
+  if not return_lse2:
+    return out
+  return out, jnp.where(total > 0, top[:, 0] + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS), -jnp.inf)

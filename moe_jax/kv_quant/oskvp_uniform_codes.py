@@ -1,0 +1,110 @@
+"""Attention over the 2-bit code part of a uniform-codebook OS-KVP cache (`kv_cache="oskvp_uniform"`) through the
+fused Mosaic GPU core (`pallas_kernels/oskvp_decode_core_mgpu.py`), and the log-sum-exp merge that joins it with
+other tokens (the residual window, the fp8 outlier part once the kernel has it).
+
+Per row b of BK = batch × kv heads, with the rotated query q' [G, H] of its G ≤ 8 query heads and uniform codebooks
+cb[ch, c] = c0[ch] + d[ch]·c (outlier channels have cb = 0):
+
+  score[n, t] = scale · Σ_ch q'[n, ch] · cb_k[ch, code_k[t, ch]] = scale · (q'·c0_k)[n] + scale · Σ_ch (q'·d_k)[n, ch] · code
+  o'[n, ch] = c0_v[ch] + d_v[ch] · Σ_t p[n, t] · code_v[t, ch]
+
+The kernel takes one int8 digit per head of q'·d_k (`query_digits`; per-head scale u_n = max|q'·d_k| / 127) and
+base-2 logits; the constant scale·q'·c0_k does not change the softmax and is added back to the log-sum-exp.
+Not wired into `decode_step`: the cache would need its V codes token-contiguous and the kernel the outlier channels
+(README, notes §9).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import oskvp_decode_core_mgpu as dc
+from pallas_kernels import oskvp_key_scores_mgpu as ks
+from pallas_kernels import oskvp_value_sums_mgpu as vs
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def uniform_steps(cb: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cb f32 [..., H, 4] uniform codebooks -> (c0 [..., H], d [..., H]), cb[c] = c0 + d·c."""
+  return cb[..., 0], cb[..., 1] - cb[..., 0]
+
+
+def query_digits(q_rot: jax.Array, cb_k: jax.Array, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """q_rot f32 [BK, G, H], cb_k [BK, H, 4] -> (qd int8 [BK, 8, H], qs f32 [BK, 8], const f32 [BK, G]).
+
+  qd = round(q'·d_k / u), u = max_ch |q'·d_k| / 127 per head (rows G.. zero); qs = u · scale · log2(e) turns the
+  integer scores into base-2 logits; const = scale · log2(e) · q'·c0_k, the score part the codes do not carry.
+  """
+  bk, g, _ = q_rot.shape
+  if g > dc.N:
+    raise ValueError(f"q_rot has G={g} query heads per kv head; the kernel takes at most {dc.N}")
+  c0, d = uniform_steps(cb_k.astype(jnp.float32))
+  qf = q_rot.astype(jnp.float32) * d[:, None, :]  # [BK, G, H]
+  u = jnp.maximum(jnp.max(jnp.abs(qf), axis=-1), 1e-30) / 127.0  # [BK, G]
+  qd = jnp.round(qf / u[..., None]).astype(jnp.int8)
+  pad = ((0, 0), (0, dc.N - g))
+  qd = jnp.pad(qd, (*pad, (0, 0)))
+  qs = jnp.pad(u * (scale * LOG2E), pad)
+  const = jnp.einsum("bgh,bh->bg", q_rot.astype(jnp.float32), c0) * (scale * LOG2E)
+  return qd, qs, const
+
+
+def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k: jax.Array, cb_v: jax.Array,
+                 lengths: jax.Array, *, scale: float, implementation: str = "pallas", interpret: bool = False,
+                 block_s: int = 128, splits: int = 16, max_concurrent_steps: int = 2) -> tuple[jax.Array, jax.Array]:
+  """Softmax attention of q' over the stored code tokens, in the rotated basis.
+
+  Args:
+    q_rot: f32 [BK, G, H], the rotated queries (q @ U_k) of one kv head's group.
+    kcodes: uint8 [BK, S, Q] key codes (the cache's layout); vcodes_t: uint8 [BK, Q, S] value codes,
+      token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`).
+    cb_k, cb_v: f32 [BK, H, 4] uniform codebooks (`oskvp.fit(uniform=True)`).
+    lengths: int32 [BK], stored tokens per row.
+    scale: the softmax scale (1/√H).
+    implementation: "pallas" (the Mosaic GPU core; `interpret=True` on the CPU) or "xla" (exact: dense softmax over
+      the dequantized codes, no digit or p quantization).
+
+  Returns:
+    (o' f32 [BK, G, H] rotated outputs of the code tokens, lse2 f32 [BK, G] = log2 Σ_t 2^(score·log2 e), -inf for a
+    row without tokens).
+  """
+  g = q_rot.shape[1]
+  c0_v, d_v = uniform_steps(cb_v.astype(jnp.float32))
+  if implementation == "xla":
+    kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes
+    keys = cb_k[:, None, :, 0] + (cb_k[:, None, :, 1] - cb_k[:, None, :, 0]) * kc
+    s = jnp.einsum("bgh,bsh->bgs", q_rot.astype(jnp.float32), keys) * (scale * LOG2E)
+    valid = jnp.arange(kcodes.shape[1])[None, None, :] < lengths[:, None, None]
+    s = jnp.where(valid, s, -jnp.inf)
+    top = jnp.maximum(s.max(axis=-1, keepdims=True), dc.MASKED)
+    p = jnp.exp2(s - top)
+    total = p.sum(axis=-1)
+    vcode = vs.value_planes_reference(vcodes_t, 1).astype(jnp.float32)  # [BK, H, S]
+    mean_code = jnp.einsum("bgs,bhs->bgh", p, vcode) / jnp.maximum(total, 1e-30)[..., None]
+    lse2 = jnp.where(total > 0, top[..., 0] + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
+  elif implementation == "pallas":
+    qd, qs, const = query_digits(q_rot, cb_k, scale)
+    mean_code, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, block_s=block_s, splits=splits,
+                                          max_concurrent_steps=max_concurrent_steps, interpret=interpret,
+                                          return_lse2=True)
+    mean_code, lse2 = mean_code[:, :g], lse2[:, :g] + const
+  else:
+    raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
+  out = jnp.where(jnp.isfinite(lse2)[..., None], c0_v[:, None, :] + d_v[:, None, :] * mean_code, 0.0)
+  return out, lse2
+
+
+def merge_lse2(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Joins two softmax attentions over disjoint token sets: o [..., H] with their log2-sum-exp2 [...] -> (o, lse2).
+
+  A side with lse2 = -inf (no tokens) has weight 0; both empty gives zeros and -inf.
+  """
+  top = jnp.maximum(jnp.maximum(lse1, lse2), dc.MASKED)
+  w1, w2 = jnp.exp2(lse1 - top), jnp.exp2(lse2 - top)
+  total = w1 + w2
+  o = (w1[..., None] * o1 + w2[..., None] * o2) / jnp.maximum(total, 1e-30)[..., None]
+  return o, jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
