@@ -40,8 +40,8 @@ SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200))]
 # S, block_s, splits, TMA ring depth, ablation. Run 2 (results/oskvp_decode_core_mgpu.md): bs 128, 16 splits, ring 2
 # best; run 3 repeated it (_run3.md). Ablations (wrong results, timing only) show what each part costs.
 # "ragged" times the masking work with every row full.
-TIMED = [(65536, 128, 16, 2, ""), (65536, 128, 16, 2, "ragged"), (65536, 128, 16, 2, "no_max"),
-         (65536, 128, 16, 2, "no_value"), (16384, 128, 16, 2, "")]
+# Runs 4-6 timed the ablations ("no_max", "no_value"; results/oskvp_decode_core_mgpu_run4.md, _run6.md).
+TIMED = [(65536, 128, 16, 2, ""), (65536, 128, 16, 2, "ragged"), (16384, 128, 16, 2, "")]
 
 
 def inputs(seed: int, bk: int, s: int, g: int = 4, scale: float = 0.004):
@@ -82,6 +82,36 @@ def run_check(case, interpret: bool) -> dict:
           "model_vs_exact": float(np.abs(model - exact).max())}
 
 
+def glue_inputs(seed: int, bk: int, s: int, g: int = 4):
+  """Rotated queries, random codes and uniform codebooks, ragged lengths: the `attend_codes` arguments."""
+  ks_ = jax.random.split(jax.random.key(seed), 5)
+  q_rot = jax.random.normal(ks_[0], (bk, g, 4 * Q), jnp.float32)
+  kc = jax.random.bits(ks_[1], (bk, s, Q), jnp.uint8)
+  vc = jax.random.bits(ks_[2], (bk, Q, s), jnp.uint8)
+  c0 = jax.random.normal(ks_[3], (2, bk, 4 * Q)) - 1.5
+  d = jax.random.uniform(ks_[4], (2, bk, 4 * Q), minval=0.3, maxval=1.2)
+  cb = c0[..., None] + d[..., None] * jnp.arange(4.0)  # [2, BK, H, 4]
+  lengths = jnp.maximum(s - jnp.arange(bk, dtype=jnp.int32) * (s // (2 * bk)), 1)
+  return q_rot, kc, vc, cb[0], cb[1], lengths
+
+
+def glue_fn(implementation: str, interpret: bool, **kw):
+  from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
+  return jax.jit(lambda *a: uc.attend_codes(*a, scale=(4 * Q)**-0.5, implementation=implementation,
+                                            interpret=interpret, **kw))
+
+
+def glue_check(smoke: bool) -> dict:
+  """`attend_codes` through the core vs its exact XLA path: relative error of the outputs and the log-sum-exp."""
+  bk, s, kw = (2, 256, dict(splits=1)) if smoke else (8, 8192, dict(splits=16))
+  args = glue_inputs(5, bk, s)
+  o1, l1 = glue_fn("pallas", smoke, **kw)(*args)
+  o2, l2 = glue_fn("xla", smoke)(*args)
+  rel = float(jnp.linalg.norm(o1 - o2) / jnp.linalg.norm(o2))
+  lse = float(jnp.abs(l1 - l2).max())
+  return dict(bk=bk, s=s, rel_err=rel, lse2_max_abs_err=lse, ok=bool(rel < 0.03 and lse < 0.05))
+
+
 def peers(s: int, iters: int, smoke: bool) -> list[dict]:
   """cuDNN bf16 and our Triton OS-KVP kernel at batch 8, 32 heads, 8 kv heads, H = 128, context s."""
   from benchmarks import decode_attention as da  # pylint: disable=g-import-not-at-top
@@ -113,6 +143,11 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, peer_rows: 
         f"{meta['mhz']:.0f} MHz · {meta['sms']} SMs / (BK · S); the 0.108 ms target (5× cuDNN's 0.54 ms at 64k × 8) "
         f"leaves {kb.TARGET_CYCLES}.", "", "## Checks (GPU route vs the blockwise XLA model, max abs error ≤ 1e-3)", ""]
   for c in checks:
+    if "rel_err" in c:  # the attend_codes check
+      md.append(f"- {'ok' if c['ok'] else 'MISMATCH'} attend_codes (ragged lengths, uniform codebooks) BK={c['bk']} "
+                f"S={c['s']}: relative error vs its exact XLA path {c['rel_err']:.2e} (limit 3e-2), log2-sum-exp "
+                f"max abs error {c['lse2_max_abs_err']:.2e} (limit 5e-2)")
+      continue
     head = (f"BK={c['bk']} S={c['s']} bs={c['block_s']} splits={c['splits']} ring={c['ring']}"
             + (f" lengths={c['lengths']}" if c.get("lengths") else ""))
     if "error" in c:
@@ -166,6 +201,18 @@ def main(argv=None) -> int:
       rows.append(dict(config=name, s=s, error=f"{type(e).__name__}: {str(e)[:600]}"))
     print("time", json.dumps(rows[-1]), flush=True)
     write_report(args.out, meta, checks, rows, peer_rows)
+  glue = glue_check(args.smoke)
+  checks.append(glue)
+  print("glue check", json.dumps(glue), flush=True)
+  if not args.smoke:  # the whole op at 64k x 8: query digits, the core, the merge of splits, c0 + d · out
+    try:
+      ms, kernels, _ = kb.kernel_ms(glue_fn("pallas", False), glue_inputs(0, BK, 65536), args.iters, False)
+      rows.append(dict(config="attend_codes (ragged, XLA prologue/epilogue + core)", s=65536, us=ms * 1e3,
+                       bytes=2 * BK * 65536 * Q, tb_per_s=2 * BK * 65536 * Q / ms / 1e9, kernels=kernels))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(dict(config="attend_codes", s=65536, error=f"{type(e).__name__}: {str(e)[:600]}"))
+    print("time", json.dumps(rows[-1]), flush=True)
+  write_report(args.out, meta, checks, rows, peer_rows)
   for s in (65536, 16384):
     peer_rows += peers(s, args.iters, args.smoke)
     write_report(args.out, meta, checks, rows, peer_rows)
