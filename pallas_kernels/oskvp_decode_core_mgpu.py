@@ -48,6 +48,7 @@ from pallas_kernels import oskvp_key_scores_mgpu as ks
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 N = 8  # query heads per kv head, padded: the wgmma N of both sides
+OUTLIERS = 8  # fp8 outlier channels per side: the outlier rows [S, 16] hold 8 key then 8 value channels
 P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
 MASKED = -1e30  # the score of a token past the row's length (finite: a fully masked block keeps alpha = 1)
 _LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
@@ -60,14 +61,23 @@ def _valid(bk: int, s_len: int, lengths: jax.Array | None) -> jax.Array:
   return jnp.arange(s_len)[None, None, :] < lengths[:, None, None]
 
 
+def _outlier_scores(outl: jax.Array | None, qo: jax.Array | None) -> jax.Array | float:
+  """f32 [BK, 8, S] = Σ_c qo[n, c] · outl[t, c] (the value half of qo is zero), or 0 without outliers."""
+  if outl is None:
+    return 0.0
+  return jnp.einsum("btc,bnc->bnt", outl.astype(jnp.float32), qo.astype(jnp.float32))
+
+
 def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
-                          lengths: jax.Array | None = None, return_lse2: bool = False):
+                          lengths: jax.Array | None = None, outl: jax.Array | None = None,
+                          qo: jax.Array | None = None, return_lse2: bool = False):
   """f32 reference: kcodes uint8 [BK, S, Q], vcodes uint8 [BK, Q, S], qd int8 [BK, 8, H], qs f32 [BK, 8],
   lengths int32 [BK] (optional) -> out f32 [BK, 8, H] = softmax_2(s) @ vcode over the first lengths[b] tokens
-  (exact softmax, no quantization of p; zeros where a row has no token); with return_lse2 also
+  (exact softmax, no quantization of p; zeros where a row has no token); outl, qo as in `decode_core_mgpu` add the
+  outlier scores and return (out, f32 [BK, 8, 8] value-outlier sums); return_lse2 appends
   lse2 f32 [BK, 8] = log2 Σ_t 2^s[n, t] (-inf for a row without tokens)."""
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes 0..3
-  s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None]
+  s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None] + _outlier_scores(outl, qo)
   valid = _valid(*kcodes.shape[:2], lengths)
   s = jnp.where(valid, s, -jnp.inf)
   top = jnp.maximum(s.max(axis=-1, keepdims=True), MASKED)
@@ -75,21 +85,24 @@ def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, q
   total = p.sum(axis=-1, keepdims=True)
   p = p / jnp.maximum(total, 1e-30)
   vc = vs.value_planes_reference(vcodes, 1).astype(jnp.float32)  # [BK, H, S]
-  out = jnp.einsum("bnt,bht->bnh", p, vc)
-  if not return_lse2:
-    return out
-  lse2 = jnp.where(total[..., 0] > 0, top[..., 0] + jnp.log2(jnp.maximum(total[..., 0], 1e-30)), -jnp.inf)
-  return out, lse2
+  outs = (jnp.einsum("bnt,bht->bnh", p, vc),)
+  if outl is not None:
+    outs += (jnp.einsum("bnt,bto->bno", p, outl[..., OUTLIERS:].astype(jnp.float32)),)
+  if return_lse2:
+    outs += (jnp.where(total[..., 0] > 0, top[..., 0] + jnp.log2(jnp.maximum(total[..., 0], 1e-30)), -jnp.inf),)
+  return outs[0] if len(outs) == 1 else outs
 
 
 def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
-                                    lengths: jax.Array | None = None, *, block_s: int, splits: int) -> jax.Array:
+                                    lengths: jax.Array | None = None, outl: jax.Array | None = None,
+                                    qo: jax.Array | None = None, *, block_s: int, splits: int):
   """The kernel's own arithmetic in XLA: per split, blocks in order with the running max m_j (after block j),
   p8 = round(127 · 2^(s − m_j)), the block's sums weighed by 2^(m_j − m_final); splits merged by log-sum-exp.
   Same shapes as `decode_core_reference`; equal to the kernel up to f32 summation order."""
   bk, s_len, _ = kcodes.shape
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.int32)
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.int32)).astype(jnp.float32) * qs[..., None]  # [BK, 8, S]
+  s = s + _outlier_scores(outl, qo)
   valid = jnp.broadcast_to(_valid(bk, s_len, lengths), s.shape)
   s = jnp.where(valid, s, MASKED)
   nb = s_len // (splits * block_s)
@@ -102,7 +115,13 @@ def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: ja
   l = jnp.einsum("bnsj,bnsjt->bsn", w, p8)
   m = m_run[..., -1].transpose(0, 2, 1)  # [BK, splits, 8]
   ws = jnp.exp2(m - m.max(axis=1, keepdims=True))
-  return jnp.einsum("bsn,bsnh->bnh", ws, acc) / jnp.maximum(jnp.einsum("bsn,bsn->bn", ws, l), 1e-30)[..., None]
+  total = jnp.maximum(jnp.einsum("bsn,bsn->bn", ws, l), 1e-30)[..., None]
+  out = jnp.einsum("bsn,bsnh->bnh", ws, acc) / total
+  if outl is None:
+    return out
+  vo = outl[..., OUTLIERS:].astype(jnp.float32).reshape(bk, splits, nb, block_s, OUTLIERS)
+  acc_o = jnp.einsum("bnsj,bnsjt,bsjto->bsno", w, p8, vo)
+  return out, jnp.einsum("bsn,bsno->bno", ws, acc_o) / total
 
 
 def _store_p_transposed(p8, p_ref, block_s: int):
@@ -129,17 +148,53 @@ def _store_p_transposed(p8, p_ref, block_s: int):
   store(p8, p_ref)
 
 
-def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka_smem, va_smem, p_smem,
-            o_smem, ml_smem, bar, *, block_s: int, steps: int, max_concurrent_steps: int, interpret: bool,
-            ablate: str, ragged: bool):
+def _store_transposed_f16(arr, ref):
+  """Inside the kernel (GPU route): f16 [T, C] in the WGMMA layout -> ref f16 [R >= C, T] with element (t, c) at
+  ref[c, t] (transposed). ref has `F16_T_TRANSFORMS` (tiles of 8 × 64, 128-byte swizzle, applied by hand: the
+  8-element chunk index ^= row % 8); rows C.. of ref are left as they were."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(F16_T_TRANSFORMS)))
+  def store(_, arr, ref):  # ref: the tiled memref [R / 8, T / 64, 8, 64]
+    index = ir.IndexType.get()
+    c = lambda v: mgpu.utils.c(v, index)
+
+    def one(val, idx):
+      t, n = idx  # arr row (a column of ref), arr column (a row of ref)
+      r8 = arith.remui(n, c(8))
+      phys = arith.xori(arith.remui(t, c(64)), arith.shli(r8, c(3)))
+      memref.store(val, ref, [arith.divui(n, c(8)), arith.divui(t, c(64)), r8, phys])
+
+    arr.foreach(one)
+
+  store(arr, ref)
+
+
+F16_T_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+F16_B16_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+
+
+def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, bar, qo_smem=None, a16_smem=None,
+            vt_smem=None, p16_smem=None, oo_smem=None, block_s: int, steps: int, max_concurrent_steps: int,
+            interpret: bool, ablate: str, ragged: bool, outliers: bool):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
-  # padded: TMA copies move multiples of 128 bytes). acc_out f32 [BK, splits, H, 8] (ACC row order); ml_out f32
-  # [BK, splits, 32]: m in [0, 8), l in [8, 16).
+  # padded: TMA copies move multiples of 128 bytes); with outliers also ol_ref fp8 [BK, S, 16] (8 key then 8 value
+  # channels per token) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits; columns 8.. zero).
+  # acc_out f32 [BK, splits, H, 8] (ACC row order); ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16);
+  # acco_out f32 [BK, splits, 8, 8] (value-outlier sums [channel, head]).
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
-  # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32].
+  # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
+  # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] (interpret only); vt_smem f16 [64, block_s] (the outlier rows
+  # of the tile, transposed: A of the value-outlier wgmma; rows 16.. unused); p16_smem f16 [8, block_s] (p8 as f16);
+  # oo_smem f32 [64, 8].
+  if outliers:
+    kc_ref, vc_ref, qd_ref, qs_ref, ol_ref, qo_ref, acc_out, ml_out, acco_out = refs
+  else:
+    kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out = refs
   bk, sp = jax.lax.axis_index("bk"), jax.lax.axis_index("split")
   plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[0])
   plgpu.copy_gmem_to_smem(qs_ref.at[bk], qs_smem, bar.at[0])
+  if outliers:
+    plgpu.copy_gmem_to_smem(qo_ref.at[bk], qo_smem, bar.at[0])
   plgpu.barrier_wait(bar.at[0])
   q = kc_ref.shape[-1]
   h = 4 * q
@@ -148,14 +203,30 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
   tokens = pl.ds(sp * (steps * block_s), steps * block_s)
   k_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=ks.swizzled(q))
   v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
+  o_spec = plgpu.BlockSpec((block_s, 2 * OUTLIERS), lambda i: (i, 0))
 
   n_valid = qs_smem[_LEN_SLOT].astype(jnp.int32)
 
-  def body(idx, k_smem, v_smem, carry):
-    m, l, acc = carry  # f32 [8] (col); [block_s, 8], per-token partial sums of p8 (WGMMA); [H, 8] (WGMMA)
+  def body(idx, k_smem, v_smem, *rest):
+    o_tile, carry = (rest[0], rest[1]) if outliers else (None, rest[0])
+    m, l, acc, acc_o = carry  # f32 [8] (col); [block_s, 8] per-token p8 sums; [H, 8]; [64, 8] or None
     s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
                              interpret=interpret)
     s = s_i32.astype(jnp.float32) * jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
+    if outliers:  # + the key outlier channels: f16 wgmma, A = the tile [block_s, 16] (value half × 0 in qo)
+      if interpret:
+        a16_smem[...] = o_tile[...].astype(jnp.float16)
+        plgpu.commit_smem()
+        a16 = a16_smem
+      else:
+        a16 = plgpu.load(o_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+
+      def key_outlier_scope(r):
+        plgpu.wgmma(r, a16, qo_smem.T)
+        plgpu.wgmma_wait(0)
+        return r[...]
+
+      s = s + pl.run_scoped(key_outlier_scope, plgpu.ACC((block_s, N), jnp.float32))
     if ragged:  # tokens at or past the row's length score MASKED; only a block reaching past it pays for the mask
       first = (sp * steps + idx[0]) * block_s
 
@@ -174,8 +245,14 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
     if interpret:
       p_smem[...] = p8.T.astype(jnp.int8)
       va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
+      if outliers:
+        p16_smem[...] = p8.T.astype(jnp.float16)
+        vt_smem[pl.ds(0, 2 * OUTLIERS), :] = o_tile[...].astype(jnp.float16).T
     else:
       _store_p_transposed(p8, p_smem, block_s)
+      if outliers:
+        _store_transposed_f16(p8.astype(jnp.float16), p16_smem)
+        _store_transposed_f16(a16, vt_smem)
     plgpu.commit_smem()
 
     def value_scope(vacc_ref):  # int32 [H, 8], this block's sums
@@ -188,23 +265,40 @@ def _kernel(kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out, q_smem, qs_smem, ka
       return vacc_ref[...]
 
     if ablate == "no_value":
-      return m_new, l, acc
+      return m_new, l, acc, acc_o
     sums = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32))
     acc = acc * jax.lax.broadcast_in_dim(alpha, (h, N), [1]) + sums.astype(jnp.float32)
-    return m_new, l, acc
+    if outliers:  # Σ_t p8 · tile[t, c] for the 16 outlier channels (rows 8..15: the value channels)
+
+      def value_outlier_scope(r):  # f32 [64, 8]
+        plgpu.wgmma(r, vt_smem, p16_smem.T)
+        plgpu.wgmma_wait(0)
+        return r[...]
+
+      acc_o = (acc_o * jax.lax.broadcast_in_dim(alpha, (64, N), [1])
+               + pl.run_scoped(value_outlier_scope, plgpu.ACC((64, N), jnp.float32)))
+    return m_new, l, acc, acc_o
 
   init = (plgpu.layout_cast(jnp.full((N,), 0.0 if ablate == "no_max" else MASKED, jnp.float32), col),
           plgpu.layout_cast(jnp.zeros((block_s, N), jnp.float32), plgpu.Layout.WGMMA),
-          plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA))
-  m, l, acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[k_spec, v_spec],
-                                  max_concurrent_steps=max_concurrent_steps, init_carry=init)(
-                                      kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens])
+          plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA),
+          plgpu.layout_cast(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA) if outliers else None)
+  specs, srcs = [k_spec, v_spec], [kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens]]
+  if outliers:
+    specs.append(o_spec)
+    srcs.append(ol_ref.at[bk, tokens])
+  m, l, acc, acc_o = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs,
+                                         max_concurrent_steps=max_concurrent_steps, init_carry=init)(*srcs)
   o_smem[...] = acc
   ml_smem[pl.ds(0, N)] = m
   ml_smem[pl.ds(N, N)] = jnp.sum(l, axis=0)
+  if outliers:
+    oo_smem[...] = acc_o
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
   plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
+  if outliers:
+    plgpu.copy_smem_to_gmem(oo_smem.at[pl.ds(OUTLIERS, OUTLIERS)], acco_out.at[bk, sp])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -235,7 +329,8 @@ ABLATIONS = ("", "no_max", "no_value")
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate",
                                              "return_lse2"))
 def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
-                     lengths: jax.Array | None = None, *, block_s: int = 64, splits: int = 16,
+                     lengths: jax.Array | None = None, outl: jax.Array | None = None, qo: jax.Array | None = None, *,
+                     block_s: int = 64, splits: int = 16,
                      max_concurrent_steps: int = 4,
                      interpret: bool | plgpu.InterpretGPUParams = False, ablate: str = "",
                      return_lse2: bool = False):
@@ -248,6 +343,10 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     qs: f32 [BK, 8], the per-head scale of the integer scores in base-2 logits (digit scale · log2(e) / √H).
     lengths: int32 [BK], tokens stored per row (any value in [0, S]; tokens past it are masked in the kernel, a row
       without tokens gives zeros); None: all S (no masking work).
+    outl: float8_e4m3fn [BK, S, 16], the fp8 outlier channels of each token, 8 key then 8 value channels (their
+      scales folded into qo and applied to the output by the caller); with qo f16 [BK, 8, 16], the key-outlier
+      query per head in base-2 logits (columns 8.. zero). Adds Σ_o qo · outl to the scores (f16 wgmma) and returns
+      the value-outlier sums too. None: codes only.
     block_s: tokens per pipeline step (64 or 128).
     splits: programs per BK row; S must be a multiple of splits · block_s.
     max_concurrent_steps: depth of the TMA ring.
@@ -258,22 +357,31 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
 
   Returns:
     f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over the row's tokens (`decode_core_reference`,
-    to the 1/127 quantization of p); with return_lse2 also f32 [BK, 8]: log2 Σ_t 2^s (-inf without tokens).
+    to the 1/127 quantization of p); with outl, (that, f32 [BK, 8, 8] = Σ_t p[n, t] · outl[t, 8 + o]); with
+    return_lse2 also f32 [BK, 8]: log2 Σ_t 2^s (-inf without tokens) as the last element.
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
   if lengths is not None and (lengths.shape != (bk,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
     raise ValueError(f"lengths {lengths.shape} {lengths.dtype} must be integer [BK={bk}]")
+  outliers = outl is not None
+  if outliers != (qo is not None):
+    raise ValueError("outl and qo go together")
+  if outliers and (outl.shape != (bk, s, 2 * OUTLIERS) or outl.dtype != jnp.float8_e4m3fn
+                   or qo.shape != (bk, N, 2 * OUTLIERS) or qo.dtype != jnp.float16):
+    raise ValueError(f"outl {outl.shape} {outl.dtype} must be float8_e4m3fn [BK, S, {2 * OUTLIERS}] and qo "
+                     f"{qo.shape} {qo.dtype} float16 [BK, {N}, {2 * OUTLIERS}]")
   h = 4 * q
   steps = s // (splits * block_s)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
-                           interpret=bool(interpret), ablate=ablate, ragged=lengths is not None)
+                           interpret=bool(interpret), ablate=ablate, ragged=lengths is not None, outliers=outliers)
   smem_a = interpret  # planes through shared memory only in the interpreter
   kernel = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((bk, splits, h, N), jnp.float32),
-                jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32)),
+                jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
+      + ((jax.ShapeDtypeStruct((bk, splits, OUTLIERS, N), jnp.float32),) if outliers else ()),
       grid=(bk, splits), grid_names=("bk", "split"),
       scratch_types=dict(
           q_smem=plgpu.SMEM((N, h), jnp.int8, transforms=ks.swizzled(128)),
@@ -283,18 +391,28 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
           p_smem=plgpu.SMEM((N, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
           o_smem=plgpu.SMEM((h, N), jnp.float32),
           ml_smem=plgpu.SMEM((32,), jnp.float32),
-          bar=plgpu.Barrier(num_arrivals=2, num_barriers=1)),
+          bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1),
+          **(dict(qo_smem=plgpu.SMEM((N, 2 * OUTLIERS), jnp.float16, transforms=F16_B16_TRANSFORMS),
+                  a16_smem=plgpu.SMEM((block_s, 2 * OUTLIERS) if smem_a else (64, 16), jnp.float16,
+                                      transforms=F16_B16_TRANSFORMS),
+                  vt_smem=plgpu.SMEM((64, block_s), jnp.float16, transforms=F16_T_TRANSFORMS),
+                  p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=F16_T_TRANSFORMS),
+                  oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {})),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
   qs_row = jnp.pad(qs, ((0, 0), (0, 32 - N)))  # padded to the 128 bytes a TMA copy moves; the length rides in it
   if lengths is not None:
     qs_row = qs_row.at[:, _LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
-  acc, ml = kernel(kcodes, vcodes, qd, qs_row)  # [BK, splits, H (ACC), 8], [BK, splits, 32]
+  res = kernel(kcodes, vcodes, qd, qs_row, *((outl, qo) if outliers else ()))
+  acc, ml = res[0], res[1]  # [BK, splits, H (ACC), 8], [BK, splits, 32]
   m, l = ml[..., :N], ml[..., N:2 * N]
   top = m.max(axis=1, keepdims=True)
   w = jnp.exp2(m - top)  # [BK, splits, 8]
   total = jnp.einsum("bsn,bsn->bn", w, l)  # Σ p8 relative to 2^top
   out = vs._channel_rows(jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(total, 1e-30)[..., None], q, 2)  # pylint: disable=protected-access
-  if not return_lse2:
-    return out
-  return out, jnp.where(total > 0, top[:, 0] + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS), -jnp.inf)
+  outs = (out,)
+  if outliers:
+    outs += (jnp.einsum("bsn,bson->bno", w, res[2]) / jnp.maximum(total, 1e-30)[..., None],)
+  if return_lse2:
+    outs += (jnp.where(total > 0, top[:, 0] + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS), -jnp.inf),)
+  return outs[0] if len(outs) == 1 else outs

@@ -68,6 +68,32 @@ def test_blockwise_model_tracks_the_exact_softmax():
   np.testing.assert_allclose(model, exact, atol=1e-3)
 
 
+def _outliers(seed, bk, s, g=4):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  outl = (jax.random.normal(k1, (bk, s, 16)) * 2).astype(jnp.float8_e4m3fn)  # 8 key then 8 value channels
+  qo = (jax.random.normal(k2, (bk, dc.N, 16)) * 0.3).at[:, :, 8:].set(0).at[:, g:].set(0).astype(jnp.float16)
+  return outl, qo
+
+
+def test_outlier_channels():
+  """fp8 outlier channels: their scores join the softmax (f16 wgmma) and their value sums come out beside the
+  codes'; equal to the blockwise model to 1e-3 and, for a one-token row, exactly that token's value outliers."""
+  kc, vc, qd, qs = _inputs(13, 3, 512)
+  outl, qo = _outliers(14, 3, 512)
+  lens = jnp.array([1, 300, 512], jnp.int32)
+  got, got_o = dc.decode_core_mgpu(kc, vc, qd, qs, lens, outl, qo, block_s=64, splits=2, max_concurrent_steps=2,
+                                   interpret=True)
+  want, want_o = dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, outl, qo, block_s=64, splits=2)
+  assert got_o.shape == (3, dc.N, dc.OUTLIERS)
+  np.testing.assert_allclose(np.asarray(got)[:, :4], np.asarray(want)[:, :4], atol=1e-3)
+  np.testing.assert_allclose(np.asarray(got_o)[:, :4], np.asarray(want_o)[:, :4], atol=1e-3)
+  first = np.asarray(outl[0, 0, 8:].astype(jnp.float32))
+  np.testing.assert_allclose(np.asarray(got_o)[0, :4], np.broadcast_to(first, (4, 8)), atol=1e-6)
+  exact, exact_o = dc.decode_core_reference(kc, vc, qd, qs, lens, outl, qo)
+  assert np.abs(np.asarray(got_o - exact_o))[:, :4].max() < 0.15  # p's 127 levels; outliers up to ±8
+  assert np.abs(np.asarray(got - exact))[:, :4].max() < 0.1
+
+
 def test_gpu_route_lowers():
   """Per 128-token block: 8 key and 8 value int8 wgmmas (codes as A in registers), and p stored by hand."""
   kc = jax.ShapeDtypeStruct((2, 2048, Q), jnp.uint8)
@@ -82,6 +108,13 @@ def test_gpu_route_lowers():
   assert len(re.findall(r"wgmma\.mma_async", loop)) == 16
   # p8 [128 tokens, 8] stored transposed by hand: 8 byte stores per thread into the tiled [8, 128] buffer.
   assert len(re.findall(r"memref\.store\"\(.*\(i8, memref<1x1x8x128xi8", text)) == 8
+  # With outlier channels: + 2 key-outlier (M groups) and 8 value-outlier (k16 steps) f16 wgmmas per block.
+  ol = jax.ShapeDtypeStruct((2, 2048, 16), jnp.float8_e4m3fn)
+  qo = jax.ShapeDtypeStruct((2, dc.N, 16), jnp.float16)
+  f = jax.jit(lambda *a: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=128, splits=2, max_concurrent_steps=2))
+  text = mosaic_module_text(f.trace(kc, vc, qd, qs, ol, qo).lower(lowering_platforms=("cuda",)))
+  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.s32\.s8\.s8", text)) == 16
+  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.f16\.f16", text)) == 10
 
 
 def test_rejects_bad_arguments():
@@ -96,5 +129,7 @@ def test_rejects_bad_arguments():
     dc.decode_core_mgpu(kc, vc, qd, qs, block_s=64, splits=3, interpret=True)
   with pytest.raises(ValueError, match="block_s"):
     dc.decode_core_mgpu(kc, vc, qd, qs, block_s=32, interpret=True)
+  with pytest.raises(ValueError, match="outl"):
+    dc.decode_core_mgpu(kc, vc, qd, qs, None, *_outliers(0, 1, 256)[:1], splits=2, interpret=True)
   with pytest.raises(ValueError, match="lengths"):
     dc.decode_core_mgpu(kc, vc, qd, qs, jnp.zeros((2,), jnp.int32), splits=2, interpret=True)
