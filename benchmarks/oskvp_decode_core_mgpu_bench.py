@@ -34,14 +34,19 @@ from pallas_kernels import oskvp_decode_core_mgpu as dc
 Q = 32  # H = 128
 BK = 64  # batch 8 × 8 kv heads
 # BK, S, block_s, splits, ring, lengths (None: all S, no masking)
-CHECKS = [(2, 1024, 64, 2, 2, None), (3, 3072, 128, 3, 2, None), (2, 4096, 64, 4, 4, None),
-          (1, 8192, 128, 1, 8, None), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096))]
-SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200))]
+# BK, S, block_s, splits, ring, lengths (None: all S, no masking), fp8 outlier channels
+CHECKS = [(2, 1024, 64, 2, 2, None, False), (3, 3072, 128, 3, 2, None, False), (2, 4096, 64, 4, 4, None, False),
+          (1, 8192, 128, 1, 8, None, False), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), False),
+          (2, 2048, 64, 2, 2, None, True), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), True)]
+SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200), False), (2, 256, 64, 2, 2, (1, 200), True)]
 # S, block_s, splits, TMA ring depth, ablation. Run 2 (results/oskvp_decode_core_mgpu.md): bs 128, 16 splits, ring 2
 # best; run 3 repeated it (_run3.md). Ablations (wrong results, timing only) show what each part costs.
 # "ragged" times the masking work with every row full.
 # Runs 4-6 timed the ablations ("no_max", "no_value"; results/oskvp_decode_core_mgpu_run4.md, _run6.md).
-TIMED = [(65536, 128, 16, 2, ""), (65536, 128, 16, 2, "ragged"), (16384, 128, 16, 2, "")]
+# "outliers" adds the fp8 outlier channels (16 bytes per token-head more).
+TIMED = [(65536, 128, 16, 2, ""), (65536, 128, 16, 2, "outliers"), (65536, 128, 16, 2, "outliers+ragged"),
+         (65536, 64, 16, 2, "outliers"), (65536, 128, 16, 2, "ragged"), (16384, 128, 16, 2, ""),
+         (16384, 128, 16, 2, "outliers")]
 
 
 def inputs(seed: int, bk: int, s: int, g: int = 4, scale: float = 0.004):
@@ -58,24 +63,39 @@ def core_fn(block_s: int, splits: int, steps: int, interpret: bool, ablate: str 
                                                 interpret=interpret, ablate=ablate))
 
 
-def _core_args(s: int, ablate: str):
-  """The timed inputs at BK = 64; "ragged" adds full lengths (the masking work without fewer tokens)."""
+def outlier_inputs(seed: int, bk: int, s: int, g: int = 4):
+  """fp8 outlier rows [BK, S, 16] (8 key then 8 value channels) and the key-outlier query f16 [BK, 8, 16]."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  outl = (jax.random.normal(k1, (bk, s, 16)) * 2).astype(jnp.float8_e4m3fn)
+  qo = (jax.random.normal(k2, (bk, dc.N, 16)) * 0.3).at[:, :, 8:].set(0).at[:, g:].set(0).astype(jnp.float16)
+  return outl, qo
+
+
+def _core_args(s: int, variant: str):
+  """The timed inputs at BK = 64; "ragged" adds full lengths (the masking work without fewer tokens), "outliers"
+  the fp8 outlier channels."""
   args = inputs(0, BK, s)
-  return (*args, jnp.full((BK,), s, jnp.int32)) if ablate == "ragged" else args
+  lengths = jnp.full((BK,), s, jnp.int32) if "ragged" in variant else None
+  return (*args, lengths, *outlier_inputs(1, BK, s)) if "outliers" in variant else (*args, lengths)
+
+
+def _timed_bytes(s: int, variant: str) -> int:
+  return BK * s * (2 * Q + (16 if "outliers" in variant else 0))
 
 
 def run_check(case, interpret: bool) -> dict:
-  bk, s, block_s, splits, steps, lengths = case
-  args = inputs(bk * s + splits, bk, s)
-  if lengths is not None:
-    args = (*args, jnp.asarray(lengths, jnp.int32))
-  row = dict(bk=bk, s=s, block_s=block_s, splits=splits, ring=steps, lengths=lengths)
+  bk, s, block_s, splits, steps, lengths, outliers = case
+  args = (*inputs(bk * s + splits, bk, s), None if lengths is None else jnp.asarray(lengths, jnp.int32))
+  if outliers:
+    args = (*args, *outlier_inputs(bk + s, bk, s))
+  row = dict(bk=bk, s=s, block_s=block_s, splits=splits, ring=steps, lengths=lengths, outliers=outliers)
+  flat = lambda x: np.concatenate([np.asarray(a)[:, :4].ravel() for a in (x if isinstance(x, tuple) else (x,))])
   try:
-    got = np.asarray(core_fn(block_s, splits, steps, interpret)(*args))[:, :4]
+    got = flat(core_fn(block_s, splits, steps, interpret)(*args))
   except Exception as e:  # pylint: disable=broad-except
     return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
-  model = np.asarray(dc.decode_core_blockwise_reference(*args, block_s=block_s, splits=splits))[:, :4]
-  exact = np.asarray(dc.decode_core_reference(*args))[:, :4]
+  model = flat(dc.decode_core_blockwise_reference(*args, block_s=block_s, splits=splits))
+  exact = flat(dc.decode_core_reference(*args))
   err = float(np.abs(got - model).max())
   return {**row, "ok": bool(err <= 1e-3 and np.isfinite(got).all()), "max_abs_err_vs_model": err,
           "max_abs_err_vs_exact_softmax": float(np.abs(got - exact).max()),
@@ -149,7 +169,7 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, peer_rows: 
                 f"max abs error {c['lse2_max_abs_err']:.2e} (limit 5e-2)")
       continue
     head = (f"BK={c['bk']} S={c['s']} bs={c['block_s']} splits={c['splits']} ring={c['ring']}"
-            + (f" lengths={c['lengths']}" if c.get("lengths") else ""))
+            + (f" lengths={c['lengths']}" if c.get("lengths") else "") + (" +outliers" if c.get("outliers") else ""))
     if "error" in c:
       md.append(f"- FAIL {head}: {c['error']}")
     else:
@@ -189,13 +209,13 @@ def main(argv=None) -> int:
   if not all(c["ok"] for c in checks):
     print("CHECK FAILED", flush=True)
     return 1
-  for s, block_s, splits, ring, ablate in [(256, 64, 2, 2, "")] if args.smoke else TIMED:
-    name = f"core S={s} bs={block_s} splits={splits} ring={ring}" + (f" ablate={ablate}" if ablate else "")
+  for s, block_s, splits, ring, variant in [(256, 64, 2, 2, "outliers")] if args.smoke else TIMED:
+    name = f"core S={s} bs={block_s} splits={splits} ring={ring}" + (f" {variant}" if variant else "")
     try:
-      fn = core_fn(block_s, splits, ring, args.smoke, "" if ablate == "ragged" else ablate)
-      ms, kernels, _ = kb.kernel_ms(fn, _core_args(s, ablate), args.iters,
-                                    args.smoke)
-      nbytes = 2 * BK * s * Q
+      ablate = variant if variant in dc.ABLATIONS else ""
+      ms, kernels, _ = kb.kernel_ms(core_fn(block_s, splits, ring, args.smoke, ablate), _core_args(s, variant),
+                                    args.iters, args.smoke)
+      nbytes = _timed_bytes(s, variant)
       rows.append(dict(config=name, s=s, us=ms * 1e3, bytes=nbytes, tb_per_s=nbytes / ms / 1e9, kernels=kernels))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(dict(config=name, s=s, error=f"{type(e).__name__}: {str(e)[:600]}"))
