@@ -10,8 +10,8 @@ cb[ch, c] = c0[ch] + d[ch]·c (outlier channels have cb = 0):
 
 The kernel takes one int8 digit per head of q'·d_k (`query_digits`; per-head scale u_n = max|q'·d_k| / 127) and
 base-2 logits; the constant scale·q'·c0_k does not change the softmax and is added back to the log-sum-exp.
-Not wired into `decode_step`: the cache would need its V codes token-contiguous and the kernel the outlier channels
-(README, notes §9).
+With `outliers`, the fp8 channels 0..7 of both sides join through the kernel's f16 path. Not wired into
+`decode_step`: the cache would need its V codes token-contiguous and its outliers as [S, 16] rows (README, notes §9).
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def query_digits(q_rot: jax.Array, cb_k: jax.Array, scale: float) -> tuple[jax.A
 
 
 def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k: jax.Array, cb_v: jax.Array,
-                 lengths: jax.Array, *, scale: float, implementation: str = "pallas", interpret: bool = False,
-                 block_s: int = 128, splits: int = 16, max_concurrent_steps: int = 2) -> tuple[jax.Array, jax.Array]:
-  """Softmax attention of q' over the stored code tokens, in the rotated basis.
+                 lengths: jax.Array, outliers: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None, *,
+                 scale: float, implementation: str = "pallas", interpret: bool = False, block_s: int = 128,
+                 splits: int = 16, max_concurrent_steps: int = 2) -> tuple[jax.Array, jax.Array]:
+  """Softmax attention of q' over the stored compressed tokens, in the rotated basis.
 
   Args:
     q_rot: f32 [BK, G, H], the rotated queries (q @ U_k) of one kv head's group.
@@ -64,6 +65,10 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
       token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`).
     cb_k, cb_v: f32 [BK, H, 4] uniform codebooks (`oskvp.fit(uniform=True)`).
     lengths: int32 [BK], stored tokens per row.
+    outliers: None (codes only), or (outl_k fp8 [BK, S, 8], scale_k f32 [BK, 8], outl_v fp8 [BK, S, 8],
+      scale_v f32 [BK, 8]): the cache's fp8 channels 0..7 (rotated channel j = outl_j · scale_j; the codebook rows
+      of those channels are 0). The kernel reads them as one [S, 16] row per token (concatenated here; a cache
+      would store them so).
     scale: the softmax scale (1/√H).
     implementation: "pallas" (the Mosaic GPU core; `interpret=True` on the CPU) or "xla" (exact: dense softmax over
       the dequantized codes, no digit or p quantization).
@@ -74,9 +79,14 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
   """
   g = q_rot.shape[1]
   c0_v, d_v = uniform_steps(cb_v.astype(jnp.float32))
+  o = 0 if outliers is None else outliers[0].shape[-1]
+  if outliers is not None and o != dc.OUTLIERS:
+    raise ValueError(f"the kernel takes {dc.OUTLIERS} outlier channels per side, got {o}")
   if implementation == "xla":
     kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes
     keys = cb_k[:, None, :, 0] + (cb_k[:, None, :, 1] - cb_k[:, None, :, 0]) * kc
+    if outliers is not None:
+      keys = keys.at[..., :o].add(outliers[0].astype(jnp.float32) * outliers[1][:, None, :])
     s = jnp.einsum("bgh,bsh->bgs", q_rot.astype(jnp.float32), keys) * (scale * LOG2E)
     valid = jnp.arange(kcodes.shape[1])[None, None, :] < lengths[:, None, None]
     s = jnp.where(valid, s, -jnp.inf)
@@ -85,17 +95,29 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
     total = p.sum(axis=-1)
     vcode = vs.value_planes_reference(vcodes_t, 1).astype(jnp.float32)  # [BK, H, S]
     mean_code = jnp.einsum("bgs,bhs->bgh", p, vcode) / jnp.maximum(total, 1e-30)[..., None]
+    if outliers is not None:
+      mean_outl = jnp.einsum("bgs,bso->bgo", p, outliers[2].astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
     lse2 = jnp.where(total > 0, top[..., 0] + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
   elif implementation == "pallas":
     qd, qs, const = query_digits(q_rot, cb_k, scale)
-    mean_code, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, block_s=block_s, splits=splits,
-                                          max_concurrent_steps=max_concurrent_steps, interpret=interpret,
-                                          return_lse2=True)
+    kw = dict(block_s=block_s, splits=splits, max_concurrent_steps=max_concurrent_steps, interpret=interpret,
+              return_lse2=True)
+    if outliers is None:
+      mean_code, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, **kw)
+    else:
+      outl_k, scale_k, outl_v, _ = outliers
+      qo = q_rot[..., :o].astype(jnp.float32) * scale_k[:, None, :] * (scale * LOG2E)  # [BK, G, 8]
+      qo = jnp.pad(qo, ((0, 0), (0, dc.N - g), (0, o))).astype(jnp.float16)  # [BK, 8, 16], value half zero
+      rows = jnp.concatenate([outl_k, outl_v], axis=-1)  # [BK, S, 16]
+      mean_code, mean_outl, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, rows, qo, **kw)
+      mean_outl = mean_outl[:, :g]
     mean_code, lse2 = mean_code[:, :g], lse2[:, :g] + const
   else:
     raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
-  out = jnp.where(jnp.isfinite(lse2)[..., None], c0_v[:, None, :] + d_v[:, None, :] * mean_code, 0.0)
-  return out, lse2
+  out = c0_v[:, None, :] + d_v[:, None, :] * mean_code
+  if outliers is not None:
+    out = out.at[..., :o].add(mean_outl * outliers[3][:, None, :])
+  return jnp.where(jnp.isfinite(lse2)[..., None], out, 0.0), lse2
 
 
 def merge_lse2(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
