@@ -103,7 +103,7 @@ def run_check(case, interpret: bool) -> dict:
 
 
 def glue_inputs(seed: int, bk: int, s: int, g: int = 4):
-  """Rotated queries, random codes and uniform codebooks, ragged lengths: the `attend_codes` arguments."""
+  """Rotated queries, random codes and uniform codebooks, ragged lengths, fp8 outliers: `attend_codes`'s arguments."""
   ks_ = jax.random.split(jax.random.key(seed), 5)
   q_rot = jax.random.normal(ks_[0], (bk, g, 4 * Q), jnp.float32)
   kc = jax.random.bits(ks_[1], (bk, s, Q), jnp.uint8)
@@ -112,7 +112,12 @@ def glue_inputs(seed: int, bk: int, s: int, g: int = 4):
   d = jax.random.uniform(ks_[4], (2, bk, 4 * Q), minval=0.3, maxval=1.2)
   cb = c0[..., None] + d[..., None] * jnp.arange(4.0)  # [2, BK, H, 4]
   lengths = jnp.maximum(s - jnp.arange(bk, dtype=jnp.int32) * (s // (2 * bk)), 1)
-  return q_rot, kc, vc, cb[0], cb[1], lengths
+  ko, vo = jax.random.split(jax.random.fold_in(ks_[0], 1))
+  outliers = ((jax.random.normal(ko, (bk, s, dc.OUTLIERS)) * 2).astype(jnp.float8_e4m3fn),
+              jnp.full((bk, dc.OUTLIERS), 0.5, jnp.float32),
+              (jax.random.normal(vo, (bk, s, dc.OUTLIERS)) * 2).astype(jnp.float8_e4m3fn),
+              jnp.full((bk, dc.OUTLIERS), 0.5, jnp.float32))
+  return q_rot, kc, vc, cb[0], cb[1], lengths, outliers
 
 
 def glue_fn(implementation: str, interpret: bool, **kw):
@@ -164,7 +169,7 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, peer_rows: 
         f"leaves {kb.TARGET_CYCLES}.", "", "## Checks (GPU route vs the blockwise XLA model, max abs error ≤ 1e-3)", ""]
   for c in checks:
     if "rel_err" in c:  # the attend_codes check
-      md.append(f"- {'ok' if c['ok'] else 'MISMATCH'} attend_codes (ragged lengths, uniform codebooks) BK={c['bk']} "
+      md.append(f"- {'ok' if c['ok'] else 'MISMATCH'} attend_codes (ragged lengths, uniform codebooks, outliers) BK={c['bk']} "
                 f"S={c['s']}: relative error vs its exact XLA path {c['rel_err']:.2e} (limit 3e-2), log2-sum-exp "
                 f"max abs error {c['lse2_max_abs_err']:.2e} (limit 5e-2)")
       continue
@@ -227,8 +232,9 @@ def main(argv=None) -> int:
   if not args.smoke:  # the whole op at 64k x 8: query digits, the core, the merge of splits, c0 + d · out
     try:
       ms, kernels, _ = kb.kernel_ms(glue_fn("pallas", False), glue_inputs(0, BK, 65536), args.iters, False)
-      rows.append(dict(config="attend_codes (ragged, XLA prologue/epilogue + core)", s=65536, us=ms * 1e3,
-                       bytes=2 * BK * 65536 * Q, tb_per_s=2 * BK * 65536 * Q / ms / 1e9, kernels=kernels))
+      nbytes = _timed_bytes(65536, "outliers")
+      rows.append(dict(config="attend_codes (ragged, outliers; XLA prologue/epilogue + core)", s=65536, us=ms * 1e3,
+                       bytes=nbytes, tb_per_s=nbytes / ms / 1e9, kernels=kernels))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(dict(config="attend_codes", s=65536, error=f"{type(e).__name__}: {str(e)[:600]}"))
     print("time", json.dumps(rows[-1]), flush=True)
