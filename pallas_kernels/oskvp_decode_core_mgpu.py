@@ -1,9 +1,10 @@
 """Feasibility prototype: the fused core of OS-KVP decode attention in Mosaic GPU, uniform codebooks (T = 1).
 
 Joins the two building blocks (`oskvp_key_scores_mgpu.py`, `oskvp_value_sums_mgpu.py`) with an online softmax in
-one kernel, to measure what the composed kernel costs per token-head (`benchmarks/notes_mgpu_oskvp.md` §9). Only the
-2-bit code part of the cache: no fp8 outlier channels and no residual window; ragged lengths are masked in the
-kernel (the capacity S a multiple of splits · block_s); not wired into the attention op.
+one kernel, to measure what the composed kernel costs per token-head (`benchmarks/notes_mgpu_oskvp.md` §9). The
+2-bit codes, optionally the fp8 outlier channels (`outl`, `qo`; CPU-checked and lowered, not yet run on a GPU), ragged
+lengths masked in the kernel (the capacity S a multiple of splits · block_s); no residual window (the caller merges
+it by log-sum-exp: `moe_jax/kv_quant/oskvp_uniform_codes.py`); not wired into the attention op.
 
 Per row b of the leading axis BK (batch row × kv head), with uniform codebooks cb[c] = c0 + d·c on both sides:
 
@@ -24,6 +25,9 @@ TMA ring (`plgpu.emit_pipeline`). Per block:
    swizzle applied by hand on the GPU route);
 4. value sums: a fresh int32 [H, 8] accumulator = vcodes [H (ACC order), block_s] @ p8ᵀ (4 wgmmas per 64 tokens),
    added to the f32 accumulator after rescaling it by 2^(m_old − m_new).
+With outliers (one fp8 row [16] per token: 8 key, 8 value channels, a third TMA stream), step 1 adds an f16
+wgmma of the tile (converted to f16 in registers) with qo, and step 4 an f16 wgmma of the tile stored transposed
+(vt [64, block_s], rows 8..15 the value channels) with p8 as f16 ([8, block_s], stored transposed by hand).
 Outputs per program: acc f32 [H (ACC row order), 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits
 (log-sum-exp) in XLA and returns out f32 [BK, 8, H] in channel order.
 
