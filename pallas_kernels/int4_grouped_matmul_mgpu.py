@@ -143,28 +143,39 @@ mul.bf16x2 $0, t, $4;
 }}"""
 
 
-def _dequant_ptx(w, zz, s, block_n: int):
-  """int4 [bn, G] (4X-upcast layout, K_ORDER), bf16 [bn] 136 + z' and scale rows -> bf16 [bn, G] wgmma operand."""
+def dequant_registers(w, a_row, b_row, *, n_rows: int, asm: str, shifts: tuple[int, int]):
+  """int4 [n_rows, G] (4X-upcast layout, K_ORDER) and two per-row bf16 [n_rows] operands -> bf16 [n_rows, G] wgmma
+  operand, by inline PTX per bf16 pair.
+
+  `asm` takes $1, $2 = the 32-bit word of 8 nibbles shifted by shifts[0] and shifts[1] (> 0 left, < 0 right), $3,
+  $4 = the row's two operands in both halves, and {hi}/{lo} = the prmt byte selectors of the pair; $0 the pair.
+  """
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, _ROW, _ROW),
-                     return_type=plgpu.ShapeDtypeStruct((block_n, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
-  def dequant(_, arr, zz_arr, s_arr):
+                     return_type=plgpu.ShapeDtypeStruct((n_rows, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
+  def dequant(_, arr, a_arr, b_arr):
     i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
     pair = lambda r: mgpu.utils.bitcast(mgpu.utils.vector_concat([r, r]), i32)  # one row value in both halves
-    rows = {idx: (pair(zz_arr.registers[idx]), pair(s_arr.registers[idx]))
-            for idx in np.ndindex(zz_arr.registers.shape)}
+    rows = {idx: (pair(a_arr.registers[idx]), pair(b_arr.registers[idx])) for idx in np.ndindex(a_arr.registers.shape)}
+    shift = lambda word, n: (word if n == 0 else arith.shli(word, mgpu.utils.c(n, i32)) if n > 0 else
+                             arith.shrui(word, mgpu.utils.c(-n, i32)))
     words = {}
-    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((block_n, _G)), dtype=object)
-    for idx in np.ndindex(regs.shape):  # [bn/64, G/8, 1, 1, 2, 1, 1, 1, 1]
+    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((n_rows, _G)), dtype=object)
+    for idx in np.ndindex(regs.shape):  # [n_rows/64, G/8, 1, 1, 2, 1, 1, 1, 1]
       src = (idx[0], idx[1] // 4, *idx[2:])
       if src not in words:
         word = mgpu.utils.bitcast(arr.registers[src], i32)
-        words[src] = (word, arith.shrui(word, mgpu.utils.c(4, i32)))
+        words[src] = tuple(shift(word, n) for n in shifts)
       part = idx[1] % 4
-      zz_r, s_r = rows[(idx[0], 0, idx[4], 0, 0)]
-      out = llvm.inline_asm(i32, [*words[src], zz_r, s_r], _DEQUANT_ASM.format(hi=part + 4, lo=part), "=r,r,r,r,r")
+      a_r, b_r = rows[(idx[0], 0, idx[4], 0, 0)]
+      out = llvm.inline_asm(i32, [*words[src], a_r, b_r], asm.format(hi=part + 4, lo=part), "=r,r,r,r,r")
       regs[idx] = mgpu.utils.bitcast(out, bf16x2)
     return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-  return dequant(w, zz, s)
+  return dequant(w, a_row, b_row)
+
+
+def _dequant_ptx(w, zz, s, block_n: int):
+  """int4 [bn, G] (4X-upcast layout, K_ORDER), bf16 [bn] 136 + z' and scale rows -> bf16 [bn, G] wgmma operand."""
+  return dequant_registers(w, zz, s, n_rows=block_n, asm=_DEQUANT_ASM, shifts=(0, -4))
 
 
 def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_smem, a_smem, bar, *, block_n: int,

@@ -52,11 +52,8 @@ import functools
 import math
 
 import jax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
@@ -142,28 +139,7 @@ def _dequant_form_ptx(w, a_row, b_row, form: str):
   shifts, mask, xor, tail = _FORM_ASM[form]
   asm = ("{{\n.reg .b32 t;\nprmt.b32 t, $1, $2, 0xF{hi}F{lo};\n"
          f"lop3.b32 t, t, {mask}, {xor}, 0x6A;\n" + tail + "\n}}")
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, _ROW, _ROW),
-                     return_type=plgpu.ShapeDtypeStruct((_WG_N, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
-  def dequant(_, arr, a_arr, b_arr):
-    i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
-    pair = lambda r: mgpu.utils.bitcast(mgpu.utils.vector_concat([r, r]), i32)  # one row value in both halves
-    rows = {idx: (pair(a_arr.registers[idx]), pair(b_arr.registers[idx])) for idx in np.ndindex(a_arr.registers.shape)}
-    shift = lambda word, n: (word if n == 0 else arith.shli(word, mgpu.utils.c(n, i32)) if n > 0 else
-                             arith.shrui(word, mgpu.utils.c(-n, i32)))
-    words = {}
-    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_WG_N, _G)), dtype=object)
-    for idx in np.ndindex(regs.shape):  # [1, G/8, 1, 1, 2, 1, 1, 1, 1]
-      src = (idx[0], idx[1] // 4, *idx[2:])
-      if src not in words:
-        word = mgpu.utils.bitcast(arr.registers[src], i32)
-        words[src] = tuple(shift(word, n) for n in shifts)
-      part = idx[1] % 4
-      a_r, b_r = rows[(idx[0], 0, idx[4], 0, 0)]
-      out = llvm.inline_asm(i32, [*words[src], a_r, b_r], asm.format(hi=part + 4, lo=part), "=r,r,r,r,r")
-      regs[idx] = mgpu.utils.bitcast(out, bf16x2)
-    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-  return dequant(w, a_row, b_row)
+  return mg.dequant_registers(w, a_row, b_row, n_rows=_WG_N, asm=asm, shifts=shifts)
 
 
 def _dequant_form_jnp(w, s, z, form: str):
