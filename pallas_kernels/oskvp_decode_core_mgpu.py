@@ -128,45 +128,33 @@ def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: ja
   return out, jnp.einsum("bsn,bsno->bno", ws, acc_o) / total
 
 
-def _store_p_transposed(p8, p_ref, block_s: int):
-  """Inside the kernel (GPU route): int32 [block_s, 8] WGMMA layout holding 0..127 -> int8 p_ref [8, block_s]
-  (transposed; `swizzled(block_s)` transforms, the swizzle applied by hand: 16-byte chunk ^= address bits 7+)."""
-  chunks = block_s // 16
+def _store_transposed(arr, ref, transforms):
+  """Inside the kernel (GPU route): arr [T, C] in the WGMMA layout -> ref [R >= C, T] with element (t, c) at ref[c, t]
+  (transposed; int32 values are truncated to an int8 ref). `transforms` are the ref's (tiles of 8 × tc elements, a
+  swizzle of sw bytes), and the swizzle is applied by hand: the 16-byte chunk index ^= the row's address bits 7+.
+  Rows C.. of ref are left as they were."""
+  (tiling, swizzle) = transforms
+  tc, sw = tiling.tiling[-1], swizzle.swizzle
+  itemsize = jnp.dtype(ref.dtype).itemsize
+  chunk_shift = (16 // itemsize).bit_length() - 1  # log2 of the elements per 16-byte chunk
+  row_tiles, col_tiles = ref.shape[0] // 8, ref.shape[1] // tc
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(ks.swizzled(block_s))))
-  def store(_, arr, ref):  # ref: the tiled memref [1, 1, 8, block_s]
-    index = ir.IndexType.get()
-    i8 = ir.IntegerType.get_signless(8)
-    zero = mgpu.utils.c(0, index)
-
-    def one(val, idx):  # idx = (token t, head n) as index values
-      t, n = idx
-      xor = arith.andi(arith.shrui(arith.muli(n, mgpu.utils.c(block_s, index)), mgpu.utils.c(7, index)),
-                       mgpu.utils.c(chunks - 1, index))
-      t_phys = arith.xori(t, arith.shli(xor, mgpu.utils.c(4, index)))
-      byte = arith.trunci(i8, val)
-      memref.store(byte, ref, [zero, zero, n, t_phys])
-
-    arr.foreach(one)
-
-  store(p8, p_ref)
-
-
-def _store_transposed_f16(arr, ref):
-  """Inside the kernel (GPU route): f16 [T, C] in the WGMMA layout -> ref f16 [R >= C, T] with element (t, c) at
-  ref[c, t] (transposed). ref has `F16_T_TRANSFORMS` (tiles of 8 × 64, 128-byte swizzle, applied by hand: the
-  8-element chunk index ^= row % 8); rows C.. of ref are left as they were."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(F16_T_TRANSFORMS)))
-  def store(_, arr, ref):  # ref: the tiled memref [R / 8, T / 64, 8, 64]
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(transforms)))
+  def store(_, arr, ref):  # ref: the tiled memref [R / 8, T / tc, 8, tc]
     index = ir.IndexType.get()
     c = lambda v: mgpu.utils.c(v, index)
+    elem = ir.MemRefType(ref.type).element_type
+    zero = c(0)
 
-    def one(val, idx):
-      t, n = idx  # arr row (a column of ref), arr column (a row of ref)
-      r8 = arith.remui(n, c(8))
-      phys = arith.xori(arith.remui(t, c(64)), arith.shli(r8, c(3)))
-      memref.store(val, ref, [arith.divui(n, c(8)), arith.divui(t, c(64)), r8, phys])
+    def one(val, idx):  # idx = (arr row t: a column of ref, arr column n: a row of ref)
+      t, n = idx
+      tile_r, r = (zero, n) if row_tiles == 1 else (arith.divui(n, c(8)), arith.remui(n, c(8)))
+      tile_t, tt = (zero, t) if col_tiles == 1 else (arith.divui(t, c(tc)), arith.remui(t, c(tc)))
+      xor = arith.andi(arith.shrui(arith.muli(r, c(tc * itemsize)), c(7)), c(sw // 16 - 1))
+      phys = arith.xori(tt, arith.shli(xor, c(chunk_shift)))
+      if val.type != elem:
+        val = arith.trunci(elem, val)
+      memref.store(val, ref, [tile_r, tile_t, r, phys])
 
     arr.foreach(one)
 
@@ -253,10 +241,10 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
         p16_smem[...] = p8.T.astype(jnp.float16)
         vt_smem[pl.ds(0, 2 * OUTLIERS), :] = o_tile[...].astype(jnp.float16).T
     else:
-      _store_p_transposed(p8, p_smem, block_s)
+      _store_transposed(p8, p_smem, ks.swizzled(block_s))
       if outliers:
-        _store_transposed_f16(p8.astype(jnp.float16), p16_smem)
-        _store_transposed_f16(a16, vt_smem)
+        _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS)
+        _store_transposed(a16, vt_smem, F16_T_TRANSFORMS)
     plgpu.commit_smem()
 
     def value_scope(vacc_ref):  # int32 [H, 8], this block's sums
