@@ -136,11 +136,10 @@ SASS_KINDS = {"all": ".", "HGMMA": "HGMMA", "WARPGROUP": "WARPGROUP", "LDS": "LD
               "LDL/STL": "LDL|STL", "BRA": "BRA", "DEPBAR/WAIT": "DEPBAR|WARPSYNC|WAIT"}
 
 
-def analyze_dump(path, block_k_of=None):
-  """Per dumped kernel: ptxas's report (registers, spills, warnings) and, for each loop that holds HGMMA, its SASS
-  instructions by kind and per weight (a compute warpgroup's thread handles 64 · block_k / 128 weights per step)."""
+def analyze_dump(path):
+  """Per dumped kernel: ptxas's report (registers, spills, warnings) and, for each loop that holds a wgmma, its SASS
+  instructions by kind (a compute warpgroup's thread handles 64 · block_k / 128 weights per step)."""
   import glob  # pylint: disable=g-import-not-at-top
-  import re  # pylint: disable=g-import-not-at-top
   from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
   out = {}
   for sass_path in sorted(glob.glob(os.path.join(path, "*.sass"))):
@@ -148,15 +147,8 @@ def analyze_dump(path, block_k_of=None):
     rep = {}
     ptxas = base_name + ".ptxas"
     if os.path.exists(ptxas):
-      txt = open(ptxas).read()
-      rep["ptxas_lines"] = [ln.strip() for ln in txt.splitlines() if re.search(r"warn|Used|spill|stack", ln, re.I)]
-    ins, found = triton_sass.loops(open(sass_path).read())
-    rep["loops"] = []
-    for length, a, b in sorted(found, reverse=True):
-      body = ins[a:b + 1]
-      stats = triton_sass.count(body, SASS_KINDS)
-      if stats["HGMMA"]:
-        rep["loops"].append({"length": length, **stats})
+      rep["ptxas_lines"] = triton_sass.ptxas_lines(open(ptxas).read())
+    rep["loops"] = triton_sass.wgmma_loops(open(sass_path).read(), SASS_KINDS)
     out[os.path.basename(base_name)] = rep
   return out
 

@@ -69,26 +69,37 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """One timed kernel call: the loop kernel (or the one-block kernel, kernel="block") at BK = 64."""
+class _Timed:
+  """The fields a timed call of either side shares (at BK = 64)."""
   s: int
   n: int = 8
   plane_types: int = 3
   block_s: int = 64
   splits: int = 16
   a_operand: str = "registers"
-  output: str = "max"
   steps: int = 4  # TMA ring depth
-  kernel: str = "loop"
   flush: bool = True  # False: L2 not flushed, the codes of S = 16384 (33.5 MB) stay in the 50 MB L2
+
+  def _fields(self) -> str:
+    return f"S={self.s} N={self.n} T={self.plane_types} bs={self.block_s}"
+
+  @property
+  def _warm(self) -> str:
+    return "" if self.flush else " L2-warm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(_Timed):
+  """One timed key-side call: the loop kernel (or the one-block kernel, kernel="block")."""
+  output: str = "max"
+  kernel: str = "loop"
 
   @property
   def name(self) -> str:
-    warm = "" if self.flush else " L2-warm"
     if self.kernel == "block":
-      return f"block S={self.s} N={self.n} T={self.plane_types} bs={self.block_s} A={self.a_operand}{warm}"
-    return (f"loop S={self.s} N={self.n} T={self.plane_types} bs={self.block_s} splits={self.splits} "
-            f"ring={self.steps} A={self.a_operand} out={self.output}{warm}")
+      return f"block {self._fields()} A={self.a_operand}{self._warm}"
+    return (f"loop {self._fields()} splits={self.splits} ring={self.steps} A={self.a_operand} out={self.output}"
+            f"{self._warm}")
 
 
 _L = 65536
@@ -131,22 +142,12 @@ SMOKE_CHECKS = [("block", 1, 128, 8, 3, 64, 1, "scores", 1), ("loop", 1, 256, 8,
 
 
 @dataclasses.dataclass(frozen=True)
-class ValueConfig:
-  """One timed `value_sums_mgpu` call at BK = 64: p int8 [BK, N, S], V codes uint8 [BK, Q, S]."""
-  s: int
-  n: int = 8
-  plane_types: int = 3
-  block_s: int = 64
-  splits: int = 16
-  a_operand: str = "registers"
-  steps: int = 4  # TMA ring depth
-  flush: bool = True
+class ValueConfig(_Timed):
+  """One timed `value_sums_mgpu` call: p int8 [BK, N, S], V codes uint8 [BK, Q, S]."""
 
   @property
   def name(self) -> str:
-    warm = "" if self.flush else " L2-warm"
-    return (f"value S={self.s} N={self.n} T={self.plane_types} bs={self.block_s} splits={self.splits} "
-            f"ring={self.steps} A={self.a_operand}{warm}")
+    return f"value {self._fields()} splits={self.splits} ring={self.steps} A={self.a_operand}{self._warm}"
 
 
 VALUE_CONFIGS = [  # most important first
@@ -183,7 +184,7 @@ SMOKE_VALUE_CHECKS = [(1, 128, 8, 3, 64, 1, 2), (2, 256, 16, 2, 64, 2, 2)]
 
 # --dump=I: the configs whose machine code is read (S = 65536 register route, T 3/2, key then value).
 DUMP_CONFIGS = [Config(_L), Config(_L, plane_types=2), ValueConfig(_L), ValueConfig(_L, plane_types=2)]
-SASS_KINDS = {"all": ".", "HGMMA": "HGMMA", "WARPGROUP": "WARPGROUP", "LDSM": "LDSM", "LDS": r"LDS\b|LDS\.",
+SASS_KINDS = {"all": ".", "IGMMA/HGMMA": "[HI]GMMA", "WARPGROUP": "WARPGROUP", "LDSM": "LDSM", "LDS": r"LDS\b|LDS\.",
               "STS": "STS", "LOP3": "LOP3", "SHF/SHR/SHL": r"SHF|SHR|SHL", "PRMT": "PRMT", "IMAD/IADD": "IMAD|IADD",
               "IMNMX/VIMNMX": "IMNMX", "MOV": r"\bMOV", "SYNCS/BAR": "SYNCS|BAR", "LDL/STL": "LDL|STL",
               "BRA": "BRA", "DEPBAR/WAIT": "DEPBAR|WARPSYNC|WAIT"}
@@ -226,21 +227,15 @@ def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str = NVDISASM) -> d
   for ptx in sorted(glob.glob(os.path.join(path, "*.ptx"))):
     base = ptx[:-4]
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", base + ".cubin"], capture_output=True, text=True)
-    rep = {"ptxas": [ln.strip() for ln in (r.stdout + r.stderr).splitlines()
-                     if re.search(r"warn|Used|spill|stack|error", ln, re.I)]}
+    rep = {"ptxas": triton_sass.ptxas_lines(r.stdout + r.stderr)}
     if r.returncode:
       out[os.path.basename(base)] = rep
       continue
     sass = subprocess.run([nvdisasm, "-c", base + ".cubin"], capture_output=True, text=True, check=True).stdout
     with open(base + ".sass", "w") as fh:
       fh.write(sass)
-    ins, found = triton_sass.loops(sass)
-    rep["loops"] = []
-    for length, a, b in sorted(found, reverse=True):
-      stats = triton_sass.count(ins[a:b + 1], SASS_KINDS)
-      if stats["HGMMA"]:
-        rep["loops"].append({"length": length, "warp_instr_per_token_head": round(4 * length / block_s, 2),
-                             **stats})
+    rep["loops"] = [{"warp_instr_per_token_head": round(4 * lp["length"] / block_s, 2), **lp}
+                    for lp in triton_sass.wgmma_loops(sass, SASS_KINDS)]
     out[os.path.basename(base)] = rep
   return out
 

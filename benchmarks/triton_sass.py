@@ -90,3 +90,19 @@ def loops(sass: str) -> tuple[list[str], list[tuple[int, int, int]]]:
 def count(body: list[str], kinds: dict[str, str]) -> dict[str, int]:
   """Instructions of `body` matching each kind's regex."""
   return {k: sum(1 for x in body if re.search(p, x)) for k, p in kinds.items()}
+
+
+def wgmma_loops(sass: str, kinds: dict[str, str]) -> list[dict]:
+  """The loops of `sass` that hold a wgmma (HGMMA or, for int8, IGMMA), longest first: {"length", **count(kinds)}."""
+  ins, found = loops(sass)
+  out = []
+  for length, a, b in sorted(found, reverse=True):
+    body = ins[a:b + 1]
+    if any(re.search(r"[HI]GMMA", x) for x in body):
+      out.append({"length": length, **count(body, kinds)})
+  return out
+
+
+def ptxas_lines(report: str) -> list[str]:
+  """The lines of a ptxas `-v` report that matter here: registers, spills, stack, warnings and errors."""
+  return [ln.strip() for ln in report.splitlines() if re.search(r"warn|Used|spill|stack|error", ln, re.I)]

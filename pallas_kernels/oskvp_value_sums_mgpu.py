@@ -73,7 +73,7 @@ import numpy as np
 
 from pallas_kernels.mosaic_gpu_introspect import emulate_registers
 from pallas_kernels.oskvp_key_scores_mgpu import (A_OPERANDS, BIT0_MASK, PLANE_TYPES, PLANES, check_loop_args,
-                                                  plane_registers, plane_words, swizzled)
+                                                  key_planes_reference, plane_registers, plane_words, swizzled)
 
 _ROWS = 32  # code rows per CODE_LAYOUT tile: 4 warps × 8 lane rows
 _CODE_TILING = mgpu.fragmented_array.Tiling(((_ROWS, 16), (8, 16), (4,)))
@@ -99,16 +99,9 @@ def append_token(vt: jax.Array, codes: jax.Array, pos: jax.Array) -> jax.Array:
 
 
 def value_planes_reference(vcodes: jax.Array, plane_types: int = 3) -> jax.Array:
-  """uint8 codes [..., Q, S] -> int8 planes [..., T·4Q, S], row type·4Q + pQ + j (channel order).
-
-  T = 3: b0, b1, b0 & b1 (0/1); T = 2: b0, b1; T = 1 (uniform codebooks): the codes c = b0 + 2 b1 (0..3).
-  """
-  c = vcodes.astype(jnp.int32)
-  if plane_types == 1:
-    return jnp.concatenate([(c >> (2 * p)) & 3 for p in range(PLANES)], axis=-2).astype(jnp.int8)
-  b0 = jnp.concatenate([(c >> (2 * p)) & 1 for p in range(PLANES)], axis=-2)  # [..., H, S]
-  b1 = jnp.concatenate([(c >> (2 * p + 1)) & 1 for p in range(PLANES)], axis=-2)
-  return jnp.concatenate([b0, b1, b0 & b1][:plane_types], axis=-2).astype(jnp.int8)
+  """uint8 codes [..., Q, S] -> int8 planes [..., T·4Q, S], row type·4Q + pQ + j (channel order): the key side's
+  planes (`key_planes_reference`) of the transposed codes, transposed back."""
+  return jnp.swapaxes(key_planes_reference(jnp.swapaxes(vcodes, -1, -2), plane_types), -1, -2)
 
 
 def value_sums_reference(p: jax.Array, vcodes: jax.Array, plane_types: int = 3) -> jax.Array:

@@ -192,7 +192,6 @@ def uniform_lloyd(x: jax.Array, w: jax.Array, centre: jax.Array, step: jax.Array
   """
   z = jnp.asarray(_UNIFORM_Z, jnp.float32)
   wsum = jnp.maximum(jnp.sum(w), 1e-30)
-  levels_of = lambda c, d: c[:, None] + d[:, None] * z[None, :]  # [H, 4]
 
   def assign(c, d):  # nearest level: thresholds at centre + step·(-1, 0, 1)
     thr = c[:, None] + d[:, None] * jnp.asarray((-1.0, 0.0, 1.0), jnp.float32)[None, :]  # [H, 3]
@@ -214,7 +213,7 @@ def uniform_lloyd(x: jax.Array, w: jax.Array, centre: jax.Array, step: jax.Array
 
   (c, d), hist = jax.lax.scan(step_fn, (centre, step), None, length=n_iters)
   final = distortion(c, d, assign(c, d))
-  return levels_of(c, d), jnp.concatenate([hist, final[None]])
+  return c[:, None] + d[:, None] * z[None, :], jnp.concatenate([hist, final[None]])
 
 
 def _sign_fix(u: jax.Array) -> jax.Array:

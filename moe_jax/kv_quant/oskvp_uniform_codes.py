@@ -83,8 +83,8 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
   if outliers is not None and o != dc.OUTLIERS:
     raise ValueError(f"the kernel takes {dc.OUTLIERS} outlier channels per side, got {o}")
   if implementation == "xla":
-    kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes
-    keys = cb_k[:, None, :, 0] + (cb_k[:, None, :, 1] - cb_k[:, None, :, 0]) * kc
+    c0_k, d_k = uniform_steps(cb_k.astype(jnp.float32))
+    keys = c0_k[:, None, :] + d_k[:, None, :] * ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H]
     if outliers is not None:
       keys = keys.at[..., :o].add(outliers[0].astype(jnp.float32) * outliers[1][:, None, :])
     s = jnp.einsum("bgh,bsh->bgs", q_rot.astype(jnp.float32), keys) * (scale * LOG2E)
