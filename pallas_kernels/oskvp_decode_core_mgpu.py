@@ -2,7 +2,7 @@
 
 Joins the two building blocks (`oskvp_key_scores_mgpu.py`, `oskvp_value_sums_mgpu.py`) with an online softmax in
 one kernel, to measure what the composed kernel costs per token-head (`benchmarks/notes_mgpu_oskvp.md` §9). The
-2-bit codes, optionally the fp8 outlier channels (`outl`, `qo`; CPU-checked and lowered, not yet run on a GPU), ragged
+2-bit codes, optionally the fp8 outlier channels (`kout`, `vout`, `qo`), ragged
 lengths masked in the kernel (the capacity S a multiple of splits · block_s); no residual window (the caller merges
 it by log-sum-exp: `moe_jax/kv_quant/oskvp_uniform_codes.py`); not wired into the attention op.
 
@@ -25,9 +25,11 @@ TMA ring (`plgpu.emit_pipeline`). Per block:
    swizzle applied by hand on the GPU route);
 4. value sums: a fresh int32 [H, 8] accumulator = vcodes [H (ACC order), block_s] @ p8ᵀ (4 wgmmas per 64 tokens),
    added to the f32 accumulator after rescaling it by 2^(m_old − m_new).
-With outliers (one fp8 row [16] per token: 8 key, 8 value channels, a third TMA stream), step 1 adds an f16
-wgmma of the tile (converted to f16 in registers) with qo, and step 4 an f16 wgmma of the tile stored transposed
-(vt [64, block_s], rows 8..15 the value channels) with p8 as f16 ([8, block_s], stored transposed by hand).
+With outliers (two more TMA streams: the key channels [S, 8] token-major as the cache stores them, the value
+channels [8, S] tokens contiguous), step 1 adds an f16 wgmma whose A (the key tile, f16 [block_s, 16] with columns
+8.. zero) is built in registers from 2-byte loads of the fp8 tile, and step 4 an f16 wgmma whose A (the value tile
+repeated to 64 rows, [64, block_s]) is built the same way, with p8 as f16 ([8, block_s], stored transposed by hand);
+each side issues its two wgmmas before one wait.
 Outputs per program: acc f32 [H (ACC row order), 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits
 (log-sum-exp) in XLA and returns out f32 [BK, 8, H] in channel order.
 
@@ -43,10 +45,12 @@ import jax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith
 from jax._src.lib.mlir.dialects import memref
+from jax._src.lib.mlir.dialects import vector
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
 
 from pallas_kernels import oskvp_key_scores_mgpu as ks
 from pallas_kernels import oskvp_value_sums_mgpu as vs
@@ -65,23 +69,23 @@ def _valid(bk: int, s_len: int, lengths: jax.Array | None) -> jax.Array:
   return jnp.arange(s_len)[None, None, :] < lengths[:, None, None]
 
 
-def _outlier_scores(outl: jax.Array | None, qo: jax.Array | None) -> jax.Array | float:
-  """f32 [BK, 8, S] = Σ_c qo[n, c] · outl[t, c] (the value half of qo is zero), or 0 without outliers."""
-  if outl is None:
+def _outlier_scores(kout: jax.Array | None, qo: jax.Array | None) -> jax.Array | float:
+  """f32 [BK, 8, S] = Σ_c qo[n, c] · kout[t, c], or 0 without outliers."""
+  if kout is None:
     return 0.0
-  return jnp.einsum("btc,bnc->bnt", outl.astype(jnp.float32), qo.astype(jnp.float32))
+  return jnp.einsum("btc,bnc->bnt", kout.astype(jnp.float32), qo.astype(jnp.float32))
 
 
 def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
-                          lengths: jax.Array | None = None, outl: jax.Array | None = None,
-                          qo: jax.Array | None = None, return_lse2: bool = False):
+                          lengths: jax.Array | None = None, kout: jax.Array | None = None,
+                          vout: jax.Array | None = None, qo: jax.Array | None = None, return_lse2: bool = False):
   """f32 reference: kcodes uint8 [BK, S, Q], vcodes uint8 [BK, Q, S], qd int8 [BK, 8, H], qs f32 [BK, 8],
   lengths int32 [BK] (optional) -> out f32 [BK, 8, H] = softmax_2(s) @ vcode over the first lengths[b] tokens
-  (exact softmax, no quantization of p; zeros where a row has no token); outl, qo as in `decode_core_mgpu` add the
-  outlier scores and return (out, f32 [BK, 8, 8] value-outlier sums); return_lse2 appends
+  (exact softmax, no quantization of p; zeros where a row has no token); kout, vout, qo as in `decode_core_mgpu`
+  add the outlier scores and return (out, f32 [BK, 8, 8] value-outlier sums); return_lse2 appends
   lse2 f32 [BK, 8] = log2 Σ_t 2^s[n, t] (-inf for a row without tokens)."""
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes 0..3
-  s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None] + _outlier_scores(outl, qo)
+  s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None] + _outlier_scores(kout, qo)
   valid = _valid(*kcodes.shape[:2], lengths)
   s = jnp.where(valid, s, -jnp.inf)
   top = jnp.maximum(s.max(axis=-1, keepdims=True), MASKED)
@@ -90,23 +94,24 @@ def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, q
   p = p / jnp.maximum(total, 1e-30)
   vc = vs.value_planes_reference(vcodes, 1).astype(jnp.float32)  # [BK, H, S]
   outs = (jnp.einsum("bnt,bht->bnh", p, vc),)
-  if outl is not None:
-    outs += (jnp.einsum("bnt,bto->bno", p, outl[..., OUTLIERS:].astype(jnp.float32)),)
+  if kout is not None:
+    outs += (jnp.einsum("bnt,bot->bno", p, vout.astype(jnp.float32)),)
   if return_lse2:
     outs += (jnp.where(total[..., 0] > 0, top[..., 0] + jnp.log2(jnp.maximum(total[..., 0], 1e-30)), -jnp.inf),)
   return outs[0] if len(outs) == 1 else outs
 
 
 def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
-                                    lengths: jax.Array | None = None, outl: jax.Array | None = None,
-                                    qo: jax.Array | None = None, *, block_s: int, splits: int):
+                                    lengths: jax.Array | None = None, kout: jax.Array | None = None,
+                                    vout: jax.Array | None = None, qo: jax.Array | None = None, *, block_s: int,
+                                    splits: int):
   """The kernel's own arithmetic in XLA: per split, blocks in order with the running max m_j (after block j),
   p8 = round(127 · 2^(s − m_j)), the block's sums weighed by 2^(m_j − m_final); splits merged by log-sum-exp.
   Same shapes as `decode_core_reference`; equal to the kernel up to f32 summation order."""
   bk, s_len, _ = kcodes.shape
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.int32)
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.int32)).astype(jnp.float32) * qs[..., None]  # [BK, 8, S]
-  s = s + _outlier_scores(outl, qo)
+  s = s + _outlier_scores(kout, qo)
   valid = jnp.broadcast_to(_valid(bk, s_len, lengths), s.shape)
   s = jnp.where(valid, s, MASKED)
   nb = s_len // (splits * block_s)
@@ -121,10 +126,10 @@ def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: ja
   ws = jnp.exp2(m - m.max(axis=1, keepdims=True))
   total = jnp.maximum(jnp.einsum("bsn,bsn->bn", ws, l), 1e-30)[..., None]
   out = jnp.einsum("bsn,bsnh->bnh", ws, acc) / total
-  if outl is None:
+  if kout is None:
     return out
-  vo = outl[..., OUTLIERS:].astype(jnp.float32).reshape(bk, splits, nb, block_s, OUTLIERS)
-  acc_o = jnp.einsum("bnsj,bnsjt,bsjto->bsno", w, p8, vo)
+  vo = vout.astype(jnp.float32).reshape(bk, OUTLIERS, splits, nb, block_s)
+  acc_o = jnp.einsum("bnsj,bnsjt,bosjt->bsno", w, p8, vo)
   return out, jnp.einsum("bsn,bsno->bno", ws, acc_o) / total
 
 
@@ -165,21 +170,103 @@ F16_T_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 F16_B16_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 
 
+class _Ints:
+  """Integer arithmetic on Python ints (the CPU model of the fragment index math)."""
+  add = staticmethod(lambda a, b: a + b)
+  mul = staticmethod(lambda a, k: a * k)
+  shr = staticmethod(lambda a, k: a >> k)
+  band = staticmethod(lambda a, k: a & k)
+
+
+class _Mlir:
+  """The same arithmetic on i32 MLIR values (inside `plgpu.inline_mgpu`); constants are Python ints."""
+
+  def __init__(self):
+    self.i32 = ir.IntegerType.get_signless(32)
+
+  def _v(self, a):
+    return mgpu.utils.c(a, self.i32) if isinstance(a, int) else a
+
+  def add(self, a, b):
+    return a + b if isinstance(a, int) and isinstance(b, int) else arith.addi(self._v(a), self._v(b))
+
+  def mul(self, a, k):
+    return a * k if isinstance(a, int) else arith.muli(a, self._v(k))
+
+  def shr(self, a, k):
+    return a >> k if isinstance(a, int) else arith.shrui(a, self._v(k))
+
+  def band(self, a, k):
+    return a & k if isinstance(a, int) else arith.andi(a, self._v(k))
+
+
+def key_outlier_source(ops, idx: tuple[int, ...], warp, lane):
+  """Register idx = (m, c, 0, 0, h, ...) of the key-outlier A operand (f16 [block_s, 16], WGMMA layout: thread
+  (warp, lane) holds tokens t = 64m + 16·warp + lane // 4 + 8h, columns 8c + 2·(lane % 4) + 0..1) -> (row, column)
+  of its fp8 pair in the tile [block_s / 2, 16] (token t's 8 channels at row t // 2, columns 8·(t % 2) + 0..7), or
+  None for the zero columns 8..15."""
+  m, c, h = idx[0], idx[1], idx[4]
+  if c:
+    return None
+  row = ops.add(32 * m + 4 * h, ops.add(ops.mul(warp, 8), ops.shr(lane, 3)))  # t // 2 (64m, 16·warp, 8h even)
+  col = ops.add(ops.mul(ops.band(ops.shr(lane, 2), 1), 8), ops.mul(ops.band(lane, 3), 2))
+  return row, col
+
+
+def value_outlier_source(ops, idx: tuple[int, ...], warp, lane):
+  """Register idx = (0, c, 0, 0, h, ...) of the value-outlier A operand (f16 [64, block_s], WGMMA layout; row r is
+  channel r % 8 = lane // 4: the 8 channels repeated, every warp the same) -> (row, column) of its fp8 pair in the
+  tile [8, block_s] (channels × tokens)."""
+  del warp
+  return ops.shr(lane, 2), ops.add(8 * idx[1], ops.mul(ops.band(lane, 3), 2))
+
+
+def _fp8_fragment(tile, shape: tuple[int, int], source):
+  """Inside the kernel (GPU route): fp8 pairs of a shared-memory tile -> an f16 [shape] WGMMA-layout array (an A
+  operand): register idx holds the pair at `source(ops, idx, warp, lane)` (zeros where None). 2-byte loads and one
+  f8 -> f16 conversion per register, no shared-memory round trip."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                     return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, plgpu.Layout.WGMMA))
+  def frag(_, ref):
+    ops = _Mlir()
+    index = ir.IndexType.get()
+    pair = ir.VectorType.get((2,), ir.Float8E4M3FNType.get())
+    tid = mgpu.utils.thread_idx()
+    lane, warp = ops.band(tid, 31), ops.band(ops.shr(tid, 5), 3)
+    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+    zero, loaded = None, {}
+    for idx in np.ndindex(regs.shape):
+      src = source(ops, idx, warp, lane)
+      if src is None:
+        zero = mgpu.utils.c(0.0, pair) if zero is None else zero
+        regs[idx] = zero
+        continue
+      key = (idx[0], idx[1], idx[4])
+      row, col = (arith.index_cast(index, ops._v(v)) for v in src)  # pylint: disable=protected-access
+      regs[idx] = loaded.setdefault(key, vector.load(pair, ref, [row, col]))
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None).astype(
+        ir.F16Type.get())
+
+  return frag(tile)
+
+
 def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, bar, qo_smem=None, a16_smem=None,
             vt_smem=None, p16_smem=None, oo_smem=None, block_s: int, steps: int, max_concurrent_steps: int,
             interpret: bool, ablate: str, ragged: bool, outliers: bool):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
-  # padded: TMA copies move multiples of 128 bytes); with outliers also ol_ref fp8 [BK, S, 16] (8 key then 8 value
-  # channels per token) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits; columns 8.. zero).
-  # acc_out f32 [BK, splits, H, 8] (ACC row order); ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16);
-  # acco_out f32 [BK, splits, 8, 8] (value-outlier sums [channel, head]).
+  # padded: TMA copies move multiples of 128 bytes); with outliers also ko_ref fp8 [BK, S/2, 16] (the key outlier
+  # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
+  # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
+  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (ACC row order); ml_out f32 [BK, splits, 32]: m in [0, 8),
+  # l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums [channel, head]).
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
   # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
-  # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] (interpret only); vt_smem f16 [64, block_s] (the outlier rows
-  # of the tile, transposed: A of the value-outlier wgmma; rows 16.. unused); p16_smem f16 [8, block_s] (p8 as f16);
+  # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] / vt_smem f16 [64, block_s] (the outlier A operands, interpret
+  # mode only: the GPU route builds them in registers, `_fp8_fragment`); p16_smem f16 [8, block_s] (p8 as f16);
   # oo_smem f32 [64, 8].
   if outliers:
-    kc_ref, vc_ref, qd_ref, qs_ref, ol_ref, qo_ref, acc_out, ml_out, acco_out = refs
+    kc_ref, vc_ref, qd_ref, qs_ref, ko_ref, vo_ref, qo_ref, acc_out, ml_out, acco_out = refs
   else:
     kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out = refs
   bk, sp = jax.lax.axis_index("bk"), jax.lax.axis_index("split")
@@ -195,30 +282,38 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   tokens = pl.ds(sp * (steps * block_s), steps * block_s)
   k_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=ks.swizzled(q))
   v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
-  o_spec = plgpu.BlockSpec((block_s, 2 * OUTLIERS), lambda i: (i, 0))
+  ko_spec = plgpu.BlockSpec((block_s // 2, 2 * OUTLIERS), lambda i: (i, 0))
+  vo_spec = plgpu.BlockSpec((OUTLIERS, block_s), lambda i: (0, i))
 
   n_valid = qs_smem[_LEN_SLOT].astype(jnp.int32)
 
-  def body(idx, k_smem, v_smem, *rest):
-    o_tile, carry = (rest[0], rest[1]) if outliers else (None, rest[0])
-    m, l, acc, acc_o = carry  # f32 [8] (col); [block_s, 8] per-token p8 sums; [H, 8]; [64, 8] or None
-    s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
-                             interpret=interpret)
-    s = s_i32.astype(jnp.float32) * jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
-    if outliers:  # + the key outlier channels: f16 wgmma, A = the tile [block_s, 16] (value half × 0 in qo)
+  def key_scores(k_smem, ko_tile):  # -> f32 [block_s, 8] base-2 logits (WGMMA layout)
+    scale = jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
+    if not outliers:
+      s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
+                               interpret=interpret)
+      return s_i32.astype(jnp.float32) * scale
+
+    def scope(acc_i, acc_o):  # int32 [block_s, 8] code scores; f32 [block_s, 8] key-outlier scores
       if interpret:
-        a16_smem[...] = o_tile[...].astype(jnp.float16)
+        ka_smem[...] = ks.key_planes_reference(k_smem[...], 1)
+        a16_smem[...] = jnp.pad(ko_tile[...].reshape(block_s, OUTLIERS).astype(jnp.float16), ((0, 0), (0, OUTLIERS)))
         plgpu.commit_smem()
-        a16 = a16_smem
+        plgpu.wgmma(acc_i, ka_smem, q_smem.T)
+        plgpu.wgmma(acc_o, a16_smem, qo_smem.T)
       else:
-        a16 = plgpu.load(o_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+        codes = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA_8BIT)
+        plgpu.wgmma(acc_i, ks._planes_in_registers(codes, block_s, q, 1), q_smem.T)  # pylint: disable=protected-access
+        plgpu.wgmma(acc_o, _fp8_fragment(ko_tile, (block_s, 2 * OUTLIERS), key_outlier_source), qo_smem.T)
+      plgpu.wgmma_wait(0)
+      return acc_i[...].astype(jnp.float32) * scale + acc_o[...]
 
-      def key_outlier_scope(r):
-        plgpu.wgmma(r, a16, qo_smem.T)
-        plgpu.wgmma_wait(0)
-        return r[...]
+    return pl.run_scoped(scope, plgpu.ACC((block_s, N), jnp.int32), plgpu.ACC((block_s, N), jnp.float32))
 
-      s = s + pl.run_scoped(key_outlier_scope, plgpu.ACC((block_s, N), jnp.float32))
+  def body(idx, k_smem, v_smem, *rest):
+    ko_tile, vo_tile, carry = rest if outliers else (None, None, rest[0])
+    m, l, acc, acc_o = carry  # f32 [8] (col); [block_s, 8] per-token p8 sums; [H, 8]; [64, 8] or None
+    s = key_scores(k_smem, ko_tile)
     if ragged:  # tokens at or past the row's length score MASKED; only a block reaching past it pays for the mask
       first = (sp * steps + idx[0]) * block_s
 
@@ -239,36 +334,34 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
       va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
       if outliers:
         p16_smem[...] = p8.T.astype(jnp.float16)
-        vt_smem[pl.ds(0, 2 * OUTLIERS), :] = o_tile[...].astype(jnp.float16).T
+        vt_smem[...] = jnp.tile(vo_tile[...].astype(jnp.float16), (64 // OUTLIERS, 1))
     else:
       _store_transposed(p8, p_smem, ks.swizzled(block_s))
       if outliers:
         _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS)
-        _store_transposed(a16, vt_smem, F16_T_TRANSFORMS)
     plgpu.commit_smem()
 
-    def value_scope(vacc_ref):  # int32 [H, 8], this block's sums
+    def value_scope(vacc_ref, oacc_ref=None):  # int32 [H, 8], this block's code sums; f32 [64, 8] outlier sums
       if interpret:
         plgpu.wgmma(vacc_ref, va_smem, p_smem.T)
+        if outliers:
+          plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
       else:
         codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
+        if outliers:
+          plgpu.wgmma(oacc_ref, _fp8_fragment(vo_tile, (64, block_s), value_outlier_source), p16_smem.T)
       plgpu.wgmma_wait(0)
-      return vacc_ref[...]
+      return (vacc_ref[...], oacc_ref[...]) if outliers else vacc_ref[...]
 
     if ablate == "no_value":
       return m_new, l, acc, acc_o
-    sums = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32))
+    if outliers:
+      sums, sums_o = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32), plgpu.ACC((64, N), jnp.float32))
+      acc_o = acc_o * jax.lax.broadcast_in_dim(alpha, (64, N), [1]) + sums_o
+    else:
+      sums = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32))
     acc = acc * jax.lax.broadcast_in_dim(alpha, (h, N), [1]) + sums.astype(jnp.float32)
-    if outliers:  # Σ_t p8 · tile[t, c] for the 16 outlier channels (rows 8..15: the value channels)
-
-      def value_outlier_scope(r):  # f32 [64, 8]
-        plgpu.wgmma(r, vt_smem, p16_smem.T)
-        plgpu.wgmma_wait(0)
-        return r[...]
-
-      acc_o = (acc_o * jax.lax.broadcast_in_dim(alpha, (64, N), [1])
-               + pl.run_scoped(value_outlier_scope, plgpu.ACC((64, N), jnp.float32)))
     return m_new, l, acc, acc_o
 
   init = (plgpu.layout_cast(jnp.full((N,), 0.0 if ablate == "no_max" else MASKED, jnp.float32), col),
@@ -277,8 +370,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
           plgpu.layout_cast(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA) if outliers else None)
   specs, srcs = [k_spec, v_spec], [kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens]]
   if outliers:
-    specs.append(o_spec)
-    srcs.append(ol_ref.at[bk, tokens])
+    specs += [ko_spec, vo_spec]
+    srcs += [ko_ref.at[bk, pl.ds(sp * (steps * block_s // 2), steps * block_s // 2)], vo_ref.at[bk, :, tokens]]
   m, l, acc, acc_o = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs,
                                          max_concurrent_steps=max_concurrent_steps, init_carry=init)(*srcs)
   o_smem[...] = acc
@@ -290,7 +383,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
   plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
   if outliers:
-    plgpu.copy_smem_to_gmem(oo_smem.at[pl.ds(OUTLIERS, OUTLIERS)], acco_out.at[bk, sp])
+    plgpu.copy_smem_to_gmem(oo_smem.at[pl.ds(0, OUTLIERS)], acco_out.at[bk, sp])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -321,7 +414,8 @@ ABLATIONS = ("", "no_max", "no_value")
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate",
                                              "return_lse2"))
 def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
-                     lengths: jax.Array | None = None, outl: jax.Array | None = None, qo: jax.Array | None = None, *,
+                     lengths: jax.Array | None = None, kout: jax.Array | None = None,
+                     vout: jax.Array | None = None, qo: jax.Array | None = None, *,
                      block_s: int = 64, splits: int = 16,
                      max_concurrent_steps: int = 4,
                      interpret: bool | plgpu.InterpretGPUParams = False, ablate: str = "",
@@ -335,10 +429,11 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     qs: f32 [BK, 8], the per-head scale of the integer scores in base-2 logits (digit scale · log2(e) / √H).
     lengths: int32 [BK], tokens stored per row (any value in [0, S]; tokens past it are masked in the kernel, a row
       without tokens gives zeros); None: all S (no masking work).
-    outl: float8_e4m3fn [BK, S, 16], the fp8 outlier channels of each token, 8 key then 8 value channels (their
-      scales folded into qo and applied to the output by the caller); with qo f16 [BK, 8, 16], the key-outlier
-      query per head in base-2 logits (columns 8.. zero). Adds Σ_o qo · outl to the scores (f16 wgmma) and returns
-      the value-outlier sums too. None: codes only.
+    kout: float8_e4m3fn [BK, S, 8], the fp8 key outlier channels of each token (as the cache stores them); vout:
+      float8_e4m3fn [BK, 8, S], the value outlier channels, tokens contiguous (like vcodes); qo: f16 [BK, 8, 8], the
+      key-outlier query per head in base-2 logits (the channel scales folded in; the caller applies the value
+      channels' scales to the output). Adds Σ_o qo · kout to the scores (f16 wgmma, A built in registers) and returns
+      the value-outlier sums too. All three or none (codes only).
     block_s: tokens per pipeline step (64 or 128).
     splits: programs per BK row; S must be a multiple of splits · block_s.
     max_concurrent_steps: depth of the TMA ring.
@@ -349,19 +444,22 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
 
   Returns:
     f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over the row's tokens (`decode_core_reference`,
-    to the 1/127 quantization of p); with outl, (that, f32 [BK, 8, 8] = Σ_t p[n, t] · outl[t, 8 + o]); with
+    to the 1/127 quantization of p); with outliers, (that, f32 [BK, 8, 8] = Σ_t p[n, t] · vout[o, t]); with
     return_lse2 also f32 [BK, 8]: log2 Σ_t 2^s (-inf without tokens) as the last element.
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
   if lengths is not None and (lengths.shape != (bk,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
     raise ValueError(f"lengths {lengths.shape} {lengths.dtype} must be integer [BK={bk}]")
-  outliers = outl is not None
-  if outliers != (qo is not None):
-    raise ValueError("outl and qo go together")
-  if outliers and (outl.shape != (bk, s, 2 * OUTLIERS) or outl.dtype != jnp.float8_e4m3fn
-                   or qo.shape != (bk, N, 2 * OUTLIERS) or qo.dtype != jnp.float16):
-    raise ValueError(f"outl {outl.shape} {outl.dtype} must be float8_e4m3fn [BK, S, {2 * OUTLIERS}] and qo "
-                     f"{qo.shape} {qo.dtype} float16 [BK, {N}, {2 * OUTLIERS}]")
+  outliers = kout is not None
+  if (vout is not None) != outliers or (qo is not None) != outliers:
+    raise ValueError("kout, vout and qo go together (all three or none)")
+  if outliers and (kout.shape != (bk, s, OUTLIERS) or kout.dtype != jnp.float8_e4m3fn):
+    raise ValueError(f"kout {kout.shape} {kout.dtype} must be float8_e4m3fn [BK, S, {OUTLIERS}] = {(bk, s, OUTLIERS)}")
+  if outliers and (vout.shape != (bk, OUTLIERS, s) or vout.dtype != jnp.float8_e4m3fn):
+    raise ValueError(f"vout {vout.shape} {vout.dtype} must be float8_e4m3fn [BK, {OUTLIERS}, S] = {(bk, OUTLIERS, s)} "
+                     "(tokens contiguous)")
+  if outliers and (qo.shape != (bk, N, OUTLIERS) or qo.dtype != jnp.float16):
+    raise ValueError(f"qo {qo.shape} {qo.dtype} must be float16 [BK, {N}, {OUTLIERS}]")
   h = 4 * q
   steps = s // (splits * block_s)
   if ablate not in ABLATIONS:
@@ -387,7 +485,7 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
           **(dict(qo_smem=plgpu.SMEM((N, 2 * OUTLIERS), jnp.float16, transforms=F16_B16_TRANSFORMS),
                   a16_smem=plgpu.SMEM((block_s, 2 * OUTLIERS) if smem_a else (64, 16), jnp.float16,
                                       transforms=F16_B16_TRANSFORMS),
-                  vt_smem=plgpu.SMEM((64, block_s), jnp.float16, transforms=F16_T_TRANSFORMS),
+                  vt_smem=plgpu.SMEM((64, block_s) if smem_a else (64, 64), jnp.float16, transforms=F16_T_TRANSFORMS),
                   p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=F16_T_TRANSFORMS),
                   oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {})),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -395,7 +493,10 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
   qs_row = jnp.pad(qs, ((0, 0), (0, 32 - N)))  # padded to the 128 bytes a TMA copy moves; the length rides in it
   if lengths is not None:
     qs_row = qs_row.at[:, _LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
-  res = kernel(kcodes, vcodes, qd, qs_row, *((outl, qo) if outliers else ()))
+  extra = ()
+  if outliers:  # the key outliers as rows of two tokens (a free reshape); qo padded to the f16 wgmma's K = 16
+    extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS))))
+  res = kernel(kcodes, vcodes, qd, qs_row, *extra)
   acc, ml = res[0], res[1]  # [BK, splits, H (ACC), 8], [BK, splits, 32]
   m, l = ml[..., :N], ml[..., N:2 * N]
   top = m.max(axis=1, keepdims=True)

@@ -10,8 +10,7 @@ cb[ch, c] = c0[ch] + d[ch]·c (outlier channels have cb = 0):
 
 The kernel takes one int8 digit per head of q'·d_k (`query_digits`; per-head scale u_n = max|q'·d_k| / 127) and
 base-2 logits; the constant scale·q'·c0_k does not change the softmax and is added back to the log-sum-exp.
-With `outliers`, the fp8 channels 0..7 of both sides join through the kernel's f16 path. Not wired into
-`decode_step`: the cache would need its V codes token-contiguous and its outliers as [S, 16] rows (README, notes §9).
+With `outliers`, the fp8 channels 0..7 of both sides join through the kernel's f16 path.
 """
 
 from __future__ import annotations
@@ -65,10 +64,9 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
       token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`).
     cb_k, cb_v: f32 [BK, H, 4] uniform codebooks (`oskvp.fit(uniform=True)`).
     lengths: int32 [BK], stored tokens per row.
-    outliers: None (codes only), or (outl_k fp8 [BK, S, 8], scale_k f32 [BK, 8], outl_v fp8 [BK, S, 8],
+    outliers: None (codes only), or (outl_k fp8 [BK, S, 8], scale_k f32 [BK, 8], outl_v_t fp8 [BK, 8, S],
       scale_v f32 [BK, 8]): the cache's fp8 channels 0..7 (rotated channel j = outl_j · scale_j; the codebook rows
-      of those channels are 0). The kernel reads them as one [S, 16] row per token (concatenated here; a cache
-      would store them so).
+      of those channels are 0), the value channels tokens contiguous like vcodes_t.
     scale: the softmax scale (1/√H).
     implementation: "pallas" (the Mosaic GPU core; `interpret=True` on the CPU) or "xla" (exact: dense softmax over
       the dequantized codes, no digit or p quantization).
@@ -96,7 +94,7 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
     vcode = vs.value_planes_reference(vcodes_t, 1).astype(jnp.float32)  # [BK, H, S]
     mean_code = jnp.einsum("bgs,bhs->bgh", p, vcode) / jnp.maximum(total, 1e-30)[..., None]
     if outliers is not None:
-      mean_outl = jnp.einsum("bgs,bso->bgo", p, outliers[2].astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
+      mean_outl = jnp.einsum("bgs,bos->bgo", p, outliers[2].astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
     lse2 = jnp.where(total > 0, top[..., 0] + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
   elif implementation == "pallas":
     qd, qs, const = query_digits(q_rot, cb_k, scale)
@@ -105,11 +103,11 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
     if outliers is None:
       mean_code, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, **kw)
     else:
-      outl_k, scale_k, outl_v, _ = outliers
+      outl_k, scale_k, outl_v_t, _ = outliers
       qo = q_rot[..., :o].astype(jnp.float32) * scale_k[:, None, :] * (scale * LOG2E)  # [BK, G, 8]
-      qo = jnp.pad(qo, ((0, 0), (0, dc.N - g), (0, o))).astype(jnp.float16)  # [BK, 8, 16], value half zero
-      rows = jnp.concatenate([outl_k, outl_v], axis=-1)  # [BK, S, 16]
-      mean_code, mean_outl, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, rows, qo, **kw)
+      qo = jnp.pad(qo, ((0, 0), (0, dc.N - g), (0, 0))).astype(jnp.float16)  # [BK, 8, 8]
+      mean_code, mean_outl, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, outl_k, outl_v_t, qo,
+                                                       **kw)
       mean_outl = mean_outl[:, :g]
     mean_code, lse2 = mean_code[:, :g], lse2[:, :g] + const
   else:

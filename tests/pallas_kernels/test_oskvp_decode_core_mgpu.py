@@ -69,29 +69,57 @@ def test_blockwise_model_tracks_the_exact_softmax():
 
 
 def _outliers(seed, bk, s, g=4):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  outl = (jax.random.normal(k1, (bk, s, 16)) * 2).astype(jnp.float8_e4m3fn)  # 8 key then 8 value channels
-  qo = (jax.random.normal(k2, (bk, dc.N, 16)) * 0.3).at[:, :, 8:].set(0).at[:, g:].set(0).astype(jnp.float16)
-  return outl, qo
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  kout = (jax.random.normal(k1, (bk, s, dc.OUTLIERS)) * 2).astype(jnp.float8_e4m3fn)
+  vout = (jax.random.normal(k2, (bk, dc.OUTLIERS, s)) * 2).astype(jnp.float8_e4m3fn)  # tokens contiguous
+  qo = (jax.random.normal(k3, (bk, dc.N, dc.OUTLIERS)) * 0.3).at[:, g:].set(0).astype(jnp.float16)
+  return kout, vout, qo
 
 
 def test_outlier_channels():
   """fp8 outlier channels: their scores join the softmax (f16 wgmma) and their value sums come out beside the
   codes'; equal to the blockwise model to 1e-3 and, for a one-token row, exactly that token's value outliers."""
   kc, vc, qd, qs = _inputs(13, 3, 512)
-  outl, qo = _outliers(14, 3, 512)
+  kout, vout, qo = _outliers(14, 3, 512)
   lens = jnp.array([1, 300, 512], jnp.int32)
-  got, got_o = dc.decode_core_mgpu(kc, vc, qd, qs, lens, outl, qo, block_s=64, splits=2, max_concurrent_steps=2,
-                                   interpret=True)
-  want, want_o = dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, outl, qo, block_s=64, splits=2)
+  got, got_o = dc.decode_core_mgpu(kc, vc, qd, qs, lens, kout, vout, qo, block_s=64, splits=2,
+                                   max_concurrent_steps=2, interpret=True)
+  want, want_o = dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, kout, vout, qo, block_s=64, splits=2)
   assert got_o.shape == (3, dc.N, dc.OUTLIERS)
   np.testing.assert_allclose(np.asarray(got)[:, :4], np.asarray(want)[:, :4], atol=1e-3)
   np.testing.assert_allclose(np.asarray(got_o)[:, :4], np.asarray(want_o)[:, :4], atol=1e-3)
-  first = np.asarray(outl[0, 0, 8:].astype(jnp.float32))
+  first = np.asarray(vout[0, :, 0].astype(jnp.float32))
   np.testing.assert_allclose(np.asarray(got_o)[0, :4], np.broadcast_to(first, (4, 8)), atol=1e-6)
-  exact, exact_o = dc.decode_core_reference(kc, vc, qd, qs, lens, outl, qo)
+  exact, exact_o = dc.decode_core_reference(kc, vc, qd, qs, lens, kout, vout, qo)
   assert np.abs(np.asarray(got_o - exact_o))[:, :4].max() < 0.15  # p's 127 levels; outliers up to ±8
   assert np.abs(np.asarray(got - exact))[:, :4].max() < 0.1
+  # The key outliers move the scores: without them the output differs.
+  plain = dc.decode_core_mgpu(kc, vc, qd, qs, lens, block_s=64, splits=2, max_concurrent_steps=2, interpret=True)
+  assert np.abs(np.asarray(plain - got))[1:, :4].max() > 0.05
+
+
+@pytest.mark.parametrize("shape,source,tile", [((128, 16), "key", (64, 16)), ((64, 128), "value", (8, 128))])
+def test_outlier_fragment_index_math(shape, source, tile):
+  """The GPU route's A operands of the outlier wgmmas, built from 2-byte loads: for every thread and register of
+  Mosaic's WGMMA layout, the index math (`key_outlier_source` / `value_outlier_source`, the same code that emits the
+  loads) names the fp8 pair that belongs there: key tile [block_s / 2, 16] = tokens' 8 channels two per row, value
+  tile [8, block_s] repeated to 64 rows."""
+  from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.mosaic_gpu_introspect import layout_split  # pylint: disable=g-import-not-at-top
+  src = np.arange(np.prod(tile)).reshape(tile)  # element ids of the tile
+  if source == "key":  # A[t, c] = kout[t, c] for c < 8, else 0
+    want = np.concatenate([src.reshape(shape[0], 8), np.full((shape[0], 8), -1)], axis=1)
+    fn = dc.key_outlier_source
+  else:  # A[r, t] = vout[r % 8, t]
+    want = np.tile(src, (8, 1))
+    fn = dc.value_outlier_source
+  got = np.full(shape, -2)
+  layout = mgpu.WGMMA_LAYOUT
+  for (r, c), (thread, reg, pos) in layout_split(layout, shape).items():
+    warp, lane = thread[0], thread[1] * 4 + thread[2]
+    where = fn(dc._Ints, reg, warp, lane)  # pylint: disable=protected-access
+    got[r, c] = -1 if where is None else src[where[0], where[1] + pos]
+  np.testing.assert_array_equal(got, want)
 
 
 def test_gpu_route_lowers():
@@ -108,13 +136,17 @@ def test_gpu_route_lowers():
   assert len(re.findall(r"wgmma\.mma_async", loop)) == 16
   # p8 [128 tokens, 8] stored transposed by hand: 8 byte stores per thread into the tiled [8, 128] buffer.
   assert len(re.findall(r"memref\.store\"\(.*\(i8, memref<1x1x8x128xi8", text)) == 8
-  # With outlier channels: + 2 key-outlier (M groups) and 8 value-outlier (k16 steps) f16 wgmmas per block.
-  ol = jax.ShapeDtypeStruct((2, 2048, 16), jnp.float8_e4m3fn)
-  qo = jax.ShapeDtypeStruct((2, dc.N, 16), jnp.float16)
+  # With outlier channels: + 2 key-outlier (M groups) and 8 value-outlier (k16 steps) f16 wgmmas per block, their
+  # A operands in registers (no f16 A tile in shared memory), and p8 stored a second time, as f16.
+  ko = jax.ShapeDtypeStruct((2, 2048, dc.OUTLIERS), jnp.float8_e4m3fn)
+  vo = jax.ShapeDtypeStruct((2, dc.OUTLIERS, 2048), jnp.float8_e4m3fn)
+  qo = jax.ShapeDtypeStruct((2, dc.N, dc.OUTLIERS), jnp.float16)
   f = jax.jit(lambda *a: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=128, splits=2, max_concurrent_steps=2))
-  text = mosaic_module_text(f.trace(kc, vc, qd, qs, ol, qo).lower(lowering_platforms=("cuda",)))
+  text = mosaic_module_text(f.trace(kc, vc, qd, qs, ko, vo, qo).lower(lowering_platforms=("cuda",)))
   assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.s32\.s8\.s8", text)) == 16
-  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.f16\.f16", text)) == 10
+  f16 = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.f16\.f16 \{[^}]*\}", text)
+  assert len(f16) == 10
+  assert len(re.findall(r"memref\.store\"\(.*\(f16, memref<1x2x8x64xf16", text)) == 8  # p8 as f16 only
 
 
 def test_rejects_bad_arguments():
@@ -129,7 +161,12 @@ def test_rejects_bad_arguments():
     dc.decode_core_mgpu(kc, vc, qd, qs, block_s=64, splits=3, interpret=True)
   with pytest.raises(ValueError, match="block_s"):
     dc.decode_core_mgpu(kc, vc, qd, qs, block_s=32, interpret=True)
-  with pytest.raises(ValueError, match="outl"):
-    dc.decode_core_mgpu(kc, vc, qd, qs, None, *_outliers(0, 1, 256)[:1], splits=2, interpret=True)
+  kout, vout, qo = _outliers(0, 1, 256)
+  with pytest.raises(ValueError, match="go together"):
+    dc.decode_core_mgpu(kc, vc, qd, qs, None, kout, splits=2, interpret=True)
+  with pytest.raises(ValueError, match="tokens contiguous"):
+    dc.decode_core_mgpu(kc, vc, qd, qs, None, kout, jnp.swapaxes(vout, 1, 2), qo, splits=2, interpret=True)
+  with pytest.raises(ValueError, match="qo"):
+    dc.decode_core_mgpu(kc, vc, qd, qs, None, kout, vout, qo.astype(jnp.float32), splits=2, interpret=True)
   with pytest.raises(ValueError, match="lengths"):
     dc.decode_core_mgpu(kc, vc, qd, qs, jnp.zeros((2,), jnp.int32), splits=2, interpret=True)

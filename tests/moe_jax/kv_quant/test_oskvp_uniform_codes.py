@@ -76,7 +76,8 @@ def test_codes_outliers_and_window_match_the_xla_attention():
   q = jax.random.normal(jax.random.PRNGKey(4), (B, K * G, H))
   want = attn.oskvp_decode_attention_xla(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v,
                                          c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp, c.n_res)
-  outs = _through_codes(c, q, outliers=(_rows(c.outl_k), _rows(c.scale_k), _rows(c.outl_v), _rows(c.scale_v)))
+  outs = _through_codes(c, q, outliers=(_rows(c.outl_k), _rows(c.scale_k), jnp.swapaxes(_rows(c.outl_v), 1, 2),
+                                       _rows(c.scale_v)))
   want = np.asarray(want, np.float32)
   rel = lambda x: float(np.linalg.norm(x - want) / np.linalg.norm(want))
   assert rel(outs["xla"]) < 1e-4, rel(outs["xla"])
