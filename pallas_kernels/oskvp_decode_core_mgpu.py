@@ -28,8 +28,9 @@ TMA ring (`plgpu.emit_pipeline`). Per block:
 With outliers (two more TMA streams: the key channels [S, 8] token-major as the cache stores them, the value
 channels [8, S] tokens contiguous), step 1 adds an f16 wgmma whose A (the key tile, f16 [block_s, 16] with columns
 8.. zero) is built in registers from 2-byte loads of the fp8 tile, and step 4 an f16 wgmma whose A (the value tile
-repeated to 64 rows, [64, block_s]) is built the same way, with p8 as f16 ([8, block_s], stored transposed by hand);
-each side issues its two wgmmas before one wait.
+repeated to 64 rows, [64, block_s]) is built from one 8-byte load per 32 tokens per thread (the tokens permuted
+along K so that a thread's columns are consecutive bytes), with p8 as f16 ([8, block_s], stored transposed by hand
+with the same permutation); each side issues its two wgmmas before one wait.
 Outputs per program: acc f32 [H (ACC row order), 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits
 (log-sum-exp) in XLA and returns out f32 [BK, 8, H] in channel order.
 
@@ -44,6 +45,7 @@ import functools
 import jax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith
+from jax._src.lib.mlir.dialects import llvm
 from jax._src.lib.mlir.dialects import memref
 from jax._src.lib.mlir.dialects import vector
 import jax.numpy as jnp
@@ -133,11 +135,11 @@ def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: ja
   return out, jnp.einsum("bsn,bsno->bno", ws, acc_o) / total
 
 
-def _store_transposed(arr, ref, transforms):
+def _store_transposed(arr, ref, transforms, column_map=None):
   """Inside the kernel (GPU route): arr [T, C] in the WGMMA layout -> ref [R >= C, T] with element (t, c) at ref[c, t]
-  (transposed; int32 values are truncated to an int8 ref). `transforms` are the ref's (tiles of 8 × tc elements, a
-  swizzle of sw bytes), and the swizzle is applied by hand: the 16-byte chunk index ^= the row's address bits 7+.
-  Rows C.. of ref are left as they were."""
+  (transposed; int32 values are truncated to an int8 ref), or at ref[c, column_map(ops, t)] (a permutation of the
+  columns). `transforms` are the ref's (tiles of 8 × tc elements, a swizzle of sw bytes), and the swizzle is applied
+  by hand: the 16-byte chunk index ^= the row's address bits 7+. Rows C.. of ref are left as they were."""
   (tiling, swizzle) = transforms
   tc, sw = tiling.tiling[-1], swizzle.swizzle
   itemsize = jnp.dtype(ref.dtype).itemsize
@@ -153,6 +155,8 @@ def _store_transposed(arr, ref, transforms):
 
     def one(val, idx):  # idx = (arr row t: a column of ref, arr column n: a row of ref)
       t, n = idx
+      if column_map is not None:
+        t = column_map(_Mlir(index), t)
       tile_r, r = (zero, n) if row_tiles == 1 else (arith.divui(n, c(8)), arith.remui(n, c(8)))
       tile_t, tt = (zero, t) if col_tiles == 1 else (arith.divui(t, c(tc)), arith.remui(t, c(tc)))
       xor = arith.andi(arith.shrui(arith.muli(r, c(tc * itemsize)), c(7)), c(sw // 16 - 1))
@@ -175,17 +179,20 @@ class _Ints:
   add = staticmethod(lambda a, b: a + b)
   mul = staticmethod(lambda a, k: a * k)
   shr = staticmethod(lambda a, k: a >> k)
+  shl = staticmethod(lambda a, k: a << k)
   band = staticmethod(lambda a, k: a & k)
+  bor = staticmethod(lambda a, b: a | b)
+  bxor = staticmethod(lambda a, b: a ^ b)
 
 
 class _Mlir:
   """The same arithmetic on i32 MLIR values (inside `plgpu.inline_mgpu`); constants are Python ints."""
 
-  def __init__(self):
-    self.i32 = ir.IntegerType.get_signless(32)
+  def __init__(self, ty=None):
+    self.ty = ir.IntegerType.get_signless(32) if ty is None else ty
 
   def _v(self, a):
-    return mgpu.utils.c(a, self.i32) if isinstance(a, int) else a
+    return mgpu.utils.c(a, self.ty) if isinstance(a, int) else a
 
   def add(self, a, b):
     return a + b if isinstance(a, int) and isinstance(b, int) else arith.addi(self._v(a), self._v(b))
@@ -196,8 +203,17 @@ class _Mlir:
   def shr(self, a, k):
     return a >> k if isinstance(a, int) else arith.shrui(a, self._v(k))
 
+  def shl(self, a, k):
+    return a << k if isinstance(a, int) else arith.shli(a, self._v(k))
+
   def band(self, a, k):
     return a & k if isinstance(a, int) else arith.andi(a, self._v(k))
+
+  def bor(self, a, b):
+    return a | b if isinstance(a, int) and isinstance(b, int) else arith.ori(self._v(a), self._v(b))
+
+  def bxor(self, a, b):
+    return a ^ b if isinstance(a, int) and isinstance(b, int) else arith.xori(self._v(a), self._v(b))
 
 
 def key_outlier_source(ops, idx: tuple[int, ...], warp, lane):
@@ -214,39 +230,96 @@ def key_outlier_source(ops, idx: tuple[int, ...], warp, lane):
 
 
 def value_outlier_source(ops, idx: tuple[int, ...], warp, lane):
-  """Register idx = (0, c, 0, 0, h, ...) of the value-outlier A operand (f16 [64, block_s], WGMMA layout; row r is
-  channel r % 8 = lane // 4: the 8 channels repeated, every warp the same) -> (row, column) of its fp8 pair in the
-  tile [8, block_s] (channels × tokens)."""
+  """Register idx = (0, kt, 0, 0, h, ...) of the value-outlier A operand (f16 [64, block_s], WGMMA layout: thread
+  (warp, lane) holds row lane // 4 + 8h (+ 16·warp), columns 8·kt + 2·(lane % 4) + 0..1; row r is channel r % 8, the
+  8 channels repeated) -> (row, column) of its fp8 pair in the tile [8, block_s] (channels × tokens), with the
+  columns permuted so that a thread's 8 columns of a 32-column group are 8 consecutive tokens (one 8-byte load):
+  column k holds token `k_to_token(k)`, and p is stored with the same permutation (`token_to_k`)."""
   del warp
-  return ops.shr(lane, 2), ops.add(8 * idx[1], ops.mul(ops.band(lane, 3), 2))
+  kt = idx[1]  # = 4g + pair, g the 32-token group
+  return ops.shr(lane, 2), ops.add(32 * (kt // 4) + 2 * (kt % 4), ops.mul(ops.band(lane, 3), 8))
 
 
-def _fp8_fragment(tile, shape: tuple[int, int], source):
-  """Inside the kernel (GPU route): fp8 pairs of a shared-memory tile -> an f16 [shape] WGMMA-layout array (an A
-  operand): register idx holds the pair at `source(ops, idx, warp, lane)` (zeros where None). 2-byte loads and one
-  f8 -> f16 conversion per register, no shared-memory round trip."""
+def k_to_token(ops, k):
+  """Column k of the value-outlier A operand (and row k of p16) -> its token, within each group of 32:
+  k = 16c + 8j + 2a + b -> t = 8a + 4c + 2j + b (a thread's columns of a group, fixed a, are 8 consecutive tokens)."""
+  t = ops.bor(ops.band(k, ~31 & 0xFFFF), ops.shl(ops.band(ops.shr(k, 1), 3), 3))
+  t = ops.bor(t, ops.shl(ops.band(ops.shr(k, 4), 1), 2))
+  return ops.bor(t, ops.bor(ops.shl(ops.band(ops.shr(k, 3), 1), 1), ops.band(k, 1)))
+
+
+def token_to_k(ops, t):
+  """The inverse of `k_to_token`: t = 8a + 4c + 2j + b -> k = 16c + 8j + 2a + b (within each group of 32)."""
+  k = ops.bor(ops.band(t, ~31 & 0xFFFF), ops.shl(ops.band(ops.shr(t, 2), 1), 4))
+  k = ops.bor(k, ops.shl(ops.band(ops.shr(t, 1), 1), 3))
+  return ops.bor(k, ops.bor(ops.shl(ops.band(ops.shr(t, 3), 3), 1), ops.band(t, 1)))
+
+
+def _cvt_e4m3x2(pair16):
+  """i16 (two fp8 e4m3 bytes) -> vector<2xf16> (one cvt.rn.f16x2.e4m3x2)."""
+  i32 = ir.IntegerType.get_signless(32)
+  out = llvm.inline_asm(i32, [pair16], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
+  return mgpu.utils.bitcast(out, ir.VectorType.get((2,), ir.F16Type.get()))
+
+
+def _thread_coords(ops):
+  tid = mgpu.utils.thread_idx()
+  return ops.band(ops.shr(tid, 5), 3), ops.band(tid, 31)  # warp in the warpgroup, lane
+
+
+def _key_outlier_fragment(tile, block_s: int):
+  """Inside the kernel (GPU route): the key-outlier tile fp8 [block_s / 2, 16] (unswizzled) -> the f16
+  [block_s, 16] A operand in the WGMMA layout (`key_outlier_source`): one 2-byte load and one cvt per register."""
+  shape = (block_s, 2 * OUTLIERS)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
                      return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, plgpu.Layout.WGMMA))
   def frag(_, ref):
-    ops = _Mlir()
-    index = ir.IndexType.get()
-    pair = ir.VectorType.get((2,), ir.Float8E4M3FNType.get())
-    tid = mgpu.utils.thread_idx()
-    lane, warp = ops.band(tid, 31), ops.band(ops.shr(tid, 5), 3)
+    ops, index = _Mlir(), ir.IndexType.get()
+    i16 = ir.IntegerType.get_signless(16)
+    pair8 = ir.VectorType.get((2,), ir.Float8E4M3FNType.get())
+    warp, lane = _thread_coords(ops)
     regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
-    zero, loaded = None, {}
+    zero = mgpu.utils.c(0.0, ir.VectorType.get((2,), ir.F16Type.get()))
     for idx in np.ndindex(regs.shape):
-      src = source(ops, idx, warp, lane)
+      src = key_outlier_source(ops, idx, warp, lane)
       if src is None:
-        zero = mgpu.utils.c(0.0, pair) if zero is None else zero
         regs[idx] = zero
         continue
-      key = (idx[0], idx[1], idx[4])
       row, col = (arith.index_cast(index, ops._v(v)) for v in src)  # pylint: disable=protected-access
-      regs[idx] = loaded.setdefault(key, vector.load(pair, ref, [row, col]))
-    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None).astype(
-        ir.F16Type.get())
+      regs[idx] = _cvt_e4m3x2(mgpu.utils.bitcast(vector.load(pair8, ref, [row, col]), i16))
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+  return frag(tile)
+
+
+def _value_outlier_fragment(tile, block_s: int, transforms):
+  """Inside the kernel (GPU route): the value-outlier tile fp8 [8, block_s] (swizzled, `transforms`) -> the f16
+  [64, block_s] A operand in the WGMMA layout with permuted columns (`value_outlier_source`): per 32 tokens one
+  8-byte load and four cvts per thread; the two row halves (h) share the registers."""
+  shape = (64, block_s)
+  (tiling, swizzle) = transforms
+  tc, sw = tiling.tiling[-1], swizzle.swizzle
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
+                     return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, plgpu.Layout.WGMMA))
+  def frag(_, ref):  # ref: the tiled memref [1, block_s / tc, 8, tc]
+    ops, index = _Mlir(), ir.IndexType.get()
+    i16, i64 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(64)
+    oct8 = ir.VectorType.get((8,), ir.Float8E4M3FNType.get())
+    warp, lane = _thread_coords(ops)
+    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+    for g in range(block_s // 32):
+      row, col = value_outlier_source(ops, (0, 4 * g, 0, 0, 0), warp, lane)
+      xor = ops.band(ops.shr(ops.mul(row, tc), 7), sw // 16 - 1)  # the swizzle: 16-byte chunk ^= row bits
+      phys = ops.bxor(ops.band(col, tc - 1), ops.shl(xor, 4))
+      word = vector.load(oct8, ref, [mgpu.utils.c(0, index), arith.index_cast(index, ops._v(ops.shr(col, tc.bit_length() - 1))),  # pylint: disable=protected-access
+                                     arith.index_cast(index, row), arith.index_cast(index, phys)])
+      word = mgpu.utils.bitcast(word, i64)
+      for pair in range(4):
+        reg = _cvt_e4m3x2(arith.trunci(i16, arith.shrui(word, mgpu.utils.c(16 * pair, i64))))
+        regs[0, 4 * g + pair, 0, 0, 0, 0, 0, 0, 0] = regs[0, 4 * g + pair, 0, 0, 1, 0, 0, 0, 0] = reg
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
   return frag(tile)
 
@@ -263,7 +336,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
   # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
   # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] / vt_smem f16 [64, block_s] (the outlier A operands, interpret
-  # mode only: the GPU route builds them in registers, `_fp8_fragment`); p16_smem f16 [8, block_s] (p8 as f16);
+  # mode only: the GPU route builds them in registers, `_key_outlier_fragment`, `_value_outlier_fragment`);
+  # p16_smem f16 [8, block_s] (p8 as f16; on the GPU route its columns permuted as the value A's, `token_to_k`);
   # oo_smem f32 [64, 8].
   if outliers:
     kc_ref, vc_ref, qd_ref, qs_ref, ko_ref, vo_ref, qo_ref, acc_out, ml_out, acco_out = refs
@@ -283,7 +357,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   k_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=ks.swizzled(q))
   v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
   ko_spec = plgpu.BlockSpec((block_s // 2, 2 * OUTLIERS), lambda i: (i, 0))
-  vo_spec = plgpu.BlockSpec((OUTLIERS, block_s), lambda i: (0, i))
+  vo_spec = plgpu.BlockSpec((OUTLIERS, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
 
   n_valid = qs_smem[_LEN_SLOT].astype(jnp.int32)
 
@@ -304,7 +378,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
       else:
         codes = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA_8BIT)
         plgpu.wgmma(acc_i, ks._planes_in_registers(codes, block_s, q, 1), q_smem.T)  # pylint: disable=protected-access
-        plgpu.wgmma(acc_o, _fp8_fragment(ko_tile, (block_s, 2 * OUTLIERS), key_outlier_source), qo_smem.T)
+        plgpu.wgmma(acc_o, _key_outlier_fragment(ko_tile, block_s), qo_smem.T)
       plgpu.wgmma_wait(0)
       return acc_i[...].astype(jnp.float32) * scale + acc_o[...]
 
@@ -338,7 +412,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     else:
       _store_transposed(p8, p_smem, ks.swizzled(block_s))
       if outliers:
-        _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS)
+        _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS, column_map=token_to_k)
     plgpu.commit_smem()
 
     def value_scope(vacc_ref, oacc_ref=None):  # int32 [H, 8], this block's code sums; f32 [64, 8] outlier sums
@@ -350,7 +424,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
         codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
         if outliers:
-          plgpu.wgmma(oacc_ref, _fp8_fragment(vo_tile, (64, block_s), value_outlier_source), p16_smem.T)
+          plgpu.wgmma(oacc_ref, _value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
       plgpu.wgmma_wait(0)
       return (vacc_ref[...], oacc_ref[...]) if outliers else vacc_ref[...]
 

@@ -103,15 +103,19 @@ def test_outlier_fragment_index_math(shape, source, tile):
   """The GPU route's A operands of the outlier wgmmas, built from 2-byte loads: for every thread and register of
   Mosaic's WGMMA layout, the index math (`key_outlier_source` / `value_outlier_source`, the same code that emits the
   loads) names the fp8 pair that belongs there: key tile [block_s / 2, 16] = tokens' 8 channels two per row, value
-  tile [8, block_s] repeated to 64 rows."""
+  tile [8, block_s] repeated to 64 rows with its tokens permuted along K; the value side's registers of one 32-token
+  group are 8 consecutive bytes of a row (one 8-byte load)."""
   from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
   from pallas_kernels.mosaic_gpu_introspect import layout_split  # pylint: disable=g-import-not-at-top
   src = np.arange(np.prod(tile)).reshape(tile)  # element ids of the tile
   if source == "key":  # A[t, c] = kout[t, c] for c < 8, else 0
     want = np.concatenate([src.reshape(shape[0], 8), np.full((shape[0], 8), -1)], axis=1)
     fn = dc.key_outlier_source
-  else:  # A[r, t] = vout[r % 8, t]
-    want = np.tile(src, (8, 1))
+  else:  # A[r, k] = vout[r % 8, k_to_token(k)] (columns permuted; p is stored with the same permutation)
+    perm = np.array([dc.k_to_token(dc._Ints, k) for k in range(shape[1])])  # pylint: disable=protected-access
+    assert sorted(perm) == list(range(shape[1]))
+    assert [dc.token_to_k(dc._Ints, t) for t in perm] == list(range(shape[1]))  # pylint: disable=protected-access
+    want = np.tile(src[:, perm], (8, 1))
     fn = dc.value_outlier_source
   got = np.full(shape, -2)
   layout = mgpu.WGMMA_LAYOUT
@@ -119,6 +123,10 @@ def test_outlier_fragment_index_math(shape, source, tile):
     warp, lane = thread[0], thread[1] * 4 + thread[2]
     where = fn(dc._Ints, reg, warp, lane)  # pylint: disable=protected-access
     got[r, c] = -1 if where is None else src[where[0], where[1] + pos]
+    if source == "value":  # register kt = 4g + pair: byte 2·pair of the thread's 8-byte word of group g
+      kt = reg[1]
+      base = dc.value_outlier_source(dc._Ints, (0, 4 * (kt // 4), 0, 0, 0), warp, lane)  # pylint: disable=protected-access
+      assert where == (base[0], base[1] + 2 * (kt % 4)) and base[1] % 8 == 0
   np.testing.assert_array_equal(got, want)
 
 
