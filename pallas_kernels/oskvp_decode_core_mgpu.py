@@ -363,7 +363,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
 
   def key_scores(k_smem, ko_tile):  # -> f32 [block_s, 8] base-2 logits (WGMMA layout)
     scale = jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
-    if not outliers:
+    if not outliers or ablate == "no_outlier_key":
       s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
                                interpret=interpret)
       return s_i32.astype(jnp.float32) * scale
@@ -396,7 +396,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
         return jnp.where(valid, s, MASKED)
 
       s = jax.lax.cond(first + block_s > n_valid, mask, lambda s: s, s)
-    # ablate (timing experiments only, wrong results): "no_max" skips the block max, "no_value" the value wgmmas.
+    # ablate (timing experiments only, wrong results): "no_max" skips the block max, "no_value" the value wgmmas,
+    # "no_outlier_key" / "no_outlier_value" the outlier work of one side (their tiles are still loaded).
     m_new = m if ablate == "no_max" else jnp.maximum(m, jnp.max(s, axis=0))
     alpha = jnp.exp2(m - m_new)
     # While a split has seen no stored token (m_new = MASKED), p must be 0, not 2^0: subtract +inf instead.
@@ -411,7 +412,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
         vt_smem[...] = jnp.tile(vo_tile[...].astype(jnp.float16), (64 // OUTLIERS, 1))
     else:
       _store_transposed(p8, p_smem, ks.swizzled(block_s))
-      if outliers:
+      if outliers and ablate != "no_outlier_value":
         _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS, column_map=token_to_k)
     plgpu.commit_smem()
 
@@ -423,7 +424,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
       else:
         codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
-        if outliers:
+        if outliers and ablate != "no_outlier_value":
           plgpu.wgmma(oacc_ref, _value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
       plgpu.wgmma_wait(0)
       return (vacc_ref[...], oacc_ref[...]) if outliers else vacc_ref[...]
@@ -482,7 +483,7 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
   return bk, s, q
 
 
-ABLATIONS = ("", "no_max", "no_value")
+ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value")
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate",
