@@ -269,7 +269,11 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   mean_r = mean @ u
   var_r = wn @ ((xr - mean_r) ** 2 * (w > 0)[:, None])
   std_r = jnp.sqrt(jnp.maximum(var_r, 1e-6 * jnp.mean(var_r) + 1e-20))
+  # The starting levels, also the short-prompt fallback: the Gaussian optimum of the codebook's family (equally
+  # spaced for uniform, so that a fallback codebook keeps the form the Mosaic GPU core relies on).
   g = jnp.asarray(GAUSSIAN_LEVELS[n_levels], jnp.float32)
+  if uniform:
+    g = GAUSSIAN_UNIFORM_STEP * jnp.asarray(_UNIFORM_Z, jnp.float32)
   init = mean_r[:, None] + std_r[:, None] * g[None, :]  # [H, L]
   if uniform:
     levels, _ = uniform_lloyd(xr, w, mean_r, GAUSSIAN_UNIFORM_STEP * std_r, n_iters)

@@ -5,6 +5,8 @@ Layout per layer (every leaf batch-leading, shared with `pallas_kernels/oskvp_de
   codes_k, codes_v  uint8 [B, K, S, H/4]     2-bit codes, planar-packed (see `oskvp.pack2`)
   hi_k, hi_v        uint8 [B, K, S, H/8]     third code bit (bits=3 only, else None)
   outl_k, outl_v    float8_e4m3fn [B, K, S, O]
+  (values_contiguous caches, `OSKVPMode(uniform=True)`: codes_v uint8 [B, K, H/4, S] and outl_v [B, K, O, S], the
+  value tokens contiguous as the Mosaic GPU core streams them; `value_store` gives the token-major view)
   scale_k, scale_v  f32 [B, K, O]
   cb_k, cb_v        f32 [B, K, H, L]
   u_k, u_v          f32 [B, K, H, H]
@@ -58,6 +60,7 @@ class OSKVPLayerCache:
   hi_v: jax.Array | None = None
   implementation: str = struct.field(pytree_node=False, default="auto")
   symmetric: bool = struct.field(pytree_node=False, default=False)  # codebooks from `OSKVPMode(symmetric=True)`
+  values_contiguous: bool = struct.field(pytree_node=False, default=False)  # codes_v, outl_v [B, K, X, S]
 
   @property
   def max_len(self) -> int:
@@ -69,6 +72,13 @@ class OSKVPLayerCache:
 
   def nbytes(self) -> int:
     return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self))
+
+  def value_store(self) -> tuple[jax.Array, jax.Array]:
+    """(codes_v uint8 [B, K, S, H/4], outl_v [B, K, S, O]) token-major, whatever the stored layout (a transpose of
+    the whole store for a values_contiguous cache: for the XLA reference and the Triton kernel)."""
+    if not self.values_contiguous:
+      return self.codes_v, self.outl_v
+    return jnp.swapaxes(self.codes_v, -1, -2), jnp.swapaxes(self.outl_v, -1, -2)
 
   def _flush(self) -> "OSKVPLayerCache":
     """Moves each full window (n_res == R) into the compressed store at n_comp, as one block of R tokens."""
@@ -84,9 +94,14 @@ class OSKVPLayerCache:
     def put(store, block):  # store [B, K, S, X], block [B, K, R, X]
       return store.at[rows, :, idx].set(jnp.swapaxes(block, 1, 2), mode="drop")
 
+    def put_v(store, block):  # token-major, or store [B, K, X, S] (values_contiguous); both index as [B, R, K, X]
+      if not self.values_contiguous:
+        return put(store, block)
+      return store.at[rows, :, :, idx].set(jnp.swapaxes(block, 1, 2), mode="drop")
+
     return self.replace(
-        codes_k=put(self.codes_k, ck.codes), codes_v=put(self.codes_v, cv.codes),
-        outl_k=put(self.outl_k, ck.outl), outl_v=put(self.outl_v, cv.outl),
+        codes_k=put(self.codes_k, ck.codes), codes_v=put_v(self.codes_v, cv.codes),
+        outl_k=put(self.outl_k, ck.outl), outl_v=put_v(self.outl_v, cv.outl),
         hi_k=None if self.hi_k is None else put(self.hi_k, ck.hi),
         hi_v=None if self.hi_v is None else put(self.hi_v, cv.hi),
         n_comp=self.n_comp + jnp.where(full, r, 0), n_res=jnp.where(full, 0, self.n_res))
@@ -100,11 +115,27 @@ class OSKVPLayerCache:
     cache = cache.replace(res_k=cache.res_k.at[rows, :, cache.n_res].set(kr.astype(cache.res_k.dtype)),
                           res_v=cache.res_v.at[rows, :, cache.n_res].set(vr.astype(cache.res_v.dtype)),
                           n_res=cache.n_res + 1)
-    o = oskvp_decode_attention(q, cache.codes_k, cache.outl_k, cache.scale_k, cache.cb_k, cache.codes_v,
-                               cache.outl_v, cache.scale_v, cache.cb_v, cache.u_k, cache.u_v, cache.res_k,
-                               cache.res_v, cache.n_comp, cache.n_res, hi_k=cache.hi_k, hi_v=cache.hi_v,
-                               implementation=cache.implementation, symmetric_codebooks=cache.symmetric)
-    return o, cache
+    return cache._attend(q), cache
+
+  def _attend(self, q: jax.Array) -> jax.Array:
+    """q [B, N, H] -> o [B, N, H] over the stored tokens: the Mosaic GPU core for a values_contiguous cache on the
+    GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`), else `oskvp_decode_attention`."""
+    impl = self.implementation
+    if impl == "auto":
+      impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if self.values_contiguous and impl == "pallas" and self.hi_v is None:
+      # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
+      from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
+      if uc.mosaic_tiling(self.max_len, q.shape[-1], q.shape[1] // self.codes_k.shape[1],
+                          self.outl_k.shape[-1]) is not None:
+        return uc.uniform_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, self.codes_v,
+                                           self.outl_v, self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k,
+                                           self.res_v, self.n_comp, self.n_res)
+    codes_v, outl_v = self.value_store()
+    return oskvp_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, codes_v, outl_v,
+                                  self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k, self.res_v, self.n_comp,
+                                  self.n_res, hi_k=self.hi_k, hi_v=self.hi_v, implementation=impl,
+                                  symmetric_codebooks=self.symmetric)
 
   def extend(self, q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array) -> tuple[jax.Array, "OSKVPLayerCache"]:
     """Appends T tokens one at a time (T is static; decode uses T=1) and attends causally.
@@ -142,8 +173,9 @@ class OSKVPLayerCache:
       full = comp.at[rows, :, idx].add(jnp.swapaxes(res, 1, 2))
       return jnp.einsum("BKSJ,BKHJ->BSKH", full, u)
 
+    codes_v, outl_v = self.value_store()
     return (one(self.codes_k, self.outl_k, self.scale_k, self.cb_k, self.hi_k, self.res_k, self.u_k),
-            one(self.codes_v, self.outl_v, self.scale_v, self.cb_v, self.hi_v, self.res_v, self.u_v))
+            one(codes_v, outl_v, self.scale_v, self.cb_v, self.hi_v, self.res_v, self.u_v))
 
 
 def prefill_split(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
@@ -154,7 +186,8 @@ def prefill_split(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array
 
 
 def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams, params_v: oskvp.OSKVPParams, *,
-                      window: int, implementation: str = "auto", symmetric: bool = False) -> OSKVPLayerCache:
+                      window: int, implementation: str = "auto", symmetric: bool = False,
+                      values_contiguous: bool = False) -> OSKVPLayerCache:
   """Quantizes the prefill into the layer layout.
 
   Args:
@@ -162,6 +195,8 @@ def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams
     params_k, params_v: OSKVPParams with leading [B, K].
     window: R.
     symmetric: the codebooks are symmetric (`oskvp.fit(symmetric=True)`), which lets the kernel skip a plane type.
+    values_contiguous: store the value codes and outliers tokens contiguous ([B, K, X, S]; the Mosaic GPU core's
+      layout, for uniform codebooks).
   """
   b, t, kh, h = k.shape
   if cache_len < t:
@@ -184,10 +219,12 @@ def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams
 
   ck, ok, hk, rk = pack(k, params_k)
   cv, ov, hv, rv = pack(v, params_v)
+  if values_contiguous:
+    cv, ov = jnp.swapaxes(cv, -1, -2), jnp.swapaxes(ov, -1, -2)
   return OSKVPLayerCache(codes_k=ck, codes_v=cv, outl_k=ok, outl_v=ov, scale_k=params_k.scale,
                          scale_v=params_v.scale, cb_k=params_k.codebook, cb_v=params_v.codebook, u_k=params_k.u,
                          u_v=params_v.u, res_k=rk, res_v=rv, n_comp=n_comp, n_res=n_res, hi_k=hk, hi_v=hv,
-                         implementation=implementation, symmetric=symmetric)
+                         implementation=implementation, symmetric=symmetric, values_contiguous=values_contiguous)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +249,10 @@ class OSKVPMode:
     symmetric: 2-bit codebooks symmetric about each channel's mean (`oskvp.fit`): the bit-plane kernel then needs
       two plane types per side instead of three; fidelity cost in benchmarks/results/kv_cache.md.
     uniform: equally spaced 2-bit codebooks (`oskvp.fit(uniform=True)`): the codes themselves are the int8
-      tensor-core operand of the Mosaic GPU building blocks (one plane type); also symmetric, so the Triton
-      kernels take their two-plane-type path. Fidelity in benchmarks/results/kv_cache.md.
+      tensor-core operand of the fused Mosaic GPU core (`pallas_kernels/oskvp_decode_core_mgpu.py`), which decode
+      attention uses on the GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`; the cache then stores its
+      values tokens contiguous); elsewhere the Triton kernel (two plane types: uniform codebooks are symmetric) or
+      the XLA reference over the token-major view. Fidelity in benchmarks/results/kv_cache.md.
   """
 
   bits: int = 2
@@ -282,7 +321,8 @@ class OSKVPMode:
     del layer
     params_k = self.fit(k, lengths, rope_span=cache_len)
     return build_layer_cache(k, v, lengths, cache_len, params_k, self.fit(v, lengths), window=self.window,
-                             implementation=self.implementation, symmetric=self.symmetric or self.uniform)
+                             implementation=self.implementation, symmetric=self.symmetric or self.uniform,
+                             values_contiguous=self.uniform and self.bits == 2)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

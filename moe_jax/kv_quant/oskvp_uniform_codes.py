@@ -128,3 +128,80 @@ def merge_lse2(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array) -
   total = w1 + w2
   o = (w1[..., None] * o1 + w2[..., None] * o2) / jnp.maximum(total, 1e-30)[..., None]
   return o, jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
+
+
+# ---- Decode attention over a whole uniform cache (the layer cache's layout, values tokens contiguous).
+
+MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
+MOSAIC_MAX_SPLITS = 16  # programs per batch row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
+
+
+def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int) -> tuple[int, int] | None:
+  """(block_s, splits) of the Mosaic GPU core for a cache of `capacity` tokens, or None where the core does not apply
+  (head_dim other than a multiple of 128, more than 8 query heads per kv head, other than 8 outlier channels, or a
+  capacity that is not a multiple of 64). splits: the largest power of two up to 16 that divides the blocks."""
+  if head_dim % 128 or group > dc.N or n_outliers != dc.OUTLIERS:
+    return None
+  for block_s in (MOSAIC_BLOCK, 64):
+    if capacity % block_s == 0:
+      blocks = capacity // block_s
+      return block_s, math.gcd(blocks, MOSAIC_MAX_SPLITS)
+  return None
+
+
+def window_attention(q_rot: jax.Array, res_k: jax.Array, res_v: jax.Array, n_res: jax.Array, *,
+                     scale: float) -> tuple[jax.Array, jax.Array]:
+  """Exact attention over the residual window: q_rot f32 [BK, G, H], res_k, res_v [BK, R, H] (rotated), n_res int32
+  [BK] -> (o' f32 [BK, G, H], lse2 f32 [BK, G]) in the form `merge_lse2` takes (-inf and zeros without tokens)."""
+  s = jnp.einsum("bgh,brh->bgr", q_rot, res_k.astype(jnp.float32)) * (scale * LOG2E)
+  s = jnp.where(jnp.arange(res_k.shape[1])[None, None, :] < n_res[:, None, None], s, -jnp.inf)
+  top = jnp.maximum(s.max(axis=-1), dc.MASKED)
+  p = jnp.exp2(s - top[..., None])
+  total = p.sum(axis=-1)
+  o = jnp.einsum("bgr,brh->bgh", p, res_v.astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
+  return o, jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
+
+
+def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
+                             res_v, n_comp, n_res, *, interpret: bool = False,
+                             max_concurrent_steps: int = 3) -> jax.Array:
+  """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
+
+  The compressed store goes through `attend_codes` (the core with its fp8 outlier channels), the residual window
+  through exact attention (`window_attention`); the two are merged by log-sum-exp and rotated back by U_vᵀ.
+
+  Args:
+    q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
+    codes_k: uint8 [B, K, S, H/4]; outl_k: float8_e4m3fn [B, K, S, 8]; codes_v_t: uint8 [B, K, H/4, S] and
+      outl_v_t: float8_e4m3fn [B, K, 8, S] (values tokens contiguous); scale_k, scale_v: f32 [B, K, 8]; cb_k, cb_v:
+      f32 [B, K, H, 4] uniform codebooks; u_k, u_v: f32 [B, K, H, H]; res_k, res_v: bf16 [B, K, R, H] (rotated);
+      n_comp, n_res: int32 [B].
+    interpret: run the core in Mosaic GPU's CPU interpreter.
+    max_concurrent_steps: the core's TMA ring depth (3: best with outliers, results/oskvp_decode_core_mgpu_run10.md).
+
+  Returns:
+    [B, N, H] in q's dtype.
+
+  Raises:
+    ValueError: for shapes the core does not take (`mosaic_tiling`); the caller falls back to the Triton kernel.
+  """
+  b, n, h = q.shape
+  kh, s = codes_k.shape[1], codes_k.shape[2]
+  tiling = mosaic_tiling(s, h, n // kh, outl_k.shape[-1])
+  if tiling is None or n % kh:
+    raise ValueError(f"the Mosaic GPU core does not take N={n}, K={kh}, H={h}, capacity S={s}, "
+                     f"O={outl_k.shape[-1]} (needs G = N/K <= {dc.N}, H a multiple of 128, 8 outlier channels, "
+                     "S a multiple of 64)")
+  block_s, splits = tiling
+  ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
+  rows = lambda x: x.reshape(b * kh, *x.shape[2:])
+  q_rot = rows(jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, n // kh, h), u_k))  # [BK, G, H]
+  scale = h**-0.5
+  o_c, lse_c = attend_codes(q_rot, rows(codes_k), rows(codes_v_t), rows(cb_k), rows(cb_v), jnp.repeat(n_comp, kh),
+                            (rows(outl_k), rows(scale_k), rows(outl_v_t), rows(scale_v)), scale=scale,
+                            implementation="pallas", interpret=interpret, block_s=block_s, splits=splits,
+                            max_concurrent_steps=ring)
+  o_r, lse_r = window_attention(q_rot, rows(res_k), rows(res_v), jnp.repeat(n_res, kh), scale=scale)
+  o, _ = merge_lse2(o_c, lse_c, o_r, lse_r)
+  o = jnp.einsum("bgj,bhj->bgh", o, rows(u_v))  # o' @ U_vᵀ
+  return o.reshape(b, n, h).astype(q.dtype)

@@ -141,6 +141,11 @@ def test_uniform_codebooks():
   assert abs(rel - 0.1188) < 0.01, rel
   with pytest.raises(ValueError, match="bits"):
     oskvp.calibrate(x, bits=3, uniform=True)
+  # A short prompt (fewer rows than H: the permutation fallback) keeps equally spaced levels too.
+  short = oskvp.calibrate(x[:8], uniform=True)
+  steps = np.diff(np.asarray(short.codebook[short.n_outlier:]), axis=-1)
+  assert np.all(steps > 0)
+  np.testing.assert_allclose(steps, steps[:, :1] * np.ones((1, 3)), rtol=1e-5)
 
 
 def test_storage_bytes_counts_every_part():

@@ -6,50 +6,62 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moe_jax.kv_quant import OSKVPMode
 from moe_jax.kv_quant import oskvp_attention as attn
 from moe_jax.kv_quant import oskvp_uniform_codes as uc
-from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 B, K, G, H, R = 2, 2, 4, 128, 16
 
 
-def _cache(zero_outliers=True):
-  """A real uniform cache: 300 and 150 prompt tokens in a 512-token store (capacity = 2 splits · 2 blocks · 128)."""
-  k = jax.random.normal(jax.random.PRNGKey(1), (B, 300, K, H)) * jnp.linspace(0.5, 2.0, H)
-  v = jax.random.normal(jax.random.PRNGKey(2), (B, 300, K, H))
-  c = OSKVPMode(window=R, uniform=True).from_prefill(k, v, jnp.array([300, 150]), 512, layer=0)
+def _cache(zero_outliers=True, kv_heads=K, lengths=(300, 150), seed=1):
+  """A real uniform cache: the prompts' tokens in a 512-token store (capacity = 4 splits · 1 block · 128); the values
+  tokens contiguous, as `OSKVPMode(uniform=True)` stores them."""
+  k = jax.random.normal(jax.random.PRNGKey(seed), (B, 300, kv_heads, H)) * jnp.linspace(0.5, 2.0, H)
+  v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B, 300, kv_heads, H))
+  c = OSKVPMode(window=R, uniform=True).from_prefill(k, v, jnp.array(lengths), 512, layer=0)
+  assert c.values_contiguous and c.codes_v.shape == (B, kv_heads, H // 4, 512)
   if not zero_outliers:
     return c
   return dataclasses.replace(c, outl_k=jnp.zeros_like(c.outl_k), outl_v=jnp.zeros_like(c.outl_v))
 
 
 def _rows(x):
-  return x.reshape(B * K, *x.shape[2:])
+  return x.reshape(-1, *x.shape[2:])
 
 
-def _through_codes(c, q, outliers=None):
-  """attend_codes ("xla" and "pallas" in interpret mode) merged with exact window attention, rotated back."""
-  q_rot = _rows(jnp.einsum("BKGH,BKHJ->BKGJ", q.reshape(B, K, G, H), c.u_k))  # [BK, G, H]
-  lengths = jnp.repeat(c.n_comp, K)
-  vt = vs.token_contiguous(_rows(c.codes_v))
+def _xla(c, q):
+  """The XLA OS-KVP attention over the cache's token-major view."""
+  codes_v, outl_v = c.value_store()
+  return np.asarray(attn.oskvp_decode_attention_xla(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, codes_v, outl_v,
+                                                    c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
+                                                    c.n_res), np.float32)
+
+
+def _wired(c, q):
+  """`uniform_decode_attention` (the core in interpret mode + the window, merged, rotated back) on the cache."""
+  return np.asarray(uc.uniform_decode_attention(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v,
+                                                c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
+                                                c.n_res, interpret=True), np.float32)
+
+
+def _exact_codes(c, q):
+  """attend_codes' exact ("xla") path merged with the window and rotated back: the wired function's arithmetic
+  without the kernel's quantization."""
+  kh, g = c.codes_k.shape[1], q.shape[1] // c.codes_k.shape[1]
+  q_rot = _rows(jnp.einsum("BKGH,BKHJ->BKGJ", q.reshape(B, kh, g, H), c.u_k))
   scale = H**-0.5
-  sr = jnp.einsum("bgh,brh->bgr", q_rot, _rows(c.res_k).astype(jnp.float32)) * (scale * uc.LOG2E)
-  sr = jnp.where(jnp.arange(R)[None, None, :] < jnp.repeat(c.n_res, K)[:, None, None], sr, -jnp.inf)
-  top = sr.max(axis=-1)
-  pr = jnp.exp2(sr - top[..., None])
-  o_res = jnp.einsum("bgr,brh->bgh", pr, _rows(c.res_v).astype(jnp.float32)) / pr.sum(-1)[..., None]
-  lse_res = top + jnp.log2(pr.sum(-1))
-  outs = {}
-  for impl in ("xla", "pallas"):
-    o_codes, lse_codes = uc.attend_codes(q_rot, _rows(c.codes_k), vt, _rows(c.cb_k), _rows(c.cb_v), lengths,
-                                         outliers, scale=scale, implementation=impl, interpret=True, block_s=128,
-                                         splits=2)
-    o, _ = uc.merge_lse2(o_codes, lse_codes, o_res, lse_res)
-    o = jnp.einsum("bgj,bhj->bgh", o, _rows(c.u_v))
-    outs[impl] = np.asarray(o.reshape(B, K * G, H))
-  return outs
+  o_c, lse_c = uc.attend_codes(q_rot, _rows(c.codes_k), _rows(c.codes_v), _rows(c.cb_k), _rows(c.cb_v),
+                               jnp.repeat(c.n_comp, kh), (_rows(c.outl_k), _rows(c.scale_k), _rows(c.outl_v),
+                                                          _rows(c.scale_v)), scale=scale, implementation="xla")
+  o_r, lse_r = uc.window_attention(q_rot, _rows(c.res_k), _rows(c.res_v), jnp.repeat(c.n_res, kh), scale=scale)
+  o, _ = uc.merge_lse2(o_c, lse_c, o_r, lse_r)
+  return np.asarray(jnp.einsum("bgj,bhj->bgh", o, _rows(c.u_v)).reshape(B, kh * g, H))
+
+
+def _rel(x, want):
+  return float(np.linalg.norm(x - want) / np.linalg.norm(want))
 
 
 def test_codes_plus_window_match_the_xla_attention():
@@ -59,29 +71,66 @@ def test_codes_plus_window_match_the_xla_attention():
   (measured 2.6e-6)."""
   c = _cache()
   q = jax.random.normal(jax.random.PRNGKey(3), (B, K * G, H))
-  want = attn.oskvp_decode_attention_xla(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v,
-                                         c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp, c.n_res)
-  outs = _through_codes(c, q)
-  want = np.asarray(want, np.float32)
-  rel = lambda x: float(np.linalg.norm(x - want) / np.linalg.norm(want))
-  assert rel(outs["xla"]) < 1e-5, rel(outs["xla"])
-  assert rel(outs["pallas"]) < 0.03, rel(outs["pallas"])
+  want = _xla(c, q)
+  assert _rel(_exact_codes(c, q), want) < 1e-5
+  assert _rel(_wired(c, q), want) < 0.03
 
 
 def test_codes_outliers_and_window_match_the_xla_attention():
-  """The whole compressed store (codes + fp8 outlier channels) through the core, merged with the window: within 3%
-  (measured 1.7%) of `oskvp_decode_attention_xla` on a real uniform cache (nothing zeroed); the exact path within
-  1e-4 (measured 2.1e-6)."""
+  """The whole cache (codes + fp8 outlier channels + window) through `uniform_decode_attention`: within 3% (measured
+  1.7%) of `oskvp_decode_attention_xla` on a real uniform cache (nothing zeroed); the exact path within 1e-4
+  (measured 2.1e-6)."""
   c = _cache(zero_outliers=False)
   q = jax.random.normal(jax.random.PRNGKey(4), (B, K * G, H))
-  want = attn.oskvp_decode_attention_xla(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v,
-                                         c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp, c.n_res)
-  outs = _through_codes(c, q, outliers=(_rows(c.outl_k), _rows(c.scale_k), jnp.swapaxes(_rows(c.outl_v), 1, 2),
-                                       _rows(c.scale_v)))
-  want = np.asarray(want, np.float32)
-  rel = lambda x: float(np.linalg.norm(x - want) / np.linalg.norm(want))
-  assert rel(outs["xla"]) < 1e-4, rel(outs["xla"])
-  assert rel(outs["pallas"]) < 0.03, rel(outs["pallas"])
+  want = _xla(c, q)
+  assert _rel(_exact_codes(c, q), want) < 1e-4
+  assert _rel(_wired(c, q), want) < 0.03
+
+
+@pytest.mark.parametrize("kv_heads,g,lengths", [(2, 8, (1, 290)), (4, 1, (130, 17))])
+def test_groups_and_ragged_lengths(kv_heads, g, lengths):
+  """G = 8 and G = 1; one sequence whose only token is in the window (n_comp = 0: the core's side is empty) or whose
+  compressed store ends mid-block: within 3% of the XLA attention, the exact path within 1e-4."""
+  c = _cache(zero_outliers=False, kv_heads=kv_heads, lengths=lengths, seed=7)
+  assert int(c.n_comp.min()) % 128 or int(c.n_comp.min()) == 0
+  q = jax.random.normal(jax.random.PRNGKey(5), (B, kv_heads * g, H))
+  want = _xla(c, q)
+  assert _rel(_exact_codes(c, q), want) < 1e-4
+  got = _wired(c, q)
+  for i in range(B):  # per sequence: an empty compressed side must leave the window's attention exactly
+    assert _rel(got[i], want[i]) < (1e-5 if int(c.n_comp[i]) == 0 else 0.03), (i, _rel(got[i], want[i]))
+
+
+def test_values_contiguous_cache_decodes_like_the_token_major_one():
+  """The same uniform cache stored both ways decodes identically on the XLA path through window flushes (the
+  flush writes a block of value tokens at n_comp into [B, K, X, S]); `dequantized` agrees too."""
+  c = _cache(zero_outliers=False)
+  codes_v, outl_v = c.value_store()
+  t = dataclasses.replace(c, codes_v=codes_v, outl_v=outl_v, values_contiguous=False)
+  steps = 2 * R + 3  # two flushes of the window
+  q = jax.random.normal(jax.random.PRNGKey(8), (B, steps, K * G, H))
+  kv = jax.random.normal(jax.random.PRNGKey(9), (2, B, steps, K, H))
+  o_c, c2 = c.extend(q, kv[0], kv[1], None)
+  o_t, t2 = t.extend(q, kv[0], kv[1], None)
+  np.testing.assert_array_equal(np.asarray(o_c), np.asarray(o_t))
+  assert int(c2.n_comp[1]) > int(c.n_comp[1])
+  np.testing.assert_array_equal(np.asarray(c2.value_store()[0]), np.asarray(t2.codes_v))
+  for a, b_ in zip(c2.dequantized(), t2.dequantized()):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
+def test_mosaic_tiling():
+  assert uc.mosaic_tiling(65536, 128, 4, 8) == (128, 16)
+  assert uc.mosaic_tiling(384, 128, 8, 8) == (128, 1)
+  assert uc.mosaic_tiling(192, 128, 4, 8) == (64, 1)
+  assert uc.mosaic_tiling(65536, 64, 4, 8) is None  # head dim 64: the core's value side needs H/4 % 32 == 0
+  assert uc.mosaic_tiling(65536, 128, 16, 8) is None
+  assert uc.mosaic_tiling(100, 128, 4, 8) is None
+  with pytest.raises(ValueError, match="G = N/K"):
+    c = _cache()
+    q = jnp.zeros((B, K * 16, H))
+    uc.uniform_decode_attention(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v,
+                                c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp, c.n_res, interpret=True)
 
 
 def test_merge_handles_empty_sides():
