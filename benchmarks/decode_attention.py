@@ -186,6 +186,50 @@ def kernel_fn(cfg, symmetric=False):
   return lambda *a: _oskvp_pallas(*a, interpret=False, config=cfg, symmetric_codebooks=symmetric)
 
 
+def uniform_args(key, b, s):
+  """The 15 arguments with uniform codebooks (c0 + d·c, outlier rows 0) and the values tokens contiguous, as an
+  `OSKVPMode(uniform=True)` cache stores them: `uniform_decode_attention`'s inputs."""
+  a = list(oskvp_args(key, b, s))
+  for i, kk in ((4, 1), (8, 2)):  # cb_k, cb_v
+    k0, k1 = jax.random.split(jax.random.fold_in(key, kk))
+    c0 = jax.random.normal(k0, a[i].shape[:-1]) - 1.5
+    d = jax.random.uniform(k1, a[i].shape[:-1], minval=0.3, maxval=1.2)
+    a[i] = (c0[..., None] + d[..., None] * jnp.arange(4.0)).at[:, :, :8].set(0.0)
+  a[5], a[6] = jnp.swapaxes(a[5], -1, -2), jnp.swapaxes(a[6], -1, -2)  # codes_v, outl_v [B, K, X, S]
+  return tuple(a)
+
+
+def mosaic_uniform(*a):
+  """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ)."""
+  from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
+  return uniform_decode_attention(*a)
+
+
+def token_major(a):
+  """uniform_args -> the same cache with token-major values (the XLA reference's and Triton kernel's layout)."""
+  a = list(a)
+  a[5], a[6] = jnp.swapaxes(a[5], -1, -2), jnp.swapaxes(a[6], -1, -2)
+  return tuple(a)
+
+
+def check_mosaic_uniform(log):
+  """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4)."""
+  out = []
+  for b, s, n_comp, n_res in ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64))):
+    a = list(uniform_args(jax.random.key(b * s), b, s))
+    a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(n_res, jnp.int32)
+    case = f"B={b} S={s} n_comp={n_comp} n_res={n_res}"
+    try:
+      got = jax.jit(mosaic_uniform)(*a).astype(jnp.float32)
+      want = jax.jit(oskvp_decode_attention_reference)(*token_major(a)).astype(jnp.float32)
+      rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+      out.append(dict(case=case, config="mosaic_uniform", rel_err=rel, nan=bool(jnp.isnan(got).any())))
+    except Exception as e:  # pylint: disable=broad-except
+      out.append(dict(case=case, config="mosaic_uniform", error=repr(e)[:600]))
+    log(f"check mosaic_uniform {out[-1]}")
+  return out
+
+
 def oskvp_bytes(b, s):
   per_bk = 2 * (s * (HEAD_DIM // 4 + 8) + WINDOW * HEAD_DIM * 2 + HEAD_DIM * HEAD_DIM * 4 + HEAD_DIM * 16 + 32)
   return b * KV_HEADS * per_bk
@@ -245,6 +289,9 @@ def main():
   ap.add_argument("--extras_contexts", default="65536", help="contexts for the slower/secondary peers")
   ap.add_argument("--max_cache_gb", type=float, default=40.0, help="skip bf16 peers whose K+V exceed this")
   ap.add_argument("--merge", default="", help="comma-separated decode_attention.json files to combine (no GPU)")
+  ap.add_argument("--mosaic_grid", action="store_true",
+                  help="the grid of cuDNN, the Triton bit-plane defaults and the wired Mosaic GPU path of "
+                       "oskvp_uniform only (no sweep, no secondary peers); checks the Mosaic path first")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   if args.merge:
@@ -260,12 +307,19 @@ def main():
   log(f"device {dev.device_kind}, jax {jax.__version__}")
   copy_tbs, read_tbs = copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
-  if args.sweep_only:  # Eighth run: f16 outliers and masked value planes on top of compact rows.
+  if args.mosaic_grid:
+    checks = check_mosaic_uniform(log)
+    if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
+      log("the Mosaic path failed its check; stopping before the timings")
+      return 1
+    checks += check_correctness(log, ("bitplane",), only=[BITPLANE])
+    args.skip_sweep, args.extras_contexts = True, ""
+  elif args.sweep_only:  # Eighth run: f16 outliers and masked value planes on top of compact rows.
     checks = check_correctness(log, ("bitplane",),
                                only=[BITPLANE, dataclasses.replace(BITPLANE, block_s=32, num_splits=7)])
   else:
     checks = check_correctness(log, ("bitplane",) if args.quick else ("mma", "lut", "bitplane"))
-  if not any("rel_err" in c and "mma" in c["config"] for c in checks):
+  if not args.mosaic_grid and not any("rel_err" in c and "mma" in c["config"] for c in checks):
     log("the mma kernel did not run; stopping before the timings")
     return 1
 
@@ -335,7 +389,7 @@ def main():
         json.dump(dict(sweep=sweep, checks=checks, cudnn_ms=ms, copy_tb_per_s=copy_tbs), f, indent=1)
       return 0
 
-  if args.quick and args.skip_sweep:  # the final defaults only, with and without symmetric codebooks
+  if (args.quick and args.skip_sweep) or args.mosaic_grid:  # the final defaults only, with and without symmetric codebooks
     best = {"bitplane": BITPLANE, "bitplane_sym": BITPLANE}
   rows = []
   meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
@@ -373,6 +427,9 @@ def main():
         sym = form.endswith("_sym")
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
+      if args.mosaic_grid:
+        attempt("oskvp_mosaic_uniform", b, s, mosaic_uniform, lambda i: uniform_args(jax.random.key(i), b, s),
+                oskvp_bytes(b, s), "Mosaic GPU core + window (kv_cache='oskvp_uniform')")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,
@@ -393,6 +450,8 @@ def main():
         return (q_of(i), k.reshape(b * KV_HEADS, s, HEAD_DIM), v.reshape(b * KV_HEADS, s, HEAD_DIM))
 
       attempt("cudnn_bf16", b, s, cudnn_bf16, kv_bshk, bf_bytes)
+      if args.mosaic_grid:
+        continue
       attempt("xla_bf16", b, s, xla_bf16, kv_bksh, bf_bytes)
       if not extras:
         continue
