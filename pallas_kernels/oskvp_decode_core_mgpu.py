@@ -31,8 +31,9 @@ channels [8, S] tokens contiguous), step 1 adds an f16 wgmma whose A (the key ti
 repeated to 64 rows, [64, block_s]) is built from one 8-byte load per 32 tokens per thread (the tokens permuted
 along K so that a thread's columns are consecutive bytes), with p8 as f16 ([8, block_s], stored transposed by hand
 with the same permutation); each side issues its two wgmmas before one wait.
-Outputs per program: acc f32 [H (ACC row order), 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits
-(log-sum-exp) in XLA and returns out f32 [BK, 8, H] in channel order.
+Outputs per program: acc f32 [H, 8] (stored in channel order), m f32 [8], l f32 [8]; `decode_core_mgpu` merges the
+splits (log-sum-exp) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the per-split outputs (for
+`oskvp_uniform_glue.epilogue`).
 
 CPU interpret mode: the interpreter runs no inline Mosaic, so there the planes go through shared memory (as in the
 building blocks) and p8 is stored with jnp.
@@ -180,6 +181,8 @@ class _Ints:
   mul = staticmethod(lambda a, k: a * k)
   shr = staticmethod(lambda a, k: a >> k)
   shl = staticmethod(lambda a, k: a << k)
+  div = staticmethod(lambda a, k: a // k)
+  mod = staticmethod(lambda a, k: a % k)
   band = staticmethod(lambda a, k: a & k)
   bor = staticmethod(lambda a, b: a | b)
   bxor = staticmethod(lambda a, b: a ^ b)
@@ -206,6 +209,12 @@ class _Mlir:
   def shl(self, a, k):
     return a << k if isinstance(a, int) else arith.shli(a, self._v(k))
 
+  def div(self, a, k):
+    return a // k if isinstance(a, int) else arith.divui(a, self._v(k))
+
+  def mod(self, a, k):
+    return a % k if isinstance(a, int) else arith.remui(a, self._v(k))
+
   def band(self, a, k):
     return a & k if isinstance(a, int) else arith.andi(a, self._v(k))
 
@@ -214,6 +223,33 @@ class _Mlir:
 
   def bxor(self, a, b):
     return a ^ b if isinstance(a, int) and isinstance(b, int) else arith.xori(self._v(a), self._v(b))
+
+
+def acc_row_channel(ops, r, q: int):
+  """Accumulator row r of the value sums (ACC order [p2, qt, w, p1, i], one plane type) -> its channel
+  (p2, p1, qt, w, i): `oskvp_value_sums_mgpu.acc_row_channels`, as index arithmetic."""
+  nq = q // 32
+  low, rest = ops.band(r, 7), ops.shr(r, 6)
+  p1, w = ops.band(ops.shr(r, 3), 1), ops.band(ops.shr(r, 4), 3)
+  qt, p2 = ops.mod(rest, nq), ops.div(rest, nq)
+  outer = ops.add(ops.mul(ops.add(ops.mul(ops.add(ops.mul(p2, 2), p1), nq), qt), 32), ops.mul(w, 8))
+  return ops.add(outer, low)
+
+
+def _store_channel_rows(arr, ref, q: int):
+  """Inside the kernel (GPU route): the value accumulator arr f32 [H (ACC order), 8] (WGMMA layout) -> ref f32
+  [H, 8] in channel order (one scalar store per element, once per program)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(_, arr, ref):
+    ops = _Mlir(ir.IndexType.get())
+
+    def one(val, idx):
+      memref.store(val, ref, [acc_row_channel(ops, idx[0], q), idx[1]])
+
+    arr.foreach(one)
+
+  store(arr, ref)
 
 
 def key_outlier_source(ops, idx: tuple[int, ...], warp, lane):
@@ -331,7 +367,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # padded: TMA copies move multiples of 128 bytes); with outliers also ko_ref fp8 [BK, S/2, 16] (the key outlier
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
   # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
-  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (ACC row order); ml_out f32 [BK, splits, 32]: m in [0, 8),
+  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (channel order); ml_out f32 [BK, splits, 32]: m in [0, 8),
   # l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums [channel, head]).
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
   # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
@@ -449,7 +485,10 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     srcs += [ko_ref.at[bk, pl.ds(sp * (steps * block_s // 2), steps * block_s // 2)], vo_ref.at[bk, :, tokens]]
   m, l, acc, acc_o = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs,
                                          max_concurrent_steps=max_concurrent_steps, init_carry=init)(*srcs)
-  o_smem[...] = acc
+  if interpret:
+    o_smem[...] = vs._channel_rows(acc, q, 0)  # pylint: disable=protected-access
+  else:
+    _store_channel_rows(acc, o_smem, q)
   ml_smem[pl.ds(0, N)] = m
   ml_smem[pl.ds(N, N)] = jnp.sum(l, axis=0)
   if outliers:
@@ -481,6 +520,73 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
     raise ValueError(f"block_s={block_s!r} must be 64 or 128")
   ks.check_loop_args(s, block_s, splits, max_concurrent_steps)
   return bk, s, q
+
+
+def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, block_s: int, splits: int,
+               max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool):
+  """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
+  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8], ml f32 [BK, splits, 32]
+  (+ acco f32 [BK, splits, 8, 8] with outliers))."""
+  bk, s, q = kcodes.shape
+  h = 4 * q
+  steps = s // (splits * block_s)
+  outliers = kout2 is not None
+  body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
+                           interpret=bool(interpret), ablate=ablate, ragged=ragged, outliers=outliers)
+  smem_a = interpret  # planes and outlier A tiles through shared memory only in the interpreter (one 8-row tile of
+  # each on the GPU route, never touched: 26 KB less shared memory per program with outliers at block 128)
+  kernel = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((bk, splits, h, N), jnp.float32),
+                jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
+      + ((jax.ShapeDtypeStruct((bk, splits, OUTLIERS, N), jnp.float32),) if outliers else ()),
+      grid=(bk, splits), grid_names=("bk", "split"),
+      scratch_types=dict(
+          q_smem=plgpu.SMEM((N, h), jnp.int8, transforms=ks.swizzled(128)),
+          qs_smem=plgpu.SMEM((32,), jnp.float32),
+          ka_smem=plgpu.SMEM((block_s, h) if smem_a else (8, 128), jnp.int8, transforms=ks.swizzled(128)),
+          va_smem=plgpu.SMEM((h, block_s) if smem_a else (8, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
+          p_smem=plgpu.SMEM((N, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
+          o_smem=plgpu.SMEM((h, N), jnp.float32),
+          ml_smem=plgpu.SMEM((32,), jnp.float32),
+          bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1),
+          **(dict(qo_smem=plgpu.SMEM((N, 2 * OUTLIERS), jnp.float16, transforms=F16_B16_TRANSFORMS),
+                  a16_smem=plgpu.SMEM((block_s, 2 * OUTLIERS) if smem_a else (8, 16), jnp.float16,
+                                      transforms=F16_B16_TRANSFORMS),
+                  vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=F16_T_TRANSFORMS),
+                  p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=F16_T_TRANSFORMS),
+                  oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {})),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
+  return kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))
+
+
+@functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret"))
+def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_row: jax.Array, kout: jax.Array,
+                       vout: jax.Array, qo16: jax.Array, *, block_s: int = 128, splits: int = 16,
+                       max_concurrent_steps: int = 3, interpret: bool | plgpu.InterpretGPUParams = False):
+  """The core with outliers and ragged lengths, unmerged: for callers that merge the splits themselves
+  (`oskvp_uniform_glue.epilogue`, which also takes the window).
+
+  Args:
+    kcodes, vcodes, qd, kout, vout: as in `decode_core_mgpu`.
+    qs_row: f32 [BK, 32]: the 8 per-head scales of `decode_core_mgpu`'s qs, the row's length (tokens stored, as f32)
+      at index 8, zeros elsewhere (`oskvp_uniform_glue.prologue` writes it).
+    qo16: f16 [BK, 8, 16]: `decode_core_mgpu`'s qo with 8 zero columns appended (the f16 wgmma's K).
+
+  Returns:
+    (acc f32 [BK, splits, H, 8] = Σ_t p8[n, t] · vcode[t, ch] per split (channel order, relative to 2^m),
+    ml f32 [BK, splits, 32]: m (the split's running max, base-2 logits) in [0, 8), l = Σ_t p8 in [8, 16),
+    acco f32 [BK, splits, 8, 8] = Σ_t p8[n, t] · vout[o, t] as [o, n]); p8 = round(127 · 2^(s − m)).
+  """
+  bk, s, q = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], block_s, splits, max_concurrent_steps)
+  if qs_row.shape != (bk, 32) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
+      or qo16.shape != (bk, N, 2 * OUTLIERS):
+    raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, vout {vout.shape}, qo16 {qo16.shape} must be "
+                     f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
+  return _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
+                    block_s=block_s, splits=splits, max_concurrent_steps=max_concurrent_steps, interpret=interpret,
+                    ragged=True)
 
 
 ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value")
@@ -535,50 +641,23 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
                      "(tokens contiguous)")
   if outliers and (qo.shape != (bk, N, OUTLIERS) or qo.dtype != jnp.float16):
     raise ValueError(f"qo {qo.shape} {qo.dtype} must be float16 [BK, {N}, {OUTLIERS}]")
-  h = 4 * q
-  steps = s // (splits * block_s)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
-                           interpret=bool(interpret), ablate=ablate, ragged=lengths is not None, outliers=outliers)
-  smem_a = interpret  # planes and outlier A tiles through shared memory only in the interpreter (one 8-row tile of
-  # each on the GPU route, never touched: 26 KB less shared memory per program with outliers at block 128)
-  kernel = plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((bk, splits, h, N), jnp.float32),
-                jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
-      + ((jax.ShapeDtypeStruct((bk, splits, OUTLIERS, N), jnp.float32),) if outliers else ()),
-      grid=(bk, splits), grid_names=("bk", "split"),
-      scratch_types=dict(
-          q_smem=plgpu.SMEM((N, h), jnp.int8, transforms=ks.swizzled(128)),
-          qs_smem=plgpu.SMEM((32,), jnp.float32),
-          ka_smem=plgpu.SMEM((block_s, h) if smem_a else (8, 128), jnp.int8, transforms=ks.swizzled(128)),
-          va_smem=plgpu.SMEM((h, block_s) if smem_a else (8, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
-          p_smem=plgpu.SMEM((N, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
-          o_smem=plgpu.SMEM((h, N), jnp.float32),
-          ml_smem=plgpu.SMEM((32,), jnp.float32),
-          bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1),
-          **(dict(qo_smem=plgpu.SMEM((N, 2 * OUTLIERS), jnp.float16, transforms=F16_B16_TRANSFORMS),
-                  a16_smem=plgpu.SMEM((block_s, 2 * OUTLIERS) if smem_a else (8, 16), jnp.float16,
-                                      transforms=F16_B16_TRANSFORMS),
-                  vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=F16_T_TRANSFORMS),
-                  p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=F16_T_TRANSFORMS),
-                  oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {})),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
   qs_row = jnp.pad(qs, ((0, 0), (0, 32 - N)))  # padded to the 128 bytes a TMA copy moves; the length rides in it
   if lengths is not None:
     qs_row = qs_row.at[:, _LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
   extra = ()
   if outliers:  # the key outliers as rows of two tokens (a free reshape); qo padded to the f16 wgmma's K = 16
     extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS))))
-  res = kernel(kcodes, vcodes, qd, qs_row, *extra)
-  acc, ml = res[0], res[1]  # [BK, splits, H (ACC), 8], [BK, splits, 32]
+  res = _core_call(kcodes, vcodes, qd, qs_row, *extra, block_s=block_s, splits=splits,
+                   max_concurrent_steps=max_concurrent_steps, interpret=interpret, ablate=ablate,
+                   ragged=lengths is not None)
+  acc, ml = res[0], res[1]  # [BK, splits, H, 8], [BK, splits, 32]
   m, l = ml[..., :N], ml[..., N:2 * N]
   top = m.max(axis=1, keepdims=True)
   w = jnp.exp2(m - top)  # [BK, splits, 8]
   total = jnp.einsum("bsn,bsn->bn", w, l)  # Σ p8 relative to 2^top
-  out = vs._channel_rows(jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(total, 1e-30)[..., None], q, 2)  # pylint: disable=protected-access
+  out = jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(total, 1e-30)[..., None]
   outs = (out,)
   if outliers:
     outs += (jnp.einsum("bsn,bson->bno", w, res[2]) / jnp.maximum(total, 1e-30)[..., None],)

@@ -163,12 +163,15 @@ def window_attention(q_rot: jax.Array, res_k: jax.Array, res_v: jax.Array, n_res
 
 
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
-                             res_v, n_comp, n_res, *, interpret: bool = False,
-                             max_concurrent_steps: int = 3) -> jax.Array:
+                             res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 3,
+                             glue: str = "pallas") -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
-  The compressed store goes through `attend_codes` (the core with its fp8 outlier channels), the residual window
-  through exact attention (`window_attention`); the two are merged by log-sum-exp and rotated back by U_vᵀ.
+  The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
+  attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="pallas" (the default) runs the query
+  preparation and the merge + window + rotation as two Pallas kernels around the core
+  (`pallas_kernels/oskvp_uniform_glue.py`: three launches in all); glue="xla" composes `attend_codes`,
+  `window_attention` and `merge_lse2` in jnp (about twenty XLA kernels on the GPU).
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
@@ -176,8 +179,9 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       outl_v_t: float8_e4m3fn [B, K, 8, S] (values tokens contiguous); scale_k, scale_v: f32 [B, K, 8]; cb_k, cb_v:
       f32 [B, K, H, 4] uniform codebooks; u_k, u_v: f32 [B, K, H, H]; res_k, res_v: bf16 [B, K, R, H] (rotated);
       n_comp, n_res: int32 [B].
-    interpret: run the core in Mosaic GPU's CPU interpreter.
+    interpret: run the kernels in their CPU interpreters.
     max_concurrent_steps: the core's TMA ring depth (3: best with outliers, results/oskvp_decode_core_mgpu_run10.md).
+    glue: "pallas" or "xla" (see above).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -187,15 +191,28 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   """
   b, n, h = q.shape
   kh, s = codes_k.shape[1], codes_k.shape[2]
-  tiling = mosaic_tiling(s, h, n // kh, outl_k.shape[-1])
+  g = n // kh
+  tiling = mosaic_tiling(s, h, g, outl_k.shape[-1])
   if tiling is None or n % kh:
     raise ValueError(f"the Mosaic GPU core does not take N={n}, K={kh}, H={h}, capacity S={s}, "
                      f"O={outl_k.shape[-1]} (needs G = N/K <= {dc.N}, H a multiple of 128, 8 outlier channels, "
                      "S a multiple of 64)")
+  if glue not in ("pallas", "xla"):
+    raise ValueError(f"glue={glue!r} must be 'pallas' or 'xla'")
   block_s, splits = tiling
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
-  q_rot = rows(jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, n // kh, h), u_k))  # [BK, G, H]
+  if glue == "pallas":
+    from pallas_kernels import oskvp_uniform_glue as gl  # pylint: disable=g-import-not-at-top
+    qd, qs_row, qo16, qr16, qc = gl.prologue(q, u_k, cb_k, scale_k, n_comp, interpret=interpret)
+    acc, ml, acco = dc.decode_core_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row), rows(outl_k),
+                                          rows(outl_v_t), rows(qo16), block_s=block_s, splits=splits,
+                                          max_concurrent_steps=ring, interpret=interpret)
+    per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
+    o = gl.epilogue(per_head(acc), per_head(ml), per_head(acco), qr16, qc, cb_v, scale_v, res_k, res_v, n_res, u_v,
+                    interpret=interpret)  # [B, K, 16, H]
+    return o[:, :, :g].reshape(b, n, h).astype(q.dtype)
+  q_rot = rows(jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k))  # [BK, G, H]
   scale = h**-0.5
   o_c, lse_c = attend_codes(q_rot, rows(codes_k), rows(codes_v_t), rows(cb_k), rows(cb_v), jnp.repeat(n_comp, kh),
                             (rows(outl_k), rows(scale_k), rows(outl_v_t), rows(scale_v)), scale=scale,

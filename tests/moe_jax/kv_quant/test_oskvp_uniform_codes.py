@@ -39,11 +39,11 @@ def _xla(c, q):
                                                     c.n_res), np.float32)
 
 
-def _wired(c, q):
+def _wired(c, q, glue="pallas"):
   """`uniform_decode_attention` (the core in interpret mode + the window, merged, rotated back) on the cache."""
   return np.asarray(uc.uniform_decode_attention(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v,
                                                 c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
-                                                c.n_res, interpret=True), np.float32)
+                                                c.n_res, interpret=True, glue=glue), np.float32)
 
 
 def _exact_codes(c, q):
@@ -84,7 +84,10 @@ def test_codes_outliers_and_window_match_the_xla_attention():
   q = jax.random.normal(jax.random.PRNGKey(4), (B, K * G, H))
   want = _xla(c, q)
   assert _rel(_exact_codes(c, q), want) < 1e-4
-  assert _rel(_wired(c, q), want) < 0.03
+  got = _wired(c, q)
+  assert _rel(got, want) < 0.03
+  # The jnp glue (attend_codes + window + merge) computes the same thing around the same core.
+  np.testing.assert_allclose(_wired(c, q, glue="xla"), got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
 
 
 @pytest.mark.parametrize("kv_heads,g,lengths", [(2, 8, (1, 290)), (4, 1, (130, 17))])

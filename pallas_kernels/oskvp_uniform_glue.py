@@ -1,0 +1,203 @@
+"""The prologue and epilogue of the wired Mosaic GPU OS-KVP path (`kv_cache="oskvp_uniform"`) as two small Pallas
+(Triton) kernels, one program per batch row and kv head.
+
+`moe_jax/kv_quant/oskvp_uniform_codes.uniform_decode_attention` (jnp) wraps the fused core
+(`oskvp_decode_core_mgpu.py`) in about eighteen small XLA kernels: the query rotation and digits, pads, the merge
+of the splits, the residual window's attention, the log-sum-exp merge and the rotation back. On the H200 at 64k ×
+batch 8 they took 35 µs of kernel time and about 50 µs of launch gaps next to the core's 147 µs
+(`benchmarks/results/oskvp_uniform_profile.md`). These two kernels replace them:
+
+prologue (per row b, kv head k; q' = q U_k the rotated query [G, H], c = log2(e) / √H, cb_k = c0 + d·code):
+  qd int8 [8, H]    round(q'·d / u) per head, u = max_ch |q'·d| / 127 (rows G.. zero): the core's query digits
+  qs f32 [32]       u·c in [0, G), the row's compressed length n_comp at index 8 (the core's `qs_row`)
+  qo f16 [8, 16]    q'[:, :8]·scale_k·c (the key-outlier query; columns 8.. zero)
+  qr f32 [16, H]    q' (rows G.. zero: the epilogue's window dot)
+  qc f32 [8]        c·Σ q'·c0 (the score part the codes do not carry)
+epilogue (the core's per-split outputs acc [splits, H, 8] (channel order), ml [splits, 32] (m, l), acco
+[splits, 8, 8]):
+  the splits merged by log-sum-exp, o' = c0_v + d_v·mean code (+ the value outliers · scale_v on channels 0..7),
+  exact attention over the window (res_k, res_v [R, H], n_res tokens), the two merged by log-sum-exp and rotated
+  back: o [16, H] = o' U_vᵀ (rows G.. meaningless).
+The references are the jnp functions they replace (`prologue_reference`, `epilogue_reference`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS
+from pallas_kernels.oskvp_decode_prologue import _round, unfold_rows
+
+LOG2E = 1.0 / math.log(2.0)
+ROWS = 16  # the rotated query's rows in the epilogue (tl.dot needs 16)
+QS_SLOTS = 32  # the core's qs row: 8 scales, the length at index 8, padding to the 128 bytes a TMA copy moves
+LEN_SLOT = N
+
+
+# ---- References (jnp; what XLA ran before these kernels).
+
+def prologue_reference(q, u_k, cb_k, scale_k, n_comp):
+  """q [B, N, H], u_k [B, K, H, H], cb_k [B, K, H, 4], scale_k [B, K, 8], n_comp int32 [B] -> (qd int8 [B, K, 8, H],
+  qs f32 [B, K, 32], qo f16 [B, K, 8, 16], qr f32 [B, K, 16, H], qc f32 [B, K, 8]) (module docstring)."""
+  b, n, h = q.shape
+  kh = u_k.shape[1]
+  g = n // kh
+  c = h**-0.5 * LOG2E
+  qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k.astype(jnp.float32),
+                  precision=jax.lax.Precision.HIGHEST)
+  c0, d = cb_k[..., 0], cb_k[..., 1] - cb_k[..., 0]
+  qf = qr * d[:, :, None, :]
+  u = jnp.maximum(jnp.abs(qf).max(axis=-1), 1e-30) / 127.0  # [B, K, G]
+  pad = lambda x, rows: jnp.pad(x, ((0, 0), (0, 0), (0, rows - g)) + ((0, 0),) * (x.ndim - 3))
+  qd = pad(_round(qf / u[..., None]), N).astype(jnp.int8)
+  qs = pad(u * c, QS_SLOTS).at[:, :, LEN_SLOT].set(jnp.broadcast_to(n_comp[:, None], (b, kh)).astype(jnp.float32))
+  qo = qr[..., :OUTLIERS] * scale_k[:, :, None, :] * c
+  qo = pad(jnp.pad(qo, ((0, 0), (0, 0), (0, 0), (0, OUTLIERS))), N).astype(jnp.float16)
+  qc = pad(jnp.einsum("BKGH,BKH->BKG", qr, c0) * c, N)
+  return qd, qs, qo, pad(qr, ROWS), qc
+
+
+def epilogue_reference(acc, ml, acco, qr, qc, cb_v, scale_v, res_k, res_v, n_res, u_v):
+  """The core's per-split outputs acc [B, K, S, H, 8] (channel order), ml [B, K, S, 32], acco [B, K, S, 8, 8]
+  ([outlier channel, head]); the prologue's qr [B, K, 16, H], qc [B, K, 8]; cb_v [B, K, H, 4], scale_v [B, K, 8],
+  res_k, res_v [B, K, R, H], n_res int32 [B], u_v [B, K, H, H] -> o f32 [B, K, 16, H] (rows G.. meaningless)."""
+  h = acc.shape[-2]
+  m, l = ml[..., :N], ml[..., N:2 * N]  # [B, K, S, 8]
+  top = m.max(axis=2)
+  w = jnp.exp2(m - top[:, :, None])
+  total = (w * l).sum(axis=2)  # [B, K, 8]
+  inv = 1.0 / jnp.maximum(total, 1e-30)
+  mean = jnp.einsum("BKSn,BKShn->BKnh", w, acc) * inv[..., None]
+  mean_o = jnp.einsum("BKSn,BKSon->BKno", w, acco) * inv[..., None]
+  o_c = cb_v[:, :, None, :, 0] + (cb_v[..., 1] - cb_v[..., 0])[:, :, None, :] * mean  # [B, K, 8, H]
+  o_c = o_c.at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
+  lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc, -jnp.inf)
+  c = h**-0.5 * LOG2E
+  hi = jax.lax.Precision.HIGHEST
+  s = jnp.einsum("BKnh,BKrh->BKnr", qr, res_k.astype(jnp.float32), precision=hi) * c
+  s = jnp.where(jnp.arange(res_k.shape[2])[None, None, None, :] < n_res[:, None, None, None], s, -jnp.inf)
+  top_r = jnp.maximum(s.max(axis=-1), MASKED)
+  p = jnp.exp2(s - top_r[..., None])
+  total_r = p.sum(axis=-1)
+  o_r = jnp.einsum("BKnr,BKrh->BKnh", p, res_v.astype(jnp.float32), precision=hi) / jnp.maximum(total_r, 1e-30)[..., None]
+  lse_r = jnp.where(total_r > 0, top_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, ROWS - N)) + ((0, 0),) * (x.ndim - 3))
+  o_c, lse_c = pad(o_c), pad(lse_c)
+  top = jnp.maximum(jnp.maximum(lse_c, lse_r), MASKED)
+  w1, w2 = jnp.exp2(lse_c - top), jnp.exp2(lse_r - top)
+  o = (w1[..., None] * o_c + w2[..., None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[..., None]
+  return jnp.einsum("BKnj,BKhj->BKnh", o, u_v, precision=hi)
+
+
+# ---- Kernels.
+
+def _prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qr_ref, qc_ref):
+  # q_ref [G, H]; u_ref [H, H] f32; cb_ref [H, 4] f32; sk_ref [8] f32; nc_ref [] int32.
+  # qd_ref [8, H] int8; qs_ref [32] f32; qo_ref [8, 16] f16; qr_ref [16, H] f32; qc_ref [8] f32.
+  g, h = q_ref.shape
+  c = h**-0.5 * LOG2E
+  q = q_ref[...].astype(jnp.float32)
+  qr = (q[:, :, None] * u_ref[...][None]).sum(axis=1)  # [G, H]: an exact f32 multiply-add reduction
+  c0 = cb_ref[:, 0]
+  d = cb_ref[:, 1] - c0
+  qf = qr * d[None, :]
+  u = jnp.maximum(jnp.abs(qf).max(axis=1), 1e-30) / 127.0  # [G]
+  qd_ref[...] = unfold_rows([_round(qf / u[:, None])], N, jnp.int8)
+  slots = jnp.arange(QS_SLOTS)
+  qs = unfold_rows([(u * c)[:, None]], QS_SLOTS, jnp.float32).reshape(QS_SLOTS)
+  qs_ref[...] = jnp.where(slots == LEN_SLOT, nc_ref[...].astype(jnp.float32), jnp.where(slots < g, qs, 0.0))
+  cols = 2 * OUTLIERS
+  scale = plgpu.load(sk_ref.at[pl.ds(0, cols)], mask=jnp.arange(cols) < OUTLIERS, other=0.0)  # [16]
+  qo = (q[:, :, None] * u_ref[:, pl.ds(0, cols)][None]).sum(axis=1) * (scale[None, :] * c)  # [G, 16]
+  qo_ref[...] = unfold_rows([qo], N, jnp.float16)
+  qr_ref[...] = jnp.where(jnp.arange(ROWS)[:, None] < g, unfold_rows([qr], ROWS, jnp.float32), 0.0)
+  qc = unfold_rows([((qr * c0[None, :]).sum(axis=1) * c)[:, None]], N, jnp.float32).reshape(N)
+  qc_ref[...] = jnp.where(jnp.arange(N) < g, qc, 0.0)
+
+
+def _epilogue_kernel(acc_ref, ml_ref, ao_ref, qr_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, u_ref, o_ref):
+  # acc_ref [S, H, 8] f32 (channel order); ml_ref [S, 32]; ao_ref [S, 8, 8] ([outlier channel, head]);
+  # qr_ref [16, H] f32; qc_ref [8]; cb_ref [H, 4]; sv_ref [8]; rk_ref, rv_ref [R, H] bf16; nr_ref []; u_ref [H, H].
+  # o_ref [16, H] f32.
+  h = acc_ref.shape[1]
+  r = rk_ref.shape[0]
+  hi = jax.lax.Precision.HIGHEST
+  m, l = ml_ref[:, pl.ds(0, N)], ml_ref[:, pl.ds(N, N)]  # [S, 8]
+  top = m.max(axis=0)  # [8]
+  w = jnp.exp2(m - top[None, :])
+  total = (w * l).sum(axis=0)
+  inv = 1.0 / jnp.maximum(total, 1e-30)
+  mean = ((acc_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, H]
+  mean_o = ((ao_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8 heads, 8 outlier channels]
+  c0 = cb_ref[:, 0]
+  o_c = c0[None, :] + (cb_ref[:, 1] - c0)[None, :] * mean  # [8, H]
+  onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, h), 0)
+            == jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, h), 1)).astype(jnp.float32)  # [8, H]
+  o_c += ((mean_o * sv_ref[...][None, :])[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7
+  lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc_ref[...], -jnp.inf)
+  qr = qr_ref[...]
+  s = jnp.dot(qr, rk_ref[...].astype(jnp.float32).T, precision=hi) * (h**-0.5 * LOG2E)  # [16, R]
+  s = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (ROWS, r), 1) < nr_ref[...], s, -jnp.inf)
+  top_r = jnp.maximum(s.max(axis=1), MASKED)
+  p = jnp.exp2(s - top_r[:, None])
+  total_r = p.sum(axis=1)
+  o_r = jnp.dot(p, rv_ref[...].astype(jnp.float32), precision=hi) / jnp.maximum(total_r, 1e-30)[:, None]
+  lse_r = jnp.where(total_r > 0, top_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
+  o_c16 = unfold_rows([o_c], ROWS, jnp.float32)
+  lse_c16 = jnp.where(jnp.arange(ROWS) < N, unfold_rows([lse_c[:, None]], ROWS, jnp.float32).reshape(ROWS), -jnp.inf)
+  top2 = jnp.maximum(jnp.maximum(lse_c16, lse_r), MASKED)
+  w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
+  o = (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
+  o_ref[...] = jnp.dot(o, u_ref[...].T, precision=hi)
+
+
+def _spec(*tail):
+  return pl.BlockSpec((None, None, *tail), lambda i, j: (i, j) + (0,) * len(tail))
+
+
+def _per_row():
+  return pl.BlockSpec((None,), lambda i, j: (i,))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def prologue(q, u_k, cb_k, scale_k, n_comp, *, interpret: bool = False):
+  """`prologue_reference` in one Pallas kernel (grid B × K). Shapes as there; G = N/K must divide 8."""
+  b, n, h = q.shape
+  kh = u_k.shape[1]
+  g = n // kh
+  if n % kh or N % g:
+    raise ValueError(f"N={n} query heads over K={kh} kv heads: the group size must divide {N}")
+  out_shape = [jax.ShapeDtypeStruct((b, kh, N, h), jnp.int8), jax.ShapeDtypeStruct((b, kh, QS_SLOTS), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, N, 2 * OUTLIERS), jnp.float16),
+               jax.ShapeDtypeStruct((b, kh, ROWS, h), jnp.float32), jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
+  return pl.pallas_call(
+      _prologue_kernel, grid=(b, kh),
+      in_specs=[_spec(g, h), _spec(h, h), _spec(h, 4), _spec(OUTLIERS), _per_row()],
+      out_specs=[_spec(N, h), _spec(QS_SLOTS), _spec(N, 2 * OUTLIERS), _spec(ROWS, h), _spec(N)],
+      out_shape=out_shape, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      name="oskvp_uniform_prologue",
+  )(q.reshape(b, kh, g, h), u_k.astype(jnp.float32), cb_k.astype(jnp.float32), scale_k.astype(jnp.float32),
+    n_comp.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def epilogue(acc, ml, acco, qr, qc, cb_v, scale_v, res_k, res_v, n_res, u_v, *, interpret: bool = False):
+  """`epilogue_reference` in one Pallas kernel (grid B × K). Shapes as there."""
+  b, kh, splits, h, _ = acc.shape
+  r = res_k.shape[2]
+  return pl.pallas_call(
+      _epilogue_kernel, grid=(b, kh),
+      in_specs=[_spec(splits, h, N), _spec(splits, QS_SLOTS), _spec(splits, OUTLIERS, N), _spec(ROWS, h), _spec(N),
+                _spec(h, 4), _spec(OUTLIERS), _spec(r, h), _spec(r, h), _per_row(), _spec(h, h)],
+      out_specs=_spec(ROWS, h),
+      out_shape=jax.ShapeDtypeStruct((b, kh, ROWS, h), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      name="oskvp_uniform_epilogue",
+  )(acc, ml, acco, qr, qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k, res_v,
+    n_res.astype(jnp.int32), u_v.astype(jnp.float32))
