@@ -11,8 +11,14 @@ Triton int4 kernel (uint16 layout, default tile), the one-warpgroup Mosaic int4 
 warp-specialized kernel over a few configs; CUPTI kernel time with L2 flushed, median (as `expert_matmul.py`).
 Writes `int4_mgpu_ws.json` / `.md` under --out.
 
-`--dump=E,K,N,ROWS` compiles and runs the WS configs of --ws (and the one-warpgroup kernel) once at that shape, for
-Mosaic GPU's dumps: run it with MOSAIC_GPU_DUMP_TO=<dir> (PTX, ptxas -v output, SASS, MLIR passes per kernel).
+`--dump=E,K,N,ROWS` compiles and runs the WS configs of --ws (and, without --ws, the one-warpgroup kernel) once at
+that shape, for Mosaic GPU's dumps: run it with MOSAIC_GPU_DUMP_TO=<dir> (PTX, ptxas -v output, MLIR passes per
+kernel; one process per config keeps one kernel per folder). `--analyze_dump=<dir>[,<dir>...]` then runs without a
+GPU: it compiles each dumped PTX with ptxas for sm_90a, disassembles it with nvdisasm (Triton's, as in
+`triton_sass.py`) and counts the SASS of the loops that hold a wgmma.
+
+A config's `nibble_order` ("shift": `to_mgpu_layout(nibble_order="shift")`) picks the weight layout it is given;
+`--default_c_only` times each config only at the N where its compute warpgroups are the kernel's default C.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import datetime
 import functools
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -62,7 +69,18 @@ WS = {
     "c2_k512_fma16": dict(num_compute_wgs=2, block_k=512, dequant_form="fma16"),
     "c2_k512_acc": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale"),
     "c3_k256_acc": dict(num_compute_wgs=3, block_k=256, dequant_form="acc_scale"),
-    "default": dict(),  # the kernel's defaults (acc_scale; C = 3 where 192 divides N, else 2; block_k 256 / 512)
+    # The kernel's defaults (acc_scale; C = 3 where 192 divides N, else 2; block_k 256 / 512) on the K_ORDER weights
+    # of `int4_grouped_matmul_mgpu.to_mgpu_layout`, as timed in the sixth session; "default_shift": on the WS
+    # module's default layout (`int4_grouped_matmul_mgpu_ws.to_mgpu_layout`: the shift order since the seventh).
+    "default": dict(),
+    "default_shift": dict(nibble_order="shift"),
+    # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the
+    # zero point on the accumulator too (acc_zero: A = 128 + q, the lop3's output; x summed per K group by XLA).
+    "c2_k512_acc_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale", nibble_order="shift"),
+    "c2_k512_acczero": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_zero"),
+    "c2_k512_acczero_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_zero", nibble_order="shift"),
+    "c3_k256_acc_shift": dict(num_compute_wgs=3, block_k=256, dequant_form="acc_scale", nibble_order="shift"),
+    "c3_k256_acczero_shift": dict(num_compute_wgs=3, block_k=256, dequant_form="acc_zero", nibble_order="shift"),
     # Not here any more: c2_k1024 (8 K groups per step; fifth call, with a 220 KB ring budget): ptxas serializes its
     # wgmmas (C7511), 1.2-1.8x slower than c2_k512.
 }
@@ -73,6 +91,17 @@ SMOKE = {"interpret": False}  # --smoke: CPU interpret mode, tiny shapes (checks
 
 def _kw():
   return {"interpret": True} if SMOKE["interpret"] else {}
+
+
+def _split(cfg):
+  """A WS config -> (the kernel's keyword arguments, the nibble order of the weights it takes)."""
+  cfg = dict(cfg)
+  return cfg, cfg.pop("nibble_order", "prmt")
+
+
+def _in_order(wq, w_mg, order):
+  """The Mosaic-layout weight in `order` (w_mg, the prmt order, is converted from the same int4 weight wq)."""
+  return w_mg if order == "prmt" else mg.to_mgpu_layout(wq, nibble_order=order)
 
 
 def rel_errs(got, want_bf16, x, w, gs, cfg):
@@ -90,18 +119,23 @@ def check(res, names=None):
   e, k, n = 6, 1024, 640  # 640: C = 3's last N tile starts at 448 (overlapping the tile before it)
   if SMOKE["interpret"]:
     k, n = 256, 320
-  for sizes in ([0, 1, 37, 0, 16, 5], [16] * 6):
+  # The third case draws x >= 0 (as after an activation): a large per-group sum, the worst case of acc_zero's
+  # cancellation of 128 · xsum.
+  for sizes, positive in (([0, 1, 37, 0, 16, 5], False), ([16] * 6, False), ([3, 16, 0, 9, 1, 16], True)):
     gs = jnp.array(sizes, jnp.int32)
     m = int(gs.sum()) + 3  # 3 rows owned by no expert: must come back zero
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    x = jnp.abs(x) if positive else x
     wq = em.random_int4(jax.random.key(2), e, k, n)
     want = np.asarray(i4.int4_grouped_matmul_reference(x, wq, gs))
-    w = mg.to_mgpu_layout(wq)
+    w_prmt = mg.to_mgpu_layout(wq)
     for name, cfg in WS.items():
       if (names is not None and name not in names) or k % cfg.get("block_k", 128):
         continue
+      cfg, order = _split(cfg)
+      w = _in_order(wq, w_prmt, order)
       f = functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw())
-      name, tag = f"ws_{name}", f"n{n}_{sizes}_{name}"
+      name, tag = f"ws_{name}", f"n{n}_{sizes}{'_pos' if positive else ''}_{name}"
       try:
         got = np.asarray(jax.jit(f)(x, w, gs))
         res[tag] = {"impl": name, **rel_errs(got, want, x, w, gs, cfg), "nan": int(np.isnan(got).sum()),
@@ -111,21 +145,24 @@ def check(res, names=None):
       print(tag, res[tag], flush=True)
 
 
-def dump(e, k, n, rows):
+def dump(e, k, n, rows, with_mgpu=True):
   """Compiles and runs the one-warpgroup kernel and each WS config once at one shape (for MOSAIC_GPU_DUMP_TO)."""
-  _, _, _, w_mg = base.decode_weights(e, k, n)
+  key = jax.random.key(e + k + n)  # base.decode_weights' weights, without its bf16 and Triton copies
+  wq = em.random_int4(key, e, k, n)
+  w_mg = mg.to_mgpu_layout(wq)
   gs = jnp.asarray(em.balanced_groups(rows, e))
   x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
   want = np.asarray(mg.int4_grouped_matmul_mgpu_reference(x, w_mg, gs))
-  fns = {"mgpu": mg.int4_grouped_matmul_mgpu}
-  fns.update({f"ws_{name}": functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg) for name, cfg in WS.items()
-              if not k % cfg.get("block_k", 128)})
-  for name, f in fns.items():
+  fns = {"mgpu": (mg.int4_grouped_matmul_mgpu, "prmt")} if with_mgpu else {}
+  fns.update({f"ws_{name}": (functools.partial(ws.int4_grouped_matmul_mgpu_ws, **_split(cfg)[0]), _split(cfg)[1])
+              for name, cfg in WS.items() if not k % cfg.get("block_k", 128)})
+  for name, (f, order) in fns.items():
     t = time.perf_counter()
     try:
-      got = np.asarray(jax.jit(f)(x, w_mg, gs))
+      w = _in_order(wq, w_mg, order)
+      got = np.asarray(jax.jit(f)(x, w, gs))
       cfg = WS.get(name[3:], {}) if name.startswith("ws_") else {"dequant_form": "sub_mul"}
-      print(name, rel_errs(got, want, x, w_mg, gs, cfg), f"{time.perf_counter() - t:.1f} s", flush=True)
+      print(name, rel_errs(got, want, x, w, gs, cfg), f"{time.perf_counter() - t:.1f} s", flush=True)
     except Exception as ex:  # noqa: BLE001
       print(name, "fail", type(ex).__name__, str(ex)[:600], flush=True)
   return 0
@@ -136,18 +173,33 @@ SASS_KINDS = {"all": ".", "HGMMA": "HGMMA", "WARPGROUP": "WARPGROUP", "LDS": "LD
               "LDL/STL": "LDL|STL", "BRA": "BRA", "DEPBAR/WAIT": "DEPBAR|WARPSYNC|WAIT"}
 
 
-def analyze_dump(path):
+NVDISASM = "/tmp/tvenv/lib/python3.11/site-packages/triton/backends/nvidia/bin/nvdisasm"
+
+
+def analyze_dump(path, ptxas="ptxas", nvdisasm=NVDISASM):
   """Per dumped kernel: ptxas's report (registers, spills, warnings) and, for each loop that holds a wgmma, its SASS
-  instructions by kind (a compute warpgroup's thread handles 64 · block_k / 128 weights per step)."""
+  instructions by kind (a compute warpgroup's thread handles 64 · block_k / 128 weights per step). A `*.ptx` without
+  its `*.sass` is compiled here first (ptxas -arch=sm_90a, then nvdisasm)."""
   import glob  # pylint: disable=g-import-not-at-top
   from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
+  for ptx in sorted(glob.glob(os.path.join(path, "*.ptx"))):
+    base_name = ptx[:-4]
+    if os.path.exists(base_name + ".sass"):
+      continue
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", base_name + ".cubin"], capture_output=True, text=True)
+    with open(base_name + ".ptxas", "w") as fh:
+      fh.write(r.stdout + r.stderr)
+    if not r.returncode:
+      sass = subprocess.run([nvdisasm, "-c", base_name + ".cubin"], capture_output=True, text=True, check=True).stdout
+      with open(base_name + ".sass", "w") as fh:
+        fh.write(sass)
   out = {}
   for sass_path in sorted(glob.glob(os.path.join(path, "*.sass"))):
     base_name = sass_path[:-5]
     rep = {}
-    ptxas = base_name + ".ptxas"
-    if os.path.exists(ptxas):
-      rep["ptxas_lines"] = triton_sass.ptxas_lines(open(ptxas).read())
+    ptxas_report = base_name + ".ptxas"
+    if os.path.exists(ptxas_report):
+      rep["ptxas_lines"] = triton_sass.ptxas_lines(open(ptxas_report).read())
     rep["loops"] = triton_sass.wgmma_loops(open(sass_path).read(), SASS_KINDS)
     out[os.path.basename(base_name)] = rep
   return out
@@ -169,16 +221,19 @@ def main(argv=None):
   ap.add_argument("--n", type=int, default=0, help="only the shapes with this N")
   ap.add_argument("--tag", default="", help="suffix of the output files")
   ap.add_argument("--dump", default="", help="E,K,N,ROWS: compile and run once (with MOSAIC_GPU_DUMP_TO set)")
-  ap.add_argument("--analyze_dump", default="", help="a MOSAIC_GPU_DUMP_TO folder: ptxas report and SASS loops")
+  ap.add_argument("--analyze_dump", default="", help="MOSAIC_GPU_DUMP_TO folders (comma-separated): ptxas report "
+                  "and SASS loops")
+  ap.add_argument("--default_c_only", action="store_true",
+                  help="time each WS config only where its num_compute_wgs is the kernel's default C for that N")
   args = ap.parse_args(argv)
   if args.ws:
     for name in list(WS):
       if name not in args.ws.split(","):
         del WS[name]
   if args.dump:
-    return dump(*map(int, args.dump.split(",")))
+    return dump(*map(int, args.dump.split(",")), with_mgpu=not args.ws)
   if args.analyze_dump:
-    print(json.dumps(analyze_dump(args.analyze_dump), indent=1))
+    print(json.dumps({p: analyze_dump(p) for p in args.analyze_dump.split(",")}, indent=1))
     return 0
   shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
   if args.smoke:
@@ -214,6 +269,9 @@ def main(argv=None):
 
   for e, k, n, rows_list in shapes:
     key, w_bf16, w_nk, w_mg = base.decode_weights(e, k, n)
+    w_by_order = {"prmt": w_mg}
+    if any(_split(cfg)[1] == "shift" for cfg in todo.values()):
+      w_by_order["shift"] = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")  # the same weight
     for rows in rows_list:
       x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters, **_kw())
       f = jax.jit(functools.partial(mg.int4_grouped_matmul_mgpu, **_kw()))
@@ -222,17 +280,21 @@ def main(argv=None):
       for name, cfg in todo.items():
         if k % cfg.get("block_k", 128):
           continue
+        if args.default_c_only and cfg.get("num_compute_wgs", 0) not in (0, 3 if n % 192 == 0 else 2):
+          continue
         try:
-          f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, **_kw()))
-          got = np.asarray(f(x, w_mg, gs))
+          kw, order = _split(cfg)
+          w = w_by_order[order]
+          f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **kw, **_kw()))
+          got = np.asarray(f(x, w, gs))
           if want is None:
             want = np.asarray(mg.int4_grouped_matmul_mgpu_reference(x, w_mg, gs))
-          add(f"pallas_int4_mgpu_ws[{name}]", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu",
-              n_active, {"config": cfg, **rel_errs(got, want, x, w_mg, gs, cfg)})
+          add(f"pallas_int4_mgpu_ws[{name}]", rows, e, k, n, timer(f, x, w, gs, iters=args.iters), "int4_mgpu",
+              n_active, {"config": cfg, **rel_errs(got, want, x, w, gs, kw)})
         except Exception as ex:  # noqa: BLE001
           print("ws fail", name, type(ex).__name__, str(ex)[:400], flush=True)
       save()
-    del w_bf16, w_nk, w_mg
+    del w_bf16, w_nk, w_mg, w_by_order
   save()
   md = em.sweep_markdown({**meta, "rows": rows_out})
   with open(os.path.join(args.out, f"int4_mgpu_ws{args.tag}.md"), "w") as fh:

@@ -7,7 +7,8 @@ expert e (rows sorted by expert), with the int4 weight of the quantizer
 
 Layout (`to_mgpu_layout`, converted once from the quantizer's `Int4Weights`; same 4 bits per weight):
   `q` int4 [E, N, Kp]: c = q - 8 (the signed nibble q ^ 8), K contiguous per column, in each block of 32 K
-    positions permuted by `K_ORDER` (so that a loaded 32-bit word is already a wgmma operand fragment).
+    positions permuted by `K_ORDER` (so that a loaded 32-bit word is already a wgmma operand fragment). The
+    warp-specialized kernel also reads `K_ORDER_SHIFT` (`MgpuInt4WeightsShift`, `to_mgpu_layout(nibble_order="shift")`).
   `scale` bf16 [E, Kg, N]: s.   `zero` bf16 [E, Kg, N]: z - 8, so that W = (c - (z - 8)) · s.
 
 Per (row tile, N tile) the kernel computes the transposed tile out^T[N_tile, W] = W^T x^T, so that the
@@ -56,6 +57,12 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
 # exactly the four 2-element pairs the thread holds in the wgmma operand layout (columns 8c + 2p, 8c + 2p + 1 for
 # c = 0..3), so the word is reinterpreted in place instead of exchanged between lanes (Marlin's offline shuffle).
 K_ORDER = np.array([8 * (v // 2) + 2 * p + v % 2 for p in range(4) for v in range(8)])
+# The "shift" nibble order (Marlin's interleave 0, 2, 4, 6, 1, 3, 5, 7): position 8p + v holds
+# k = 8(v % 4) + 2p + v // 4, so that nibbles c and c + 4 of the word are the pair of column block c and
+# (word >> 4c) & 0x000F000F puts them in the two 16-bit halves: one shift and one lop3 per pair, no prmt. Only the
+# warp-specialized kernel reads it (`MgpuInt4WeightsShift`).
+K_ORDER_SHIFT = np.array([8 * (v % 4) + 2 * p + v // 4 for p in range(4) for v in range(8)])
+NIBBLE_ORDERS = {"prmt": K_ORDER, "shift": K_ORDER_SHIFT}
 _G = 128  # K group of the scale and zero point: one wgmma K extent of the decoded tile
 
 
@@ -66,8 +73,24 @@ class MgpuInt4Weights(NamedTuple):
   zero: jax.Array  # bf16 [E, Kg, N]: z - 8
 
 
-def to_mgpu_layout(ws: i4.Int4Weights, *, group_size: int = _G) -> MgpuInt4Weights:
-  """Dense int4 weights of the quantizer (either layout of `int4_grouped_matmul`) -> the Mosaic GPU layout."""
+class MgpuInt4WeightsShift(NamedTuple):
+  """The same weight with q's nibbles in K_ORDER_SHIFT instead of K_ORDER (`to_mgpu_layout(nibble_order="shift")`)."""
+  q: jax.Array  # int4 [E, N, Kp]: q - 8, K_ORDER_SHIFT within each block of 32
+  scale: jax.Array  # bf16 [E, Kg, N]
+  zero: jax.Array  # bf16 [E, Kg, N]: z - 8
+
+
+def nibble_order(weights: MgpuInt4Weights | MgpuInt4WeightsShift) -> str:
+  """"shift" for `MgpuInt4WeightsShift`, else "prmt" (K_ORDER)."""
+  return "shift" if isinstance(weights, MgpuInt4WeightsShift) else "prmt"
+
+
+def to_mgpu_layout(ws: i4.Int4Weights, *, group_size: int = _G,  # pylint: disable=redefined-outer-name
+                   nibble_order: str = "prmt") -> MgpuInt4Weights | MgpuInt4WeightsShift:
+  """Dense int4 weights of the quantizer (either layout of `int4_grouped_matmul`) -> the Mosaic GPU layout, with
+  the nibbles in K_ORDER ("prmt": `MgpuInt4Weights`) or K_ORDER_SHIFT ("shift": `MgpuInt4WeightsShift`)."""
+  if nibble_order not in NIBBLE_ORDERS:
+    raise ValueError(f"nibble_order={nibble_order!r} must be one of {tuple(NIBBLE_ORDERS)}")
   if ws.meta is not None or ws.in_scale is not None:
     raise ValueError("the Mosaic GPU int4 kernel takes dense weights without activation scales")
   if group_size != _G:
@@ -75,9 +98,10 @@ def to_mgpu_layout(ws: i4.Int4Weights, *, group_size: int = _G) -> MgpuInt4Weigh
   codes = i4._codes_kn(ws, group_size)  # int32 [E, Kg, G, N]  # pylint: disable=protected-access
   e, ng, _, n = codes.shape
   c = jnp.moveaxis(codes.reshape(e, ng * group_size, n), 2, 1) - 8  # [E, N, Kp] in [-8, 7]
-  c = c.reshape(e, n, -1, 32)[..., K_ORDER].reshape(e, n, ng * group_size)  # stored order (K_ORDER)
-  return MgpuInt4Weights(c.astype(jnp.int4), ws.scale.astype(jnp.bfloat16),
-                         (ws.zero.astype(jnp.float32) - 8.0).astype(jnp.bfloat16))
+  c = c.reshape(e, n, -1, 32)[..., NIBBLE_ORDERS[nibble_order]].reshape(e, n, ng * group_size)  # stored order
+  cls = MgpuInt4WeightsShift if nibble_order == "shift" else MgpuInt4Weights
+  return cls(c.astype(jnp.int4), ws.scale.astype(jnp.bfloat16),
+             (ws.zero.astype(jnp.float32) - 8.0).astype(jnp.bfloat16))
 
 
 def row_tiles(group_sizes: jax.Array, m: int, block_r: int, m_loaded: int | None = None) -> jax.Array:
@@ -143,34 +167,39 @@ mul.bf16x2 $0, t, $4;
 }}"""
 
 
-def dequant_registers(w, a_row, b_row, *, n_rows: int, asm: str, shifts: tuple[int, int]):
-  """int4 [n_rows, G] (4X-upcast layout, K_ORDER) and two per-row bf16 [n_rows] operands -> bf16 [n_rows, G] wgmma
-  operand, by inline PTX per bf16 pair.
+def dequant_registers(w, *rows, n_rows: int, asm: str, shifts: tuple[int, int] = (0, -4),
+                      nibble_order: str = "prmt"):  # pylint: disable=redefined-outer-name
+  """int4 [n_rows, G] (4X-upcast layout, stored in the order's K permutation) and per-row bf16 [n_rows] operands ->
+  bf16 [n_rows, G] wgmma operand, by inline PTX per bf16 pair.
 
-  `asm` takes $1, $2 = the 32-bit word of 8 nibbles shifted by shifts[0] and shifts[1] (> 0 left, < 0 right), $3,
-  $4 = the row's two operands in both halves, and {hi}/{lo} = the prmt byte selectors of the pair; $0 the pair.
+  "prmt" order (K_ORDER): `asm` takes $1, $2 = the 32-bit word of 8 nibbles shifted by shifts[0] and shifts[1]
+  (> 0 left, < 0 right) and {hi}/{lo} = the prmt byte selectors of the pair. "shift" order (K_ORDER_SHIFT): $1 = the
+  word shifted right by 4 × the pair's index in the word (its two nibbles at bits 0-3 and 16-19). Then one operand
+  per row array ($3, $4, ... / $2, ...), the row's value in both halves; $0 the pair.
   """
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, _ROW, _ROW),
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, *[_ROW] * len(rows)),
                      return_type=plgpu.ShapeDtypeStruct((n_rows, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
-  def dequant(_, arr, a_arr, b_arr):
+  def dequant(_, arr, *row_arrs):
     i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
     pair = lambda r: mgpu.utils.bitcast(mgpu.utils.vector_concat([r, r]), i32)  # one row value in both halves
-    rows = {idx: (pair(a_arr.registers[idx]), pair(b_arr.registers[idx])) for idx in np.ndindex(a_arr.registers.shape)}
+    row_ops = ({idx: tuple(pair(r.registers[idx]) for r in row_arrs) for idx in np.ndindex(row_arrs[0].registers.shape)}
+               if row_arrs else {})
     shift = lambda word, n: (word if n == 0 else arith.shli(word, mgpu.utils.c(n, i32)) if n > 0 else
                              arith.shrui(word, mgpu.utils.c(-n, i32)))
     words = {}
     regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((n_rows, _G)), dtype=object)
     for idx in np.ndindex(regs.shape):  # [n_rows/64, G/8, 1, 1, 2, 1, 1, 1, 1]
       src = (idx[0], idx[1] // 4, *idx[2:])
+      part = idx[1] % 4
       if src not in words:
         word = mgpu.utils.bitcast(arr.registers[src], i32)
-        words[src] = tuple(shift(word, n) for n in shifts)
-      part = idx[1] % 4
-      a_r, b_r = rows[(idx[0], 0, idx[4], 0, 0)]
-      out = llvm.inline_asm(i32, [*words[src], a_r, b_r], asm.format(hi=part + 4, lo=part), "=r,r,r,r,r")
+        words[src] = tuple(shift(word, n) for n in shifts) if nibble_order == "prmt" else word
+      ops = words[src] if nibble_order == "prmt" else (shift(words[src], -4 * part),)
+      ops = (*ops, *row_ops.get((idx[0], 0, idx[4], 0, 0), ()))
+      out = llvm.inline_asm(i32, list(ops), asm.format(hi=part + 4, lo=part), "=r," + ",".join("r" * len(ops)))
       regs[idx] = mgpu.utils.bitcast(out, bf16x2)
     return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-  return dequant(w, a_row, b_row)
+  return dequant(w, *rows)
 
 
 def _dequant_ptx(w, zz, s, block_n: int):
@@ -264,6 +293,8 @@ def check_inputs(lhs: jax.Array, weights: MgpuInt4Weights, dequant: str, interpr
   interpret mode (the interpreter runs no inline PTX) and block_r defaulted to 8 up to 8 rows per expert, else 16."""
   if dequant not in DEQUANTS:
     raise ValueError(f"dequant={dequant!r} must be one of {DEQUANTS}")
+  if not isinstance(weights, (MgpuInt4Weights, MgpuInt4WeightsShift)):
+    raise TypeError(f"weights must come from to_mgpu_layout, got {type(weights).__name__}")
   m, kp = lhs.shape
   e, n, kq = weights.q.shape
   if lhs.dtype != jnp.bfloat16:
@@ -300,6 +331,9 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
       GPU only: interpret mode uses "jnp").
   """
   dequant, block_r, (m, kp, e, n) = check_inputs(lhs, weights, dequant, interpret, block_r)
+  if nibble_order(weights) != "prmt":
+    raise TypeError("int4_grouped_matmul_mgpu reads the prmt nibble order (MgpuInt4Weights); the shift order is for "
+                    "int4_grouped_matmul_mgpu_ws")
   if block_k is None:
     block_k = 512 if block_r == 8 and kp >= 4096 and kp % 512 == 0 else 256
     block_k = block_k if kp % block_k == 0 else _G
@@ -331,11 +365,11 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
   return out[:m] if pad else out
 
 
-def int4_grouped_matmul_mgpu_reference(lhs: jax.Array, weights: MgpuInt4Weights,
+def int4_grouped_matmul_mgpu_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
                                        group_sizes: jax.Array) -> jax.Array:
   """XLA reference: dequantize to bf16, then `jax.lax.ragged_dot` with float32 accumulation -> float32 [M, N]."""
   e, n, kp = weights.q.shape
-  c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., np.argsort(K_ORDER)]
+  c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., np.argsort(NIBBLE_ORDERS[nibble_order(weights)])]
   c = c.reshape(e, n, kp // _G, _G)
   w = (c - jnp.moveaxis(weights.zero.astype(jnp.float32), 1, 2)[..., None]) * jnp.moveaxis(
       weights.scale.astype(jnp.float32), 1, 2)[..., None]  # [E, N, Kg, G]

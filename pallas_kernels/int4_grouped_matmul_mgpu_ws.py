@@ -11,6 +11,12 @@ group's scale multiplies that group's float32 accumulator, so the result is floa
 rounding (~1.6e-3 of the largest output at K = 4096). `dequant_form="sub_mul"` gives the bf16 weight of
 `int4_grouped_matmul_mgpu` exactly; the fma forms fold zero point and scale into one bf16x2 fma (`DEQUANT_FORMS`).
 
+The weight comes in either nibble order of `int4_grouped_matmul_mgpu`: K_ORDER (`MgpuInt4Weights`: a prmt and a lop3
+per weight pair, one shift per 8 weights) or K_ORDER_SHIFT (`MgpuInt4WeightsShift`: the pair's nibbles are 16 bits
+apart in the word, so a shift by 4·c and one lop3 per pair, no prmt; Marlin's interleave). This module's
+`to_mgpu_layout` packs the shift order by default (same values; 559 instead of 623 SASS instructions per compute
+thread per 256 weights at block_k 512, and 2.5-6% faster at C = 2 on the H200).
+
 What differs (the "next step" of benchmarks/notes_expert_matmul.md):
 - **Warp specialization** (`plgpu.emit_pipeline_warp_specialized`): a CTA has C + 1 warpgroups. The last one only
   issues TMA (weight tile int4 [C·64, block_k], x window bf16 [W, block_k], scale and zero point bf16
@@ -35,9 +41,11 @@ zeros (only when such rows exist).
 Measured on the H200 (results/int4_mgpu_ws.md): 1.02-1.08x the one-warpgroup kernel at 8 x 4096->14336 and
 64 x 4096->2048 (C = 2, block_k 512), 1.5-2.1x the best bf16 peer, 33-53% of copy bandwidth; at 128 x 2048->768 the
 Triton int4 kernel stays faster. The acc_scale form (sixth session): 2-6% faster than sub_mul at <= 8 rows per
-expert, up to 2.18x the best bf16 peer and 54% of copy bandwidth. `overlap_steps=True` is correct but slower (ptxas
-serializes the wgmmas when one stays in flight across the step loop's back-edge: C7512;
-benchmarks/notes_expert_matmul.md). C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
+expert, up to 2.18x the best bf16 peer and 54% of copy bandwidth. The shift nibble order (seventh session): 2.5-6%
+faster again at C = 2, up to 2.22x the best bf16 peer and 56% of copy bandwidth; acc_zero is 2-5.5% slower than
+acc_scale in either order (the x sums cost an XLA reduction and 2 FFMA per accumulator element and group).
+`overlap_steps=True` is correct but slower (ptxas serializes the wgmmas when one stays in flight across the step
+loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
 (4 x 112-120 + 40) is more than that, so setmaxnreg.inc waits forever (it hung on the H200; rejected here).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
@@ -57,14 +65,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 
 MgpuInt4Weights = mg.MgpuInt4Weights
-to_mgpu_layout = mg.to_mgpu_layout
+MgpuInt4WeightsShift = mg.MgpuInt4WeightsShift
 int4_grouped_matmul_mgpu_ws_reference = mg.int4_grouped_matmul_mgpu_reference
 _G = 128
 _WG_N = 64  # output columns per compute warpgroup: the M extent of one wgmma
-_ROW = plgpu.Layout.WGMMA.reduce(1)
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, W] WGMMA-layout tile
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 # Columns of the work table.
 _EXPERT, _NTILE, _LOADED, _FIRST, _COUNT, _VIRTUAL, _NITEMS = range(7)
 DEQUANTS = mg.DEQUANTS
@@ -86,17 +96,37 @@ _SMEM_BUDGET = 200 * 1024
 #   group) to the item's accumulator. 3 instructions per pair; no bf16 rounding of the weight at all, so it differs
 #   from the reference by the reference's own rounding (~1.5e-3 max rel. at 4096-wide K), and it is exact against
 #   float32 dequantization.
-DEQUANT_FORMS = ("sub_mul", "fma128", "fma16", "acc_scale")
+# - "acc_zero" (seventh session): the zero point goes to the accumulator too. The wgmma A operand is 128 + q itself
+#   (the lop3's output, exact), and the step adds s · (acc_g - (128 + z) · xsum_g) with xsum_g [W] = the sum of each
+#   x row over the K group (float32, computed by XLA before the kernel and streamed with the x tile): 2 FFMA per
+#   accumulator element and group instead of 1, and no bf16x2 instruction per weight pair. The subtraction cancels
+#   128 · xsum, so it is float32 dequantization up to that cancellation (~1e-6 relative to the largest output with
+#   zero-mean x, more with a large mean).
+DEQUANT_FORMS = ("sub_mul", "fma128", "fma16", "acc_scale", "acc_zero")
 # form -> (left shifts of the word that the two prmt operands take (negative: right), lop3 mask, lop3 xor constant,
-# the bf16x2 instructions after the lop3). $3, $4: the two per-row operands of the form (see _row_operands).
+# the bf16x2 instructions after the lop3, if any). {a}, {b}: the per-row operands of the form (see _row_operands).
 _FORM_ASM = {
-    "sub_mul": ((0, -4), "0x000F000F", "0x43084308", "sub.bf16x2 t, t, $3;\nmul.bf16x2 $0, t, $4;"),
-    "fma128": ((0, -4), "0x000F000F", "0x43084308", "fma.rn.bf16x2 $0, t, $4, $3;"),
-    "fma16": ((3, -1), "0x00780078", "0x3FC03FC0", "fma.rn.bf16x2 $0, t, $4, $3;"),
-    "acc_scale": ((0, -4), "0x000F000F", "0x43084308", "sub.bf16x2 $0, t, $3;"),
+    "sub_mul": ((0, -4), "0x000F000F", "0x43084308", "sub.bf16x2 t, t, {a};\nmul.bf16x2 $0, t, {b};"),
+    "fma128": ((0, -4), "0x000F000F", "0x43084308", "fma.rn.bf16x2 $0, t, {b}, {a};"),
+    "fma16": ((3, -1), "0x00780078", "0x3FC03FC0", "fma.rn.bf16x2 $0, t, {b}, {a};"),
+    "acc_scale": ((0, -4), "0x000F000F", "0x43084308", "sub.bf16x2 $0, t, {a};"),
+    "acc_zero": ((0, -4), "0x000F000F", "0x43084308", ""),
 }
 # The bias the magic-number conversion adds to q (x = bias + q, up to a power of two): 128 (0x4300 | q), 16 (1 + q/16).
-_FORM_BIAS = {"sub_mul": 128, "fma128": 128, "fma16": 16, "acc_scale": 128}
+_FORM_BIAS = {"sub_mul": 128, "fma128": 128, "fma16": 16, "acc_scale": 128, "acc_zero": 128}
+_ACC_FORMS = ("acc_scale", "acc_zero")  # the forms that scale float32 accumulators per K group
+# The nibble orders (`int4_grouped_matmul_mgpu.NIBBLE_ORDERS`): "prmt" (K_ORDER, `MgpuInt4Weights`) takes a prmt per
+# pair and one shift per word; "shift" (K_ORDER_SHIFT, `MgpuInt4WeightsShift`) a shift per pair (3 per word) and no
+# prmt. fma16's nibble sits at bits 3-6, which the shift order's lop3 cannot reach without one more shift: prmt only.
+
+
+def to_mgpu_layout(w: i4.Int4Weights, *, group_size: int = _G,
+                   nibble_order: str = "shift") -> MgpuInt4Weights | MgpuInt4WeightsShift:
+  """`int4_grouped_matmul_mgpu.to_mgpu_layout` with the shift nibble order by default: the layout this kernel decodes
+  with a shift and one lop3 per weight pair (no prmt), to the same values; 2.5-6% faster than the K_ORDER layout at
+  C = 2 in the seventh session's H200 run. nibble_order="prmt" gives `MgpuInt4Weights`, which the one-warpgroup
+  kernel reads too."""
+  return mg.to_mgpu_layout(w, group_size=group_size, nibble_order=nibble_order)
 
 
 def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int, n_experts: int,
@@ -123,31 +153,45 @@ def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n
 
 
 def _row_operands(form: str, s, z):
-  """bf16 [64] scale s and zero point z' = z - 8 of a K group -> the two per-row operands ($3, $4) of `_FORM_ASM`.
+  """bf16 [64] scale s and zero point z' = z - 8 of a K group -> the per-row operands ({a}, {b}) of `_FORM_ASM`.
 
-  sub_mul / acc_scale: (128 + z, s); fma128: (bf16(-(128 + z) s), s); fma16: (bf16(-(16 + z) s), 16 s). Sums of
-  integers below 256 and products by 16 are exact in bf16; the products by s round once.
+  sub_mul / acc_scale: (128 + z, s); fma128: (bf16(-(128 + z) s), s); fma16: (bf16(-(16 + z) s), 16 s); acc_zero:
+  none. Sums of integers below 256 and products by 16 are exact in bf16; the products by s round once.
   """
   zz = z + jnp.bfloat16(_FORM_BIAS[form] + 8)  # bias + z, exact
+  if form == "acc_zero":
+    return ()
   if form in ("sub_mul", "acc_scale"):
     return zz, s
   return -(zz * s), (s * jnp.bfloat16(16) if form == "fma16" else s)
 
 
-def _dequant_form_ptx(w, a_row, b_row, form: str):
-  """int4 [64, G] (4X-upcast layout, K_ORDER) and the form's per-row operands bf16 [64] -> bf16 [64, G] operand."""
-  shifts, mask, xor, tail = _FORM_ASM[form]
-  asm = ("{{\n.reg .b32 t;\nprmt.b32 t, $1, $2, 0xF{hi}F{lo};\n"
-         f"lop3.b32 t, t, {mask}, {xor}, 0x6A;\n" + tail + "\n}}")
-  return mg.dequant_registers(w, a_row, b_row, n_rows=_WG_N, asm=asm, shifts=shifts)
+def form_asm(form: str, order: str = "prmt") -> str:
+  """The inline PTX of a dequant form for `int4_grouped_matmul_mgpu.dequant_registers` in a nibble order."""
+  _, mask, xor, tail = _FORM_ASM[form]
+  n_words = 2 if order == "prmt" else 1  # the operands before the per-row ones
+  lines = ["prmt.b32 t, $1, $2, 0xF{hi}F{lo};"] if order == "prmt" else []
+  lines.append(f"lop3.b32 {'t' if tail else '$0'}, {'t' if order == 'prmt' else '$1'}, {mask}, {xor}, 0x6A;")
+  if tail:
+    lines.append(tail.format(a=f"${n_words + 1}", b=f"${n_words + 2}"))
+  return "{{\n.reg .b32 t;\n" + "\n".join(lines) + "\n}}"
+
+
+def _dequant_form_ptx(w, rows, form: str, order: str):
+  """int4 [64, G] (4X-upcast layout, stored in `order`) and the form's per-row operands (bf16 [64] each) -> bf16
+  [64, G] operand."""
+  return mg.dequant_registers(w, *rows, n_rows=_WG_N, asm=form_asm(form, order), shifts=_FORM_ASM[form][0],
+                              nibble_order=order)
 
 
 def _dequant_form_jnp(w, s, z, form: str):
   """Interpret mode's equivalent of `_dequant_form_ptx` on a relaid-out int4 [64, G] tile (c = q - 8): the same bf16
   values (the fused multiply-add of the fma forms is exact in float32 here, then rounded once to bf16)."""
   bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (_WG_N, _G), (0,)), plgpu.Layout.WGMMA)
-  a, b = _row_operands(form, s, z)
   x = w.astype(jnp.float32) + float(_FORM_BIAS[form] + 8)  # bias + q
+  if form == "acc_zero":
+    return x.astype(jnp.bfloat16)  # 128 + q, exact
+  a, b = _row_operands(form, s, z)
   if form in ("sub_mul", "acc_scale"):
     d = (x - bcast(a).astype(jnp.float32)).astype(jnp.bfloat16)  # q - z, exact
     return d * bcast(b) if form == "sub_mul" else d
@@ -156,15 +200,24 @@ def _dequant_form_jnp(w, s, z, form: str):
   return (x * bcast(b).astype(jnp.float32) + bcast(a).astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_smem, *, n_wgs: int, block_k: int,
+def _xsum_window(window: int, gk: int) -> int:
+  """Columns of the streamed x-sum tile: W rounded up so that the tile [gk, W'] float32 is a multiple of 128 bytes
+  (Mosaic's TMA copies move a number of bytes divisible by the warpgroup size)."""
+  return next(w for w in range(window, window + 33, 8) if gk * w * 4 % 128 == 0)
+
+
+def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
             block_r: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, a_from_smem: bool,
-            dequant: str, overlap_steps: bool, dequant_form: str):
+            dequant: str, overlap_steps: bool, dequant_form: str, order: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
-  # zero_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64] (W = R + 8), one out tile
-  # per compute warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile).
+  # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
+  # float32 [M', N]). o_smem: float32 [n_wgs, W, 64] (W = R + 8), one out tile per compute warpgroup; a_smem: bf16
+  # [n_wgs, 64, G] (interpret mode's route of the decoded tile).
+  xsum_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
   cta, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
   window, bn = block_r + 8, n_wgs * _WG_N
   gk = block_k // _G
+  xs_window = _xsum_window(window, gk)
   ksteps = n_groups // gk
   wg_rows = pl.ds(pl.multiple_of(jnp.minimum(wg, n_wgs - 1) * _WG_N, _WG_N), _WG_N)  # this warpgroup's N slice
 
@@ -184,7 +237,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
     w = plgpu.load(q_smem.at[wg_rows, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [64, G]
     s, z = rows or load_rows(s_smem, z_smem, c)
     if dequant == "ptx":
-      return _dequant_form_ptx(w, *_row_operands(dequant_form, s, z), dequant_form)
+      return _dequant_form_ptx(w, _row_operands(dequant_form, s, z), dequant_form, order)
     if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
       w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
     else:
@@ -202,25 +255,33 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
       plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
 
   def body(idx, q_smem, x_smem, s_smem, z_smem, *rest):
-    # q_smem: int4 [bn, block_k]; x_smem: bf16 [W, block_k]; s_smem, z_smem: bf16 [block_k / G, bn];
-    # rest[-1], the carry: acc_ref float32 [64, W], out^T of this warpgroup's columns (acc_scale: the float32 [64, W]
-    # array itself). With overlap_steps, rest also holds the pipeline's consumed barriers of this step (unused: the
-    # step releases the previous step's slot instead).
+    # q_smem: int4 [bn, block_k]; x_smem: bf16 [W, block_k]; s_smem, z_smem: bf16 [block_k / G, bn]; acc_zero:
+    # rest[0] = xs_smem float32 [block_k / G, W'] (W' >= W, `_xsum_window`). rest[-1], the carry: acc_ref float32
+    # [64, W], out^T of this warpgroup's columns (acc forms: the float32 [64, W] array itself). With overlap_steps,
+    # rest also holds the pipeline's consumed barriers of this step (unused: the step releases the previous step's
+    # slot instead).
     carry = rest[-1]
     (k,) = idx
-    if dequant_form == "acc_scale":
+    if dequant_form in _ACC_FORMS:
       # All groups' scale rows are read up front: a read after the wgmmas is flagged by the interpreter's race
       # detector (against the TMA warpgroup's refill of the slot).
       rows = [load_rows(s_smem, z_smem, c) for c in range(gk)]
+      if dequant_form == "acc_zero":
+        xsums = [plgpu.load(rest[0].at[c, pl.ds(0, window)], layout=_COL) for c in range(gk)]  # float32 [W] each
 
       def groups(*tmps):  # tmps: gk zeroed float32 [64, W] accumulators, one per K group
         for c in range(gk):
           mma(tmps[c], decode(q_smem, s_smem, z_smem, c, rows[c]), x_smem, c)
         acc = carry
+        bcast = lambda v, dim: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (_WG_N, window), (dim,)),
+                                                 plgpu.Layout.WGMMA)
         for c in range(gk):  # reading an accumulator waits for the wgmmas
-          s = rows[c][0].astype(jnp.float32)
-          s = plgpu.layout_cast(jax.lax.broadcast_in_dim(s, (_WG_N, window), (0,)), plgpu.Layout.WGMMA)
-          acc = acc + tmps[c][...] * s  # [64, W]
+          s = bcast(rows[c][0].astype(jnp.float32), 0)
+          if dequant_form == "acc_zero":  # tmps[c] = sum_k x (128 + q): subtract (128 + z) xsum = (136 + z') xsum
+            zz = bcast(rows[c][1].astype(jnp.float32) + 136.0, 0)
+            acc = acc + (tmps[c][...] - zz * bcast(xsums[c], 1)) * s  # [64, W]
+          else:
+            acc = acc + tmps[c][...] * s  # [64, W]
         return acc
       return pl.run_scoped(groups, *[plgpu.ACC((_WG_N, window))] * gk)
     for c in range(gk):
@@ -242,6 +303,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
            plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.bfloat16)),  # pylint: disable=protected-access
            plgpu.BlockSpec((gk, bn), lambda k: (k, 0)),
            plgpu.BlockSpec((gk, bn), lambda k: (k, 0))]
+  if xsum_ref is not None:
+    specs.append(plgpu.BlockSpec((gk, xs_window), lambda k: (k, 0)))
 
   def make_pipeline(compute_context, state):
     return plgpu.emit_pipeline_warp_specialized(
@@ -251,8 +314,9 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
 
   def gmem(expert, loaded, col0):
     cols = pl.ds(col0, bn)
-    return (q_ref.at[expert, cols], lhs_ref.at[pl.ds(loaded, window)], scale_ref.at[expert, :, cols],
+    refs = (q_ref.at[expert, cols], lhs_ref.at[pl.ds(loaded, window)], scale_ref.at[expert, :, cols],
             zero_ref.at[expert, :, cols])
+    return refs if xsum_ref is None else (*refs, xsum_ref.at[:, pl.ds(loaded, xs_window)])
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(ignore, None).get_allocations(*gmem(0, 0, 0))
@@ -278,7 +342,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, o_smem, a_s
             release(steps - 1)
           return acc
 
-        if dequant_form == "acc_scale":  # the carry is the accumulator array itself
+        if dequant_form in _ACC_FORMS:  # the carry is the accumulator array itself
           acc = run(plgpu.layout_cast(jnp.zeros((_WG_N, window), jnp.float32), plgpu.Layout.WGMMA))
         else:
           acc = pl.run_scoped(scoped, plgpu.ACC((_WG_N, window)))  # float32 [64, W]
@@ -325,7 +389,8 @@ def _num_sms() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
+def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
+                                group_sizes: jax.Array, *,
                                 num_compute_wgs: int | None = None, block_k: int | None = None, block_r: int | None = None,
                                 max_concurrent_steps: int | None = None, memory_registers: int | None = None,
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
@@ -335,7 +400,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
 
   Args:
     lhs: bf16 [M, Kp], Kp = the weights' padded K.
-    weights: `to_mgpu_layout` of the quantized weight.
+    weights: `to_mgpu_layout` of the quantized weight, in either nibble order: `MgpuInt4Weights` (K_ORDER, decoded
+      with a prmt per weight pair) or `MgpuInt4WeightsShift` (`nibble_order="shift"`: a shift per pair, no prmt).
     group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
     num_compute_wgs: compute warpgroups per CTA (C, 1 to 3); the CTA's N tile is 64·C columns (N a multiple of 64,
       at least 64·C). Where 64·C does not divide N the last N tile starts at N - 64·C and its warpgroups whose
@@ -360,10 +426,12 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
       "acc_scale": the scale applied per K group to float32 accumulators, no bf16 rounding of the weight (2-6% faster
       than "sub_mul" at <= 8 rows per expert, -1 to +2% at 16, in the sixth session's H200 runs); with overlap_steps,
       which "acc_scale" does not support, "sub_mul" (the reference's bf16 weight). "fma128" / "fma16": one bf16x2 fma
-      per weight pair; the rounded per-group constant moves the weight by up to ~s/2 / ~s/16. Interpret mode
-      reproduces each form's values with jnp; `int4_grouped_matmul_mgpu_ws_form_reference` is each form's reference.
+      per weight pair; the rounded per-group constant moves the weight by up to ~s/2 / ~s/16. "acc_zero": the zero
+      point on the accumulators too (A = 128 + q; x summed per K group by XLA). Interpret mode reproduces each
+      form's values with jnp; `int4_grouped_matmul_mgpu_ws_form_reference` is each form's reference.
   """
   dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
+  order = mg.nibble_order(weights)
   num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
   bn = num_compute_wgs * _WG_N
   if num_compute_wgs < 1 or n % _WG_N or n < bn:
@@ -373,18 +441,22 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
     raise ValueError(f"block_k={block_k} must be a multiple of {_G} dividing Kp={kp}")
   ksteps = kp // block_k
   window = block_r + 8
-  stage_bytes = bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2
+  dequant_form = dequant_form or ("sub_mul" if overlap_steps else "acc_scale")
+  stage_bytes = (bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2 +
+                 (block_k // _G * _xsum_window(window, block_k // _G) * 4 if dequant_form == "acc_zero" else 0))
   fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0)
   if max_concurrent_steps is None:
     max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
                                  s * stage_bytes + fixed <= _SMEM_BUDGET), 1)
   if ksteps % max_concurrent_steps:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
-  dequant_form = dequant_form or ("sub_mul" if overlap_steps else "acc_scale")
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
-  if overlap_steps and dequant_form == "acc_scale":
-    raise ValueError("overlap_steps does not combine with dequant_form='acc_scale' (each step reads its accumulators)")
+  if overlap_steps and dequant_form in _ACC_FORMS:
+    raise ValueError(f"overlap_steps does not combine with dequant_form={dequant_form!r} (each step reads its "
+                     "accumulators)")
+  if order == "shift" and dequant_form == "fma16":
+    raise ValueError("dequant_form='fma16' needs the prmt nibble order (MgpuInt4Weights)")
   if overlap_steps and max_concurrent_steps < 2:  # a step releases the previous step's slot: one slot would deadlock
     raise ValueError(f"overlap_steps needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
   memory_registers = memory_registers or 40
@@ -399,13 +471,19 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
   num_ctas = num_ctas or (4 if interpret else _num_sms())
   pad = max(window - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
+  # acc_zero: x summed per K group (float32 [Kg, M' + W' - W]: zero columns so that the last window's tile fits), in
+  # XLA before the kernel.
+  xsum = ()
+  if dequant_form == "acc_zero":
+    xsum = lhs_p.astype(jnp.float32).reshape(m + pad, kp // _G, _G).sum(-1).T
+    xsum = (jnp.pad(xsum, ((0, 0), (0, _xsum_window(window, block_k // _G) - window))),)
   if interpret:  # the interpreter's relayout keeps the stored K order: feed lhs in that order too
-    lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.K_ORDER].reshape(m + pad, kp)
+    lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.NIBBLE_ORDERS[order]].reshape(m + pad, kp)
   table = work_table(group_sizes, m, m + pad, block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas)
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
                            n_cols=n,
                            steps=max_concurrent_steps, memory_registers=memory_registers, a_from_smem=bool(interpret),
-                           dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form)
+                           dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
@@ -416,29 +494,31 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights, group_
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **({"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
          if interpret else {}))
-  out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero)
+  out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero, *xsum)
   return out[:m] if pad else out
 
 
-def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array,
-                                               dequant_form: str) -> jax.Array:
+def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
+                                               group_sizes: jax.Array, dequant_form: str) -> jax.Array:
   """XLA reference of a `dequant_form`: lhs bf16 [M, Kp] @ the form's weight [E, Kp, N] -> float32 [M, N].
 
   "sub_mul" is `int4_grouped_matmul_mgpu_ws_reference` (bf16 (q - z) s); "fma128" / "fma16" round
-  (bias + q) s + bf16(-(bias + z) s) once to bf16, as fma.rn.bf16x2 does; "acc_scale" keeps (q - z) s in float32.
+  (bias + q) s + bf16(-(bias + z) s) once to bf16, as fma.rn.bf16x2 does; "acc_scale" and "acc_zero" keep (q - z) s
+  in float32.
   """
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
   e, n, kp = weights.q.shape
-  c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., np.argsort(mg.K_ORDER)].reshape(e, n, kp // _G, _G)
+  order = np.argsort(mg.NIBBLE_ORDERS[mg.nibble_order(weights)])
+  c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., order].reshape(e, n, kp // _G, _G)
   s = jnp.moveaxis(weights.scale.astype(jnp.float32), 1, 2)[..., None]  # [E, N, Kg, 1]
   z = jnp.moveaxis(weights.zero.astype(jnp.float32), 1, 2)[..., None]  # z - 8
   bias = float(_FORM_BIAS[dequant_form] + 8)
-  if dequant_form in ("sub_mul", "acc_scale"):
+  if dequant_form in ("sub_mul", *_ACC_FORMS):
     w = (c - z) * s  # exact in float32
   else:
     w = (c + bias) * s + (-(z + bias) * s).astype(jnp.bfloat16).astype(jnp.float32)  # exact before the rounding
-  dtype = jnp.float32 if dequant_form == "acc_scale" else jnp.bfloat16
+  dtype = jnp.float32 if dequant_form in _ACC_FORMS else jnp.bfloat16
   w = jnp.moveaxis(w.reshape(e, n, kp), 1, 2).astype(dtype)  # [E, Kp, N]
   return jax.lax.ragged_dot(lhs.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
                             precision=jax.lax.Precision.HIGHEST)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
 
 E, K, G = 4, 256, 128
@@ -64,21 +65,59 @@ def test_matches_reference(sizes, extra, n, cfg):
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
 
 
-@pytest.mark.parametrize("form", ws.DEQUANT_FORMS)
-def test_dequant_forms_match_their_reference(form):
+# (form, nibble order): every form in the prmt order (K_ORDER), every form but fma16 in the shift order.
+FORM_ORDERS = [(f, "prmt") for f in ws.DEQUANT_FORMS] + [(f, "shift") for f in ws.DEQUANT_FORMS if f != "fma16"]
+
+
+@pytest.mark.parametrize("form,order", FORM_ORDERS)
+def test_dequant_forms_match_their_reference(form, order):
   """Each dequant form gives its own reference's values (interpret mode reproduces the form's rounding) and stays
-  within the form's stated distance of the bf16 reference."""
+  within the form's stated distance of the bf16 reference, in either nibble order."""
   x, gs, w = _inputs([3, 0, 17, 1], 2, 256)
-  wm = ws.to_mgpu_layout(w)
+  wm = ws.to_mgpu_layout(w, nibble_order=order)
   got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, block_k=128, num_ctas=3, block_r=16,
                                                   dequant_form=form))
   want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form))
+  # acc_zero subtracts (128 + z) · xsum from sum x (128 + q): float32 cancellation, ~1e-6 of the largest output.
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
   ref = np.asarray(i4.int4_grouped_matmul_reference(x, w, gs))
   err = np.abs(got - ref).max() / np.abs(ref).max()
-  assert err < {"sub_mul": 1e-5, "acc_scale": 1e-2, "fma16": 3e-2, "fma128": 2e-1}[form], err
+  assert err < {"sub_mul": 1e-5, "acc_scale": 1e-2, "acc_zero": 1e-2, "fma16": 3e-2, "fma128": 2e-1}[form], err
   if form == "sub_mul":
     np.testing.assert_array_equal(want, ws.int4_grouped_matmul_mgpu_ws_reference(x, wm, gs))
+
+
+@pytest.mark.parametrize("sizes,extra,n,cfg", [
+    ([3, 0, 17, 1], 2, 256, dict(num_ctas=3, block_r=16)),  # block_k 256 (gk 2), W 24: the x-sum tile padded to 32
+    # Overlapping last N tile (C = 2 at N = 192: tiles at 0 and 64). With C = 3 (4 threads per CTA) the interpreter
+    # hung in about 1 run of 6 on a 2-core machine (all threads waiting on barriers; C = 2: 10 of 10 passed); C = 3
+    # acc_zero is checked by lowering here and on the GPU by the benchmark's check.
+    ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),
+    ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1, block_k=128)),  # START, STEADY, STOP
+])
+def test_acc_zero_shift_order_matches_reference(sizes, extra, n, cfg):
+  """The shift nibble order with the zero point on the accumulator (acc_zero), over chained items and N tiles,
+  exact against float32 dequantization up to the float32 cancellation of its 128 · xsum (stated: 1e-5)."""
+  x, gs, w = _inputs(sizes, extra, n)
+  wm = ws.to_mgpu_layout(w, nibble_order="shift")
+  got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, dequant_form="acc_zero", **cfg))
+  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, "acc_zero"))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
+  assert not np.any(got[sum(sizes):])
+
+
+def test_shift_order_keeps_the_weight():
+  """Both nibble orders hold the same weight: the same XLA reference, and q permuted within each block of 32."""
+  x, gs, w = _inputs([3, 0, 17, 1], 2, 256)
+  wp, wsh = ws.to_mgpu_layout(w, nibble_order="prmt"), ws.to_mgpu_layout(w)  # the WS default: shift
+  assert isinstance(wsh, ws.MgpuInt4WeightsShift) and mg.nibble_order(wsh) == "shift"
+  assert isinstance(wp, ws.MgpuInt4Weights) and mg.nibble_order(wp) == "prmt"
+  np.testing.assert_array_equal(ws.int4_grouped_matmul_mgpu_ws_reference(x, wp, gs),
+                                ws.int4_grouped_matmul_mgpu_ws_reference(x, wsh, gs))
+  qp = np.asarray(wp.q, np.int32).reshape(E, -1, 32)[..., np.argsort(mg.K_ORDER)]
+  qs = np.asarray(wsh.q, np.int32).reshape(E, -1, 32)[..., np.argsort(mg.K_ORDER_SHIFT)]
+  np.testing.assert_array_equal(qp, qs)
+  assert sorted(mg.K_ORDER_SHIFT) == list(range(32))
 
 
 def test_fma_forms_round_as_predicted():
@@ -99,53 +138,82 @@ def _bf16(v):
   return np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
 
 
-def _emulate_form_asm(word, a, b, form, part):
-  """numpy model of `_FORM_ASM[form]` on uint32 words (8 stored nibbles) for the register pair `part` (0..3): the
-  shifts, prmt (default mode), lop3 (a & b) ^ c and the bf16x2 tail, with a, b the per-row operands."""
-  shifts, mask, xor, tail = ws._FORM_ASM[form]  # pylint: disable=protected-access
-  ops = [(word << np.uint32(n)) if n >= 0 else (word >> np.uint32(-n)) for n in shifts]
-  byte = lambda v, i: (v >> np.uint32(8 * i)) & np.uint32(0xFF)
-  t = byte(ops[0], part) | (byte(ops[1], part) << np.uint32(16))  # bytes 1 and 3 (selector F) are masked below
-  t = (t & np.uint32(int(mask, 16))) ^ np.uint32(int(xor, 16))
-  halves = [((t >> np.uint32(16 * h)) & np.uint32(0xFFFF)) << np.uint32(16) for h in (0, 1)]
-  x = [h.view(np.float32).astype(np.float64) for h in halves]
-  if tail.startswith("sub"):
-    return [_bf16(_bf16(v - a) * b) if "mul" in tail else _bf16(v - a) for v in x]
-  return [_bf16(v * b + a) for v in x]  # fma: exact in float64, rounded once
+def _run_ptx(asm, ops):
+  """numpy model of the dequant PTX text: `ops` = [$1, $2, ...] (uint32 arrays); prmt (default mode), lop3 with
+  0x6A ((a & b) ^ c), and sub / mul / fma.rn on bf16x2 (each half rounded to bf16). Returns $0 as two float64 halves
+  (bf16 values)."""
+  regs = {f"${i + 1}": v for i, v in enumerate(ops)}
+  val = lambda r: regs[r] if r in regs else np.uint32(int(r, 16))
+  halves = lambda v: [(((v >> np.uint32(16 * h)) & np.uint32(0xFFFF)) << np.uint32(16)).view(np.float32)
+                      .astype(np.float64) for h in (0, 1)]
+  for line in asm.splitlines():  # the formatted text: "{", ".reg ...", one instruction per line, "}"
+    if line in ("{", "}") or line.startswith(".reg"):
+      continue
+    op, args = line.rstrip(";").split(None, 1)
+    args = [a.strip() for a in args.split(",")]
+    if op == "prmt.b32":
+      a, b, sel = val(args[1]), val(args[2]), int(args[3], 16)
+      byte = lambda i: ((a if i < 4 else b) >> np.uint32(8 * (i % 4))) & np.uint32(0xFF)
+      # selector F (bytes 1 and 3) replicates a sign bit; those bytes are masked by the lop3 below: take 0
+      regs[args[0]] = sum((byte((sel >> (4 * j)) & 7) if (sel >> (4 * j)) & 15 != 15 else np.uint32(0)) <<
+                          np.uint32(8 * j) for j in range(4)).astype(np.uint32)
+    elif op == "lop3.b32":
+      assert args[4] == "0x6A"
+      regs[args[0]] = (val(args[1]) & val(args[2])) ^ val(args[3])
+    else:  # bf16x2 arithmetic, per half
+      xs = [halves(val(a)) for a in args[1:]]
+      f = {"sub.bf16x2": lambda a, b: a - b, "mul.bf16x2": lambda a, b: a * b,
+           "fma.rn.bf16x2": lambda a, b, c: a * b + c}[op]
+      res = [_bf16(f(*[x[h] for x in xs])) for h in (0, 1)]
+      regs[args[0]] = sum(((np.asarray(r, np.float32).view(np.uint32) >> np.uint32(16)) << np.uint32(16 * h))
+                          for h, r in enumerate(res)).astype(np.uint32)
+  return halves(regs["$0"])
 
 
-@pytest.mark.parametrize("form", ws.DEQUANT_FORMS)
-def test_form_asm_bits(form):
-  """The PTX of each form (run on the GPU only) decodes every stored nibble of a word into the form's weight: a numpy
-  model of its prmt / lop3 / bf16x2 instructions against the form's formula (`_row_operands` for the operands)."""
+@pytest.mark.parametrize("form,order", FORM_ORDERS)
+def test_form_asm_bits(form, order):
+  """The PTX of each form in each nibble order (run on the GPU only) decodes every stored nibble of a thread's word
+  into the form's weight at the right K position: a numpy model of the PTX text (`form_asm`) and of the word's
+  shifts (`dequant_registers`), against the form's formula, with the pair of column block `part` of thread p holding
+  k = 8 part + 2p + half, where the order stores it (K_ORDER / K_ORDER_SHIFT)."""
   rng = np.random.default_rng(0)
   nib = rng.integers(0, 16, (4096, 8)).astype(np.uint32)  # stored nibbles c & 15 = q ^ 8
   word = (nib << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
   s = jnp.asarray(rng.uniform(0.001, 0.1, 4096), jnp.bfloat16)
   z = jnp.asarray(rng.integers(0, 16, 4096) - 8, jnp.bfloat16)  # z - 8
-  a, b = (np.asarray(v.astype(jnp.float32), np.float64) for v in ws._row_operands(form, s, z))  # pylint: disable=protected-access
+  rows = [np.asarray(v.astype(jnp.float32), np.float32).view(np.uint32) >> np.uint32(16)
+          for v in ws._row_operands(form, s, z)]  # pylint: disable=protected-access
+  rows = [r | (r << np.uint32(16)) for r in rows]  # the row value in both halves
   s64, z64 = np.asarray(s, np.float64), np.asarray(z, np.float64) + 8
   bias = ws._FORM_BIAS[form]  # pylint: disable=protected-access
-  for part in range(4):
-    got = _emulate_form_asm(word, a, b, form, part)
-    for half in (0, 1):
-      q = (nib[:, 2 * part + half] ^ 8).astype(np.float64)
-      want = {"sub_mul": _bf16((q - z64) * s64), "acc_scale": q - z64,
-              "fma128": _bf16((bias + q) * s64 + _bf16(-(bias + z64) * s64)),
-              "fma16": _bf16((bias + q) * s64 + _bf16(-(bias + z64) * s64))}[form]
-      np.testing.assert_array_equal(got[half], want, err_msg=f"{form} part {part} half {half}")
+  shifts = ws._FORM_ASM[form][0]  # pylint: disable=protected-access
+  shift = lambda v, n: (v << np.uint32(n)) if n >= 0 else (v >> np.uint32(-n))
+  stored = mg.NIBBLE_ORDERS[order]
+  for p in range(4):  # the thread's word at 8p; the same nibbles, read for the K positions of thread p
+    for part in range(4):
+      words = [shift(word, n) for n in shifts] if order == "prmt" else [word >> np.uint32(4 * part)]
+      got = _run_ptx(ws.form_asm(form, order).format(hi=part + 4, lo=part), words + rows)
+      for half in (0, 1):
+        v = int(np.flatnonzero(stored[8 * p:8 * p + 8] == 8 * part + 2 * p + half)[0])  # the nibble holding k
+        q = (nib[:, v] ^ 8).astype(np.float64)
+        want = {"sub_mul": _bf16((q - z64) * s64), "acc_scale": q - z64, "acc_zero": 128 + q,
+                "fma128": _bf16((bias + q) * s64 + _bf16(-(bias + z64) * s64)),
+                "fma16": _bf16((bias + q) * s64 + _bf16(-(bias + z64) * s64))}[form]
+        np.testing.assert_array_equal(got[half], want, err_msg=f"{form} {order} p {p} part {part} half {half}")
 
 
-@pytest.mark.parametrize("overlap_steps", [False, True])
-def test_no_races_in_the_interpreter(overlap_steps):
-  """The interpreter's race detector sees no race between the TMA warpgroup, the compute warpgroups and the stores."""
+@pytest.mark.parametrize("overlap_steps,form", [(False, None), (True, None), (False, "acc_zero")])
+def test_no_races_in_the_interpreter(overlap_steps, form):
+  """The interpreter's race detector sees no race between the TMA warpgroup, the compute warpgroups and the stores
+  (acc_zero: also the streamed x sums, shift nibble order)."""
   x, gs, w = _inputs([3, 0, 9, 1], 0, 128)
   params = plgpu.InterpretGPUParams(detect_races=True)
-  got = ws.int4_grouped_matmul_mgpu_ws(x, ws.to_mgpu_layout(w), gs, interpret=params, block_k=128, num_ctas=2,
-                                       overlap_steps=overlap_steps)
+  wm = ws.to_mgpu_layout(w, nibble_order="shift" if form else "prmt")
+  got = ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=params, block_k=128, num_ctas=2,
+                                       overlap_steps=overlap_steps, dequant_form=form)
   assert not interpret_pallas_call.get_races().races_found
-  want = ws.int4_grouped_matmul_mgpu_ws_form_reference(x, ws.to_mgpu_layout(w), gs,
-                                                      "sub_mul" if overlap_steps else "acc_scale")
+  want = ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form or ("sub_mul" if overlap_steps else
+                                                                          "acc_scale"))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
@@ -172,12 +240,17 @@ def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
 @pytest.mark.parametrize("cfg", [dict(dequant="ptx", block_k=512, block_r=16), dict(dequant="jnp"),
                                  dict(dequant="ptx", num_compute_wgs=3, overlap_steps=True),
                                  *[dict(dequant="ptx", block_k=512, dequant_form=f) for f in ws.DEQUANT_FORMS[1:]],
-                                 dict(dequant="jnp", dequant_form="acc_scale", block_r=16)])
+                                 dict(dequant="jnp", dequant_form="acc_scale", block_r=16),
+                                 *[dict(dequant="ptx", nibble_order="shift", dequant_form=f, **c)
+                                   for f in ("sub_mul", "fma128", "acc_scale", "acc_zero")
+                                   for c in (dict(block_k=512), dict(num_compute_wgs=3, block_k=256, block_r=16))],
+                                 dict(dequant="ptx", block_k=512, dequant_form="acc_zero", block_r=16)])
 def test_gpu_path_lowers(cfg):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
+  cfg = dict(cfg)
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
   x = jnp.pad(x, ((0, 0), (0, 512 - K)))
-  w = ws.to_mgpu_layout(w)
+  w = ws.to_mgpu_layout(w, nibble_order=cfg.pop("nibble_order", "prmt"))  # the sixth session's configs: prmt
   w = w._replace(q=jnp.pad(w.q, ((0, 0), (0, 0), (0, 512 - K))),
                  scale=jnp.pad(w.scale, ((0, 0), (0, 2), (0, 0))), zero=jnp.pad(w.zero, ((0, 0), (0, 2), (0, 0))))
   f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, **cfg))
@@ -187,7 +260,7 @@ def test_gpu_path_lowers(cfg):
 
 def test_rejects_bad_arguments():
   x, gs, w = _inputs([1, 2, 3, 4], 0, 128)
-  w = ws.to_mgpu_layout(w)
+  w = ws.to_mgpu_layout(w, nibble_order="prmt")
   with pytest.raises(TypeError, match="bfloat16"):
     ws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.float32), w, gs, interpret=True)
   with pytest.raises(ValueError, match="num_compute_wgs"):
@@ -207,3 +280,15 @@ def test_rejects_bad_arguments():
     ws.int4_grouped_matmul_mgpu_ws(x[:, :128], w, gs, interpret=True)
   with pytest.raises(ValueError, match="dequant"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, dequant="lut", interpret=True)
+  with pytest.raises(ValueError, match="acc_zero"):
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, overlap_steps=True, dequant_form="acc_zero", interpret=True)
+  _, _, wq = _inputs([1, 2, 3, 4], 0, 128)
+  with pytest.raises(ValueError, match="nibble_order"):
+    ws.to_mgpu_layout(wq, nibble_order="lop3")
+  w_shift = ws.to_mgpu_layout(wq, nibble_order="shift")
+  with pytest.raises(ValueError, match="fma16"):  # its nibble at bits 3-6 needs the prmt order
+    ws.int4_grouped_matmul_mgpu_ws(x, w_shift, gs, dequant_form="fma16", interpret=True)
+  with pytest.raises(TypeError, match="prmt nibble order"):  # the one-warpgroup kernel reads K_ORDER only
+    mg.int4_grouped_matmul_mgpu(x, w_shift, gs, interpret=True)
+  with pytest.raises(TypeError, match="to_mgpu_layout"):
+    ws.int4_grouped_matmul_mgpu_ws(x, tuple(w), gs, interpret=True)
