@@ -31,9 +31,9 @@ channels [8, S] tokens contiguous), step 1 adds an f16 wgmma whose A (the key ti
 repeated to 64 rows, [64, block_s]) is built from one 8-byte load per 32 tokens per thread (the tokens permuted
 along K so that a thread's columns are consecutive bytes), with p8 as f16 ([8, block_s], stored transposed by hand
 with the same permutation); each side issues its two wgmmas before one wait.
-Outputs per program: acc f32 [H, 8] (stored in channel order), m f32 [8], l f32 [8]; `decode_core_mgpu` merges the
-splits (log-sum-exp) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the per-split outputs (for
-`oskvp_uniform_glue.epilogue`).
+Outputs per program: acc f32 [H, 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits (log-sum-exp) and
+restores the channel order (`_channel_rows`) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the
+per-split outputs with acc stored in channel order by the kernel (for `oskvp_uniform_glue.epilogue`).
 
 CPU interpret mode: the interpreter runs no inline Mosaic, so there the planes go through shared memory (as in the
 building blocks) and p8 is stored with jnp.
@@ -362,12 +362,12 @@ def _value_outlier_fragment(tile, block_s: int, transforms):
 
 def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, bar, qo_smem=None, a16_smem=None,
             vt_smem=None, p16_smem=None, oo_smem=None, block_s: int, steps: int, max_concurrent_steps: int,
-            interpret: bool, ablate: str, ragged: bool, outliers: bool):
+            interpret: bool, ablate: str, ragged: bool, outliers: bool, channel_out: bool):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
   # padded: TMA copies move multiples of 128 bytes); with outliers also ko_ref fp8 [BK, S/2, 16] (the key outlier
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
   # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
-  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (channel order); ml_out f32 [BK, splits, 32]: m in [0, 8),
+  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (channel order with channel_out, else ACC order); ml_out f32 [BK, splits, 32]: m in [0, 8),
   # l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums [channel, head]).
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
   # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
@@ -485,7 +485,9 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     srcs += [ko_ref.at[bk, pl.ds(sp * (steps * block_s // 2), steps * block_s // 2)], vo_ref.at[bk, :, tokens]]
   m, l, acc, acc_o = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs,
                                          max_concurrent_steps=max_concurrent_steps, init_carry=init)(*srcs)
-  if interpret:
+  if not channel_out:  # ACC row order (decode_core_mgpu reorders in XLA: the form measured in runs 1-10)
+    o_smem[...] = acc
+  elif interpret:
     o_smem[...] = vs._channel_rows(acc, q, 0)  # pylint: disable=protected-access
   else:
     _store_channel_rows(acc, o_smem, q)
@@ -523,16 +525,17 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
 
 
 def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, block_s: int, splits: int,
-               max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool):
+               max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool, channel_out: bool):
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
-  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8], ml f32 [BK, splits, 32]
-  (+ acco f32 [BK, splits, 8, 8] with outliers))."""
+  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (channel order with
+  channel_out, else ACC order), ml f32 [BK, splits, 32] (+ acco f32 [BK, splits, 8, 8] with outliers))."""
   bk, s, q = kcodes.shape
   h = 4 * q
   steps = s // (splits * block_s)
   outliers = kout2 is not None
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
-                           interpret=bool(interpret), ablate=ablate, ragged=ragged, outliers=outliers)
+                           interpret=bool(interpret), ablate=ablate, ragged=ragged, outliers=outliers,
+                           channel_out=channel_out)
   smem_a = interpret  # planes and outlier A tiles through shared memory only in the interpreter (one 8-row tile of
   # each on the GPU route, never touched: 26 KB less shared memory per program with outliers at block 128)
   kernel = plgpu.kernel(
@@ -586,7 +589,7 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
                      f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
   return _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
                     block_s=block_s, splits=splits, max_concurrent_steps=max_concurrent_steps, interpret=interpret,
-                    ragged=True)
+                    ragged=True, channel_out=True)
 
 
 ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value")
@@ -651,13 +654,13 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS))))
   res = _core_call(kcodes, vcodes, qd, qs_row, *extra, block_s=block_s, splits=splits,
                    max_concurrent_steps=max_concurrent_steps, interpret=interpret, ablate=ablate,
-                   ragged=lengths is not None)
-  acc, ml = res[0], res[1]  # [BK, splits, H, 8], [BK, splits, 32]
+                   ragged=lengths is not None, channel_out=False)
+  acc, ml = res[0], res[1]  # [BK, splits, H (ACC order), 8], [BK, splits, 32]
   m, l = ml[..., :N], ml[..., N:2 * N]
   top = m.max(axis=1, keepdims=True)
   w = jnp.exp2(m - top)  # [BK, splits, 8]
   total = jnp.einsum("bsn,bsn->bn", w, l)  # Σ p8 relative to 2^top
-  out = jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(total, 1e-30)[..., None]
+  out = vs._channel_rows(jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(total, 1e-30)[..., None], q, 2)  # pylint: disable=protected-access
   outs = (out,)
   if outliers:
     outs += (jnp.einsum("bsn,bson->bno", w, res[2]) / jnp.maximum(total, 1e-30)[..., None],)

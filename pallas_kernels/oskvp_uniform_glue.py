@@ -19,6 +19,12 @@ epilogue (the core's per-split outputs acc [splits, H, 8] (channel order), ml [s
   exact attention over the window (res_k, res_v [R, H], n_res tokens), the two merged by log-sum-exp and rotated
   back: o [16, H] = o' U_vᵀ (rows G.. meaningless).
 The references are the jnp functions they replace (`prologue_reference`, `epilogue_reference`).
+
+Measured on the H200 (results/oskvp_uniform_profile_pallas_glue.md), **they are slower than the XLA glue they
+replace**: at 64k × 8 the prologue takes 40 µs and the epilogue 304 µs (the XLA glue: 35 µs in all). Each program
+holds [H, H] f32 tiles (U, and the [G, H, H] broadcast of the rotation) in the registers of 4 warps, which spills;
+with only B·K programs there is nothing to hide it. `uniform_decode_attention` therefore keeps glue="xla" as its
+default. Not yet tried: the rotations as bf16 tensor-core dots, more warps, splitting H across programs.
 """
 
 from __future__ import annotations

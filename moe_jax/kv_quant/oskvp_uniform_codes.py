@@ -164,14 +164,16 @@ def window_attention(q_rot: jax.Array, res_k: jax.Array, res_v: jax.Array, n_res
 
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 3,
-                             glue: str = "pallas") -> jax.Array:
+                             glue: str = "xla") -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
-  attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="pallas" (the default) runs the query
-  preparation and the merge + window + rotation as two Pallas kernels around the core
-  (`pallas_kernels/oskvp_uniform_glue.py`: three launches in all); glue="xla" composes `attend_codes`,
-  `window_attention` and `merge_lse2` in jnp (about twenty XLA kernels on the GPU).
+  attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="xla" (the default) composes
+  `attend_codes`, `window_attention` and `merge_lse2` in jnp (about twenty XLA kernels on the GPU: 35 µs of kernel
+  time and ~50 µs of gaps beside the core at 64k × 8, results/oskvp_uniform_profile.md). glue="pallas" runs the
+  query preparation and the merge + window + rotation as two Pallas (Triton) kernels around the core
+  (`pallas_kernels/oskvp_uniform_glue.py`, three launches in all), but as written they are slower: 40 + 304 µs
+  there (results/oskvp_uniform_profile_pallas_glue.md).
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
