@@ -9,40 +9,23 @@ and writes oskvp_uniform_profile.{md,json}: where the time goes between the core
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks.decode_attention import mosaic_uniform, uniform_args
+from benchmarks.decode_attention_breakdown import kernel_times
 
 
 def profile(b: int, s: int, iters: int) -> list[dict]:
-  """[{name, ms (median over calls), calls}] of one jitted call, in launch order."""
-  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+  """[{name, ms (median over calls)}] of one jitted call, in launch order (`decode_attention_breakdown.kernel_times`)."""
   fn = jax.jit(mosaic_uniform)
   args = uniform_args(jax.random.key(0), b, s)
   jax.block_until_ready(fn(*args))
-  flush_buf = jnp.zeros((64 << 20,), jnp.float32)
-  flush = jax.jit(lambda x: x + 1.0)
-  per = collections.defaultdict(list)
-  order = []
-  for _ in range(iters):
-    flush_buf = jax.block_until_ready(flush(flush_buf))
-    _, timings = profiler.measure(fn, aggregate=False)(*args)
-    seen = collections.Counter()
-    for name, ms in timings:
-      key = f"{name}#{seen[name]}" if seen[name] else name
-      seen[name] += 1
-      if key not in per:
-        order.append(key)
-      per[key].append(ms)
-  return [dict(name=k, ms=statistics.median(per[k])) for k in order]
+  return [dict(name=name, ms=ms) for name, ms in kernel_times(fn, args, iters)]
 
 
 def main(argv=None) -> int:
