@@ -389,7 +389,8 @@ def main():
         json.dump(dict(sweep=sweep, checks=checks, cudnn_ms=ms, copy_tb_per_s=copy_tbs), f, indent=1)
       return 0
 
-  if (args.quick and args.skip_sweep) or args.mosaic_grid:  # the final defaults only, with and without symmetric codebooks
+  # The final defaults only, with and without symmetric codebooks.
+  if (args.quick and args.skip_sweep) or args.mosaic_grid:
     best = {"bitplane": BITPLANE, "bitplane_sym": BITPLANE}
   rows = []
   meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),

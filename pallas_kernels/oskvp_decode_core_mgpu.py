@@ -194,35 +194,36 @@ class _Mlir:
   def __init__(self, ty=None):
     self.ty = ir.IntegerType.get_signless(32) if ty is None else ty
 
-  def _v(self, a):
+  def value(self, a):
+    """a as an MLIR value of the ops' type (a Python int becomes a constant)."""
     return mgpu.utils.c(a, self.ty) if isinstance(a, int) else a
 
   def add(self, a, b):
-    return a + b if isinstance(a, int) and isinstance(b, int) else arith.addi(self._v(a), self._v(b))
+    return a + b if isinstance(a, int) and isinstance(b, int) else arith.addi(self.value(a), self.value(b))
 
   def mul(self, a, k):
-    return a * k if isinstance(a, int) else arith.muli(a, self._v(k))
+    return a * k if isinstance(a, int) else arith.muli(a, self.value(k))
 
   def shr(self, a, k):
-    return a >> k if isinstance(a, int) else arith.shrui(a, self._v(k))
+    return a >> k if isinstance(a, int) else arith.shrui(a, self.value(k))
 
   def shl(self, a, k):
-    return a << k if isinstance(a, int) else arith.shli(a, self._v(k))
+    return a << k if isinstance(a, int) else arith.shli(a, self.value(k))
 
   def div(self, a, k):
-    return a // k if isinstance(a, int) else arith.divui(a, self._v(k))
+    return a // k if isinstance(a, int) else arith.divui(a, self.value(k))
 
   def mod(self, a, k):
-    return a % k if isinstance(a, int) else arith.remui(a, self._v(k))
+    return a % k if isinstance(a, int) else arith.remui(a, self.value(k))
 
   def band(self, a, k):
-    return a & k if isinstance(a, int) else arith.andi(a, self._v(k))
+    return a & k if isinstance(a, int) else arith.andi(a, self.value(k))
 
   def bor(self, a, b):
-    return a | b if isinstance(a, int) and isinstance(b, int) else arith.ori(self._v(a), self._v(b))
+    return a | b if isinstance(a, int) and isinstance(b, int) else arith.ori(self.value(a), self.value(b))
 
   def bxor(self, a, b):
-    return a ^ b if isinstance(a, int) and isinstance(b, int) else arith.xori(self._v(a), self._v(b))
+    return a ^ b if isinstance(a, int) and isinstance(b, int) else arith.xori(self.value(a), self.value(b))
 
 
 def acc_row_channel(ops, r, q: int):
@@ -322,7 +323,7 @@ def _key_outlier_fragment(tile, block_s: int):
       if src is None:
         regs[idx] = zero
         continue
-      row, col = (arith.index_cast(index, ops._v(v)) for v in src)  # pylint: disable=protected-access
+      row, col = (arith.index_cast(index, ops.value(v)) for v in src)
       regs[idx] = _cvt_e4m3x2(mgpu.utils.bitcast(vector.load(pair8, ref, [row, col]), i16))
     return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
@@ -349,8 +350,9 @@ def _value_outlier_fragment(tile, block_s: int, transforms):
       row, col = value_outlier_source(ops, (0, 4 * g, 0, 0, 0), warp, lane)
       xor = ops.band(ops.shr(ops.mul(row, tc), 7), sw // 16 - 1)  # the swizzle: 16-byte chunk ^= row bits
       phys = ops.bxor(ops.band(col, tc - 1), ops.shl(xor, 4))
-      word = vector.load(oct8, ref, [mgpu.utils.c(0, index), arith.index_cast(index, ops._v(ops.shr(col, tc.bit_length() - 1))),  # pylint: disable=protected-access
-                                     arith.index_cast(index, row), arith.index_cast(index, phys)])
+      as_index = lambda v: arith.index_cast(index, ops.value(v))
+      col_tile = ops.shr(col, tc.bit_length() - 1)
+      word = vector.load(oct8, ref, [mgpu.utils.c(0, index), as_index(col_tile), as_index(row), as_index(phys)])
       word = mgpu.utils.bitcast(word, i64)
       for pair in range(4):
         reg = _cvt_e4m3x2(arith.trunci(i16, arith.shrui(word, mgpu.utils.c(16 * pair, i64))))
@@ -367,8 +369,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # padded: TMA copies move multiples of 128 bytes); with outliers also ko_ref fp8 [BK, S/2, 16] (the key outlier
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
   # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
-  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (channel order with channel_out, else ACC order); ml_out f32 [BK, splits, 32]: m in [0, 8),
-  # l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums [channel, head]).
+  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (channel order with channel_out, else ACC order);
+  # ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums [channel, head]).
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
   # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
   # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] / vt_smem f16 [64, block_s] (the outlier A operands, interpret

@@ -91,7 +91,8 @@ def epilogue_reference(acc, ml, acco, qr, qc, cb_v, scale_v, res_k, res_v, n_res
   top_r = jnp.maximum(s.max(axis=-1), MASKED)
   p = jnp.exp2(s - top_r[..., None])
   total_r = p.sum(axis=-1)
-  o_r = jnp.einsum("BKnr,BKrh->BKnh", p, res_v.astype(jnp.float32), precision=hi) / jnp.maximum(total_r, 1e-30)[..., None]
+  o_r = jnp.einsum("BKnr,BKrh->BKnh", p, res_v.astype(jnp.float32), precision=hi)
+  o_r = o_r / jnp.maximum(total_r, 1e-30)[..., None]
   lse_r = jnp.where(total_r > 0, top_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, ROWS - N)) + ((0, 0),) * (x.ndim - 3))
   o_c, lse_c = pad(o_c), pad(lse_c)
