@@ -351,8 +351,8 @@ def _value_outlier_fragment(tile, block_s: int, transforms):
       xor = ops.band(ops.shr(ops.mul(row, tc), 7), sw // 16 - 1)  # the swizzle: 16-byte chunk ^= row bits
       phys = ops.bxor(ops.band(col, tc - 1), ops.shl(xor, 4))
       as_index = lambda v: arith.index_cast(index, ops.value(v))
-      col_tile = ops.shr(col, tc.bit_length() - 1)
-      word = vector.load(oct8, ref, [mgpu.utils.c(0, index), as_index(col_tile), as_index(row), as_index(phys)])
+      zero = mgpu.utils.c(0, index)
+      word = vector.load(oct8, ref, [zero, as_index(ops.shr(col, tc.bit_length() - 1)), as_index(row), as_index(phys)])
       word = mgpu.utils.bitcast(word, i64)
       for pair in range(4):
         reg = _cvt_e4m3x2(arith.trunci(i16, arith.shrui(word, mgpu.utils.c(16 * pair, i64))))
