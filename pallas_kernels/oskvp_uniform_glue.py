@@ -20,11 +20,14 @@ epilogue (the core's per-split outputs acc [splits, H, 8] (channel order), ml [s
   back: o [16, H] = o' U_vᵀ (rows G.. meaningless).
 The references are the jnp functions they replace (`prologue_reference`, `epilogue_reference`).
 
-Measured on the H200 (results/oskvp_uniform_profile_pallas_glue.md), **they are slower than the XLA glue they
-replace**: at 64k × 8 the prologue takes 40 µs and the epilogue 304 µs (the XLA glue: 35 µs in all). Each program
-holds [H, H] f32 tiles (U, and the [G, H, H] broadcast of the rotation) in the registers of 4 warps, which spills;
-with only B·K programs there is nothing to hide it. `uniform_decode_attention` therefore keeps glue="xla" as its
-default. Not yet tried: the rotations as bf16 tensor-core dots, more warps, splitting H across programs.
+Measured on the H200 (results/oskvp_uniform_profile_pallas_glue.md), the first version **was slower than the XLA
+glue it replaces**: at 64k × 8 the prologue took 40 µs and the epilogue 304 µs (the XLA glue: 35 µs in all). Each
+program held [H, H] f32 tiles (U, res_k, res_v, and the [G, H, H] broadcast of the rotation) in the registers of 4
+warps, which spills, with only B·K programs to hide it. The kernels were then restructured (not yet measured: the
+session's device time was spent): the rotation goes 16 columns at a time ([G, H, 16] products), the splits are
+summed one at a time, the window runs as an online softmax over 32-token chunks and U_vᵀ is applied 32 output
+columns at a time, so no tile larger than [32, H] is live. `uniform_decode_attention` keeps glue="xla" as its
+default until they are timed.
 """
 
 from __future__ import annotations
@@ -104,44 +107,63 @@ def epilogue_reference(acc, ml, acco, qr, qc, cb_v, scale_v, res_k, res_v, n_res
 
 # ---- Kernels.
 
+CHUNK = 16  # prologue: rotated-query columns per step ([G, H, 16] products, not [G, H, H])
+WCHUNK = 32  # epilogue: output columns per step of U_vᵀ, and window tokens per step (16 for a window of 16·odd)
+
+
 def _prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qr_ref, qc_ref):
   # q_ref [G, H]; u_ref [H, H] f32; cb_ref [H, 4] f32; sk_ref [8] f32; nc_ref [] int32.
   # qd_ref [8, H] int8; qs_ref [32] f32; qo_ref [8, 16] f16; qr_ref [16, H] f32; qc_ref [8] f32.
+  # The rotation q' = q U_k goes CHUNK columns at a time (exact f32 multiply-add reductions of [G, H, CHUNK]); the
+  # digits need max_ch |q'·d| first, so the chunks stay in registers ([G, H] in all) for the second pass.
   g, h = q_ref.shape
   c = h**-0.5 * LOG2E
   q = q_ref[...].astype(jnp.float32)
-  qr = (q[:, :, None] * u_ref[...][None]).sum(axis=1)  # [G, H]: an exact f32 multiply-add reduction
-  c0 = cb_ref[:, 0]
-  d = cb_ref[:, 1] - c0
-  qf = qr * d[None, :]
-  u = jnp.maximum(jnp.abs(qf).max(axis=1), 1e-30) / 127.0  # [G]
-  qd_ref[...] = unfold_rows([_round(qf / u[:, None])], N, jnp.int8)
+  chunks, folded = [], []
+  amax, qc = jnp.zeros((g,), jnp.float32), jnp.zeros((g,), jnp.float32)
+  for j in range(h // CHUNK):
+    cols = pl.ds(j * CHUNK, CHUNK)
+    qr = (q[:, :, None] * u_ref[:, cols][None]).sum(axis=1)  # [G, CHUNK]
+    c0 = cb_ref[cols, 0]
+    qf = qr * (cb_ref[cols, 1] - c0)[None, :]
+    amax = jnp.maximum(amax, jnp.abs(qf).max(axis=1))
+    qc += (qr * c0[None, :]).sum(axis=1)
+    chunks.append(qr)
+    folded.append(qf)
+    qr_ref[:, cols] = jnp.where(jnp.arange(ROWS)[:, None] < g, unfold_rows([qr], ROWS, jnp.float32), 0.0)
+  u = jnp.maximum(amax, 1e-30) / 127.0  # [G]
+  for j, qf in enumerate(folded):
+    qd_ref[:, pl.ds(j * CHUNK, CHUNK)] = unfold_rows([_round(qf / u[:, None])], N, jnp.int8)
   slots = jnp.arange(QS_SLOTS)
   qs = unfold_rows([(u * c)[:, None]], QS_SLOTS, jnp.float32).reshape(QS_SLOTS)
   qs_ref[...] = jnp.where(slots == LEN_SLOT, nc_ref[...].astype(jnp.float32), jnp.where(slots < g, qs, 0.0))
-  cols = 2 * OUTLIERS
-  scale = plgpu.load(sk_ref.at[pl.ds(0, cols)], mask=jnp.arange(cols) < OUTLIERS, other=0.0)  # [16]
-  qo = (q[:, :, None] * u_ref[:, pl.ds(0, cols)][None]).sum(axis=1) * (scale[None, :] * c)  # [G, 16]
-  qo_ref[...] = unfold_rows([qo], N, jnp.float16)
-  qr_ref[...] = jnp.where(jnp.arange(ROWS)[:, None] < g, unfold_rows([qr], ROWS, jnp.float32), 0.0)
-  qc = unfold_rows([((qr * c0[None, :]).sum(axis=1) * c)[:, None]], N, jnp.float32).reshape(N)
+  scale = plgpu.load(sk_ref.at[pl.ds(0, CHUNK)], mask=jnp.arange(CHUNK) < OUTLIERS, other=0.0)  # [16]
+  qo_ref[...] = unfold_rows([chunks[0] * (scale[None, :] * c)], N, jnp.float16)  # channels 0..7 (CHUNK = 16)
+  qc = unfold_rows([(qc * c)[:, None]], N, jnp.float32).reshape(N)
   qc_ref[...] = jnp.where(jnp.arange(N) < g, qc, 0.0)
 
 
-def _epilogue_kernel(acc_ref, ml_ref, ao_ref, qr_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, u_ref, o_ref):
+def _epilogue_kernel(acc_ref, ml_ref, ao_ref, qr_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, u_ref, o_ref, *,
+                     wchunk: int):
   # acc_ref [S, H, 8] f32 (channel order); ml_ref [S, 32]; ao_ref [S, 8, 8] ([outlier channel, head]);
   # qr_ref [16, H] f32; qc_ref [8]; cb_ref [H, 4]; sv_ref [8]; rk_ref, rv_ref [R, H] bf16; nr_ref []; u_ref [H, H].
-  # o_ref [16, H] f32.
-  h = acc_ref.shape[1]
+  # o_ref [16, H] f32. The splits are summed one at a time, the window goes wchunk tokens at a time (online softmax)
+  # and U_vᵀ WCHUNK output columns at a time: no tile larger than [WCHUNK, H] is live.
+  splits, h = acc_ref.shape[0], acc_ref.shape[1]
   r = rk_ref.shape[0]
   hi = jax.lax.Precision.HIGHEST
-  m, l = ml_ref[:, pl.ds(0, N)], ml_ref[:, pl.ds(N, N)]  # [S, 8]
-  top = m.max(axis=0)  # [8]
-  w = jnp.exp2(m - top[None, :])
-  total = (w * l).sum(axis=0)
+  top = ml_ref[:, pl.ds(0, N)].max(axis=0)  # [8]
+
+  def add_split(i, carry):
+    mean, mean_o, total = carry
+    w = jnp.exp2(ml_ref[i, pl.ds(0, N)] - top)  # [8]
+    return (mean + acc_ref[i] * w[None, :], mean_o + ao_ref[i] * w[None, :],
+            total + ml_ref[i, pl.ds(N, N)] * w)
+
+  zero = lambda *shape: jnp.zeros(shape, jnp.float32)
+  mean, mean_o, total = jax.lax.fori_loop(0, splits, add_split, (zero(h, N), zero(OUTLIERS, N), zero(N)))
   inv = 1.0 / jnp.maximum(total, 1e-30)
-  mean = ((acc_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, H]
-  mean_o = ((ao_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8 heads, 8 outlier channels]
+  mean, mean_o = (mean * inv[None, :]).T, (mean_o * inv[None, :]).T  # [8, H], [8 heads, 8 outlier channels]
   c0 = cb_ref[:, 0]
   o_c = c0[None, :] + (cb_ref[:, 1] - c0)[None, :] * mean  # [8, H]
   onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, h), 0)
@@ -149,19 +171,31 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, qr_ref, qc_ref, cb_ref, sv_ref, rk
   o_c += ((mean_o * sv_ref[...][None, :])[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7
   lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc_ref[...], -jnp.inf)
   qr = qr_ref[...]
-  s = jnp.dot(qr, rk_ref[...].astype(jnp.float32).T, precision=hi) * (h**-0.5 * LOG2E)  # [16, R]
-  s = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (ROWS, r), 1) < nr_ref[...], s, -jnp.inf)
-  top_r = jnp.maximum(s.max(axis=1), MASKED)
-  p = jnp.exp2(s - top_r[:, None])
-  total_r = p.sum(axis=1)
-  o_r = jnp.dot(p, rv_ref[...].astype(jnp.float32), precision=hi) / jnp.maximum(total_r, 1e-30)[:, None]
-  lse_r = jnp.where(total_r > 0, top_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
+  n_res = nr_ref[...]
+
+  def window_chunk(i, carry):  # online softmax over the window, wchunk tokens per step
+    m_r, l_r, o_r = carry
+    rows = pl.ds(i * wchunk, wchunk)
+    s = jnp.dot(qr, rk_ref[rows, :].astype(jnp.float32).T, precision=hi) * (h**-0.5 * LOG2E)  # [16, wchunk]
+    live = jax.lax.broadcasted_iota(jnp.int32, (ROWS, wchunk), 1) + i * wchunk < n_res
+    m_new = jnp.maximum(m_r, jnp.where(live, s, MASKED).max(axis=1))
+    alpha = jnp.exp2(m_r - m_new)
+    p = jnp.where(live, jnp.exp2(s - m_new[:, None]), 0.0)
+    o_r = o_r * alpha[:, None] + jnp.dot(p, rv_ref[rows, :].astype(jnp.float32), precision=hi)
+    return m_new, l_r * alpha + p.sum(axis=1), o_r
+
+  m_r, total_r, o_r = jax.lax.fori_loop(0, r // wchunk, window_chunk,
+                                        (jnp.full((ROWS,), MASKED, jnp.float32), zero(ROWS), zero(ROWS, h)))
+  o_r = o_r / jnp.maximum(total_r, 1e-30)[:, None]
+  lse_r = jnp.where(total_r > 0, m_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
   o_c16 = unfold_rows([o_c], ROWS, jnp.float32)
   lse_c16 = jnp.where(jnp.arange(ROWS) < N, unfold_rows([lse_c[:, None]], ROWS, jnp.float32).reshape(ROWS), -jnp.inf)
   top2 = jnp.maximum(jnp.maximum(lse_c16, lse_r), MASKED)
   w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
   o = (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
-  o_ref[...] = jnp.dot(o, u_ref[...].T, precision=hi)
+  for j in range(h // WCHUNK):  # o U_vᵀ, WCHUNK output columns at a time
+    cols = pl.ds(j * WCHUNK, WCHUNK)
+    o_ref[:, cols] = jnp.dot(o, u_ref[cols, :].T, precision=hi)
 
 
 def _spec(*tail):
@@ -180,6 +214,8 @@ def prologue(q, u_k, cb_k, scale_k, n_comp, *, interpret: bool = False):
   g = n // kh
   if n % kh or N % g:
     raise ValueError(f"N={n} query heads over K={kh} kv heads: the group size must divide {N}")
+  if h % CHUNK:
+    raise ValueError(f"head_dim={h} must be a multiple of {CHUNK}")
   out_shape = [jax.ShapeDtypeStruct((b, kh, N, h), jnp.int8), jax.ShapeDtypeStruct((b, kh, QS_SLOTS), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, N, 2 * OUTLIERS), jnp.float16),
                jax.ShapeDtypeStruct((b, kh, ROWS, h), jnp.float32), jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
@@ -198,8 +234,11 @@ def epilogue(acc, ml, acco, qr, qc, cb_v, scale_v, res_k, res_v, n_res, u_v, *, 
   """`epilogue_reference` in one Pallas kernel (grid B × K). Shapes as there."""
   b, kh, splits, h, _ = acc.shape
   r = res_k.shape[2]
+  if r % 16 or h % WCHUNK:
+    raise ValueError(f"the window R={r} must be a multiple of 16 and head_dim={h} of {WCHUNK}")
+  wchunk = WCHUNK if r % WCHUNK == 0 else 16
   return pl.pallas_call(
-      _epilogue_kernel, grid=(b, kh),
+      functools.partial(_epilogue_kernel, wchunk=wchunk), grid=(b, kh),
       in_specs=[_spec(splits, h, N), _spec(splits, QS_SLOTS), _spec(splits, OUTLIERS, N), _spec(ROWS, h), _spec(N),
                 _spec(h, 4), _spec(OUTLIERS), _spec(r, h), _spec(r, h), _per_row(), _spec(h, h)],
       out_specs=_spec(ROWS, h),
