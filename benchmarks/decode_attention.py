@@ -199,10 +199,11 @@ def uniform_args(key, b, s):
   return tuple(a)
 
 
-def mosaic_uniform(*a):
-  """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ)."""
+def mosaic_uniform(*a, glue: str = "xla"):
+  """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue as
+  in `uniform_decode_attention` ("xla", the default there, or the Pallas kernels)."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
-  return uniform_decode_attention(*a)
+  return uniform_decode_attention(*a, glue=glue)
 
 
 def token_major(a):
@@ -212,7 +213,7 @@ def token_major(a):
   return tuple(a)
 
 
-def check_mosaic_uniform(log):
+def check_mosaic_uniform(log, glue: str = "xla"):
   """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4)."""
   out = []
   for b, s, n_comp, n_res in ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64))):
@@ -220,10 +221,10 @@ def check_mosaic_uniform(log):
     a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(n_res, jnp.int32)
     case = f"B={b} S={s} n_comp={n_comp} n_res={n_res}"
     try:
-      got = jax.jit(mosaic_uniform)(*a).astype(jnp.float32)
+      got = jax.jit(functools.partial(mosaic_uniform, glue=glue))(*a).astype(jnp.float32)
       want = jax.jit(oskvp_decode_attention_reference)(*token_major(a)).astype(jnp.float32)
       rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-      out.append(dict(case=case, config="mosaic_uniform", rel_err=rel, nan=bool(jnp.isnan(got).any())))
+      out.append(dict(case=case, config=f"mosaic_uniform glue={glue}", rel_err=rel, nan=bool(jnp.isnan(got).any())))
     except Exception as e:  # pylint: disable=broad-except
       out.append(dict(case=case, config="mosaic_uniform", error=repr(e)[:600]))
     log(f"check mosaic_uniform {out[-1]}")
@@ -292,6 +293,8 @@ def main():
   ap.add_argument("--mosaic_grid", action="store_true",
                   help="the grid of cuDNN, the Triton bit-plane defaults and the wired Mosaic GPU path of "
                        "oskvp_uniform only (no sweep, no secondary peers); checks the Mosaic path first")
+  ap.add_argument("--mosaic_glue", default="xla", choices=("xla", "pallas"),
+                  help="the glue around the Mosaic core in --mosaic_grid (uniform_decode_attention's glue=)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   if args.merge:
@@ -308,7 +311,7 @@ def main():
   copy_tbs, read_tbs = copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
   if args.mosaic_grid:
-    checks = check_mosaic_uniform(log)
+    checks = check_mosaic_uniform(log, args.mosaic_glue)
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
       return 1
@@ -429,8 +432,9 @@ def main():
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
-        attempt("oskvp_mosaic_uniform", b, s, mosaic_uniform, lambda i: uniform_args(jax.random.key(i), b, s),
-                oskvp_bytes(b, s), "Mosaic GPU core + window (kv_cache='oskvp_uniform')")
+        attempt("oskvp_mosaic_uniform", b, s, functools.partial(mosaic_uniform, glue=args.mosaic_glue),
+                lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
+                f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={args.mosaic_glue}")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -20,9 +21,9 @@ from benchmarks.decode_attention import mosaic_uniform, uniform_args
 from benchmarks.decode_attention_breakdown import kernel_times
 
 
-def profile(b: int, s: int, iters: int) -> list[dict]:
+def profile(b: int, s: int, iters: int, glue: str = "xla") -> list[dict]:
   """[{name, ms (median over calls)}] of one jitted call, in launch order (`decode_attention_breakdown.kernel_times`)."""
-  fn = jax.jit(mosaic_uniform)
+  fn = jax.jit(functools.partial(mosaic_uniform, glue=glue))
   args = uniform_args(jax.random.key(0), b, s)
   jax.block_until_ready(fn(*args))
   return [dict(name=name, ms=ms) for name, ms in kernel_times(fn, args, iters)]
@@ -33,16 +34,18 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="/tmp/oskvp_uniform_profile")
   ap.add_argument("--cases", default="8x65536,1x65536,32x65536,8x16384", help="batch x context, comma-separated")
   ap.add_argument("--iters", type=int, default=7)
+  ap.add_argument("--glue", default="xla", choices=("xla", "pallas"), help="uniform_decode_attention's glue=")
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
-  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, glue=args.glue,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
   result = dict(meta=meta, cases=[])
-  md = [f"# Wired Mosaic GPU path of oskvp_uniform, per kernel: {meta['device']}, jax {meta['jax']}, {meta['date']}",
+  md = [f"# Wired Mosaic GPU path of oskvp_uniform (glue={args.glue}), per kernel: {meta['device']}, jax {meta['jax']}, "
+        f"{meta['date']}",
         "", "CUPTI kernel time, median of the calls, L2 flushed before each call; 32 query / 8 kv heads, H = 128.", ""]
   for case in args.cases.split(","):
     b, s = (int(x) for x in case.split("x"))
-    rows = profile(b, s, args.iters)
+    rows = profile(b, s, args.iters, args.glue)
     total = sum(r["ms"] for r in rows)
     core = sum(r["ms"] for r in rows if "mosaic" in r["name"])
     result["cases"].append(dict(batch=b, context=s, kernels=rows, total_ms=total, core_ms=core))
