@@ -1,11 +1,13 @@
-"""Attention over the 2-bit code part of a uniform-codebook OS-KVP cache (`kv_cache="oskvp_uniform"`) through the
-fused Mosaic GPU core (`pallas_kernels/oskvp_decode_core_mgpu.py`), and the log-sum-exp merge that joins it with
-other tokens (the residual window, the fp8 outlier part once the kernel has it).
+"""Decode attention over a uniform-codebook OS-KVP cache (`kv_cache="oskvp_uniform"`) through the fused Mosaic GPU
+core (`pallas_kernels/oskvp_decode_core_mgpu.py`): `attend_codes` (the compressed store: codes and fp8 outliers),
+`window_attention` (the bf16 residual window), `merge_lse2` (their log-sum-exp merge) and `uniform_decode_attention`
+(the whole op on the layer cache's arrays, what `decode_step` runs on the GPU).
 
 Per row b of BK = batch × kv heads, with the rotated query q' [G, H] of its G ≤ 8 query heads and uniform codebooks
 cb[ch, c] = c0[ch] + d[ch]·c (outlier channels have cb = 0):
 
-  score[n, t] = scale · Σ_ch q'[n, ch] · cb_k[ch, code_k[t, ch]] = scale · (q'·c0_k)[n] + scale · Σ_ch (q'·d_k)[n, ch] · code
+  score[n, t] = scale · Σ_ch q'[n, ch] · cb_k[ch, code_k[t, ch]]
+              = scale · (q'·c0_k)[n] + scale · Σ_ch (q'·d_k)[n, ch] · code_k[t, ch]
   o'[n, ch] = c0_v[ch] + d_v[ch] · Σ_t p[n, t] · code_v[t, ch]
 
 The kernel takes one int8 digit per head of q'·d_k (`query_digits`; per-head scale u_n = max|q'·d_k| / 127) and
