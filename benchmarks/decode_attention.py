@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.oskvp_decode_attention import (BITPLANE, PLAIN_ROWS, DecodeBlockConfig, _oskvp_pallas,
                                                    oskvp_decode_attention_reference)
-from pallas_kernels.oskvp_random import random_oskvp_inputs
+from pallas_kernels.oskvp_random import random_oskvp_inputs, uniform_codebooks
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 L2_BYTES = 60 * 2**20
@@ -191,10 +191,7 @@ def uniform_args(key, b, s):
   `OSKVPMode(uniform=True)` cache stores them: `uniform_decode_attention`'s inputs."""
   a = list(oskvp_args(key, b, s))
   for i, kk in ((4, 1), (8, 2)):  # cb_k, cb_v
-    k0, k1 = jax.random.split(jax.random.fold_in(key, kk))
-    c0 = jax.random.normal(k0, a[i].shape[:-1]) - 1.5
-    d = jax.random.uniform(k1, a[i].shape[:-1], minval=0.3, maxval=1.2)
-    a[i] = (c0[..., None] + d[..., None] * jnp.arange(4.0)).at[:, :, :8].set(0.0)
+    a[i] = uniform_codebooks(jax.random.fold_in(key, kk), a[i].shape[:-1], outliers=8)
   a[5], a[6] = jnp.swapaxes(a[5], -1, -2), jnp.swapaxes(a[6], -1, -2)  # codes_v, outl_v [B, K, X, S]
   return tuple(a)
 

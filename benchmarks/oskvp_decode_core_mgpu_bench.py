@@ -18,7 +18,6 @@ CPU smoke test:   PYTHONPATH=$PWD python3 benchmarks/oskvp_decode_core_mgpu_benc
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ import numpy as np
 
 from benchmarks import oskvp_key_scores_mgpu_bench as kb
 from pallas_kernels import oskvp_decode_core_mgpu as dc
+from pallas_kernels.oskvp_random import uniform_codebooks
 
 Q = 32  # H = 128
 BK = 64  # batch 8 × 8 kv heads
@@ -110,13 +110,11 @@ def run_check(case, interpret: bool) -> dict:
 
 def glue_inputs(seed: int, bk: int, s: int, g: int = 4):
   """Rotated queries, random codes and uniform codebooks, ragged lengths, fp8 outliers: `attend_codes`'s arguments."""
-  ks_ = jax.random.split(jax.random.key(seed), 5)
+  ks_ = jax.random.split(jax.random.key(seed), 4)
   q_rot = jax.random.normal(ks_[0], (bk, g, 4 * Q), jnp.float32)
   kc = jax.random.bits(ks_[1], (bk, s, Q), jnp.uint8)
   vc = jax.random.bits(ks_[2], (bk, Q, s), jnp.uint8)
-  c0 = jax.random.normal(ks_[3], (2, bk, 4 * Q)) - 1.5
-  d = jax.random.uniform(ks_[4], (2, bk, 4 * Q), minval=0.3, maxval=1.2)
-  cb = c0[..., None] + d[..., None] * jnp.arange(4.0)  # [2, BK, H, 4]
+  cb = uniform_codebooks(ks_[3], (2, bk, 4 * Q))  # [2, BK, H, 4]
   lengths = jnp.maximum(s - jnp.arange(bk, dtype=jnp.int32) * (s // (2 * bk)), 1)
   ko, vo = jax.random.split(jax.random.fold_in(ks_[0], 1))
   outliers = ((jax.random.normal(ko, (bk, s, dc.OUTLIERS)) * 2).astype(jnp.float8_e4m3fn),
@@ -207,11 +205,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
-  sms, mhz, _, _ = kb.device_constants(args.smoke)
-  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "mode": "smoke (CPU interpret, numbers meaningless)" if args.smoke else "gpu", "iters": args.iters,
-          "sms": sms, "mhz": mhz}
+  meta = kb.run_meta(args.smoke, args.iters)
   checks, rows, peer_rows = [], [], []
   for case in SMOKE_CHECKS if args.smoke else CHECKS:
     checks.append(run_check(case, interpret=args.smoke))

@@ -477,6 +477,16 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, skipped: li
     fh.write("\n".join(md) + "\n")
 
 
+def run_meta(smoke: bool, iters: int) -> dict:
+  """The run's header for the JSON and Markdown reports: device, jax, date, mode, SM count and clock (and where they
+  came from, `device_constants`)."""
+  sms, mhz, sms_src, mhz_src = device_constants(smoke)
+  return {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "mode": "smoke (CPU interpret, numbers meaningless)" if smoke else "gpu", "iters": iters,
+          "sms": sms, "mhz": mhz, "sms_source": sms_src, "mhz_source": mhz_src}
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="/tmp/oskvp_key_scores_mgpu")
@@ -506,12 +516,8 @@ def main(argv=None) -> int:
       print("lowered", cfg.name, flush=True)
     return 0
   smoke = args.smoke
-  sms, mhz, sms_src, mhz_src = device_constants(smoke)
-  meta = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "mode": "smoke (CPU interpret, numbers meaningless)" if smoke else "gpu", "iters": args.iters,
-          "sms": sms, "mhz": mhz, "sms_source": sms_src, "mhz_source": mhz_src,
-          "formula": "cycles_per_token_head = us * mhz * sms / (bk * s)", "target_cycles": TARGET_CYCLES}
+  meta = {**run_meta(smoke, args.iters), "formula": "cycles_per_token_head = us * mhz * sms / (bk * s)",
+          "target_cycles": TARGET_CYCLES}
   checks, rows, skipped, vchecks, vrows = [], [], [], [], []
   report = lambda: write_report(args.out, meta, checks, rows, skipped, vchecks, vrows)
   print(json.dumps(meta), flush=True)
@@ -542,7 +548,7 @@ def main(argv=None) -> int:
     value = isinstance(cfg, ValueConfig)
     timer, out = (time_value_config, vrows) if value else (time_config, rows)
     try:
-      out.append(timer(cfg, cache, 1 if smoke else args.iters, sms, mhz, smoke))
+      out.append(timer(cfg, cache, 1 if smoke else args.iters, meta["sms"], meta["mhz"], smoke))
     except Exception as e:  # pylint: disable=broad-except
       out.append({"config": cfg.name, **dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:600]}"})
     print("value time" if value else "time", json.dumps(out[-1]), flush=True)

@@ -370,7 +370,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
   # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
   # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (channel order with channel_out, else ACC order);
-  # ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums [channel, head]).
+  # ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums
+  # [channel, head]).
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
   # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
   # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] / vt_smem f16 [64, block_s] (the outlier A operands, interpret
@@ -594,6 +595,22 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
                     ragged=True, channel_out=True)
 
 
+def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
+  """The core's per-split outputs merged by log-sum-exp (XLA): acc f32 [..., S, R, 8], ml f32 [..., S, 32] (m, l),
+  acco f32 [..., S, 8, 8] or None -> (mean f32 [..., 8, R] = Σ_s w_s acc_s / Σ_s w_s l_s, mean_o f32 [..., 8, 8]
+  (the same for acco, [head, outlier channel]) or None, lse2 f32 [..., 8] = log2 Σ_t 2^s (-inf without tokens)),
+  with w_s = 2^(m_s − max_s m_s)."""
+  m, l = ml[..., :N], ml[..., N:2 * N]
+  top = m.max(axis=-2, keepdims=True)
+  w = jnp.exp2(m - top)  # [..., S, 8]
+  total = jnp.einsum("...sn,...sn->...n", w, l)  # Σ p8 relative to 2^top
+  denom = jnp.maximum(total, 1e-30)[..., None]
+  mean = jnp.einsum("...sn,...shn->...nh", w, acc) / denom
+  mean_o = None if acco is None else jnp.einsum("...sn,...son->...no", w, acco) / denom
+  lse2 = jnp.where(total > 0, top[..., 0, :] + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS), -jnp.inf)
+  return mean, mean_o, lse2
+
+
 ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value")
 
 
@@ -657,15 +674,10 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
   res = _core_call(kcodes, vcodes, qd, qs_row, *extra, block_s=block_s, splits=splits,
                    max_concurrent_steps=max_concurrent_steps, interpret=interpret, ablate=ablate,
                    ragged=lengths is not None, channel_out=False)
-  acc, ml = res[0], res[1]  # [BK, splits, H (ACC order), 8], [BK, splits, 32]
-  m, l = ml[..., :N], ml[..., N:2 * N]
-  top = m.max(axis=1, keepdims=True)
-  w = jnp.exp2(m - top)  # [BK, splits, 8]
-  total = jnp.einsum("bsn,bsn->bn", w, l)  # Σ p8 relative to 2^top
-  out = vs._channel_rows(jnp.einsum("bsn,bshn->bnh", w, acc) / jnp.maximum(total, 1e-30)[..., None], q, 2)  # pylint: disable=protected-access
-  outs = (out,)
+  mean, mean_o, lse2 = merge_splits(res[0], res[1], res[2] if outliers else None)  # acc in ACC row order
+  outs = (vs._channel_rows(mean, q, 2),)  # pylint: disable=protected-access
   if outliers:
-    outs += (jnp.einsum("bsn,bson->bno", w, res[2]) / jnp.maximum(total, 1e-30)[..., None],)
+    outs += (mean_o,)
   if return_lse2:
-    outs += (jnp.where(total > 0, top[:, 0] + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS), -jnp.inf),)
+    outs += (lse2,)
   return outs[0] if len(outs) == 1 else outs

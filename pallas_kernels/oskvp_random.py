@@ -3,7 +3,7 @@
 Builds every argument of `oskvp_decode_attention` from a key: random orthogonal rotations (QR), uniform random
 2-bit codes, sorted random codebooks (zero rows for the outlier channels), fp8 outliers with positive scales,
 and a bf16 residual window. `symmetric=True` draws codebook rows symmetric about a random centre, c -+ (a, b), as
-`oskvp.fit(symmetric=True)` makes them (cb0 + cb3 = cb1 + cb2).
+`oskvp.fit(symmetric=True)` makes them (cb0 + cb3 = cb1 + cb2); `uniform_codebooks` draws equally spaced rows.
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ def random_oskvp_inputs(key, *, batch: int, heads: int, kv_heads: int, head_dim:
   lens = lambda v, full: jnp.asarray(np.broadcast_to(np.asarray(full if v is None else v, np.int32), (batch,)))
   return _random_cache(key, batch, heads, kv_heads, head_dim, capacity, window, outliers,
                        jnp.dtype(q_dtype), symmetric) + (lens(n_comp, capacity), lens(n_res, window))
+
+
+def uniform_codebooks(key, shape: tuple[int, ...], outliers: int = 0) -> jax.Array:
+  """Random uniform codebooks f32 [*shape, 4], cb[c] = c0 + d·c (c0 ~ N(-1.5, 1), d ~ U(0.3, 1.2)), as
+  `oskvp.fit(uniform=True)` makes them; the first `outliers` rows of the last axis of shape (the channels) zero."""
+  k0, k1 = jax.random.split(key)
+  c0 = jax.random.normal(k0, shape) - 1.5
+  d = jax.random.uniform(k1, shape, minval=0.3, maxval=1.2)
+  return (c0[..., None] + d[..., None] * jnp.arange(4.0)).at[..., :outliers, :].set(0.0)
 
 
 def symmetrize(cb):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS
+from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS, merge_splits
 from pallas_kernels.oskvp_decode_prologue import _round, unfold_rows
 
 LOG2E = 1.0 / math.log(2.0)
@@ -49,60 +49,103 @@ QS_SLOTS = 32  # the core's qs row: 8 scales, the length at index 8, padding to 
 LEN_SLOT = N
 
 
-# ---- References (jnp; what XLA ran before these kernels).
+# ---- The jnp glue (XLA): the default around the core (`oskvp_uniform_codes.uniform_decode_attention`), and the
+# pieces the kernels' references are built from.
+
+def uniform_steps(cb: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cb f32 [..., H, 4] uniform codebooks -> (c0 [..., H], d [..., H]), cb[c] = c0 + d·c."""
+  return cb[..., 0], cb[..., 1] - cb[..., 0]
+
+
+def query_digits(q_rot: jax.Array, cb_k: jax.Array, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """q_rot f32 [BK, G, H], cb_k [BK, H, 4] -> (qd int8 [BK, 8, H], qs f32 [BK, 8], const f32 [BK, G]).
+
+  qd = round(q'·d_k / u), u = max_ch |q'·d_k| / 127 per head (rows G.. zero); qs = u · scale · log2(e) turns the
+  integer scores into base-2 logits; const = scale · log2(e) · q'·c0_k, the score part the codes do not carry.
+  """
+  bk, g, _ = q_rot.shape
+  if g > N:
+    raise ValueError(f"q_rot has G={g} query heads per kv head; the kernel takes at most {N}")
+  c0, d = uniform_steps(cb_k.astype(jnp.float32))
+  qf = q_rot.astype(jnp.float32) * d[:, None, :]  # [BK, G, H]
+  u = jnp.maximum(jnp.max(jnp.abs(qf), axis=-1), 1e-30) / 127.0  # [BK, G]
+  qd = jnp.round(qf / u[..., None]).astype(jnp.int8)
+  pad = ((0, 0), (0, N - g))
+  qd = jnp.pad(qd, (*pad, (0, 0)))
+  qs = jnp.pad(u * (scale * LOG2E), pad)
+  const = jnp.einsum("bgh,bh->bg", q_rot.astype(jnp.float32), c0) * (scale * LOG2E)
+  return qd, qs, const
+
+
+def outlier_query(q_rot: jax.Array, scale_k: jax.Array, scale: float) -> jax.Array:
+  """q_rot f32 [BK, G, H], scale_k f32 [BK, 8] -> qo f16 [BK, 8, 8]: the key-outlier query q'[:, :8]·scale_k in base-2
+  logits (rows G.. zero), the core's `qo`."""
+  g = q_rot.shape[1]
+  qo = q_rot[..., :OUTLIERS].astype(jnp.float32) * scale_k[:, None, :] * (scale * LOG2E)  # [BK, G, 8]
+  return jnp.pad(qo, ((0, 0), (0, N - g), (0, 0))).astype(jnp.float16)
+
+
+def window_attention(q_rot: jax.Array, res_k: jax.Array, res_v: jax.Array, n_res: jax.Array, *,
+                     scale: float) -> tuple[jax.Array, jax.Array]:
+  """Exact attention over the residual window: q_rot f32 [BK, G, H], res_k, res_v [BK, R, H] (rotated), n_res int32
+  [BK] -> (o' f32 [BK, G, H], lse2 f32 [BK, G]) in the form `merge_lse2` takes (-inf and zeros without tokens)."""
+  s = jnp.einsum("bgh,brh->bgr", q_rot, res_k.astype(jnp.float32)) * (scale * LOG2E)
+  s = jnp.where(jnp.arange(res_k.shape[1])[None, None, :] < n_res[:, None, None], s, -jnp.inf)
+  top = jnp.maximum(s.max(axis=-1), MASKED)
+  p = jnp.exp2(s - top[..., None])
+  total = p.sum(axis=-1)
+  o = jnp.einsum("bgr,brh->bgh", p, res_v.astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
+  return o, jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
+
+
+def merge_lse2(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Joins two softmax attentions over disjoint token sets: o [..., H] with their log2-sum-exp2 [...] -> (o, lse2).
+
+  A side with lse2 = -inf (no tokens) has weight 0; both empty gives zeros and -inf.
+  """
+  top = jnp.maximum(jnp.maximum(lse1, lse2), MASKED)
+  w1, w2 = jnp.exp2(lse1 - top), jnp.exp2(lse2 - top)
+  total = w1 + w2
+  o = (w1[..., None] * o1 + w2[..., None] * o2) / jnp.maximum(total, 1e-30)[..., None]
+  return o, jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
+
+
+# ---- References of the two kernels.
 
 def prologue_reference(q, u_k, cb_k, scale_k, n_comp):
   """q [B, N, H], u_k [B, K, H, H], cb_k [B, K, H, 4], scale_k [B, K, 8], n_comp int32 [B] -> (qd int8 [B, K, 8, H],
-  qs f32 [B, K, 32], qo f16 [B, K, 8, 16], qr f32 [B, K, 16, H], qc f32 [B, K, 8]) (module docstring)."""
+  qs f32 [B, K, 32], qo f16 [B, K, 8, 16], qr f32 [B, K, 16, H], qc f32 [B, K, 8]) (module docstring): the jnp glue's
+  `query_digits` and `outlier_query` on the rotated query, laid out as the kernel writes them."""
   b, n, h = q.shape
   kh = u_k.shape[1]
   g = n // kh
-  c = h**-0.5 * LOG2E
   qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k.astype(jnp.float32),
                   precision=jax.lax.Precision.HIGHEST)
-  c0, d = cb_k[..., 0], cb_k[..., 1] - cb_k[..., 0]
-  qf = qr * d[:, :, None, :]
-  u = jnp.maximum(jnp.abs(qf).max(axis=-1), 1e-30) / 127.0  # [B, K, G]
-  pad = lambda x, rows: jnp.pad(x, ((0, 0), (0, 0), (0, rows - g)) + ((0, 0),) * (x.ndim - 3))
-  qd = pad(_round(qf / u[..., None]), N).astype(jnp.int8)
-  qs = pad(u * c, QS_SLOTS).at[:, :, LEN_SLOT].set(jnp.broadcast_to(n_comp[:, None], (b, kh)).astype(jnp.float32))
-  qo = qr[..., :OUTLIERS] * scale_k[:, :, None, :] * c
-  qo = pad(jnp.pad(qo, ((0, 0), (0, 0), (0, 0), (0, OUTLIERS))), N).astype(jnp.float16)
-  qc = pad(jnp.einsum("BKGH,BKH->BKG", qr, c0) * c, N)
-  return qd, qs, qo, pad(qr, ROWS), qc
+  rows = qr.reshape(b * kh, g, h)
+  qd, qs, qc = query_digits(rows, cb_k.reshape(b * kh, h, 4), h**-0.5)
+  qo = outlier_query(rows, scale_k.reshape(b * kh, OUTLIERS), h**-0.5)
+  qs = jnp.pad(qs, ((0, 0), (0, QS_SLOTS - N))).at[:, LEN_SLOT].set(jnp.repeat(n_comp, kh).astype(jnp.float32))
+  per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
+  return (per_head(qd), per_head(qs), per_head(jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS)))),
+          per_head(jnp.pad(rows, ((0, 0), (0, ROWS - g), (0, 0)))), per_head(jnp.pad(qc, ((0, 0), (0, N - g)))))
 
 
 def epilogue_reference(acc, ml, acco, qr, qc, cb_v, scale_v, res_k, res_v, n_res, u_v):
   """The core's per-split outputs acc [B, K, S, H, 8] (channel order), ml [B, K, S, 32], acco [B, K, S, 8, 8]
   ([outlier channel, head]); the prologue's qr [B, K, 16, H], qc [B, K, 8]; cb_v [B, K, H, 4], scale_v [B, K, 8],
-  res_k, res_v [B, K, R, H], n_res int32 [B], u_v [B, K, H, H] -> o f32 [B, K, 16, H] (rows G.. meaningless)."""
-  h = acc.shape[-2]
-  m, l = ml[..., :N], ml[..., N:2 * N]  # [B, K, S, 8]
-  top = m.max(axis=2)
-  w = jnp.exp2(m - top[:, :, None])
-  total = (w * l).sum(axis=2)  # [B, K, 8]
-  inv = 1.0 / jnp.maximum(total, 1e-30)
-  mean = jnp.einsum("BKSn,BKShn->BKnh", w, acc) * inv[..., None]
-  mean_o = jnp.einsum("BKSn,BKSon->BKno", w, acco) * inv[..., None]
-  o_c = cb_v[:, :, None, :, 0] + (cb_v[..., 1] - cb_v[..., 0])[:, :, None, :] * mean  # [B, K, 8, H]
-  o_c = o_c.at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
-  lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc, -jnp.inf)
-  c = h**-0.5 * LOG2E
-  hi = jax.lax.Precision.HIGHEST
-  s = jnp.einsum("BKnh,BKrh->BKnr", qr, res_k.astype(jnp.float32), precision=hi) * c
-  s = jnp.where(jnp.arange(res_k.shape[2])[None, None, None, :] < n_res[:, None, None, None], s, -jnp.inf)
-  top_r = jnp.maximum(s.max(axis=-1), MASKED)
-  p = jnp.exp2(s - top_r[..., None])
-  total_r = p.sum(axis=-1)
-  o_r = jnp.einsum("BKnr,BKrh->BKnh", p, res_v.astype(jnp.float32), precision=hi)
-  o_r = o_r / jnp.maximum(total_r, 1e-30)[..., None]
-  lse_r = jnp.where(total_r > 0, top_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, ROWS - N)) + ((0, 0),) * (x.ndim - 3))
-  o_c, lse_c = pad(o_c), pad(lse_c)
-  top = jnp.maximum(jnp.maximum(lse_c, lse_r), MASKED)
-  w1, w2 = jnp.exp2(lse_c - top), jnp.exp2(lse_r - top)
-  o = (w1[..., None] * o_c + w2[..., None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[..., None]
-  return jnp.einsum("BKnj,BKhj->BKnh", o, u_v, precision=hi)
+  res_k, res_v [B, K, R, H], n_res int32 [B], u_v [B, K, H, H] -> o f32 [B, K, 16, H] (rows G.. meaningless):
+  `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`, U_vᵀ."""
+  b, kh, _, h, _ = acc.shape
+  mean, mean_o, lse_c = merge_splits(acc, ml, acco)  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
+  c0, d = uniform_steps(cb_v)
+  o_c = (c0[:, :, None, :] + d[:, :, None, :] * mean).at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
+  rows = lambda x: x.reshape(b * kh, *x.shape[2:])
+  with jax.default_matmul_precision("highest"):
+    o_r, lse_r = window_attention(rows(qr), rows(res_k), rows(res_v), jnp.repeat(n_res, kh), scale=h**-0.5)
+  pad = ((0, 0), (0, ROWS - N))
+  o, _ = merge_lse2(jnp.pad(rows(o_c), (*pad, (0, 0))), jnp.pad(rows(lse_c + qc), pad, constant_values=-jnp.inf),
+                    o_r, lse_r)  # [BK, 16, H]
+  return jnp.einsum("BKnj,BKhj->BKnh", o.reshape(b, kh, ROWS, h), u_v, precision=jax.lax.Precision.HIGHEST)
 
 
 # ---- Kernels.

@@ -322,7 +322,7 @@ class OSKVPMode:
     params_k = self.fit(k, lengths, rope_span=cache_len)
     return build_layer_cache(k, v, lengths, cache_len, params_k, self.fit(v, lengths), window=self.window,
                              implementation=self.implementation, symmetric=self.symmetric or self.uniform,
-                             values_contiguous=self.uniform and self.bits == 2)
+                             values_contiguous=self.uniform)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

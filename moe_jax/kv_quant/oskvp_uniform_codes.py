@@ -25,33 +25,9 @@ import jax.numpy as jnp
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_key_scores_mgpu as ks
 from pallas_kernels import oskvp_value_sums_mgpu as vs
-
-LOG2E = 1.0 / math.log(2.0)
-
-
-def uniform_steps(cb: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cb f32 [..., H, 4] uniform codebooks -> (c0 [..., H], d [..., H]), cb[c] = c0 + d·c."""
-  return cb[..., 0], cb[..., 1] - cb[..., 0]
-
-
-def query_digits(q_rot: jax.Array, cb_k: jax.Array, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """q_rot f32 [BK, G, H], cb_k [BK, H, 4] -> (qd int8 [BK, 8, H], qs f32 [BK, 8], const f32 [BK, G]).
-
-  qd = round(q'·d_k / u), u = max_ch |q'·d_k| / 127 per head (rows G.. zero); qs = u · scale · log2(e) turns the
-  integer scores into base-2 logits; const = scale · log2(e) · q'·c0_k, the score part the codes do not carry.
-  """
-  bk, g, _ = q_rot.shape
-  if g > dc.N:
-    raise ValueError(f"q_rot has G={g} query heads per kv head; the kernel takes at most {dc.N}")
-  c0, d = uniform_steps(cb_k.astype(jnp.float32))
-  qf = q_rot.astype(jnp.float32) * d[:, None, :]  # [BK, G, H]
-  u = jnp.maximum(jnp.max(jnp.abs(qf), axis=-1), 1e-30) / 127.0  # [BK, G]
-  qd = jnp.round(qf / u[..., None]).astype(jnp.int8)
-  pad = ((0, 0), (0, dc.N - g))
-  qd = jnp.pad(qd, (*pad, (0, 0)))
-  qs = jnp.pad(u * (scale * LOG2E), pad)
-  const = jnp.einsum("bgh,bh->bg", q_rot.astype(jnp.float32), c0) * (scale * LOG2E)
-  return qd, qs, const
+# The jnp pieces live beside the Pallas glue kernels they are the references of; re-exported here.
+from pallas_kernels.oskvp_uniform_glue import (  # pylint: disable=unused-import
+    LOG2E, merge_lse2, outlier_query, query_digits, uniform_steps, window_attention)
 
 
 def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k: jax.Array, cb_v: jax.Array,
@@ -106,10 +82,8 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
       mean_code, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, **kw)
     else:
       outl_k, scale_k, outl_v_t, _ = outliers
-      qo = q_rot[..., :o].astype(jnp.float32) * scale_k[:, None, :] * (scale * LOG2E)  # [BK, G, 8]
-      qo = jnp.pad(qo, ((0, 0), (0, dc.N - g), (0, 0))).astype(jnp.float16)  # [BK, 8, 8]
-      mean_code, mean_outl, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, outl_k, outl_v_t, qo,
-                                                       **kw)
+      mean_code, mean_outl, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, outl_k, outl_v_t,
+                                                       outlier_query(q_rot, scale_k, scale), **kw)
       mean_outl = mean_outl[:, :g]
     mean_code, lse2 = mean_code[:, :g], lse2[:, :g] + const
   else:
@@ -118,18 +92,6 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
   if outliers is not None:
     out = out.at[..., :o].add(mean_outl * outliers[3][:, None, :])
   return jnp.where(jnp.isfinite(lse2)[..., None], out, 0.0), lse2
-
-
-def merge_lse2(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Joins two softmax attentions over disjoint token sets: o [..., H] with their log2-sum-exp2 [...] -> (o, lse2).
-
-  A side with lse2 = -inf (no tokens) has weight 0; both empty gives zeros and -inf.
-  """
-  top = jnp.maximum(jnp.maximum(lse1, lse2), dc.MASKED)
-  w1, w2 = jnp.exp2(lse1 - top), jnp.exp2(lse2 - top)
-  total = w1 + w2
-  o = (w1[..., None] * o1 + w2[..., None] * o2) / jnp.maximum(total, 1e-30)[..., None]
-  return o, jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
 
 
 # ---- Decode attention over a whole uniform cache (the layer cache's layout, values tokens contiguous).
@@ -151,19 +113,6 @@ def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int) -> 
   return None
 
 
-def window_attention(q_rot: jax.Array, res_k: jax.Array, res_v: jax.Array, n_res: jax.Array, *,
-                     scale: float) -> tuple[jax.Array, jax.Array]:
-  """Exact attention over the residual window: q_rot f32 [BK, G, H], res_k, res_v [BK, R, H] (rotated), n_res int32
-  [BK] -> (o' f32 [BK, G, H], lse2 f32 [BK, G]) in the form `merge_lse2` takes (-inf and zeros without tokens)."""
-  s = jnp.einsum("bgh,brh->bgr", q_rot, res_k.astype(jnp.float32)) * (scale * LOG2E)
-  s = jnp.where(jnp.arange(res_k.shape[1])[None, None, :] < n_res[:, None, None], s, -jnp.inf)
-  top = jnp.maximum(s.max(axis=-1), dc.MASKED)
-  p = jnp.exp2(s - top[..., None])
-  total = p.sum(axis=-1)
-  o = jnp.einsum("bgr,brh->bgh", p, res_v.astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
-  return o, jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30)), -jnp.inf)
-
-
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 3,
                              glue: str = "xla") -> jax.Array:
@@ -174,8 +123,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   `attend_codes`, `window_attention` and `merge_lse2` in jnp (about twenty XLA kernels on the GPU: 35 µs of kernel
   time and ~50 µs of gaps beside the core at 64k × 8, results/oskvp_uniform_profile.md). glue="pallas" runs the
   query preparation and the merge + window + rotation as two Pallas (Triton) kernels around the core
-  (`pallas_kernels/oskvp_uniform_glue.py`, three launches in all), but as written they are slower: 40 + 304 µs
-  there (results/oskvp_uniform_profile_pallas_glue.md).
+  (`pallas_kernels/oskvp_uniform_glue.py`, three launches in all); their first version was slower (40 + 304 µs
+  there, results/oskvp_uniform_profile_pallas_glue.md), the restructured one is not yet timed.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).

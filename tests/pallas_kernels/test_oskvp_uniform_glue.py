@@ -11,18 +11,17 @@ import pytest
 
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_uniform_glue as gl
+from pallas_kernels.oskvp_random import uniform_codebooks
 
 H, R = 128, 128
 
 
 def _prologue_inputs(seed, b, kh, g):
-  ks = jax.random.split(jax.random.key(seed), 5)
+  ks = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(ks[0], (b, kh * g, H), jnp.bfloat16)
   u = jnp.linalg.qr(jax.random.normal(ks[1], (b, kh, H, H)))[0]
-  c0 = jax.random.normal(ks[2], (b, kh, H)) - 1.5
-  d = jax.random.uniform(ks[3], (b, kh, H), minval=0.3, maxval=1.2)
-  cb = (c0[..., None] + d[..., None] * jnp.arange(4.0)).at[:, :, :8].set(0.0)
-  scale = jax.random.uniform(ks[4], (b, kh, 8), minval=0.01, maxval=0.1)
+  cb = uniform_codebooks(ks[2], (b, kh, H), outliers=8)
+  scale = jax.random.uniform(ks[3], (b, kh, 8), minval=0.01, maxval=0.1)
   return q, u, cb, scale, jnp.arange(b, dtype=jnp.int32) * 1000 + 5
 
 
