@@ -53,10 +53,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("sizes,extra,n,cfg", CASES)
-def test_matches_reference(sizes, extra, n, cfg):
+def test_matches_reference(sizes, extra, n, cfg, interpreted):
   x, gs, w = _inputs(sizes, extra, n)
   wm = ws.to_mgpu_layout(w)
-  got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, **cfg))
+  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, **cfg)))
   # The default form (acc_scale; sub_mul with overlap_steps) against its reference: float32 accumulation in another
   # order.
   form = "sub_mul" if cfg.get("overlap_steps") else "acc_scale"
@@ -70,13 +70,13 @@ FORM_ORDERS = [(f, "prmt") for f in ws.DEQUANT_FORMS] + [(f, "shift") for f in w
 
 
 @pytest.mark.parametrize("form,order", FORM_ORDERS)
-def test_dequant_forms_match_their_reference(form, order):
+def test_dequant_forms_match_their_reference(form, order, interpreted):
   """Each dequant form gives its own reference's values (interpret mode reproduces the form's rounding) and stays
   within the form's stated distance of the bf16 reference, in either nibble order."""
   x, gs, w = _inputs([3, 0, 17, 1], 2, 256)
   wm = ws.to_mgpu_layout(w, nibble_order=order)
-  got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, block_k=128, num_ctas=3, block_r=16,
-                                                  dequant_form=form))
+  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(
+      x, wm, gs, interpret=True, block_k=128, num_ctas=3, block_r=16, dequant_form=form)))
   want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form))
   # acc_zero subtracts (128 + z) · xsum from sum x (128 + q): float32 cancellation, ~1e-6 of the largest output.
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
@@ -89,18 +89,17 @@ def test_dequant_forms_match_their_reference(form, order):
 
 @pytest.mark.parametrize("sizes,extra,n,cfg", [
     ([3, 0, 17, 1], 2, 256, dict(num_ctas=3, block_r=16)),  # block_k 256 (gk 2), W 24: the x-sum tile padded to 32
-    # Overlapping last N tile (C = 2 at N = 192: tiles at 0 and 64). With C = 3 (4 threads per CTA) the interpreter
-    # hung in about 1 run of 6 on a 2-core machine (all threads waiting on barriers; C = 2: 10 of 10 passed); C = 3
-    # acc_zero is checked by lowering here and on the GPU by the benchmark's check.
+    # Overlapping last N tile (C = 2 at N = 192: tiles at 0 and 64).
     ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),
     ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1, block_k=128)),  # START, STEADY, STOP
 ])
-def test_acc_zero_shift_order_matches_reference(sizes, extra, n, cfg):
+def test_acc_zero_shift_order_matches_reference(sizes, extra, n, cfg, interpreted):
   """The shift nibble order with the zero point on the accumulator (acc_zero), over chained items and N tiles,
   exact against float32 dequantization up to the float32 cancellation of its 128 · xsum (stated: 1e-5)."""
   x, gs, w = _inputs(sizes, extra, n)
   wm = ws.to_mgpu_layout(w, nibble_order="shift")
-  got = np.asarray(ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, dequant_form="acc_zero", **cfg))
+  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True,
+                                                                      dequant_form="acc_zero", **cfg)))
   want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, "acc_zero"))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
   assert not np.any(got[sum(sizes):])
@@ -203,14 +202,14 @@ def test_form_asm_bits(form, order):
 
 
 @pytest.mark.parametrize("overlap_steps,form", [(False, None), (True, None), (False, "acc_zero")])
-def test_no_races_in_the_interpreter(overlap_steps, form):
+def test_no_races_in_the_interpreter(overlap_steps, form, interpreted):
   """The interpreter's race detector sees no race between the TMA warpgroup, the compute warpgroups and the stores
   (acc_zero: also the streamed x sums, shift nibble order)."""
   x, gs, w = _inputs([3, 0, 9, 1], 0, 128)
   params = plgpu.InterpretGPUParams(detect_races=True)
   wm = ws.to_mgpu_layout(w, nibble_order="shift" if form else "prmt")
-  got = ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=params, block_k=128, num_ctas=2,
-                                       overlap_steps=overlap_steps, dequant_form=form)
+  got = interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=params, block_k=128, num_ctas=2,
+                                                           overlap_steps=overlap_steps, dequant_form=form))
   assert not interpret_pallas_call.get_races().races_found
   want = ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form or ("sub_mul" if overlap_steps else
                                                                           "acc_scale"))
