@@ -1,0 +1,44 @@
+"""The interpret-mode watchdog (`interpreter_watchdog.run_with_watchdog`): a kernel whose barrier is never arrived on fails the
+test in `attempts` × `timeout_s` instead of hanging the suite, and the interpreter runs the next kernel normally."""
+
+import time
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+import pytest
+
+from interpreter_watchdog import run_with_watchdog  # pylint: disable=import-error
+
+
+def _two_warpgroups(deadlock: bool):
+  """x f32 [128] -> x + 1, run by 2 warpgroups; with `deadlock` warpgroup 1 first waits on a barrier nobody
+  arrives on."""
+
+  def body(x_ref, o_ref, bar):
+    @pl.when(jnp.logical_and(deadlock, lax.axis_index("wg") == 1))
+    def _():
+      plgpu.barrier_wait(bar)
+
+    o_ref[...] = x_ref[...] + 1.0
+
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32), num_threads=2, thread_name="wg",
+                      scratch_types=[plgpu.Barrier(num_arrivals=1)], interpret=plgpu.InterpretGPUParams())
+
+
+def test_a_real_deadlock_fails_in_bounded_time_and_the_next_kernel_runs():
+  x = jnp.arange(128, dtype=jnp.float32)
+  start = time.monotonic()
+  with pytest.raises(pytest.fail.Exception, match="no progress in 2 tries"):
+    run_with_watchdog(lambda: _two_warpgroups(True)(x), timeout_s=3.0, attempts=2)
+  assert time.monotonic() - start < 60  # 2 × 3 s of waiting plus the aborts, not a hang
+  got = run_with_watchdog(lambda: _two_warpgroups(False)(x), timeout_s=60.0)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x) + 1.0)
+
+
+def test_errors_pass_through():
+  with pytest.raises(ValueError, match="bad field"):
+    run_with_watchdog(lambda: (_ for _ in ()).throw(ValueError("bad field")))
