@@ -126,7 +126,7 @@ def _pallas(q, k, v, k_scale, v_scale, lengths, *, block_s: int, num_splits: int
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="per_token_decode",
-  )(qg, k, v, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), lengths.astype(jnp.int32))
+  )(qg, k, v, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), jnp.clip(lengths, 0, s).astype(jnp.int32))
   o = merge_splits(acc[..., :g, :], m[..., :g], l[..., :g])  # [B, K, G, H]
   return o.reshape(b, n, h).astype(q.dtype)
 
@@ -140,7 +140,7 @@ def per_token_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_scale
     q: [B, N, H] (N a multiple of the K kv heads).
     k, v: [B, S, K, H] float8_e4m3fn or int8 (the cache's own layout).
     k_scale, v_scale: f32 [B, S, K], one scale per token and kv head.
-    lengths: int32 [B], keys s < lengths[b] are visible (0 gives zeros).
+    lengths: int32 [B], keys s < lengths[b] are visible (0 gives zeros; lengths past S see the whole cache).
     implementation: "pallas" (the kernel; `interpret=True` runs it on the CPU) or "xla" (the reference).
     block_s: tokens per loop step (a power of two >= 16).
     num_splits: programs per (row, kv head) along the sequence; None picks enough to fill the GPU.

@@ -2,7 +2,9 @@
 
 Each token and kv head stores its H channels in 8 bits and one f32 scale: scale = amax_h |x_h| / qmax with
 qmax = 448 (e4m3) or 127 (int8), floored so an all-zero token stays zero. Decode dequantizes the cache and runs the
-dense masked attention of `moe_jax.kv_cache`.
+dense masked attention of `moe_jax.kv_cache`, or, with implementation="pallas" and one new token per step, the
+split-K kernel `pallas_kernels/per_token_decode_attention.py` on the 8-bit cache itself (interpret mode off the GPU;
+not the default until it is measured on one).
 Shapes: B batch, T new tokens, S cache length, K kv heads, H head dim.
 """
 
@@ -36,12 +38,13 @@ def dequantize_per_token(q: jax.Array, scale: jax.Array) -> jax.Array:
 
 @struct.dataclass
 class PerTokenKV:
-  """k, v: [B, S, K, H] in 8 bits; k_scale, v_scale: f32 [B, S, K]."""
+  """k, v: [B, S, K, H] in 8 bits; k_scale, v_scale: f32 [B, S, K]; implementation "xla" or "pallas" (decode)."""
 
   k: jax.Array
   v: jax.Array
   k_scale: jax.Array
   v_scale: jax.Array
+  implementation: str = struct.field(pytree_node=False, default="xla")
 
   @property
   def max_len(self) -> int:
@@ -62,9 +65,15 @@ class PerTokenKV:
     rows = jnp.arange(b)[:, None]
     qk, sk = quantize_per_token(k, dtype)
     qv, sv = quantize_per_token(v, dtype)
-    new = PerTokenKV(k=self.k.at[rows, pos].set(qk, mode="drop"), v=self.v.at[rows, pos].set(qv, mode="drop"),
-                     k_scale=self.k_scale.at[rows, pos].set(sk, mode="drop"),
-                     v_scale=self.v_scale.at[rows, pos].set(sv, mode="drop"))
+    new = self.replace(k=self.k.at[rows, pos].set(qk, mode="drop"), v=self.v.at[rows, pos].set(qv, mode="drop"),
+                       k_scale=self.k_scale.at[rows, pos].set(sk, mode="drop"),
+                       v_scale=self.v_scale.at[rows, pos].set(sv, mode="drop"))
+    if self.implementation == "pallas" and t == 1:
+      # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
+      from pallas_kernels.per_token_decode_attention import per_token_decode_attention  # pylint: disable=g-import-not-at-top
+      o = per_token_decode_attention(q[:, 0], new.k, new.v, new.k_scale, new.v_scale, starts + 1,
+                                     interpret=jax.default_backend() != "gpu")
+      return o[:, None], new
     visible = jnp.arange(self.max_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
     kh, vh = new.dequantized()
     return masked_gqa_attention(q, kh, vh, visible), new
@@ -72,13 +81,17 @@ class PerTokenKV:
 
 @dataclasses.dataclass(frozen=True)
 class PerTokenMode:
-  """Per-token 8-bit storage; dtype "float8_e4m3fn" or "int8"."""
+  """Per-token 8-bit storage; dtype "float8_e4m3fn" or "int8". implementation: decode attention, "xla" (dense over
+  the dequantized cache) or "pallas" (`per_token_decode_attention` on the 8-bit cache, one new token per step)."""
 
   dtype: str = "float8_e4m3fn"
+  implementation: str = "xla"
 
   def __post_init__(self):
     if self.dtype not in _QMAX:
       raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(_QMAX)}")
+    if self.implementation not in ("xla", "pallas"):
+      raise ValueError(f"implementation={self.implementation!r} must be 'xla' or 'pallas'")
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> PerTokenKV:
     """k, v: [B, T, K, H] -> PerTokenKV with S = cache_len (padding positions are masked by length at decode)."""
@@ -89,4 +102,4 @@ class PerTokenMode:
     qk, sk = quantize_per_token(k, self.dtype)
     qv, sv = quantize_per_token(v, self.dtype)
     pad = lambda a: jnp.pad(a, [(0, 0), (0, cache_len - t)] + [(0, 0)] * (a.ndim - 2))
-    return PerTokenKV(k=pad(qk), v=pad(qv), k_scale=pad(sk), v_scale=pad(sv))
+    return PerTokenKV(k=pad(qk), v=pad(qv), k_scale=pad(sk), v_scale=pad(sv), implementation=self.implementation)
