@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels.oskvp_decode_attention import (BITPLANE, PLAIN_ROWS, DecodeBlockConfig, _oskvp_pallas,
                                                    oskvp_decode_attention_reference)
 from pallas_kernels.oskvp_random import random_oskvp_inputs, uniform_codebooks
+from pallas_kernels import per_token_decode_attention as ptda
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 L2_BYTES = 60 * 2**20
@@ -145,6 +146,27 @@ def xla_scaled(q, kq, ks, vq, vs):
   p = jax.nn.softmax(s * ks[:, :, None, :] * h**-0.5, axis=-1) * vs[:, :, None, :]
   return jnp.einsum("BKGS,BKSH->BKGH", p.astype(jnp.bfloat16), vq.astype(jnp.bfloat16),
                     preferred_element_type=jnp.float32).reshape(b, n, h)
+
+
+def per_token_args(i, *, b, s, make):
+  """The int8/fp8 rows' inputs in the cache's own layout ([B, S, K, H], scales [B, S, K]) for the Pallas kernel."""
+  q, kq, ks, vq, vs = make(i)
+  t = lambda x: jnp.swapaxes(x, 1, 2)
+  return q, t(kq), t(vq), t(ks), t(vs), jnp.full((b,), s, jnp.int32)
+
+
+def per_token_check(make_args, small_enough: bool) -> str:
+  """The Pallas per-token kernel against its f32 reference on the GPU (a note for its row), where the reference's
+  f32 dequantized cache fits."""
+  if not small_enough:
+    return "not checked (f32 reference too large)"
+  try:
+    args = make_args(0)
+    got = ptda.per_token_decode_attention(*args).astype(jnp.float32)
+    want = ptda.per_token_decode_attention_reference(*args).astype(jnp.float32)
+    return f"max rel err vs f32 reference {float(jnp.abs(got - want).max() / jnp.abs(want).max()):.2e}"
+  except Exception as e:  # pylint: disable=broad-except
+    return f"check failed: {repr(e)[:200]}"
 
 
 def quant_kivi2(k, v, group=128):
@@ -468,6 +490,10 @@ def main():
       scaled_bytes = 2 * b * KV_HEADS * s * (HEAD_DIM + 4)
       attempt("xla_int8", b, s, xla_scaled, int8_args, scaled_bytes)
       attempt("xla_fp8", b, s, xla_scaled, lambda i: int8_args(i, quant_fp8), scaled_bytes)
+      for name, quant in (("int8", quant_int8), ("fp8", quant_fp8)):
+        args_fn = functools.partial(per_token_args, b=b, s=s, make=functools.partial(int8_args, quant=quant))
+        attempt(f"pallas_{name}", b, s, ptda.per_token_decode_attention, args_fn, scaled_bytes,
+                per_token_check(args_fn, 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9))
       kivi_bytes = b * KV_HEADS * (2 * s * HEAD_DIM // 4 + (s // 128) * HEAD_DIM * 4 + s * 4)
       attempt("xla_kivi2", b, s, xla_kivi2, lambda i: (q_of(i), *quant_kivi2(*kv_bksh(i)[1:])), kivi_bytes)
 
