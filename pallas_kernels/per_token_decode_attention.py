@@ -102,8 +102,9 @@ def check_inputs(q, k, v, k_scale, v_scale, lengths) -> None:
     raise ValueError(f"lengths must be [B] = [{b}], got {lengths.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_s", "num_splits", "interpret"))
-def _pallas(q, k, v, k_scale, v_scale, lengths, *, block_s: int, num_splits: int | None, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("block_s", "num_splits", "num_warps", "num_stages", "interpret"))
+def _pallas(q, k, v, k_scale, v_scale, lengths, *, block_s: int, num_splits: int | None, num_warps: int,
+            num_stages: int, interpret: bool):
   b, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
@@ -123,7 +124,7 @@ def _pallas(q, k, v, k_scale, v_scale, lengths, *, block_s: int, num_splits: int
       out_shape=[jax.ShapeDtypeStruct((b, kh, ns, gp, h), jnp.float32),
                  jax.ShapeDtypeStruct((b, kh, ns, gp), jnp.float32),
                  jax.ShapeDtypeStruct((b, kh, ns, gp), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="per_token_decode",
   )(qg, k, v, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), jnp.clip(lengths, 0, s).astype(jnp.int32))
@@ -133,7 +134,8 @@ def _pallas(q, k, v, k_scale, v_scale, lengths, *, block_s: int, num_splits: int
 
 def per_token_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array, v_scale: jax.Array,
                                lengths: jax.Array, *, implementation: str = "pallas", block_s: int = 64,
-                               num_splits: int | None = None, interpret: bool = False) -> jax.Array:
+                               num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                               interpret: bool = False) -> jax.Array:
   """Decode attention (one query token per sequence) over a per-token 8-bit cache.
 
   Args:
@@ -144,6 +146,7 @@ def per_token_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_scale
     implementation: "pallas" (the kernel; `interpret=True` runs it on the CPU) or "xla" (the reference).
     block_s: tokens per loop step (a power of two >= 16).
     num_splits: programs per (row, kv head) along the sequence; None picks enough to fill the GPU.
+    num_warps, num_stages: Triton's (guesses until measured; `decode_attention.py --per_token_sweep` times them).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -155,4 +158,5 @@ def per_token_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_scale
     raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"block_s={block_s} must be a power of two >= 16")
-  return _pallas(q, k, v, k_scale, v_scale, lengths, block_s=block_s, num_splits=num_splits, interpret=interpret)
+  return _pallas(q, k, v, k_scale, v_scale, lengths, block_s=block_s, num_splits=num_splits, num_warps=num_warps,
+                 num_stages=num_stages, interpret=interpret)
