@@ -10,6 +10,10 @@ n_comp = R·floor((len - 1)/R).
 
 Layout per layer (every leaf batch-leading): codes_k, codes_v uint8 [B, K, S, H/4]; k_scale, k_zero f16
 [B, K, S/32, H]; v_scale, v_zero f16 [B, K, S, H/32]; res_k, res_v bf16 [B, K, R, H]; n_comp, n_res int32 [B].
+
+Decode attention: dense over the dequantized cache (implementation="xla", the default), or the split-K kernel
+`pallas_kernels/kivi_decode_attention.py` on the codes themselves (implementation="pallas", H 64 or 128; interpret
+mode off the GPU; not the default until it is measured on one).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class KIVILayerCache:
   res_v: jax.Array
   n_comp: jax.Array
   n_res: jax.Array
+  implementation: str = struct.field(pytree_node=False, default="xla")
 
   @property
   def max_len(self) -> int:
@@ -132,6 +137,13 @@ class KIVILayerCache:
     cache = cache.replace(res_k=cache.res_k.at[rows, :, cache.n_res].set(k.astype(cache.res_k.dtype)),
                           res_v=cache.res_v.at[rows, :, cache.n_res].set(v.astype(cache.res_v.dtype)),
                           n_res=cache.n_res + 1)
+    if self.implementation == "pallas":
+      # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
+      from pallas_kernels.kivi_decode_attention import kivi_decode_attention  # pylint: disable=g-import-not-at-top
+      o = kivi_decode_attention(q, cache.codes_k, cache.k_scale, cache.k_zero, cache.codes_v, cache.v_scale,
+                                cache.v_zero, cache.res_k, cache.res_v, cache.n_comp, cache.n_res,
+                                interpret=jax.default_backend() != "gpu")
+      return o, cache
     kh, vh = cache.dequantized()
     visible = (jnp.arange(cache.max_len)[None, :] < (cache.n_comp + cache.n_res)[:, None])[:, None, :]
     return masked_gqa_attention(q[:, None], kh, vh, visible)[:, 0], cache
@@ -148,13 +160,17 @@ class KIVILayerCache:
 
 @dataclasses.dataclass(frozen=True)
 class KIVIMode:
-  """KIVI-2. window: R, a multiple of 32."""
+  """KIVI-2. window: R, a multiple of 32. implementation: decode attention, "xla" (dense over the dequantized cache)
+  or "pallas" (`kivi_decode_attention` on the codes)."""
 
   window: int = 128
+  implementation: str = "xla"
 
   def __post_init__(self):
     if self.window < GROUP or self.window % GROUP:
       raise ValueError(f"window={self.window} must be a positive multiple of the group size {GROUP}")
+    if self.implementation not in ("xla", "pallas"):
+      raise ValueError(f"implementation={self.implementation!r} must be 'xla' or 'pallas'")
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> KIVILayerCache:
     """k, v: [B, T, K, H] -> KIVILayerCache with S = cache_len rounded up to a multiple of 32."""
@@ -175,4 +191,4 @@ class KIVIMode:
     live = (jnp.arange(self.window)[None, :] < n_res[:, None])[:, None, :, None]
     res = lambda x: jnp.where(live, jnp.take_along_axis(x, idx[:, None, :, None], axis=2), 0.0).astype(jnp.bfloat16)
     return KIVILayerCache(codes_k=ck, codes_v=cv, k_scale=sk, k_zero=zk, v_scale=sv, v_zero=zv, res_k=res(kt),
-                          res_v=res(vt), n_comp=n_comp, n_res=n_res)
+                          res_v=res(vt), n_comp=n_comp, n_res=n_res, implementation=self.implementation)
