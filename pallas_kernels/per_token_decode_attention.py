@@ -146,7 +146,7 @@ def per_token_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_scale
     implementation: "pallas" (the kernel; `interpret=True` runs it on the CPU) or "xla" (the reference).
     block_s: tokens per loop step (a power of two >= 16).
     num_splits: programs per (row, kv head) along the sequence; None picks enough to fill the GPU.
-    num_warps, num_stages: Triton's (guesses until measured; `decode_attention.py --per_token_sweep` times them).
+    num_warps, num_stages: Triton's (guesses until measured; `benchmarks/quantized_cache_decode.py` sweeps them).
 
   Returns:
     [B, N, H] in q's dtype.
