@@ -50,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels.interpret_settle import settled_when_interpreted
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
 # Stored K order within each block of 32: position 8p + v holds k = 8(v // 2) + 2p + v % 2 (p = 0..3, v = 0..7).
@@ -309,6 +310,7 @@ def check_inputs(lhs: jax.Array, weights: MgpuInt4Weights, dequant: str, interpr
   return ("jnp" if interpret else dequant), block_r, (m, kp, e, n)
 
 
+@settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_sizes: jax.Array, *,
                              block_n: int = 64, block_k: int | None = None, block_r: int | None = None,

@@ -67,6 +67,7 @@ import numpy as np
 
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
+from pallas_kernels.interpret_settle import settled_when_interpreted
 
 MgpuInt4Weights = mg.MgpuInt4Weights
 MgpuInt4WeightsShift = mg.MgpuInt4WeightsShift
@@ -388,6 +389,7 @@ def _num_sms() -> int:
   return getattr(jax.devices()[0], "core_count", 0) or 132
 
 
+@settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
                                 group_sizes: jax.Array, *,

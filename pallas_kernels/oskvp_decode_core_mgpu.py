@@ -55,6 +55,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels.interpret_settle import settled_when_interpreted
 from pallas_kernels import oskvp_key_scores_mgpu as ks
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 
@@ -567,6 +568,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
   return kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))
 
 
+@settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret"))
 def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_row: jax.Array, kout: jax.Array,
                        vout: jax.Array, qo16: jax.Array, *, block_s: int = 128, splits: int = 16,
@@ -614,6 +616,7 @@ def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
 ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value")
 
 
+@settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate",
                                              "return_lse2"))
 def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,

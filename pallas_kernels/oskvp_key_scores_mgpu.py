@@ -54,6 +54,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels.interpret_settle import settled_when_interpreted
 from pallas_kernels.mosaic_gpu_introspect import emulate_registers
 
 PLANES = 4  # 2-bit codes in a byte
@@ -240,6 +241,7 @@ def _interpret_kwargs(interpret) -> dict:
   return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
 
 
+@settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=("block_s", "a_operand", "interpret"))
 def key_scores_mgpu(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, a_operand: str = "registers",
                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
@@ -345,6 +347,7 @@ def check_loop_args(s: int, block_s: int, splits, max_concurrent_steps) -> None:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps!r} must be a positive int")
 
 
+@settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "output", "a_operand", "max_concurrent_steps",
                                              "interpret"))
 def key_scores_mgpu_loop(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, splits: int = 1,

@@ -71,6 +71,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels.interpret_settle import settled_when_interpreted
 from pallas_kernels.mosaic_gpu_introspect import emulate_registers
 from pallas_kernels.oskvp_key_scores_mgpu import (A_OPERANDS, BIT0_MASK, PLANE_TYPES, PLANES, check_loop_args,
                                                   key_planes_reference, plane_registers, plane_words, swizzled)
@@ -263,6 +264,7 @@ def _interpret_kwargs(interpret) -> dict:
   return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
 
 
+@settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=("plane_types", "block_s", "splits", "a_operand",
                                              "max_concurrent_steps", "interpret"))
 def value_sums_mgpu(p: jax.Array, vcodes: jax.Array, *, plane_types: int = 3, block_s: int = 64, splits: int = 1,
