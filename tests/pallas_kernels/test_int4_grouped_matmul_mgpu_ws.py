@@ -34,20 +34,23 @@ def _inputs(sizes, extra, n):
 
 
 # (group sizes, rows of no expert, N, kernel config). Items per CTA: 2 (START, STOP), 3 (+ STEADY), 1 (no chaining),
-# 0 (an idle CTA); virtual-expert tiles (zeros), several tiles per expert, two N tiles, 1 or 3 compute warpgroups.
+# 0 (an idle CTA); virtual-expert tiles (zeros), several tiles per expert, two N tiles, 1 or 2 compute warpgroups.
+# Three compute warpgroups (4 threads per CTA) starve the interpreter on 2 cores several tries in a row
+# (`interpreter_watchdog.py`): C = 3 is checked here by lowering (`test_gpu_path_lowers`) and on the GPU by
+# `benchmarks/int4_mgpu_ws_decode.py`'s checks.
 CASES = [
     ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16)),  # 5 tiles x 2 N tiles over 3 CTAs, ring of 2
     ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1)),  # 3 items in one CTA: START, STEADY, STOP
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5)),  # one item per CTA, one CTA idle
-    ([0, 0, 0, 0], 2, 192, dict(num_compute_wgs=3, num_ctas=2)),  # only the virtual expert's rows: zeros
+    ([0, 0, 0, 0], 2, 192, dict(num_compute_wgs=2, num_ctas=2)),  # only the virtual expert's rows: zeros
     ([2, 7, 0, 3], 1, 128, dict(num_compute_wgs=1, block_k=128, num_ctas=2)),
     # N not a multiple of the N tile: the last tile starts at N - 64·C and its first warpgroups do not store.
-    ([0, 1, 9, 0], 3, 256, dict(num_compute_wgs=3, num_ctas=3)),  # tiles at 0 and 64 (overlap 128)
-    ([4, 0, 1, 12], 0, 320, dict(num_compute_wgs=3, num_ctas=2, block_k=128)),  # tiles at 0 and 128 (overlap 64)
+    ([0, 1, 9, 0], 3, 320, dict(num_compute_wgs=2, num_ctas=3)),  # tiles at 0, 128 and 192 (overlap 64)
+    ([4, 0, 1, 12], 0, 256, dict(num_compute_wgs=2, num_ctas=2, block_k=128)),  # tiles at 0 and 128 (no overlap)
     ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),  # C = 2, tiles at 0 and 64; one CTA
     # overlap_steps: a step releases the previous step's ring slot, the item's end its last one (manual barriers).
     ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16, overlap_steps=True)),  # ring of 2, chained
-    ([5, 0, 2, 9], 0, 320, dict(num_compute_wgs=3, block_k=128, num_ctas=1, overlap_steps=True)),  # START..STOP
+    ([5, 0, 2, 9], 0, 320, dict(num_compute_wgs=2, block_k=128, num_ctas=1, overlap_steps=True)),  # START..STOP
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5, block_k=128, overlap_steps=True)),  # one item per CTA, one idle
 ]
 
