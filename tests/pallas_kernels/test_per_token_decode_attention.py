@@ -2,13 +2,13 @@
 `moe_jax.kv_quant.per_token`'s own quantizer and dense attention."""
 
 import functools
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hopper_lowering import lowers_to_triton_for_hopper  # pylint: disable=import-error
 from moe_jax.kv_cache import decode_attention_reference
 from moe_jax.kv_quant.per_token import dequantize_per_token, quantize_per_token
 from pallas_kernels import per_token_decode_attention as pt
@@ -60,17 +60,9 @@ def test_reference_equals_the_cache_quantizer_and_dense_attention():
 
 
 def test_lowers_to_triton_ir_for_hopper():
-  try:
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    pytest.skip("jax internals moved")
-  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-  with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100):
-    for dtype in pt.DTYPES:
-      args = (*_inputs(0, 2, 256, 2, 4, 128, dtype), jnp.asarray([100, 256], jnp.int32))
-      fn = functools.partial(pt.per_token_decode_attention, interpret=False)
-      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-      assert "__gpu$xla.gpu.triton" in text
+  for dtype in pt.DTYPES:
+    args = (*_inputs(0, 2, 256, 2, 4, 128, dtype), jnp.asarray([100, 256], jnp.int32))
+    assert lowers_to_triton_for_hopper(functools.partial(pt.per_token_decode_attention, interpret=False), *args)
 
 
 def test_rejects_bad_arguments():
