@@ -155,16 +155,21 @@ def per_token_args(i, *, b, s, make):
   return q, t(kq), t(vq), t(ks), t(vs), jnp.full((b,), s, jnp.int32)
 
 
+def rel_err_vs(fn, ref, args) -> tuple[float, bool]:
+  """(max |fn - ref| / max |ref|, whether fn's output has a NaN) for one set of arguments."""
+  got = fn(*args).astype(jnp.float32)
+  want = ref(*args).astype(jnp.float32)
+  return float(jnp.abs(got - want).max() / jnp.abs(want).max()), bool(jnp.isnan(got).any())
+
+
 def per_token_check(make_args, small_enough: bool) -> str:
   """The Pallas per-token kernel against its f32 reference on the GPU (a note for its row), where the reference's
   f32 dequantized cache fits."""
   if not small_enough:
     return "not checked (f32 reference too large)"
   try:
-    args = make_args(0)
-    got = ptda.per_token_decode_attention(*args).astype(jnp.float32)
-    want = ptda.per_token_decode_attention_reference(*args).astype(jnp.float32)
-    return f"max rel err vs f32 reference {float(jnp.abs(got - want).max() / jnp.abs(want).max()):.2e}"
+    err, nan = rel_err_vs(ptda.per_token_decode_attention, ptda.per_token_decode_attention_reference, make_args(0))
+    return f"max rel err vs f32 reference {err:.2e}" + (", NaN" if nan else "")
   except Exception as e:  # pylint: disable=broad-except
     return f"check failed: {repr(e)[:200]}"
 

@@ -36,14 +36,19 @@ QUANT = {"int8": da.quant_int8, "fp8": da.quant_fp8}
 SWEEP = list(itertools.product((32, 64, 128), (4, 8), (2, 3)))  # block_s, num_warps, num_stages
 
 
-def cache_args(i, b, s, dtype, lengths=None):
-  """(q [B, N, H] bf16, k, v [B, S, K, H] 8-bit, k_scale, v_scale [B, S, K], lengths [B])."""
+def scaled_args(i, b, s, dtype):
+  """The XLA rows' inputs (`decode_attention.xla_scaled`): q [B, N, H] bf16, k [B, K, S, H] 8-bit, k_scale
+  [B, K, S], v, v_scale."""
   q = jax.random.normal(jax.random.key(i), (b, da.N_HEADS, da.HEAD_DIM), jnp.bfloat16)
   k, v = da.bf16_cache(jax.random.key(i), b, s)  # [B, K, S, H]
-  (kq, ks), (vq, vs) = QUANT[dtype](k), QUANT[dtype](v)
-  t = lambda x: jnp.swapaxes(x, 1, 2)
-  n = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-  return q, t(kq), t(vq), t(ks), t(vs), n
+  return (q, *QUANT[dtype](k), *QUANT[dtype](v))
+
+
+def cache_args(i, b, s, dtype, lengths=None):
+  """The kernel's inputs, the same values in the cache's layout (`decode_attention.per_token_args`): q, k, v
+  [B, S, K, H], k_scale, v_scale [B, S, K], lengths [B] (default: all S)."""
+  args = da.per_token_args(i, b=b, s=s, make=lambda i: scaled_args(i, b, s, dtype))
+  return args if lengths is None else (*args[:-1], jnp.asarray(lengths, jnp.int32))
 
 
 def kivi_args(i, b, s, n_comp=None, n_res=None):
@@ -89,10 +94,7 @@ def check(log) -> bool:
   cases += [("kivi2", kd.kivi_decode_attention, kd.kivi_decode_attention_reference, kivi_args(0, b, s, nc, nr))
             for b, s, nc, nr in ((8, 4096, None, None), (4, 4096, [0, 32, 992, 4096], [1, 128, 0, 77]))]
   for name, fn, ref, args in cases:
-    got = fn(*args).astype(jnp.float32)
-    want = ref(*args).astype(jnp.float32)
-    err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
-    nan = bool(jnp.isnan(got).any())
+    err, nan = da.rel_err_vs(fn, ref, args)
     log(f"check {name} B={args[0].shape[0]}: max rel err {err:.2e} nan={nan}")
     ok &= err < 1e-2 and not nan
   return ok
@@ -150,9 +152,7 @@ def main() -> int:
                *da.bf16_cache(jax.random.key(i), b, s)),
            2 * b * da.KV_HEADS * s * da.HEAD_DIM * 2)
     for dtype in QUANT:
-      record(f"xla_{dtype}", b, s, da.xla_scaled,
-             lambda i, b=b, s=s, dtype=dtype: (lambda q, k, v, ks, vs, n: (q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(
-                 ks, 1, 2), jnp.swapaxes(v, 1, 2), jnp.swapaxes(vs, 1, 2)))(*cache_args(i, b, s, dtype)),
+      record(f"xla_{dtype}", b, s, da.xla_scaled, lambda i, b=b, s=s, dtype=dtype: scaled_args(i, b, s, dtype),
              scaled_bytes(b, s))
       record(f"pallas_{dtype}", b, s, functools.partial(ptda.per_token_decode_attention, **best_kw),
              lambda i, b=b, s=s, dtype=dtype: cache_args(i, b, s, dtype), scaled_bytes(b, s), str(best_kw))
