@@ -25,9 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, default_num_splits, online_softmax_update,
-                                                   run_blocks, split_range, window_attention)
-from pallas_kernels.per_token_decode_attention import merge_splits
+from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, default_num_splits, merge_split_partials,
+                                                   online_softmax_update, run_blocks, split_range, window_attention)
 
 GROUP = 32  # KIVI's group: tokens per key scale, channels per value scale
 
@@ -171,7 +170,7 @@ def _pallas(q, codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v,
   )(qp, codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v,
     jnp.clip(n_comp, 0, s).astype(jnp.int32), jnp.clip(n_res, 0, r).astype(jnp.int32))
   acc = acc.transpose(0, 1, 2, 4, 3, 5).reshape(b, kh, ns + 1, gp, h)  # planes back to channel order
-  o = merge_splits(acc[..., :g, :], m[..., :g], l[..., :g])  # [B, K, G, H]
+  o = merge_split_partials(acc[..., :g, :], m[..., :g], l[..., :g])  # [B, K, G, H]
   return o.reshape(b, n, h).astype(q.dtype)
 
 

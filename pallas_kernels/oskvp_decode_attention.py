@@ -267,6 +267,14 @@ def online_softmax_update(scores, valid, m, l):
   return p, alpha, m_new, alpha * l + p.sum(axis=1)
 
 
+def merge_split_partials(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+  """acc [..., NS, G, H], m, l [..., NS, G] (f32 partials of NS splits) -> [..., G, H] by log-sum-exp; zeros where
+  no split saw a token."""
+  w = jnp.exp(m - m.max(axis=-2, keepdims=True))  # [..., NS, G]; empty splits (m = NEG_INF, l = 0) weigh 0
+  denom = (w * l).sum(axis=-2)[..., None]
+  return (w[..., None] * acc).sum(axis=-3) / jnp.where(denom > 0, denom, 1.0)
+
+
 def run_blocks(nblocks, load_block, compute, state0, prefetch: bool):
   """fori_loop over a split's blocks: compute(i, load_block(i), *state) -> state. With `prefetch`, block i+1's loads
   are issued before block i is computed (hand-written software pipelining; masked off past the end)."""

@@ -7,8 +7,9 @@ split t) streams `block_s` tokens at a time of its share of [0, lengths[b]):
   an online softmax (f32 m, l per query head);
   acc [GP, H] += (p · v_scale) in bf16 @ v_tile.
 The G query heads of kv head k fill GP = max(G, 16) rows (a Triton dot needs 16). The splits' partials merge by
-log-sum-exp in XLA (`merge_splits`). The reference, `per_token_decode_attention_reference`, dequantizes in f32 and
-runs the dense softmax; the kernel differs from it by the bf16 rounding of q and of p·v_scale (relative ~4e-3).
+log-sum-exp in XLA (`oskvp_decode_attention.merge_split_partials`). The reference,
+`per_token_decode_attention_reference`, dequantizes in f32 and runs the dense softmax; the kernel differs from it by
+the bf16 rounding of q and of p·v_scale (relative ~4e-3).
 
 Not measured on a GPU yet (written in the eighth session, which had no device time): `PerTokenMode` keeps
 implementation="xla" by default; `benchmarks/decode_attention.py` times it next to the XLA fp8/int8 rows.
@@ -24,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, default_num_splits, fp8_rows,
-                                                   online_softmax_update, run_blocks, split_range)
+                                                   merge_split_partials, online_softmax_update, run_blocks,
+                                                   split_range)
 
 DTYPES = ("float8_e4m3fn", "int8")
 
@@ -74,14 +76,6 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, n_ref, acc_ref, m_ref, l_ref, *
   l_ref[...] = l
 
 
-def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-  """acc [..., NS, G, H], m, l [..., NS, G] (f32 partials of NS splits) -> [..., G, H] by log-sum-exp; zeros where
-  no split saw a token."""
-  w = jnp.exp(m - m.max(axis=-2, keepdims=True))  # [..., NS, G]; empty splits (m = NEG_INF, l = 0) weigh 0
-  denom = (w * l).sum(axis=-2)[..., None]
-  return (w[..., None] * acc).sum(axis=-3) / jnp.where(denom > 0, denom, 1.0)
-
-
 def check_inputs(q, k, v, k_scale, v_scale, lengths) -> None:
   """Clear errors naming the argument, before anything is traced into a kernel."""
   if q.ndim != 3:
@@ -128,7 +122,7 @@ def _pallas(q, k, v, k_scale, v_scale, lengths, *, block_s: int, num_splits: int
       interpret=interpret,
       name="per_token_decode",
   )(qg, k, v, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), jnp.clip(lengths, 0, s).astype(jnp.int32))
-  o = merge_splits(acc[..., :g, :], m[..., :g], l[..., :g])  # [B, K, G, H]
+  o = merge_split_partials(acc[..., :g, :], m[..., :g], l[..., :g])  # [B, K, G, H]
   return o.reshape(b, n, h).astype(q.dtype)
 
 
