@@ -26,15 +26,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, default_num_splits, merge_split_partials,
-                                                   online_softmax_update, run_blocks, split_range, window_attention)
+                                                   online_softmax_update, run_blocks, split_range, unpack_codes,
+                                                   window_attention)
 
 GROUP = 32  # KIVI's group: tokens per key scale, channels per value scale
-
-
-def unpack_planar(packed: jax.Array) -> jax.Array:
-  """uint8 [..., Q] planar-packed 2-bit codes -> f32 [..., 4Q] in channel order."""
-  planes = [(packed >> (2 * p)) & 3 for p in range(4)]
-  return jnp.concatenate(planes, axis=-1).astype(jnp.float32)
 
 
 def kivi_decode_attention_reference(q, codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v, n_comp,
@@ -44,8 +39,8 @@ def kivi_decode_attention_reference(q, codes_k, k_scale, k_zero, codes_v, v_scal
   kh, s, r = codes_k.shape[1], codes_k.shape[2], res_k.shape[2]
   rep_t = lambda a: jnp.repeat(a.astype(jnp.float32), GROUP, axis=-2)  # [B, K, S/32, H] -> [B, K, S, H]
   rep_c = lambda a: jnp.repeat(a.astype(jnp.float32), h // a.shape[-1], axis=-1)  # [B, K, S, H/g] -> [B, K, S, H]
-  k = jnp.concatenate([unpack_planar(codes_k) * rep_t(k_scale) + rep_t(k_zero), res_k.astype(jnp.float32)], axis=2)
-  v = jnp.concatenate([unpack_planar(codes_v) * rep_c(v_scale) + rep_c(v_zero), res_v.astype(jnp.float32)], axis=2)
+  k = jnp.concatenate([unpack_codes(codes_k) * rep_t(k_scale) + rep_t(k_zero), res_k.astype(jnp.float32)], axis=2)
+  v = jnp.concatenate([unpack_codes(codes_v) * rep_c(v_scale) + rep_c(v_zero), res_v.astype(jnp.float32)], axis=2)
   live = jnp.concatenate([jnp.arange(s)[None, :] < n_comp[:, None], jnp.arange(r)[None, :] < n_res[:, None]], 1)
   qg = q.astype(jnp.float32).reshape(b, kh, n // kh, h) * h**-0.5
   sc = jnp.einsum("BKGH,BKSH->BKGS", qg, k, precision=jax.lax.Precision.HIGHEST)
