@@ -92,11 +92,11 @@ def test_per_token_pallas_decode_tracks_the_xla_path(dtype):
             for impl in ("xla", "pallas")}
   new_k, new_v = jax.random.normal(ks[2], (B, 3, K, H)), jax.random.normal(ks[3], (B, 3, K, H))
   qs = jax.random.normal(ks[4], (B, 3, 4 * K, H))
+  step = jax.jit(lambda c, q, kk, vv, starts: c.extend(q, kk, vv, starts))
   for t in range(3):
     outs = {}
     for impl, cache in caches.items():
-      outs[impl], caches[impl] = jax.jit(lambda c, q, kk, vv: c.extend(q, kk, vv, lengths + t))(
-          cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
+      outs[impl], caches[impl] = step(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1], lengths + t)
     want = np.asarray(outs["xla"])
     np.testing.assert_allclose(np.asarray(outs["pallas"]), want, atol=1e-2 * np.abs(want).max())
   np.testing.assert_array_equal(np.asarray(caches["pallas"].k, np.float32), np.asarray(caches["xla"].k, np.float32))
