@@ -139,6 +139,22 @@ BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_d
 PLAIN_ROWS = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=1)
 
 
+def check_triton_offsets(**arrays) -> None:
+  """Raises a ValueError naming any input of 2^31 or more elements.
+
+  Pallas' Triton lowering (jax 0.11.2, `_compute_offsets_from_indices`) indexes an input with int32 element offsets
+  unless it is larger than 2^32 bytes, so an 8-bit input of 2^31 to 2^32 elements is read at wrapped offsets: on
+  the H200 the per-token int8 kernel at 32 rows × 131072 tokens × 8 kv heads × 128 channels stopped with an
+  illegal address (`benchmarks/results/quantized_cache_decode.log`). Larger inputs get int64 offsets but are not
+  measured, so every input of 2^31 or more elements is refused.
+  """
+  for name, x in arrays.items():
+    if x.size >= 2**31:
+      raise ValueError(f"{name} {tuple(x.shape)} {x.dtype} has {x.size} >= 2^31 elements: the Triton kernel would "
+                       "index it with int32 offsets, which wrap. Use implementation='xla', or fewer batch rows per "
+                       "call.")
+
+
 def default_config(head_dim: int) -> DecodeBlockConfig:
   """The measured-fastest form for the head dim: bit planes where each plane spans >= 32 channels, else "mma"."""
   return BITPLANE if head_dim // 4 >= 32 else DecodeBlockConfig()
@@ -573,6 +589,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   if implementation != "pallas":
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
   check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp)
+  check_triton_offsets(codes_k=codes_k, codes_v=codes_v, outl_k=outl_k, outl_v=outl_v)
   return _oskvp_pallas(*args, interpret=interpret, config=config or default_config(q.shape[-1]),
                        symmetric_codebooks=symmetric_codebooks)
 

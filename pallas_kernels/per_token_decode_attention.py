@@ -11,8 +11,10 @@ log-sum-exp in XLA (`oskvp_decode_attention.merge_split_partials`). The referenc
 `per_token_decode_attention_reference`, dequantizes in f32 and runs the dense softmax; the kernel differs from it by
 the bf16 rounding of q and of p·v_scale (relative ~4e-3).
 
-Not measured on a GPU yet (written in the eighth session, which had no device time): `PerTokenMode` keeps
-implementation="xla" by default; `benchmarks/decode_attention.py` times it next to the XLA fp8/int8 rows.
+Measured on the H200 (`benchmarks/results/quantized_cache_decode.md`): correct there (relative error 4-5e-3 vs
+the reference), but slower than the XLA path at every grid point, e.g. 64k × batch 8 fp8 0.670 ms vs XLA 0.444 ms
+and cuDNN on bf16 0.526 ms (42% vs 66% of copy bandwidth), so `PerTokenMode` keeps implementation="xla" by default.
+Inputs of 2^31 or more elements are refused (`check_triton_offsets`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, default_num_splits, fp8_rows,
-                                                   merge_split_partials, online_softmax_update, run_blocks,
-                                                   split_range)
+from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, check_triton_offsets, default_num_splits,
+                                                   fp8_rows, merge_split_partials, online_softmax_update,
+                                                   run_blocks, split_range)
 
 DTYPES = ("float8_e4m3fn", "int8")
 
@@ -152,5 +154,6 @@ def per_token_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_scale
     raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"block_s={block_s} must be a power of two >= 16")
+  check_triton_offsets(k=k, v=v)
   return _pallas(q, k, v, k_scale, v_scale, lengths, block_s=block_s, num_splits=num_splits, num_warps=num_warps,
                  num_stages=num_stages, interpret=interpret)

@@ -105,3 +105,17 @@ def test_rejects_bad_arguments():
     call(q, *cache[:-2], cache[-2][:1], cache[-1])
   with pytest.raises(ValueError, match="implementation"):
     call(q, *cache, implementation="cuda")
+
+
+def test_refuses_caches_the_triton_offsets_cannot_index():
+  """codes of 64 × 8 × 131072 × 32 bytes (2^31) are refused by the kernel path at trace time, naming the input;
+  the XLA path still takes them."""
+  b, kh, s, h, r = 64, 8, 131072, 128, 128
+  spec = jax.ShapeDtypeStruct
+  args = (spec((b, 32, h), jnp.bfloat16), spec((b, kh, s, h // 4), jnp.uint8),
+          *[spec((b, kh, s // 32, h), jnp.float32)] * 2, spec((b, kh, s, h // 4), jnp.uint8),
+          *[spec((b, kh, s, h // 32), jnp.float32)] * 2, *[spec((b, kh, r, h), jnp.bfloat16)] * 2,
+          *[spec((b,), jnp.int32)] * 2)
+  with pytest.raises(ValueError, match=r"^codes_k \(64, 8, 131072, 32\) uint8 has 2147483648 >= 2\^31 elements"):
+    jax.eval_shape(kd.kivi_decode_attention, *args)
+  assert jax.eval_shape(functools.partial(kd.kivi_decode_attention, implementation="xla"), *args).shape == (b, 32, h)

@@ -243,3 +243,17 @@ def test_matches_kv_quant_reference_on_quantized_keys():
   assert rel_err(oskvp_decode_attention_reference(*args), theirs) < 1e-2  # bf16 output rounding only
   out = _oskvp_pallas(*args, interpret=True, config=DecodeBlockConfig(block_s=32), poison=True)
   assert max(rel_err(out[i], theirs[i]) for i in range(b)) < TOL["mma"]
+
+
+def test_refuses_caches_the_triton_offsets_cannot_index():
+  """codes of 64 × 8 × 131072 × 32 bytes (2^31) are refused by the kernel path at trace time, naming the input;
+  the XLA path still takes them."""
+  b, kh, s, h, o, r = 64, 8, 131072, 128, 8, 128
+  spec = jax.ShapeDtypeStruct
+  side = (spec((b, kh, s, h // 4), jnp.uint8), spec((b, kh, s, o), jnp.float8_e4m3fn), spec((b, kh, o), jnp.float32),
+          spec((b, kh, h, 4), jnp.float32))
+  args = (spec((b, 32, h), jnp.bfloat16), *side, *side, *[spec((b, kh, h, h), jnp.float32)] * 2,
+          *[spec((b, kh, r, h), jnp.bfloat16)] * 2, *[spec((b,), jnp.int32)] * 2)
+  with pytest.raises(ValueError, match=r"^codes_k \(64, 8, 131072, 32\) uint8 has 2147483648 >= 2\^31 elements"):
+    jax.eval_shape(oskvp_decode_attention, *args)
+  assert jax.eval_shape(functools.partial(oskvp_decode_attention, implementation="xla"), *args).shape == (b, 32, h)

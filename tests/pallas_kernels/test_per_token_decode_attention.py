@@ -81,3 +81,16 @@ def test_rejects_bad_arguments():
     call(q, k, v, k_scale, v_scale, lengths, block_s=48)
   with pytest.raises(ValueError, match="implementation"):
     call(q, k, v, k_scale, v_scale, lengths, implementation="cuda")
+
+
+def test_refuses_caches_the_triton_offsets_cannot_index():
+  """k of 32 × 131072 × 8 × 128 int8 (2^32 elements; an illegal address on the H200) is refused by the kernel path
+  at trace time, naming the input; the XLA path still takes it."""
+  b, s, kh, h = 32, 131072, 8, 128
+  big = jax.ShapeDtypeStruct((b, s, kh, h), jnp.int8)
+  args = (jax.ShapeDtypeStruct((b, 32, h), jnp.bfloat16), big, big, jax.ShapeDtypeStruct((b, s, kh), jnp.float32),
+          jax.ShapeDtypeStruct((b, s, kh), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+  with pytest.raises(ValueError, match=r"^k \(32, 131072, 8, 128\) int8 has 4294967296 >= 2\^31 elements"):
+    jax.eval_shape(pt.per_token_decode_attention, *args)
+  assert jax.eval_shape(functools.partial(pt.per_token_decode_attention, implementation="xla"), *args).shape == (
+      b, 32, h)
