@@ -37,8 +37,10 @@ BK = 64  # batch 8 × 8 kv heads
 # BK, S, block_s, splits, ring, lengths (None: all S, no masking), fp8 outlier channels
 CHECKS = [(2, 1024, 64, 2, 2, None, False), (3, 3072, 128, 3, 2, None, False), (2, 4096, 64, 4, 4, None, False),
           (1, 8192, 128, 1, 8, None, False), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), False),
-          (2, 2048, 64, 2, 2, None, True), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), True)]
-SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200), False), (2, 256, 64, 2, 2, (1, 200), True)]
+          (2, 2048, 64, 2, 2, None, True), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), True),
+          (2, 2048, 64, 2, 2, None, "f16"), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), "f16")]
+SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200), False), (2, 256, 64, 2, 2, (1, 200), True),
+                (2, 256, 64, 2, 2, (1, 200), "f16")]
 # S, block_s, splits, TMA ring depth, ablation. Run 2 (results/oskvp_decode_core_mgpu.md): bs 128, 16 splits, ring 2
 # best; run 3 repeated it (_run3.md). Ablations (wrong results, timing only) show what each part costs.
 # "ragged" times the masking work with every row full.
@@ -46,11 +48,12 @@ SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200), False), (2, 256, 64, 2, 2, (1, 200)
 # "outliers" adds the fp8 outlier channels (16 bytes per token-head more). Run 7 timed them with the f16 A tiles
 # stored transposed in shared memory (165 µs vs 101 without, bs 128); run 8 with the A operands built in registers
 # from key [S, 8] and token-contiguous value [8, S] tiles (ring 2 and 3).
-TIMED = [(65536, 128, 16, 2, ""), (65536, 128, 16, 3, "outliers"), (65536, 128, 16, 4, "outliers"),
-         (65536, 128, 8, 4, "outliers"), (65536, 128, 32, 3, "outliers"), (65536, 64, 16, 4, "outliers"),
-         (65536, 128, 16, 4, "outliers+ragged"), (65536, 128, 16, 3, "outliers+no_outlier_key"),
-         (65536, 128, 16, 3, "outliers+no_outlier_value"), (65536, 128, 16, 3, ""),
-         (16384, 128, 16, 3, "outliers")]
+# Run 11 (ninth session) adds the fp8 form of the value-outlier sums (value_outliers="fp8", the default now;
+# "+f16" is the form of runs 8-10) and times the two side by side.
+TIMED = [(65536, 128, 16, 3, "outliers"), (65536, 128, 16, 3, "outliers+f16"), (65536, 128, 16, 2, "outliers"),
+         (65536, 128, 16, 4, "outliers"), (65536, 128, 32, 3, "outliers"), (65536, 128, 16, 4, "outliers+ragged"),
+         (65536, 128, 16, 3, "outliers+no_outlier_value"), (65536, 128, 16, 3, "outliers+no_outlier_key"),
+         (65536, 128, 16, 3, ""), (16384, 128, 16, 3, "outliers"), (16384, 128, 16, 3, "outliers+f16")]
 
 
 def inputs(seed: int, bk: int, s: int, g: int = 4, scale: float = 0.004):
@@ -62,9 +65,9 @@ def inputs(seed: int, bk: int, s: int, g: int = 4, scale: float = 0.004):
   return kc, vc, qd, jnp.full((bk, dc.N), scale, jnp.float32)
 
 
-def core_fn(block_s: int, splits: int, steps: int, interpret: bool, ablate: str = ""):
+def core_fn(block_s: int, splits: int, steps: int, interpret: bool, ablate: str = "", value_outliers: str = "fp8"):
   return jax.jit(lambda *a: dc.decode_core_mgpu(*a, block_s=block_s, splits=splits, max_concurrent_steps=steps,
-                                                interpret=interpret, ablate=ablate))
+                                                interpret=interpret, ablate=ablate, value_outliers=value_outliers))
 
 
 def outlier_inputs(seed: int, bk: int, s: int, g: int = 4):
@@ -90,14 +93,15 @@ def _timed_bytes(s: int, variant: str) -> int:
 
 
 def run_check(case, interpret: bool) -> dict:
-  bk, s, block_s, splits, steps, lengths, outliers = case
+  bk, s, block_s, splits, steps, lengths, outliers = case  # outliers: False, True (fp8 value form) or "f16"
   args = (*inputs(bk * s + splits, bk, s), None if lengths is None else jnp.asarray(lengths, jnp.int32))
   if outliers:
     args = (*args, *outlier_inputs(bk + s, bk, s))
   row = dict(bk=bk, s=s, block_s=block_s, splits=splits, ring=steps, lengths=lengths, outliers=outliers)
   flat = lambda x: np.concatenate([np.asarray(a)[:, :4].ravel() for a in (x if isinstance(x, tuple) else (x,))])
   try:
-    got = flat(core_fn(block_s, splits, steps, interpret)(*args))
+    got = flat(core_fn(block_s, splits, steps, interpret,
+                       value_outliers="f16" if outliers == "f16" else "fp8")(*args))
   except Exception as e:  # pylint: disable=broad-except
     return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
   model = flat(dc.decode_core_blockwise_reference(*args, block_s=block_s, splits=splits))
@@ -178,7 +182,8 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list, peer_rows: 
                 f"max abs error {c['lse2_max_abs_err']:.2e} (limit 5e-2)")
       continue
     head = (f"BK={c['bk']} S={c['s']} bs={c['block_s']} splits={c['splits']} ring={c['ring']}"
-            + (f" lengths={c['lengths']}" if c.get("lengths") else "") + (" +outliers" if c.get("outliers") else ""))
+            + (f" lengths={c['lengths']}" if c.get("lengths") else "") + (" +outliers" if c.get("outliers") else "")
+            + (" (f16 value form)" if c.get("outliers") == "f16" else ""))
     if "error" in c:
       md.append(f"- FAIL {head}: {c['error']}")
     else:
@@ -202,6 +207,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="/tmp/oskvp_decode_core_mgpu")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode at a tiny shape; checks + report only")
   ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--no_peers", action="store_true", help="skip the cuDNN / XLA peers (timed in runs 1-10)")
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
@@ -218,7 +224,8 @@ def main(argv=None) -> int:
     name = f"core S={s} bs={block_s} splits={splits} ring={ring}" + (f" {variant}" if variant else "")
     try:
       ablate = variant.split("+")[-1] if variant.split("+")[-1] in dc.ABLATIONS else ""
-      ms, kernels, _ = kb.kernel_ms(core_fn(block_s, splits, ring, args.smoke, ablate), _core_args(s, variant),
+      form = "f16" if "+f16" in variant else "fp8"
+      ms, kernels, _ = kb.kernel_ms(core_fn(block_s, splits, ring, args.smoke, ablate, form), _core_args(s, variant),
                                     args.iters, args.smoke)
       nbytes = _timed_bytes(s, variant)
       rows.append(dict(config=name, s=s, us=ms * 1e3, bytes=nbytes, tb_per_s=nbytes / ms / 1e9, kernels=kernels))
@@ -239,7 +246,7 @@ def main(argv=None) -> int:
       rows.append(dict(config="attend_codes", s=65536, error=f"{type(e).__name__}: {str(e)[:600]}"))
     print("time", json.dumps(rows[-1]), flush=True)
   write_report(args.out, meta, checks, rows, peer_rows)
-  for s in (65536, 16384):
+  for s in () if args.no_peers else (65536, 16384):
     peer_rows += peers(s, args.iters, args.smoke)
     write_report(args.out, meta, checks, rows, peer_rows)
   with open(os.path.join(args.out, "oskvp_decode_core_mgpu.md")) as fh:

@@ -61,6 +61,7 @@ from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 N = 8  # query heads per kv head, padded: the wgmma N of both sides
 OUTLIERS = 8  # fp8 outlier channels per side: the outlier rows [S, 16] hold 8 key then 8 value channels
+VALUE_OUTLIER_FORMS = ("fp8", "f16")  # the value-outlier sums: fp8 × fp8 wgmmas from shared memory, or the f16 A in registers
 P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
 MASKED = -1e30  # the score of a token past the row's length (finite: a fully masked block keeps alpha = 1)
 _LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
@@ -363,9 +364,19 @@ def _value_outlier_fragment(tile, block_s: int, transforms):
   return frag(tile)
 
 
+def split_p8(p8):
+  """int32 p8 (0..127, any shape and layout) -> (hi, lo) float8_e4m3fn with hi + lo = p8 exactly: hi = p8 rounded to
+  e4m3 (4 significant bits), lo = p8 − hi (|lo| <= 4, an integer, exact in e4m3). The fp8 form of the value-outlier
+  sums multiplies both by the fp8 value-outlier tile on the tensor cores, so its sums equal the f16 form's."""
+  pf = p8.astype(jnp.float32)
+  hi = pf.astype(jnp.float8_e4m3fn)
+  return hi, (pf - hi.astype(jnp.float16).astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+
+
 def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, bar, qo_smem=None, a16_smem=None,
-            vt_smem=None, p16_smem=None, oo_smem=None, block_s: int, steps: int, max_concurrent_steps: int,
-            interpret: bool, ablate: str, ragged: bool, outliers: bool, channel_out: bool):
+            vt_smem=None, p16_smem=None, ph_smem=None, pl_smem=None, ar_smem=None, oo_smem=None, block_s: int,
+            steps: int, max_concurrent_steps: int, interpret: bool, ablate: str, ragged: bool, outliers: bool,
+            channel_out: bool, value_outliers: str):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
   # padded: TMA copies move multiples of 128 bytes); with outliers also ko_ref fp8 [BK, S/2, 16] (the key outlier
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
@@ -378,7 +389,9 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] / vt_smem f16 [64, block_s] (the outlier A operands, interpret
   # mode only: the GPU route builds them in registers, `_key_outlier_fragment`, `_value_outlier_fragment`);
   # p16_smem f16 [8, block_s] (p8 as f16; on the GPU route its columns permuted as the value A's, `token_to_k`);
-  # oo_smem f32 [64, 8].
+  # oo_smem f32 [64, 8]. value_outliers="fp8" instead of vt_smem, p16_smem: ph_smem, pl_smem fp8 [64, block_s]
+  # (rows 0..7: p8 = hi + lo, both exact in e4m3, `split_p8`; rows 8.. never written, their sums never read);
+  # ar_smem f32 [2, 64] (alpha per head as a row vector, two slots by block parity).
   if outliers:
     kc_ref, vc_ref, qd_ref, qs_ref, ko_ref, vo_ref, qo_ref, acc_out, ml_out, acco_out = refs
   else:
@@ -444,28 +457,47 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     m_p = jnp.where(m_new > 0.5 * MASKED, m_new, jnp.inf) if ragged else m_new
     p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_p, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
     l = l * jax.lax.broadcast_in_dim(alpha, (block_s, N), [1]) + p8.astype(jnp.float32)  # summed over rows at the end
+    fp8_form = outliers and value_outliers == "fp8"
+    fp8_values = fp8_form and ablate != "no_outlier_value"
+    if fp8_values:
+      hi, lo = split_p8(p8)
+      slot = ar_smem.at[idx[0] % 2]
+      slot[pl.ds(0, N)] = alpha
     if interpret:
       p_smem[...] = p8.T.astype(jnp.int8)
       va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
-      if outliers:
+      if fp8_values:
+        ph_smem[pl.ds(0, N), :] = hi.T
+        pl_smem[pl.ds(0, N), :] = lo.T
+      elif outliers and not fp8_form:
         p16_smem[...] = p8.T.astype(jnp.float16)
         vt_smem[...] = jnp.tile(vo_tile[...].astype(jnp.float16), (64 // OUTLIERS, 1))
     else:
       _store_transposed(p8, p_smem, ks.swizzled(block_s))
-      if outliers and ablate != "no_outlier_value":
+      if fp8_values:
+        _store_transposed(hi, ph_smem, ks.swizzled(block_s))
+        _store_transposed(lo, pl_smem, ks.swizzled(block_s))
+      elif outliers and ablate != "no_outlier_value":
         _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS, column_map=token_to_k)
     plgpu.commit_smem()
+    if fp8_values:  # after the barrier: every thread's alpha is in; the other slot is the next block's
+      alpha_rows = plgpu.load(slot, layout=plgpu.Layout.WGMMA.reduce(1))  # [64], rows 8.. meaningless
 
     def value_scope(vacc_ref, oacc_ref=None):  # int32 [H, 8], this block's code sums; f32 [64, 8] outlier sums
       if interpret:
         plgpu.wgmma(vacc_ref, va_smem, p_smem.T)
-        if outliers:
-          plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
       else:
         codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
-        if outliers and ablate != "no_outlier_value":
-          plgpu.wgmma(oacc_ref, _value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
+      if fp8_values:  # [64 (heads), 8 (channels)] = p8 [heads, tokens] @ vout [channels, tokens]ᵀ, fp8 × fp8
+        plgpu.wgmma(oacc_ref, ph_smem, vo_tile.T)
+        plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
+      elif fp8_form:
+        pass  # ablated
+      elif outliers and interpret:
+        plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
+      elif outliers and ablate != "no_outlier_value":
+        plgpu.wgmma(oacc_ref, _value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
       plgpu.wgmma_wait(0)
       return (vacc_ref[...], oacc_ref[...]) if outliers else vacc_ref[...]
 
@@ -473,7 +505,10 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
       return m_new, l, acc, acc_o
     if outliers:
       sums, sums_o = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32), plgpu.ACC((64, N), jnp.float32))
-      acc_o = acc_o * jax.lax.broadcast_in_dim(alpha, (64, N), [1]) + sums_o
+      if fp8_values:  # rows are heads: [head, channel]
+        acc_o = acc_o * jax.lax.broadcast_in_dim(alpha_rows, (64, N), [0]) + sums_o
+      elif not fp8_form:  # rows are channels (repeated 8 times): [channel, head]
+        acc_o = acc_o * jax.lax.broadcast_in_dim(alpha, (64, N), [1]) + sums_o
     else:
       sums = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32))
     acc = acc * jax.lax.broadcast_in_dim(alpha, (h, N), [1]) + sums.astype(jnp.float32)
@@ -529,7 +564,8 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
 
 
 def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, block_s: int, splits: int,
-               max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool, channel_out: bool):
+               max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool, channel_out: bool,
+               value_outliers: str = "fp8"):
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
   [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (channel order with
   channel_out, else ACC order), ml f32 [BK, splits, 32] (+ acco f32 [BK, splits, 8, 8] with outliers))."""
@@ -537,9 +573,12 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
   h = 4 * q
   steps = s // (splits * block_s)
   outliers = kout2 is not None
+  if value_outliers not in VALUE_OUTLIER_FORMS:
+    raise ValueError(f"value_outliers={value_outliers!r} must be one of {VALUE_OUTLIER_FORMS}")
+  fp8_values = outliers and value_outliers == "fp8"
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
                            interpret=bool(interpret), ablate=ablate, ragged=ragged, outliers=outliers,
-                           channel_out=channel_out)
+                           channel_out=channel_out, value_outliers=value_outliers)
   smem_a = interpret  # planes and outlier A tiles through shared memory only in the interpreter (one 8-row tile of
   # each on the GPU route, never touched: 26 KB less shared memory per program with outliers at block 128)
   kernel = plgpu.kernel(
@@ -560,19 +599,27 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
           **(dict(qo_smem=plgpu.SMEM((N, 2 * OUTLIERS), jnp.float16, transforms=F16_B16_TRANSFORMS),
                   a16_smem=plgpu.SMEM((block_s, 2 * OUTLIERS) if smem_a else (8, 16), jnp.float16,
                                       transforms=F16_B16_TRANSFORMS),
-                  vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=F16_T_TRANSFORMS),
-                  p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=F16_T_TRANSFORMS),
-                  oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {})),
+                  oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {}),
+          **(dict(ph_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn, transforms=ks.swizzled(block_s)),
+                  pl_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn, transforms=ks.swizzled(block_s)),
+                  ar_smem=plgpu.SMEM((2, 64), jnp.float32)) if fp8_values else
+             dict(vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=F16_T_TRANSFORMS),
+                  p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=F16_T_TRANSFORMS)) if outliers else {})),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
-  return kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))
+  res = kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))
+  if fp8_values:  # the fp8 form's sums are [head, channel]; both forms return [channel, head]
+    res = (*res[:2], jnp.swapaxes(res[2], -1, -2))
+  return res
 
 
 @settled_when_interpreted
-@functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret",
+                                             "value_outliers"))
 def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_row: jax.Array, kout: jax.Array,
                        vout: jax.Array, qo16: jax.Array, *, block_s: int = 128, splits: int = 16,
-                       max_concurrent_steps: int = 3, interpret: bool | plgpu.InterpretGPUParams = False):
+                       max_concurrent_steps: int = 3, interpret: bool | plgpu.InterpretGPUParams = False,
+                       value_outliers: str = "fp8"):
   """The core with outliers and ragged lengths, unmerged: for callers that merge the splits themselves
   (`oskvp_uniform_glue.epilogue`, which also takes the window).
 
@@ -594,7 +641,7 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
                      f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
   return _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
                     block_s=block_s, splits=splits, max_concurrent_steps=max_concurrent_steps, interpret=interpret,
-                    ragged=True, channel_out=True)
+                    ragged=True, channel_out=True, value_outliers=value_outliers)
 
 
 def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
@@ -618,14 +665,14 @@ ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value")
 
 @settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "max_concurrent_steps", "interpret", "ablate",
-                                             "return_lse2"))
+                                             "return_lse2", "value_outliers"))
 def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
                      lengths: jax.Array | None = None, kout: jax.Array | None = None,
                      vout: jax.Array | None = None, qo: jax.Array | None = None, *,
                      block_s: int = 64, splits: int = 16,
                      max_concurrent_steps: int = 4,
                      interpret: bool | plgpu.InterpretGPUParams = False, ablate: str = "",
-                     return_lse2: bool = False):
+                     return_lse2: bool = False, value_outliers: str = "fp8"):
   """Fused key scores + online softmax + value sums over uniform 2-bit codes (see the module docstring).
 
   Args:
@@ -647,6 +694,9 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     ablate: timing experiments only (the results are wrong): "no_max" (no block max: p scaled by the initial m),
       "no_value" (no value wgmmas); "" is the kernel.
     return_lse2: also return the row's log2-sum-exp2 of the scores (for merging with other tokens' attention).
+    value_outliers: how the value-outlier sums run (the same sums either way): "fp8" (p8 split into two e4m3 parts,
+      `split_p8`, stored to shared memory as the A operand of two fp8 × fp8 wgmmas with the value-outlier tile as B)
+      or "f16" (the tile widened to an f16 A operand in registers, repeated to 64 rows, with p8 as f16 B).
 
   Returns:
     f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over the row's tokens (`decode_core_reference`,
@@ -676,7 +726,7 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS))))
   res = _core_call(kcodes, vcodes, qd, qs_row, *extra, block_s=block_s, splits=splits,
                    max_concurrent_steps=max_concurrent_steps, interpret=interpret, ablate=ablate,
-                   ragged=lengths is not None, channel_out=False)
+                   ragged=lengths is not None, channel_out=False, value_outliers=value_outliers)
   mean, mean_o, lse2 = merge_splits(res[0], res[1], res[2] if outliers else None)  # acc in ACC row order
   outs = (vs._channel_rows(mean, q, 2),)  # pylint: disable=protected-access
   if outliers:
