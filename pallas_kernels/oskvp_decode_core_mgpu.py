@@ -618,7 +618,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
                                              "value_outliers"))
 def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_row: jax.Array, kout: jax.Array,
                        vout: jax.Array, qo16: jax.Array, *, block_s: int = 128, splits: int = 16,
-                       max_concurrent_steps: int = 3, interpret: bool | plgpu.InterpretGPUParams = False,
+                       max_concurrent_steps: int = 2, interpret: bool | plgpu.InterpretGPUParams = False,
                        value_outliers: str = "fp8"):
   """The core with outliers and ragged lengths, unmerged: for callers that merge the splits themselves
   (`oskvp_uniform_glue.epilogue`, which also takes the window).

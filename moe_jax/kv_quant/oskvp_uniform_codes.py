@@ -114,7 +114,7 @@ def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int) -> 
 
 
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
-                             res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 3,
+                             res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "xla") -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
