@@ -27,10 +27,17 @@ TMA ring (`plgpu.emit_pipeline`). Per block:
    added to the f32 accumulator after rescaling it by 2^(m_old − m_new).
 With outliers (two more TMA streams: the key channels [S, 8] token-major as the cache stores them, the value
 channels [8, S] tokens contiguous), step 1 adds an f16 wgmma whose A (the key tile, f16 [block_s, 16] with columns
-8.. zero) is built in registers from 2-byte loads of the fp8 tile, and step 4 an f16 wgmma whose A (the value tile
-repeated to 64 rows, [64, block_s]) is built from one 8-byte load per 32 tokens per thread (the tokens permuted
-along K so that a thread's columns are consecutive bytes), with p8 as f16 ([8, block_s], stored transposed by hand
-with the same permutation); each side issues its two wgmmas before one wait.
+8.. zero) is built in registers from 2-byte loads of the fp8 tile, and step 4 adds the value-outlier sums in one of
+two forms (`value_outliers`), the same sums either way:
+- "fp8" (the default): p8 split exactly into two e4m3 parts, p8 = hi + lo (`split_p8`), each stored transposed to
+  shared memory as rows 0..7 of an A operand [64, block_s] (heads × tokens); two fp8 × fp8 wgmmas with the value
+  tile as B, as TMA left it, give [64 (heads), 8 (channels)]. The running sums are rescaled per head along the rows,
+  so alpha goes through shared memory once per block to come back as a row vector. No A fragment in registers.
+- "f16": an f16 wgmma whose A (the value tile repeated to 64 rows, [64, block_s]) is built from one 8-byte load
+  per 32 tokens per thread (the tokens permuted along K so that a thread's columns are consecutive bytes), with p8
+  as f16 ([8, block_s], stored transposed by hand with the same permutation).
+On the H200 at 64k × batch 8 the fp8 form at ring 2 is the fastest core (151 µs; the f16 form 159 µs at its best
+ring 3; results/oskvp_decode_core_mgpu_run12.md). Each side issues its wgmmas before one wait.
 Outputs per program: acc f32 [H, 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits (log-sum-exp) and
 restores the channel order (`_channel_rows`) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the
 per-split outputs with acc stored in channel order by the kernel (for `oskvp_uniform_glue.epilogue`).

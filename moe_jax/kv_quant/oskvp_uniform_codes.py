@@ -133,7 +133,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       f32 [B, K, H, 4] uniform codebooks; u_k, u_v: f32 [B, K, H, H]; res_k, res_v: bf16 [B, K, R, H] (rotated);
       n_comp, n_res: int32 [B].
     interpret: run the kernels in their CPU interpreters.
-    max_concurrent_steps: the core's TMA ring depth (3: best with outliers, results/oskvp_decode_core_mgpu_run10.md).
+    max_concurrent_steps: the core's TMA ring depth (2: best with the fp8 value-outlier form,
+      results/oskvp_decode_core_mgpu_run12.md).
     glue: "pallas" or "xla" (see above).
 
   Returns:

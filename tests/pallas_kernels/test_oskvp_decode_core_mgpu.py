@@ -76,14 +76,16 @@ def _outliers(seed, bk, s, g=4):
   return kout, vout, qo
 
 
-def test_outlier_channels():
+@pytest.mark.parametrize("value_outliers", dc.VALUE_OUTLIER_FORMS)
+def test_outlier_channels(value_outliers):
   """fp8 outlier channels: their scores join the softmax (f16 wgmma) and their value sums come out beside the
-  codes'; equal to the blockwise model to 1e-3 and, for a one-token row, exactly that token's value outliers."""
+  codes' (either form); equal to the blockwise model to 1e-3 and, for a one-token row, exactly that token's value
+  outliers."""
   kc, vc, qd, qs = _inputs(13, 3, 512)
   kout, vout, qo = _outliers(14, 3, 512)
   lens = jnp.array([1, 300, 512], jnp.int32)
   got, got_o = dc.decode_core_mgpu(kc, vc, qd, qs, lens, kout, vout, qo, block_s=64, splits=2,
-                                   max_concurrent_steps=2, interpret=True)
+                                   max_concurrent_steps=2, interpret=True, value_outliers=value_outliers)
   want, want_o = dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, kout, vout, qo, block_s=64, splits=2)
   assert got_o.shape == (3, dc.N, dc.OUTLIERS)
   np.testing.assert_allclose(np.asarray(got)[:, :4], np.asarray(want)[:, :4], atol=1e-3)
@@ -96,6 +98,18 @@ def test_outlier_channels():
   # The key outliers move the scores: without them the output differs.
   plain = dc.decode_core_mgpu(kc, vc, qd, qs, lens, block_s=64, splits=2, max_concurrent_steps=2, interpret=True)
   assert np.abs(np.asarray(plain - got))[1:, :4].max() > 0.05
+
+
+def test_split_p8_is_exact():
+  """Every p8 level 0..127 is hi + lo with both parts representable in e4m3 (the fp8 value form's sums equal the
+  f16 form's); hi is p8 rounded to e4m3 and |lo| <= 4."""
+  p8 = jnp.arange(128, dtype=jnp.int32)
+  hi, lo = dc.split_p8(p8)
+  assert hi.dtype == lo.dtype == jnp.float8_e4m3fn
+  hi, lo = np.asarray(hi.astype(jnp.float32)), np.asarray(lo.astype(jnp.float32))
+  np.testing.assert_array_equal(hi + lo, np.arange(128))
+  np.testing.assert_array_equal(hi, np.asarray(p8.astype(jnp.float8_e4m3fn).astype(jnp.float32)))
+  assert np.abs(lo).max() == 4
 
 
 @pytest.mark.parametrize("shape,source,tile", [((128, 16), "key", (64, 16)), ((64, 128), "value", (8, 128))])
@@ -144,17 +158,21 @@ def test_gpu_route_lowers():
   assert len(re.findall(r"wgmma\.mma_async", loop)) == 16
   # p8 [128 tokens, 8] stored transposed by hand: 8 byte stores per thread into the tiled [8, 128] buffer.
   assert len(re.findall(r"memref\.store\"\(.*\(i8, memref<1x1x8x128xi8", text)) == 8
-  # With outlier channels: + 2 key-outlier (M groups) and 8 value-outlier (k16 steps) f16 wgmmas per block, their
-  # A operands in registers (no f16 A tile in shared memory), and p8 stored a second time, as f16.
+  # With outlier channels: + 2 key-outlier f16 wgmmas (M groups, A in registers) per block, and the value-outlier
+  # sums: "f16": 8 more f16 wgmmas (k16 steps), A in registers, p8 stored a second time, as f16; "fp8": 2 × 4
+  # e4m3 wgmmas (k32 steps), both operands in shared memory, p8's two e4m3 parts stored (8 bytes each per thread).
   ko = jax.ShapeDtypeStruct((2, 2048, dc.OUTLIERS), jnp.float8_e4m3fn)
   vo = jax.ShapeDtypeStruct((2, dc.OUTLIERS, 2048), jnp.float8_e4m3fn)
   qo = jax.ShapeDtypeStruct((2, dc.N, dc.OUTLIERS), jnp.float16)
-  f = jax.jit(lambda *a: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=128, splits=2, max_concurrent_steps=2))
-  text = mosaic_module_text(f.trace(kc, vc, qd, qs, ko, vo, qo).lower(lowering_platforms=("cuda",)))
-  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.s32\.s8\.s8", text)) == 16
-  f16 = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.f16\.f16 \{[^}]*\}", text)
-  assert len(f16) == 10
-  assert len(re.findall(r"memref\.store\"\(.*\(f16, memref<1x2x8x64xf16", text)) == 8  # p8 as f16 only
+  for form, n_f16, n_fp8, f16_stores, fp8_stores in (("f16", 10, 0, 8, 0), ("fp8", 2, 8, 0, 16)):
+    f = jax.jit(lambda *a, form=form: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=128, splits=2,
+                                                          max_concurrent_steps=2, value_outliers=form))
+    text = mosaic_module_text(f.trace(kc, vc, qd, qs, ko, vo, qo).lower(lowering_platforms=("cuda",)))
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.s32\.s8\.s8", text)) == 16
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.f16\.f16 \{", text)) == n_f16
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3 \{", text)) == n_fp8
+    assert len(re.findall(r"memref\.store\"\(.*\(f16, memref<1x2x8x64xf16", text)) == f16_stores
+    assert len(re.findall(r"memref\.store\"\(.*\(f8E4M3FN, memref<8x1x8x128xf8E4M3FN", text)) == fp8_stores
 
 
 def test_rejects_bad_arguments():
