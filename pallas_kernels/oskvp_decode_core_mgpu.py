@@ -68,7 +68,9 @@ from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 N = 8  # query heads per kv head, padded: the wgmma N of both sides
 OUTLIERS = 8  # fp8 outlier channels per side: the outlier rows [S, 16] hold 8 key then 8 value channels
-VALUE_OUTLIER_FORMS = ("fp8", "f16")  # the value-outlier sums: fp8 × fp8 wgmmas from shared memory, or the f16 A in registers
+# The value-outlier sums: fp8 × fp8 wgmmas from shared memory (p8's two e4m3 parts in two A tiles, or stacked in
+# rows 0..7 and 8..15 of one), or the f16 A in registers.
+VALUE_OUTLIER_FORMS = ("fp8", "fp8_stacked", "f16")
 P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
 MASKED = -1e30  # the score of a token past the row's length (finite: a fully masked block keeps alpha = 1)
 _LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
@@ -145,9 +147,10 @@ def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: ja
   return out, jnp.einsum("bsn,bsno->bno", ws, acc_o) / total
 
 
-def _store_transposed(arr, ref, transforms, column_map=None):
-  """Inside the kernel (GPU route): arr [T, C] in the WGMMA layout -> ref [R >= C, T] with element (t, c) at ref[c, t]
-  (transposed; int32 values are truncated to an int8 ref), or at ref[c, column_map(ops, t)] (a permutation of the
+def _store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0):
+  """Inside the kernel (GPU route): arr [T, C] in the WGMMA layout -> ref [R >= C + row_offset, T] with element (t, c)
+  at ref[c + row_offset, t] (transposed; int32 values are truncated to an int8 ref), or at
+  ref[c + row_offset, column_map(ops, t)] (a permutation of the
   columns). `transforms` are the ref's (tiles of 8 × tc elements, a swizzle of sw bytes), and the swizzle is applied
   by hand: the 16-byte chunk index ^= the row's address bits 7+. Rows C.. of ref are left as they were."""
   (tiling, swizzle) = transforms
@@ -165,6 +168,8 @@ def _store_transposed(arr, ref, transforms, column_map=None):
 
     def one(val, idx):  # idx = (arr row t: a column of ref, arr column n: a row of ref)
       t, n = idx
+      if row_offset:
+        n = arith.addi(n, c(row_offset))
       if column_map is not None:
         t = column_map(_Mlir(index), t)
       tile_r, r = (zero, n) if row_tiles == 1 else (arith.divui(n, c(8)), arith.remui(n, c(8)))
@@ -398,7 +403,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # p16_smem f16 [8, block_s] (p8 as f16; on the GPU route its columns permuted as the value A's, `token_to_k`);
   # oo_smem f32 [64, 8]. value_outliers="fp8" instead of vt_smem, p16_smem: ph_smem, pl_smem fp8 [64, block_s]
   # (rows 0..7: p8 = hi + lo, both exact in e4m3, `split_p8`; rows 8.. never written, their sums never read);
-  # ar_smem f32 [2, 64] (alpha per head as a row vector, two slots by block parity).
+  # ar_smem f32 [2, 64] (alpha per head as a row vector, two slots by block parity). "fp8_stacked": ph_smem only,
+  # hi in rows 0..7 and lo in rows 8..15 (one wgmma; acco_out then [BK, splits, 16, 8], the halves summed outside).
   if outliers:
     kc_ref, vc_ref, qd_ref, qs_ref, ko_ref, vo_ref, qo_ref, acc_out, ml_out, acco_out = refs
   else:
@@ -464,18 +470,22 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     m_p = jnp.where(m_new > 0.5 * MASKED, m_new, jnp.inf) if ragged else m_new
     p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_p, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
     l = l * jax.lax.broadcast_in_dim(alpha, (block_s, N), [1]) + p8.astype(jnp.float32)  # summed over rows at the end
-    fp8_form = outliers and value_outliers == "fp8"
+    fp8_form = outliers and value_outliers.startswith("fp8")
     fp8_values = fp8_form and ablate != "no_outlier_value"
+    stacked = value_outliers == "fp8_stacked"
+    lo_smem, lo_row = (ph_smem, N) if stacked else (pl_smem, 0)  # where p8's low part goes
     if fp8_values:
       hi, lo = split_p8(p8)
       slot = ar_smem.at[idx[0] % 2]
       slot[pl.ds(0, N)] = alpha
+      if stacked:
+        slot[pl.ds(N, N)] = alpha
     if interpret:
       p_smem[...] = p8.T.astype(jnp.int8)
       va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
       if fp8_values:
         ph_smem[pl.ds(0, N), :] = hi.T
-        pl_smem[pl.ds(0, N), :] = lo.T
+        lo_smem[pl.ds(lo_row, N), :] = lo.T
       elif outliers and not fp8_form:
         p16_smem[...] = p8.T.astype(jnp.float16)
         vt_smem[...] = jnp.tile(vo_tile[...].astype(jnp.float16), (64 // OUTLIERS, 1))
@@ -483,7 +493,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
       _store_transposed(p8, p_smem, ks.swizzled(block_s))
       if fp8_values:
         _store_transposed(hi, ph_smem, ks.swizzled(block_s))
-        _store_transposed(lo, pl_smem, ks.swizzled(block_s))
+        _store_transposed(lo, lo_smem, ks.swizzled(block_s), row_offset=lo_row)
       elif outliers and ablate != "no_outlier_value":
         _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS, column_map=token_to_k)
     plgpu.commit_smem()
@@ -497,8 +507,9 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
         codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
       if fp8_values:  # [64 (heads), 8 (channels)] = p8 [heads, tokens] @ vout [channels, tokens]ᵀ, fp8 × fp8
-        plgpu.wgmma(oacc_ref, ph_smem, vo_tile.T)
-        plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
+        plgpu.wgmma(oacc_ref, ph_smem, vo_tile.T)  # stacked: rows 0..7 hi, rows 8..15 lo (summed after the kernel)
+        if not stacked:
+          plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
       elif fp8_form:
         pass  # ablated
       elif outliers and interpret:
@@ -545,7 +556,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
   plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
   if outliers:
-    plgpu.copy_smem_to_gmem(oo_smem.at[pl.ds(0, OUTLIERS)], acco_out.at[bk, sp])
+    plgpu.copy_smem_to_gmem(oo_smem.at[pl.ds(0, acco_out.shape[2])], acco_out.at[bk, sp])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -582,7 +593,8 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
   outliers = kout2 is not None
   if value_outliers not in VALUE_OUTLIER_FORMS:
     raise ValueError(f"value_outliers={value_outliers!r} must be one of {VALUE_OUTLIER_FORMS}")
-  fp8_values = outliers and value_outliers == "fp8"
+  fp8_values = outliers and value_outliers.startswith("fp8")
+  stacked = outliers and value_outliers == "fp8_stacked"
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
                            interpret=bool(interpret), ablate=ablate, ragged=ragged, outliers=outliers,
                            channel_out=channel_out, value_outliers=value_outliers)
@@ -592,7 +604,8 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
       body,
       out_type=(jax.ShapeDtypeStruct((bk, splits, h, N), jnp.float32),
                 jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
-      + ((jax.ShapeDtypeStruct((bk, splits, OUTLIERS, N), jnp.float32),) if outliers else ()),
+      + ((jax.ShapeDtypeStruct((bk, splits, 2 * OUTLIERS if stacked else OUTLIERS, N), jnp.float32),)
+         if outliers else ()),
       grid=(bk, splits), grid_names=("bk", "split"),
       scratch_types=dict(
           q_smem=plgpu.SMEM((N, h), jnp.int8, transforms=ks.swizzled(128)),
@@ -608,15 +621,17 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
                                       transforms=F16_B16_TRANSFORMS),
                   oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {}),
           **(dict(ph_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn, transforms=ks.swizzled(block_s)),
-                  pl_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn, transforms=ks.swizzled(block_s)),
-                  ar_smem=plgpu.SMEM((2, 64), jnp.float32)) if fp8_values else
+                  ar_smem=plgpu.SMEM((2, 64), jnp.float32),
+                  **({} if stacked else dict(pl_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn,
+                                                                transforms=ks.swizzled(block_s))))) if fp8_values else
              dict(vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=F16_T_TRANSFORMS),
                   p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=F16_T_TRANSFORMS)) if outliers else {})),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
   res = kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))
-  if fp8_values:  # the fp8 form's sums are [head, channel]; both forms return [channel, head]
-    res = (*res[:2], jnp.swapaxes(res[2], -1, -2))
+  if fp8_values:  # the fp8 forms' sums are [head, channel]; every form returns [channel, head]
+    acco = res[2][..., :OUTLIERS, :] + res[2][..., OUTLIERS:, :] if stacked else res[2]
+    res = (*res[:2], jnp.swapaxes(acco, -1, -2))
   return res
 
 
@@ -702,8 +717,10 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
       "no_value" (no value wgmmas); "" is the kernel.
     return_lse2: also return the row's log2-sum-exp2 of the scores (for merging with other tokens' attention).
     value_outliers: how the value-outlier sums run (the same sums either way): "fp8" (p8 split into two e4m3 parts,
-      `split_p8`, stored to shared memory as the A operand of two fp8 × fp8 wgmmas with the value-outlier tile as B)
-      or "f16" (the tile widened to an f16 A operand in registers, repeated to 64 rows, with p8 as f16 B).
+      `split_p8`, stored to shared memory as the A operand of two fp8 × fp8 wgmmas with the value-outlier tile as B),
+      "fp8_stacked" (the two parts in rows 0..7 and 8..15 of one A tile: one wgmma, half the shared memory; the
+      halves summed after the kernel) or "f16" (the tile widened to an f16 A operand in registers, repeated to 64
+      rows, with p8 as f16 B).
 
   Returns:
     f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over the row's tokens (`decode_core_reference`,

@@ -160,11 +160,13 @@ def test_gpu_route_lowers():
   assert len(re.findall(r"memref\.store\"\(.*\(i8, memref<1x1x8x128xi8", text)) == 8
   # With outlier channels: + 2 key-outlier f16 wgmmas (M groups, A in registers) per block, and the value-outlier
   # sums: "f16": 8 more f16 wgmmas (k16 steps), A in registers, p8 stored a second time, as f16; "fp8": 2 × 4
-  # e4m3 wgmmas (k32 steps), both operands in shared memory, p8's two e4m3 parts stored (8 bytes each per thread).
+  # e4m3 wgmmas (k32 steps), both operands in shared memory, p8's two e4m3 parts stored (8 bytes each per thread);
+  # "fp8_stacked": the two parts in one A tile, 4 e4m3 wgmmas.
   ko = jax.ShapeDtypeStruct((2, 2048, dc.OUTLIERS), jnp.float8_e4m3fn)
   vo = jax.ShapeDtypeStruct((2, dc.OUTLIERS, 2048), jnp.float8_e4m3fn)
   qo = jax.ShapeDtypeStruct((2, dc.N, dc.OUTLIERS), jnp.float16)
-  for form, n_f16, n_fp8, f16_stores, fp8_stores in (("f16", 10, 0, 8, 0), ("fp8", 2, 8, 0, 16)):
+  for form, n_f16, n_fp8, f16_stores, fp8_stores in (("f16", 10, 0, 8, 0), ("fp8", 2, 8, 0, 16),
+                                                      ("fp8_stacked", 2, 4, 0, 16)):
     f = jax.jit(lambda *a, form=form: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=128, splits=2,
                                                           max_concurrent_steps=2, value_outliers=form))
     text = mosaic_module_text(f.trace(kc, vc, qd, qs, ko, vo, qo).lower(lowering_platforms=("cuda",)))
