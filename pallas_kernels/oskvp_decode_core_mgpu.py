@@ -152,7 +152,7 @@ def _store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0
   at ref[c + row_offset, t] (transposed; int32 values are truncated to an int8 ref), or at
   ref[c + row_offset, column_map(ops, t)] (a permutation of the
   columns). `transforms` are the ref's (tiles of 8 × tc elements, a swizzle of sw bytes), and the swizzle is applied
-  by hand: the 16-byte chunk index ^= the row's address bits 7+. Rows C.. of ref are left as they were."""
+  by hand: the 16-byte chunk index ^= the row's address bits 7+. The other rows of ref are left as they were."""
   (tiling, swizzle) = transforms
   tc, sw = tiling.tiling[-1], swizzle.swizzle
   itemsize = jnp.dtype(ref.dtype).itemsize
@@ -402,7 +402,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # mode only: the GPU route builds them in registers, `_key_outlier_fragment`, `_value_outlier_fragment`);
   # p16_smem f16 [8, block_s] (p8 as f16; on the GPU route its columns permuted as the value A's, `token_to_k`);
   # oo_smem f32 [64, 8]. value_outliers="fp8" instead of vt_smem, p16_smem: ph_smem, pl_smem fp8 [64, block_s]
-  # (rows 0..7: p8 = hi + lo, both exact in e4m3, `split_p8`; rows 8.. never written, their sums never read);
+  # (rows 0..7: p8 = hi + lo, both exact in e4m3, `split_p8`; rows 8.. never written: their sums, in the rows of
+  # acc_o past 8, are never read);
   # ar_smem f32 [2, 64] (alpha per head as a row vector, two slots by block parity). "fp8_stacked": ph_smem only,
   # hi in rows 0..7 and lo in rows 8..15 (one wgmma; acco_out then [BK, splits, 16, 8], the halves summed outside).
   if outliers:
@@ -498,7 +499,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
         _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS, column_map=token_to_k)
     plgpu.commit_smem()
     if fp8_values:  # after the barrier: every thread's alpha is in; the other slot is the next block's
-      alpha_rows = plgpu.load(slot, layout=plgpu.Layout.WGMMA.reduce(1))  # [64], rows 8.. meaningless
+      alpha_rows = plgpu.load(slot, layout=plgpu.Layout.WGMMA.reduce(1))  # [64]; only the written rows are used
 
     def value_scope(vacc_ref, oacc_ref=None):  # int32 [H, 8], this block's code sums; f32 [64, 8] outlier sums
       if interpret:
