@@ -42,8 +42,9 @@ Outputs per program: acc f32 [H, 8], m f32 [8], l f32 [8]; `decode_core_mgpu` me
 restores the channel order (`_channel_rows`) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the
 per-split outputs with acc stored in channel order by the kernel (for `oskvp_uniform_glue.epilogue`).
 
-CPU interpret mode: the interpreter runs no inline Mosaic, so there the planes go through shared memory (as in the
-building blocks) and p8 is stored with jnp.
+The GPU route's register-level pieces (hand-written transposed stores, the outlier A fragments and their index math)
+are in `oskvp_core_registers_mgpu.py`. CPU interpret mode: the interpreter runs no inline Mosaic, so there the planes
+go through shared memory (as in the building blocks) and p8 is stored with jnp.
 """
 
 from __future__ import annotations
@@ -51,23 +52,17 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith
-from jax._src.lib.mlir.dialects import llvm
-from jax._src.lib.mlir.dialects import memref
-from jax._src.lib.mlir.dialects import vector
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import numpy as np
 
 from pallas_kernels.interpret_settle import settled_when_interpreted
+from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_key_scores_mgpu as ks
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 N = 8  # query heads per kv head, padded: the wgmma N of both sides
-OUTLIERS = 8  # fp8 outlier channels per side: the outlier rows [S, 16] hold 8 key then 8 value channels
+OUTLIERS = rg.OUTLIERS  # fp8 outlier channels per side
 # The value-outlier sums: fp8 × fp8 wgmmas from shared memory (p8's two e4m3 parts in two A tiles, or stacked in
 # rows 0..7 and 8..15 of one), or the f16 A in registers.
 VALUE_OUTLIER_FORMS = ("fp8", "fp8_stacked", "f16")
@@ -147,235 +142,6 @@ def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: ja
   return out, jnp.einsum("bsn,bsno->bno", ws, acc_o) / total
 
 
-def _store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0):
-  """Inside the kernel (GPU route): arr [T, C] in the WGMMA layout -> ref [R >= C + row_offset, T] with element (t, c)
-  at ref[c + row_offset, t] (transposed; int32 values are truncated to an int8 ref), or at
-  ref[c + row_offset, column_map(ops, t)] (a permutation of the
-  columns). `transforms` are the ref's (tiles of 8 × tc elements, a swizzle of sw bytes), and the swizzle is applied
-  by hand: the 16-byte chunk index ^= the row's address bits 7+. The other rows of ref are left as they were."""
-  (tiling, swizzle) = transforms
-  tc, sw = tiling.tiling[-1], swizzle.swizzle
-  itemsize = jnp.dtype(ref.dtype).itemsize
-  chunk_shift = (16 // itemsize).bit_length() - 1  # log2 of the elements per 16-byte chunk
-  row_tiles, col_tiles = ref.shape[0] // 8, ref.shape[1] // tc
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(transforms)))
-  def store(_, arr, ref):  # ref: the tiled memref [R / 8, T / tc, 8, tc]
-    index = ir.IndexType.get()
-    c = lambda v: mgpu.utils.c(v, index)
-    elem = ir.MemRefType(ref.type).element_type
-    zero = c(0)
-
-    def one(val, idx):  # idx = (arr row t: a column of ref, arr column n: a row of ref)
-      t, n = idx
-      if row_offset:
-        n = arith.addi(n, c(row_offset))
-      if column_map is not None:
-        t = column_map(_Mlir(index), t)
-      tile_r, r = (zero, n) if row_tiles == 1 else (arith.divui(n, c(8)), arith.remui(n, c(8)))
-      tile_t, tt = (zero, t) if col_tiles == 1 else (arith.divui(t, c(tc)), arith.remui(t, c(tc)))
-      xor = arith.andi(arith.shrui(arith.muli(r, c(tc * itemsize)), c(7)), c(sw // 16 - 1))
-      phys = arith.xori(tt, arith.shli(xor, c(chunk_shift)))
-      if val.type != elem:
-        val = arith.trunci(elem, val)
-      memref.store(val, ref, [tile_r, tile_t, r, phys])
-
-    arr.foreach(one)
-
-  store(arr, ref)
-
-
-F16_T_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-F16_B16_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-
-
-class _Ints:
-  """Integer arithmetic on Python ints (the CPU model of the fragment index math)."""
-  add = staticmethod(lambda a, b: a + b)
-  mul = staticmethod(lambda a, k: a * k)
-  shr = staticmethod(lambda a, k: a >> k)
-  shl = staticmethod(lambda a, k: a << k)
-  div = staticmethod(lambda a, k: a // k)
-  mod = staticmethod(lambda a, k: a % k)
-  band = staticmethod(lambda a, k: a & k)
-  bor = staticmethod(lambda a, b: a | b)
-  bxor = staticmethod(lambda a, b: a ^ b)
-
-
-class _Mlir:
-  """The same arithmetic on i32 MLIR values (inside `plgpu.inline_mgpu`); constants are Python ints."""
-
-  def __init__(self, ty=None):
-    self.ty = ir.IntegerType.get_signless(32) if ty is None else ty
-
-  def value(self, a):
-    """a as an MLIR value of the ops' type (a Python int becomes a constant)."""
-    return mgpu.utils.c(a, self.ty) if isinstance(a, int) else a
-
-  def add(self, a, b):
-    return a + b if isinstance(a, int) and isinstance(b, int) else arith.addi(self.value(a), self.value(b))
-
-  def mul(self, a, k):
-    return a * k if isinstance(a, int) else arith.muli(a, self.value(k))
-
-  def shr(self, a, k):
-    return a >> k if isinstance(a, int) else arith.shrui(a, self.value(k))
-
-  def shl(self, a, k):
-    return a << k if isinstance(a, int) else arith.shli(a, self.value(k))
-
-  def div(self, a, k):
-    return a // k if isinstance(a, int) else arith.divui(a, self.value(k))
-
-  def mod(self, a, k):
-    return a % k if isinstance(a, int) else arith.remui(a, self.value(k))
-
-  def band(self, a, k):
-    return a & k if isinstance(a, int) else arith.andi(a, self.value(k))
-
-  def bor(self, a, b):
-    return a | b if isinstance(a, int) and isinstance(b, int) else arith.ori(self.value(a), self.value(b))
-
-  def bxor(self, a, b):
-    return a ^ b if isinstance(a, int) and isinstance(b, int) else arith.xori(self.value(a), self.value(b))
-
-
-def acc_row_channel(ops, r, q: int):
-  """Accumulator row r of the value sums (ACC order [p2, qt, w, p1, i], one plane type) -> its channel
-  (p2, p1, qt, w, i): `oskvp_value_sums_mgpu.acc_row_channels`, as index arithmetic."""
-  nq = q // 32
-  low, rest = ops.band(r, 7), ops.shr(r, 6)
-  p1, w = ops.band(ops.shr(r, 3), 1), ops.band(ops.shr(r, 4), 3)
-  qt, p2 = ops.mod(rest, nq), ops.div(rest, nq)
-  outer = ops.add(ops.mul(ops.add(ops.mul(ops.add(ops.mul(p2, 2), p1), nq), qt), 32), ops.mul(w, 8))
-  return ops.add(outer, low)
-
-
-def _store_channel_rows(arr, ref, q: int):
-  """Inside the kernel (GPU route): the value accumulator arr f32 [H (ACC order), 8] (WGMMA layout) -> ref f32
-  [H, 8] in channel order (one scalar store per element, once per program)."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-  def store(_, arr, ref):
-    ops = _Mlir(ir.IndexType.get())
-
-    def one(val, idx):
-      memref.store(val, ref, [acc_row_channel(ops, idx[0], q), idx[1]])
-
-    arr.foreach(one)
-
-  store(arr, ref)
-
-
-def key_outlier_source(ops, idx: tuple[int, ...], warp, lane):
-  """Register idx = (m, c, 0, 0, h, ...) of the key-outlier A operand (f16 [block_s, 16], WGMMA layout: thread
-  (warp, lane) holds tokens t = 64m + 16·warp + lane // 4 + 8h, columns 8c + 2·(lane % 4) + 0..1) -> (row, column)
-  of its fp8 pair in the tile [block_s / 2, 16] (token t's 8 channels at row t // 2, columns 8·(t % 2) + 0..7), or
-  None for the zero columns 8..15."""
-  m, c, h = idx[0], idx[1], idx[4]
-  if c:
-    return None
-  row = ops.add(32 * m + 4 * h, ops.add(ops.mul(warp, 8), ops.shr(lane, 3)))  # t // 2 (64m, 16·warp, 8h even)
-  col = ops.add(ops.mul(ops.band(ops.shr(lane, 2), 1), 8), ops.mul(ops.band(lane, 3), 2))
-  return row, col
-
-
-def value_outlier_source(ops, idx: tuple[int, ...], warp, lane):
-  """Register idx = (0, kt, 0, 0, h, ...) of the value-outlier A operand (f16 [64, block_s], WGMMA layout: thread
-  (warp, lane) holds row lane // 4 + 8h (+ 16·warp), columns 8·kt + 2·(lane % 4) + 0..1; row r is channel r % 8, the
-  8 channels repeated) -> (row, column) of its fp8 pair in the tile [8, block_s] (channels × tokens), with the
-  columns permuted so that a thread's 8 columns of a 32-column group are 8 consecutive tokens (one 8-byte load):
-  column k holds token `k_to_token(k)`, and p is stored with the same permutation (`token_to_k`)."""
-  del warp
-  kt = idx[1]  # = 4g + pair, g the 32-token group
-  return ops.shr(lane, 2), ops.add(32 * (kt // 4) + 2 * (kt % 4), ops.mul(ops.band(lane, 3), 8))
-
-
-def k_to_token(ops, k):
-  """Column k of the value-outlier A operand (and row k of p16) -> its token, within each group of 32:
-  k = 16c + 8j + 2a + b -> t = 8a + 4c + 2j + b (a thread's columns of a group, fixed a, are 8 consecutive tokens)."""
-  t = ops.bor(ops.band(k, ~31 & 0xFFFF), ops.shl(ops.band(ops.shr(k, 1), 3), 3))
-  t = ops.bor(t, ops.shl(ops.band(ops.shr(k, 4), 1), 2))
-  return ops.bor(t, ops.bor(ops.shl(ops.band(ops.shr(k, 3), 1), 1), ops.band(k, 1)))
-
-
-def token_to_k(ops, t):
-  """The inverse of `k_to_token`: t = 8a + 4c + 2j + b -> k = 16c + 8j + 2a + b (within each group of 32)."""
-  k = ops.bor(ops.band(t, ~31 & 0xFFFF), ops.shl(ops.band(ops.shr(t, 2), 1), 4))
-  k = ops.bor(k, ops.shl(ops.band(ops.shr(t, 1), 1), 3))
-  return ops.bor(k, ops.bor(ops.shl(ops.band(ops.shr(t, 3), 3), 1), ops.band(t, 1)))
-
-
-def _cvt_e4m3x2(pair16):
-  """i16 (two fp8 e4m3 bytes) -> vector<2xf16> (one cvt.rn.f16x2.e4m3x2)."""
-  i32 = ir.IntegerType.get_signless(32)
-  out = llvm.inline_asm(i32, [pair16], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
-  return mgpu.utils.bitcast(out, ir.VectorType.get((2,), ir.F16Type.get()))
-
-
-def _thread_coords(ops):
-  tid = mgpu.utils.thread_idx()
-  return ops.band(ops.shr(tid, 5), 3), ops.band(tid, 31)  # warp in the warpgroup, lane
-
-
-def _key_outlier_fragment(tile, block_s: int):
-  """Inside the kernel (GPU route): the key-outlier tile fp8 [block_s / 2, 16] (unswizzled) -> the f16
-  [block_s, 16] A operand in the WGMMA layout (`key_outlier_source`): one 2-byte load and one cvt per register."""
-  shape = (block_s, 2 * OUTLIERS)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                     return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, plgpu.Layout.WGMMA))
-  def frag(_, ref):
-    ops, index = _Mlir(), ir.IndexType.get()
-    i16 = ir.IntegerType.get_signless(16)
-    pair8 = ir.VectorType.get((2,), ir.Float8E4M3FNType.get())
-    warp, lane = _thread_coords(ops)
-    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
-    zero = mgpu.utils.c(0.0, ir.VectorType.get((2,), ir.F16Type.get()))
-    for idx in np.ndindex(regs.shape):
-      src = key_outlier_source(ops, idx, warp, lane)
-      if src is None:
-        regs[idx] = zero
-        continue
-      row, col = (arith.index_cast(index, ops.value(v)) for v in src)
-      regs[idx] = _cvt_e4m3x2(mgpu.utils.bitcast(vector.load(pair8, ref, [row, col]), i16))
-    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-
-  return frag(tile)
-
-
-def _value_outlier_fragment(tile, block_s: int, transforms):
-  """Inside the kernel (GPU route): the value-outlier tile fp8 [8, block_s] (swizzled, `transforms`) -> the f16
-  [64, block_s] A operand in the WGMMA layout with permuted columns (`value_outlier_source`): per 32 tokens one
-  8-byte load and four cvts per thread; the two row halves (h) share the registers."""
-  shape = (64, block_s)
-  (tiling, swizzle) = transforms
-  tc, sw = tiling.tiling[-1], swizzle.swizzle
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
-                     return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, plgpu.Layout.WGMMA))
-  def frag(_, ref):  # ref: the tiled memref [1, block_s / tc, 8, tc]
-    ops, index = _Mlir(), ir.IndexType.get()
-    i16, i64 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(64)
-    oct8 = ir.VectorType.get((8,), ir.Float8E4M3FNType.get())
-    warp, lane = _thread_coords(ops)
-    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
-    for g in range(block_s // 32):
-      row, col = value_outlier_source(ops, (0, 4 * g, 0, 0, 0), warp, lane)
-      xor = ops.band(ops.shr(ops.mul(row, tc), 7), sw // 16 - 1)  # the swizzle: 16-byte chunk ^= row bits
-      phys = ops.bxor(ops.band(col, tc - 1), ops.shl(xor, 4))
-      as_index = lambda v: arith.index_cast(index, ops.value(v))
-      zero = mgpu.utils.c(0, index)
-      word = vector.load(oct8, ref, [zero, as_index(ops.shr(col, tc.bit_length() - 1)), as_index(row), as_index(phys)])
-      word = mgpu.utils.bitcast(word, i64)
-      for pair in range(4):
-        reg = _cvt_e4m3x2(arith.trunci(i16, arith.shrui(word, mgpu.utils.c(16 * pair, i64))))
-        regs[0, 4 * g + pair, 0, 0, 0, 0, 0, 0, 0] = regs[0, 4 * g + pair, 0, 0, 1, 0, 0, 0, 0] = reg
-    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-
-  return frag(tile)
-
-
 def split_p8(p8):
   """int32 p8 (0..127, any shape and layout) -> (hi, lo) float8_e4m3fn with hi + lo = p8 exactly: hi = p8 rounded to
   e4m3 (4 significant bits), lo = p8 − hi (|lo| <= 4, an integer, exact in e4m3). The fp8 form of the value-outlier
@@ -399,8 +165,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
   # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
   # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] / vt_smem f16 [64, block_s] (the outlier A operands, interpret
-  # mode only: the GPU route builds them in registers, `_key_outlier_fragment`, `_value_outlier_fragment`);
-  # p16_smem f16 [8, block_s] (p8 as f16; on the GPU route its columns permuted as the value A's, `token_to_k`);
+  # mode only: the GPU route builds them in registers, `rg.key_outlier_fragment`, `rg.value_outlier_fragment`);
+  # p16_smem f16 [8, block_s] (p8 as f16; on the GPU route its columns permuted as the value A's, `rg.token_to_k`);
   # oo_smem f32 [64, 8]. value_outliers="fp8" instead of vt_smem, p16_smem: ph_smem, pl_smem fp8 [64, block_s]
   # (rows 0..7: p8 = hi + lo, both exact in e4m3, `split_p8`; rows 8.. never written: their sums, in the rows of
   # acc_o past 8, are never read);
@@ -445,7 +211,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
       else:
         codes = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA_8BIT)
         plgpu.wgmma(acc_i, ks._planes_in_registers(codes, block_s, q, 1), q_smem.T)  # pylint: disable=protected-access
-        plgpu.wgmma(acc_o, _key_outlier_fragment(ko_tile, block_s), qo_smem.T)
+        plgpu.wgmma(acc_o, rg.key_outlier_fragment(ko_tile, block_s), qo_smem.T)
       plgpu.wgmma_wait(0)
       return acc_i[...].astype(jnp.float32) * scale + acc_o[...]
 
@@ -491,12 +257,12 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
         p16_smem[...] = p8.T.astype(jnp.float16)
         vt_smem[...] = jnp.tile(vo_tile[...].astype(jnp.float16), (64 // OUTLIERS, 1))
     else:
-      _store_transposed(p8, p_smem, ks.swizzled(block_s))
+      rg.store_transposed(p8, p_smem, ks.swizzled(block_s))
       if fp8_values:
-        _store_transposed(hi, ph_smem, ks.swizzled(block_s))
-        _store_transposed(lo, lo_smem, ks.swizzled(block_s), row_offset=lo_row)
+        rg.store_transposed(hi, ph_smem, ks.swizzled(block_s))
+        rg.store_transposed(lo, lo_smem, ks.swizzled(block_s), row_offset=lo_row)
       elif outliers and ablate != "no_outlier_value":
-        _store_transposed(p8.astype(jnp.float16), p16_smem, F16_T_TRANSFORMS, column_map=token_to_k)
+        rg.store_transposed(p8.astype(jnp.float16), p16_smem, rg.F16_T_TRANSFORMS, column_map=rg.token_to_k)
     plgpu.commit_smem()
     if fp8_values:  # after the barrier: every thread's alpha is in; the other slot is the next block's
       alpha_rows = plgpu.load(slot, layout=plgpu.Layout.WGMMA.reduce(1))  # [64]; only the written rows are used
@@ -516,7 +282,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
       elif outliers and interpret:
         plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
       elif outliers and ablate != "no_outlier_value":
-        plgpu.wgmma(oacc_ref, _value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
+        plgpu.wgmma(oacc_ref, rg.value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
       plgpu.wgmma_wait(0)
       return (vacc_ref[...], oacc_ref[...]) if outliers else vacc_ref[...]
 
@@ -548,7 +314,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   elif interpret:
     o_smem[...] = vs._channel_rows(acc, q, 0)  # pylint: disable=protected-access
   else:
-    _store_channel_rows(acc, o_smem, q)
+    rg.store_channel_rows(acc, o_smem, q)
   ml_smem[pl.ds(0, N)] = m
   ml_smem[pl.ds(N, N)] = jnp.sum(l, axis=0)
   if outliers:
@@ -617,16 +383,16 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
           o_smem=plgpu.SMEM((h, N), jnp.float32),
           ml_smem=plgpu.SMEM((32,), jnp.float32),
           bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1),
-          **(dict(qo_smem=plgpu.SMEM((N, 2 * OUTLIERS), jnp.float16, transforms=F16_B16_TRANSFORMS),
+          **(dict(qo_smem=plgpu.SMEM((N, 2 * OUTLIERS), jnp.float16, transforms=rg.F16_B16_TRANSFORMS),
                   a16_smem=plgpu.SMEM((block_s, 2 * OUTLIERS) if smem_a else (8, 16), jnp.float16,
-                                      transforms=F16_B16_TRANSFORMS),
+                                      transforms=rg.F16_B16_TRANSFORMS),
                   oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {}),
           **(dict(ph_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn, transforms=ks.swizzled(block_s)),
                   ar_smem=plgpu.SMEM((2, 64), jnp.float32),
                   **({} if stacked else dict(pl_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn,
                                                                 transforms=ks.swizzled(block_s))))) if fp8_values else
-             dict(vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=F16_T_TRANSFORMS),
-                  p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=F16_T_TRANSFORMS)) if outliers else {})),
+             dict(vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=rg.F16_T_TRANSFORMS),
+                  p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=rg.F16_T_TRANSFORMS)) if outliers else {})),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
   res = kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))

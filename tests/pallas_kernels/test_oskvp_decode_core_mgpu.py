@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
@@ -124,22 +125,22 @@ def test_outlier_fragment_index_math(shape, source, tile):
   src = np.arange(np.prod(tile)).reshape(tile)  # element ids of the tile
   if source == "key":  # A[t, c] = kout[t, c] for c < 8, else 0
     want = np.concatenate([src.reshape(shape[0], 8), np.full((shape[0], 8), -1)], axis=1)
-    fn = dc.key_outlier_source
+    fn = rg.key_outlier_source
   else:  # A[r, k] = vout[r % 8, k_to_token(k)] (columns permuted; p is stored with the same permutation)
-    perm = np.array([dc.k_to_token(dc._Ints, k) for k in range(shape[1])])  # pylint: disable=protected-access
+    perm = np.array([rg.k_to_token(rg.Ints, k) for k in range(shape[1])])
     assert sorted(perm) == list(range(shape[1]))
-    assert [dc.token_to_k(dc._Ints, t) for t in perm] == list(range(shape[1]))  # pylint: disable=protected-access
+    assert [rg.token_to_k(rg.Ints, t) for t in perm] == list(range(shape[1]))
     want = np.tile(src[:, perm], (8, 1))
-    fn = dc.value_outlier_source
+    fn = rg.value_outlier_source
   got = np.full(shape, -2)
   layout = mgpu.WGMMA_LAYOUT
   for (r, c), (thread, reg, pos) in layout_split(layout, shape).items():
     warp, lane = thread[0], thread[1] * 4 + thread[2]
-    where = fn(dc._Ints, reg, warp, lane)  # pylint: disable=protected-access
+    where = fn(rg.Ints, reg, warp, lane)
     got[r, c] = -1 if where is None else src[where[0], where[1] + pos]
     if source == "value":  # register kt = 4g + pair: byte 2·pair of the thread's 8-byte word of group g
       kt = reg[1]
-      base = dc.value_outlier_source(dc._Ints, (0, 4 * (kt // 4), 0, 0, 0), warp, lane)  # pylint: disable=protected-access
+      base = rg.value_outlier_source(rg.Ints, (0, 4 * (kt // 4), 0, 0, 0), warp, lane)
       assert where == (base[0], base[1] + 2 * (kt % 4)) and base[1] % 8 == 0
   np.testing.assert_array_equal(got, want)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hopper_lowering import lowers_to_triton_for_hopper  # pylint: disable=import-error
+from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_uniform_glue as gl
 from pallas_kernels.oskvp_random import uniform_codebooks
@@ -88,5 +89,5 @@ def test_glue_lowers_to_triton_ir_for_hopper():
 def test_acc_row_channel_matches_the_value_side_order():
   from pallas_kernels import oskvp_value_sums_mgpu as vs  # pylint: disable=g-import-not-at-top
   for q in (32, 64):
-    got = [dc.acc_row_channel(dc._Ints, r, q) for r in range(4 * q)]  # pylint: disable=protected-access
+    got = [rg.acc_row_channel(rg.Ints, r, q) for r in range(4 * q)]
     np.testing.assert_array_equal(got, vs.acc_row_channels(q))
