@@ -31,7 +31,6 @@ import decode_attention as da  # pylint: disable=g-import-not-at-top,wrong-impor
 from moe_jax.kv_quant import kivi  # pylint: disable=wrong-import-position
 from pallas_kernels import kivi_decode_attention as kd  # pylint: disable=wrong-import-position
 from pallas_kernels import per_token_decode_attention as ptda  # pylint: disable=wrong-import-position
-from pallas_kernels.oskvp_decode_attention import unpack_codes  # pylint: disable=wrong-import-position
 
 QUANT = {"int8": da.quant_int8, "fp8": da.quant_fp8}
 SWEEP = list(itertools.product((32, 64, 128), (4, 8), (2, 3)))  # block_s, num_warps, num_stages
@@ -67,14 +66,7 @@ def kivi_args(i, b, s, n_comp=None, n_res=None):
 def xla_kivi2(q, ck, ksc, kz, cv, vsc, vz, rk, rv, n_comp, n_res):
   """The XLA peer: both stores dequantized to bf16 inside the einsums (the window concatenated), masked softmax."""
   b, n, h = q.shape
-  s = ck.shape[2]
-  unpack = lambda c: unpack_codes(c).astype(jnp.bfloat16)
-  rep_t = lambda a: jnp.repeat(a.astype(jnp.bfloat16), kivi.GROUP, axis=2)
-  rep_c = lambda a: jnp.repeat(a.astype(jnp.bfloat16), h // a.shape[-1], axis=-1)
-  k = jnp.concatenate([unpack(ck) * rep_t(ksc) + rep_t(kz), rk], axis=2)
-  v = jnp.concatenate([unpack(cv) * rep_c(vsc) + rep_c(vz), rv], axis=2)
-  live = jnp.concatenate([jnp.arange(s)[None, :] < n_comp[:, None],
-                          jnp.arange(rk.shape[2])[None, :] < n_res[:, None]], axis=1)
+  k, v, live = kd.dequantized_tokens(ck, ksc, kz, cv, vsc, vz, rk, rv, n_comp, n_res, dtype=jnp.bfloat16)
   qg = q.reshape(b, da.KV_HEADS, n // da.KV_HEADS, h)
   sc = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) * h**-0.5
   p = jax.nn.softmax(jnp.where(live[:, None, None, :], sc, -jnp.inf), axis=-1)

@@ -36,16 +36,27 @@ from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, check_trit
 GROUP = 32  # KIVI's group: tokens per key scale, channels per value scale
 
 
+def dequantized_tokens(codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v, n_comp, n_res,
+                       dtype=jnp.float32):
+  """The cache's leaves -> (k, v [B, K, S + R, H] in dtype: the dequantized store then the window, live bool
+  [B, S + R]: the n_comp stored and n_res window tokens)."""
+  h = res_k.shape[-1]
+  s, r = codes_k.shape[2], res_k.shape[2]
+  rep_t = lambda a: jnp.repeat(a.astype(dtype), GROUP, axis=-2)  # [B, K, S/32, H] -> [B, K, S, H]
+  rep_c = lambda a: jnp.repeat(a.astype(dtype), h // a.shape[-1], axis=-1)  # [B, K, S, H/g] -> [B, K, S, H]
+  unpack = lambda c: unpack_codes(c).astype(dtype)
+  k = jnp.concatenate([unpack(codes_k) * rep_t(k_scale) + rep_t(k_zero), res_k.astype(dtype)], axis=2)
+  v = jnp.concatenate([unpack(codes_v) * rep_c(v_scale) + rep_c(v_zero), res_v.astype(dtype)], axis=2)
+  live = jnp.concatenate([jnp.arange(s)[None, :] < n_comp[:, None], jnp.arange(r)[None, :] < n_res[:, None]], 1)
+  return k, v, live
+
+
 def kivi_decode_attention_reference(q, codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v, n_comp,
                                     n_res):
   """q [B, N, H] -> [B, N, H] (f32 dequantization and softmax over [0, n_comp) and the n_res window tokens)."""
   b, n, h = q.shape
-  kh, s, r = codes_k.shape[1], codes_k.shape[2], res_k.shape[2]
-  rep_t = lambda a: jnp.repeat(a.astype(jnp.float32), GROUP, axis=-2)  # [B, K, S/32, H] -> [B, K, S, H]
-  rep_c = lambda a: jnp.repeat(a.astype(jnp.float32), h // a.shape[-1], axis=-1)  # [B, K, S, H/g] -> [B, K, S, H]
-  k = jnp.concatenate([unpack_codes(codes_k) * rep_t(k_scale) + rep_t(k_zero), res_k.astype(jnp.float32)], axis=2)
-  v = jnp.concatenate([unpack_codes(codes_v) * rep_c(v_scale) + rep_c(v_zero), res_v.astype(jnp.float32)], axis=2)
-  live = jnp.concatenate([jnp.arange(s)[None, :] < n_comp[:, None], jnp.arange(r)[None, :] < n_res[:, None]], 1)
+  kh = codes_k.shape[1]
+  k, v, live = dequantized_tokens(codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v, n_comp, n_res)
   qg = q.astype(jnp.float32).reshape(b, kh, n // kh, h) * h**-0.5
   sc = jnp.einsum("BKGH,BKSH->BKGS", qg, k, precision=jax.lax.Precision.HIGHEST)
   sc = jnp.where(live[:, None, None, :], sc, -jnp.inf)

@@ -13,7 +13,8 @@ Layout per layer (every leaf batch-leading): codes_k, codes_v uint8 [B, K, S, H/
 
 Decode attention: dense over the dequantized cache (implementation="xla", the default), or the split-K kernel
 `pallas_kernels/kivi_decode_attention.py` on the codes themselves (implementation="pallas", H 64 or 128; interpret
-mode off the GPU; not the default until it is measured on one).
+mode off the GPU; not the default: slower than this XLA path on the H200 except at small batch and context,
+`benchmarks/results/quantized_cache_decode.md`).
 """
 
 from __future__ import annotations

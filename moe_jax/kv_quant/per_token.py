@@ -4,7 +4,7 @@ Each token and kv head stores its H channels in 8 bits and one f32 scale: scale 
 qmax = 448 (e4m3) or 127 (int8), floored so an all-zero token stays zero. Decode dequantizes the cache and runs the
 dense masked attention of `moe_jax.kv_cache`, or, with implementation="pallas" and one new token per step, the
 split-K kernel `pallas_kernels/per_token_decode_attention.py` on the 8-bit cache itself (interpret mode off the GPU;
-not the default until it is measured on one).
+not the default: slower than this XLA path on the H200, `benchmarks/results/quantized_cache_decode.md`).
 Shapes: B batch, T new tokens, S cache length, K kv heads, H head dim.
 """
 
