@@ -223,11 +223,11 @@ def uniform_args(key, b, s):
   return tuple(a)
 
 
-def mosaic_uniform(*a, glue: str = "xla"):
-  """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue as
-  in `uniform_decode_attention` ("xla", the default there, or the Pallas kernels)."""
+def mosaic_uniform(*a, glue: str = "xla", value_outliers: str = "fp8"):
+  """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue and
+  value_outliers as in `uniform_decode_attention` (glue "xla", the default there, or the Pallas kernels)."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
-  return uniform_decode_attention(*a, glue=glue)
+  return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers)
 
 
 def token_major(a):
@@ -237,18 +237,21 @@ def token_major(a):
   return tuple(a)
 
 
-def check_mosaic_uniform(log, glue: str = "xla"):
+def check_mosaic_uniform(log, glue: str = "xla", value_outliers: str = "fp8"):
   """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4)."""
   out = []
-  for b, s, n_comp, n_res in ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64))):
+  cases = ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64)))
+  for b, s, n_comp, n_res in cases:
     a = list(uniform_args(jax.random.key(b * s), b, s))
     a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(n_res, jnp.int32)
     case = f"B={b} S={s} n_comp={n_comp} n_res={n_res}"
     try:
-      got = jax.jit(functools.partial(mosaic_uniform, glue=glue))(*a).astype(jnp.float32)
+      got = jax.jit(functools.partial(mosaic_uniform, glue=glue, value_outliers=value_outliers))(*a)
+      got = got.astype(jnp.float32)
       want = jax.jit(oskvp_decode_attention_reference)(*token_major(a)).astype(jnp.float32)
       rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-      out.append(dict(case=case, config=f"mosaic_uniform glue={glue}", rel_err=rel, nan=bool(jnp.isnan(got).any())))
+      out.append(dict(case=case, config=f"mosaic_uniform glue={glue} value_outliers={value_outliers}", rel_err=rel,
+                      nan=bool(jnp.isnan(got).any())))
     except Exception as e:  # pylint: disable=broad-except
       out.append(dict(case=case, config="mosaic_uniform", error=repr(e)[:600]))
     log(f"check mosaic_uniform {out[-1]}")
@@ -319,6 +322,8 @@ def main():
                        "oskvp_uniform only (no sweep, no secondary peers); checks the Mosaic path first")
   ap.add_argument("--mosaic_glue", default="xla", choices=("xla", "pallas"),
                   help="the glue around the Mosaic core in --mosaic_grid (uniform_decode_attention's glue=)")
+  ap.add_argument("--mosaic_value_outliers", default="fp8",
+                  help="comma-separated value-outlier forms of the core timed in --mosaic_grid (fp8, fp8_stacked, f16)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   if args.merge:
@@ -335,7 +340,8 @@ def main():
   copy_tbs, read_tbs = copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
   if args.mosaic_grid:
-    checks = check_mosaic_uniform(log, args.mosaic_glue)
+    forms = args.mosaic_value_outliers.split(",")
+    checks = [c for f in forms for c in check_mosaic_uniform(log, args.mosaic_glue, f)]
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
       return 1
@@ -456,9 +462,12 @@ def main():
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
-        attempt("oskvp_mosaic_uniform", b, s, functools.partial(mosaic_uniform, glue=args.mosaic_glue),
-                lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
-                f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={args.mosaic_glue}")
+        for form in args.mosaic_value_outliers.split(","):
+          attempt("oskvp_mosaic_uniform" + ("" if form == "fp8" else f"_{form}"), b, s,
+                  functools.partial(mosaic_uniform, glue=args.mosaic_glue, value_outliers=form),
+                  lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
+                  f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={args.mosaic_glue}, "
+                  f"value_outliers={form}")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,

@@ -33,7 +33,8 @@ from pallas_kernels.oskvp_uniform_glue import (  # pylint: disable=unused-import
 def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k: jax.Array, cb_v: jax.Array,
                  lengths: jax.Array, outliers: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None, *,
                  scale: float, implementation: str = "pallas", interpret: bool = False, block_s: int = 128,
-                 splits: int = 16, max_concurrent_steps: int = 2) -> tuple[jax.Array, jax.Array]:
+                 splits: int = 16, max_concurrent_steps: int = 2,
+                 value_outliers: str = "fp8") -> tuple[jax.Array, jax.Array]:
   """Softmax attention of q' over the stored compressed tokens, in the rotated basis.
 
   Args:
@@ -48,6 +49,7 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
     scale: the softmax scale (1/√H).
     implementation: "pallas" (the Mosaic GPU core; `interpret=True` on the CPU) or "xla" (exact: dense softmax over
       the dequantized codes, no digit or p quantization).
+    value_outliers: the core's form of the value-outlier sums (`decode_core_mgpu`; the same sums in every form).
 
   Returns:
     (o' f32 [BK, G, H] rotated outputs of the code tokens, lse2 f32 [BK, G] = log2 Σ_t 2^(score·log2 e), -inf for a
@@ -77,7 +79,7 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
   elif implementation == "pallas":
     qd, qs, const = query_digits(q_rot, cb_k, scale)
     kw = dict(block_s=block_s, splits=splits, max_concurrent_steps=max_concurrent_steps, interpret=interpret,
-              return_lse2=True)
+              return_lse2=True, value_outliers=value_outliers)
     if outliers is None:
       mean_code, lse2 = dc.decode_core_mgpu(kcodes, vcodes_t, qd, qs, lengths, **kw)
     else:
@@ -115,7 +117,7 @@ def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int) -> 
 
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
-                             glue: str = "xla") -> jax.Array:
+                             glue: str = "xla", value_outliers: str = "fp8") -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -136,6 +138,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     max_concurrent_steps: the core's TMA ring depth (2: best with the fp8 value-outlier form,
       results/oskvp_decode_core_mgpu_run12.md).
     glue: "pallas" or "xla" (see above).
+    value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -161,7 +164,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     qd, qs_row, qo16, qr16, qc = gl.prologue(q, u_k, cb_k, scale_k, n_comp, interpret=interpret)
     acc, ml, acco = dc.decode_core_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row), rows(outl_k),
                                           rows(outl_v_t), rows(qo16), block_s=block_s, splits=splits,
-                                          max_concurrent_steps=ring, interpret=interpret)
+                                          max_concurrent_steps=ring, interpret=interpret,
+                                          value_outliers=value_outliers)
     per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
     o = gl.epilogue(per_head(acc), per_head(ml), per_head(acco), qr16, qc, cb_v, scale_v, res_k, res_v, n_res, u_v,
                     interpret=interpret)  # [B, K, 16, H]
@@ -171,7 +175,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   o_c, lse_c = attend_codes(q_rot, rows(codes_k), rows(codes_v_t), rows(cb_k), rows(cb_v), jnp.repeat(n_comp, kh),
                             (rows(outl_k), rows(scale_k), rows(outl_v_t), rows(scale_v)), scale=scale,
                             implementation="pallas", interpret=interpret, block_s=block_s, splits=splits,
-                            max_concurrent_steps=ring)
+                            max_concurrent_steps=ring, value_outliers=value_outliers)
   o_r, lse_r = window_attention(q_rot, rows(res_k), rows(res_v), jnp.repeat(n_res, kh), scale=scale)
   o, _ = merge_lse2(o_c, lse_c, o_r, lse_r)
   o = jnp.einsum("bgj,bhj->bgh", o, rows(u_v))  # o' @ U_vᵀ
