@@ -42,8 +42,9 @@ L2_BYTES = 60 * 2**20
 N_HEADS, KV_HEADS, HEAD_DIM, WINDOW = 32, 8, 128, 128
 
 
-def timeit(fn, make_args, bytes_per_call, reps=15, min_calls=8):
-  """fn(*args) one call; make_args(i) -> args of copy i. Returns ms per call (median).
+def chained_calls(fn, make_args, bytes_per_call, min_calls=8):
+  """fn(*args) one call; make_args(i) -> args of copy i. Returns (multi, qs, arg_sets, calls): multi(qs, arg_sets)
+  runs `calls` calls of fn in one jitted program, over enough copies of the arguments to defeat the L2 cache.
 
   Call i's query carries a 1e-30 * (an element of call i-1's output): numerically a no-op, but it orders the calls
   and stops XLA from merging the calls' dots that share a K/V operand into one pass over the cache (the first
@@ -64,6 +65,12 @@ def timeit(fn, make_args, bytes_per_call, reps=15, min_calls=8):
       dep = outs[-1].reshape(-1)[0].astype(jnp.float32) * 1e-30
     return outs
 
+  return multi, qs, arg_sets, calls
+
+
+def timeit(fn, make_args, bytes_per_call, reps=15, min_calls=8):
+  """Wall-clock ms per call of fn (median over reps of `chained_calls`' program, divided by its calls)."""
+  multi, qs, arg_sets, calls = chained_calls(fn, make_args, bytes_per_call, min_calls)
   jax.block_until_ready(multi(qs, arg_sets))
   jax.block_until_ready(multi(qs, arg_sets))
   times = []
@@ -223,7 +230,7 @@ def uniform_args(key, b, s):
   return tuple(a)
 
 
-def mosaic_uniform(*a, glue: str = "xla", value_outliers: str = "fp8"):
+def mosaic_uniform(*a, glue: str = "xla", value_outliers: str = "fp8_stacked"):
   """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue and
   value_outliers as in `uniform_decode_attention` (glue "xla", the default there, or the Pallas kernels)."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
@@ -237,7 +244,7 @@ def token_major(a):
   return tuple(a)
 
 
-def check_mosaic_uniform(log, glue: str = "xla", value_outliers: str = "fp8"):
+def check_mosaic_uniform(log, glue: str = "xla", value_outliers: str = "fp8_stacked"):
   """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4)."""
   out = []
   cases = ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64)))
@@ -322,7 +329,7 @@ def main():
                        "oskvp_uniform only (no sweep, no secondary peers); checks the Mosaic path first")
   ap.add_argument("--mosaic_glue", default="xla", choices=("xla", "pallas"),
                   help="the glue around the Mosaic core in --mosaic_grid (uniform_decode_attention's glue=)")
-  ap.add_argument("--mosaic_value_outliers", default="fp8",
+  ap.add_argument("--mosaic_value_outliers", default="fp8_stacked",
                   help="comma-separated value-outlier forms of the core timed in --mosaic_grid (fp8, fp8_stacked, f16)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
@@ -463,7 +470,7 @@ def main():
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
         for form in args.mosaic_value_outliers.split(","):
-          attempt("oskvp_mosaic_uniform" + ("" if form == "fp8" else f"_{form}"), b, s,
+          attempt("oskvp_mosaic_uniform" + ("" if form == "fp8_stacked" else f"_{form}"), b, s,
                   functools.partial(mosaic_uniform, glue=args.mosaic_glue, value_outliers=form),
                   lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
                   f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={args.mosaic_glue}, "

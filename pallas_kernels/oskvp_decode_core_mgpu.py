@@ -29,15 +29,17 @@ With outliers (two more TMA streams: the key channels [S, 8] token-major as the 
 channels [8, S] tokens contiguous), step 1 adds an f16 wgmma whose A (the key tile, f16 [block_s, 16] with columns
 8.. zero) is built in registers from 2-byte loads of the fp8 tile, and step 4 adds the value-outlier sums in one of
 two forms (`value_outliers`), the same sums either way:
-- "fp8" (the default): p8 split exactly into two e4m3 parts, p8 = hi + lo (`split_p8`), each stored transposed to
-  shared memory as rows 0..7 of an A operand [64, block_s] (heads × tokens); two fp8 × fp8 wgmmas with the value
-  tile as B, as TMA left it, give [64 (heads), 8 (channels)]. The running sums are rescaled per head along the rows,
-  so alpha goes through shared memory once per block to come back as a row vector. No A fragment in registers.
+- "fp8": p8 split exactly into two e4m3 parts, p8 = hi + lo (`split_p8`), each stored transposed to shared memory
+  as rows 0..7 of an A operand [64, block_s] (heads × tokens); two fp8 × fp8 wgmmas with the value tile as B, as
+  TMA left it, give [64 (heads), 8 (channels)]. The running sums are rescaled per head along the rows, so alpha
+  goes through shared memory once per block to come back as a row vector. No A fragment in registers.
+- "fp8_stacked" (the default): the same, with lo in rows 8..15 of hi's A tile: one wgmma per 32 tokens gives the
+  hi sums in rows 0..7 and the lo sums in rows 8..15 (added after the kernel); 8 KB less shared memory per program.
 - "f16": an f16 wgmma whose A (the value tile repeated to 64 rows, [64, block_s]) is built from one 8-byte load
   per 32 tokens per thread (the tokens permuted along K so that a thread's columns are consecutive bytes), with p8
   as f16 ([8, block_s], stored transposed by hand with the same permutation).
-On the H200 at 64k × batch 8 the fp8 form at ring 2 is the fastest core (151 µs; the f16 form 159 µs at its best
-ring 3; results/oskvp_decode_core_mgpu_run12.md). Each side issues its wgmmas before one wait.
+On the H200 at 64k × batch 8 the fp8_stacked form at ring 2 is the fastest core (145.5 µs; fp8 151.3, f16 159.9 at
+its best ring 3; results/oskvp_decode_core_mgpu_run13.md). Each side issues its wgmmas before one wait.
 Outputs per program: acc f32 [H, 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits (log-sum-exp) and
 restores the channel order (`_channel_rows`) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the
 per-split outputs with acc stored in channel order by the kernel (for `oskvp_uniform_glue.epilogue`).
@@ -66,6 +68,7 @@ OUTLIERS = rg.OUTLIERS  # fp8 outlier channels per side
 # The value-outlier sums: fp8 × fp8 wgmmas from shared memory (p8's two e4m3 parts in two A tiles, or stacked in
 # rows 0..7 and 8..15 of one), or the f16 A in registers.
 VALUE_OUTLIER_FORMS = ("fp8", "fp8_stacked", "f16")
+VALUE_OUTLIERS = "fp8_stacked"  # the default form: the fastest core on the H200 (results/..._run13.md)
 P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
 MASKED = -1e30  # the score of a token past the row's length (finite: a fully masked block keeps alpha = 1)
 _LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
@@ -350,7 +353,7 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
 
 def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, block_s: int, splits: int,
                max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool, channel_out: bool,
-               value_outliers: str = "fp8"):
+               value_outliers: str = VALUE_OUTLIERS):
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
   [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (channel order with
   channel_out, else ACC order), ml f32 [BK, splits, 32] (+ acco f32 [BK, splits, 8, 8] with outliers))."""
@@ -408,7 +411,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
 def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_row: jax.Array, kout: jax.Array,
                        vout: jax.Array, qo16: jax.Array, *, block_s: int = 128, splits: int = 16,
                        max_concurrent_steps: int = 2, interpret: bool | plgpu.InterpretGPUParams = False,
-                       value_outliers: str = "fp8"):
+                       value_outliers: str = VALUE_OUTLIERS):
   """The core with outliers and ragged lengths, unmerged: for callers that merge the splits themselves
   (`oskvp_uniform_glue.epilogue`, which also takes the window).
 
@@ -461,7 +464,7 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
                      block_s: int = 64, splits: int = 16,
                      max_concurrent_steps: int = 4,
                      interpret: bool | plgpu.InterpretGPUParams = False, ablate: str = "",
-                     return_lse2: bool = False, value_outliers: str = "fp8"):
+                     return_lse2: bool = False, value_outliers: str = VALUE_OUTLIERS):
   """Fused key scores + online softmax + value sums over uniform 2-bit codes (see the module docstring).
 
   Args:
@@ -485,9 +488,9 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     return_lse2: also return the row's log2-sum-exp2 of the scores (for merging with other tokens' attention).
     value_outliers: how the value-outlier sums run (the same sums either way): "fp8" (p8 split into two e4m3 parts,
       `split_p8`, stored to shared memory as the A operand of two fp8 × fp8 wgmmas with the value-outlier tile as B),
-      "fp8_stacked" (the two parts in rows 0..7 and 8..15 of one A tile: one wgmma, half the shared memory; the
-      halves summed after the kernel) or "f16" (the tile widened to an f16 A operand in registers, repeated to 64
-      rows, with p8 as f16 B).
+      "fp8_stacked" (the default: the two parts in rows 0..7 and 8..15 of one A tile: one wgmma, half the shared
+      memory; the halves summed after the kernel) or "f16" (the tile widened to an f16 A operand in registers,
+      repeated to 64 rows, with p8 as f16 B).
 
   Returns:
     f32 [BK, 8, H]: Σ_t p[n, t] · vcode[t, ch] with the softmax over the row's tokens (`decode_core_reference`,

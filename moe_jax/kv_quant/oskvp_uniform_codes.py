@@ -34,7 +34,7 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
                  lengths: jax.Array, outliers: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None, *,
                  scale: float, implementation: str = "pallas", interpret: bool = False, block_s: int = 128,
                  splits: int = 16, max_concurrent_steps: int = 2,
-                 value_outliers: str = "fp8") -> tuple[jax.Array, jax.Array]:
+                 value_outliers: str = dc.VALUE_OUTLIERS) -> tuple[jax.Array, jax.Array]:
   """Softmax attention of q' over the stored compressed tokens, in the rotated basis.
 
   Args:
@@ -117,7 +117,7 @@ def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int) -> 
 
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
-                             glue: str = "xla", value_outliers: str = "fp8") -> jax.Array:
+                             glue: str = "xla", value_outliers: str = dc.VALUE_OUTLIERS) -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -135,8 +135,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       f32 [B, K, H, 4] uniform codebooks; u_k, u_v: f32 [B, K, H, H]; res_k, res_v: bf16 [B, K, R, H] (rotated);
       n_comp, n_res: int32 [B].
     interpret: run the kernels in their CPU interpreters.
-    max_concurrent_steps: the core's TMA ring depth (2: best with the fp8 value-outlier form,
-      results/oskvp_decode_core_mgpu_run12.md).
+    max_concurrent_steps: the core's TMA ring depth (2: best with the fp8 value-outlier forms,
+      results/oskvp_decode_core_mgpu_run12.md and _run13.md).
     glue: "pallas" or "xla" (see above).
     value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
 

@@ -1,0 +1,136 @@
+"""Where the wall-clock time of a decode-attention call goes: the GPU timeline of `decode_attention.timeit`'s program.
+
+Run on the H200:  PYTHONPATH=$PWD python3 benchmarks/decode_timeline.py --out=$OUT
+`decode_attention.py` times a call as the wall clock of a jitted program of 8+ chained calls, divided by the calls;
+`oskvp_uniform_profile.py` times each kernel alone (CUPTI). The two differ by tens of µs for the wired OS-KVP path
+(0.227 ms wall vs 182 µs of kernels at 64k × 8). This script traces that same chained program with the JAX profiler
+and reads the timeline: per call, the GPU span, the time kernels run, the idle gaps and which kernel each gap
+precedes, and the host-side events that overlap the program (is the host launching slower than the GPU runs?).
+Writes decode_timeline.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import json
+import os
+import sys
+import tempfile
+
+import jax
+from jax.profiler import ProfileData
+
+from benchmarks import decode_attention as da
+
+
+def _impls(b: int, s: int) -> dict:
+  """name -> (fn, make_args, bytes per call)."""
+  q_of = lambda i: jax.random.normal(jax.random.key(i), (b, da.N_HEADS, da.HEAD_DIM), jax.numpy.bfloat16)
+
+  def kv_bshk(i):
+    k, v = da.bf16_cache(jax.random.key(i), b, s)
+    return (q_of(i), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+
+  return {
+      "oskvp_mosaic_uniform": (da.mosaic_uniform, lambda i: da.uniform_args(jax.random.key(i), b, s),
+                               da.oskvp_bytes(b, s)),
+      "cudnn_bf16": (da.cudnn_bf16, kv_bshk, 2 * b * da.KV_HEADS * s * da.HEAD_DIM * 2),
+  }
+
+
+def _events(space: ProfileData, gpu: bool):
+  """[(line name, event name, start ns, duration ns)] of the GPU planes' stream lines, or of the host planes."""
+  out = []
+  for plane in space.planes:
+    if plane.name.startswith("/device:GPU") != gpu or (not gpu and not plane.name.startswith("/host")):
+      continue
+    lines = list(plane.lines)
+    if gpu:  # the kernels are on the stream lines; the others are derived views (XLA Ops, Modules, ...)
+      lines = [ln for ln in lines if ln.name.startswith("Stream")] or lines
+    for ln in lines:
+      out += [(ln.name, ev.name, ev.start_ns, ev.duration_ns) for ev in ln.events]
+  return out
+
+
+def timeline(fn, make_args, nbytes: int, min_calls: int) -> dict:
+  """Traces the third run of `chained_calls`' program; returns the per-call GPU span, busy time, gaps by the kernel
+  that follows them, and the host events overlapping the run."""
+  multi, qs, arg_sets, calls = da.chained_calls(fn, make_args, nbytes, min_calls)
+  jax.block_until_ready(multi(qs, arg_sets))
+  jax.block_until_ready(multi(qs, arg_sets))
+  with tempfile.TemporaryDirectory() as tmp:
+    jax.profiler.start_trace(tmp)
+    jax.block_until_ready(multi(qs, arg_sets))
+    jax.profiler.stop_trace()
+    path = sorted(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True))[-1]
+    space = ProfileData.from_file(path)
+    kernels = sorted(_events(space, gpu=True), key=lambda e: e[2])
+    host = _events(space, gpu=False)
+  if not kernels:
+    return dict(calls=calls, error="no GPU events in the trace")
+  t0, t1 = kernels[0][2], max(e[2] + e[3] for e in kernels)
+  busy, gaps, end = 0.0, collections.defaultdict(list), t0
+  for _, name, start, dur in kernels:
+    gap = max(0.0, start - end)
+    gaps[name].append(gap)
+    busy += min(dur, start + dur - end) if start < end else dur
+    end = max(end, start + dur)
+  by_host = collections.defaultdict(lambda: [0, 0.0])
+  for line, name, start, dur in host:
+    if start + dur >= t0 and start <= t1:
+      by_host[name][0] += 1
+      by_host[name][1] += dur
+  us = 1e-3 / calls
+  return dict(
+      calls=calls, kernels_per_call=len(kernels) / calls, span_us=(t1 - t0) * us, busy_us=busy * us,
+      gap_us=(t1 - t0 - busy) * us,
+      gaps_before=sorted(({"kernel": k, "count": len(v) / calls, "us": sum(v) * us} for k, v in gaps.items()),
+                         key=lambda r: -r["us"]),
+      host_top=sorted(({"event": k, "count": c / calls, "us": d * us} for k, (c, d) in by_host.items()),
+                      key=lambda r: -r["us"])[:25],
+      lines=sorted({e[0] for e in kernels}))
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default="/tmp/decode_timeline")
+  ap.add_argument("--cases", default="8x65536,1x65536", help="batch x context, comma-separated")
+  ap.add_argument("--impls", default="oskvp_mosaic_uniform,cudnn_bf16")
+  ap.add_argument("--min_calls", type=int, default=8)
+  args = ap.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+  md = [f"# Decode-attention timelines: {meta['device']}, jax {meta['jax']}, {meta['date']}", "",
+        "The program `decode_attention.timeit` times (chained calls), traced with the JAX profiler; µs per call.", ""]
+  rows = []
+  for case in args.cases.split(","):
+    b, s = (int(x) for x in case.split("x"))
+    impls = _impls(b, s)
+    for name in args.impls.split(","):
+      fn, make_args, nbytes = impls[name]
+      r = dict(impl=name, batch=b, context=s, **timeline(fn, make_args, nbytes, args.min_calls))
+      rows.append(r)
+      print(json.dumps(r)[:2000], flush=True)
+      if "error" in r:
+        md += [f"## {name}, batch {b} × context {s}: {r['error']}", ""]
+        continue
+      md += [f"## {name}, batch {b} × context {s}: span {r['span_us']:.1f} µs per call, kernels running "
+             f"{r['busy_us']:.1f}, idle {r['gap_us']:.1f} ({r['kernels_per_call']:.0f} kernels per call)", "",
+             "| idle before kernel | per call | µs per call |", "|---|---|---|"]
+      md += [f"| {g['kernel'][:90]} | {g['count']:.1f} | {g['us']:.2f} |" for g in r["gaps_before"][:12]]
+      md += ["", "| host event overlapping the run | per call | µs per call |", "|---|---|---|"]
+      md += [f"| {h['event'][:90]} | {h['count']:.1f} | {h['us']:.1f} |" for h in r["host_top"][:15]] + [""]
+  with open(os.path.join(args.out, "decode_timeline.json"), "w") as fh:
+    json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+  with open(os.path.join(args.out, "decode_timeline.md"), "w") as fh:
+    fh.write("\n".join(md) + "\n")
+  print("\n".join(md))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
