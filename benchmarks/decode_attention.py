@@ -329,6 +329,9 @@ def main():
                        "oskvp_uniform only (no sweep, no secondary peers); checks the Mosaic path first")
   ap.add_argument("--mosaic_glue", default="xla", choices=("xla", "pallas"),
                   help="the glue around the Mosaic core in --mosaic_grid (uniform_decode_attention's glue=)")
+  ap.add_argument("--span", action="store_true",
+                  help="also trace each timed program once and report the GPU span per call (decode_timeline.py): "
+                       "the wall clock adds the host's fixed cost of launching the program")
   ap.add_argument("--mosaic_value_outliers", default="fp8_stacked",
                   help="comma-separated value-outlier forms of the core timed in --mosaic_grid (fp8, fp8_stacked, f16)")
   args = ap.parse_args()
@@ -446,16 +449,25 @@ def main():
 
   save()
 
-  def record(impl, b, s, ms, nbytes, note=""):
+  def record(impl, b, s, ms, nbytes, note="", span_ms=None):
     row = dict(impl=impl, batch=b, context=s, ms=ms, bytes_read=int(nbytes), tb_per_s=nbytes / ms / 1e9,
                frac_copy_bw=nbytes / ms / 1e9 / copy_tbs, note=note)
+    if span_ms is not None:
+      row["span_ms"] = span_ms
     rows.append(row)
     save()
-    log(f"{impl:24s} B={b:3d} S={s:7d} {ms:8.4f} ms {row['tb_per_s']:6.2f} TB/s {note}")
+    span = "" if span_ms is None else f" (GPU span {span_ms:.4f} ms)"
+    log(f"{impl:24s} B={b:3d} S={s:7d} {ms:8.4f} ms {row['tb_per_s']:6.2f} TB/s{span} {note}")
+
+  def gpu_span_ms(fn, make_args, nbytes):
+    from benchmarks.decode_timeline import timeline  # pylint: disable=g-import-not-at-top
+    tl = timeline(fn, make_args, nbytes, 8)
+    return tl["span_us"] * 1e-3 if "span_us" in tl else None
 
   def attempt(impl, b, s, fn, make_args, nbytes, note=""):
     try:
-      record(impl, b, s, timeit(fn, make_args, nbytes), nbytes, note)
+      span = gpu_span_ms(fn, make_args, nbytes) if args.span else None
+      record(impl, b, s, timeit(fn, make_args, nbytes), nbytes, note, span)
     except Exception as e:  # pylint: disable=broad-except
       log(f"{impl} B={b} S={s} failed: {repr(e)[:300]}")
 
@@ -574,14 +586,21 @@ def render_md(result, sources=None):
     head += [f"Copy bandwidth in this run: {meta['copy_tb_per_s']:.2f} TB/s (f32 x+1, read+write), read-only "
              f"{meta['read_tb_per_s']:.2f} TB/s.", f"Best tilings: {meta['best_configs']}"]
   run_col = lambda r: f" {r['run']} |" if runs else ""
+  spans = any("span_ms" in r for r in rows)
   out = head + ["", "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN |" +
-                (" run |" if runs else ""), "|---|---|---|---|---|---|---|---|" + ("---|" if runs else "")]
-  cud = {(r["batch"], r["context"]): r["ms"] for r in rows if r["impl"] == "cudnn_bf16"}
+                (" GPU span ms | span vs cuDNN |" if spans else "") + (" run |" if runs else ""),
+                "|---|---|---|---|---|---|---|---|" + ("---|---|" if spans else "") + ("---|" if runs else "")]
+  cud = {(r["batch"], r["context"]): r for r in rows if r["impl"] == "cudnn_bf16"}
+  ratio = lambda ref, r, key: f" {ref[key] / r[key]:.2f}x |" if ref and ref.get(key) and r.get(key) else " - |"
+
+  def span_cols(r, ref):
+    return (f" {r['span_ms']:.4f} |" if r.get("span_ms") else " - |") + ratio(ref, r, "span_ms") if spans else ""
+
   for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["ms"])):
     ref = cud.get((r["batch"], r["context"]))
     out.append(f"| {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['bytes_read'] / 1e6:.1f} MB | "
-               f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% | " + (f"{ref / r['ms']:.2f}x |" if ref else
-                                                                             "- |") + run_col(r))
+               f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% |" + ratio(ref, r, "ms") + span_cols(r, ref) +
+               run_col(r))
   if result["sweep"]:
     out += ["", "Tiling sweep at 64k x batch 8 (OS-KVP Pallas):", "", "| config | ms | TB/s |", "|---|---|---|"]
     sym = lambda r: " (symmetric codebooks)" if r.get("symmetric") else ""

@@ -67,19 +67,25 @@ def timeline(fn, make_args, nbytes: int, min_calls: int) -> dict:
     jax.profiler.stop_trace()
     path = sorted(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True))[-1]
     space = ProfileData.from_file(path)
-    kernels = sorted(_events(space, gpu=True), key=lambda e: e[2])
-    host = _events(space, gpu=False)
+    kernels, host = _events(space, gpu=True), _events(space, gpu=False)
+  return summarize(kernels, host, calls)
+
+
+def summarize(kernels: list[tuple], host: list[tuple], calls: int) -> dict:
+  """kernels, host: [(line, name, start ns, duration ns)] of one run of `calls` calls -> per call: the GPU span (first
+  kernel start to last kernel end), the time at least one kernel runs, the idle rest, the idle time by the kernel it
+  precedes, and the host events overlapping the span, by name."""
   if not kernels:
     return dict(calls=calls, error="no GPU events in the trace")
+  kernels = sorted(kernels, key=lambda e: e[2])
   t0, t1 = kernels[0][2], max(e[2] + e[3] for e in kernels)
   busy, gaps, end = 0.0, collections.defaultdict(list), t0
   for _, name, start, dur in kernels:
-    gap = max(0.0, start - end)
-    gaps[name].append(gap)
-    busy += min(dur, start + dur - end) if start < end else dur
+    gaps[name].append(max(0.0, start - end))
+    busy += max(0.0, start + dur - max(start, end))  # the part not overlapping what already ran
     end = max(end, start + dur)
   by_host = collections.defaultdict(lambda: [0, 0.0])
-  for line, name, start, dur in host:
+  for _, name, start, dur in host:
     if start + dur >= t0 and start <= t1:
       by_host[name][0] += 1
       by_host[name][1] += dur
