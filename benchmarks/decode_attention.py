@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import datetime
+import itertools
 import json
 import math
 import os
@@ -230,11 +231,12 @@ def uniform_args(key, b, s):
   return tuple(a)
 
 
-def mosaic_uniform(*a, glue: str = "xla", value_outliers: str = "fp8_stacked"):
-  """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue and
-  value_outliers as in `uniform_decode_attention` (glue "xla", the default there, or the Pallas kernels)."""
+def mosaic_uniform(*a, glue: str = "xla", value_outliers: str = "fp8_stacked", max_splits: int | None = None):
+  """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue,
+  value_outliers and max_splits as in `uniform_decode_attention` (glue "xla", the default there, or the Pallas
+  kernels)."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
-  return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers)
+  return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits)
 
 
 def token_major(a):
@@ -332,6 +334,8 @@ def main():
   ap.add_argument("--span", action="store_true",
                   help="also trace each timed program once and report the GPU span per call (decode_timeline.py): "
                        "the wall clock adds the host's fixed cost of launching the program")
+  ap.add_argument("--mosaic_max_splits", default="auto",
+                  help="comma-separated max_splits of the wired path timed in --mosaic_grid (auto: sized for B·K)")
   ap.add_argument("--mosaic_value_outliers", default="fp8_stacked",
                   help="comma-separated value-outlier forms of the core timed in --mosaic_grid (fp8, fp8_stacked, f16)")
   args = ap.parse_args()
@@ -481,12 +485,14 @@ def main():
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
-        for form in args.mosaic_value_outliers.split(","):
-          attempt("oskvp_mosaic_uniform" + ("" if form == "fp8_stacked" else f"_{form}"), b, s,
-                  functools.partial(mosaic_uniform, glue=args.mosaic_glue, value_outliers=form),
+        for form, ms in itertools.product(args.mosaic_value_outliers.split(","), args.mosaic_max_splits.split(",")):
+          attempt("oskvp_mosaic_uniform" + ("" if form == "fp8_stacked" else f"_{form}")
+                  + ("" if ms == "auto" else f"_s{ms}"), b, s,
+                  functools.partial(mosaic_uniform, glue=args.mosaic_glue, value_outliers=form,
+                                    max_splits=None if ms == "auto" else int(ms)),
                   lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
                   f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={args.mosaic_glue}, "
-                  f"value_outliers={form}")
+                  f"value_outliers={form}, max_splits={ms}")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,

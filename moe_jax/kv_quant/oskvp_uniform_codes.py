@@ -100,24 +100,39 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
 
 MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
 MOSAIC_MAX_SPLITS = 16  # programs per batch row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
+MOSAIC_PROGRAMS = 512  # programs the core wants in flight: 4 per SM fit (by registers) on the H200's 132 SMs
+MOSAIC_SPLITS_CAP = 128
 
 
-def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int) -> tuple[int, int] | None:
+def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows: int | None = None,
+                  max_splits: int | None = None) -> tuple[int, int] | None:
   """(block_s, splits) of the Mosaic GPU core for a cache of `capacity` tokens, or None where the core does not apply
   (head_dim other than a multiple of 128, more than 8 query heads per kv head, other than 8 outlier channels, or a
-  capacity that is not a multiple of 64). splits: the largest power of two up to 16 that divides the blocks."""
+  capacity that is not a multiple of 64).
+
+  splits: the largest power of two up to max_splits that divides the blocks. max_splits None: 16, raised for a few
+  rows (`rows` = batch × kv heads) until rows × splits reaches MOSAIC_PROGRAMS: at batch 1 × 8 kv heads, 16 splits
+  give 128 programs, one per SM, and the core waits on memory latency.
+  """
   if head_dim % 128 or group > dc.N or n_outliers != dc.OUTLIERS:
     return None
+  if max_splits is None:
+    max_splits = MOSAIC_MAX_SPLITS
+    while rows and rows * max_splits < MOSAIC_PROGRAMS and max_splits < MOSAIC_SPLITS_CAP:
+      max_splits *= 2
+  if max_splits < 1:
+    raise ValueError(f"max_splits={max_splits} must be at least 1")
   for block_s in (MOSAIC_BLOCK, 64):
     if capacity % block_s == 0:
       blocks = capacity // block_s
-      return block_s, math.gcd(blocks, MOSAIC_MAX_SPLITS)
+      return block_s, math.gcd(blocks, 1 << (max_splits.bit_length() - 1))
   return None
 
 
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
-                             glue: str = "xla", value_outliers: str = dc.VALUE_OUTLIERS) -> jax.Array:
+                             glue: str = "xla", value_outliers: str = dc.VALUE_OUTLIERS,
+                             max_splits: int | None = None) -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -139,6 +154,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       results/oskvp_decode_core_mgpu_run12.md and _run13.md).
     glue: "pallas" or "xla" (see above).
     value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
+    max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -149,7 +165,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   b, n, h = q.shape
   kh, s = codes_k.shape[1], codes_k.shape[2]
   g = n // kh
-  tiling = mosaic_tiling(s, h, g, outl_k.shape[-1])
+  tiling = mosaic_tiling(s, h, g, outl_k.shape[-1], rows=b * kh, max_splits=max_splits)
   if tiling is None or n % kh:
     raise ValueError(f"the Mosaic GPU core does not take N={n}, K={kh}, H={h}, capacity S={s}, "
                      f"O={outl_k.shape[-1]} (needs G = N/K <= {dc.N}, H a multiple of 128, 8 outlier channels, "

@@ -39,11 +39,12 @@ def _xla(c, q):
                                                     c.n_res), np.float32)
 
 
-def _wired(c, q, glue="pallas"):
+def _wired(c, q, glue="pallas", max_splits=None):
   """`uniform_decode_attention` (the core in interpret mode + the window, merged, rotated back) on the cache."""
   return np.asarray(uc.uniform_decode_attention(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v,
                                                 c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
-                                                c.n_res, interpret=True, glue=glue), np.float32)
+                                                c.n_res, interpret=True, glue=glue, max_splits=max_splits),
+                    np.float32)
 
 
 def _exact_codes(c, q):
@@ -88,6 +89,10 @@ def test_codes_outliers_and_window_match_the_xla_attention():
   assert _rel(got, want) < 0.03
   # The jnp glue (attend_codes + window + merge) computes the same thing around the same core.
   np.testing.assert_allclose(_wired(c, q, glue="xla"), got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+  # One split instead of four (the capacity's 4 blocks): p is quantized against each split's running max, so the
+  # two differ only by that quantization (within 1% of each other; each within 3% of the XLA attention).
+  one = _wired(c, q, glue="xla", max_splits=1)
+  assert _rel(one, want) < 0.03 and _rel(one, got) < 0.01, (_rel(one, want), _rel(one, got))
 
 
 @pytest.mark.parametrize("kv_heads,g,lengths", [(2, 8, (1, 290)), (4, 1, (130, 17))])
@@ -129,6 +134,16 @@ def test_mosaic_tiling():
   assert uc.mosaic_tiling(65536, 64, 4, 8) is None  # head dim 64: the core's value side needs H/4 % 32 == 0
   assert uc.mosaic_tiling(65536, 128, 16, 8) is None
   assert uc.mosaic_tiling(100, 128, 4, 8) is None
+  # A few rows (batch × kv heads) get more splits, until rows × splits reaches MOSAIC_PROGRAMS (512): batch 1 × 8 kv
+  # heads at 64k runs 64 programs per row; batch 8 keeps 16; the splits still divide the blocks.
+  assert uc.mosaic_tiling(65536, 128, 4, 8, rows=8) == (128, 64)
+  assert uc.mosaic_tiling(65536, 128, 4, 8, rows=64) == (128, 16)
+  assert uc.mosaic_tiling(65536, 128, 4, 8, rows=1) == (128, 128)
+  assert uc.mosaic_tiling(16384, 128, 4, 8, rows=8) == (128, 64)
+  assert uc.mosaic_tiling(2048, 128, 4, 8, rows=8) == (128, 16)  # 16 blocks
+  assert uc.mosaic_tiling(65536, 128, 4, 8, rows=8, max_splits=6) == (128, 4)  # a power of two up to max_splits
+  with pytest.raises(ValueError, match="max_splits"):
+    uc.mosaic_tiling(65536, 128, 4, 8, max_splits=0)
   with pytest.raises(ValueError, match="G = N/K"):
     c = _cache()
     q = jnp.zeros((B, K * 16, H))
