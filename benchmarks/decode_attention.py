@@ -334,6 +334,8 @@ def main():
   ap.add_argument("--span", action="store_true",
                   help="also trace each timed program once and report the GPU span per call (decode_timeline.py): "
                        "the wall clock adds the host's fixed cost of launching the program")
+  ap.add_argument("--mosaic_only", action="store_true",
+                  help="--mosaic_grid without the Triton bit-plane rows (the wired path and cuDNN only)")
   ap.add_argument("--mosaic_max_splits", default="auto",
                   help="comma-separated max_splits of the wired path timed in --mosaic_grid (auto: sized for B·K)")
   ap.add_argument("--mosaic_value_outliers", default="fp8_stacked",
@@ -439,6 +441,8 @@ def main():
   # The final defaults only, with and without symmetric codebooks.
   if (args.quick and args.skip_sweep) or args.mosaic_grid:
     best = {"bitplane": BITPLANE, "bitplane_sym": BITPLANE}
+  if args.mosaic_grid and args.mosaic_only:
+    best = {}
   rows = []
   meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
               shapes=dict(n_heads=N_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, window=WINDOW, outliers=8),

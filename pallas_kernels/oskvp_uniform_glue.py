@@ -4,7 +4,7 @@
 `moe_jax/kv_quant/oskvp_uniform_codes.uniform_decode_attention` (jnp) wraps the fused core
 (`oskvp_decode_core_mgpu.py`) in about eighteen small XLA kernels: the query rotation and digits, pads, the merge
 of the splits, the residual window's attention, the log-sum-exp merge and the rotation back. On the H200 at 64k ×
-batch 8 they took 35 µs of kernel time and about 50 µs of launch gaps next to the core's 147 µs
+batch 8 they took 35 µs of kernel time (CUPTI, L2 flushed) next to the core's 147 µs
 (`benchmarks/results/oskvp_uniform_profile.md`). These two kernels replace them:
 
 prologue (per row b, kv head k; q' = q U_k the rotated query [G, H], c = log2(e) / √H, cb_k = c0 + d·code):
@@ -26,8 +26,8 @@ program held [H, H] f32 tiles (U, res_k, res_v, and the [G, H, H] broadcast of t
 warps, which spills, with only B·K programs to hide it. The kernels were then restructured (not yet measured: the
 session's device time was spent): the rotation goes 16 columns at a time ([G, H, 16] products), the splits are
 summed one at a time, the window runs as an online softmax over 32-token chunks and U_vᵀ is applied 32 output
-columns at a time, so no tile larger than [32, H] is live. `uniform_decode_attention` keeps glue="xla" as its
-default until they are timed.
+columns at a time, so no tile larger than [32, H] is live. Timed again (ninth session): prologue 14 µs, epilogue
+60 µs, still slower than the XLA glue; `uniform_decode_attention` keeps glue="xla" as its default.
 """
 
 from __future__ import annotations

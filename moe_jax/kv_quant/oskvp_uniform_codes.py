@@ -137,11 +137,11 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
   attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="xla" (the default) composes
-  `attend_codes`, `window_attention` and `merge_lse2` in jnp (about twenty XLA kernels on the GPU: 35 µs of kernel
-  time and ~50 µs of gaps beside the core at 64k × 8, results/oskvp_uniform_profile.md). glue="pallas" runs the
-  query preparation and the merge + window + rotation as two Pallas (Triton) kernels around the core
-  (`pallas_kernels/oskvp_uniform_glue.py`, three launches in all); their first version was slower (40 + 304 µs
-  there, results/oskvp_uniform_profile_pallas_glue.md), the restructured one is not yet timed.
+  `attend_codes`, `window_attention` and `merge_lse2` in jnp: about eighteen small XLA kernels beside the core. On
+  the H200 the GPU runs them back to back (0.4 µs idle per call at 64k × 8, results/decode_timeline.md): 165 µs of
+  GPU time per call there, the core most of it. glue="pallas" runs the query preparation and the merge + window +
+  rotation as two Pallas (Triton) kernels around the core (`pallas_kernels/oskvp_uniform_glue.py`, three launches in
+  all); slower on the H200 (14 + 60 µs at 64k × 8, results/oskvp_uniform_profile_pallas_glue.md).
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
