@@ -49,10 +49,10 @@ SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200), False), (2, 256, 64, 2, 2, (1, 200)
 # "outliers" adds the fp8 outlier channels (16 bytes per token-head more). Run 7 timed them with the f16 A tiles
 # stored transposed in shared memory (165 µs vs 101 without, bs 128); run 8 with the A operands built in registers
 # from key [S, 8] and token-contiguous value [8, S] tiles (ring 2 and 3).
-# Run 11 (ninth session) added the fp8 form of the value-outlier sums (value_outliers="fp8", the default now;
-# "+f16" is the form of runs 8-10); run 12 found it best at ring 2 (151 µs) and the f16 form at ring 3 (159 µs).
-# Next: "+fp8_stacked" (both e4m3 parts in one A tile: one wgmma, 8 KB less shared memory per program), not yet
-# timed, against the fp8 default, at rings 2 and 3.
+# Run 11 (ninth session) added the fp8 form of the value-outlier sums ("+f16" is the form of runs 8-10); run 12
+# found it best at ring 2 (151 µs) and the f16 form at ring 3 (159 µs). Run 13 (tenth session) timed "+fp8_stacked"
+# (both e4m3 parts in one A tile: one wgmma, 8 KB less shared memory per program): 145.5 µs at ring 2, the core's
+# default since. Rows without a "+form" suffix run the "fp8" form.
 TIMED = [(65536, 128, 16, 2, "outliers"), (65536, 128, 16, 2, "outliers+fp8_stacked"),
          (65536, 128, 16, 3, "outliers"), (65536, 128, 16, 3, "outliers+fp8_stacked"),
          (65536, 128, 16, 3, "outliers+f16"), (65536, 128, 16, 2, "outliers+ragged"),
