@@ -329,8 +329,9 @@ def main():
   ap.add_argument("--mosaic_grid", action="store_true",
                   help="the grid of cuDNN, the Triton bit-plane defaults and the wired Mosaic GPU path of "
                        "oskvp_uniform only (no sweep, no secondary peers); checks the Mosaic path first")
-  ap.add_argument("--mosaic_glue", default="xla", choices=("xla", "pallas"),
-                  help="the glue around the Mosaic core in --mosaic_grid (uniform_decode_attention's glue=)")
+  ap.add_argument("--mosaic_glue", default="xla",
+                  help="comma-separated glues around the Mosaic core timed in --mosaic_grid (uniform_decode_attention's "
+                       "glue=: xla, pallas)")
   ap.add_argument("--span", action="store_true",
                   help="also trace each timed program once and report the GPU span per call (decode_timeline.py): "
                        "the wall clock adds the host's fixed cost of launching the program")
@@ -356,8 +357,8 @@ def main():
   copy_tbs, read_tbs = copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
   if args.mosaic_grid:
-    forms = args.mosaic_value_outliers.split(",")
-    checks = [c for f in forms for c in check_mosaic_uniform(log, args.mosaic_glue, f)]
+    checks = [c for glue, form in itertools.product(args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","))
+              for c in check_mosaic_uniform(log, glue, form)]
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
       return 1
@@ -489,14 +490,15 @@ def main():
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
-        for form, ms in itertools.product(args.mosaic_value_outliers.split(","), args.mosaic_max_splits.split(",")):
-          attempt("oskvp_mosaic_uniform" + ("" if form == "fp8_stacked" else f"_{form}")
-                  + ("" if ms == "auto" else f"_s{ms}"), b, s,
-                  functools.partial(mosaic_uniform, glue=args.mosaic_glue, value_outliers=form,
+        for glue, form, ms in itertools.product(args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","),
+                                                args.mosaic_max_splits.split(",")):
+          attempt("oskvp_mosaic_uniform" + ("" if glue == "xla" else f"_{glue}_glue")
+                  + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}"), b, s,
+                  functools.partial(mosaic_uniform, glue=glue, value_outliers=form,
                                     max_splits=None if ms == "auto" else int(ms)),
                   lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
-                  f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={args.mosaic_glue}, "
-                  f"value_outliers={form}, max_splits={ms}")
+                  f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={glue}, value_outliers={form}, "
+                  f"max_splits={ms}")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,

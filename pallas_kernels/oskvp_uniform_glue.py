@@ -1,33 +1,29 @@
 """The prologue and epilogue of the wired Mosaic GPU OS-KVP path (`kv_cache="oskvp_uniform"`) as two small Pallas
-(Triton) kernels, one program per batch row and kv head.
+(Triton) kernels: `uniform_decode_attention(glue="pallas")`, five GPU kernels per call in all.
 
-`moe_jax/kv_quant/oskvp_uniform_codes.uniform_decode_attention` (jnp) wraps the fused core
+`moe_jax/kv_quant/oskvp_uniform_codes.uniform_decode_attention` (glue="xla") wraps the fused core
 (`oskvp_decode_core_mgpu.py`) in about eighteen small XLA kernels: the query rotation and digits, pads, the merge
-of the splits, the residual window's attention, the log-sum-exp merge and the rotation back. On the H200 at 64k ×
-batch 8 they took 35 µs of kernel time (CUPTI, L2 flushed) next to the core's 147 µs
-(`benchmarks/results/oskvp_uniform_profile.md`). These two kernels replace them:
+of the splits, the residual window's attention, the log-sum-exp merge and the rotation back. The GPU runs them back
+to back, but each costs a µs or two, and at batch 1 they are most of the call (results/decode_timeline.md). Here the
+two rotations stay XLA matmuls and everything between them and the core is two kernels:
 
-prologue (per row b, kv head k; q' = q U_k the rotated query [G, H], c = log2(e) / √H, cb_k = c0 + d·code):
+prologue (one program per row b, kv head k; q' = q U_k the rotated query [G, H] (XLA), c = log2(e) / √H,
+cb_k = c0 + d·code):
   qd int8 [8, H]    round(q'·d / u) per head, u = max_ch |q'·d| / 127 (rows G.. zero): the core's query digits
   qs f32 [32]       u·c in [0, G), the row's compressed length n_comp at index 8 (the core's `qs_row`)
   qo f16 [8, 16]    q'[:, :8]·scale_k·c (the key-outlier query; columns 8.. zero)
-  qr f32 [16, H]    q' (rows G.. zero: the epilogue's window dot)
   qc f32 [8]        c·Σ q'·c0 (the score part the codes do not carry)
-epilogue (the core's per-split outputs acc [splits, H, 8] (channel order), ml [splits, 32] (m, l), acco
-[splits, 8, 8]):
+epilogue (one program per row, kv head and HC output channels; the core's per-split outputs acc [splits, H, 8]
+(channel order), ml [splits, 32] (m, l), acco [splits, 8, 8]):
   the splits merged by log-sum-exp, o' = c0_v + d_v·mean code (+ the value outliers · scale_v on channels 0..7),
-  exact attention over the window (res_k, res_v [R, H], n_res tokens), the two merged by log-sum-exp and rotated
-  back: o [16, H] = o' U_vᵀ (rows G.. meaningless).
+  exact attention over the window (res_k, res_v [R, H], n_res tokens; the dots as bf16 hi + lo parts, f32 sums),
+  the two merged by log-sum-exp: o' [16, H] in the rotated basis (rows G.. meaningless); U_vᵀ follows in XLA.
 The references are the jnp functions they replace (`prologue_reference`, `epilogue_reference`).
 
-Measured on the H200 (results/oskvp_uniform_profile_pallas_glue.md), the first version **was slower than the XLA
-glue it replaces**: at 64k × 8 the prologue took 40 µs and the epilogue 304 µs (the XLA glue: 35 µs in all). Each
-program held [H, H] f32 tiles (U, res_k, res_v, and the [G, H, H] broadcast of the rotation) in the registers of 4
-warps, which spills, with only B·K programs to hide it. The kernels were then restructured (not yet measured: the
-session's device time was spent): the rotation goes 16 columns at a time ([G, H, 16] products), the splits are
-summed one at a time, the window runs as an online softmax over 32-token chunks and U_vᵀ is applied 32 output
-columns at a time, so no tile larger than [32, H] is live. Timed again (ninth session): prologue 14 µs, epilogue
-60 µs, still slower than the XLA glue; `uniform_decode_attention` keeps glue="xla" as its default.
+History: the first form of these kernels (ninth session) also did both rotations, one program per row and kv head,
+and was slower than the XLA glue on the H200 (prologue 14 µs, epilogue 60 µs at 64k × 8 against 35 µs for all the
+XLA glue, results/oskvp_uniform_profile_pallas_glue.md): each program ran long chains of dependent loads and f32
+dots. This form has B·K·H/HC epilogue programs, one round of loads each, and tensor-core window dots.
 """
 
 from __future__ import annotations
@@ -112,133 +108,103 @@ def merge_lse2(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array) -
 
 # ---- References of the two kernels.
 
-def prologue_reference(q, u_k, cb_k, scale_k, n_comp):
-  """q [B, N, H], u_k [B, K, H, H], cb_k [B, K, H, 4], scale_k [B, K, 8], n_comp int32 [B] -> (qd int8 [B, K, 8, H],
-  qs f32 [B, K, 32], qo f16 [B, K, 8, 16], qr f32 [B, K, 16, H], qc f32 [B, K, 8]) (module docstring): the jnp glue's
-  `query_digits` and `outlier_query` on the rotated query, laid out as the kernel writes them."""
-  b, n, h = q.shape
-  kh = u_k.shape[1]
-  g = n // kh
-  qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k.astype(jnp.float32),
-                  precision=jax.lax.Precision.HIGHEST)
-  rows = qr.reshape(b * kh, g, h)
+def prologue_reference(q_rot, cb_k, scale_k, n_comp):
+  """q_rot f32 [B, K, G, H] (rotated), cb_k [B, K, H, 4], scale_k [B, K, 8], n_comp int32 [B] -> (qd int8
+  [B, K, 8, H], qs f32 [B, K, 32], qo f16 [B, K, 8, 16], qc f32 [B, K, 8]) (module docstring): the jnp glue's
+  `query_digits` and `outlier_query`, laid out as the kernel writes them."""
+  b, kh, g, h = q_rot.shape
+  rows = q_rot.reshape(b * kh, g, h).astype(jnp.float32)
   qd, qs, qc = query_digits(rows, cb_k.reshape(b * kh, h, 4), h**-0.5)
   qo = outlier_query(rows, scale_k.reshape(b * kh, OUTLIERS), h**-0.5)
   qs = jnp.pad(qs, ((0, 0), (0, QS_SLOTS - N))).at[:, LEN_SLOT].set(jnp.repeat(n_comp, kh).astype(jnp.float32))
   per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
   return (per_head(qd), per_head(qs), per_head(jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS)))),
-          per_head(jnp.pad(rows, ((0, 0), (0, ROWS - g), (0, 0)))), per_head(jnp.pad(qc, ((0, 0), (0, N - g)))))
+          per_head(jnp.pad(qc, ((0, 0), (0, N - g)))))
 
 
-def epilogue_reference(acc, ml, acco, qr, qc, cb_v, scale_v, res_k, res_v, n_res, u_v):
+def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res):
   """The core's per-split outputs acc [B, K, S, H, 8] (channel order), ml [B, K, S, 32], acco [B, K, S, 8, 8]
-  ([outlier channel, head]); the prologue's qr [B, K, 16, H], qc [B, K, 8]; cb_v [B, K, H, 4], scale_v [B, K, 8],
-  res_k, res_v [B, K, R, H], n_res int32 [B], u_v [B, K, H, H] -> o f32 [B, K, 16, H] (rows G.. meaningless):
-  `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`, U_vᵀ."""
+  ([outlier channel, head]); q_rot f32 [B, K, G, H]; the prologue's qc [B, K, 8]; cb_v [B, K, H, 4], scale_v
+  [B, K, 8], res_k, res_v [B, K, R, H], n_res int32 [B] -> o' f32 [B, K, 16, H] in the rotated basis (rows G..
+  meaningless): `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`."""
   b, kh, _, h, _ = acc.shape
+  g = q_rot.shape[2]
   mean, mean_o, lse_c = merge_splits(acc, ml, acco)  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
   c0, d = uniform_steps(cb_v)
   o_c = (c0[:, :, None, :] + d[:, :, None, :] * mean).at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
   with jax.default_matmul_precision("highest"):
-    o_r, lse_r = window_attention(rows(qr), rows(res_k), rows(res_v), jnp.repeat(n_res, kh), scale=h**-0.5)
-  pad = ((0, 0), (0, ROWS - N))
-  o, _ = merge_lse2(jnp.pad(rows(o_c), (*pad, (0, 0))), jnp.pad(rows(lse_c + qc), pad, constant_values=-jnp.inf),
-                    o_r, lse_r)  # [BK, 16, H]
-  return jnp.einsum("BKnj,BKhj->BKnh", o.reshape(b, kh, ROWS, h), u_v, precision=jax.lax.Precision.HIGHEST)
+    o_r, lse_r = window_attention(rows(q_rot).astype(jnp.float32), rows(res_k), rows(res_v), jnp.repeat(n_res, kh),
+                                  scale=h**-0.5)
+  pad = ((0, 0), (0, ROWS - g))
+  o, _ = merge_lse2(jnp.pad(rows(o_c), ((0, 0), (0, ROWS - N), (0, 0))),
+                    jnp.pad(rows(lse_c + qc), ((0, 0), (0, ROWS - N)), constant_values=-jnp.inf),
+                    jnp.pad(o_r, (*pad, (0, 0))), jnp.pad(lse_r, pad, constant_values=-jnp.inf))  # [BK, 16, H]
+  return o.reshape(b, kh, ROWS, h)
 
 
 # ---- Kernels.
 
-CHUNK = 16  # prologue: rotated-query columns per step ([G, H, 16] products, not [G, H, H])
-WCHUNK = 32  # epilogue: output columns per step of U_vᵀ, and window tokens per step (16 for a window of 16·odd)
-
-
-def _prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qr_ref, qc_ref):
-  # q_ref [G, H]; u_ref [H, H] f32; cb_ref [H, 4] f32; sk_ref [8] f32; nc_ref [] int32.
-  # qd_ref [8, H] int8; qs_ref [32] f32; qo_ref [8, 16] f16; qr_ref [16, H] f32; qc_ref [8] f32.
-  # The rotation q' = q U_k goes CHUNK columns at a time (exact f32 multiply-add reductions of [G, H, CHUNK]); the
-  # digits need max_ch |q'·d| first, so the chunks stay in registers ([G, H] in all) for the second pass.
+def _prologue_kernel(q_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_ref):
+  # q_ref [G, H] f32 (rotated); cb_ref [H, 4] f32; sk_ref [8] f32; nc_ref [] int32.
+  # qd_ref [8, H] int8; qs_ref [32] f32; qo_ref [8, 16] f16; qc_ref [8] f32.
   g, h = q_ref.shape
   c = h**-0.5 * LOG2E
-  q = q_ref[...].astype(jnp.float32)
-  chunks, folded = [], []
-  amax, qc = jnp.zeros((g,), jnp.float32), jnp.zeros((g,), jnp.float32)
-  for j in range(h // CHUNK):
-    cols = pl.ds(j * CHUNK, CHUNK)
-    qr = (q[:, :, None] * u_ref[:, cols][None]).sum(axis=1)  # [G, CHUNK]
-    c0 = cb_ref[cols, 0]
-    qf = qr * (cb_ref[cols, 1] - c0)[None, :]
-    amax = jnp.maximum(amax, jnp.abs(qf).max(axis=1))
-    qc += (qr * c0[None, :]).sum(axis=1)
-    chunks.append(qr)
-    folded.append(qf)
-    qr_ref[:, cols] = jnp.where(jnp.arange(ROWS)[:, None] < g, unfold_rows([qr], ROWS, jnp.float32), 0.0)
-  u = jnp.maximum(amax, 1e-30) / 127.0  # [G]
-  for j, qf in enumerate(folded):
-    qd_ref[:, pl.ds(j * CHUNK, CHUNK)] = unfold_rows([_round(qf / u[:, None])], N, jnp.int8)
+  q = q_ref[...]
+  c0 = cb_ref[:, 0]
+  qf = q * (cb_ref[:, 1] - c0)[None, :]  # [G, H]
+  u = jnp.maximum(jnp.abs(qf).max(axis=1), 1e-30) / 127.0  # [G]
+  qd_ref[...] = unfold_rows([_round(qf / u[:, None])], N, jnp.int8)
   slots = jnp.arange(QS_SLOTS)
   qs = unfold_rows([(u * c)[:, None]], QS_SLOTS, jnp.float32).reshape(QS_SLOTS)
   qs_ref[...] = jnp.where(slots == LEN_SLOT, nc_ref[...].astype(jnp.float32), jnp.where(slots < g, qs, 0.0))
-  scale = plgpu.load(sk_ref.at[pl.ds(0, CHUNK)], mask=jnp.arange(CHUNK) < OUTLIERS, other=0.0)  # [16]
-  qo_ref[...] = unfold_rows([chunks[0] * (scale[None, :] * c)], N, jnp.float16)  # channels 0..7 (CHUNK = 16)
-  qc = unfold_rows([(qc * c)[:, None]], N, jnp.float32).reshape(N)
+  cols = 2 * OUTLIERS  # the f16 wgmma's K: channels 0..7 and 8 zero columns
+  scale = plgpu.load(sk_ref.at[pl.ds(0, cols)], mask=jnp.arange(cols) < OUTLIERS, other=0.0)  # [16]
+  qo_ref[...] = unfold_rows([q_ref[:, pl.ds(0, cols)] * (scale[None, :] * c)], N, jnp.float16)
+  qc = unfold_rows([((q * c0[None, :]).sum(axis=1) * c)[:, None]], N, jnp.float32).reshape(N)
   qc_ref[...] = jnp.where(jnp.arange(N) < g, qc, 0.0)
 
 
-def _epilogue_kernel(acc_ref, ml_ref, ao_ref, qr_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, u_ref, o_ref, *,
-                     wchunk: int):
-  # acc_ref [S, H, 8] f32 (channel order); ml_ref [S, 32]; ao_ref [S, 8, 8] ([outlier channel, head]);
-  # qr_ref [16, H] f32; qc_ref [8]; cb_ref [H, 4]; sv_ref [8]; rk_ref, rv_ref [R, H] bf16; nr_ref []; u_ref [H, H].
-  # o_ref [16, H] f32. The splits are summed one at a time, the window goes wchunk tokens at a time (online softmax)
-  # and U_vᵀ WCHUNK output columns at a time: no tile larger than [WCHUNK, H] is live.
-  splits, h = acc_ref.shape[0], acc_ref.shape[1]
+def _dot_f32(a, b):
+  """a f32 [M, K] @ b bf16 [K, N] on the tensor cores: a as bf16 hi + lo parts (relative error ~2^-16), f32 sums."""
+  hi = a.astype(jnp.bfloat16)
+  lo = (a - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  return (jnp.dot(hi, b, preferred_element_type=jnp.float32) + jnp.dot(lo, b, preferred_element_type=jnp.float32))
+
+
+def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref):
+  # acc_ref [S, HC, 8] f32 (channel order: this program's HC channels); ml_ref [S, 32]; ao_ref [S, 8, 8]
+  # ([outlier channel, head]); q_ref [G, H] f32 (rotated); qc_ref [8]; cb_ref [HC, 4]; sv_ref [8];
+  # rk_ref [R, H] bf16; rv_ref [R, HC] bf16; nr_ref []. o_ref [16, HC] f32. One round of loads, no loops.
+  hc = acc_ref.shape[1]
+  h = q_ref.shape[1]
   r = rk_ref.shape[0]
-  hi = jax.lax.Precision.HIGHEST
-  top = ml_ref[:, pl.ds(0, N)].max(axis=0)  # [8]
-
-  def add_split(i, carry):
-    mean, mean_o, total = carry
-    w = jnp.exp2(ml_ref[i, pl.ds(0, N)] - top)  # [8]
-    return (mean + acc_ref[i] * w[None, :], mean_o + ao_ref[i] * w[None, :],
-            total + ml_ref[i, pl.ds(N, N)] * w)
-
-  zero = lambda *shape: jnp.zeros(shape, jnp.float32)
-  mean, mean_o, total = jax.lax.fori_loop(0, splits, add_split, (zero(h, N), zero(OUTLIERS, N), zero(N)))
+  m, l = ml_ref[:, pl.ds(0, N)], ml_ref[:, pl.ds(N, N)]  # [S, 8]
+  top = m.max(axis=0)  # [8]
+  w = jnp.exp2(m - top[None, :])  # [S, 8]
+  total = (w * l).sum(axis=0)
   inv = 1.0 / jnp.maximum(total, 1e-30)
-  mean, mean_o = (mean * inv[None, :]).T, (mean_o * inv[None, :]).T  # [8, H], [8 heads, 8 outlier channels]
+  mean = ((acc_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
+  mean_o = ((ao_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8 heads, 8 outlier channels]
   c0 = cb_ref[:, 0]
-  o_c = c0[None, :] + (cb_ref[:, 1] - c0)[None, :] * mean  # [8, H]
-  onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, h), 0)
-            == jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, h), 1)).astype(jnp.float32)  # [8, H]
+  o_c = c0[None, :] + (cb_ref[:, 1] - c0)[None, :] * mean  # [8, HC]
+  channel = pl.program_id(2) * hc + jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 1)
+  onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 0) == channel).astype(jnp.float32)  # [8, HC]
   o_c += ((mean_o * sv_ref[...][None, :])[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7
   lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc_ref[...], -jnp.inf)
-  qr = qr_ref[...]
-  n_res = nr_ref[...]
-
-  def window_chunk(i, carry):  # online softmax over the window, wchunk tokens per step
-    m_r, l_r, o_r = carry
-    rows = pl.ds(i * wchunk, wchunk)
-    s = jnp.dot(qr, rk_ref[rows, :].astype(jnp.float32).T, precision=hi) * (h**-0.5 * LOG2E)  # [16, wchunk]
-    live = jax.lax.broadcasted_iota(jnp.int32, (ROWS, wchunk), 1) + i * wchunk < n_res
-    m_new = jnp.maximum(m_r, jnp.where(live, s, MASKED).max(axis=1))
-    alpha = jnp.exp2(m_r - m_new)
-    p = jnp.where(live, jnp.exp2(s - m_new[:, None]), 0.0)
-    o_r = o_r * alpha[:, None] + jnp.dot(p, rv_ref[rows, :].astype(jnp.float32), precision=hi)
-    return m_new, l_r * alpha + p.sum(axis=1), o_r
-
-  m_r, total_r, o_r = jax.lax.fori_loop(0, r // wchunk, window_chunk,
-                                        (jnp.full((ROWS,), MASKED, jnp.float32), zero(ROWS), zero(ROWS, h)))
-  o_r = o_r / jnp.maximum(total_r, 1e-30)[:, None]
+  # The window: scores over all H channels, values of this program's channels.
+  s = _dot_f32(unfold_rows([q_ref[...]], ROWS, jnp.float32), rk_ref[...].T) * (h**-0.5 * LOG2E)  # [16, R]
+  live = jax.lax.broadcasted_iota(jnp.int32, (ROWS, r), 1) < nr_ref[...]
+  m_r = jnp.where(live, s, MASKED).max(axis=1)
+  p = jnp.where(live, jnp.exp2(s - m_r[:, None]), 0.0)
+  total_r = p.sum(axis=1)
+  o_r = _dot_f32(p, rv_ref[...]) / jnp.maximum(total_r, 1e-30)[:, None]  # [16, HC]
   lse_r = jnp.where(total_r > 0, m_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
   o_c16 = unfold_rows([o_c], ROWS, jnp.float32)
   lse_c16 = jnp.where(jnp.arange(ROWS) < N, unfold_rows([lse_c[:, None]], ROWS, jnp.float32).reshape(ROWS), -jnp.inf)
   top2 = jnp.maximum(jnp.maximum(lse_c16, lse_r), MASKED)
   w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
-  o = (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
-  for j in range(h // WCHUNK):  # o U_vᵀ, WCHUNK output columns at a time
-    cols = pl.ds(j * WCHUNK, WCHUNK)
-    o_ref[:, cols] = jnp.dot(o, u_ref[cols, :].T, precision=hi)
+  o_ref[...] = (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
 
 
 def _spec(*tail):
@@ -250,43 +216,51 @@ def _per_row():
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def prologue(q, u_k, cb_k, scale_k, n_comp, *, interpret: bool = False):
-  """`prologue_reference` in one Pallas kernel (grid B × K). Shapes as there; G = N/K must divide 8."""
-  b, n, h = q.shape
-  kh = u_k.shape[1]
-  g = n // kh
-  if n % kh or N % g:
-    raise ValueError(f"N={n} query heads over K={kh} kv heads: the group size must divide {N}")
-  if h % CHUNK:
-    raise ValueError(f"head_dim={h} must be a multiple of {CHUNK}")
+def prologue(q_rot, cb_k, scale_k, n_comp, *, interpret: bool = False):
+  """`prologue_reference` in one Pallas kernel (grid B × K). Shapes as there; G must divide 8."""
+  b, kh, g, h = q_rot.shape
+  if N % g:
+    raise ValueError(f"q_rot has G={g} query heads per kv head: the group size must divide {N}")
+  if h % 128:
+    raise ValueError(f"head_dim={h} must be a multiple of 128")
   out_shape = [jax.ShapeDtypeStruct((b, kh, N, h), jnp.int8), jax.ShapeDtypeStruct((b, kh, QS_SLOTS), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, N, 2 * OUTLIERS), jnp.float16),
-               jax.ShapeDtypeStruct((b, kh, ROWS, h), jnp.float32), jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
+               jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
   return pl.pallas_call(
       _prologue_kernel, grid=(b, kh),
-      in_specs=[_spec(g, h), _spec(h, h), _spec(h, 4), _spec(OUTLIERS), _per_row()],
-      out_specs=[_spec(N, h), _spec(QS_SLOTS), _spec(N, 2 * OUTLIERS), _spec(ROWS, h), _spec(N)],
+      in_specs=[_spec(g, h), _spec(h, 4), _spec(OUTLIERS), _per_row()],
+      out_specs=[_spec(N, h), _spec(QS_SLOTS), _spec(N, 2 * OUTLIERS), _spec(N)],
       out_shape=out_shape, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
       name="oskvp_uniform_prologue",
-  )(q.reshape(b, kh, g, h), u_k.astype(jnp.float32), cb_k.astype(jnp.float32), scale_k.astype(jnp.float32),
-    n_comp.astype(jnp.int32))
+  )(q_rot.astype(jnp.float32), cb_k.astype(jnp.float32), scale_k.astype(jnp.float32), n_comp.astype(jnp.int32))
+
+
+def epilogue_channels(splits: int) -> int:
+  """Output channels per epilogue program: 32 while a program's acc block (splits × HC × 8 f32) stays ≤ 16 KB."""
+  return 32 if splits <= 16 else 16
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def epilogue(acc, ml, acco, qr, qc, cb_v, scale_v, res_k, res_v, n_res, u_v, *, interpret: bool = False):
-  """`epilogue_reference` in one Pallas kernel (grid B × K). Shapes as there."""
+def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, interpret: bool = False):
+  """`epilogue_reference` in one Pallas kernel (grid B × K × H/HC, `epilogue_channels`). Shapes as there; the window
+  R and the splits must be powers of two (Triton tiles), R ≥ 16."""
   b, kh, splits, h, _ = acc.shape
-  r = res_k.shape[2]
-  if r % 16 or h % WCHUNK:
-    raise ValueError(f"the window R={r} must be a multiple of 16 and head_dim={h} of {WCHUNK}")
-  wchunk = WCHUNK if r % WCHUNK == 0 else 16
+  g, r = q_rot.shape[2], res_k.shape[2]
+  if r < 16 or r & (r - 1) or splits & (splits - 1):
+    raise ValueError(f"the window R={r} (at least 16) and splits={splits} must be powers of two")
+  hc = epilogue_channels(splits)
+  if h % hc:
+    raise ValueError(f"head_dim={h} must be a multiple of {hc}")
+  spec = lambda *tail, cols=None: pl.BlockSpec(
+      (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))
   return pl.pallas_call(
-      functools.partial(_epilogue_kernel, wchunk=wchunk), grid=(b, kh),
-      in_specs=[_spec(splits, h, N), _spec(splits, QS_SLOTS), _spec(splits, OUTLIERS, N), _spec(ROWS, h), _spec(N),
-                _spec(h, 4), _spec(OUTLIERS), _spec(r, h), _spec(r, h), _per_row(), _spec(h, h)],
-      out_specs=_spec(ROWS, h),
+      _epilogue_kernel, grid=(b, kh, h // hc),
+      in_specs=[spec(splits, hc, N, cols=1), spec(splits, QS_SLOTS), spec(splits, OUTLIERS, N), spec(g, h), spec(N),
+                spec(hc, 4, cols=0), spec(OUTLIERS), spec(r, h), spec(r, hc, cols=1),
+                pl.BlockSpec((None,), lambda i, j, c: (i,))],
+      out_specs=spec(ROWS, hc, cols=1),
       out_shape=jax.ShapeDtypeStruct((b, kh, ROWS, h), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
       name="oskvp_uniform_epilogue",
-  )(acc, ml, acco, qr, qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k, res_v,
-    n_res.astype(jnp.int32), u_v.astype(jnp.float32))
+  )(acc, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k,
+    res_v, n_res.astype(jnp.int32))

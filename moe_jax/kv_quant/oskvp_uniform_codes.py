@@ -139,9 +139,9 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="xla" (the default) composes
   `attend_codes`, `window_attention` and `merge_lse2` in jnp: about eighteen small XLA kernels beside the core. On
   the H200 the GPU runs them back to back (0.4 µs idle per call at 64k × 8, results/decode_timeline.md): 165 µs of
-  GPU time per call there, the core most of it. glue="pallas" runs the query preparation and the merge + window +
-  rotation as two Pallas (Triton) kernels around the core (`pallas_kernels/oskvp_uniform_glue.py`, three launches in
-  all); slower on the H200 (14 + 60 µs at 64k × 8, results/oskvp_uniform_profile_pallas_glue.md).
+  GPU time per call there, the core most of it. glue="pallas" keeps the two rotations as XLA matmuls and runs the
+  query preparation and the split merge + window as two Pallas (Triton) kernels around the core
+  (`pallas_kernels/oskvp_uniform_glue.py`): five GPU kernels per call.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
@@ -175,18 +175,20 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   block_s, splits = tiling
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
+  q_rot = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]
   if glue == "pallas":
     from pallas_kernels import oskvp_uniform_glue as gl  # pylint: disable=g-import-not-at-top
-    qd, qs_row, qo16, qr16, qc = gl.prologue(q, u_k, cb_k, scale_k, n_comp, interpret=interpret)
+    qd, qs_row, qo16, qc = gl.prologue(q_rot, cb_k, scale_k, n_comp, interpret=interpret)
     acc, ml, acco = dc.decode_core_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row), rows(outl_k),
                                           rows(outl_v_t), rows(qo16), block_s=block_s, splits=splits,
                                           max_concurrent_steps=ring, interpret=interpret,
                                           value_outliers=value_outliers)
     per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
-    o = gl.epilogue(per_head(acc), per_head(ml), per_head(acco), qr16, qc, cb_v, scale_v, res_k, res_v, n_res, u_v,
-                    interpret=interpret)  # [B, K, 16, H]
-    return o[:, :, :g].reshape(b, n, h).astype(q.dtype)
-  q_rot = rows(jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k))  # [BK, G, H]
+    o = gl.epilogue(per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res,
+                    interpret=interpret)  # [B, K, 16, H], rotated
+    o = jnp.einsum("BKgj,BKhj->BKgh", o[:, :, :g], u_v)  # o' @ U_vᵀ
+    return o.reshape(b, n, h).astype(q.dtype)
+  q_rot = rows(q_rot)  # [BK, G, H]
   scale = h**-0.5
   o_c, lse_c = attend_codes(q_rot, rows(codes_k), rows(codes_v_t), rows(cb_k), rows(cb_v), jnp.repeat(n_comp, kh),
                             (rows(outl_k), rows(scale_k), rows(outl_v_t), rows(scale_v)), scale=scale,
