@@ -231,10 +231,9 @@ def uniform_args(key, b, s):
   return tuple(a)
 
 
-def mosaic_uniform(*a, glue: str = "xla", value_outliers: str = "fp8_stacked", max_splits: int | None = None):
+def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", max_splits: int | None = None):
   """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue,
-  value_outliers and max_splits as in `uniform_decode_attention` (glue "xla", the default there, or the Pallas
-  kernels)."""
+  value_outliers and max_splits as in `uniform_decode_attention`."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
   return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits)
 
@@ -329,9 +328,9 @@ def main():
   ap.add_argument("--mosaic_grid", action="store_true",
                   help="the grid of cuDNN, the Triton bit-plane defaults and the wired Mosaic GPU path of "
                        "oskvp_uniform only (no sweep, no secondary peers); checks the Mosaic path first")
-  ap.add_argument("--mosaic_glue", default="xla",
+  ap.add_argument("--mosaic_glue", default="auto",
                   help="comma-separated glues around the Mosaic core timed in --mosaic_grid (uniform_decode_attention's "
-                       "glue=: xla, pallas)")
+                       "glue=: auto, xla, pallas)")
   ap.add_argument("--span", action="store_true",
                   help="also trace each timed program once and report the GPU span per call (decode_timeline.py): "
                        "the wall clock adds the host's fixed cost of launching the program")
@@ -492,7 +491,7 @@ def main():
       if args.mosaic_grid:
         for glue, form, ms in itertools.product(args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","),
                                                 args.mosaic_max_splits.split(",")):
-          attempt("oskvp_mosaic_uniform" + ("" if glue == "xla" else f"_{glue}_glue")
+          attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
                   + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}"), b, s,
                   functools.partial(mosaic_uniform, glue=glue, value_outliers=form,
                                     max_splits=None if ms == "auto" else int(ms)),

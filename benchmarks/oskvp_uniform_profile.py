@@ -21,7 +21,7 @@ from benchmarks.decode_attention import mosaic_uniform, uniform_args
 from benchmarks.decode_attention_breakdown import kernel_times
 
 
-def profile(b: int, s: int, iters: int, glue: str = "xla") -> list[dict]:
+def profile(b: int, s: int, iters: int, glue: str = "auto") -> list[dict]:
   """[{name, ms (median over calls)}] of one jitted call, in launch order (`decode_attention_breakdown.kernel_times`)."""
   fn = jax.jit(functools.partial(mosaic_uniform, glue=glue))
   args = uniform_args(jax.random.key(0), b, s)
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="/tmp/oskvp_uniform_profile")
   ap.add_argument("--cases", default="8x65536,1x65536,32x65536,8x16384", help="batch x context, comma-separated")
   ap.add_argument("--iters", type=int, default=7)
-  ap.add_argument("--glue", default="xla", choices=("xla", "pallas"), help="uniform_decode_attention's glue=")
+  ap.add_argument("--glue", default="auto", choices=("auto", "xla", "pallas"), help="uniform_decode_attention's glue=")
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, glue=args.glue,

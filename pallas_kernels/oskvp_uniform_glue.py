@@ -240,17 +240,26 @@ def epilogue_channels(splits: int) -> int:
   return 32 if splits <= 16 else 16
 
 
+def epilogue_shape_error(window: int, splits: int, head_dim: int) -> str | None:
+  """Why `epilogue` cannot take a window of R tokens, this many splits and head dim (Triton tiles are powers of
+  two), or None."""
+  if window < 16 or window & (window - 1) or splits & (splits - 1):
+    return f"the window R={window} (at least 16) and splits={splits} must be powers of two"
+  if head_dim % epilogue_channels(splits):
+    return f"head_dim={head_dim} must be a multiple of {epilogue_channels(splits)}"
+  return None
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, interpret: bool = False):
   """`epilogue_reference` in one Pallas kernel (grid B × K × H/HC, `epilogue_channels`). Shapes as there; the window
   R and the splits must be powers of two (Triton tiles), R ≥ 16."""
   b, kh, splits, h, _ = acc.shape
   g, r = q_rot.shape[2], res_k.shape[2]
-  if r < 16 or r & (r - 1) or splits & (splits - 1):
-    raise ValueError(f"the window R={r} (at least 16) and splits={splits} must be powers of two")
+  error = epilogue_shape_error(r, splits, h)
+  if error:
+    raise ValueError(error)
   hc = epilogue_channels(splits)
-  if h % hc:
-    raise ValueError(f"head_dim={h} must be a multiple of {hc}")
   spec = lambda *tail, cols=None: pl.BlockSpec(
       (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))
   return pl.pallas_call(

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_key_scores_mgpu as ks
+from pallas_kernels import oskvp_uniform_glue as gl
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 # The jnp pieces live beside the Pallas glue kernels they are the references of; re-exported here.
 from pallas_kernels.oskvp_uniform_glue import (  # pylint: disable=unused-import
@@ -102,6 +103,7 @@ MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
 MOSAIC_MAX_SPLITS = 16  # programs per batch row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
 MOSAIC_PROGRAMS = 512  # programs the core wants in flight: 4 per SM fit (by registers) on the H200's 132 SMs
 MOSAIC_SPLITS_CAP = 128
+PALLAS_GLUE_MAX_ROWS = 64  # glue="auto": the Pallas glue up to B·K = 64 (results/decode_attention_mosaic_glue.md)
 
 
 def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows: int | None = None,
@@ -129,19 +131,32 @@ def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, row
   return None
 
 
+def resolved_glue(glue: str, rows: int, window: int, splits: int, head_dim: int) -> str:
+  """The glue `uniform_decode_attention` runs: "auto" is "pallas" up to rows = B·K = PALLAS_GLUE_MAX_ROWS where the
+  Pallas epilogue takes the window, splits and head dim, else "xla"."""
+  if glue not in ("auto", "pallas", "xla"):
+    raise ValueError(f"glue={glue!r} must be 'auto', 'pallas' or 'xla'")
+  if glue != "auto":
+    return glue
+  return "pallas" if rows <= PALLAS_GLUE_MAX_ROWS and not gl.epilogue_shape_error(window, splits, head_dim) else "xla"
+
+
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
-                             glue: str = "xla", value_outliers: str = dc.VALUE_OUTLIERS,
+                             glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,
                              max_splits: int | None = None) -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
-  attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="xla" (the default) composes
-  `attend_codes`, `window_attention` and `merge_lse2` in jnp: about eighteen small XLA kernels beside the core. On
-  the H200 the GPU runs them back to back (0.4 µs idle per call at 64k × 8, results/decode_timeline.md): 165 µs of
-  GPU time per call there, the core most of it. glue="pallas" keeps the two rotations as XLA matmuls and runs the
-  query preparation and the split merge + window as two Pallas (Triton) kernels around the core
-  (`pallas_kernels/oskvp_uniform_glue.py`): five GPU kernels per call.
+  attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="xla" composes `attend_codes`,
+  `window_attention` and `merge_lse2` in jnp: about eighteen small XLA kernels beside the core. glue="pallas" keeps
+  the two rotations as XLA matmuls and runs the query preparation and the split merge + window as two Pallas (Triton)
+  kernels around the core (`pallas_kernels/oskvp_uniform_glue.py`): five GPU kernels per call. On the H200 the GPU
+  runs either back to back (results/decode_timeline.md); by GPU time per call the Pallas glue is 9–22% faster at
+  batch 1 and 8 up to 16k, equal at 64k, and 7–10% slower at batch 32 from 16k
+  (results/decode_attention_mosaic_glue.md).
+  glue="auto" (the default) takes the Pallas glue up to B·K = PALLAS_GLUE_MAX_ROWS where its tiles apply
+  (`oskvp_uniform_glue.epilogue_shape_error`), else the XLA glue.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
@@ -152,7 +167,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     interpret: run the kernels in their CPU interpreters.
     max_concurrent_steps: the core's TMA ring depth (2: best with the fp8 value-outlier forms,
       results/oskvp_decode_core_mgpu_run12.md and _run13.md).
-    glue: "pallas" or "xla" (see above).
+    glue: "auto", "pallas" or "xla" (see above).
     value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
     max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K).
 
@@ -170,14 +185,12 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     raise ValueError(f"the Mosaic GPU core does not take N={n}, K={kh}, H={h}, capacity S={s}, "
                      f"O={outl_k.shape[-1]} (needs G = N/K <= {dc.N}, H a multiple of 128, 8 outlier channels, "
                      "S a multiple of 64)")
-  if glue not in ("pallas", "xla"):
-    raise ValueError(f"glue={glue!r} must be 'pallas' or 'xla'")
   block_s, splits = tiling
+  glue = resolved_glue(glue, b * kh, res_k.shape[2], splits, h)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
   q_rot = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]
   if glue == "pallas":
-    from pallas_kernels import oskvp_uniform_glue as gl  # pylint: disable=g-import-not-at-top
     qd, qs_row, qo16, qc = gl.prologue(q_rot, cb_k, scale_k, n_comp, interpret=interpret)
     acc, ml, acco = dc.decode_core_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row), rows(outl_k),
                                           rows(outl_v_t), rows(qo16), block_s=block_s, splits=splits,
