@@ -325,12 +325,14 @@ def main():
   ap.add_argument("--extras_contexts", default="65536", help="contexts for the slower/secondary peers")
   ap.add_argument("--max_cache_gb", type=float, default=40.0, help="skip bf16 peers whose K+V exceed this")
   ap.add_argument("--merge", default="", help="comma-separated decode_attention.json files to combine (no GPU)")
+  ap.add_argument("--merge_add", default="",
+                  help="with --merge: runs whose new implementations (and their cuDNN rows) are added to the cells")
   ap.add_argument("--mosaic_grid", action="store_true",
                   help="the grid of cuDNN, the Triton bit-plane defaults and the wired Mosaic GPU path of "
                        "oskvp_uniform only (no sweep, no secondary peers); checks the Mosaic path first")
   ap.add_argument("--mosaic_glue", default="auto",
-                  help="comma-separated glues around the Mosaic core timed in --mosaic_grid (uniform_decode_attention's "
-                       "glue=: auto, xla, pallas)")
+                  help="comma-separated glues around the Mosaic core timed in --mosaic_grid "
+                       "(uniform_decode_attention's glue=: auto, xla, pallas)")
   ap.add_argument("--span", action="store_true",
                   help="also trace each timed program once and report the GPU span per call (decode_timeline.py): "
                        "the wall clock adds the host's fixed cost of launching the program")
@@ -343,7 +345,7 @@ def main():
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   if args.merge:
-    return write_merged(args.merge.split(","), args.out)
+    return write_merged(args.merge.split(","), args.out, [p for p in args.merge_add.split(",") if p])
   logf = open(os.path.join(args.out, "log.txt"), "w")
 
   def log(msg):
@@ -545,33 +547,42 @@ def main():
   print(render_md(result))
 
 
-def merge_runs(results: list[dict], labels: list[str]) -> dict:
+def merge_runs(results: list[dict], labels: list[str], added: tuple[bool, ...] = ()) -> dict:
   """One result from several runs': each (context, batch) cell comes whole from the last run that timed it.
 
-  Rows gain "run" (its label); meta becomes {"runs": [each run's meta with its label]}; the checks of every run
-  are kept, labelled; sweeps are dropped (they live in the runs' own files).
+  A run marked in `added` (by position) replaces nothing: its rows of implementations no earlier run has are added
+  to their cells, with its own cuDNN rows to be compared against. Rows gain "run" (its label); meta becomes
+  {"runs": [each run's meta with its label]}; the checks of every run are kept, labelled; sweeps are dropped (they
+  live in the runs' own files).
   """
-  cells, checks, metas = {}, [], []
-  for label, result in zip(labels, results):
-    metas.append(dict(result["meta"], run=label))
+  added = tuple(added) + (False,) * (len(results) - len(added))
+  cells, extra, checks, metas = {}, [], [], []
+  seen = {r["impl"] for result, add in zip(results, added) if not add for r in result["rows"]}
+  for label, result, add in zip(labels, results, added):
+    metas.append(dict(result["meta"], run=label, added=add))
     checks += [dict(c, run=label) for c in result["checks"]]
+    if add:
+      new = {r["impl"] for r in result["rows"]} - seen
+      seen |= new
+      extra += [dict(r, run=label) for r in result["rows"] if r["impl"] in new or r["impl"] == "cudnn_bf16"]
+      continue
     for cell in {(r["context"], r["batch"]) for r in result["rows"]}:
       cells[cell] = [dict(r, run=label) for r in result["rows"] if (r["context"], r["batch"]) == cell]
-  rows = [r for cell in sorted(cells) for r in cells[cell]]
+  rows = [r for cell in sorted(cells) for r in cells[cell]] + extra
   return dict(meta=dict(runs=metas), checks=checks, sweep=[], rows=rows)
 
 
-def write_merged(paths: list[str], out: str) -> int:
+def write_merged(paths: list[str], out: str, added_paths: list[str] = ()) -> int:
   results = []
-  for path in paths:
+  for path in [*paths, *added_paths]:
     with open(path) as f:
       results.append(json.load(f))
-  labels = [os.path.basename(p).removesuffix(".json").removeprefix("decode_attention_") for p in paths]
-  merged = merge_runs(results, labels)
+  labels = [os.path.basename(p).removesuffix(".json").removeprefix("decode_attention_") for p in [*paths, *added_paths]]
+  merged = merge_runs(results, labels, (False,) * len(paths) + (True,) * len(added_paths))
   with open(os.path.join(out, "decode_attention.json"), "w") as f:
     json.dump(merged, f, indent=1)
   with open(os.path.join(out, "decode_attention.md"), "w") as f:
-    f.write(render_md(merged, sources=paths))
+    f.write(render_md(merged, sources=[*paths, *added_paths]))
   return 0
 
 
@@ -589,10 +600,10 @@ def render_md(result, sources=None):
           f"N={first['shapes']['n_heads']} query / K={first['shapes']['kv_heads']} kv heads, H=128; OS-KVP: 2-bit "
           f"codes + 8 fp8 outliers, residual window {first['shapes']['window']}."]
   if runs:
-    head += ["Each context x batch comes whole from one run; \"of copy BW\" and \"vs cuDNN\" use that run's copy "
-             "bandwidth and cuDNN row.", ""]
-    head += [f"- {m['run']} (`{os.path.basename(src)}`): {_run_header(m)}; OS-KVP configs {m['best_configs']}"
-             for m, src in zip(runs, sources or [""] * len(runs))]
+    head += ["Each context x batch comes whole from one run, except that an added run's new implementations join the "
+             "cells with that run's own cuDNN rows; \"of copy BW\" and \"vs cuDNN\" use each row's own run.", ""]
+    head += [f"- {m['run']}{' (added)' if m.get('added') else ''} (`{os.path.basename(src)}`): {_run_header(m)}; "
+             f"OS-KVP configs {m['best_configs']}" for m, src in zip(runs, sources or [""] * len(runs))]
   else:
     head += [f"Copy bandwidth in this run: {meta['copy_tb_per_s']:.2f} TB/s (f32 x+1, read+write), read-only "
              f"{meta['read_tb_per_s']:.2f} TB/s.", f"Best tilings: {meta['best_configs']}"]
@@ -601,14 +612,14 @@ def render_md(result, sources=None):
   out = head + ["", "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN |" +
                 (" GPU span ms | span vs cuDNN |" if spans else "") + (" run |" if runs else ""),
                 "|---|---|---|---|---|---|---|---|" + ("---|---|" if spans else "") + ("---|" if runs else "")]
-  cud = {(r["batch"], r["context"]): r for r in rows if r["impl"] == "cudnn_bf16"}
+  cud = {(r.get("run"), r["batch"], r["context"]): r for r in rows if r["impl"] == "cudnn_bf16"}
   ratio = lambda ref, r, key: f" {ref[key] / r[key]:.2f}x |" if ref and ref.get(key) and r.get(key) else " - |"
 
   def span_cols(r, ref):
     return (f" {r['span_ms']:.4f} |" if r.get("span_ms") else " - |") + ratio(ref, r, "span_ms") if spans else ""
 
   for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["ms"])):
-    ref = cud.get((r["batch"], r["context"]))
+    ref = cud.get((r.get("run"), r["batch"], r["context"]))  # the row's own run
     out.append(f"| {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['bytes_read'] / 1e6:.1f} MB | "
                f"{r['tb_per_s']:.2f} | {100 * r['frac_copy_bw']:.0f}% |" + ratio(ref, r, "ms") + span_cols(r, ref) +
                run_col(r))

@@ -36,3 +36,22 @@ def test_a_single_run_renders_without_a_run_column():
   md = bench.render_md(_run("2026-11-30T17:30", {(4096, 1): (1.0, 2.0)}))
   assert "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN |\n" in md
   assert "| oskvp_pallas_bitplane | 1 | 4096 | 2.0000 | 1.0 MB | 0.00 | 10% | 0.50x |\n" in md
+
+
+def test_an_added_run_adds_its_new_implementations_and_compares_them_with_its_own_cudnn_row():
+  base = _run("2026-11-30T17:30", {(65536, 8): (4.0, 3.0)})
+  later = _run("2026-12-01T07:30", {(65536, 8): (5.0, 3.5), (131072, 8): (8.0, 6.0)})
+  for r in later["rows"]:
+    r["span_ms"] = 0.96 * r["ms"]
+  later["rows"].append(dict(impl="oskvp_mosaic_uniform", batch=8, context=65536, ms=2.0, span_ms=1.6,
+                            bytes_read=10**6, tb_per_s=0.5, frac_copy_bw=0.2, note=""))
+  merged = bench.merge_runs([base, later], ["run10", "span"], (False, True))
+  got = sorted((r["context"], r["impl"], r["run"]) for r in merged["rows"])
+  # The base cell stays whole; the added run brings its new implementation and its own cuDNN rows, not its
+  # bit-plane rows (an implementation the base runs already have).
+  assert got == [(65536, "cudnn_bf16", "run10"), (65536, "cudnn_bf16", "span"), (65536, "oskvp_mosaic_uniform", "span"),
+                 (65536, "oskvp_pallas_bitplane", "run10"), (131072, "cudnn_bf16", "span")]
+  md = bench.render_md(merged)
+  # Wall 5.0 / 2.0 and span 4.8 / 1.6 against the added run's cuDNN row, not run10's 4.0.
+  assert "| oskvp_mosaic_uniform | 8 | 65536 | 2.0000 | 1.0 MB | 0.50 | 20% | 2.50x | 1.6000 | 3.00x | span |" in md
+  assert "| oskvp_pallas_bitplane | 8 | 65536 | 3.0000 | 1.0 MB | 0.00 | 10% | 1.33x | - | - | run10 |" in md
