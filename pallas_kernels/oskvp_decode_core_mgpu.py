@@ -42,7 +42,7 @@ On the H200 at 64k × batch 8 the fp8_stacked form at ring 2 is the fastest core
 its best ring 3; results/oskvp_decode_core_mgpu_run13.md). Each side issues its wgmmas before one wait.
 Outputs per program: acc f32 [H, 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits (log-sum-exp) and
 restores the channel order (`_channel_rows`) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the
-per-split outputs with acc stored in channel order by the kernel (for `oskvp_uniform_glue.epilogue`).
+per-split outputs with acc stored in channel order by the kernel (for `oskvp_uniform_epilogue.epilogue`).
 
 The GPU route's register-level pieces (hand-written transposed stores, the outlier A fragments and their index math)
 are in `oskvp_core_registers_mgpu.py`. CPU interpret mode: the interpreter runs no inline Mosaic, so there the planes
@@ -413,12 +413,12 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
                        max_concurrent_steps: int = 2, interpret: bool | plgpu.InterpretGPUParams = False,
                        value_outliers: str = VALUE_OUTLIERS):
   """The core with outliers and ragged lengths, unmerged: for callers that merge the splits themselves
-  (`oskvp_uniform_glue.epilogue`, which also takes the window).
+  (`oskvp_uniform_epilogue.epilogue`, which also takes the window).
 
   Args:
     kcodes, vcodes, qd, kout, vout: as in `decode_core_mgpu`.
     qs_row: f32 [BK, 32]: the 8 per-head scales of `decode_core_mgpu`'s qs, the row's length (tokens stored, as f32)
-      at index 8, zeros elsewhere (`oskvp_uniform_glue.prologue` writes it).
+      at index 8, zeros elsewhere (`oskvp_uniform_prologue.prologue` writes it).
     qo16: f16 [BK, 8, 16]: `decode_core_mgpu`'s qo with 8 zero columns appended (the f16 wgmma's K).
 
   Returns:

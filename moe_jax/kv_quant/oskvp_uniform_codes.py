@@ -24,9 +24,10 @@ import jax.numpy as jnp
 
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_key_scores_mgpu as ks
-from pallas_kernels import oskvp_uniform_glue as gl
+from pallas_kernels import oskvp_uniform_epilogue as epi
+from pallas_kernels import oskvp_uniform_prologue as pro
 from pallas_kernels import oskvp_value_sums_mgpu as vs
-# The jnp pieces live beside the Pallas glue kernels they are the references of; re-exported here.
+# The jnp glue lives in pallas_kernels (the Triton prologue and epilogue build their references from it); re-exported.
 from pallas_kernels.oskvp_uniform_glue import (  # pylint: disable=unused-import
     LOG2E, merge_lse2, outlier_query, query_digits, uniform_steps, window_attention)
 
@@ -138,7 +139,7 @@ def resolved_glue(glue: str, rows: int, window: int, splits: int, head_dim: int)
     raise ValueError(f"glue={glue!r} must be 'auto', 'pallas' or 'xla'")
   if glue != "auto":
     return glue
-  return "pallas" if rows <= PALLAS_GLUE_MAX_ROWS and not gl.epilogue_shape_error(window, splits, head_dim) else "xla"
+  return "pallas" if rows <= PALLAS_GLUE_MAX_ROWS and not epi.epilogue_shape_error(window, splits, head_dim) else "xla"
 
 
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
@@ -151,12 +152,13 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="xla" composes `attend_codes`,
   `window_attention` and `merge_lse2` in jnp: about eighteen small XLA kernels beside the core. glue="pallas" keeps
   the two rotations as XLA matmuls and runs the query preparation and the split merge + window as two Pallas (Triton)
-  kernels around the core (`pallas_kernels/oskvp_uniform_glue.py`): five GPU kernels per call. On the H200 the GPU
+  kernels around the core (`pallas_kernels/oskvp_uniform_prologue.py`, `oskvp_uniform_epilogue.py`): five GPU
+  kernels per call. On the H200 the GPU
   runs either back to back (results/decode_timeline.md); by GPU time per call the Pallas glue is 9–22% faster at
   batch 1 and 8 up to 16k, equal at 64k, and 7–10% slower at batch 32 from 16k
   (results/decode_attention_mosaic_glue.md).
   glue="auto" (the default) takes the Pallas glue up to B·K = PALLAS_GLUE_MAX_ROWS where its tiles apply
-  (`oskvp_uniform_glue.epilogue_shape_error`), else the XLA glue.
+  (`oskvp_uniform_epilogue.epilogue_shape_error`), else the XLA glue.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
@@ -191,13 +193,13 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
   q_rot = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]
   if glue == "pallas":
-    qd, qs_row, qo16, qc = gl.prologue(q_rot, cb_k, scale_k, n_comp, interpret=interpret)
+    qd, qs_row, qo16, qc = pro.prologue(q_rot, cb_k, scale_k, n_comp, interpret=interpret)
     acc, ml, acco = dc.decode_core_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row), rows(outl_k),
                                           rows(outl_v_t), rows(qo16), block_s=block_s, splits=splits,
                                           max_concurrent_steps=ring, interpret=interpret,
                                           value_outliers=value_outliers)
     per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
-    o = gl.epilogue(per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res,
+    o = epi.epilogue(per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res,
                     interpret=interpret)  # [B, K, 16, H], rotated
     o = jnp.einsum("BKgj,BKhj->BKgh", o[:, :, :g], u_v)  # o' @ U_vᵀ
     return o.reshape(b, n, h).astype(q.dtype)

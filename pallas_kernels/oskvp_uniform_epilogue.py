@@ -1,0 +1,137 @@
+"""The merge after the wired Mosaic GPU OS-KVP core as one Pallas (Triton) kernel
+(`uniform_decode_attention(glue="pallas")`), one program per batch row, kv head and HC output channels
+(`epilogue_channels`: 32, or 16 above 16 splits).
+
+Inputs: the core's per-split outputs acc [splits, H, 8] (channel order), ml [splits, 32] (m in [0, 8), l in
+[8, 16)), acco [splits, 8, 8] ([outlier channel, head]); the rotated query q' [G, H]; the prologue's qc [8]; the value
+codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the residual window res_k, res_v [R, H] (rotated, bf16)
+with n_res tokens. It computes, for its HC channels:
+  the splits merged by log-sum-exp (w_s = 2^(m_s − max m), mean = Σ w_s acc_s / Σ w_s l_s), o'_c = c0_v + d_v·mean
+  (+ the value outliers · scale_v on channels 0..7), lse_c = max m + log2(Σ w l / 127) + qc;
+  exact attention over the window (scores over all H channels, values of its own; the dots as bf16 hi + lo parts
+  of the f32 operand on the tensor cores, relative error ~2^-16);
+  the two merged by log-sum-exp: o' [16, HC] in the rotated basis (rows G.. meaningless). U_vᵀ follows in XLA.
+The reference composes `merge_splits` and the jnp glue (`epilogue_reference`).
+
+Each program does one round of loads and no loops. Its first form (ninth session: one program per row and kv head,
+U_vᵀ inside, f32 dots, loops over splits and window chunks) took 60 µs at 64k × 8 on the H200
+(results/oskvp_uniform_profile_pallas_glue.md); at batch 32 this form is still 7–10% slower than the XLA glue, whose
+batched matmuls read each row's window keys once (results/decode_attention_mosaic_glue.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS, merge_splits
+from pallas_kernels.oskvp_decode_prologue import unfold_rows
+from pallas_kernels.oskvp_uniform_glue import (LOG2E, QS_SLOTS, ROWS, merge_lse2, uniform_steps,
+                                               window_attention)
+
+
+def _dot_f32(a, b):
+  """a f32 [M, K] @ b bf16 [K, N] on the tensor cores: a as bf16 hi + lo parts (relative error ~2^-16), f32 sums."""
+  hi = a.astype(jnp.bfloat16)
+  lo = (a - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  return (jnp.dot(hi, b, preferred_element_type=jnp.float32) + jnp.dot(lo, b, preferred_element_type=jnp.float32))
+
+
+def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref):
+  # acc_ref [S, HC, 8] f32 (channel order: this program's HC channels); ml_ref [S, 32]; ao_ref [S, 8, 8]
+  # ([outlier channel, head]); q_ref [G, H] f32 (rotated); qc_ref [8]; cb_ref [HC, 4]; sv_ref [8];
+  # rk_ref [R, H] bf16; rv_ref [R, HC] bf16; nr_ref []. o_ref [16, HC] f32. One round of loads, no loops.
+  hc = acc_ref.shape[1]
+  h = q_ref.shape[1]
+  r = rk_ref.shape[0]
+  m, l = ml_ref[:, pl.ds(0, N)], ml_ref[:, pl.ds(N, N)]  # [S, 8]
+  top = m.max(axis=0)  # [8]
+  w = jnp.exp2(m - top[None, :])  # [S, 8]
+  total = (w * l).sum(axis=0)
+  inv = 1.0 / jnp.maximum(total, 1e-30)
+  mean = ((acc_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
+  mean_o = ((ao_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8 heads, 8 outlier channels]
+  c0 = cb_ref[:, 0]
+  o_c = c0[None, :] + (cb_ref[:, 1] - c0)[None, :] * mean  # [8, HC]
+  channel = pl.program_id(2) * hc + jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 1)
+  onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 0) == channel).astype(jnp.float32)  # [8, HC]
+  o_c += ((mean_o * sv_ref[...][None, :])[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7
+  lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc_ref[...], -jnp.inf)
+  # The window: scores over all H channels, values of this program's channels.
+  s = _dot_f32(unfold_rows([q_ref[...]], ROWS, jnp.float32), rk_ref[...].T) * (h**-0.5 * LOG2E)  # [16, R]
+  live = jax.lax.broadcasted_iota(jnp.int32, (ROWS, r), 1) < nr_ref[...]
+  m_r = jnp.where(live, s, MASKED).max(axis=1)
+  p = jnp.where(live, jnp.exp2(s - m_r[:, None]), 0.0)
+  total_r = p.sum(axis=1)
+  o_r = _dot_f32(p, rv_ref[...]) / jnp.maximum(total_r, 1e-30)[:, None]  # [16, HC]
+  lse_r = jnp.where(total_r > 0, m_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
+  o_c16 = unfold_rows([o_c], ROWS, jnp.float32)
+  lse_c16 = jnp.where(jnp.arange(ROWS) < N, unfold_rows([lse_c[:, None]], ROWS, jnp.float32).reshape(ROWS), -jnp.inf)
+  top2 = jnp.maximum(jnp.maximum(lse_c16, lse_r), MASKED)
+  w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
+  o_ref[...] = (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
+
+
+def epilogue_channels(splits: int) -> int:
+  """Output channels per epilogue program: 32 while a program's acc block (splits × HC × 8 f32) stays ≤ 16 KB."""
+  return 32 if splits <= 16 else 16
+
+
+def epilogue_shape_error(window: int, splits: int, head_dim: int) -> str | None:
+  """Why `epilogue` cannot take a window of R tokens, this many splits and head dim (Triton tiles are powers of
+  two), or None."""
+  if window < 16 or window & (window - 1) or splits & (splits - 1):
+    return f"the window R={window} (at least 16) and splits={splits} must be powers of two"
+  if head_dim % epilogue_channels(splits):
+    return f"head_dim={head_dim} must be a multiple of {epilogue_channels(splits)}"
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, interpret: bool = False):
+  """`epilogue_reference` in one Pallas kernel (grid B × K × H/HC, `epilogue_channels`). Shapes as there; the window
+  R and the splits must be powers of two (Triton tiles), R ≥ 16."""
+  b, kh, splits, h, _ = acc.shape
+  g, r = q_rot.shape[2], res_k.shape[2]
+  error = epilogue_shape_error(r, splits, h)
+  if error:
+    raise ValueError(error)
+  hc = epilogue_channels(splits)
+  spec = lambda *tail, cols=None: pl.BlockSpec(
+      (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))
+  return pl.pallas_call(
+      _epilogue_kernel, grid=(b, kh, h // hc),
+      in_specs=[spec(splits, hc, N, cols=1), spec(splits, QS_SLOTS), spec(splits, OUTLIERS, N), spec(g, h), spec(N),
+                spec(hc, 4, cols=0), spec(OUTLIERS), spec(r, h), spec(r, hc, cols=1),
+                pl.BlockSpec((None,), lambda i, j, c: (i,))],
+      out_specs=spec(ROWS, hc, cols=1),
+      out_shape=jax.ShapeDtypeStruct((b, kh, ROWS, h), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      name="oskvp_uniform_epilogue",
+  )(acc, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k,
+    res_v, n_res.astype(jnp.int32))
+
+
+def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res):
+  """The core's per-split outputs acc [B, K, S, H, 8] (channel order), ml [B, K, S, 32], acco [B, K, S, 8, 8]
+  ([outlier channel, head]); q_rot f32 [B, K, G, H]; the prologue's qc [B, K, 8]; cb_v [B, K, H, 4], scale_v
+  [B, K, 8], res_k, res_v [B, K, R, H], n_res int32 [B] -> o' f32 [B, K, 16, H] in the rotated basis (rows G..
+  meaningless): `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`."""
+  b, kh, _, h, _ = acc.shape
+  g = q_rot.shape[2]
+  mean, mean_o, lse_c = merge_splits(acc, ml, acco)  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
+  c0, d = uniform_steps(cb_v)
+  o_c = (c0[:, :, None, :] + d[:, :, None, :] * mean).at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
+  rows = lambda x: x.reshape(b * kh, *x.shape[2:])
+  with jax.default_matmul_precision("highest"):
+    o_r, lse_r = window_attention(rows(q_rot).astype(jnp.float32), rows(res_k), rows(res_v), jnp.repeat(n_res, kh),
+                                  scale=h**-0.5)
+  pad = ((0, 0), (0, ROWS - g))
+  o, _ = merge_lse2(jnp.pad(rows(o_c), ((0, 0), (0, ROWS - N), (0, 0))),
+                    jnp.pad(rows(lse_c + qc), ((0, 0), (0, ROWS - N)), constant_values=-jnp.inf),
+                    jnp.pad(o_r, (*pad, (0, 0))), jnp.pad(lse_r, pad, constant_values=-jnp.inf))  # [BK, 16, H]
+  return o.reshape(b, kh, ROWS, h)

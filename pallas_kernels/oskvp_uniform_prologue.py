@@ -1,0 +1,92 @@
+"""The query preparation of the wired Mosaic GPU OS-KVP path as one Pallas (Triton) kernel
+(`uniform_decode_attention(glue="pallas")`), one program per batch row b and kv head k.
+
+Input: the rotated query q' = q U_k [G, H] (an XLA matmul), the key codebooks cb_k = c0 + d·code [H, 4], the key
+outlier scales [8], the row's compressed length n_comp. With c = log2(e) / √H it writes what the core reads:
+  qd int8 [8, H]    round(q'·d / u) per head, u = max_ch |q'·d| / 127 (rows G.. zero): the query digits
+  qs f32 [32]       u·c in [0, G), n_comp at index 8 (the core's `qs_row`)
+  qo f16 [8, 16]    q'[:, :8]·scale_k·c (the key-outlier query; columns 8.. zero)
+  qc f32 [8]        c·Σ q'·c0 (the score part the codes do not carry)
+The reference is the jnp glue's `query_digits` and `outlier_query` (`prologue_reference`); digits may differ on an
+exact rounding tie (half away from zero here, half to even there).
+
+On the H200 (results/decode_attention_mosaic_glue.md) this kernel and `oskvp_uniform_epilogue` make the path five
+GPU kernels instead of ~19 and 9–22% faster by GPU time at batch 1 and 8 up to 16k. Their first form (ninth
+session: the rotation inside, f32 products in chunks) took 14 µs at 64k × 8
+(results/oskvp_uniform_profile_pallas_glue.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.oskvp_decode_core_mgpu import N, OUTLIERS
+from pallas_kernels.oskvp_decode_prologue import _round, unfold_rows
+from pallas_kernels.oskvp_uniform_glue import LEN_SLOT, LOG2E, QS_SLOTS, outlier_query, query_digits
+
+
+def _prologue_kernel(q_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_ref):
+  # q_ref [G, H] f32 (rotated); cb_ref [H, 4] f32; sk_ref [8] f32; nc_ref [] int32.
+  # qd_ref [8, H] int8; qs_ref [32] f32; qo_ref [8, 16] f16; qc_ref [8] f32.
+  g, h = q_ref.shape
+  c = h**-0.5 * LOG2E
+  q = q_ref[...]
+  c0 = cb_ref[:, 0]
+  qf = q * (cb_ref[:, 1] - c0)[None, :]  # [G, H]
+  u = jnp.maximum(jnp.abs(qf).max(axis=1), 1e-30) / 127.0  # [G]
+  qd_ref[...] = unfold_rows([_round(qf / u[:, None])], N, jnp.int8)
+  slots = jnp.arange(QS_SLOTS)
+  qs = unfold_rows([(u * c)[:, None]], QS_SLOTS, jnp.float32).reshape(QS_SLOTS)
+  qs_ref[...] = jnp.where(slots == LEN_SLOT, nc_ref[...].astype(jnp.float32), jnp.where(slots < g, qs, 0.0))
+  cols = 2 * OUTLIERS  # the f16 wgmma's K: channels 0..7 and 8 zero columns
+  scale = plgpu.load(sk_ref.at[pl.ds(0, cols)], mask=jnp.arange(cols) < OUTLIERS, other=0.0)  # [16]
+  qo_ref[...] = unfold_rows([q_ref[:, pl.ds(0, cols)] * (scale[None, :] * c)], N, jnp.float16)
+  qc = unfold_rows([((q * c0[None, :]).sum(axis=1) * c)[:, None]], N, jnp.float32).reshape(N)
+  qc_ref[...] = jnp.where(jnp.arange(N) < g, qc, 0.0)
+
+
+def _spec(*tail):
+  return pl.BlockSpec((None, None, *tail), lambda i, j: (i, j) + (0,) * len(tail))
+
+
+def _per_row():
+  return pl.BlockSpec((None,), lambda i, j: (i,))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def prologue(q_rot, cb_k, scale_k, n_comp, *, interpret: bool = False):
+  """`prologue_reference` in one Pallas kernel (grid B × K). Shapes as there; G must divide 8."""
+  b, kh, g, h = q_rot.shape
+  if N % g:
+    raise ValueError(f"q_rot has G={g} query heads per kv head: the group size must divide {N}")
+  if h % 128:
+    raise ValueError(f"head_dim={h} must be a multiple of 128")
+  out_shape = [jax.ShapeDtypeStruct((b, kh, N, h), jnp.int8), jax.ShapeDtypeStruct((b, kh, QS_SLOTS), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, N, 2 * OUTLIERS), jnp.float16),
+               jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
+  return pl.pallas_call(
+      _prologue_kernel, grid=(b, kh),
+      in_specs=[_spec(g, h), _spec(h, 4), _spec(OUTLIERS), _per_row()],
+      out_specs=[_spec(N, h), _spec(QS_SLOTS), _spec(N, 2 * OUTLIERS), _spec(N)],
+      out_shape=out_shape, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      name="oskvp_uniform_prologue",
+  )(q_rot.astype(jnp.float32), cb_k.astype(jnp.float32), scale_k.astype(jnp.float32), n_comp.astype(jnp.int32))
+
+
+def prologue_reference(q_rot, cb_k, scale_k, n_comp):
+  """q_rot f32 [B, K, G, H] (rotated), cb_k [B, K, H, 4], scale_k [B, K, 8], n_comp int32 [B] -> (qd int8
+  [B, K, 8, H], qs f32 [B, K, 32], qo f16 [B, K, 8, 16], qc f32 [B, K, 8]) (module docstring): the jnp glue's
+  `query_digits` and `outlier_query`, laid out as the kernel writes them."""
+  b, kh, g, h = q_rot.shape
+  rows = q_rot.reshape(b * kh, g, h).astype(jnp.float32)
+  qd, qs, qc = query_digits(rows, cb_k.reshape(b * kh, h, 4), h**-0.5)
+  qo = outlier_query(rows, scale_k.reshape(b * kh, OUTLIERS), h**-0.5)
+  qs = jnp.pad(qs, ((0, 0), (0, QS_SLOTS - N))).at[:, LEN_SLOT].set(jnp.repeat(n_comp, kh).astype(jnp.float32))
+  per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
+  return (per_head(qd), per_head(qs), per_head(jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS)))),
+          per_head(jnp.pad(qc, ((0, 0), (0, N - g)))))

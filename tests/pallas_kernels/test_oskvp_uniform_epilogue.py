@@ -1,0 +1,65 @@
+"""The Pallas (Triton) epilogue of the wired OS-KVP path: interpret mode against its jnp reference, and its lowering
+to Triton IR for an H100-class GPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hopper_lowering import lowers_to_triton_for_hopper  # pylint: disable=import-error
+from pallas_kernels import oskvp_decode_core_mgpu as dc
+from pallas_kernels import oskvp_uniform_epilogue as epi
+
+H, R = 128, 128
+
+
+def _epilogue_inputs(seed, b, kh, splits, g=4, empty_split=True):
+  ks = jax.random.split(jax.random.key(seed), 8)
+  acc = jax.random.uniform(ks[0], (b, kh, splits, H, 8)) * 3000.0
+  m = jax.random.normal(ks[1], (b, kh, splits, 8)) * 4
+  if empty_split:
+    m = m.at[:, :, 0].set(dc.MASKED)  # a split that saw no token: l = 0
+  l = jnp.where(m > 0.5 * dc.MASKED, jax.random.uniform(ks[2], m.shape, minval=1.0, maxval=1000.0), 0.0)
+  ml = jnp.concatenate([m, l, jnp.zeros((b, kh, splits, 16))], axis=-1)
+  acco = jax.random.normal(ks[3], (b, kh, splits, 8, 8)) * 100.0
+  q_rot = jax.random.normal(ks[4], (b, kh, g, H))
+  qc = jax.random.normal(ks[5], (b, kh, 8))
+  c0 = jax.random.normal(ks[6], (b, kh, H))
+  cb = c0[..., None] + 0.5 * jnp.arange(4.0)
+  res = jax.random.normal(ks[7], (2, b, kh, R, H)).astype(jnp.bfloat16)
+  n_res = jnp.array([0, 77, 128][:b], jnp.int32)
+  return acc, ml, acco, q_rot, qc, cb, jnp.full((b, kh, 8), 0.05), res[0], res[1], n_res
+
+
+@pytest.mark.parametrize("splits,g", [(4, 4), (64, 8), (16, 1)])
+def test_epilogue_matches_reference(splits, g):
+  """Split merge (4 to 64 splits: 32 and 16 output channels per program), the value outliers on channels 0..7 only,
+  the window (empty, partial, full) and the log-sum-exp merge: equal to the f32 jnp reference to 1e-5 relative
+  (the window's dots as bf16 hi + lo parts) on the G live rows; a row with no compressed token at all gives the
+  window's attention exactly."""
+  args = list(_epilogue_inputs(3, 3, 2, splits, g))
+  got = np.asarray(epi.epilogue(*args, interpret=True))[:, :, :g]
+  want = np.asarray(epi.epilogue_reference(*args))[:, :, :g]
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  args[1] = args[1].at[1, 0, :, :8].set(dc.MASKED).at[1, 0, :, 8:16].set(0.0)  # row (1, 0): no compressed token
+  got = np.asarray(epi.epilogue(*args, interpret=True))[1, 0, :g]
+  qr, res_k, res_v = (np.asarray(a[1, 0], np.float32) for a in (args[3], args[7], args[8]))
+  s = qr @ res_k[:77].T * H**-0.5
+  p = np.exp(s - s.max(axis=1, keepdims=True))
+  want = (p / p.sum(axis=1, keepdims=True)) @ res_v[:77]
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_epilogue_refuses_tiles_triton_cannot_hold():
+  args = list(_epilogue_inputs(0, 1, 1, 4))
+  with pytest.raises(ValueError, match="window R=96"):
+    epi.epilogue(*args[:7], args[7][:, :, :96], args[8][:, :, :96], args[9], interpret=True)
+
+
+def test_epilogue_lowers_to_triton_ir_for_hopper():
+  """16 splits (32 channels per program) and 64 splits at G = 8 (16 channels)."""
+  for args in (_epilogue_inputs(0, 2, 2, 16), _epilogue_inputs(0, 1, 8, 64, g=8)):
+    assert lowers_to_triton_for_hopper(functools.partial(epi.epilogue, interpret=False), *args)
