@@ -60,6 +60,6 @@ def test_epilogue_refuses_tiles_triton_cannot_hold():
 
 
 def test_epilogue_lowers_to_triton_ir_for_hopper():
-  """16 splits (32 channels per program) and 64 splits at G = 8 (16 channels)."""
-  for args in (_epilogue_inputs(0, 2, 2, 16), _epilogue_inputs(0, 1, 8, 64, g=8)):
+  """16 splits (32 channels per program) at G = 4 and 1, 64 splits at G = 8 (16 channels)."""
+  for args in (_epilogue_inputs(0, 2, 2, 16), _epilogue_inputs(0, 2, 2, 16, g=1), _epilogue_inputs(0, 1, 8, 64, g=8)):
     assert lowers_to_triton_for_hopper(functools.partial(epi.epilogue, interpret=False), *args)

@@ -41,5 +41,6 @@ def test_prologue_matches_reference(g):
   np.testing.assert_array_equal(qs[:, :, dc.N], np.repeat(np.asarray(args[3], np.float32)[:, None], 2, 1))
 
 
-def test_prologue_lowers_to_triton_ir_for_hopper():
-  assert lowers_to_triton_for_hopper(functools.partial(pro.prologue, interpret=False), *_prologue_inputs(0, 2, 2, 4))
+@pytest.mark.parametrize("g", [1, 4, 8])
+def test_prologue_lowers_to_triton_ir_for_hopper(g):
+  assert lowers_to_triton_for_hopper(functools.partial(pro.prologue, interpret=False), *_prologue_inputs(0, 2, 2, g))
