@@ -23,3 +23,11 @@ def test_summarize_counts_idle_time_once_and_names_the_kernel_it_precedes():
 
 def test_summarize_without_gpu_events_says_so():
   assert "error" in dt.summarize([], [("python", "x", 0, 1)], calls=8)
+
+
+def test_timeline_traces_the_chained_program_and_reads_the_host_planes():
+  """The real path on the CPU: `chained_calls`' program runs under the JAX profiler and the trace parses (the CPU
+  has no GPU stream, which the result says)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  r = dt.timeline(lambda q, x: q + x.sum(), lambda i: (jnp.ones((4, 4)), jnp.full((64, 64), float(i))), 1 << 20, 8)
+  assert r["calls"] >= 8 and "no GPU events" in r["error"]
