@@ -56,9 +56,14 @@ def _events(space: ProfileData, gpu: bool):
 
 
 def timeline(fn, make_args, nbytes: int, min_calls: int) -> dict:
-  """Traces the third run of `chained_calls`' program; returns the per-call GPU span, busy time, gaps by the kernel
-  that follows them, and the host events overlapping the run."""
-  multi, qs, arg_sets, calls = da.chained_calls(fn, make_args, nbytes, min_calls)
+  """`trace_chained` of `chained_calls`' program for fn."""
+  return trace_chained(da.chained_calls(fn, make_args, nbytes, min_calls))
+
+
+def trace_chained(chained) -> dict:
+  """Traces one run (after two warm-up runs) of a `chained_calls` program; returns the per-call GPU span, busy
+  time, gaps by the kernel that follows them, and the host events overlapping the run."""
+  multi, qs, arg_sets, calls = chained
   jax.block_until_ready(multi(qs, arg_sets))
   jax.block_until_ready(multi(qs, arg_sets))
   with tempfile.TemporaryDirectory() as tmp:

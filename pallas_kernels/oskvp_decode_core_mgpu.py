@@ -71,7 +71,8 @@ VALUE_OUTLIER_FORMS = ("fp8", "fp8_stacked", "f16")
 VALUE_OUTLIERS = "fp8_stacked"  # the default form: the fastest core on the H200 (results/..._run13.md)
 P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
 MASKED = -1e30  # the score of a token past the row's length (finite: a fully masked block keeps alpha = 1)
-_LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
+QS_SLOTS = 32  # qs padded to a row of 128 bytes (what a TMA copy moves): the 8 scales, the length, zeros
+LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
 
 
 def _valid(bk: int, s_len: int, lengths: jax.Array | None) -> jax.Array:
@@ -195,7 +196,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   ko_spec = plgpu.BlockSpec((block_s // 2, 2 * OUTLIERS), lambda i: (i, 0))
   vo_spec = plgpu.BlockSpec((OUTLIERS, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
 
-  n_valid = qs_smem[_LEN_SLOT].astype(jnp.int32)
+  n_valid = qs_smem[LEN_SLOT].astype(jnp.int32)
 
   def key_scores(k_smem, ko_tile):  # -> f32 [block_s, 8] base-2 logits (WGMMA layout)
     scale = jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
@@ -379,7 +380,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
       grid=(bk, splits), grid_names=("bk", "split"),
       scratch_types=dict(
           q_smem=plgpu.SMEM((N, h), jnp.int8, transforms=ks.swizzled(128)),
-          qs_smem=plgpu.SMEM((32,), jnp.float32),
+          qs_smem=plgpu.SMEM((QS_SLOTS,), jnp.float32),
           ka_smem=plgpu.SMEM((block_s, h) if smem_a else (8, 128), jnp.int8, transforms=ks.swizzled(128)),
           va_smem=plgpu.SMEM((h, block_s) if smem_a else (8, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
           p_smem=plgpu.SMEM((N, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
@@ -427,7 +428,7 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
     acco f32 [BK, splits, 8, 8] = Σ_t p8[n, t] · vout[o, t] as [o, n]); p8 = round(127 · 2^(s − m)).
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], block_s, splits, max_concurrent_steps)
-  if qs_row.shape != (bk, 32) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
+  if qs_row.shape != (bk, QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
       or qo16.shape != (bk, N, 2 * OUTLIERS):
     raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, vout {vout.shape}, qo16 {qo16.shape} must be "
                      f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
@@ -512,9 +513,9 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     raise ValueError(f"qo {qo.shape} {qo.dtype} must be float16 [BK, {N}, {OUTLIERS}]")
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  qs_row = jnp.pad(qs, ((0, 0), (0, 32 - N)))  # padded to the 128 bytes a TMA copy moves; the length rides in it
+  qs_row = jnp.pad(qs, ((0, 0), (0, QS_SLOTS - N)))  # the length rides in the padding
   if lengths is not None:
-    qs_row = qs_row.at[:, _LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
+    qs_row = qs_row.at[:, LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
   extra = ()
   if outliers:  # the key outliers as rows of two tokens (a free reshape); qo padded to the f16 wgmma's K = 16
     extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS))))

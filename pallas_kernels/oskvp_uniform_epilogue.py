@@ -28,10 +28,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.oskvp_decode_attention import MMA_ROWS
 from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS, merge_splits
 from pallas_kernels.oskvp_decode_prologue import unfold_rows
-from pallas_kernels.oskvp_uniform_glue import (LOG2E, QS_SLOTS, ROWS, merge_lse2, uniform_steps,
-                                               window_attention)
+from pallas_kernels.oskvp_uniform_glue import LOG2E, merge_lse2, uniform_steps, window_attention
 
 
 def _dot_f32(a, b):
@@ -62,15 +62,16 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
   o_c += ((mean_o * sv_ref[...][None, :])[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7
   lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc_ref[...], -jnp.inf)
   # The window: scores over all H channels, values of this program's channels.
-  s = _dot_f32(unfold_rows([q_ref[...]], ROWS, jnp.float32), rk_ref[...].T) * (h**-0.5 * LOG2E)  # [16, R]
-  live = jax.lax.broadcasted_iota(jnp.int32, (ROWS, r), 1) < nr_ref[...]
+  s = _dot_f32(unfold_rows([q_ref[...]], MMA_ROWS, jnp.float32), rk_ref[...].T) * (h**-0.5 * LOG2E)  # [16, R]
+  live = jax.lax.broadcasted_iota(jnp.int32, (MMA_ROWS, r), 1) < nr_ref[...]
   m_r = jnp.where(live, s, MASKED).max(axis=1)
   p = jnp.where(live, jnp.exp2(s - m_r[:, None]), 0.0)
   total_r = p.sum(axis=1)
   o_r = _dot_f32(p, rv_ref[...]) / jnp.maximum(total_r, 1e-30)[:, None]  # [16, HC]
   lse_r = jnp.where(total_r > 0, m_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
-  o_c16 = unfold_rows([o_c], ROWS, jnp.float32)
-  lse_c16 = jnp.where(jnp.arange(ROWS) < N, unfold_rows([lse_c[:, None]], ROWS, jnp.float32).reshape(ROWS), -jnp.inf)
+  o_c16 = unfold_rows([o_c], MMA_ROWS, jnp.float32)
+  lse_c16 = unfold_rows([lse_c[:, None]], MMA_ROWS, jnp.float32).reshape(MMA_ROWS)
+  lse_c16 = jnp.where(jnp.arange(MMA_ROWS) < N, lse_c16, -jnp.inf)
   top2 = jnp.maximum(jnp.maximum(lse_c16, lse_r), MASKED)
   w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
   o_ref[...] = (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
@@ -105,11 +106,11 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
       (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))
   return pl.pallas_call(
       _epilogue_kernel, grid=(b, kh, h // hc),
-      in_specs=[spec(splits, hc, N, cols=1), spec(splits, QS_SLOTS), spec(splits, OUTLIERS, N), spec(g, h), spec(N),
+      in_specs=[spec(splits, hc, N, cols=1), spec(splits, ml.shape[-1]), spec(splits, OUTLIERS, N), spec(g, h), spec(N),
                 spec(hc, 4, cols=0), spec(OUTLIERS), spec(r, h), spec(r, hc, cols=1),
                 pl.BlockSpec((None,), lambda i, j, c: (i,))],
-      out_specs=spec(ROWS, hc, cols=1),
-      out_shape=jax.ShapeDtypeStruct((b, kh, ROWS, h), jnp.float32),
+      out_specs=spec(MMA_ROWS, hc, cols=1),
+      out_shape=jax.ShapeDtypeStruct((b, kh, MMA_ROWS, h), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
       name="oskvp_uniform_epilogue",
   )(acc, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k,
@@ -130,8 +131,8 @@ def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_
   with jax.default_matmul_precision("highest"):
     o_r, lse_r = window_attention(rows(q_rot).astype(jnp.float32), rows(res_k), rows(res_v), jnp.repeat(n_res, kh),
                                   scale=h**-0.5)
-  pad = ((0, 0), (0, ROWS - g))
-  o, _ = merge_lse2(jnp.pad(rows(o_c), ((0, 0), (0, ROWS - N), (0, 0))),
-                    jnp.pad(rows(lse_c + qc), ((0, 0), (0, ROWS - N)), constant_values=-jnp.inf),
+  pad = ((0, 0), (0, MMA_ROWS - g))
+  o, _ = merge_lse2(jnp.pad(rows(o_c), ((0, 0), (0, MMA_ROWS - N), (0, 0))),
+                    jnp.pad(rows(lse_c + qc), ((0, 0), (0, MMA_ROWS - N)), constant_values=-jnp.inf),
                     jnp.pad(o_r, (*pad, (0, 0))), jnp.pad(lse_r, pad, constant_values=-jnp.inf))  # [BK, 16, H]
-  return o.reshape(b, kh, ROWS, h)
+  return o.reshape(b, kh, MMA_ROWS, h)

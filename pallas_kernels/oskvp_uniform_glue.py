@@ -19,9 +19,6 @@ import jax.numpy as jnp
 from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS
 
 LOG2E = 1.0 / math.log(2.0)
-ROWS = 16  # the rotated query's rows in the epilogue (tl.dot needs 16)
-QS_SLOTS = 32  # the core's qs row: 8 scales, the length at index 8, padding to the 128 bytes a TMA copy moves
-LEN_SLOT = N
 
 
 def uniform_steps(cb: jax.Array) -> tuple[jax.Array, jax.Array]:

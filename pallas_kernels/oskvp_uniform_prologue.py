@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.oskvp_decode_core_mgpu import N, OUTLIERS
+from pallas_kernels.oskvp_decode_core_mgpu import LEN_SLOT, N, OUTLIERS, QS_SLOTS
 from pallas_kernels.oskvp_decode_prologue import _round, unfold_rows
-from pallas_kernels.oskvp_uniform_glue import LEN_SLOT, LOG2E, QS_SLOTS, outlier_query, query_digits
+from pallas_kernels.oskvp_uniform_glue import LOG2E, outlier_query, query_digits
 
 
 def _prologue_kernel(q_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_ref):

@@ -153,12 +153,11 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   `window_attention` and `merge_lse2` in jnp: about eighteen small XLA kernels beside the core. glue="pallas" keeps
   the two rotations as XLA matmuls and runs the query preparation and the split merge + window as two Pallas (Triton)
   kernels around the core (`pallas_kernels/oskvp_uniform_prologue.py`, `oskvp_uniform_epilogue.py`): five GPU
-  kernels per call. On the H200 the GPU
-  runs either back to back (results/decode_timeline.md); by GPU time per call the Pallas glue is 9–22% faster at
-  batch 1 and 8 up to 16k, equal at 64k, and 7–10% slower at batch 32 from 16k
-  (results/decode_attention_mosaic_glue.md).
-  glue="auto" (the default) takes the Pallas glue up to B·K = PALLAS_GLUE_MAX_ROWS where its tiles apply
-  (`oskvp_uniform_epilogue.epilogue_shape_error`), else the XLA glue.
+  kernels per call. On the H200 the GPU runs either back to back (results/decode_timeline.md); by GPU time per call
+  the Pallas glue is 9–22% faster at batch 1 and 8 up to 16k, equal at 64k, and 7–10% slower at batch 32 from 16k
+  (results/decode_attention_mosaic_glue.md). glue="auto" (the default) takes the Pallas glue up to
+  B·K = PALLAS_GLUE_MAX_ROWS where its tiles apply (`oskvp_uniform_epilogue.epilogue_shape_error`), else the XLA
+  glue.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
@@ -200,16 +199,15 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                                           value_outliers=value_outliers)
     per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
     o = epi.epilogue(per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res,
-                    interpret=interpret)  # [B, K, 16, H], rotated
-    o = jnp.einsum("BKgj,BKhj->BKgh", o[:, :, :g], u_v)  # o' @ U_vᵀ
-    return o.reshape(b, n, h).astype(q.dtype)
-  q_rot = rows(q_rot)  # [BK, G, H]
-  scale = h**-0.5
-  o_c, lse_c = attend_codes(q_rot, rows(codes_k), rows(codes_v_t), rows(cb_k), rows(cb_v), jnp.repeat(n_comp, kh),
-                            (rows(outl_k), rows(scale_k), rows(outl_v_t), rows(scale_v)), scale=scale,
-                            implementation="pallas", interpret=interpret, block_s=block_s, splits=splits,
-                            max_concurrent_steps=ring, value_outliers=value_outliers)
-  o_r, lse_r = window_attention(q_rot, rows(res_k), rows(res_v), jnp.repeat(n_res, kh), scale=scale)
-  o, _ = merge_lse2(o_c, lse_c, o_r, lse_r)
-  o = jnp.einsum("bgj,bhj->bgh", o, rows(u_v))  # o' @ U_vᵀ
+                     interpret=interpret)[:, :, :g]  # [B, K, G, H], rotated
+  else:
+    q_rows = rows(q_rot)  # [BK, G, H]
+    scale = h**-0.5
+    o_c, lse_c = attend_codes(q_rows, rows(codes_k), rows(codes_v_t), rows(cb_k), rows(cb_v), jnp.repeat(n_comp, kh),
+                              (rows(outl_k), rows(scale_k), rows(outl_v_t), rows(scale_v)), scale=scale,
+                              implementation="pallas", interpret=interpret, block_s=block_s, splits=splits,
+                              max_concurrent_steps=ring, value_outliers=value_outliers)
+    o_r, lse_r = window_attention(q_rows, rows(res_k), rows(res_v), jnp.repeat(n_res, kh), scale=scale)
+    o = merge_lse2(o_c, lse_c, o_r, lse_r)[0].reshape(b, kh, g, h)
+  o = jnp.einsum("BKGJ,BKHJ->BKGH", o, u_v)  # o' @ U_vᵀ
   return o.reshape(b, n, h).astype(q.dtype)
