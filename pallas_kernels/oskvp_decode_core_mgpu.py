@@ -28,7 +28,7 @@ TMA ring (`plgpu.emit_pipeline`). Per block:
 With outliers (two more TMA streams: the key channels [S, 8] token-major as the cache stores them, the value
 channels [8, S] tokens contiguous), step 1 adds an f16 wgmma whose A (the key tile, f16 [block_s, 16] with columns
 8.. zero) is built in registers from 2-byte loads of the fp8 tile, and step 4 adds the value-outlier sums in one of
-two forms (`value_outliers`), the same sums either way:
+three forms (`value_outliers`), the same sums in each:
 - "fp8": p8 split exactly into two e4m3 parts, p8 = hi + lo (`split_p8`), each stored transposed to shared memory
   as rows 0..7 of an A operand [64, block_s] (heads × tokens); two fp8 × fp8 wgmmas with the value tile as B, as
   TMA left it, give [64 (heads), 8 (channels)]. The running sums are rescaled per head along the rows, so alpha
