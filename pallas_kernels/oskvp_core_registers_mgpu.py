@@ -4,7 +4,6 @@ The core's GPU route builds some wgmma operands and stores some tiles by hand, e
 WGMMA register layout, where the Pallas level has no form for them:
 - `store_transposed`: a WGMMA-layout array [T, C] into a swizzled shared-memory tile [R, T], transposed (p8 as the
   value side's B operand, p8's e4m3 parts as the fp8 value-outlier A operand);
-- `store_channel_rows`: the value accumulator back to channel order (`acc_row_channel`);
 - `key_outlier_fragment`, `value_outlier_fragment`: the f16 A operands of the outlier wgmmas, built in registers
   from fp8 tiles (2-byte and 8-byte loads, one cvt per pair), with their index math (`key_outlier_source`,
   `value_outlier_source`, `k_to_token` / `token_to_k`).
@@ -119,33 +118,6 @@ class Mlir:
 
   def bxor(self, a, b):
     return a ^ b if isinstance(a, int) and isinstance(b, int) else arith.xori(self.value(a), self.value(b))
-
-
-def acc_row_channel(ops, r, q: int):
-  """Accumulator row r of the value sums (ACC order [p2, qt, w, p1, i], one plane type) -> its channel
-  (p2, p1, qt, w, i): `oskvp_value_sums_mgpu.acc_row_channels`, as index arithmetic."""
-  nq = q // 32
-  low, rest = ops.band(r, 7), ops.shr(r, 6)
-  p1, w = ops.band(ops.shr(r, 3), 1), ops.band(ops.shr(r, 4), 3)
-  qt, p2 = ops.mod(rest, nq), ops.div(rest, nq)
-  outer = ops.add(ops.mul(ops.add(ops.mul(ops.add(ops.mul(p2, 2), p1), nq), qt), 32), ops.mul(w, 8))
-  return ops.add(outer, low)
-
-
-def store_channel_rows(arr, ref, q: int):
-  """Inside the kernel (GPU route): the value accumulator arr f32 [H (ACC order), 8] (WGMMA layout) -> ref f32
-  [H, 8] in channel order (one scalar store per element, once per program)."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-  def store(_, arr, ref):
-    ops = Mlir(ir.IndexType.get())
-
-    def one(val, idx):
-      memref.store(val, ref, [acc_row_channel(ops, idx[0], q), idx[1]])
-
-    arr.foreach(one)
-
-  store(arr, ref)
 
 
 def key_outlier_source(ops, idx: tuple[int, ...], warp, lane):

@@ -42,7 +42,8 @@ On the H200 at 64k × batch 8 the fp8_stacked form at ring 2 is the fastest core
 its best ring 3; results/oskvp_decode_core_mgpu_run13.md). Each side issues its wgmmas before one wait.
 Outputs per program: acc f32 [H, 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits (log-sum-exp) and
 restores the channel order (`_channel_rows`) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the
-per-split outputs with acc stored in channel order by the kernel (for `oskvp_uniform_epilogue.epilogue`).
+per-split outputs as the kernel stores them, acc in ACC row order (for `oskvp_uniform_epilogue.epilogue`, which
+reorders in its reads: a channel-order store in the kernel cost the core 10% at 64k × 8).
 
 The GPU route's register-level pieces (hand-written transposed stores, the outlier A fragments and their index math)
 are in `oskvp_core_registers_mgpu.py`. CPU interpret mode: the interpreter runs no inline Mosaic, so there the planes
@@ -158,12 +159,12 @@ def split_p8(p8):
 def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, bar, qo_smem=None, a16_smem=None,
             vt_smem=None, p16_smem=None, ph_smem=None, pl_smem=None, ar_smem=None, oo_smem=None, block_s: int,
             steps: int, max_concurrent_steps: int, interpret: bool, ablate: str, ragged: bool, outliers: bool,
-            channel_out: bool, value_outliers: str):
+            value_outliers: str):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
   # padded: TMA copies move multiples of 128 bytes); with outliers also ko_ref fp8 [BK, S/2, 16] (the key outlier
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
   # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
-  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (channel order with channel_out, else ACC order);
+  # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (ACC row order);
   # ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums
   # [channel, head]).
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
@@ -313,12 +314,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     srcs += [ko_ref.at[bk, pl.ds(sp * (steps * block_s // 2), steps * block_s // 2)], vo_ref.at[bk, :, tokens]]
   m, l, acc, acc_o = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs,
                                          max_concurrent_steps=max_concurrent_steps, init_carry=init)(*srcs)
-  if not channel_out:  # ACC row order (decode_core_mgpu reorders in XLA: the form measured in runs 1-10)
-    o_smem[...] = acc
-  elif interpret:
-    o_smem[...] = vs._channel_rows(acc, q, 0)  # pylint: disable=protected-access
-  else:
-    rg.store_channel_rows(acc, o_smem, q)
+  o_smem[...] = acc  # ACC row order: the reader reorders (a channel-order store by hand cost the core 10%)
   ml_smem[pl.ds(0, N)] = m
   ml_smem[pl.ds(N, N)] = jnp.sum(l, axis=0)
   if outliers:
@@ -353,11 +349,10 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
 
 
 def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, block_s: int, splits: int,
-               max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool, channel_out: bool,
+               max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool,
                value_outliers: str = VALUE_OUTLIERS):
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
-  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (channel order with
-  channel_out, else ACC order), ml f32 [BK, splits, 32] (+ acco f32 [BK, splits, 8, 8] with outliers))."""
+  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (ACC row order), ml f32 [BK, splits, 32] (+ acco f32 [BK, splits, 8, 8] with outliers))."""
   bk, s, q = kcodes.shape
   h = 4 * q
   steps = s // (splits * block_s)
@@ -368,7 +363,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
   stacked = outliers and value_outliers == "fp8_stacked"
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
                            interpret=bool(interpret), ablate=ablate, ragged=ragged, outliers=outliers,
-                           channel_out=channel_out, value_outliers=value_outliers)
+                           value_outliers=value_outliers)
   smem_a = interpret  # planes and outlier A tiles through shared memory only in the interpreter (one 8-row tile of
   # each on the GPU route, never touched: 26 KB less shared memory per program with outliers at block 128)
   kernel = plgpu.kernel(
@@ -423,7 +418,8 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
     qo16: f16 [BK, 8, 16]: `decode_core_mgpu`'s qo with 8 zero columns appended (the f16 wgmma's K).
 
   Returns:
-    (acc f32 [BK, splits, H, 8] = Σ_t p8[n, t] · vcode[t, ch] per split (channel order, relative to 2^m),
+    (acc f32 [BK, splits, H, 8] = Σ_t p8[n, t] · vcode[t, ch] per split (ACC row order,
+    `oskvp_value_sums_mgpu.acc_row_channels`; relative to 2^m),
     ml f32 [BK, splits, 32]: m (the split's running max, base-2 logits) in [0, 8), l = Σ_t p8 in [8, 16),
     acco f32 [BK, splits, 8, 8] = Σ_t p8[n, t] · vout[o, t] as [o, n]); p8 = round(127 · 2^(s − m)).
   """
@@ -434,7 +430,7 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
                      f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
   return _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
                     block_s=block_s, splits=splits, max_concurrent_steps=max_concurrent_steps, interpret=interpret,
-                    ragged=True, channel_out=True, value_outliers=value_outliers)
+                    ragged=True, value_outliers=value_outliers)
 
 
 def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
@@ -521,7 +517,7 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS))))
   res = _core_call(kcodes, vcodes, qd, qs_row, *extra, block_s=block_s, splits=splits,
                    max_concurrent_steps=max_concurrent_steps, interpret=interpret, ablate=ablate,
-                   ragged=lengths is not None, channel_out=False, value_outliers=value_outliers)
+                   ragged=lengths is not None, value_outliers=value_outliers)
   mean, mean_o, lse2 = merge_splits(res[0], res[1], res[2] if outliers else None)  # acc in ACC row order
   outs = (vs._channel_rows(mean, q, 2),)  # pylint: disable=protected-access
   if outliers:

@@ -2,8 +2,9 @@
 (`uniform_decode_attention(glue="pallas")`), one program per batch row, kv head and HC output channels
 (`epilogue_channels`: 32, or 16 above 16 splits).
 
-Inputs: the core's per-split outputs acc [splits, H, 8] (channel order), ml [splits, 32] (m in [0, 8), l in
-[8, 16)), acco [splits, 8, 8] ([outlier channel, head]); the rotated query q' [G, H]; the prologue's qc [8]; the value
+Inputs: the core's per-split outputs acc [splits, H, 8] (its ACC row order: each program reads its HC channels as
+one block of the view `acc_view`), ml [splits, 32] (m in [0, 8), l in [8, 16)), acco [splits, 8, 8] ([outlier
+channel, head]); the rotated query q' [G, H]; the prologue's qc [8]; the value
 codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the residual window res_k, res_v [R, H] (rotated, bf16)
 with n_res tokens. It computes, for its HC channels:
   the splits merged by log-sum-exp (w_s = 2^(m_s − max m), mean = Σ w_s acc_s / Σ w_s l_s), o'_c = c0_v + d_v·mean
@@ -16,7 +17,9 @@ The reference composes `merge_splits` and the jnp glue (`epilogue_reference`).
 Each program does one round of loads and no loops. Its first form (ninth session: one program per row and kv head,
 U_vᵀ inside, f32 dots, loops over splits and window chunks) took 60 µs at 64k × 8 on the H200
 (results/oskvp_uniform_profile_pallas_glue.md); at batch 32 this form is still 7–10% slower than the XLA glue, whose
-batched matmuls read each row's window keys once (results/decode_attention_mosaic_glue.md).
+batched matmuls read each row's window keys once (results/decode_attention_mosaic_glue.md). The core used to store
+acc in channel order for this kernel; it costs the core 10% (153.8 vs 140.3 µs by CUPTI at 64k × 8, the same
+registers), so the reordering moved here, into the block index of each program's read (eleventh session).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.oskvp_decode_attention import MMA_ROWS
 from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS, merge_splits
 from pallas_kernels.oskvp_decode_prologue import unfold_rows
+from pallas_kernels.oskvp_value_sums_mgpu import _channel_rows  # pylint: disable=protected-access
 from pallas_kernels.oskvp_uniform_glue import LOG2E, merge_lse2, uniform_steps, window_attention
 
 
@@ -42,10 +46,11 @@ def _dot_f32(a, b):
 
 
 def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref):
-  # acc_ref [S, HC, 8] f32 (channel order: this program's HC channels); ml_ref [S, 32]; ao_ref [S, 8, 8]
+  # acc_ref [S, HC/8, 8, 8] f32 (this program's HC channels, in channel order once merged: `acc_view`); ml_ref
+  # [S, 32]; ao_ref [S, 8, 8]
   # ([outlier channel, head]); q_ref [G, H] f32 (rotated); qc_ref [8]; cb_ref [HC, 4]; sv_ref [8];
   # rk_ref [R, H] bf16; rv_ref [R, HC] bf16; nr_ref []. o_ref [16, HC] f32. One round of loads, no loops.
-  hc = acc_ref.shape[1]
+  splits, hc = acc_ref.shape[0], acc_ref.shape[1] * acc_ref.shape[2]
   h = q_ref.shape[1]
   r = rk_ref.shape[0]
   m, l = ml_ref[:, pl.ds(0, N)], ml_ref[:, pl.ds(N, N)]  # [S, 8]
@@ -53,7 +58,8 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
   w = jnp.exp2(m - top[None, :])  # [S, 8]
   total = (w * l).sum(axis=0)
   inv = 1.0 / jnp.maximum(total, 1e-30)
-  mean = ((acc_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
+  acc = acc_ref[...].reshape(splits, hc, N)
+  mean = ((acc * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
   mean_o = ((ao_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8 heads, 8 outlier channels]
   c0 = cb_ref[:, 0]
   o_c = c0[None, :] + (cb_ref[:, 1] - c0)[None, :] * mean  # [8, HC]
@@ -82,6 +88,22 @@ def epilogue_channels(splits: int) -> int:
   return 32 if splits <= 16 else 16
 
 
+def acc_view(acc: jax.Array, hc: int) -> tuple[jax.Array, tuple[int, ...], callable]:
+  """The core's acc [..., H, 8] in its ACC row order [p2, qt, w, p1, i] (`oskvp_value_sums_mgpu.acc_row_channels`,
+  channel ((2 p2 + p1) nq + qt) · 32 + 8 w + i, nq = H / 128) as [..., 2, nq, 4, 2, 8, 8] (a free reshape), with
+  the block shape and block index that read output channels [c·hc, (c + 1)·hc) (hc 16 or 32: 8 consecutive channels
+  per w): returns (view, block shape of its last six axes with None for the squeezed ones, c -> block indices)."""
+  h = acc.shape[-2]
+  nq, per_run = h // 128, 32 // hc
+  view = acc.reshape(*acc.shape[:-2], 2, nq, 4, 2, 8, acc.shape[-1])
+
+  def index(c):
+    run, part = c // per_run, c % per_run  # the 32-channel run (p2, p1, qt) and the hc channels within it
+    return run // (2 * nq), run % nq, part, (run // nq) % 2, 0, 0
+
+  return view, (None, None, hc // 8, None, 8, acc.shape[-1]), index
+
+
 def epilogue_shape_error(window: int, splits: int, head_dim: int) -> str | None:
   """Why `epilogue` cannot take a window of R tokens, this many splits and head dim (Triton tiles are powers of
   two), or None."""
@@ -104,9 +126,11 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
   hc = epilogue_channels(splits)
   spec = lambda *tail, cols=None: pl.BlockSpec(
       (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))
+  acc, acc_block, acc_index = acc_view(acc, hc)
+  acc_spec = pl.BlockSpec((None, None, splits, *acc_block), lambda i, j, c: (i, j, 0, *acc_index(c)))
   return pl.pallas_call(
       _epilogue_kernel, grid=(b, kh, h // hc),
-      in_specs=[spec(splits, hc, N, cols=1), spec(splits, ml.shape[-1]), spec(splits, OUTLIERS, N), spec(g, h), spec(N),
+      in_specs=[acc_spec, spec(splits, ml.shape[-1]), spec(splits, OUTLIERS, N), spec(g, h), spec(N),
                 spec(hc, 4, cols=0), spec(OUTLIERS), spec(r, h), spec(r, hc, cols=1),
                 pl.BlockSpec((None,), lambda i, j, c: (i,))],
       out_specs=spec(MMA_ROWS, hc, cols=1),
@@ -118,13 +142,13 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
 
 
 def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res):
-  """The core's per-split outputs acc [B, K, S, H, 8] (channel order), ml [B, K, S, 32], acco [B, K, S, 8, 8]
+  """The core's per-split outputs acc [B, K, S, H, 8] (ACC row order), ml [B, K, S, 32], acco [B, K, S, 8, 8]
   ([outlier channel, head]); q_rot f32 [B, K, G, H]; the prologue's qc [B, K, 8]; cb_v [B, K, H, 4], scale_v
   [B, K, 8], res_k, res_v [B, K, R, H], n_res int32 [B] -> o' f32 [B, K, 16, H] in the rotated basis (rows G..
   meaningless): `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`."""
   b, kh, _, h, _ = acc.shape
   g = q_rot.shape[2]
-  mean, mean_o, lse_c = merge_splits(acc, ml, acco)  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
+  mean, mean_o, lse_c = merge_splits(_channel_rows(acc, h // 4, 3), ml, acco)  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
   c0, d = uniform_steps(cb_v)
   o_c = (c0[:, :, None, :] + d[:, :, None, :] * mean).at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])

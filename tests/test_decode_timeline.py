@@ -17,6 +17,8 @@ def test_summarize_counts_idle_time_once_and_names_the_kernel_it_precedes():
   assert r["gap_us"] == pytest.approx((2 + 8) * us)
   gaps = {g["kernel"]: g["us"] for g in r["gaps_before"]}
   assert gaps == pytest.approx({"a": 0.0, "b": 10 * us, "c": 0.0})
+  own = {k["kernel"]: k["us"] for k in r["kernel_us"]}
+  assert own == pytest.approx({"a": 20 * us, "b": 18 * us, "c": 7 * us})  # c's own 7 ns, though 5 overlap a
   assert {h["event"]: h["count"] for h in r["host_top"]} == {"launch": 1.0}  # "late" starts after the last kernel
   assert r["lines"] == ["Stream #1", "Stream #2"]
 

@@ -104,7 +104,6 @@ MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
 MOSAIC_MAX_SPLITS = 16  # programs per batch row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
 MOSAIC_PROGRAMS = 512  # programs the core wants in flight: 4 per SM fit (by registers) on the H200's 132 SMs
 MOSAIC_SPLITS_CAP = 128
-PALLAS_GLUE_MAX_ROWS = 64  # glue="auto": the Pallas glue up to B·K = 64 (results/decode_attention_mosaic_glue.md)
 
 
 def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows: int | None = None,
@@ -132,14 +131,14 @@ def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, row
   return None
 
 
-def resolved_glue(glue: str, rows: int, window: int, splits: int, head_dim: int) -> str:
-  """The glue `uniform_decode_attention` runs: "auto" is "pallas" up to rows = B·K = PALLAS_GLUE_MAX_ROWS where the
-  Pallas epilogue takes the window, splits and head dim, else "xla"."""
+def resolved_glue(glue: str, window: int, splits: int, head_dim: int) -> str:
+  """The glue `uniform_decode_attention` runs: "auto" is "pallas" where the Pallas epilogue takes the window, splits
+  and head dim (`oskvp_uniform_epilogue.epilogue_shape_error`), else "xla"."""
   if glue not in ("auto", "pallas", "xla"):
     raise ValueError(f"glue={glue!r} must be 'auto', 'pallas' or 'xla'")
   if glue != "auto":
     return glue
-  return "pallas" if rows <= PALLAS_GLUE_MAX_ROWS and not epi.epilogue_shape_error(window, splits, head_dim) else "xla"
+  return "xla" if epi.epilogue_shape_error(window, splits, head_dim) else "pallas"
 
 
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
@@ -154,10 +153,10 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   the two rotations as XLA matmuls and runs the query preparation and the split merge + window as two Pallas (Triton)
   kernels around the core (`pallas_kernels/oskvp_uniform_prologue.py`, `oskvp_uniform_epilogue.py`): five GPU
   kernels per call. On the H200 the GPU runs either back to back (results/decode_timeline.md); by GPU time per call
-  the Pallas glue is 9–22% faster at batch 1 and 8 up to 16k, equal at 64k, and 7–10% slower at batch 32 from 16k
-  (results/decode_attention_mosaic_glue.md). glue="auto" (the default) takes the Pallas glue up to
-  B·K = PALLAS_GLUE_MAX_ROWS where its tiles apply (`oskvp_uniform_epilogue.epilogue_shape_error`), else the XLA
-  glue.
+  the Pallas glue is faster at every batch (1, 8, 32) and context (16k, 64k) measured, by 1–16%
+  (results/decode_attention_mosaic_glue2.md), since the core leaves its accumulator in ACC row order and the
+  epilogue reorders in its reads. glue="auto" (the default) takes the Pallas glue where its tiles apply
+  (`oskvp_uniform_epilogue.epilogue_shape_error`: power-of-two window and splits), else the XLA glue.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
@@ -187,7 +186,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                      f"O={outl_k.shape[-1]} (needs G = N/K <= {dc.N}, H a multiple of 128, 8 outlier channels, "
                      "S a multiple of 64)")
   block_s, splits = tiling
-  glue = resolved_glue(glue, b * kh, res_k.shape[2], splits, h)
+  glue = resolved_glue(glue, res_k.shape[2], splits, h)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
   q_rot = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]

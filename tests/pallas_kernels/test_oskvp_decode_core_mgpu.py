@@ -199,9 +199,3 @@ def test_rejects_bad_arguments():
     dc.decode_core_mgpu(kc, vc, qd, qs, None, kout, vout, qo.astype(jnp.float32), splits=2, interpret=True)
   with pytest.raises(ValueError, match="lengths"):
     dc.decode_core_mgpu(kc, vc, qd, qs, jnp.zeros((2,), jnp.int32), splits=2, interpret=True)
-
-
-def test_acc_row_channel_matches_the_value_side_order():
-  for q in (32, 64):
-    got = [rg.acc_row_channel(rg.Ints, r, q) for r in range(4 * q)]
-    np.testing.assert_array_equal(got, vs.acc_row_channels(q))

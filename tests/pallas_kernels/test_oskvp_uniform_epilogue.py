@@ -11,6 +11,7 @@ import pytest
 from hopper_lowering import lowers_to_triton_for_hopper  # pylint: disable=import-error
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_uniform_epilogue as epi
+from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 H, R = 128, 128
 
@@ -51,6 +52,17 @@ def test_epilogue_matches_reference(splits, g):
   p = np.exp(s - s.max(axis=1, keepdims=True))
   want = (p / p.sum(axis=1, keepdims=True)) @ res_v[:77]
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("h,hc", [(128, 32), (128, 16), (256, 32), (256, 16)])
+def test_acc_view_blocks_are_the_channel_runs(h, hc):
+  """Program c's block of `acc_view` over the core's ACC row order holds channels [c·hc, (c + 1)·hc) in order."""
+  acc = jnp.asarray(vs.acc_row_channels(h // 4), jnp.float32)[:, None] * jnp.ones((1, 8))  # row -> its channel
+  view, block, index = epi.acc_view(acc, hc)
+  for c in range(h // hc):
+    sl = tuple(i if n is None else slice(i * n, (i + 1) * n) for n, i in zip(block, index(c)))  # None: squeezed
+    got = np.asarray(view[sl]).reshape(hc, 8)
+    np.testing.assert_array_equal(got[:, 0], np.arange(c * hc, (c + 1) * hc))
 
 
 def test_epilogue_refuses_tiles_triton_cannot_hold():

@@ -151,14 +151,13 @@ def test_mosaic_tiling():
                                 c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp, c.n_res, interpret=True)
 
 
-def test_auto_glue_takes_the_pallas_kernels_for_few_rows_where_their_tiles_apply():
-  assert uc.resolved_glue("auto", 8, 128, 64, 128) == "pallas"  # batch 1 x 8 kv heads
-  assert uc.resolved_glue("auto", 64, 128, 16, 128) == "pallas"
-  assert uc.resolved_glue("auto", 256, 128, 16, 128) == "xla"  # batch 32: the XLA glue measured faster
-  assert uc.resolved_glue("auto", 8, 96, 64, 128) == "xla"  # a window Triton tiles cannot hold
-  assert uc.resolved_glue("xla", 8, 128, 64, 128) == "xla"
+def test_auto_glue_takes_the_pallas_kernels_where_their_tiles_apply():
+  assert uc.resolved_glue("auto", 128, 64, 128) == "pallas"  # 64 splits: batch 1 x 8 kv heads
+  assert uc.resolved_glue("auto", 128, 16, 128) == "pallas"
+  assert uc.resolved_glue("auto", 96, 64, 128) == "xla"  # a window Triton tiles cannot hold
+  assert uc.resolved_glue("xla", 128, 64, 128) == "xla"
   with pytest.raises(ValueError, match="glue='triton'"):
-    uc.resolved_glue("triton", 8, 128, 64, 128)
+    uc.resolved_glue("triton", 128, 64, 128)
 
 
 def test_merge_handles_empty_sides():
