@@ -352,7 +352,9 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
                max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool,
                value_outliers: str = VALUE_OUTLIERS):
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
-  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (ACC row order), ml f32 [BK, splits, 32] (+ acco f32 [BK, splits, 8, 8] with outliers))."""
+  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (ACC row order), ml f32 [BK, splits, 32] (+ acco f32 [BK, splits, P, 8, 8] with
+  outliers: the value-outlier sums as [head, channel] in P parts to be summed, 2 for "fp8_stacked" (p8's e4m3 hi
+  and lo parts), else 1))."""
   bk, s, q = kcodes.shape
   h = 4 * q
   steps = s // (splits * block_s)
@@ -395,9 +397,9 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
   res = kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))
-  if fp8_values:  # the fp8 forms' sums are [head, channel]; every form returns [channel, head]
-    acco = res[2][..., :OUTLIERS, :] + res[2][..., OUTLIERS:, :] if stacked else res[2]
-    res = (*res[:2], jnp.swapaxes(acco, -1, -2))
+  if outliers:  # every form returns parts × [head, channel]: the fp8 forms as stored (free reshapes), f16 transposed
+    acco = res[2] if fp8_values else jnp.swapaxes(res[2], -1, -2)
+    res = (*res[:2], acco.reshape(bk, splits, -1, N, OUTLIERS))
   return res
 
 
@@ -421,7 +423,8 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
     (acc f32 [BK, splits, H, 8] = Σ_t p8[n, t] · vcode[t, ch] per split (ACC row order,
     `oskvp_value_sums_mgpu.acc_row_channels`; relative to 2^m),
     ml f32 [BK, splits, 32]: m (the split's running max, base-2 logits) in [0, 8), l = Σ_t p8 in [8, 16),
-    acco f32 [BK, splits, 8, 8] = Σ_t p8[n, t] · vout[o, t] as [o, n]); p8 = round(127 · 2^(s − m)).
+    acco f32 [BK, splits, P, 8, 8]: Σ_t p8[n, t] · vout[o, t] as [n, o], the sum of its P parts (2 for
+    "fp8_stacked", else 1), left unsummed for the reader); p8 = round(127 · 2^(s − m)).
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], block_s, splits, max_concurrent_steps)
   if qs_row.shape != (bk, QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
@@ -435,7 +438,8 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
 
 def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
   """The core's per-split outputs merged by log-sum-exp (XLA): acc f32 [..., S, R, 8], ml f32 [..., S, 32] (m, l),
-  acco f32 [..., S, 8, 8] or None -> (mean f32 [..., 8, R] = Σ_s w_s acc_s / Σ_s w_s l_s, mean_o f32 [..., 8, 8]
+  acco f32 [..., S, 8, 8] ([head, outlier channel]) or None -> (mean f32 [..., 8, R] = Σ_s w_s acc_s / Σ_s w_s l_s,
+  mean_o f32 [..., 8, 8]
   (the same for acco, [head, outlier channel]) or None, lse2 f32 [..., 8] = log2 Σ_t 2^s (-inf without tokens)),
   with w_s = 2^(m_s − max_s m_s)."""
   m, l = ml[..., :N], ml[..., N:2 * N]
@@ -444,7 +448,7 @@ def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
   total = jnp.einsum("...sn,...sn->...n", w, l)  # Σ p8 relative to 2^top
   denom = jnp.maximum(total, 1e-30)[..., None]
   mean = jnp.einsum("...sn,...shn->...nh", w, acc) / denom
-  mean_o = None if acco is None else jnp.einsum("...sn,...son->...no", w, acco) / denom
+  mean_o = None if acco is None else jnp.einsum("...sn,...sno->...no", w, acco) / denom
   lse2 = jnp.where(total > 0, top[..., 0, :] + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS), -jnp.inf)
   return mean, mean_o, lse2
 
@@ -518,7 +522,7 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
   res = _core_call(kcodes, vcodes, qd, qs_row, *extra, block_s=block_s, splits=splits,
                    max_concurrent_steps=max_concurrent_steps, interpret=interpret, ablate=ablate,
                    ragged=lengths is not None, value_outliers=value_outliers)
-  mean, mean_o, lse2 = merge_splits(res[0], res[1], res[2] if outliers else None)  # acc in ACC row order
+  mean, mean_o, lse2 = merge_splits(res[0], res[1], res[2].sum(axis=2) if outliers else None)  # acc: ACC row order
   outs = (vs._channel_rows(mean, q, 2),)  # pylint: disable=protected-access
   if outliers:
     outs += (mean_o,)

@@ -3,8 +3,8 @@
 (`epilogue_channels`: 32, or 16 above 16 splits).
 
 Inputs: the core's per-split outputs acc [splits, H, 8] (its ACC row order: each program reads its HC channels as
-one block of the view `acc_view`), ml [splits, 32] (m in [0, 8), l in [8, 16)), acco [splits, 8, 8] ([outlier
-channel, head]); the rotated query q' [G, H]; the prologue's qc [8]; the value
+one block of the view `acc_view`), ml [splits, 32] (m in [0, 8), l in [8, 16)), acco [splits, P, 8, 8] ([head,
+outlier channel] in P parts, summed here: `decode_core_splits`); the rotated query q' [G, H]; the prologue's qc [8]; the value
 codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the residual window res_k, res_v [R, H] (rotated, bf16)
 with n_res tokens. It computes, for its HC channels:
   the splits merged by log-sum-exp (w_s = 2^(m_s − max m), mean = Σ w_s acc_s / Σ w_s l_s), o'_c = c0_v + d_v·mean
@@ -47,8 +47,8 @@ def _dot_f32(a, b):
 
 def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref):
   # acc_ref [S, HC/8, 8, 8] f32 (this program's HC channels, in channel order once merged: `acc_view`); ml_ref
-  # [S, 32]; ao_ref [S, 8, 8]
-  # ([outlier channel, head]); q_ref [G, H] f32 (rotated); qc_ref [8]; cb_ref [HC, 4]; sv_ref [8];
+  # [S, 32]; ao_ref [S, P, 8, 8]
+  # ([head, outlier channel] in P parts); q_ref [G, H] f32 (rotated); qc_ref [8]; cb_ref [HC, 4]; sv_ref [8];
   # rk_ref [R, H] bf16; rv_ref [R, HC] bf16; nr_ref []. o_ref [16, HC] f32. One round of loads, no loops.
   splits, hc = acc_ref.shape[0], acc_ref.shape[1] * acc_ref.shape[2]
   h = q_ref.shape[1]
@@ -60,7 +60,7 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
   inv = 1.0 / jnp.maximum(total, 1e-30)
   acc = acc_ref[...].reshape(splits, hc, N)
   mean = ((acc * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
-  mean_o = ((ao_ref[...] * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8 heads, 8 outlier channels]
+  mean_o = (ao_ref[...].sum(axis=1) * w[:, :, None]).sum(axis=0) * inv[:, None]  # [8 heads, 8 outlier channels]
   c0 = cb_ref[:, 0]
   o_c = c0[None, :] + (cb_ref[:, 1] - c0)[None, :] * mean  # [8, HC]
   channel = pl.program_id(2) * hc + jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 1)
@@ -130,7 +130,7 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
   acc_spec = pl.BlockSpec((None, None, splits, *acc_block), lambda i, j, c: (i, j, 0, *acc_index(c)))
   return pl.pallas_call(
       _epilogue_kernel, grid=(b, kh, h // hc),
-      in_specs=[acc_spec, spec(splits, ml.shape[-1]), spec(splits, OUTLIERS, N), spec(g, h), spec(N),
+      in_specs=[acc_spec, spec(splits, ml.shape[-1]), spec(splits, acco.shape[3], N, OUTLIERS), spec(g, h), spec(N),
                 spec(hc, 4, cols=0), spec(OUTLIERS), spec(r, h), spec(r, hc, cols=1),
                 pl.BlockSpec((None,), lambda i, j, c: (i,))],
       out_specs=spec(MMA_ROWS, hc, cols=1),
@@ -142,13 +142,13 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
 
 
 def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res):
-  """The core's per-split outputs acc [B, K, S, H, 8] (ACC row order), ml [B, K, S, 32], acco [B, K, S, 8, 8]
-  ([outlier channel, head]); q_rot f32 [B, K, G, H]; the prologue's qc [B, K, 8]; cb_v [B, K, H, 4], scale_v
+  """The core's per-split outputs acc [B, K, S, H, 8] (ACC row order), ml [B, K, S, 32], acco [B, K, S, P, 8, 8]
+  ([head, outlier channel] in P parts); q_rot f32 [B, K, G, H]; the prologue's qc [B, K, 8]; cb_v [B, K, H, 4], scale_v
   [B, K, 8], res_k, res_v [B, K, R, H], n_res int32 [B] -> o' f32 [B, K, 16, H] in the rotated basis (rows G..
   meaningless): `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`."""
   b, kh, _, h, _ = acc.shape
   g = q_rot.shape[2]
-  mean, mean_o, lse_c = merge_splits(_channel_rows(acc, h // 4, 3), ml, acco)  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
+  mean, mean_o, lse_c = merge_splits(_channel_rows(acc, h // 4, 3), ml, acco.sum(axis=3))  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
   c0, d = uniform_steps(cb_v)
   o_c = (c0[:, :, None, :] + d[:, :, None, :] * mean).at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])

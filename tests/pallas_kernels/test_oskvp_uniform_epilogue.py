@@ -24,7 +24,7 @@ def _epilogue_inputs(seed, b, kh, splits, g=4, empty_split=True):
     m = m.at[:, :, 0].set(dc.MASKED)  # a split that saw no token: l = 0
   l = jnp.where(m > 0.5 * dc.MASKED, jax.random.uniform(ks[2], m.shape, minval=1.0, maxval=1000.0), 0.0)
   ml = jnp.concatenate([m, l, jnp.zeros((b, kh, splits, 16))], axis=-1)
-  acco = jax.random.normal(ks[3], (b, kh, splits, 8, 8)) * 100.0
+  acco = jax.random.normal(ks[3], (b, kh, splits, 2, 8, 8)) * 100.0  # two parts, as "fp8_stacked" leaves them
   q_rot = jax.random.normal(ks[4], (b, kh, g, H))
   qc = jax.random.normal(ks[5], (b, kh, 8))
   c0 = jax.random.normal(ks[6], (b, kh, H))
