@@ -551,24 +551,33 @@ def main():
 def merge_runs(results: list[dict], labels: list[str], added: tuple[bool, ...] = ()) -> dict:
   """One result from several runs': each (context, batch) cell comes whole from the last run that timed it.
 
-  A run marked in `added` (by position) replaces nothing: its rows of implementations no earlier run has are added
-  to their cells, with its own cuDNN rows to be compared against. Rows gain "run" (its label); meta becomes
-  {"runs": [each run's meta with its label]}; the checks of every run are kept, labelled; sweeps are dropped (they
-  live in the runs' own files).
+  A run marked in `added` (by position) replaces none of those: its rows of implementations no unmarked run has are
+  added to their cells, with its own cuDNN rows to be compared against; where a later added run times the same
+  implementation in a cell, its row replaces the earlier one (and the earlier run's cuDNN row there goes too, unless
+  that run still has other rows in the cell). Rows gain "run" (its label); meta becomes {"runs": [each run's meta
+  with its label]}; the checks of every run are kept, labelled; sweeps are dropped (they live in the runs' own
+  files).
   """
   added = tuple(added) + (False,) * (len(results) - len(added))
-  cells, extra, checks, metas = {}, [], [], []
-  seen = {r["impl"] for result, add in zip(results, added) if not add for r in result["rows"]}
+  cells, checks, metas = {}, [], []
+  base = {r["impl"] for result, add in zip(results, added) if not add for r in result["rows"]}
+  new_rows, cudnn_rows, timed = {}, [], set()  # (impl, context, batch) -> the last added run's row
   for label, result, add in zip(labels, results, added):
     metas.append(dict(result["meta"], run=label, added=add))
     checks += [dict(c, run=label) for c in result["checks"]]
     if add:
-      new = {r["impl"] for r in result["rows"]} - seen
-      seen |= new
-      extra += [dict(r, run=label) for r in result["rows"] if r["impl"] in new or r["impl"] == "cudnn_bf16"]
+      for r in result["rows"]:
+        if r["impl"] == "cudnn_bf16":
+          cudnn_rows.append(dict(r, run=label))
+        elif r["impl"] not in base:
+          new_rows[(r["impl"], r["context"], r["batch"])] = dict(r, run=label)
+          timed.add((label, r["context"], r["batch"]))
       continue
     for cell in {(r["context"], r["batch"]) for r in result["rows"]}:
       cells[cell] = [dict(r, run=label) for r in result["rows"] if (r["context"], r["batch"]) == cell]
+  live = {(r["run"], r["context"], r["batch"]) for r in new_rows.values()}
+  extra = list(new_rows.values()) + [r for r in cudnn_rows if (key := (r["run"], r["context"], r["batch"])) in live
+                                     or key not in timed]
   rows = [r for cell in sorted(cells) for r in cells[cell]] + extra
   return dict(meta=dict(runs=metas), checks=checks, sweep=[], rows=rows)
 

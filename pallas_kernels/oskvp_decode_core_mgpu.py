@@ -352,7 +352,8 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
                max_concurrent_steps: int, interpret, ablate: str = "", ragged: bool,
                value_outliers: str = VALUE_OUTLIERS):
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
-  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (ACC row order), ml f32 [BK, splits, 32] (+ acco f32 [BK, splits, P, 8, 8] with
+  [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (ACC row order), ml f32
+  [BK, splits, 32] (+ acco f32 [BK, splits, P, 8, 8] with
   outliers: the value-outlier sums as [head, channel] in P parts to be summed, 2 for "fp8_stacked" (p8's e4m3 hi
   and lo parts), else 1))."""
   bk, s, q = kcodes.shape

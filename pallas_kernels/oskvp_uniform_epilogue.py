@@ -1,12 +1,12 @@
 """The merge after the wired Mosaic GPU OS-KVP core as one Pallas (Triton) kernel
 (`uniform_decode_attention(glue="pallas")`), one program per batch row, kv head and HC output channels
-(`epilogue_channels`: 32, or 16 above 16 splits).
+(`epilogue_channels`: 32, or 16 above 64 splits).
 
 Inputs: the core's per-split outputs acc [splits, H, 8] (its ACC row order: each program reads its HC channels as
 one block of the view `acc_view`), ml [splits, 32] (m in [0, 8), l in [8, 16)), acco [splits, P, 8, 8] ([head,
-outlier channel] in P parts, summed here: `decode_core_splits`); the rotated query q' [G, H]; the prologue's qc [8]; the value
-codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the residual window res_k, res_v [R, H] (rotated, bf16)
-with n_res tokens. It computes, for its HC channels:
+outlier channel] in P parts, summed here: `decode_core_splits`); the rotated query q' [G, H]; the prologue's qc [8];
+the value codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the residual window res_k, res_v [R, H]
+(rotated, bf16) with n_res tokens. It computes, for its HC channels:
   the splits merged by log-sum-exp (w_s = 2^(m_s − max m), mean = Σ w_s acc_s / Σ w_s l_s), o'_c = c0_v + d_v·mean
   (+ the value outliers · scale_v on channels 0..7), lse_c = max m + log2(Σ w l / 127) + qc;
   exact attention over the window (scores over all H channels, values of its own; the dots as bf16 hi + lo parts
@@ -84,8 +84,11 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
 
 
 def epilogue_channels(splits: int) -> int:
-  """Output channels per epilogue program: 32 while a program's acc block (splits × HC × 8 f32) stays ≤ 16 KB."""
-  return 32 if splits <= 16 else 16
+  """Output channels per epilogue program: 32 up to 64 splits (a program's acc block, splits × HC × 8 f32, up to
+  64 KB), else 16. Fewer, wider programs recompute the window's scores less often: on the H200 (CUPTI, eleventh
+  session) 32 channels took 6.7 µs against 10.0 for 16 at batch 1 × 64 splits, 8.0 vs 23.3 at batch 8 × 16 splits
+  and 24.2 vs 92.5 at batch 32 (8 warps were slower in every case)."""
+  return 32 if splits <= 64 else 16
 
 
 def acc_view(acc: jax.Array, hc: int) -> tuple[jax.Array, tuple[int, ...], callable]:
@@ -114,16 +117,19 @@ def epilogue_shape_error(window: int, splits: int, head_dim: int) -> str | None:
   return None
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, interpret: bool = False):
-  """`epilogue_reference` in one Pallas kernel (grid B × K × H/HC, `epilogue_channels`). Shapes as there; the window
-  R and the splits must be powers of two (Triton tiles), R ≥ 16."""
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "channels"))
+def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, interpret: bool = False,
+             num_warps: int = 4, channels: int | None = None):
+  """`epilogue_reference` in one Pallas kernel (grid B × K × H/HC, HC = channels or `epilogue_channels`). Shapes as
+  there; the window R and the splits must be powers of two (Triton tiles), R ≥ 16."""
   b, kh, splits, h, _ = acc.shape
   g, r = q_rot.shape[2], res_k.shape[2]
   error = epilogue_shape_error(r, splits, h)
   if error:
     raise ValueError(error)
-  hc = epilogue_channels(splits)
+  hc = channels or epilogue_channels(splits)
+  if hc not in (16, 32) or h % hc:
+    raise ValueError(f"channels={hc} must be 16 or 32 and divide head_dim={h}")
   spec = lambda *tail, cols=None: pl.BlockSpec(
       (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))
   acc, acc_block, acc_index = acc_view(acc, hc)
@@ -135,7 +141,7 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
                 pl.BlockSpec((None,), lambda i, j, c: (i,))],
       out_specs=spec(MMA_ROWS, hc, cols=1),
       out_shape=jax.ShapeDtypeStruct((b, kh, MMA_ROWS, h), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
       name="oskvp_uniform_epilogue",
   )(acc, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k,
     res_v, n_res.astype(jnp.int32))
@@ -148,7 +154,8 @@ def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_
   meaningless): `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`."""
   b, kh, _, h, _ = acc.shape
   g = q_rot.shape[2]
-  mean, mean_o, lse_c = merge_splits(_channel_rows(acc, h // 4, 3), ml, acco.sum(axis=3))  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
+  # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
+  mean, mean_o, lse_c = merge_splits(_channel_rows(acc, h // 4, 3), ml, acco.sum(axis=3))
   c0, d = uniform_steps(cb_v)
   o_c = (c0[:, :, None, :] + d[:, :, None, :] * mean).at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])

@@ -55,3 +55,19 @@ def test_an_added_run_adds_its_new_implementations_and_compares_them_with_its_ow
   # Wall 5.0 / 2.0 and span 4.8 / 1.6 against the added run's cuDNN row, not run10's 4.0.
   assert "| oskvp_mosaic_uniform | 8 | 65536 | 2.0000 | 1.0 MB | 0.50 | 20% | 2.50x | 1.6000 | 3.00x | span |" in md
   assert "| oskvp_pallas_bitplane | 8 | 65536 | 3.0000 | 1.0 MB | 0.00 | 10% | 1.33x | - | - | run10 |" in md
+
+
+def test_a_later_added_run_replaces_an_earlier_added_runs_rows_in_the_cells_it_times():
+  base = _run("2026-11-30T17:30", {(65536, 8): (4.0, 3.0)})
+  first = _run("2026-12-01T07:30", {(65536, 8): (5.0, 3.5), (4096, 8): (1.0, 2.0)})
+  second = _run("2026-12-01T10:00", {(65536, 8): (4.5, 3.5)})
+  for run, ms in ((first, 2.0), (second, 1.5)):
+    run["rows"] += [dict(impl="oskvp_mosaic_uniform", batch=8, context=c, ms=ms, bytes_read=10**6, tb_per_s=0.5,
+                         frac_copy_bw=0.2, note="") for c in {r["context"] for r in run["rows"]}]
+  merged = bench.merge_runs([base, first, second], ["run10", "first", "second"], (False, True, True))
+  got = sorted((r["context"], r["impl"], r["run"]) for r in merged["rows"])
+  # 64k: the second added run's row and cuDNN row replace the first's; 4k: the first added run's stay.
+  assert got == [(4096, "cudnn_bf16", "first"), (4096, "oskvp_mosaic_uniform", "first"),
+                 (65536, "cudnn_bf16", "run10"), (65536, "cudnn_bf16", "second"),
+                 (65536, "oskvp_mosaic_uniform", "second"), (65536, "oskvp_pallas_bitplane", "run10")]
+  assert "| oskvp_mosaic_uniform | 8 | 65536 | 1.5000 | 1.0 MB | 0.50 | 20% | 3.00x | second |" in bench.render_md(merged)

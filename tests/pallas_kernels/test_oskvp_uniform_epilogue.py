@@ -34,9 +34,9 @@ def _epilogue_inputs(seed, b, kh, splits, g=4, empty_split=True):
   return acc, ml, acco, q_rot, qc, cb, jnp.full((b, kh, 8), 0.05), res[0], res[1], n_res
 
 
-@pytest.mark.parametrize("splits,g", [(4, 4), (64, 8), (16, 1)])
+@pytest.mark.parametrize("splits,g", [(4, 4), (64, 8), (16, 1), (128, 4)])
 def test_epilogue_matches_reference(splits, g):
-  """Split merge (4 to 64 splits: 32 and 16 output channels per program), the value outliers on channels 0..7 only,
+  """Split merge (4 to 128 splits: 32 and 16 output channels per program), the value outliers on channels 0..7 only,
   the window (empty, partial, full) and the log-sum-exp merge: equal to the f32 jnp reference to 1e-5 relative
   (the window's dots as bf16 hi + lo parts) on the G live rows; a row with no compressed token at all gives the
   window's attention exactly."""
@@ -69,9 +69,12 @@ def test_epilogue_refuses_tiles_triton_cannot_hold():
   args = list(_epilogue_inputs(0, 1, 1, 4))
   with pytest.raises(ValueError, match="window R=96"):
     epi.epilogue(*args[:7], args[7][:, :, :96], args[8][:, :, :96], args[9], interpret=True)
+  with pytest.raises(ValueError, match="channels=64"):
+    epi.epilogue(*args, channels=64, interpret=True)
 
 
 def test_epilogue_lowers_to_triton_ir_for_hopper():
-  """16 splits (32 channels per program) at G = 4 and 1, 64 splits at G = 8 (16 channels)."""
-  for args in (_epilogue_inputs(0, 2, 2, 16), _epilogue_inputs(0, 2, 2, 16, g=1), _epilogue_inputs(0, 1, 8, 64, g=8)):
+  """16 splits (32 channels per program) at G = 4 and 1, 64 splits at G = 8 (32), 128 splits (16)."""
+  for args in (_epilogue_inputs(0, 2, 2, 16), _epilogue_inputs(0, 2, 2, 16, g=1), _epilogue_inputs(0, 1, 8, 64, g=8),
+               _epilogue_inputs(0, 1, 1, 128)):
     assert lowers_to_triton_for_hopper(functools.partial(epi.epilogue, interpret=False), *args)
