@@ -165,8 +165,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
   # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
   # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (ACC row order);
-  # ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16); acco_out f32 [BK, splits, 8, 8] (value-outlier sums
-  # [channel, head]).
+  # ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16); acco_out f32 [BK, splits, 8 or 16, 8] (value-outlier
+  # sums: [head, channel] in the fp8 forms, rows 8..15 the lo part's with fp8_stacked; [channel, head] in f16).
   # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
   # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
   # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] / vt_smem f16 [64, block_s] (the outlier A operands, interpret
@@ -353,9 +353,8 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
                value_outliers: str = VALUE_OUTLIERS):
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
   [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (ACC row order), ml f32
-  [BK, splits, 32] (+ acco f32 [BK, splits, P, 8, 8] with
-  outliers: the value-outlier sums as [head, channel] in P parts to be summed, 2 for "fp8_stacked" (p8's e4m3 hi
-  and lo parts), else 1))."""
+  [BK, splits, 32] (+ acco f32 [BK, splits, P, 8, 8] with outliers: the value-outlier sums as [head, channel] in P
+  parts to be summed, 2 for "fp8_stacked" (p8's e4m3 hi and lo parts), else 1))."""
   bk, s, q = kcodes.shape
   h = 4 * q
   steps = s // (splits * block_s)
@@ -440,9 +439,8 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
 def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
   """The core's per-split outputs merged by log-sum-exp (XLA): acc f32 [..., S, R, 8], ml f32 [..., S, 32] (m, l),
   acco f32 [..., S, 8, 8] ([head, outlier channel]) or None -> (mean f32 [..., 8, R] = Σ_s w_s acc_s / Σ_s w_s l_s,
-  mean_o f32 [..., 8, 8]
-  (the same for acco, [head, outlier channel]) or None, lse2 f32 [..., 8] = log2 Σ_t 2^s (-inf without tokens)),
-  with w_s = 2^(m_s − max_s m_s)."""
+  mean_o f32 [..., 8, 8] (the same for acco, [head, outlier channel]) or None, lse2 f32 [..., 8] = log2 Σ_t 2^s
+  (-inf without tokens)), with w_s = 2^(m_s − max_s m_s)."""
   m, l = ml[..., :N], ml[..., N:2 * N]
   top = m.max(axis=-2, keepdims=True)
   w = jnp.exp2(m - top)  # [..., S, 8]

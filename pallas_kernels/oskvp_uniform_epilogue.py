@@ -16,10 +16,10 @@ The reference composes `merge_splits` and the jnp glue (`epilogue_reference`).
 
 Each program does one round of loads and no loops. Its first form (ninth session: one program per row and kv head,
 U_vᵀ inside, f32 dots, loops over splits and window chunks) took 60 µs at 64k × 8 on the H200
-(results/oskvp_uniform_profile_pallas_glue.md); at batch 32 this form is still 7–10% slower than the XLA glue, whose
-batched matmuls read each row's window keys once (results/decode_attention_mosaic_glue.md). The core used to store
-acc in channel order for this kernel; it costs the core 10% (153.8 vs 140.3 µs by CUPTI at 64k × 8, the same
-registers), so the reordering moved here, into the block index of each program's read (eleventh session).
+(results/oskvp_uniform_profile_pallas_glue.md). The core used to store acc in channel order for this kernel; that
+cost the core 10% (153.8 vs 140.3 µs by CUPTI at 64k × 8, the same registers), so the reordering moved here, into
+the block index of each program's read, and the whole Pallas glue became faster than the XLA glue at batch 1, 8 and
+32 (eleventh session, results/decode_attention_mosaic_glue2.md; at batch 32 it had been 7–10% slower).
 """
 
 from __future__ import annotations

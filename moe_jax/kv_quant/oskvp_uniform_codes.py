@@ -151,12 +151,13 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="xla" composes `attend_codes`,
   `window_attention` and `merge_lse2` in jnp: about eighteen small XLA kernels beside the core. glue="pallas" keeps
   the two rotations as XLA matmuls and runs the query preparation and the split merge + window as two Pallas (Triton)
-  kernels around the core (`pallas_kernels/oskvp_uniform_prologue.py`, `oskvp_uniform_epilogue.py`): five GPU
-  kernels per call. On the H200 the GPU runs either back to back (results/decode_timeline.md); by GPU time per call
-  the Pallas glue is faster at every batch (1, 8, 32) and context (16k, 64k) measured, by 1–16%
-  (results/decode_attention_mosaic_glue2.md), since the core leaves its accumulator in ACC row order and the
-  epilogue reorders in its reads. glue="auto" (the default) takes the Pallas glue where its tiles apply
-  (`oskvp_uniform_epilogue.epilogue_shape_error`: power-of-two window and splits), else the XLA glue.
+  kernels around the core (`pallas_kernels/oskvp_uniform_prologue.py`, `oskvp_uniform_epilogue.py`); with the two
+  rotations and a final cast, six to eight GPU kernels per call. On the H200 the GPU runs either back to back
+  (results/decode_timeline.md); by GPU time per call the Pallas glue is faster at every batch (1, 8, 32) and
+  context (16k, 64k) measured, by 1–16% (results/decode_attention_mosaic_glue2.md), since the core leaves its
+  accumulator in ACC row order and the epilogue reorders in its reads. glue="auto" (the default) takes the Pallas
+  glue where its tiles apply (`oskvp_uniform_epilogue.epilogue_shape_error`: power-of-two window and splits), else
+  the XLA glue.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
