@@ -113,6 +113,13 @@ def summarize(kernels: list[tuple], host: list[tuple], calls: int) -> dict:
       lines=sorted({e[0] for e in kernels}))
 
 
+def _table(what: str, time: str, entries: list[dict], digits: int = 2) -> list[str]:
+  """Markdown lines of `summarize`'s per-name entries ({kernel or event, count, us})."""
+  name = lambda e: e.get("kernel", e.get("event"))[:90]
+  return [f"| {what} | per call | {time} |", "|---|---|---|",
+          *(f"| {name(e)} | {e['count']:.1f} | {e['us']:.{digits}f} |" for e in entries)]
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="/tmp/decode_timeline")
@@ -139,12 +146,9 @@ def main(argv=None) -> int:
         continue
       md += [f"## {name}, batch {b} × context {s}: span {r['span_us']:.1f} µs per call, kernels running "
              f"{r['busy_us']:.1f}, idle {r['gap_us']:.1f} ({r['kernels_per_call']:.0f} kernels per call)", "",
-             "| kernel | per call | running µs per call |", "|---|---|---|"]
-      md += [f"| {g['kernel'][:90]} | {g['count']:.1f} | {g['us']:.2f} |" for g in r["kernel_us"][:16]]
-      md += ["", "| idle before kernel | per call | µs per call |", "|---|---|---|"]
-      md += [f"| {g['kernel'][:90]} | {g['count']:.1f} | {g['us']:.2f} |" for g in r["gaps_before"][:12]]
-      md += ["", "| host event overlapping the run | per call | µs per call |", "|---|---|---|"]
-      md += [f"| {h['event'][:90]} | {h['count']:.1f} | {h['us']:.1f} |" for h in r["host_top"][:15]] + [""]
+             *_table("kernel", "running µs per call", r["kernel_us"][:16]), "",
+             *_table("idle before kernel", "µs per call", r["gaps_before"][:12]), "",
+             *_table("host event overlapping the run", "µs per call", r["host_top"][:15], digits=1), ""]
   with open(os.path.join(args.out, "decode_timeline.json"), "w") as fh:
     json.dump(dict(meta=meta, rows=rows), fh, indent=1)
   with open(os.path.join(args.out, "decode_timeline.md"), "w") as fh:

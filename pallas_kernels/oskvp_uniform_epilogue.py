@@ -107,13 +107,15 @@ def acc_view(acc: jax.Array, hc: int) -> tuple[jax.Array, tuple[int, ...], calla
   return view, (None, None, hc // 8, None, 8, acc.shape[-1]), index
 
 
-def epilogue_shape_error(window: int, splits: int, head_dim: int) -> str | None:
-  """Why `epilogue` cannot take a window of R tokens, this many splits and head dim (Triton tiles are powers of
-  two), or None."""
+def epilogue_shape_error(window: int, splits: int, head_dim: int, channels: int | None = None) -> str | None:
+  """Why `epilogue` cannot take a window of R tokens, this many splits, head dim and output channels per program
+  (Triton tiles are powers of two; `acc_view` reads the core's row order in runs of 128 channels), or None."""
   if window < 16 or window & (window - 1) or splits & (splits - 1):
     return f"the window R={window} (at least 16) and splits={splits} must be powers of two"
-  if head_dim % epilogue_channels(splits):
-    return f"head_dim={head_dim} must be a multiple of {epilogue_channels(splits)}"
+  if head_dim % 128:
+    return f"head_dim={head_dim} must be a multiple of 128 (the core's accumulator row order)"
+  if channels not in (None, 16, 32):
+    return f"channels={channels} must be 16 or 32"
   return None
 
 
@@ -124,12 +126,10 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
   there; the window R and the splits must be powers of two (Triton tiles), R ≥ 16."""
   b, kh, splits, h, _ = acc.shape
   g, r = q_rot.shape[2], res_k.shape[2]
-  error = epilogue_shape_error(r, splits, h)
+  error = epilogue_shape_error(r, splits, h, channels)
   if error:
     raise ValueError(error)
   hc = channels or epilogue_channels(splits)
-  if hc not in (16, 32) or h % hc:
-    raise ValueError(f"channels={hc} must be 16 or 32 and divide head_dim={h}")
   spec = lambda *tail, cols=None: pl.BlockSpec(
       (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))
   acc, acc_block, acc_index = acc_view(acc, hc)

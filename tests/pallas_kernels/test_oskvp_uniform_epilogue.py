@@ -71,6 +71,7 @@ def test_epilogue_refuses_tiles_triton_cannot_hold():
     epi.epilogue(*args[:7], args[7][:, :, :96], args[8][:, :, :96], args[9], interpret=True)
   with pytest.raises(ValueError, match="channels=64"):
     epi.epilogue(*args, channels=64, interpret=True)
+  assert "head_dim=96" in epi.epilogue_shape_error(128, 16, 96)  # acc_view reads runs of 128 channels
 
 
 def test_epilogue_lowers_to_triton_ir_for_hopper():
