@@ -45,7 +45,7 @@ from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
 SHAPES = [(64, 4096, 2048, [64, 512, 1024]), (128, 2048, 768, [128, 2048]), (8, 4096, 14336, [16, 128])]
 # Warp-specialized configs: compute warpgroups (N tile 64·C), block_k; ring depth automatic (largest of 8/6/4/3/2
 # dividing the K steps within 200 KB of shared memory). 4 compute warpgroups hung in the first H200 run (setmaxnreg
-# asked for more registers than the CTA was launched with) and are now rejected by the kernel.
+# asked for more registers than the CTA was launched with); the kernel's `register_split` now fits them.
 WS = {
     # The configs before the sixth session's dequant forms name dequant_form="sub_mul" (the kernel's default became
     # "acc_scale" then), so that their labels keep meaning the kernel they timed.
@@ -81,6 +81,11 @@ WS = {
     "c2_k512_acczero_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_zero", nibble_order="shift"),
     "c3_k256_acc_shift": dict(num_compute_wgs=3, block_k=256, dequant_form="acc_scale", nibble_order="shift"),
     "c3_k256_acczero_shift": dict(num_compute_wgs=3, block_k=256, dequant_form="acc_zero", nibble_order="shift"),
+    # Twelfth session: 4 compute warpgroups (16 compute warps per SM, N tile 256) with the register split that fits
+    # the 640-thread launch (`register_split`: 4 x 112 + 32 = 5 x 96; jax's own split deadlocked).
+    "c4_k128_acc_shift": dict(num_compute_wgs=4, block_k=128, dequant_form="acc_scale", nibble_order="shift"),
+    "c4_k256_acc_shift": dict(num_compute_wgs=4, block_k=256, dequant_form="acc_scale", nibble_order="shift"),
+    "c4_k512_acc_shift": dict(num_compute_wgs=4, block_k=512, dequant_form="acc_scale", nibble_order="shift"),
     # Not here any more: c2_k1024 (8 K groups per step; fifth call, with a 220 KB ring budget): ptxas serializes its
     # wgmmas (C7511), 1.2-1.8x slower than c2_k512.
 }

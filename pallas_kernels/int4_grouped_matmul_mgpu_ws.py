@@ -46,7 +46,9 @@ faster again at C = 2, up to 2.22x the best bf16 peer and 56% of copy bandwidth;
 acc_scale in either order (the x sums cost an XLA reduction and 2 FFMA per accumulator element and group).
 `overlap_steps=True` is correct but slower (ptxas serializes the wgmmas when one stays in flight across the step
 loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
-(4 x 112-120 + 40) is more than that, so setmaxnreg.inc waits forever (it hung on the H200; rejected here).
+(4 x 112-120 + 40) is more than that, so setmaxnreg.inc waits forever (it hung on the H200). `register_split` now
+gives the compute warpgroups what the launch holds (C = 4: 4 x 112 + 32 = 5 x 96) and overrides the pipeline's own
+split (`_compute_register_count`).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
@@ -56,11 +58,13 @@ are checked on the GPU (`benchmarks/int4_mgpu_ws_decode.py`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas.mosaic_gpu import pipeline as _mgpu_pipeline
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
@@ -208,7 +212,8 @@ def _xsum_window(window: int, gk: int) -> int:
 
 
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
-            block_r: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, a_from_smem: bool,
+            block_r: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, compute_registers: int,
+            a_from_smem: bool,
             dequant: str, overlap_steps: bool, dequant_form: str, order: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
@@ -374,15 +379,57 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
       for pred, state in states:
         @pl.when(pred)
         def _run(state=state):
-          make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
+          with _compute_register_count(compute_registers):
+            make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   pl.run_scoped(scope, allocs, collective_axes="wg")
 
 
+def register_split(num_compute_wgs: int, memory_registers: int, compute_registers: int | None = None) -> int:
+  """Registers per thread of each compute warpgroup (`setmaxnreg.inc`) that fit the CTA's launch allocation.
+
+  setmaxnreg only moves registers within what the CTA was launched with: ptxas gives each of its
+  128 · (C + 1) threads the most registers that fit 65536 (a multiple of 8, at most 255), so C · compute + memory
+  must not exceed (C + 1) · launch, or setmaxnreg.inc waits forever (C = 4 hung on the H200 with jax's own split,
+  (512 - memory) / C, which assumes 512 per thread slot). Default: the most that fit, a multiple of 8 (232 at C = 2,
+  152 at C = 3 with 40 for the TMA warpgroup, as jax's split; 112 at C = 4 with 32).
+  """
+  if not 1 <= num_compute_wgs <= 4:
+    raise ValueError(f"num_compute_wgs={num_compute_wgs} must be 1 to 4")
+  if memory_registers % 8 or not 24 <= memory_registers <= 256:
+    raise ValueError(f"memory_registers={memory_registers} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+  launch = min(255, 65536 // (128 * (num_compute_wgs + 1))) // 8 * 8
+  fit = min(256, ((num_compute_wgs + 1) * launch - memory_registers) // num_compute_wgs // 8 * 8)
+  compute = fit if compute_registers is None else compute_registers
+  if compute % 8 or not 24 <= compute <= fit:
+    raise ValueError(f"compute_registers={compute} must be a multiple of 8 in [24, {fit}]: with "
+                     f"num_compute_wgs={num_compute_wgs} and memory_registers={memory_registers} more would exceed the "
+                     f"launch allocation ({num_compute_wgs + 1} x {launch}) and setmaxnreg would deadlock")
+  return compute
+
+
+@contextlib.contextmanager
+def _compute_register_count(count: int):
+  """Makes `plgpu.emit_pipeline_warp_specialized` (jax 0.11.2) raise its compute warpgroups to `count` registers.
+
+  The pipeline computes the count itself from `memory_registers` as if every thread slot had 512 / 128 registers,
+  which C = 4 cannot launch with; it has no argument for it, so its private helper is swapped while the pipeline is
+  traced. Checked: the function exists with the expected signature, else a clear error (a jax upgrade)."""
+  if not callable(getattr(_mgpu_pipeline, "_compute_registers", None)):
+    raise NotImplementedError("this jax's warp-specialized pipeline has no _compute_registers to override; "
+                              "int4_grouped_matmul_mgpu_ws was written for jax 0.11.2")
+  original = _mgpu_pipeline._compute_registers  # pylint: disable=protected-access
+  _mgpu_pipeline._compute_registers = lambda memory_registers, num_compute_wgs: count  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    _mgpu_pipeline._compute_registers = original  # pylint: disable=protected-access
+
+
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
-           "interpret", "dequant", "overlap_steps", "dequant_form")
+           "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers")
 
 
 def _num_sms() -> int:
@@ -397,7 +444,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 max_concurrent_steps: int | None = None, memory_registers: int | None = None,
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
                                 dequant: str = "ptx", overlap_steps: bool = False,
-                                dequant_form: str | None = None) -> jax.Array:
+                                dequant_form: str | None = None, compute_registers: int | None = None) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -405,7 +452,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     weights: `to_mgpu_layout` of the quantized weight, in either nibble order: `MgpuInt4Weights` (K_ORDER, decoded
       with a prmt per weight pair) or `MgpuInt4WeightsShift` (`nibble_order="shift"`: a shift per pair, no prmt).
     group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
-    num_compute_wgs: compute warpgroups per CTA (C, 1 to 3); the CTA's N tile is 64·C columns (N a multiple of 64,
+    num_compute_wgs: compute warpgroups per CTA (C, 1 to 4); the CTA's N tile is 64·C columns (N a multiple of 64,
       at least 64·C). Where 64·C does not divide N the last N tile starts at N - 64·C and its warpgroups whose
       columns the tile before holds do not store them. Default 3 where 192 divides N, else 2 (the faster in the H200
       runs, results/int4_mgpu_ws.md: C = 3 with the overlapping last tile was 1-5% slower than C = 2 at N = 2048 and
@@ -415,8 +462,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
-    memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (C = 2: the compute
-      warpgroups get 232; C = 3: 152). C = 4 cannot split the registers without deadlock and is rejected.
+    memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (32 at C = 4).
+    compute_registers: registers per thread of each compute warpgroup (`setmaxnreg`); default the most that fit the
+      CTA's launch allocation (`register_split`: 232 at C = 2, 152 at C = 3, 112 at C = 4). More is rejected (it
+      would deadlock).
     num_ctas: CTAs of the persistent grid; default the device's SM count (4 in interpret mode).
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
     dequant: "ptx" or "jnp", as in `int4_grouped_matmul_mgpu` (interpret mode uses "jnp").
@@ -461,15 +510,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError("dequant_form='fma16' needs the prmt nibble order (MgpuInt4Weights)")
   if overlap_steps and max_concurrent_steps < 2:  # a step releases the previous step's slot: one slot would deadlock
     raise ValueError(f"overlap_steps needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
-  memory_registers = memory_registers or 40
-  # setmaxnreg only moves registers within the CTA's launch allocation (ptxas: a multiple of 8 per thread, at most
-  # 65536 per CTA): if the pipeline's split asks for more, setmaxnreg.inc waits forever (C = 4 hung on the H200).
-  launch = min(255, 65536 // (128 * (num_compute_wgs + 1))) // 8 * 8
-  compute = int(min(256, (512 - memory_registers) / num_compute_wgs) // 8 * 8)
-  if num_compute_wgs * compute + memory_registers > (num_compute_wgs + 1) * launch:
-    raise ValueError(f"num_compute_wgs={num_compute_wgs} with memory_registers={memory_registers}: the register split "
-                     f"({num_compute_wgs} x {compute} + {memory_registers}) exceeds the launch allocation "
-                     f"({num_compute_wgs + 1} x {launch}) and setmaxnreg would deadlock; use 1 to 3 compute warpgroups")
+  memory_registers = memory_registers or (32 if num_compute_wgs == 4 else 40)
+  compute_registers = register_split(num_compute_wgs, memory_registers, compute_registers)
   num_ctas = num_ctas or (4 if interpret else _num_sms())
   pad = max(window - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
@@ -484,7 +526,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   table = work_table(group_sizes, m, m + pad, block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas)
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
                            n_cols=n,
-                           steps=max_concurrent_steps, memory_registers=memory_registers, a_from_smem=bool(interpret),
+                           steps=max_concurrent_steps, memory_registers=memory_registers,
+                           compute_registers=compute_registers, a_from_smem=bool(interpret),
                            dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),

@@ -8,6 +8,8 @@ PTX dequant) are checked here only as far as lowering to a Mosaic GPU kernel; `b
 checks their values on the H200.
 """
 
+import re
+
 import jax
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import pytest
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
+from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
 
 E, K, G = 4, 256, 128
 
@@ -48,6 +51,7 @@ CASES = [
     ([0, 1, 9, 0], 3, 320, dict(num_compute_wgs=2, num_ctas=3)),  # tiles at 0, 128 and 192 (overlap 64)
     ([4, 0, 1, 12], 0, 256, dict(num_compute_wgs=2, num_ctas=2, block_k=128)),  # tiles at 0 and 128 (no overlap)
     ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),  # C = 2, tiles at 0 and 64; one CTA
+    ([3, 0, 17, 1], 2, 320, dict(num_compute_wgs=4, block_k=128, num_ctas=2)),  # C = 4: tiles at 0 and 64 (overlap)
     # overlap_steps: a step releases the previous step's ring slot, the item's end its last one (manual barriers).
     ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16, overlap_steps=True)),  # ring of 2, chained
     ([5, 0, 2, 9], 0, 320, dict(num_compute_wgs=2, block_k=128, num_ctas=1, overlap_steps=True)),  # START..STOP
@@ -260,6 +264,29 @@ def test_gpu_path_lowers(cfg):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("c,memory,want", [(1, 40, 256), (2, 40, 232), (3, 40, 152), (4, 32, 112), (4, 24, 112),
+                                           (4, 40, 104)])
+def test_register_split_fits_the_launch(c, memory, want):
+  """The compute warpgroups' setmaxnreg count: jax's own split where it fits (C <= 3), what the launch holds at C = 4
+  (ptxas gives 640 threads 96 registers each), and never more than the launch allocation."""
+  got = ws.register_split(c, memory)
+  assert got == want
+  launch = min(255, 65536 // (128 * (c + 1))) // 8 * 8
+  assert c * got + memory <= (c + 1) * launch
+  with pytest.raises(ValueError, match="deadlock"):
+    ws.register_split(c, memory, got + 8) if got < 256 else ws.register_split(c, memory, 264)
+
+
+def test_c4_lowers_with_the_fitting_split():
+  """C = 4 lowers for CUDA with setmaxnreg 112 (compute) and 32 (TMA), not jax's own 120, which would deadlock."""
+  x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
+  w = ws.to_mgpu_layout(w)
+  f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, num_compute_wgs=4, block_k=128))
+  text = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))
+  counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 (\d+)", text))
+  assert counts == {"112", "32"}, counts
+
+
 def test_rejects_bad_arguments():
   x, gs, w = _inputs([1, 2, 3, 4], 0, 128)
   w = ws.to_mgpu_layout(w, nibble_order="prmt")
@@ -268,8 +295,11 @@ def test_rejects_bad_arguments():
   with pytest.raises(ValueError, match="num_compute_wgs"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, num_compute_wgs=3, interpret=True)  # the N tile 192 exceeds N = 128
   x4, gs4, w4 = _inputs([1, 2, 3, 4], 0, 256)
-  with pytest.raises(ValueError, match="deadlock"):  # 4 compute warpgroups: setmaxnreg would wait forever
-    ws.int4_grouped_matmul_mgpu_ws(x4, ws.to_mgpu_layout(w4), gs4, num_compute_wgs=4, interpret=True)
+  with pytest.raises(ValueError, match="deadlock"):  # more than the launch holds: setmaxnreg would wait forever
+    ws.int4_grouped_matmul_mgpu_ws(x4, ws.to_mgpu_layout(w4), gs4, num_compute_wgs=4, compute_registers=120,
+                                   interpret=True)
+  with pytest.raises(ValueError, match="num_compute_wgs"):
+    ws.int4_grouped_matmul_mgpu_ws(x4, ws.to_mgpu_layout(w4), gs4, num_compute_wgs=5, interpret=True)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=3, interpret=True)
   with pytest.raises(ValueError, match="overlap_steps"):  # one slot: the step would wait for its own release
