@@ -212,19 +212,29 @@ def main(argv=None) -> int:
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode at a tiny shape; checks + report only")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--no_peers", action="store_true", help="skip the cuDNN / XLA peers (timed in runs 1-10)")
+  ap.add_argument("--timed", default="", help="rows to time instead of TIMED: S:block_s:splits:ring:variant, "
+                  "comma-separated (e.g. 65536:128:16:2:outliers+fp8_stacked+no_compute)")
+  ap.add_argument("--checks", default="all", choices=("all", "stacked"), help="stacked: only the fp8_stacked checks")
+  ap.add_argument("--no_glue", action="store_true", help="skip the glue check and the whole op's timing")
   args = ap.parse_args(argv)
+  timed = TIMED
+  if args.timed:
+    timed = [(int(a), int(b), int(c), int(d), v) for a, b, c, d, v in (t.split(":") for t in args.timed.split(","))]
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
   meta = kb.run_meta(args.smoke, args.iters)
   checks, rows, peer_rows = [], [], []
-  for case in SMOKE_CHECKS if args.smoke else CHECKS:
+  cases = SMOKE_CHECKS if args.smoke else CHECKS
+  if args.checks == "stacked":
+    cases = [c for c in cases if c[-1] == "fp8_stacked"]
+  for case in cases:
     checks.append(run_check(case, interpret=args.smoke))
     print("check", json.dumps(checks[-1]), flush=True)
     write_report(args.out, meta, checks, rows, peer_rows)
   if not all(c["ok"] for c in checks):
     print("CHECK FAILED", flush=True)
     return 1
-  for s, block_s, splits, ring, variant in [(256, 64, 2, 2, "outliers")] if args.smoke else TIMED:
+  for s, block_s, splits, ring, variant in [(256, 64, 2, 2, "outliers")] if args.smoke and not args.timed else timed:
     name = f"core S={s} bs={block_s} splits={splits} ring={ring}" + (f" {variant}" if variant else "")
     try:
       ablate = variant.split("+")[-1] if variant.split("+")[-1] in dc.ABLATIONS else ""
@@ -237,10 +247,11 @@ def main(argv=None) -> int:
       rows.append(dict(config=name, s=s, error=f"{type(e).__name__}: {str(e)[:600]}"))
     print("time", json.dumps(rows[-1]), flush=True)
     write_report(args.out, meta, checks, rows, peer_rows)
-  glue = glue_check(args.smoke)
-  checks.append(glue)
-  print("glue check", json.dumps(glue), flush=True)
-  if not args.smoke:  # the whole op at 64k x 8: query digits, the core, the merge of splits, c0 + d · out
+  if not args.no_glue:
+    glue = glue_check(args.smoke)
+    checks.append(glue)
+    print("glue check", json.dumps(glue), flush=True)
+  if not args.smoke and not args.no_glue:  # the whole op at 64k x 8: query digits, the core, the merge of splits, c0 + d · out
     try:
       ms, kernels, _ = kb.kernel_ms(glue_fn("pallas", False), glue_inputs(0, BK, 65536), args.iters, False)
       nbytes = _timed_bytes(65536, "outliers")

@@ -213,7 +213,7 @@ def _xsum_window(window: int, gk: int) -> int:
 
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
             block_r: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, compute_registers: int,
-            a_from_smem: bool,
+            a_from_smem: bool, ablate: str,
             dequant: str, overlap_steps: bool, dequant_form: str, order: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
@@ -268,6 +268,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
     # slot instead).
     carry = rest[-1]
     (k,) = idx
+    if ablate == "no_compute":  # timing only: the TMA stream and the ring's barriers, no loads, decode or wgmma
+      return carry
     if dequant_form in _ACC_FORMS:
       # All groups' scale rows are read up front: a read after the wgmmas is flagged by the interpreter's race
       # detector (against the TMA warpgroup's refill of the slot).
@@ -428,8 +430,10 @@ def _compute_register_count(count: int):
     _mgpu_pipeline._compute_registers = original  # pylint: disable=protected-access
 
 
+ABLATIONS = ("", "no_compute")
+
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
-           "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers")
+           "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate")
 
 
 def _num_sms() -> int:
@@ -444,7 +448,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 max_concurrent_steps: int | None = None, memory_registers: int | None = None,
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
                                 dequant: str = "ptx", overlap_steps: bool = False,
-                                dequant_form: str | None = None, compute_registers: int | None = None) -> jax.Array:
+                                dequant_form: str | None = None, compute_registers: int | None = None,
+                                ablate: str = "") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -480,8 +485,12 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       per weight pair; the rounded per-group constant moves the weight by up to ~s/2 / ~s/16. "acc_zero": the zero
       point on the accumulators too (A = 128 + q; x summed per K group by XLA). Interpret mode reproduces each
       form's values with jnp; `int4_grouped_matmul_mgpu_ws_form_reference` is each form's reference.
+    ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
+      compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "" is the kernel.
   """
   dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
+  if ablate not in ABLATIONS:
+    raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   order = mg.nibble_order(weights)
   num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
   bn = num_compute_wgs * _WG_N
@@ -527,7 +536,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
                            n_cols=n,
                            steps=max_concurrent_steps, memory_registers=memory_registers,
-                           compute_registers=compute_registers, a_from_smem=bool(interpret),
+                           compute_registers=compute_registers, a_from_smem=bool(interpret), ablate=ablate,
                            dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),

@@ -224,6 +224,8 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
 
   def body(idx, k_smem, v_smem, *rest):
     ko_tile, vo_tile, carry = rest if outliers else (None, None, rest[0])
+    if ablate == "no_compute":  # the TMA ring alone: the kernel's memory-side ceiling
+      return carry
     m, l, acc, acc_o = carry  # f32 [8] (col); [block_s, 8] per-token p8 sums; [H, 8]; [64, 8] or None
     s = key_scores(k_smem, ko_tile)
     if ragged:  # tokens at or past the row's length score MASKED; only a block reaching past it pays for the mask
@@ -452,7 +454,7 @@ def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
   return mean, mean_o, lse2
 
 
-ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value")
+ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value", "no_compute")
 
 
 @settled_when_interpreted
@@ -484,7 +486,8 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     max_concurrent_steps: depth of the TMA ring.
     interpret: run in Mosaic GPU's CPU interpreter.
     ablate: timing experiments only (the results are wrong): "no_max" (no block max: p scaled by the initial m),
-      "no_value" (no value wgmmas); "" is the kernel.
+      "no_value" (no value wgmmas), "no_compute" (the blocks stream through the TMA ring, nothing else runs: the
+      memory-side ceiling); "" is the kernel.
     return_lse2: also return the row's log2-sum-exp2 of the scores (for merging with other tokens' attention).
     value_outliers: how the value-outlier sums run (the same sums either way): "fp8" (p8 split into two e4m3 parts,
       `split_p8`, stored to shared memory as the A operand of two fp8 × fp8 wgmmas with the value-outlier tile as B),
