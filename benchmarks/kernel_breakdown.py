@@ -1,0 +1,137 @@
+"""Per-kernel CUPTI times of one call, for the Mosaic GPU kernels next to their memory-side ceilings (H200).
+
+  PYTHONPATH=$PWD python3 benchmarks/kernel_breakdown.py --out=$OUT            # all cases
+  PYTHONPATH=$PWD python3 benchmarks/kernel_breakdown.py --cases=read,int4 --out=$OUT
+
+`decode_attention.py`, `expert_matmul.py` and the kernel benchmarks time a call as the sum of all its kernels (the
+XLA kernels around a Pallas call included, each after an L2 flush). This script splits that sum: the median time of
+every kernel of the call (L2 flushed before each call), so that a kernel's own time, its `ablate="no_compute"`
+ceiling (the TMA ring streaming every tile with the compute skipped) and XLA's read of the same number of bytes
+(`jnp.sum` over a uint8 buffer of that size: what the memory system gives a plain read of this size) sit side by
+side. Cases:
+- read: XLA read-only sums of 268 MB (int4 weights of 64 × 4096→2048; the core's codes at 64k × 8), 335 MB (the
+  core's codes and outliers) and 1 GiB (the copy bandwidth of the other scripts).
+- int4: 64 experts, 4096→2048, 512 rows, balanced: jax's Mosaic bf16 `ragged_dot_mgpu` (the best bf16 peer there)
+  and the WS int4 kernel (C = 2 block_k 512, C = 4 block_k 256; acc_scale, shift order), each also with no_compute.
+- core: the OS-KVP core at 64k × 8 (BK = 64, block 128, 16 splits, fp8_stacked outliers, ring 2), with no_compute at
+  rings 2 and 3, and the codes-only no_compute.
+Writes kernel_breakdown.{json,md} under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import expert_matmul as em
+from benchmarks import oskvp_decode_core_mgpu_bench as cb
+from pallas_kernels import int4_grouped_matmul_mgpu as mg
+from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
+
+CASES = ("read", "int4", "core")
+
+
+def per_kernel_ms(fn, args, iters: int) -> dict[str, float]:
+  """Median over `iters` calls (L2 flushed before each) of each kernel's CUPTI time, ms, by name (repeated names
+  get a #i suffix); the key "total" holds the median of the per-call sums."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+  flush_buf = jnp.zeros((64 << 20,), jnp.float32)  # 256 MB > the 50 MB L2
+  flush = jax.jit(lambda b: b + 1.0)
+  jax.block_until_ready(fn(*args))  # compile
+  per, totals = {}, []
+  for _ in range(iters):
+    flush_buf = jax.block_until_ready(flush(flush_buf))
+    _, timings = profiler.measure(fn, aggregate=False)(*args)
+    seen = {}
+    for name, ms in timings:
+      seen[name] = seen.get(name, -1) + 1
+      per.setdefault(name if not seen[name] else f"{name}#{seen[name]}", []).append(ms)
+    totals.append(sum(ms for _, ms in timings))
+  return {**{k: statistics.median(v) for k, v in per.items()}, "total": statistics.median(totals)}
+
+
+def _read_cases():
+  for mb in (268.4, 335.5, 1073.7):
+    x = jnp.ones((int(mb * 1e6),), jnp.uint8)
+    yield f"xla_sum_read {mb:.0f} MB", jax.jit(lambda a: jnp.sum(a, dtype=jnp.int32)), (x,), x.nbytes
+
+
+def _int4_cases():
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
+  e, k, n, rows = 64, 4096, 2048, 512
+  key = jax.random.key(0)
+  gs = jnp.asarray(em.balanced_groups(rows, e))
+  x = jax.random.normal(key, (rows, k), jnp.bfloat16)
+  w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
+  f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
+                                max_concurrent_steps=6, grid_block_n=2))
+  yield "mgpu_ragged_dot_bf16", f, (x, w_bf16), w_bf16.nbytes
+  del w_bf16
+  w = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")
+  nbytes = e * k * n // 2
+  for name, cfg in (("c2_k512", dict(num_compute_wgs=2, block_k=512)), ("c4_k256", dict(num_compute_wgs=4,
+                                                                                          block_k=256))):
+    for ablate in ("", "no_compute"):
+      f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, ablate=ablate))
+      yield f"int4_ws[{name}{',' + ablate if ablate else ''}]", f, (x, w, gs), nbytes
+
+
+def _core_cases():
+  s = 65536
+  for ring, variant in ((2, "outliers+fp8_stacked"), (2, "outliers+fp8_stacked+no_compute"),
+                        (3, "outliers+fp8_stacked+no_compute"), (2, "no_compute")):
+    ablate = "no_compute" if variant.endswith("no_compute") else ""
+    form = "fp8_stacked" if "fp8_stacked" in variant else "fp8"
+    yield (f"core ring={ring} {variant}", cb.core_fn(128, 16, ring, False, ablate, form), cb._core_args(s, variant),  # pylint: disable=protected-access
+           cb._timed_bytes(s, variant))  # pylint: disable=protected-access
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default="/tmp/kernel_breakdown")
+  ap.add_argument("--cases", default=",".join(CASES))
+  ap.add_argument("--iters", type=int, default=7)
+  args = ap.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "timing": "CUPTI per kernel, median of --iters calls, 256 MB write before each call (L2 flush)"}
+  rows = []
+  gens = {"read": _read_cases, "int4": _int4_cases, "core": _core_cases}
+  for case in args.cases.split(","):
+    for name, fn, fargs, nbytes in gens[case]():
+      try:
+        kernels = per_kernel_ms(fn, fargs, args.iters)
+        rows.append({"case": case, "impl": name, "bytes": nbytes, "kernels": kernels})
+      except Exception as ex:  # noqa: BLE001
+        rows.append({"case": case, "impl": name, "error": f"{type(ex).__name__}: {str(ex)[:400]}"})
+      print(json.dumps(rows[-1]), flush=True)
+      with open(os.path.join(args.out, "kernel_breakdown.json"), "w") as fh:
+        json.dump({**meta, "rows": rows}, fh, indent=1)
+  lines = [f"# Per-kernel CUPTI times: {meta['device']}, jax {meta['jax']}, {meta['date']}", "", meta["timing"], "",
+           "| impl | MB | total µs | largest kernel | its µs | its TB/s | other kernels µs |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['impl']} | | error: {r['error'][:80]} | | | | |")
+      continue
+    ks = {k: v for k, v in r["kernels"].items() if k != "total"}
+    big = max(ks, key=ks.get)
+    lines.append(f"| {r['impl']} | {r['bytes'] / 1e6:.1f} | {r['kernels']['total'] * 1e3:.1f} | {big} | "
+                 f"{ks[big] * 1e3:.1f} | {r['bytes'] / ks[big] / 1e9:.2f} | "
+                 + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ks.items() if k != big) + " |")
+  with open(os.path.join(args.out, "kernel_breakdown.md"), "w") as fh:
+    fh.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
