@@ -139,22 +139,45 @@ def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n
   """Work items (row tile, N tile) dealt round-robin to the CTAs: int32 [n_ctas, I, 8].
 
   Row i of CTA c is item w = c + i·n_ctas of the items that hold rows, w = t·n_tiles + j for row tile t
-  (`int4_grouped_matmul_mgpu.row_tiles`) and N tile j. Columns: expert to stream (the virtual expert E clamped to
-  E - 1), N tile, first loaded row, first row, row count, 1 if the tile is the virtual expert's (store zeros), and
-  the CTA's item count (every row). Rows past the count are never read.
+  (`int4_grouped_matmul_mgpu.row_tiles`: expert e's rows cut into tiles of block_r, then the virtual expert E's, the
+  rows past sum(group_sizes)) and N tile j. Columns: expert to stream (the virtual expert E clamped to E - 1), N tile,
+  first loaded row, first row, row count, 1 if the tile is the virtual expert's (store zeros), and the CTA's item
+  count (every row). Rows past the count are never read (they hold zeros).
+
+  Written as masked sums over [E, E] and [n_ctas, I, E] (prefix sums and a one-hot pick of each item's expert),
+  with no sort, search, gather or concatenation: XLA runs it in a few small kernels (the `row_tiles` route took ~23,
+  about 26 µs of a 121 µs call at 64 x 4096->2048 on the H200; results/kernel_breakdown.md).
   """
-  tiles = mg.row_tiles(group_sizes, m, block_r, m_loaded)  # [T, 4]
-  n_items = (tiles[:, 2] > 0).sum() * n_tiles  # valid tiles come first
-  t_max = tiles.shape[0]
+  e = n_experts
+  sizes = group_sizes.astype(jnp.int32)  # [E]
+  ids = jnp.arange(e, dtype=jnp.int32)
+  upto = ids[:, None] >= ids[None, :]  # [E, E]: inclusive prefix sums as masked sums
+  tiles = -(-sizes // block_r)
+  ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)  # [E]: rows of experts 0..e
+  tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
+  starts, tile_start = ends - sizes, tile_end - tiles
+  total, total_tiles = ends[e - 1], tile_end[e - 1]
+  v_size = jnp.maximum(m - total, 0)  # the virtual expert E: rows past the groups
+  v_tiles = -(-v_size // block_r)
+  t_max = -(-m // block_r) + e + 1
   per_cta = -(-t_max * n_tiles // n_ctas)
-  w = jnp.arange(n_ctas)[:, None] + jnp.arange(per_cta)[None, :] * n_ctas  # [C, I]
-  t = jnp.minimum(w // n_tiles, t_max - 1)
-  tile = tiles[t]  # [C, I, 4]
-  cta_items = jnp.maximum(n_items - jnp.arange(n_ctas) + n_ctas - 1, 0) // n_ctas  # [C]
-  cols = [jnp.minimum(tile[..., 0], n_experts - 1), w % n_tiles, tile[..., 3], tile[..., 1], tile[..., 2],
-          (tile[..., 0] >= n_experts).astype(jnp.int32), jnp.broadcast_to(cta_items[:, None], w.shape),
-          jnp.zeros_like(w)]
-  return jnp.stack(cols, axis=-1).astype(jnp.int32)
+  w = jnp.arange(n_ctas, dtype=jnp.int32)[:, None] + jnp.arange(per_cta, dtype=jnp.int32)[None, :] * n_ctas
+  t = jnp.minimum(w // n_tiles, t_max - 1)  # [C, I] row tile of each item
+  hit = (tile_start <= t[..., None]) & (t[..., None] < tile_end)  # [C, I, E]: one expert at most
+  pick = lambda v: jnp.sum(jnp.where(hit, v, 0), axis=-1)
+  virtual = (t >= total_tiles) & (t < total_tiles + v_tiles)
+  valid = hit.any(axis=-1) | virtual
+  expert = jnp.where(virtual, e - 1, pick(ids))
+  first = t * block_r + jnp.where(virtual, total - total_tiles * block_r, pick(starts - tile_start * block_r))
+  end = jnp.where(virtual, total + v_size, pick(ends))
+  count = jnp.where(valid, jnp.clip(end - first, 0, block_r), 0)
+  loaded = jnp.clip(first // 8 * 8, 0, m_loaded - block_r - 8)
+  n_items = (total_tiles + v_tiles) * n_tiles
+  cta_items = jnp.maximum(n_items - jnp.arange(n_ctas, dtype=jnp.int32) + n_ctas - 1, 0) // n_ctas  # [C]
+  cols = [expert, w % n_tiles, loaded, first, count, virtual.astype(jnp.int32),
+          jnp.broadcast_to(cta_items[:, None], w.shape), jnp.zeros_like(w)]
+  return jnp.where(valid[..., None], jnp.stack(cols, axis=-1), 0).astype(jnp.int32).at[..., _NITEMS].set(
+      cols[_NITEMS])
 
 
 def _row_operands(form: str, s, z):

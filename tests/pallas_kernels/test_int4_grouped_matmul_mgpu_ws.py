@@ -223,6 +223,37 @@ def test_no_races_in_the_interpreter(overlap_steps, form, interpreted):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
+def _work_table_from_row_tiles(group_sizes, m, m_loaded, *, block_r, n_tiles, n_experts, n_ctas):
+  """The work table built directly from `row_tiles` (the kernel's first form: a search and a gather per item)."""
+  tiles = np.asarray(mg.row_tiles(jnp.asarray(group_sizes, jnp.int32), m, block_r, m_loaded))
+  n_items = (tiles[:, 2] > 0).sum() * n_tiles
+  w = np.arange(n_ctas)[:, None] + np.arange(-(-tiles.shape[0] * n_tiles // n_ctas))[None, :] * n_ctas
+  tile = tiles[np.minimum(w // n_tiles, tiles.shape[0] - 1)]
+  cols = [np.minimum(tile[..., 0], n_experts - 1), w % n_tiles, tile[..., 3], tile[..., 1], tile[..., 2],
+          tile[..., 0] >= n_experts, np.broadcast_to((np.maximum(n_items - np.arange(n_ctas) + n_ctas - 1, 0) //
+                                                      n_ctas)[:, None], w.shape)]
+  return np.stack(cols, axis=-1).astype(np.int32)
+
+
+def test_work_table_matches_row_tiles():
+  """The masked-sum work table equals the one built from `row_tiles` on every row a CTA reads, over random group
+  sizes (empty experts, rows past the groups, block_r 8 / 16, several N tiles and CTA counts)."""
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    e, block_r, n_tiles, n_ctas = int(rng.integers(1, 9)), int(rng.choice([8, 16])), int(rng.integers(1, 4)), \
+        int(rng.integers(1, 7))
+    sizes = rng.integers(0, 40, e) * (rng.random(e) < 0.7)
+    m = max(int(sizes.sum()) + int(rng.integers(0, 20)) * int(rng.random() < 0.5), 1)
+    kw = dict(m=m, m_loaded=max(m + (-m % 8), block_r + 8), block_r=block_r, n_tiles=n_tiles, n_experts=e,
+              n_ctas=n_ctas)
+    want = _work_table_from_row_tiles(sizes, **kw)
+    got = np.asarray(ws.work_table(jnp.asarray(sizes, jnp.int32), **kw))
+    assert got.shape == (*want.shape[:2], 8)
+    np.testing.assert_array_equal(got[..., 6], want[..., 6])
+    for c in range(n_ctas):
+      np.testing.assert_array_equal(got[c, :want[c, 0, 6], :6], want[c, :want[c, 0, 6], :6])
+
+
 @pytest.mark.parametrize("sizes,m,n_tiles,n_ctas", [([3, 0, 17, 1], 23, 2, 3), ([1] * 6, 6, 3, 5)])
 def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
   block_r = 8
