@@ -174,10 +174,8 @@ def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n
   loaded = jnp.clip(first // 8 * 8, 0, m_loaded - block_r - 8)
   n_items = (total_tiles + v_tiles) * n_tiles
   cta_items = jnp.maximum(n_items - jnp.arange(n_ctas, dtype=jnp.int32) + n_ctas - 1, 0) // n_ctas  # [C]
-  cols = [expert, w % n_tiles, loaded, first, count, virtual.astype(jnp.int32),
-          jnp.broadcast_to(cta_items[:, None], w.shape), jnp.zeros_like(w)]
-  return jnp.where(valid[..., None], jnp.stack(cols, axis=-1), 0).astype(jnp.int32).at[..., _NITEMS].set(
-      cols[_NITEMS])
+  cols = [jnp.where(valid, c, 0) for c in (expert, w % n_tiles, loaded, first, count, virtual.astype(jnp.int32))]
+  return jnp.stack([*cols, jnp.broadcast_to(cta_items[:, None], w.shape), jnp.zeros_like(w)], axis=-1)
 
 
 def _row_operands(form: str, s, z):
@@ -455,6 +453,23 @@ def _compute_register_count(count: int):
 
 ABLATIONS = ("", "no_compute")
 
+def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: int) -> int:
+  """The compute warpgroups per CTA (C) that ran fastest on the H200 (results/int4_mgpu_ws_table.md): 3 where 192
+  divides N (128 x 2048->768); else 4 (more compute warps per SM hide more of the decode's latency: 2.83-2.90x the
+  best bf16 peer against 2.57-2.62x for C = 2 at 64 x 4096->2048) where 256 divides N and the work items, estimated
+  for balanced routing, fill the CTAs' last round to at least 95% (round-robin over num_ctas); else 2 (at
+  8 x 4096->14336 C = 4's 448 items leave 85%, and it was 3-10% slower than C = 2)."""
+  if n % (3 * _WG_N) == 0:
+    return 3
+  active = max(min(n_experts, m), 1)
+  rows_per_expert = -(-m // active)
+  tiles = active * -(-rows_per_expert // block_r)  # row tiles of a balanced routing
+  items = tiles * (n // (4 * _WG_N))
+  if n % (4 * _WG_N) == 0 and items / (-(-items // num_ctas) * num_ctas) >= 0.95:
+    return 4
+  return 2
+
+
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
            "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate")
 
@@ -482,11 +497,11 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     group_sizes: int32 [E], rows per expert; rows past their sum come back zero.
     num_compute_wgs: compute warpgroups per CTA (C, 1 to 4); the CTA's N tile is 64·C columns (N a multiple of 64,
       at least 64·C). Where 64·C does not divide N the last N tile starts at N - 64·C and its warpgroups whose
-      columns the tile before holds do not store them. Default 3 where 192 divides N, else 2 (the faster in the H200
-      runs, results/int4_mgpu_ws.md: C = 3 with the overlapping last tile was 1-5% slower than C = 2 at N = 2048 and
-      14336).
-    block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 (where it
-      divides Kp; the faster per C in the H200 runs).
+      columns the tile before holds do not store them. Default `default_compute_wgs`: 3 where 192 divides N, 4 where
+      256 does and the work items fill the CTAs, else 2 (the fastest per shape in the H200 runs,
+      results/int4_mgpu_ws_table.md).
+    block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 and 4 (where
+      it divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
@@ -515,7 +530,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   order = mg.nibble_order(weights)
-  num_compute_wgs = num_compute_wgs or (3 if n % (3 * _WG_N) == 0 else 2)
+  num_ctas = num_ctas or (4 if interpret else _num_sms())
+  num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)
   bn = num_compute_wgs * _WG_N
   if num_compute_wgs < 1 or n % _WG_N or n < bn:
     raise ValueError(f"num_compute_wgs={num_compute_wgs} must be >= 1, N={n} a multiple of {_WG_N} and at least 64·C")
@@ -544,7 +560,6 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"overlap_steps needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
   memory_registers = memory_registers or (32 if num_compute_wgs == 4 else 40)
   compute_registers = register_split(num_compute_wgs, memory_registers, compute_registers)
-  num_ctas = num_ctas or (4 if interpret else _num_sms())
   pad = max(window - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
   # acc_zero: x summed per K group (float32 [Kg, M' + W' - W]: zero columns so that the last window's tile fits), in
