@@ -35,6 +35,7 @@ import numpy as np
 
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
+from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws
 from pallas_kernels import vq2_grouped_matmul as v2
 
 G = 128
@@ -46,6 +47,7 @@ CONFIGS = {
     "int4": [dict(block_n=256, num_warps=4, num_stages=3, unpack="asm")],
     "int4_nk": [dict(block_n=128, num_warps=4, num_stages=3, unpack="asm")],  # the best in the --sweep run
     "int4_mgpu": [dict()],  # its defaults: the best per decode shape in results/int4_mgpu_decode.md
+    "int4_mgpu_ws": [dict()],  # its defaults (C per shape, acc_scale, shift order): results/int4_mgpu_ws_table.md
     "int4_sp24": [dict(block_n=64, num_warps=4, num_stages=4, unpack="magic")],
     "vq2": [dict(block_n=256, num_warps=4, num_stages=3)],
 }
@@ -68,7 +70,7 @@ EXPLORE = {
             for w, st in ((4, 3), (8, 3), (4, 5))],
 }
 KERNELS = {"int4": i4.int4_grouped_matmul, "int4_nk": i4.int4_grouped_matmul, "int4_sp24": i4.int4_grouped_matmul,
-           "int4_mgpu": mg.int4_grouped_matmul_mgpu,
+           "int4_mgpu": mg.int4_grouped_matmul_mgpu, "int4_mgpu_ws": mws.int4_grouped_matmul_mgpu_ws,
            "vq2": v2.vq2_grouped_matmul}
 
 
@@ -136,7 +138,7 @@ def weight_bytes(fmt, k, n):
   """Bytes of one expert's [K, N] weight in a format."""
   groups = k // G * n
   return {"bf16": k * n * 2, "int4": k * n // 2 + groups * 3, "int4_nk": k * n // 2 + groups * 3,
-          "int4_mgpu": k * n // 2 + groups * 4,
+          "int4_mgpu": k * n // 2 + groups * 4, "int4_mgpu_ws": k * n // 2 + groups * 4,
           "int4_sp24": k * n * 3 // 8 + groups * 3, "vq2": k * n // 4 + groups * 2 + 256 * 8}[fmt]
 
 
@@ -144,12 +146,13 @@ def quantized(key, e, k, n, formats):
   """Random weights of each format."""
   make = {"int4": lambda: random_int4(key, e, k, n), "int4_nk": lambda: i4.to_nk_layout(random_int4(key, e, k, n)),
           "int4_mgpu": lambda: mg.to_mgpu_layout(random_int4(key, e, k, n)),
+          "int4_mgpu_ws": lambda: mws.to_mgpu_layout(random_int4(key, e, k, n)),
           "int4_sp24": lambda: random_int4(key, e, k, n, True), "vq2": lambda: random_vq2(key, e, k, n)}
   return {f: make[f]() for f in formats}
 
 
-def check_correctness(sweep=False):
-  """Kernels vs their XLA references on the GPU, awkward group sizes, bf16 lhs."""
+def check_correctness(sweep=False, formats=None):
+  """Kernels vs their XLA references on the GPU, awkward group sizes, bf16 lhs (the formats given, default all)."""
   res = {}
   e, k, n = 6, 512, 512
   gs = jnp.array([0, 1, 37, 0, 16, 5], jnp.int32)
@@ -158,15 +161,21 @@ def check_correctness(sweep=False):
   ws = {"int4": random_int4(jax.random.key(2), e, k, n),
         "int4_nk": i4.to_nk_layout(random_int4(jax.random.key(2), e, k, n)),
         "int4_mgpu": mg.to_mgpu_layout(random_int4(jax.random.key(2), e, k, n)),
+        "int4_mgpu_ws": mws.to_mgpu_layout(random_int4(jax.random.key(2), e, k, n)),
         "int4_sp24": random_int4(jax.random.key(3), e, k, n, True), "vq2": random_vq2(jax.random.key(4), e, k, n)}
   if sweep:
     ws = {f: ws[f] for f in ("int4", "int4_nk")}
+  elif formats is not None:
+    ws = {f: w for f, w in ws.items() if f in formats}
   for name, w in ws.items():
     mod, fn = (v2, v2.vq2_grouped_matmul) if name == "vq2" else (i4, i4.int4_grouped_matmul)
     ref_fn = v2.vq2_grouped_matmul_reference if name == "vq2" else i4.int4_grouped_matmul_reference
     poison = {"poison": float("nan")}
     if name == "int4_mgpu":  # unwritten output rows are whatever the allocator left: a wrong row shows as an error
       fn, ref_fn, poison = mg.int4_grouped_matmul_mgpu, mg.int4_grouped_matmul_mgpu_reference, {}
+    if name == "int4_mgpu_ws":  # the default form's own reference (float32 dequantization: acc_scale)
+      fn, poison = mws.int4_grouped_matmul_mgpu_ws, {}
+      ref_fn = functools.partial(mws.int4_grouped_matmul_mgpu_ws_form_reference, dequant_form="acc_scale")
     cfgs = CONFIGS[name] + (list(SWEEP.values()) + [dict(block_n=256, split_k=4)] if sweep and name == "int4_nk"
                             else [])
     for cfg in cfgs:
@@ -179,7 +188,7 @@ def check_correctness(sweep=False):
       want = np.asarray(ref_fn(x, w, gs))
       err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
       res[tag] = {"max_rel_err": err, "nan": int(np.isnan(got).sum())}
-    if name == "int4_mgpu":
+    if name in ("int4_mgpu", "int4_mgpu_ws"):
       continue  # no fused SwiGLU variant
     swi = (v2.vq2_grouped_swiglu, v2.vq2_grouped_swiglu_reference) if name == "vq2" else (
         i4.int4_grouped_swiglu, i4.int4_grouped_swiglu_reference)
@@ -235,9 +244,9 @@ def markdown(result: dict) -> str:
          "(in each format) + lhs + f32 output.\n",
          "Cells: ms (TB/s on bytes read); kernels add [speed-up over the best bf16 peer, % of copy bandwidth].\n",
          "| E, K->N | rows | rows/expert | XLA ragged_dot bf16 | Mosaic ragged_dot_mgpu bf16 | Pallas int4 u16 "
-         "(A/B swap) | Mosaic int4 (wgmma) | Pallas int4 u8 (x@W) | Pallas int4 2:4 | Pallas vq2 | int4 u16 fused "
-         "gate+up SwiGLU (2 weights) |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "(A/B swap) | Mosaic int4 (wgmma) | Mosaic int4 warp-specialized | Pallas int4 u8 (x@W) | Pallas int4 2:4 "
+         "| Pallas vq2 | int4 u16 fused gate+up SwiGLU (2 weights) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for (e, k, n, rows), v in sorted(by.items()):
     if "xla_ragged_dot_bf16" not in v:
       continue
@@ -247,7 +256,7 @@ def markdown(result: dict) -> str:
     row = [f"{e}, {k}->{n}", str(rows), str(-(-rows // e)), cell(v["xla_ragged_dot_bf16"]),
            cell(v["mgpu_ragged_dot_bf16"]) if "mgpu_ragged_dot_bf16" in v else "-"]
     row += [kcell(v[f"pallas_{f}"]) if f"pallas_{f}" in v else "-"
-            for f in ("int4_nk", "int4_mgpu", "int4", "int4_sp24", "vq2")]
+            for f in ("int4_nk", "int4_mgpu", "int4_mgpu_ws", "int4", "int4_sp24", "vq2")]
     sw = v.get("pallas_int4_nk_swiglu_fused")
     row.append(f"{cell(sw)} [{2 * peer / sw['ms']:.2f}x vs 2 bf16 matmuls]" if sw else "-")
     out.append("| " + " | ".join(row) + " |")
@@ -284,7 +293,10 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="time int4_nk tile candidates at decode shapes, then stop")
   ap.add_argument("--md_from", default="", help="only rewrite the markdown of an existing results JSON")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
+  ap.add_argument("--formats", default="", help="comma-separated subset of the formats (default: all of CONFIGS)")
+  ap.add_argument("--tag", default="", help="suffix of the output files")
   args = ap.parse_args(argv)
+  formats_all = [f for f in CONFIGS if not args.formats or f in args.formats.split(",")]
   if args.md_from:
     with open(args.md_from) as fh:
       md = markdown(json.load(fh))
@@ -300,7 +312,7 @@ def main(argv=None):
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": G,
           "routing": "balanced", "l2_flush": "256 MiB write before every timed call"}
   print(meta, flush=True)
-  meta["correctness"] = check_correctness(sweep=args.sweep)
+  meta["correctness"] = check_correctness(sweep=args.sweep, formats=formats_all)
   meta["copy"] = copy_bandwidth(timer)
   if args.explore:
     return explore(timer, args)
@@ -313,12 +325,13 @@ def main(argv=None):
     if args.smoke:
       shapes, rows_list = [(4, 256, 128)], [3, 16]
     plan = [(e, k, n, sorted(set(rows_list) | ({16 * e} if not (args.smoke or args.quick) else set())),
-             list(CONFIGS)) for e, k, n in shapes]
+             formats_all) for e, k, n in shapes]
     configs = CONFIGS
   if args.smoke:
     plan = [(4, 256, 128, [3, 16], fmts) for *_, fmts in plan[:1]]
   rows_out = []
   name = "expert_matmul_sweep" if args.sweep else ("expert_matmul_quick" if args.quick else "expert_matmul")
+  name += args.tag
 
   def add(impl, rows, e, k, n, ms, fmt, n_active, extra=None, n_mats=1):
     b = n_mats * n_active * weight_bytes(fmt, k, n) + rows * k * 2 + rows * n * 4
@@ -371,7 +384,7 @@ def main(argv=None):
             best = (t, cfg)
         if best and not args.sweep:
           add(f"pallas_{fmt}", rows, e, k, n, best[0], fmt, n_active, {"config": best[1]})
-      if rows == 16 and not args.sweep:
+      if rows == 16 and not args.sweep and {"int4", "int4_nk"} <= set(formats):
         for fmt in ("int4", "int4_nk"):
           cfg = CONFIGS[fmt][0]
           f = jax.jit(functools.partial(i4.int4_grouped_swiglu, interpret=INTERPRET["on"], **cfg))
