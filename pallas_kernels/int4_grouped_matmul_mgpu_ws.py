@@ -71,6 +71,7 @@ import numpy as np
 
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
+from pallas_kernels import int4_ws_work_table as wt
 from pallas_kernels.interpret_settle import settled_when_interpreted
 
 MgpuInt4Weights = mg.MgpuInt4Weights
@@ -132,50 +133,6 @@ def to_mgpu_layout(w: i4.Int4Weights, *, group_size: int = _G,
   C = 2 in the seventh session's H200 run. nibble_order="prmt" gives `MgpuInt4Weights`, which the one-warpgroup
   kernel reads too."""
   return mg.to_mgpu_layout(w, group_size=group_size, nibble_order=nibble_order)
-
-
-def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int, n_experts: int,
-               n_ctas: int) -> jax.Array:
-  """Work items (row tile, N tile) dealt round-robin to the CTAs: int32 [n_ctas, I, 8].
-
-  Row i of CTA c is item w = c + i·n_ctas of the items that hold rows, w = t·n_tiles + j for row tile t
-  (`int4_grouped_matmul_mgpu.row_tiles`: expert e's rows cut into tiles of block_r, then the virtual expert E's, the
-  rows past sum(group_sizes)) and N tile j. Columns: expert to stream (the virtual expert E clamped to E - 1), N tile,
-  first loaded row, first row, row count, 1 if the tile is the virtual expert's (store zeros), and the CTA's item
-  count (every row). Rows past the count are never read (they hold zeros).
-
-  Written as masked sums over [E, E] and [n_ctas, I, E] (prefix sums and a one-hot pick of each item's expert),
-  with no sort, search, gather or concatenation: XLA runs it in a few small kernels (the `row_tiles` route took ~23,
-  about 26 µs of a 121 µs call at 64 x 4096->2048 on the H200; results/kernel_breakdown.md).
-  """
-  e = n_experts
-  sizes = group_sizes.astype(jnp.int32)  # [E]
-  ids = jnp.arange(e, dtype=jnp.int32)
-  upto = ids[:, None] >= ids[None, :]  # [E, E]: inclusive prefix sums as masked sums
-  tiles = -(-sizes // block_r)
-  ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)  # [E]: rows of experts 0..e
-  tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
-  starts, tile_start = ends - sizes, tile_end - tiles
-  total, total_tiles = ends[e - 1], tile_end[e - 1]
-  v_size = jnp.maximum(m - total, 0)  # the virtual expert E: rows past the groups
-  v_tiles = -(-v_size // block_r)
-  t_max = -(-m // block_r) + e + 1
-  per_cta = -(-t_max * n_tiles // n_ctas)
-  w = jnp.arange(n_ctas, dtype=jnp.int32)[:, None] + jnp.arange(per_cta, dtype=jnp.int32)[None, :] * n_ctas
-  t = jnp.minimum(w // n_tiles, t_max - 1)  # [C, I] row tile of each item
-  hit = (tile_start <= t[..., None]) & (t[..., None] < tile_end)  # [C, I, E]: one expert at most
-  pick = lambda v: jnp.sum(jnp.where(hit, v, 0), axis=-1)
-  virtual = (t >= total_tiles) & (t < total_tiles + v_tiles)
-  valid = hit.any(axis=-1) | virtual
-  expert = jnp.where(virtual, e - 1, pick(ids))
-  first = t * block_r + jnp.where(virtual, total - total_tiles * block_r, pick(starts - tile_start * block_r))
-  end = jnp.where(virtual, total + v_size, pick(ends))
-  count = jnp.where(valid, jnp.clip(end - first, 0, block_r), 0)
-  loaded = jnp.clip(first // 8 * 8, 0, m_loaded - block_r - 8)
-  n_items = (total_tiles + v_tiles) * n_tiles
-  cta_items = jnp.maximum(n_items - jnp.arange(n_ctas, dtype=jnp.int32) + n_ctas - 1, 0) // n_ctas  # [C]
-  cols = [jnp.where(valid, c, 0) for c in (expert, w % n_tiles, loaded, first, count, virtual.astype(jnp.int32))]
-  return jnp.stack([*cols, jnp.broadcast_to(cta_items[:, None], w.shape), jnp.zeros_like(w)], axis=-1)
 
 
 def _row_operands(form: str, s, z):
@@ -570,7 +527,11 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     xsum = (jnp.pad(xsum, ((0, 0), (0, _xsum_window(window, block_k // _G) - window))),)
   if interpret:  # the interpreter's relayout keeps the stored K order: feed lhs in that order too
     lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.NIBBLE_ORDERS[order]].reshape(m + pad, kp)
-  table = work_table(group_sizes, m, m + pad, block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas)
+  # The work table (`int4_ws_work_table`): one Pallas kernel on the GPU; its jnp reference in interpret mode (the same
+  # values, faster in the CPU interpreter).
+  table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas)
+  table = (wt.work_table_reference(group_sizes, m, m + pad, **table_kw) if interpret else
+           wt.work_table(group_sizes, m, m + pad, **table_kw))
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
                            n_cols=n,
                            steps=max_concurrent_steps, memory_registers=memory_registers,

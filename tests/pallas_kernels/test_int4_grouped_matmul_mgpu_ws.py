@@ -20,6 +20,7 @@ import pytest
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
+from pallas_kernels import int4_ws_work_table as wt
 from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
 
 E, K, G = 4, 256, 128
@@ -223,55 +224,11 @@ def test_no_races_in_the_interpreter(overlap_steps, form, interpreted):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
-def _work_table_from_row_tiles(group_sizes, m, m_loaded, *, block_r, n_tiles, n_experts, n_ctas):
-  """The work table built directly from `row_tiles` (the kernel's first form: a search and a gather per item)."""
-  tiles = np.asarray(mg.row_tiles(jnp.asarray(group_sizes, jnp.int32), m, block_r, m_loaded))
-  n_items = (tiles[:, 2] > 0).sum() * n_tiles
-  w = np.arange(n_ctas)[:, None] + np.arange(-(-tiles.shape[0] * n_tiles // n_ctas))[None, :] * n_ctas
-  tile = tiles[np.minimum(w // n_tiles, tiles.shape[0] - 1)]
-  cols = [np.minimum(tile[..., 0], n_experts - 1), w % n_tiles, tile[..., 3], tile[..., 1], tile[..., 2],
-          tile[..., 0] >= n_experts, np.broadcast_to((np.maximum(n_items - np.arange(n_ctas) + n_ctas - 1, 0) //
-                                                      n_ctas)[:, None], w.shape)]
-  return np.stack(cols, axis=-1).astype(np.int32)
-
-
-def test_work_table_matches_row_tiles():
-  """The masked-sum work table equals the one built from `row_tiles` on every row a CTA reads, over random group
-  sizes (empty experts, rows past the groups, block_r 8 / 16, several N tiles and CTA counts)."""
-  rng = np.random.default_rng(0)
-  for _ in range(40):
-    e, block_r, n_tiles, n_ctas = int(rng.integers(1, 9)), int(rng.choice([8, 16])), int(rng.integers(1, 4)), \
-        int(rng.integers(1, 7))
-    sizes = rng.integers(0, 40, e) * (rng.random(e) < 0.7)
-    m = max(int(sizes.sum()) + int(rng.integers(0, 20)) * int(rng.random() < 0.5), 1)
-    kw = dict(m=m, m_loaded=max(m + (-m % 8), block_r + 8), block_r=block_r, n_tiles=n_tiles, n_experts=e,
-              n_ctas=n_ctas)
-    want = _work_table_from_row_tiles(sizes, **kw)
-    got = np.asarray(ws.work_table(jnp.asarray(sizes, jnp.int32), **kw))
-    assert got.shape == (*want.shape[:2], 8)
-    np.testing.assert_array_equal(got[..., 6], want[..., 6])
-    for c in range(n_ctas):
-      np.testing.assert_array_equal(got[c, :want[c, 0, 6], :6], want[c, :want[c, 0, 6], :6])
-
-
-@pytest.mark.parametrize("sizes,m,n_tiles,n_ctas", [([3, 0, 17, 1], 23, 2, 3), ([1] * 6, 6, 3, 5)])
-def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
-  block_r = 8
-  m_loaded = max(m + (-m % 8), block_r + 8)
-  table = np.asarray(ws.work_table(jnp.asarray(sizes, jnp.int32), m, m_loaded, block_r=block_r, n_tiles=n_tiles,
-                                   n_experts=len(sizes), n_ctas=n_ctas))
-  owner = np.repeat(np.arange(len(sizes) + 1), sizes + [m - sum(sizes)])  # virtual expert E past the groups
-  seen = np.zeros((m, n_tiles), np.int32)
-  counts = table[:, 0, 6]
-  assert np.all(table[:, :, 6] == counts[:, None]) and counts.max() - counts.min() <= 1  # round-robin
-  for cta in range(n_ctas):
-    for expert, j, loaded, first, count, virtual in table[cta, :counts[cta], :6]:
-      rows = np.arange(first, first + count)
-      seen[rows, j] += 1
-      assert count > 0 and np.all(owner[rows] == (len(sizes) if virtual else expert))
-      assert 0 <= expert < len(sizes) and loaded % 8 == 0 and loaded <= first
-      assert first + count <= loaded + block_r + 8 <= m_loaded
-  np.testing.assert_array_equal(seen, 1)
+@pytest.fixture
+def table_in_jnp(monkeypatch):
+  """Lowering for CUDA on the CPU: the work table's Triton kernel needs a GPU to lower (its compute capability), so
+  the lowering tests take the table's jnp reference (`test_int4_ws_work_table` checks the kernel against it)."""
+  monkeypatch.setattr(wt, "work_table", wt.work_table_reference)
 
 
 @pytest.mark.parametrize("cfg", [dict(dequant="ptx", block_k=512, block_r=16), dict(dequant="jnp"),
@@ -282,7 +239,7 @@ def test_work_table_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
                                    for f in ("sub_mul", "fma128", "acc_scale", "acc_zero")
                                    for c in (dict(block_k=512), dict(num_compute_wgs=3, block_k=256, block_r=16))],
                                  dict(dequant="ptx", block_k=512, dequant_form="acc_zero", block_r=16)])
-def test_gpu_path_lowers(cfg):
+def test_gpu_path_lowers(cfg, table_in_jnp):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   cfg = dict(cfg)
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
@@ -316,7 +273,7 @@ def test_default_compute_wgs(e, n, m, want):
   assert ws.default_compute_wgs(m, e, n, 8 if m <= 8 * e else 16, 132) == want
 
 
-def test_c4_lowers_with_the_fitting_split():
+def test_c4_lowers_with_the_fitting_split(table_in_jnp):
   """C = 4 lowers for CUDA with setmaxnreg 112 (compute) and 32 (TMA), not jax's own 120, which would deadlock."""
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
   w = ws.to_mgpu_layout(w)

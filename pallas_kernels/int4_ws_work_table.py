@@ -1,0 +1,125 @@
+"""The work table of the warp-specialized int4 kernel in one small Pallas (Triton) kernel, and its jnp reference.
+
+`int4_grouped_matmul_mgpu_ws` deals the work items (row tile, N tile) that hold rows round-robin to its persistent
+CTAs: table int32 [n_ctas, I, 8], row i of CTA c = item w = c + i·n_ctas, w = t·n_tiles + j for row tile t and N
+tile j. Row tiles: expert e's rows [start_e, start_e + size_e) cut into tiles of block_r rows, then the virtual
+expert E's (the rows past sum(group_sizes), which store zeros). Columns: expert to stream (E clamped to E - 1), N
+tile, first loaded row (the R + 8-row window starts at a multiple of 8 at or before the first row, clipped to
+M' - R - 8), first row, row count, 1 for the virtual expert, the CTA's item count (every row), 0. Rows past a CTA's
+count are zeros and never read.
+
+The table depends on group_sizes only, so it is computed on the device in the call. Built from `row_tiles` (a
+search, gathers, concatenations) XLA ran it as 23 small kernels, 26.6 µs of a 120.7 µs call at 64 × 4096→2048 on the
+H200; as masked sums (`work_table_reference`) 3-4 kernels, ~5 µs (results/kernel_breakdown*.md). `work_table` is one
+Pallas kernel: each program recomputes the experts' prefix sums as masked sums over [Ep, Ep] (Ep = E rounded up to
+a power of two) and picks the expert of its `block` items by a one-hot sum over [block, Ep].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+COLUMNS = 8
+_NITEMS = 6  # the column of the CTA's item count
+
+
+def table_rows(m: int, n_experts: int, *, block_r: int, n_tiles: int, n_ctas: int) -> int:
+  """I, the table's rows per CTA: enough for every possible item (T_max = ceil(M / R) + E + 1 row tiles)."""
+  t_max = -(-m // block_r) + n_experts + 1
+  return -(-t_max * n_tiles // n_ctas)
+
+
+def _items(w, tile_start, tile_end, starts, ends, ids, total, total_tiles, *, m, m_loaded, block_r, n_tiles, t_max,
+           n_experts):
+  """The columns 0..5 of items w (int32 [P]) from the experts' prefix sums ([Ep] each, experts past E empty)."""
+  e = n_experts
+  t = jnp.minimum(w // n_tiles, t_max - 1)  # [P] row tile of each item
+  hit = (tile_start[None, :] <= t[:, None]) & (t[:, None] < tile_end[None, :])  # [P, Ep]: one expert at most
+  pick = lambda v: jnp.sum(jnp.where(hit, v[None, :], 0), axis=1)
+  v_size = jnp.maximum(m - total, 0)  # the virtual expert E: rows past the groups
+  v_tiles = (v_size + block_r - 1) // block_r
+  virtual = (t >= total_tiles) & (t < total_tiles + v_tiles)
+  found = pick(jnp.ones_like(ids)) > 0
+  valid = found | virtual
+  expert = jnp.where(virtual, e - 1, pick(ids))
+  first = t * block_r + jnp.where(virtual, total - total_tiles * block_r, pick(starts - tile_start * block_r))
+  end = jnp.where(virtual, total + v_size, pick(ends))
+  count = jnp.clip(end - first, 0, block_r)
+  loaded = jnp.clip(first // 8 * 8, 0, m_loaded - block_r - 8)
+  cols = (expert, w % n_tiles, loaded, first, count, virtual.astype(jnp.int32))
+  return [jnp.where(valid, c, 0) for c in cols], (total_tiles + v_tiles) * n_tiles
+
+
+def _prefix(sizes, ids, block_r):
+  """Inclusive prefix sums of the experts' rows and row tiles as masked sums over [Ep, Ep]."""
+  upto = ids[:, None] >= ids[None, :]
+  tiles = (sizes + block_r - 1) // block_r
+  ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
+  tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
+  return ends - sizes, ends, tile_end - tiles, tile_end, jnp.sum(sizes), jnp.sum(tiles)
+
+
+def work_table_reference(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int,
+                         n_experts: int, n_ctas: int) -> jax.Array:
+  """group_sizes int32 [E] -> the table int32 [n_ctas, I, 8] in jnp (masked sums: no search, gather or
+  concatenation)."""
+  ids = jnp.arange(n_experts, dtype=jnp.int32)
+  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(group_sizes.astype(jnp.int32), ids, block_r)
+  per_cta = table_rows(m, n_experts, block_r=block_r, n_tiles=n_tiles, n_ctas=n_ctas)
+  w = (jnp.arange(n_ctas, dtype=jnp.int32)[:, None] + jnp.arange(per_cta, dtype=jnp.int32)[None, :] * n_ctas)
+  cols, n_items = _items(w.reshape(-1), tile_start, tile_end, starts, ends, ids, total, total_tiles, m=m,
+                         m_loaded=m_loaded, block_r=block_r, n_tiles=n_tiles, n_experts=n_experts,
+                         t_max=-(-m // block_r) + n_experts + 1)
+  cta_items = jnp.maximum(n_items - jnp.arange(n_ctas, dtype=jnp.int32) + n_ctas - 1, 0) // n_ctas  # [C]
+  return jnp.stack([*(c.reshape(w.shape) for c in cols), jnp.broadcast_to(cta_items[:, None], w.shape),
+                    jnp.zeros_like(w)], axis=-1)
+
+
+def _kernel(gs_ref, out_ref, *, n_experts: int, ep: int, block: int, per_cta: int, n_ctas: int, **kw):
+  # gs_ref int32 [E]; out_ref int32 [n_ctas · I, 8] (flat rows p = c · I + i).
+  ids = jnp.arange(ep, dtype=jnp.int32)
+  sizes = plgpu.load(gs_ref.at[pl.ds(0, ep)], mask=ids < n_experts, other=0)
+  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"])
+  p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # [block] flat rows
+  c = p // per_cta
+  w = c + (p % per_cta) * n_ctas
+  cols, n_items = _items(w, tile_start, tile_end, starts, ends, ids, total, total_tiles, n_experts=n_experts, **kw)
+  cols += [jnp.maximum(n_items - c + n_ctas - 1, 0) // n_ctas, jnp.zeros_like(w)]
+  col = jnp.arange(COLUMNS, dtype=jnp.int32)[None, :]
+  tile = sum(jnp.where(col == k, v[:, None], 0) for k, v in enumerate(cols))  # [block, 8]
+  plgpu.store(out_ref.at[pl.ds(pl.program_id(0) * block, block), :], tile,
+              mask=(p < n_ctas * per_cta)[:, None] & (col >= 0))
+
+
+@functools.partial(jax.jit, static_argnames=("m", "m_loaded", "block_r", "n_tiles", "n_experts", "n_ctas",
+                                             "interpret"))
+def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int, n_experts: int,
+               n_ctas: int, interpret: bool = False) -> jax.Array:
+  """group_sizes int32 [E] -> the table int32 [n_ctas, I, 8] (module docstring), one Pallas kernel.
+
+  Args:
+    group_sizes: int32 [E], rows per expert (rows sorted by expert).
+    m: rows of lhs; m_loaded: rows of the padded lhs the kernel loads from (M' >= M, >= R + 8).
+    block_r: rows per row tile (R); n_tiles: N tiles; n_experts: E; n_ctas: the persistent grid.
+    interpret: Pallas interpret mode (CPU).
+  """
+  if group_sizes.shape != (n_experts,):
+    raise ValueError(f"group_sizes {group_sizes.shape} must be [n_experts={n_experts}]")
+  if m_loaded < block_r + 8:
+    raise ValueError(f"m_loaded={m_loaded} must be at least block_r + 8 = {block_r + 8}")
+  per_cta = table_rows(m, n_experts, block_r=block_r, n_tiles=n_tiles, n_ctas=n_ctas)
+  ep = max(pl.next_power_of_2(n_experts), 16)
+  block = 64 if ep <= 128 else 32  # [block, Ep] one-hot picks per program
+  rows = n_ctas * per_cta
+  kernel = functools.partial(_kernel, n_experts=n_experts, ep=ep, block=block, per_cta=per_cta, n_ctas=n_ctas,
+                             m=m, m_loaded=m_loaded, block_r=block_r, n_tiles=n_tiles,
+                             t_max=-(-m // block_r) + n_experts + 1)
+  out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, COLUMNS), jnp.int32), grid=(-(-rows // block),),
+                       interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                       name="int4_ws_work_table")(group_sizes.astype(jnp.int32))
+  return out.reshape(n_ctas, per_cta, COLUMNS)

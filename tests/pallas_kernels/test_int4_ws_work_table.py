@@ -1,0 +1,82 @@
+"""The int4 WS kernel's work table: the Pallas kernel against its jnp reference, the reference against the
+`row_tiles` construction it replaced, and the coverage of every output block (CPU, interpret mode)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import int4_grouped_matmul_mgpu as mg
+from pallas_kernels import int4_ws_work_table as wt
+
+
+def _random_case(rng, experts=None):
+  e = int(experts or rng.integers(1, 9))
+  block_r, n_tiles, n_ctas = int(rng.choice([8, 16])), int(rng.integers(1, 4)), int(rng.integers(1, 7))
+  sizes = rng.integers(0, 40, e) * (rng.random(e) < 0.7)
+  m = max(int(sizes.sum()) + int(rng.integers(0, 20)) * int(rng.random() < 0.5), 1)
+  return sizes, dict(m=m, m_loaded=max(m + (-m % 8), block_r + 8), block_r=block_r, n_tiles=n_tiles, n_experts=e,
+                     n_ctas=n_ctas)
+
+
+@pytest.mark.parametrize("experts", [1, 3, 8, 64, 130])  # 130: Ep = 256, 32 items per program
+def test_kernel_matches_reference(experts):
+  """The whole table, zero rows included, equals the reference (3 random group-size sets per expert count)."""
+  rng = np.random.default_rng(experts)
+  for _ in range(3):
+    sizes, kw = _random_case(rng, experts)
+    want = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw))
+    got = np.asarray(wt.work_table(jnp.asarray(sizes, jnp.int32), **kw, interpret=True))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_kernel_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="group_sizes"):
+    wt.work_table(jnp.zeros((4,), jnp.int32), 8, 16, block_r=8, n_tiles=1, n_experts=5, n_ctas=2, interpret=True)
+  with pytest.raises(ValueError, match="m_loaded"):
+    wt.work_table(jnp.zeros((4,), jnp.int32), 8, 8, block_r=8, n_tiles=1, n_experts=4, n_ctas=2, interpret=True)
+
+
+def _work_table_from_row_tiles(group_sizes, m, m_loaded, *, block_r, n_tiles, n_experts, n_ctas):
+  """The work table built directly from `row_tiles` (the kernel's first form: a search and a gather per item)."""
+  tiles = np.asarray(mg.row_tiles(jnp.asarray(group_sizes, jnp.int32), m, block_r, m_loaded))
+  n_items = (tiles[:, 2] > 0).sum() * n_tiles
+  w = np.arange(n_ctas)[:, None] + np.arange(-(-tiles.shape[0] * n_tiles // n_ctas))[None, :] * n_ctas
+  tile = tiles[np.minimum(w // n_tiles, tiles.shape[0] - 1)]
+  cols = [np.minimum(tile[..., 0], n_experts - 1), w % n_tiles, tile[..., 3], tile[..., 1], tile[..., 2],
+          tile[..., 0] >= n_experts, np.broadcast_to((np.maximum(n_items - np.arange(n_ctas) + n_ctas - 1, 0) //
+                                                      n_ctas)[:, None], w.shape)]
+  return np.stack(cols, axis=-1).astype(np.int32)
+
+
+def test_reference_matches_row_tiles():
+  """The masked-sum table equals the one built from `row_tiles` on every row a CTA reads, over random group
+  sizes (empty experts, rows past the groups, block_r 8 / 16, several N tiles and CTA counts)."""
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    sizes, kw = _random_case(rng)
+    want = _work_table_from_row_tiles(sizes, **kw)
+    got = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw))
+    assert got.shape == (*want.shape[:2], 8)
+    np.testing.assert_array_equal(got[..., 6], want[..., 6])
+    for c in range(kw["n_ctas"]):
+      np.testing.assert_array_equal(got[c, :want[c, 0, 6], :6], want[c, :want[c, 0, 6], :6])
+
+
+@pytest.mark.parametrize("sizes,m,n_tiles,n_ctas", [([3, 0, 17, 1], 23, 2, 3), ([1] * 6, 6, 3, 5)])
+def test_reference_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
+  block_r = 8
+  m_loaded = max(m + (-m % 8), block_r + 8)
+  table = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), m, m_loaded, block_r=block_r,
+                                            n_tiles=n_tiles, n_experts=len(sizes), n_ctas=n_ctas))
+  owner = np.repeat(np.arange(len(sizes) + 1), sizes + [m - sum(sizes)])  # virtual expert E past the groups
+  seen = np.zeros((m, n_tiles), np.int32)
+  counts = table[:, 0, 6]
+  assert np.all(table[:, :, 6] == counts[:, None]) and counts.max() - counts.min() <= 1  # round-robin
+  for cta in range(n_ctas):
+    for expert, j, loaded, first, count, virtual in table[cta, :counts[cta], :6]:
+      rows = np.arange(first, first + count)
+      seen[rows, j] += 1
+      assert count > 0 and np.all(owner[rows] == (len(sizes) if virtual else expert))
+      assert 0 <= expert < len(sizes) and loaded % 8 == 0 and loaded <= first
+      assert first + count <= loaded + block_r + 8 <= m_loaded
+  np.testing.assert_array_equal(seen, 1)
