@@ -11,8 +11,10 @@ ceiling (the TMA ring streaming every tile with the compute skipped) and XLA's r
 side. Cases:
 - read: XLA read-only sums of 268 MB (int4 weights of 64 × 4096→2048; the core's codes at 64k × 8), 335 MB (the
   core's codes and outliers) and 1 GiB (the copy bandwidth of the other scripts).
-- int4: 64 experts, 4096→2048, 512 rows, balanced: jax's Mosaic bf16 `ragged_dot_mgpu` (the best bf16 peer there)
-  and the WS int4 kernel (C = 2 block_k 512, C = 4 block_k 256; acc_scale, shift order), each also with no_compute.
+- int4: 64 experts × 4096→2048 × 512 rows and 128 × 2048→768 × 2048 rows, balanced: jax's Mosaic bf16
+  `ragged_dot_mgpu` (the best bf16 peer there) and the WS int4 kernel with its defaults, its work table as the Pallas
+  kernel and as XLA (`table_impl`). (The first form of this case, results/kernel_breakdown.md, timed C = 2 / C = 4
+  and their no_compute forms at the first shape.)
 - core: the OS-KVP core at 64k × 8 (BK = 64, block 128, 16 splits, fp8_stacked outliers, ring 2), with no_compute at
   rings 2 and 3, and the codes-only no_compute.
 Writes kernel_breakdown.{json,md} under --out.
@@ -66,22 +68,19 @@ def _read_cases():
 
 def _int4_cases():
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
-  e, k, n, rows = 64, 4096, 2048, 512
-  key = jax.random.key(0)
-  gs = jnp.asarray(em.balanced_groups(rows, e))
-  x = jax.random.normal(key, (rows, k), jnp.bfloat16)
-  w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
-  f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
-                                max_concurrent_steps=6, grid_block_n=2))
-  yield "mgpu_ragged_dot_bf16", f, (x, w_bf16), w_bf16.nbytes
-  del w_bf16
-  w = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")
-  nbytes = e * k * n // 2
-  for name, cfg in (("c2_k512", dict(num_compute_wgs=2, block_k=512)), ("c4_k256", dict(num_compute_wgs=4,
-                                                                                          block_k=256))):
-    for ablate in ("", "no_compute"):
-      f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **cfg, ablate=ablate))
-      yield f"int4_ws[{name}{',' + ablate if ablate else ''}]", f, (x, w, gs), nbytes
+  for e, k, n, rows in ((64, 4096, 2048, 512), (128, 2048, 768, 2048)):
+    key = jax.random.key(0)
+    gs = jnp.asarray(em.balanced_groups(rows, e))
+    x = jax.random.normal(key, (rows, k), jnp.bfloat16)
+    w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
+    f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
+                                  max_concurrent_steps=6, grid_block_n=2))
+    yield f"{e} x {k}->{n} x {rows}: mgpu_ragged_dot_bf16", f, (x, w_bf16), w_bf16.nbytes
+    del w_bf16
+    w = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")
+    for table in ("pallas", "xla"):  # the WS kernel's defaults (C per shape), the work table both ways
+      f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, table_impl=table))
+      yield f"{e} x {k}->{n} x {rows}: int4_ws (table {table})", f, (x, w, gs), e * k * n // 2
 
 
 def _core_cases():

@@ -55,12 +55,16 @@ def _items(w, tile_start, tile_end, starts, ends, ids, total, total_tiles, *, m,
   return [jnp.where(valid, c, 0) for c in cols], (total_tiles + v_tiles) * n_tiles
 
 
-def _prefix(sizes, ids, block_r):
-  """Inclusive prefix sums of the experts' rows and row tiles as masked sums over [Ep, Ep]."""
-  upto = ids[:, None] >= ids[None, :]
+def _prefix(sizes, ids, block_r, scan: bool = False):
+  """Inclusive prefix sums of the experts' rows and row tiles: masked sums over [Ep, Ep] (XLA fuses them), or a scan
+  (`scan`: the Pallas kernel, where [Ep, Ep] would be Ep² work per program)."""
   tiles = (sizes + block_r - 1) // block_r
-  ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
-  tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
+  if scan:
+    ends, tile_end = jnp.cumsum(sizes), jnp.cumsum(tiles)
+  else:
+    upto = ids[:, None] >= ids[None, :]
+    ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
+    tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
   return ends - sizes, ends, tile_end - tiles, tile_end, jnp.sum(sizes), jnp.sum(tiles)
 
 
@@ -84,7 +88,7 @@ def _kernel(gs_ref, out_ref, *, n_experts: int, ep: int, block: int, per_cta: in
   # gs_ref int32 [E]; out_ref int32 [n_ctas · I, 8] (flat rows p = c · I + i).
   ids = jnp.arange(ep, dtype=jnp.int32)
   sizes = plgpu.load(gs_ref.at[pl.ds(0, ep)], mask=ids < n_experts, other=0)
-  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"])
+  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"], scan=True)
   p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # [block] flat rows
   c = p // per_cta
   w = c + (p % per_cta) * n_ctas
