@@ -444,7 +444,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
                                 dequant: str = "ptx", overlap_steps: bool = False,
                                 dequant_form: str | None = None, compute_registers: int | None = None,
-                                ablate: str = "", table_impl: str = "pallas") -> jax.Array:
+                                ablate: str = "", table_impl: str = "auto") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -480,16 +480,18 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       per weight pair; the rounded per-group constant moves the weight by up to ~s/2 / ~s/16. "acc_zero": the zero
       point on the accumulators too (A = 128 + q; x summed per K group by XLA). Interpret mode reproduces each
       form's values with jnp; `int4_grouped_matmul_mgpu_ws_form_reference` is each form's reference.
-    table_impl: how the work table is computed on the GPU (`int4_ws_work_table`): "pallas" (one Triton kernel) or
-      "xla" (its jnp reference, 3-4 small XLA kernels); interpret mode always takes the jnp reference.
+    table_impl: how the work table is computed on the GPU (`int4_ws_work_table`): "pallas" (one Triton kernel),
+      "xla" (its jnp reference, 3-4 small XLA kernels) or "auto" (the default: "pallas" up to
+      `PALLAS_MAX_EXPERTS` experts, the faster there on the H200, else "xla"); interpret mode always takes the jnp
+      reference.
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "" is the kernel.
   """
   dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  if table_impl not in ("pallas", "xla"):
-    raise ValueError(f"table_impl={table_impl!r} must be 'pallas' or 'xla'")
+  if table_impl not in ("auto", "pallas", "xla"):
+    raise ValueError(f"table_impl={table_impl!r} must be 'auto', 'pallas' or 'xla'")
   order = mg.nibble_order(weights)
   num_ctas = num_ctas or (4 if interpret else _num_sms())
   num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)
@@ -534,6 +536,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   # The work table (`int4_ws_work_table`): one Pallas kernel on the GPU; its jnp reference in interpret mode (the same
   # values, faster in the CPU interpreter).
   table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas)
+  if table_impl == "auto":
+    table_impl = "pallas" if e <= wt.PALLAS_MAX_EXPERTS else "xla"
   table = (wt.work_table_reference(group_sizes, m, m + pad, **table_kw) if interpret or table_impl == "xla" else
            wt.work_table(group_sizes, m, m + pad, **table_kw))
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,

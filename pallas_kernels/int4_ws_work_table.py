@@ -12,7 +12,10 @@ The table depends on group_sizes only, so it is computed on the device in the ca
 search, gathers, concatenations) XLA ran it as 23 small kernels, 26.6 µs of a 120.7 µs call at 64 × 4096→2048 on the
 H200; as masked sums (`work_table_reference`) 3-4 kernels, ~5 µs (results/kernel_breakdown*.md). `work_table` is one
 Pallas kernel: each program recomputes the experts' prefix sums as masked sums over [Ep, Ep] (Ep = E rounded up to
-a power of two) and picks the expert of its `block` items by a one-hot sum over [block, Ep].
+a power of two) and picks the expert of its `block` items by a one-hot sum over [block, Ep]. On the H200 it took
+4.4-4.6 µs at E = 64 (results/kernel_breakdown_pallas_table.md) and made the int4 call 1-5% faster than the XLA
+table at E = 8 and 64, but 0.013 ms slower at E = 128 (the Ep² prefix and the [64, 128] picks in each of its
+programs; results/expert_matmul_ws_pallas_table.md against expert_matmul_ws.md): `PALLAS_MAX_EXPERTS`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 COLUMNS = 8
+# The Pallas table is the faster one up to this many experts on the H200 (E = 8 and 64 measured); the XLA table above
+# it (E = 128 measured).
+PALLAS_MAX_EXPERTS = 64
 _NITEMS = 6  # the column of the CTA's item count
 
 
@@ -55,16 +61,12 @@ def _items(w, tile_start, tile_end, starts, ends, ids, total, total_tiles, *, m,
   return [jnp.where(valid, c, 0) for c in cols], (total_tiles + v_tiles) * n_tiles
 
 
-def _prefix(sizes, ids, block_r, scan: bool = False):
-  """Inclusive prefix sums of the experts' rows and row tiles: masked sums over [Ep, Ep] (XLA fuses them), or a scan
-  (`scan`: the Pallas kernel, where [Ep, Ep] would be Ep² work per program)."""
+def _prefix(sizes, ids, block_r):
+  """Inclusive prefix sums of the experts' rows and row tiles as masked sums over [Ep, Ep]."""
+  upto = ids[:, None] >= ids[None, :]
   tiles = (sizes + block_r - 1) // block_r
-  if scan:
-    ends, tile_end = jnp.cumsum(sizes), jnp.cumsum(tiles)
-  else:
-    upto = ids[:, None] >= ids[None, :]
-    ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
-    tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
+  ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
+  tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
   return ends - sizes, ends, tile_end - tiles, tile_end, jnp.sum(sizes), jnp.sum(tiles)
 
 
@@ -88,7 +90,7 @@ def _kernel(gs_ref, out_ref, *, n_experts: int, ep: int, block: int, per_cta: in
   # gs_ref int32 [E]; out_ref int32 [n_ctas · I, 8] (flat rows p = c · I + i).
   ids = jnp.arange(ep, dtype=jnp.int32)
   sizes = plgpu.load(gs_ref.at[pl.ds(0, ep)], mask=ids < n_experts, other=0)
-  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"], scan=True)
+  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"])
   p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # [block] flat rows
   c = p // per_cta
   w = c + (p % per_cta) * n_ctas
