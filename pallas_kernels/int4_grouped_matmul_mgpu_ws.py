@@ -45,10 +45,13 @@ expert, up to 2.18x the best bf16 peer and 54% of copy bandwidth. The shift nibb
 faster again at C = 2, up to 2.22x the best bf16 peer and 56% of copy bandwidth; acc_zero is 2-5.5% slower than
 acc_scale in either order (the x sums cost an XLA reduction and 2 FFMA per accumulator element and group).
 `overlap_steps=True` is correct but slower (ptxas serializes the wgmmas when one stays in flight across the step
-loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 cannot work: the launch gives 640 threads 96 registers each, and the split
-(4 x 112-120 + 40) is more than that, so setmaxnreg.inc waits forever (it hung on the H200). `register_split` now
-gives the compute warpgroups what the launch holds (C = 4: 4 x 112 + 32 = 5 x 96) and overrides the pipeline's own
-split (`_compute_register_count`).
+loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 with jax's own register split hung on the H200:
+the launch gives 640 threads 96 registers each and the split asked 4 x 112-120 + 40, so setmaxnreg.inc waited
+forever; `register_split` gives the compute warpgroups what the launch holds (C = 4: 4 x 112 + 32 = 5 x 96) and
+overrides the pipeline's own split (`_compute_register_count`). Twelfth session (benchmarks/notes_expert_matmul.md,
+top): with C = 4 where it fills the CTAs and the work table as one small kernel (`int4_ws_work_table`; built by XLA
+from `row_tiles` it had been 22% of the call), 2.47-3.00x the best bf16 peer and 61-72% of copy bandwidth with every
+expert active and <= 16 rows each (results/expert_matmul_ws_pallas_table.md, expert_matmul_ws.md).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
@@ -396,7 +399,7 @@ def _compute_register_count(count: int):
 
   The pipeline computes the count itself from `memory_registers` as if every thread slot had 512 / 128 registers,
   which C = 4 cannot launch with; it has no argument for it, so its private helper is swapped while the pipeline is
-  traced. Checked: the function exists with the expected signature, else a clear error (a jax upgrade)."""
+  traced. If a jax upgrade removes the helper, a clear error says so."""
   if not callable(getattr(_mgpu_pipeline, "_compute_registers", None)):
     raise NotImplementedError("this jax's warp-specialized pipeline has no _compute_registers to override; "
                               "int4_grouped_matmul_mgpu_ws was written for jax 0.11.2")
@@ -410,12 +413,15 @@ def _compute_register_count(count: int):
 
 ABLATIONS = ("", "no_compute")
 
+
 def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: int) -> int:
   """The compute warpgroups per CTA (C) that ran fastest on the H200 (results/int4_mgpu_ws_table.md): 3 where 192
   divides N (128 x 2048->768); else 4 (more compute warps per SM hide more of the decode's latency: 2.83-2.90x the
   best bf16 peer against 2.57-2.62x for C = 2 at 64 x 4096->2048) where 256 divides N and the work items, estimated
   for balanced routing, fill the CTAs' last round to at least 95% (round-robin over num_ctas); else 2 (at
-  8 x 4096->14336 C = 4's 448 items leave 85%, and it was 3-10% slower than C = 2)."""
+  8 x 4096->14336 C = 4's 448 items leave 85%, and it was 3-11% slower than C = 2); 1 where N < 128."""
+  if n < 2 * _WG_N:
+    return 1
   if n % (3 * _WG_N) == 0:
     return 3
   active = max(min(n_experts, m), 1)

@@ -266,10 +266,11 @@ def test_register_split_fits_the_launch(c, memory, want):
 
 
 @pytest.mark.parametrize("e,n,m,want", [(64, 2048, 64, 4), (64, 2048, 512, 4), (64, 2048, 1024, 4), (128, 768, 128, 3),
-                                        (128, 768, 2048, 3), (8, 14336, 16, 2), (8, 14336, 128, 2), (4, 320, 9, 2)])
+                                        (128, 768, 2048, 3), (8, 14336, 16, 2), (8, 14336, 128, 2), (4, 320, 9, 2),
+                                        (4, 64, 9, 1)])
 def test_default_compute_wgs(e, n, m, want):
   """The benchmark shapes' defaults (132 CTAs): C = 3 where 192 divides N, 4 where 256 does and 64 experts' items fill
-  the CTAs (512 items: 97%), 2 at 8 x 14336 (448 items: 85%) and where neither divides N."""
+  the CTAs (512 items: 97%), 2 at 8 x 14336 (448 items: 85%) and where neither divides N, 1 below N = 128."""
   assert ws.default_compute_wgs(m, e, n, 8 if m <= 8 * e else 16, 132) == want
 
 
