@@ -367,13 +367,18 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
   return out[:m] if pad else out
 
 
-def int4_grouped_matmul_mgpu_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
-                                       group_sizes: jax.Array) -> jax.Array:
-  """XLA reference: dequantize to bf16, then `jax.lax.ragged_dot` with float32 accumulation -> float32 [M, N]."""
+def dequantize_mgpu(weights: MgpuInt4Weights | MgpuInt4WeightsShift) -> jax.Array:
+  """The weight of either Mosaic layout, float32 [E, Kp, N] = (c - z') · s (exact: small integers times bf16)."""
   e, n, kp = weights.q.shape
   c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., np.argsort(NIBBLE_ORDERS[nibble_order(weights)])]
   c = c.reshape(e, n, kp // _G, _G)
   w = (c - jnp.moveaxis(weights.zero.astype(jnp.float32), 1, 2)[..., None]) * jnp.moveaxis(
       weights.scale.astype(jnp.float32), 1, 2)[..., None]  # [E, N, Kg, G]
-  w = jnp.moveaxis(w.reshape(e, n, kp), 1, 2).astype(lhs.dtype)  # [E, Kp, N]
+  return jnp.moveaxis(w.reshape(e, n, kp), 1, 2)
+
+
+def int4_grouped_matmul_mgpu_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
+                                       group_sizes: jax.Array) -> jax.Array:
+  """XLA reference: dequantize to bf16, then `jax.lax.ragged_dot` with float32 accumulation -> float32 [M, N]."""
+  w = dequantize_mgpu(weights).astype(lhs.dtype)  # [E, Kp, N]
   return jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)

@@ -187,6 +187,33 @@ def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = Non
   return model
 
 
+def to_mgpu_layout(model):
+  """Re-lays every routed expert weight of kind "int4" (dense RTN int4, G = 128) as kind "int4_mgpu" (in place).
+
+  "int4_mgpu" is the layout of the warp-specialized Mosaic GPU kernel (`pallas_kernels/int4_grouped_matmul_mgpu_ws.py`,
+  the fastest int4 kernel on the H200 at decode sizes: benchmarks/results/expert_matmul_ws*.md); the "pallas" grouped
+  matmul then runs that kernel (lhs rounded to bf16, its contract) instead of the Triton one. The same values: the
+  dequantized weight is unchanged. Other kinds, AWQ weights (activation scales) and weights whose N is not a multiple
+  of 64 are refused with the weight's name. Checkpoints store "int4": convert after `load_quantized`.
+  """
+  from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws  # pylint: disable=g-import-not-at-top
+  for i, moe in enumerate(moe_layers(model)):
+    if moe is None:
+      continue
+    for name in ("w_gate", "w_up", "w_down"):
+      var = getattr(moe, name)
+      q = var[...]
+      where = f"blocks.{i}.ffn.{name}"
+      if not isinstance(q, QuantizedExperts) or q.kind != "int4":
+        raise ValueError(f"{where}: to_mgpu_layout takes int4 weights, got "
+                         f"{q.kind if isinstance(q, QuantizedExperts) else type(q).__name__}")
+      if q.data.in_scale is not None or q.data.meta is not None or q.group_size != 128 or q.shape[2] % 64:
+        raise ValueError(f"{where}: the Mosaic GPU int4 kernel takes dense RTN int4 with group 128 and N a multiple "
+                         f"of 64 (group {q.group_size}, N {q.shape[2]}, AWQ scales: {q.data.in_scale is not None})")
+      var.set_value(QuantizedExperts(mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size))
+  return model
+
+
 def set_implementation(model, implementation: str):
   """Switches every MoE layer's grouped matmul implementation (in place)."""
   for moe in moe_layers(model):

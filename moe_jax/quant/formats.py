@@ -11,6 +11,9 @@ Kinds and bits per weight (G = 128, scales bf16, zero points uint8):
   vq2         2 + 16/G        8-bit index per 4 weights into 256 bf16 4-vectors, scale per (group, column)
   vq2_sp24    2 + 16/G        2:4 pruned, one 8-bit index per 4 kept values (8 weights) + 4-bit masks: no saving
                               over vq2 with a 4-bit mask (the 6 possible masks would need 2.58 bits); XLA path only.
+  int4_mgpu   4 + 32/G        dense int4 (RTN, G = 128) in the layout of the warp-specialized Mosaic GPU kernel
+                              (`MgpuInt4WeightsShift`: int4 [E, N, Kp], bf16 scale and zero point), made from an int4
+                              value by `quant.to_mgpu_layout`; the "pallas" grouped matmul reads it with that kernel.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from pallas_kernels.int4_grouped_matmul import Int4Weights, dequantize_int4
+from pallas_kernels.int4_grouped_matmul_mgpu import MgpuInt4WeightsShift, dequantize_mgpu
 from pallas_kernels.vq2_grouped_matmul import VQ2Weights, dequantize_vq2, unpack_codebook
 
-KINDS = ("int4", "int4_sp24", "vq2", "vq2_sp24")
+KINDS = ("int4", "int4_sp24", "vq2", "vq2_sp24", "int4_mgpu")
 
 
 class VQ2SparseWeights(NamedTuple):
@@ -80,12 +84,12 @@ class QuantizedExperts:
   """A quantized [E, K, N] expert weight.
 
   Attributes:
-    data: the format's raw arrays (Int4Weights, VQ2Weights or VQ2SparseWeights).
+    data: the format's raw arrays (Int4Weights, VQ2Weights, VQ2SparseWeights or MgpuInt4WeightsShift).
     kind: one of KINDS.
     k: the logical K (the arrays hold Kp >= k, zero-padded to a multiple of group_size).
     group_size: G, the K group of scales (and of the kernels' layout).
   """
-  data: Int4Weights | VQ2Weights | VQ2SparseWeights
+  data: Int4Weights | VQ2Weights | VQ2SparseWeights | MgpuInt4WeightsShift
   kind: str = struct.field(pytree_node=False)
   k: int = struct.field(pytree_node=False)
   group_size: int = struct.field(pytree_node=False)
@@ -105,7 +109,9 @@ class QuantizedExperts:
 
   @property
   def nbytes(self) -> int:
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self.data))
+    # int4 arrays report 1 byte per element (ml_dtypes) but are stored packed, two per byte.
+    return sum(int(x.size) // 2 if x.dtype == jnp.int4 else int(x.size) * x.dtype.itemsize
+               for x in jax.tree.leaves(self.data))
 
   def bits_per_weight(self) -> float:
     e, k, n = self.shape
@@ -117,6 +123,8 @@ class QuantizedExperts:
       w = dequantize_int4(self.data, group_size=self.group_size)
     elif self.kind == "vq2":
       w = dequantize_vq2(self.data, group_size=self.group_size)
+    elif self.kind == "int4_mgpu":
+      w = dequantize_mgpu(self.data)
     else:
       w = _dequantize_vq2_sparse(self.data, self.group_size)
     return w[:, : self.k].astype(dtype)

@@ -1,7 +1,9 @@
 """The Pallas grouped-matmul implementations for quantized experts, registered on import.
 
-  GROUPED_MATMULS["pallas"]        int4 / int4_sp24 / vq2 weights through the dequant-fused kernels of
-                                   `pallas_kernels/`; any other weight (bf16 arrays, vq2_sp24) falls back to "xla".
+  GROUPED_MATMULS["pallas"]        int4 / int4_sp24 / vq2 weights through the dequant-fused Triton kernels of
+                                   `pallas_kernels/`, int4_mgpu weights (`quant.to_mgpu_layout`) through the
+                                   warp-specialized Mosaic GPU kernel (lhs rounded to bf16); any other weight (bf16
+                                   arrays, vq2_sp24) falls back to "xla".
   GROUPED_MATMULS["pallas_fused"]  the same per matmul, and `FUSED_SWIGLU["pallas_fused"]` computes
                                    silu(x W_gate) · (x W_up) in one kernel (one pass over the rows, both weights
                                    streamed by the same program).
@@ -17,9 +19,11 @@ import jax.numpy as jnp
 from moe_jax import experts as experts_lib
 from moe_jax.quant.formats import QuantizedExperts
 from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws
 from pallas_kernels import vq2_grouped_matmul as v2
 
-KERNEL_KINDS = ("int4", "int4_sp24", "vq2")
+KERNEL_KINDS = ("int4", "int4_sp24", "vq2", "int4_mgpu")
+FUSED_KINDS = ("int4", "int4_sp24", "vq2")  # formats with a fused gate/up + SwiGLU kernel
 
 
 def _interpret() -> bool:
@@ -35,6 +39,9 @@ def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Ar
   if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
     return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
   x = _pad_lhs(lhs, rhs.kp)
+  if rhs.kind == "int4_mgpu":
+    return mws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.bfloat16), rhs.data, group_sizes.astype(jnp.int32),
+                                           interpret=_interpret())
   fn = v2.vq2_grouped_matmul if rhs.kind == "vq2" else i4.int4_grouped_matmul
   return fn(x, rhs.data, group_sizes.astype(jnp.int32), group_size=rhs.group_size, interpret=_interpret())
 
@@ -42,7 +49,7 @@ def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Ar
 def pallas_fused_swiglu(x_sorted: jax.Array, w_gate, w_up, group_sizes: jax.Array) -> jax.Array:
   """silu(x W_gate) · (x W_up) -> [M, F] in x_sorted's dtype, one kernel when both weights share a kernel format."""
   same = (isinstance(w_gate, QuantizedExperts) and isinstance(w_up, QuantizedExperts)
-          and w_gate.kind == w_up.kind and w_gate.kind in KERNEL_KINDS and w_gate.group_size == w_up.group_size)
+          and w_gate.kind == w_up.kind and w_gate.kind in FUSED_KINDS and w_gate.group_size == w_up.group_size)
   if not same:
     g = pallas_grouped_matmul(x_sorted, w_gate, group_sizes)
     u = pallas_grouped_matmul(x_sorted, w_up, group_sizes)

@@ -1,5 +1,7 @@
 """Weight quantizers (int4 RTN / AWQ / 2:4, vq2) and their use in the model: errors, layouts, bytes, I/O."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +111,44 @@ def test_modes_registered_and_validated():
     quant.spec_for("int3")
   with pytest.raises(ValueError, match="sparsity"):
     quant.QuantSpec("int4", sparsity="1:4")
+
+
+def test_to_mgpu_layout_keeps_the_weight_and_its_grouped_matmul():
+  """int4 -> int4_mgpu keeps the dequantized weight exactly and counts int4 as half a byte; the "pallas" grouped
+  matmul runs it through the warp-specialized Mosaic GPU kernel (interpret mode here), equal to ragged_dot on the
+  bf16-rounded lhs (the kernel's contract) over ragged rows with an empty expert and rows past the groups."""
+  w = jax.random.normal(jax.random.key(7), (3, K, 128), jnp.float32)
+  q = quant.quantize_int4(w)
+  m = quant.QuantizedExperts(kernels.mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size)
+  np.testing.assert_array_equal(np.asarray(m.dequantize()), np.asarray(q.dequantize()))
+  assert m.shape == q.shape and abs(m.bits_per_weight() - (4 + 32 / 128)) < 1e-9
+  x = jax.random.normal(jax.random.key(8), (11, K))
+  gs = jnp.asarray([4, 0, 5], jnp.int32)  # rows 9, 10 belong to no expert: zeros
+  got = np.asarray(kernels.pallas_grouped_matmul(x, m, gs))
+  want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.bfloat16).astype(jnp.float32), m.dequantize(), gs,
+                                       precision=jax.lax.Precision.HIGHEST))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert not np.any(got[9:])
+
+
+def test_model_to_mgpu_layout(tiny_config, tiny_model):
+  """A whole model re-laid (D = F = 128, so that K groups of 128 and N tiles of 64 apply): every expert weight becomes
+  int4_mgpu with the same values (the XLA path's logits are unchanged), and the "pallas" path (the WS kernel, interpret
+  mode) gives the same logits up to the lhs's bf16 rounding. The tiny config's weights (group 64, N = 96), AWQ weights
+  and bf16 weights are refused with the weight's name."""
+  config = dataclasses.replace(tiny_config, d_model=128, expert_hidden=128)
+  tokens = jnp.asarray([[5, 17, 99, 3, 42]], jnp.int32)
+  q = quant.quantize_experts(decode.init_model(config, seed=0), "int4")
+  want = decode.logits(q, tokens)
+  r = quant.to_mgpu_layout(nnx.clone(q))
+  assert {v.kind for v in quant.expert_weights(r).values()} == {"int4_mgpu"}
+  np.testing.assert_array_equal(np.asarray(decode.logits(r, tokens)), np.asarray(want))
+  got = decode.logits(quant.set_implementation(r, "pallas"), tokens)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * float(jnp.abs(want).max()))
+  with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: the Mosaic GPU int4 kernel .* \(group 64, N 96"):
+    quant.to_mgpu_layout(quant.quantize_experts(nnx.clone(tiny_model), "int4"))
+  with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: to_mgpu_layout takes int4 weights, got Array"):
+    quant.to_mgpu_layout(nnx.clone(tiny_model))
+  awq = quant.quantize_experts(decode.init_model(config, seed=0), "int4_awq", calib=jnp.zeros((1, 8), jnp.int32))
+  with pytest.raises(ValueError, match="AWQ scales: True"):
+    quant.to_mgpu_layout(awq)
