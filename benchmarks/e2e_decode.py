@@ -75,8 +75,8 @@ flags.DEFINE_integer("layers", 4, "Blocks instantiated (0: the preset's full dep
 flags.DEFINE_list("contexts", ["4096", "32768"], "Cache positions per stream.")
 flags.DEFINE_list("concurrency", ["1", "32", "128", "312"], "Streams decoded together (slots).")
 flags.DEFINE_list("variants", ["bf16+bf16", "int4+oskvp"],
-                  "expert_quant+kv_cache pairs; expert_quant 'bf16' keeps the weights, else a mode of "
-                  "moe_jax.quant.quantize_experts.")
+                  "expert_quant+kv_cache pairs; expert_quant 'bf16' keeps the weights, 'int4_mgpu' is int4 in the "
+                  "warp-specialized Mosaic kernel's layout, else a mode of moe_jax.quant.quantize_experts.")
 flags.DEFINE_string("expert_impl", "pallas", "Grouped matmul of quantized experts ('pallas' reads them compressed).")
 flags.DEFINE_string("oskvp_impl", "pallas", "Decode attention of OS-KVP caches ('pallas' or 'xla').")
 flags.DEFINE_integer("steps", 16, "Timed decode steps per case (median).")
@@ -123,7 +123,11 @@ def build_model(config, expert_quant: str):
   jax.block_until_ready(nnx.state(model))
   if expert_quant != "bf16":
     from moe_jax import quant  # pylint: disable=g-import-not-at-top
-    quant.quantize_experts(model, expert_quant, implementation=FLAGS.expert_impl)
+    # "int4_mgpu": int4 re-laid for the warp-specialized Mosaic GPU kernel (`quant.to_mgpu_layout`).
+    quant.quantize_experts(model, "int4" if expert_quant == "int4_mgpu" else expert_quant,
+                           implementation=FLAGS.expert_impl)
+    if expert_quant == "int4_mgpu":
+      quant.to_mgpu_layout(model)
     jax.block_until_ready(nnx.state(model))
   return model
 
