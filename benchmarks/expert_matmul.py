@@ -69,6 +69,8 @@ EXPLORE = {
     "vq2": [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256)
             for w, st in ((4, 3), (8, 3), (4, 5))],
 }
+# jax's Mosaic GPU bf16 `ragged_dot_mgpu` peer: the best of three in the --quick run and in GPU.md's probe.
+MGPU_BF16_PEER = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=6, grid_block_n=2)
 KERNELS = {"int4": i4.int4_grouped_matmul, "int4_nk": i4.int4_grouped_matmul, "int4_sp24": i4.int4_grouped_matmul,
            "int4_mgpu": mg.int4_grouped_matmul_mgpu, "int4_mgpu_ws": mws.int4_grouped_matmul_mgpu_ws,
            "vq2": v2.vq2_grouped_matmul}
@@ -357,17 +359,16 @@ def main(argv=None):
       ms = timer(jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32)),
                  x, w_bf16, gs, iters=args.iters)
       add("xla_ragged_dot_bf16", rows, e, k, n, ms, "bf16", n_active)
-      for bm, bn, st, gbn in [(64, 128, 6, 2)]:  # the best of three in the --quick run and in GPU.md's probe
-        if n % (bn * gbn):
-          continue
-        try:
-          f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=bm, block_n=bn, block_k=64,
-                                        max_concurrent_steps=st, grid_block_n=gbn))
+      p = MGPU_BF16_PEER
+      try:
+        if n % (p["block_n"] * p["grid_block_n"]) == 0:
+          f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, **p))
           t = timer(f, x, w_bf16, iters=args.iters)
           add("mgpu_ragged_dot_bf16", rows, e, k, n, t, "bf16", n_active,
-              {"config": dict(block_m=bm, block_n=bn, steps=st, grid_block_n=gbn)})
-        except Exception as ex:  # noqa: BLE001
-          print("mgpu fail", e, k, n, rows, bm, bn, type(ex).__name__, str(ex)[:200], flush=True)
+              {"config": dict(block_m=p["block_m"], block_n=p["block_n"], steps=p["max_concurrent_steps"],
+                              grid_block_n=p["grid_block_n"])})
+      except Exception as ex:  # noqa: BLE001
+        print("mgpu fail", e, k, n, rows, type(ex).__name__, str(ex)[:200], flush=True)
       for fmt in formats:
         best = None
         for cfg in configs[fmt]:

@@ -90,8 +90,7 @@ def time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, iters, **kernel_kw)
   f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32))
   add("xla_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, gs, iters=iters), "bf16", n_active)
   try:
-    f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
-                                  max_concurrent_steps=6, grid_block_n=2))
+    f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, **em.MGPU_BF16_PEER))
     add("mgpu_ragged_dot_bf16", rows, e, k, n, timer(f, x, w_bf16, iters=iters), "bf16", n_active)
   except Exception as ex:  # noqa: BLE001
     print("mgpu bf16 fail", type(ex).__name__, str(ex)[:200], flush=True)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from benchmarks import expert_matmul as em
 from benchmarks import oskvp_decode_core_mgpu_bench as cb
+from benchmarks import oskvp_key_scores_mgpu_bench as kb
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
 
@@ -44,14 +45,9 @@ CASES = ("read", "int4", "core")
 def per_kernel_ms(fn, args, iters: int) -> dict[str, float]:
   """Median over `iters` calls (L2 flushed before each) of each kernel's CUPTI time, ms, by name (repeated names
   get a #i suffix); the key "total" holds the median of the per-call sums."""
-  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
-  flush_buf = jnp.zeros((64 << 20,), jnp.float32)  # 256 MB > the 50 MB L2
-  flush = jax.jit(lambda b: b + 1.0)
   jax.block_until_ready(fn(*args))  # compile
   per, totals = {}, []
-  for _ in range(iters):
-    flush_buf = jax.block_until_ready(flush(flush_buf))
-    _, timings = profiler.measure(fn, aggregate=False)(*args)
+  for timings in kb.call_timings(fn, args, iters):
     seen = {}
     for name, ms in timings:
       seen[name] = seen.get(name, -1) + 1
@@ -73,8 +69,7 @@ def _int4_cases():
     gs = jnp.asarray(em.balanced_groups(rows, e))
     x = jax.random.normal(key, (rows, k), jnp.bfloat16)
     w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
-    f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, block_m=64, block_n=128, block_k=64,
-                                  max_concurrent_steps=6, grid_block_n=2))
+    f = jax.jit(functools.partial(rd.ragged_dot, group_sizes=gs, **em.MGPU_BF16_PEER))
     yield f"{e} x {k}->{n} x {rows}: mgpu_ragged_dot_bf16", f, (x, w_bf16), w_bf16.nbytes
     del w_bf16
     w = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")

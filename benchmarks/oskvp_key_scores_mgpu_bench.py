@@ -355,20 +355,25 @@ def kernel_ms(fn, args, iters: int, smoke: bool, flush_l2: bool = True) -> tuple
       jax.block_until_ready(fn(*args))
       times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times), ["(cpu wall clock)"], statistics.median(times)
+  calls = call_timings(fn, args, iters, flush_l2)
+  return (statistics.median(sum(ms for _, ms in t) for t in calls), [n for n, _ in calls[-1]],
+          statistics.median(max(ms for _, ms in t) for t in calls))
+
+
+def call_timings(fn, args, iters: int, flush_l2: bool = True) -> list[list[tuple[str, float]]]:
+  """CUPTI (kernel name, ms) of every kernel of `iters` calls of fn(*args), one list per call; L2 flushed by a
+  256 MB write before each call (flush_l2), else warmed by an untimed call."""
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
   flush_buf = jnp.zeros((64 << 20,), jnp.float32)  # 256 MB > the 50 MB L2
   flush = jax.jit(lambda b: b + 1.0)
-  totals, names, largest = [], [], []
+  calls = []
   for _ in range(iters):
     if flush_l2:
       flush_buf = jax.block_until_ready(flush(flush_buf))
     else:
       jax.block_until_ready(fn(*args))  # the previous call leaves the codes in L2
-    _, timings = profiler.measure(fn, aggregate=False)(*args)
-    names = [n for n, _ in timings]
-    totals.append(sum(ms for _, ms in timings))
-    largest.append(max(ms for _, ms in timings))
-  return statistics.median(totals), names, statistics.median(largest)
+    calls.append(profiler.measure(fn, aggregate=False)(*args)[1])
+  return calls
 
 
 def _cached_inputs(args_cache: dict, key: tuple, make):

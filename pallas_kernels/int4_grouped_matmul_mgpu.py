@@ -367,14 +367,25 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
   return out[:m] if pad else out
 
 
-def dequantize_mgpu(weights: MgpuInt4Weights | MgpuInt4WeightsShift) -> jax.Array:
-  """The weight of either Mosaic layout, float32 [E, Kp, N] = (c - z') · s (exact: small integers times bf16)."""
+def mgpu_groups(weights: MgpuInt4Weights | MgpuInt4WeightsShift):
+  """Either Mosaic layout -> (c, s, z'): the codes c = q - 8 back in K order, float32 [E, N, Kg, G], and each K
+  group's scale s and zero point z' = z - 8, float32 [E, N, Kg, 1]."""
   e, n, kp = weights.q.shape
   c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., np.argsort(NIBBLE_ORDERS[nibble_order(weights)])]
-  c = c.reshape(e, n, kp // _G, _G)
-  w = (c - jnp.moveaxis(weights.zero.astype(jnp.float32), 1, 2)[..., None]) * jnp.moveaxis(
-      weights.scale.astype(jnp.float32), 1, 2)[..., None]  # [E, N, Kg, G]
-  return jnp.moveaxis(w.reshape(e, n, kp), 1, 2)
+  group = lambda v: jnp.moveaxis(v.astype(jnp.float32), 1, 2)[..., None]
+  return c.reshape(e, n, kp // _G, _G), group(weights.scale), group(weights.zero)
+
+
+def ungroup(w: jax.Array) -> jax.Array:
+  """[E, N, Kg, G] -> [E, Kp, N], the grouped matmul's weight."""
+  e, n, kg, g = w.shape
+  return jnp.moveaxis(w.reshape(e, n, kg * g), 1, 2)
+
+
+def dequantize_mgpu(weights: MgpuInt4Weights | MgpuInt4WeightsShift) -> jax.Array:
+  """The weight of either Mosaic layout, float32 [E, Kp, N] = (c - z') · s (exact: small integers times bf16)."""
+  c, s, z = mgpu_groups(weights)
+  return ungroup((c - z) * s)
 
 
 def int4_grouped_matmul_mgpu_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,

@@ -70,7 +70,6 @@ import jax.numpy as jnp
 from jax._src.pallas.mosaic_gpu import pipeline as _mgpu_pipeline
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import numpy as np
 
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
@@ -575,17 +574,14 @@ def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4
   """
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
-  e, n, kp = weights.q.shape
-  order = np.argsort(mg.NIBBLE_ORDERS[mg.nibble_order(weights)])
-  c = weights.q.astype(jnp.float32).reshape(e, n, -1, 32)[..., order].reshape(e, n, kp // _G, _G)
-  s = jnp.moveaxis(weights.scale.astype(jnp.float32), 1, 2)[..., None]  # [E, N, Kg, 1]
-  z = jnp.moveaxis(weights.zero.astype(jnp.float32), 1, 2)[..., None]  # z - 8
-  bias = float(_FORM_BIAS[dequant_form] + 8)
-  if dequant_form in ("sub_mul", *_ACC_FORMS):
-    w = (c - z) * s  # exact in float32
-  else:
-    w = (c + bias) * s + (-(z + bias) * s).astype(jnp.bfloat16).astype(jnp.float32)  # exact before the rounding
   dtype = jnp.float32 if dequant_form in _ACC_FORMS else jnp.bfloat16
-  w = jnp.moveaxis(w.reshape(e, n, kp), 1, 2).astype(dtype)  # [E, Kp, N]
+  if dequant_form in ("sub_mul", *_ACC_FORMS):
+    w = mg.dequantize_mgpu(weights)  # (q - z) s, exact in float32
+  else:
+    c, s, z = mg.mgpu_groups(weights)
+    bias = float(_FORM_BIAS[dequant_form] + 8)
+    # exact before the rounding to bf16
+    w = mg.ungroup((c + bias) * s + (-(z + bias) * s).astype(jnp.bfloat16).astype(jnp.float32))
+  w = w.astype(dtype)  # [E, Kp, N]
   return jax.lax.ragged_dot(lhs.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
                             precision=jax.lax.Precision.HIGHEST)
