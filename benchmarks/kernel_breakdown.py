@@ -15,6 +15,9 @@ side. Cases:
   `ragged_dot_mgpu` (the best bf16 peer there) and the WS int4 kernel with its defaults, its work table as the Pallas
   kernel and as XLA (`table_impl`). (The first form of this case, results/kernel_breakdown.md, timed C = 2 / C = 4
   and their no_compute forms at the first shape.)
+- table: the WS kernel's work table alone at the issue's shapes (E = 8, 64, 128; the defaults' block_r and C): its
+  jnp reference under XLA, and the Pallas kernel with masked-sum and scan prefix sums and 16-64 rows per program
+  (MB column: not meaningful, 1 byte).
 - core: the OS-KVP core at 64k × 8 (BK = 64, block 128, 16 splits, fp8_stacked outliers, ring 2), with no_compute at
   rings 2 and 3, and the codes-only no_compute.
 Writes kernel_breakdown.{json,md} under --out.
@@ -39,7 +42,7 @@ from benchmarks import oskvp_key_scores_mgpu_bench as kb
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
 
-CASES = ("read", "int4", "core")
+CASES = ("read", "int4", "table", "core")
 
 
 def per_kernel_ms(fn, args, iters: int) -> dict[str, float]:
@@ -73,9 +76,26 @@ def _int4_cases():
     yield f"{e} x {k}->{n} x {rows}: mgpu_ragged_dot_bf16", f, (x, w_bf16), w_bf16.nbytes
     del w_bf16
     w = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")
-    for table in ("pallas", "xla"):  # the WS kernel's defaults (C per shape), the work table both ways
+    for table in ("pallas", "pallas_scan", "xla"):  # the WS kernel's defaults (C per shape), each work table
       f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, table_impl=table))
       yield f"{e} x {k}->{n} x {rows}: int4_ws (table {table})", f, (x, w, gs), e * k * n // 2
+
+
+def _table_cases():
+  from pallas_kernels import int4_ws_work_table as wt  # pylint: disable=g-import-not-at-top
+  n_ctas = ws._num_sms()  # pylint: disable=protected-access
+  for e, n, rows in ((8, 14336, 128), (64, 2048, 1024), (128, 768, 2048), (128, 768, 512)):
+    gs = jnp.asarray(em.balanced_groups(rows, e))
+    block_r = 16 if rows > 8 * e else 8
+    c = ws.default_compute_wgs(rows, e, n, block_r, n_ctas)
+    kw = dict(block_r=block_r, n_tiles=-(-n // (64 * c)), n_experts=e, n_ctas=n_ctas)
+    m_loaded = max(rows + (-rows % 8), block_r + 8)
+    label = f"table {e} experts, N {n} (C {c}), {rows} rows"
+    f = jax.jit(functools.partial(wt.work_table_reference, m=rows, m_loaded=m_loaded, **kw))
+    yield f"{label}: xla", f, (gs,), 1
+    for prefix, block in (("masked", None), ("scan", None), ("scan", 32), ("scan", 16)):
+      f = jax.jit(functools.partial(wt.work_table, m=rows, m_loaded=m_loaded, prefix=prefix, block=block, **kw))
+      yield f"{label}: pallas {prefix} block {block or 'default'}", f, (gs,), 1
 
 
 def _core_cases():
@@ -99,7 +119,7 @@ def main(argv=None) -> int:
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "timing": "CUPTI per kernel, median of --iters calls, 256 MB write before each call (L2 flush)"}
   rows = []
-  gens = {"read": _read_cases, "int4": _int4_cases, "core": _core_cases}
+  gens = {"read": _read_cases, "int4": _int4_cases, "table": _table_cases, "core": _core_cases}
   for case in args.cases.split(","):
     for name, fn, fargs, nbytes in gens[case]():
       try:

@@ -411,6 +411,9 @@ def _compute_register_count(count: int):
 
 
 ABLATIONS = ("", "no_compute")
+# How the work table is computed on the GPU (`table_impl`): "pallas" / "pallas_scan" (one Triton kernel, prefix sums
+# as [Ep, Ep] masked sums / as scans), "xla" (its jnp reference) or "auto".
+TABLE_IMPLS = ("auto", "pallas", "pallas_scan", "xla")
 
 
 def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: int) -> int:
@@ -486,6 +489,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       point on the accumulators too (A = 128 + q; x summed per K group by XLA). Interpret mode reproduces each
       form's values with jnp; `int4_grouped_matmul_mgpu_ws_form_reference` is each form's reference.
     table_impl: how the work table is computed on the GPU (`int4_ws_work_table`): "pallas" (one Triton kernel),
+      "pallas_scan" (the same with its prefix sums by scan instead of [Ep, Ep] masked sums),
       "xla" (its jnp reference, 3-4 small XLA kernels) or "auto" (the default: "pallas" up to
       `PALLAS_MAX_EXPERTS` experts, the faster there on the H200, else "xla"); interpret mode always takes the jnp
       reference.
@@ -495,8 +499,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  if table_impl not in ("auto", "pallas", "xla"):
-    raise ValueError(f"table_impl={table_impl!r} must be 'auto', 'pallas' or 'xla'")
+  if table_impl not in TABLE_IMPLS:
+    raise ValueError(f"table_impl={table_impl!r} must be one of {TABLE_IMPLS}")
   order = mg.nibble_order(weights)
   num_ctas = num_ctas or (4 if interpret else _num_sms())
   num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)
@@ -543,8 +547,11 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas)
   if table_impl == "auto":
     table_impl = "pallas" if e <= wt.PALLAS_MAX_EXPERTS else "xla"
-  table = (wt.work_table_reference(group_sizes, m, m + pad, **table_kw) if interpret or table_impl == "xla" else
-           wt.work_table(group_sizes, m, m + pad, **table_kw))
+  if interpret or table_impl == "xla":
+    table = wt.work_table_reference(group_sizes, m, m + pad, **table_kw)
+  else:
+    table = wt.work_table(group_sizes, m, m + pad, **table_kw, prefix="scan" if table_impl == "pallas_scan" else
+                          "masked")
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
                            n_cols=n,
                            steps=max_concurrent_steps, memory_registers=memory_registers,

@@ -61,12 +61,16 @@ def _items(w, tile_start, tile_end, starts, ends, ids, total, total_tiles, *, m,
   return [jnp.where(valid, c, 0) for c in cols], (total_tiles + v_tiles) * n_tiles
 
 
-def _prefix(sizes, ids, block_r):
-  """Inclusive prefix sums of the experts' rows and row tiles as masked sums over [Ep, Ep]."""
-  upto = ids[:, None] >= ids[None, :]
+def _prefix(sizes, ids, block_r, scan: bool = False):
+  """Start and end ([Ep] each) of the experts' rows and row tiles, and their totals: inclusive prefix sums as masked
+  sums over [Ep, Ep], or as scans (`jnp.cumsum`, which Triton lowers to one tt.scan) when `scan`."""
   tiles = (sizes + block_r - 1) // block_r
-  ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
-  tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
+  if scan:
+    ends, tile_end = jnp.cumsum(sizes), jnp.cumsum(tiles)
+  else:
+    upto = ids[:, None] >= ids[None, :]
+    ends = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
+    tile_end = jnp.sum(jnp.where(upto, tiles[None, :], 0), axis=1)
   return ends - sizes, ends, tile_end - tiles, tile_end, jnp.sum(sizes), jnp.sum(tiles)
 
 
@@ -86,11 +90,11 @@ def work_table_reference(group_sizes: jax.Array, m: int, m_loaded: int, *, block
                     jnp.zeros_like(w)], axis=-1)
 
 
-def _kernel(gs_ref, out_ref, *, n_experts: int, ep: int, block: int, per_cta: int, n_ctas: int, **kw):
+def _kernel(gs_ref, out_ref, *, n_experts: int, ep: int, block: int, per_cta: int, n_ctas: int, prefix: str, **kw):
   # gs_ref int32 [E]; out_ref int32 [n_ctas · I, 8] (flat rows p = c · I + i).
   ids = jnp.arange(ep, dtype=jnp.int32)
   sizes = plgpu.load(gs_ref.at[pl.ds(0, ep)], mask=ids < n_experts, other=0)
-  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"])
+  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"], prefix == "scan")
   p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # [block] flat rows
   c = p // per_cta
   w = c + (p % per_cta) * n_ctas
@@ -102,10 +106,13 @@ def _kernel(gs_ref, out_ref, *, n_experts: int, ep: int, block: int, per_cta: in
               mask=(p < n_ctas * per_cta)[:, None] & (col >= 0))
 
 
+PREFIXES = ("masked", "scan")
+
+
 @functools.partial(jax.jit, static_argnames=("m", "m_loaded", "block_r", "n_tiles", "n_experts", "n_ctas",
-                                             "interpret"))
+                                             "interpret", "prefix", "block"))
 def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int, n_experts: int,
-               n_ctas: int, interpret: bool = False) -> jax.Array:
+               n_ctas: int, interpret: bool = False, prefix: str = "masked", block: int | None = None) -> jax.Array:
   """group_sizes int32 [E] -> the table int32 [n_ctas, I, 8] (module docstring), one Pallas kernel.
 
   Args:
@@ -113,16 +120,25 @@ def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n
     m: rows of lhs; m_loaded: rows of the padded lhs the kernel loads from (M' >= M, >= R + 8).
     block_r: rows per row tile (R); n_tiles: N tiles; n_experts: E; n_ctas: the persistent grid.
     interpret: Pallas interpret mode (CPU).
+    prefix: how each program computes the experts' prefix sums, one of PREFIXES: "masked" (sums over [Ep, Ep]) or
+      "scan" (`jnp.cumsum`); the same values.
+    block: table rows per program (a power of two, at least 16); default 64 up to Ep = 128, else 32. Each program
+      picks its items' experts over [block, Ep].
   """
   if group_sizes.shape != (n_experts,):
     raise ValueError(f"group_sizes {group_sizes.shape} must be [n_experts={n_experts}]")
+  if prefix not in PREFIXES:
+    raise ValueError(f"prefix={prefix!r} must be one of {PREFIXES}")
+  if block is not None and (block < 16 or block & (block - 1)):
+    raise ValueError(f"block={block} must be a power of two, at least 16")
   if m_loaded < block_r + 8:
     raise ValueError(f"m_loaded={m_loaded} must be at least block_r + 8 = {block_r + 8}")
   per_cta = table_rows(m, n_experts, block_r=block_r, n_tiles=n_tiles, n_ctas=n_ctas)
   ep = max(pl.next_power_of_2(n_experts), 16)
-  block = 64 if ep <= 128 else 32  # [block, Ep] one-hot picks per program
+  block = block or (64 if ep <= 128 else 32)  # [block, Ep] one-hot picks per program
   rows = n_ctas * per_cta
   kernel = functools.partial(_kernel, n_experts=n_experts, ep=ep, block=block, per_cta=per_cta, n_ctas=n_ctas,
+                             prefix=prefix,
                              m=m, m_loaded=m_loaded, block_r=block_r, n_tiles=n_tiles,
                              t_max=-(-m // block_r) + n_experts + 1)
   out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, COLUMNS), jnp.int32), grid=(-(-rows // block),),

@@ -18,14 +18,17 @@ def _random_case(rng, experts=None):
                      n_ctas=n_ctas)
 
 
-@pytest.mark.parametrize("experts", [1, 3, 8, 64, 130])  # 130: Ep = 256, 32 items per program
-def test_kernel_matches_reference(experts):
-  """The whole table, zero rows included, equals the reference (3 random group-size sets per expert count)."""
+@pytest.mark.parametrize("experts,prefix,block", [(1, "masked", None), (3, "scan", None), (8, "masked", None),
+                                                  (8, "scan", 16), (64, "masked", None), (64, "scan", 32),
+                                                  (130, "masked", None), (130, "scan", 16)])  # 130: Ep = 256
+def test_kernel_matches_reference(experts, prefix, block):
+  """The whole table, zero rows included, equals the reference (3 random group-size sets per case), with the prefix
+  sums as masked sums or scans and several rows per program."""
   rng = np.random.default_rng(experts)
   for _ in range(3):
     sizes, kw = _random_case(rng, experts)
     want = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw))
-    got = np.asarray(wt.work_table(jnp.asarray(sizes, jnp.int32), **kw, interpret=True))
+    got = np.asarray(wt.work_table(jnp.asarray(sizes, jnp.int32), **kw, interpret=True, prefix=prefix, block=block))
     np.testing.assert_array_equal(got, want)
 
 
@@ -34,6 +37,10 @@ def test_kernel_rejects_bad_arguments():
     wt.work_table(jnp.zeros((4,), jnp.int32), 8, 16, block_r=8, n_tiles=1, n_experts=5, n_ctas=2, interpret=True)
   with pytest.raises(ValueError, match="m_loaded"):
     wt.work_table(jnp.zeros((4,), jnp.int32), 8, 8, block_r=8, n_tiles=1, n_experts=4, n_ctas=2, interpret=True)
+  with pytest.raises(ValueError, match="prefix"):
+    wt.work_table(jnp.zeros((4,), jnp.int32), 8, 16, block_r=8, n_tiles=1, n_experts=4, n_ctas=2, prefix="tree")
+  with pytest.raises(ValueError, match="block"):
+    wt.work_table(jnp.zeros((4,), jnp.int32), 8, 16, block_r=8, n_tiles=1, n_experts=4, n_ctas=2, block=24)
 
 
 def _work_table_from_row_tiles(group_sizes, m, m_loaded, *, block_r, n_tiles, n_experts, n_ctas):
