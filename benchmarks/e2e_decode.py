@@ -166,7 +166,8 @@ def one_row_cache(key, length, *, kv: str, context: int, n_layers: int, kv_heads
 def expert_bytes_per_expert(model) -> float:
   """Stored bytes of one routed expert (gate + up + down), quantized or not."""
   moes = [b.ffn for b in model.blocks if hasattr(b.ffn, "w_gate") and hasattr(b.ffn, "n_experts")]
-  total = sum(sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(getattr(m, n)[...]))
+  stored = lambda x: x.size // 2 if x.dtype == jnp.int4 else x.nbytes  # int4 arrays report 1 byte per element
+  total = sum(sum(int(stored(x)) for x in jax.tree_util.tree_leaves(getattr(m, n)[...]))
               for m in moes for n in ("w_gate", "w_up", "w_down"))
   return total / (len(moes) * moes[0].n_experts)
 

@@ -74,6 +74,10 @@ WS = {
     # module's default layout (`int4_grouped_matmul_mgpu_ws.to_mgpu_layout`: the shift order since the seventh).
     "default": dict(),
     "default_shift": dict(nibble_order="shift"),
+    # Thirteenth session: 8-row tiles at 16 rows per expert (two tiles per expert and N tile, the weight tile read
+    # twice, the second time mostly from L2) against the default 16-row tiles (x window 24 rows).
+    "default_shift_r8": dict(nibble_order="shift", block_r=8),
+    "default_shift_r16": dict(nibble_order="shift", block_r=16),
     # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the
     # zero point on the accumulator too (acc_zero: A = 128 + q, the lop3's output; x summed per K group by XLA).
     "c2_k512_acc_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale", nibble_order="shift"),

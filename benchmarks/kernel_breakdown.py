@@ -12,8 +12,8 @@ side. Cases:
 - read: XLA read-only sums of 268 MB (int4 weights of 64 × 4096→2048; the core's codes at 64k × 8), 335 MB (the
   core's codes and outliers) and 1 GiB (the copy bandwidth of the other scripts).
 - int4: 64 experts × 4096→2048 × 512 rows and 128 × 2048→768 × 2048 rows, balanced: jax's Mosaic bf16
-  `ragged_dot_mgpu` (the best bf16 peer there) and the WS int4 kernel with its defaults, its work table as the Pallas
-  kernel and as XLA (`table_impl`). (The first form of this case, results/kernel_breakdown.md, timed C = 2 / C = 4
+  `ragged_dot_mgpu` (the best bf16 peer there) and the WS int4 kernel with its defaults, its work table each way
+  (`table_impl`: the Pallas kernel, its masked-sum first form, XLA). (The first form of this case, results/kernel_breakdown.md, timed C = 2 / C = 4
   and their no_compute forms at the first shape.)
 - table: the WS kernel's work table alone at the issue's shapes (E = 8, 64, 128; the defaults' block_r and C): its
   jnp reference under XLA, and the Pallas kernel with masked-sum and scan prefix sums and 16-64 rows per program
@@ -76,7 +76,7 @@ def _int4_cases():
     yield f"{e} x {k}->{n} x {rows}: mgpu_ragged_dot_bf16", f, (x, w_bf16), w_bf16.nbytes
     del w_bf16
     w = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")
-    for table in ("pallas", "pallas_scan", "xla"):  # the WS kernel's defaults (C per shape), each work table
+    for table in ("pallas", "pallas_masked", "xla"):  # the WS kernel's defaults (C per shape), each work table
       f = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, table_impl=table))
       yield f"{e} x {k}->{n} x {rows}: int4_ws (table {table})", f, (x, w, gs), e * k * n // 2
 
@@ -93,9 +93,9 @@ def _table_cases():
     label = f"table {e} experts, N {n} (C {c}), {rows} rows"
     f = jax.jit(functools.partial(wt.work_table_reference, m=rows, m_loaded=m_loaded, **kw))
     yield f"{label}: xla", f, (gs,), 1
-    for prefix, block in (("masked", None), ("scan", None), ("scan", 32), ("scan", 16)):
+    for prefix, block in (("masked", 64), ("scan", 64), ("scan", 32), ("scan", 16)):
       f = jax.jit(functools.partial(wt.work_table, m=rows, m_loaded=m_loaded, prefix=prefix, block=block, **kw))
-      yield f"{label}: pallas {prefix} block {block or 'default'}", f, (gs,), 1
+      yield f"{label}: pallas {prefix} block {block}", f, (gs,), 1
 
 
 def _core_cases():

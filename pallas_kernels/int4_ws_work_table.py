@@ -10,12 +10,13 @@ count are zeros and never read.
 
 The table depends on group_sizes only, so it is computed on the device in the call. Built from `row_tiles` (a
 search, gathers, concatenations) XLA ran it as 23 small kernels, 26.6 µs of a 120.7 µs call at 64 × 4096→2048 on the
-H200; as masked sums (`work_table_reference`) 3-4 kernels, ~5 µs (results/kernel_breakdown*.md). `work_table` is one
-Pallas kernel: each program recomputes the experts' prefix sums as masked sums over [Ep, Ep] (Ep = E rounded up to
-a power of two) and picks the expert of its `block` items by a one-hot sum over [block, Ep]. On the H200 it took
-4.4-4.6 µs at E = 64 (results/kernel_breakdown_pallas_table.md) and made the int4 call 1-5% faster than the XLA
-table at E = 8 and 64, but 0.013 ms slower at E = 128 (the Ep² prefix and the [64, 128] picks in each of its
-programs; results/expert_matmul_ws_pallas_table.md against expert_matmul_ws.md): `PALLAS_MAX_EXPERTS`.
+H200; as masked sums (`work_table_reference`) 4-5 kernels, 5.4-6.8 µs (results/kernel_breakdown*.md). `work_table`
+is one Pallas kernel: each program computes the experts' prefix sums (scans over Ep = E rounded up to a power of two,
+or, `prefix="masked"`, the first form, masked sums over [Ep, Ep]) and picks the expert of its `block` items by a
+one-hot sum over [block, Ep]. On the H200 (thirteenth session, results/kernel_breakdown_scan.md) the defaults (scan,
+16 rows per program) took 1.3 / 1.7 / 2.3 µs at E = 8 / 64 / 128, against 1.9 / 4.3 / 10.0 µs for the masked form
+with 64 rows per program (whose Ep² prefix and [64, 128] picks made the int4 call 0.013 ms slower than the XLA
+table at E = 128) and 5.4 / 5.5 / 6.8 µs for the XLA table.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 COLUMNS = 8
-# The Pallas table is the faster one up to this many experts on the H200 (E = 8 and 64 measured); the XLA table above
-# it (E = 128 measured).
-PALLAS_MAX_EXPERTS = 64
 _NITEMS = 6  # the column of the CTA's item count
 
 
@@ -112,7 +110,7 @@ PREFIXES = ("masked", "scan")
 @functools.partial(jax.jit, static_argnames=("m", "m_loaded", "block_r", "n_tiles", "n_experts", "n_ctas",
                                              "interpret", "prefix", "block"))
 def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int, n_experts: int,
-               n_ctas: int, interpret: bool = False, prefix: str = "masked", block: int | None = None) -> jax.Array:
+               n_ctas: int, interpret: bool = False, prefix: str = "scan", block: int = 16) -> jax.Array:
   """group_sizes int32 [E] -> the table int32 [n_ctas, I, 8] (module docstring), one Pallas kernel.
 
   Args:
@@ -120,22 +118,21 @@ def work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n
     m: rows of lhs; m_loaded: rows of the padded lhs the kernel loads from (M' >= M, >= R + 8).
     block_r: rows per row tile (R); n_tiles: N tiles; n_experts: E; n_ctas: the persistent grid.
     interpret: Pallas interpret mode (CPU).
-    prefix: how each program computes the experts' prefix sums, one of PREFIXES: "masked" (sums over [Ep, Ep]) or
-      "scan" (`jnp.cumsum`); the same values.
-    block: table rows per program (a power of two, at least 16); default 64 up to Ep = 128, else 32. Each program
-      picks its items' experts over [block, Ep].
+    prefix: how each program computes the experts' prefix sums, one of PREFIXES: "scan" (`jnp.cumsum`, the
+      default) or "masked" (sums over [Ep, Ep]); the same values.
+    block: table rows per program (a power of two, at least 16): each program picks its items' experts over
+      [block, Ep]. 16 (the default) was the fastest of 16-64 at every E on the H200.
   """
   if group_sizes.shape != (n_experts,):
     raise ValueError(f"group_sizes {group_sizes.shape} must be [n_experts={n_experts}]")
   if prefix not in PREFIXES:
     raise ValueError(f"prefix={prefix!r} must be one of {PREFIXES}")
-  if block is not None and (block < 16 or block & (block - 1)):
+  if block < 16 or block & (block - 1):
     raise ValueError(f"block={block} must be a power of two, at least 16")
   if m_loaded < block_r + 8:
     raise ValueError(f"m_loaded={m_loaded} must be at least block_r + 8 = {block_r + 8}")
   per_cta = table_rows(m, n_experts, block_r=block_r, n_tiles=n_tiles, n_ctas=n_ctas)
   ep = max(pl.next_power_of_2(n_experts), 16)
-  block = block or (64 if ep <= 128 else 32)  # [block, Ep] one-hot picks per program
   rows = n_ctas * per_cta
   kernel = functools.partial(_kernel, n_experts=n_experts, ep=ep, block=block, per_cta=per_cta, n_ctas=n_ctas,
                              prefix=prefix,
