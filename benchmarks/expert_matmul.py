@@ -113,6 +113,20 @@ def balanced_groups(rows: int, e: int) -> np.ndarray:
   return gs
 
 
+ROUTINGS = ("balanced", "random")
+
+
+def routed_groups(rows: int, e: int, routing: str = "balanced") -> np.ndarray:
+  """Group sizes int32 [E] of `rows` rows: "balanced" (rows // E each, the remainder to the first experts) or
+  "random" (each row to a uniformly random expert, fixed seed: uneven sizes, some experts empty at few rows, groups
+  starting anywhere)."""
+  if routing == "balanced":
+    return balanced_groups(rows, e)
+  if routing != "random":
+    raise ValueError(f"routing={routing!r} must be one of {ROUTINGS}")
+  return np.bincount(np.random.default_rng(rows * 1000 + e).integers(0, e, rows), minlength=e).astype(np.int32)
+
+
 def random_int4(key, e, k, n, sparse=False):
   ks = jax.random.split(key, 4)
   rows = k // 4 if sparse else k // 2

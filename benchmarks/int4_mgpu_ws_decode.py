@@ -78,6 +78,10 @@ WS = {
     # twice, the second time mostly from L2) against the default 16-row tiles (x window 24 rows).
     "default_shift_r8": dict(nibble_order="shift", block_r=8),
     "default_shift_r16": dict(nibble_order="shift", block_r=16),
+    # Aligned row tiles: windows of W = R rows instead of R + 8.
+    "default_shift_al": dict(nibble_order="shift", aligned_tiles=True),
+    "default_shift_al_r8": dict(nibble_order="shift", aligned_tiles=True, block_r=8),
+    "default_shift_al_r16": dict(nibble_order="shift", aligned_tiles=True, block_r=16),
     # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the
     # zero point on the accumulator too (acc_zero: A = 128 + q, the lop3's output; x summed per K group by XLA).
     "c2_k512_acc_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale", nibble_order="shift"),
@@ -229,6 +233,7 @@ def main(argv=None):
   ap.add_argument("--ws", default="", help="comma-separated subset of the WS configs")
   ap.add_argument("--n", type=int, default=0, help="only the shapes with this N")
   ap.add_argument("--tag", default="", help="suffix of the output files")
+  ap.add_argument("--routing", default="balanced", choices=em.ROUTINGS, help="group sizes of the timed calls")
   ap.add_argument("--dump", default="", help="E,K,N,ROWS: compile and run once (with MOSAIC_GPU_DUMP_TO set)")
   ap.add_argument("--analyze_dump", default="", help="MOSAIC_GPU_DUMP_TO folders (comma-separated): ptxas report "
                   "and SASS loops")
@@ -260,7 +265,7 @@ def main(argv=None):
   timer, timing = em._timer()  # pylint: disable=protected-access
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": em.G,
-          "routing": "balanced", "l2_flush": "256 MiB write before every timed call", "ws_configs": WS}
+          "routing": args.routing, "l2_flush": "256 MiB write before every timed call", "ws_configs": WS}
   meta["correctness"] = {}
   if os.path.exists(check_path):  # from a --check_only run; configs it does not hold are checked here
     with open(check_path) as fh:
@@ -284,7 +289,8 @@ def main(argv=None):
     if any(_split(cfg)[1] == "shift" for cfg in todo.values()):
       w_by_order["shift"] = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")  # the same weight
     for rows in rows_list:
-      x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters, **_kw())
+      x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters,
+                                        routing=args.routing, **_kw())
       f = jax.jit(functools.partial(mg.int4_grouped_matmul_mgpu, **_kw()))
       add("pallas_int4_mgpu", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu", n_active)
       want = None

@@ -192,16 +192,17 @@ def _xsum_window(window: int, gk: int) -> int:
 
 
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
-            block_r: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, compute_registers: int,
+            block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, compute_registers: int,
             a_from_smem: bool, ablate: str,
             dequant: str, overlap_steps: bool, dequant_form: str, order: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
-  # float32 [M', N]). o_smem: float32 [n_wgs, W, 64] (W = R + 8), one out tile per compute warpgroup; a_smem: bf16
+  # float32 [M', N]). o_smem: float32 [n_wgs, W, 64] (W = R + 8, or R with aligned tiles), one out tile per compute
+  # warpgroup; a_smem: bf16
   # [n_wgs, 64, G] (interpret mode's route of the decoded tile).
   xsum_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
   cta, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
-  window, bn = block_r + 8, n_wgs * _WG_N
+  bn = n_wgs * _WG_N
   gk = block_k // _G
   xs_window = _xsum_window(window, gk)
   ksteps = n_groups // gk
@@ -436,7 +437,8 @@ def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: 
 
 
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
-           "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl")
+           "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl",
+           "aligned_tiles")
 
 
 def _num_sms() -> int:
@@ -452,7 +454,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
                                 dequant: str = "ptx", overlap_steps: bool = False,
                                 dequant_form: str | None = None, compute_registers: int | None = None,
-                                ablate: str = "", table_impl: str = "pallas") -> jax.Array:
+                                ablate: str = "", table_impl: str = "pallas", aligned_tiles: bool = False) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -492,6 +494,9 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       (the default: one Triton kernel, 1.3-2.3 µs on the H200 at E = 8-128), "pallas_masked" (its first form, 1.9-10
       µs) or "xla" (its jnp reference, 4-5 small XLA kernels, 5.4-6.8 µs); interpret mode always takes the jnp
       reference.
+    aligned_tiles: cut each expert's rows into row tiles aligned to multiples of 8 (`int4_ws_work_table`): each tile
+      loads and multiplies a window of W = block_r rows instead of block_r + 8, at the price of at most one more tile
+      per expert (the same count under balanced routing).
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "" is the kernel.
   """
@@ -510,7 +515,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   if block_k % _G or kp % block_k:
     raise ValueError(f"block_k={block_k} must be a multiple of {_G} dividing Kp={kp}")
   ksteps = kp // block_k
-  window = block_r + 8
+  window = wt.window(block_r, aligned_tiles)
   dequant_form = dequant_form or ("sub_mul" if overlap_steps else "acc_scale")
   stage_bytes = (bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2 +
                  (block_k // _G * _xsum_window(window, block_k // _G) * 4 if dequant_form == "acc_zero" else 0))
@@ -531,7 +536,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"overlap_steps needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
   memory_registers = memory_registers or (32 if num_compute_wgs == 4 else 40)
   compute_registers = register_split(num_compute_wgs, memory_registers, compute_registers)
-  pad = max(window - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of R + 8 rows
+  pad = max(window - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of W rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
   # acc_zero: x summed per K group (float32 [Kg, M' + W' - W]: zero columns so that the last window's tile fits), in
   # XLA before the kernel.
@@ -543,14 +548,15 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.NIBBLE_ORDERS[order]].reshape(m + pad, kp)
   # The work table (`int4_ws_work_table`): one Pallas kernel on the GPU; its jnp reference in interpret mode (the same
   # values, faster in the CPU interpreter).
-  table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas)
+  table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=aligned_tiles)
   if interpret or table_impl == "xla":
     table = wt.work_table_reference(group_sizes, m, m + pad, **table_kw)
   elif table_impl == "pallas_masked":
     table = wt.work_table(group_sizes, m, m + pad, **table_kw, prefix="masked", block=64)
   else:
     table = wt.work_table(group_sizes, m, m + pad, **table_kw)
-  body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, n_groups=kp // _G,
+  body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
+                           n_groups=kp // _G,
                            n_cols=n,
                            steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, a_from_smem=bool(interpret), ablate=ablate,

@@ -57,6 +57,9 @@ CASES = [
     ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16, overlap_steps=True)),  # ring of 2, chained
     ([5, 0, 2, 9], 0, 320, dict(num_compute_wgs=2, block_k=128, num_ctas=1, overlap_steps=True)),  # START..STOP
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5, block_k=128, overlap_steps=True)),  # one item per CTA, one idle
+    # aligned_tiles: windows of W = R rows (8: wgmma N = 8); experts that start off a multiple of 8 take one more tile.
+    ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, aligned_tiles=True)),  # R = W = 8, virtual rows
+    ([5, 0, 2, 9], 3, 128, dict(num_ctas=2, block_r=16, aligned_tiles=True)),  # R = W = 16
 ]
 
 
@@ -238,7 +241,10 @@ def table_in_jnp(monkeypatch):
                                  *[dict(dequant="ptx", nibble_order="shift", dequant_form=f, **c)
                                    for f in ("sub_mul", "fma128", "acc_scale", "acc_zero")
                                    for c in (dict(block_k=512), dict(num_compute_wgs=3, block_k=256, block_r=16))],
-                                 dict(dequant="ptx", block_k=512, dequant_form="acc_zero", block_r=16)])
+                                 dict(dequant="ptx", block_k=512, dequant_form="acc_zero", block_r=16),
+                                 *[dict(dequant="ptx", nibble_order="shift", aligned_tiles=True, block_r=r, **c)
+                                   for r in (8, 16)
+                                   for c in (dict(block_k=512), dict(num_compute_wgs=4, block_k=256))]])
 def test_gpu_path_lowers(cfg, table_in_jnp):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   cfg = dict(cfg)

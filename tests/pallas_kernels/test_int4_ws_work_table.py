@@ -18,17 +18,19 @@ def _random_case(rng, experts=None):
                      n_ctas=n_ctas)
 
 
-@pytest.mark.parametrize("experts,prefix,block", [(1, "masked", 64), (3, "scan", 16), (8, "masked", 64),
-                                                  (8, "scan", 16), (64, "masked", 64), (64, "scan", 32),
-                                                  (130, "masked", 32), (130, "scan", 16)])  # 130: Ep = 256
-def test_kernel_matches_reference(experts, prefix, block):
+@pytest.mark.parametrize("experts,prefix,block,aligned", [
+    (1, "masked", 64, False), (3, "scan", 16, True), (8, "masked", 64, True), (8, "scan", 16, False),
+    (64, "masked", 64, False), (64, "scan", 32, True), (130, "masked", 32, False), (130, "scan", 16, True)])
+def test_kernel_matches_reference(experts, prefix, block, aligned):
   """The whole table, zero rows included, equals the reference (3 random group-size sets per case), with the prefix
-  sums as masked sums or scans and several rows per program."""
+  sums as masked sums or scans, several rows per program, padded and aligned tiles (130 experts: Ep = 256)."""
   rng = np.random.default_rng(experts)
   for _ in range(3):
     sizes, kw = _random_case(rng, experts)
-    want = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw))
-    got = np.asarray(wt.work_table(jnp.asarray(sizes, jnp.int32), **kw, interpret=True, prefix=prefix, block=block))
+    kw["m_loaded"] = max(kw["m_loaded"], wt.window(kw["block_r"], aligned))
+    want = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw, aligned=aligned))
+    got = np.asarray(wt.work_table(jnp.asarray(sizes, jnp.int32), **kw, interpret=True, prefix=prefix, block=block,
+                                   aligned=aligned))
     np.testing.assert_array_equal(got, want)
 
 
@@ -69,21 +71,49 @@ def test_reference_matches_row_tiles():
       np.testing.assert_array_equal(got[c, :want[c, 0, 6], :6], want[c, :want[c, 0, 6], :6])
 
 
-@pytest.mark.parametrize("sizes,m,n_tiles,n_ctas", [([3, 0, 17, 1], 23, 2, 3), ([1] * 6, 6, 3, 5)])
-def test_reference_covers_each_output_block_once(sizes, m, n_tiles, n_ctas):
-  block_r = 8
-  m_loaded = max(m + (-m % 8), block_r + 8)
-  table = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), m, m_loaded, block_r=block_r,
-                                            n_tiles=n_tiles, n_experts=len(sizes), n_ctas=n_ctas))
-  owner = np.repeat(np.arange(len(sizes) + 1), sizes + [m - sum(sizes)])  # virtual expert E past the groups
+def _check_coverage(table, sizes, m, m_loaded, block_r, n_tiles, aligned):
+  """Every row of every N tile is stored by exactly one item, of its own expert, inside the item's window."""
+  win = wt.window(block_r, aligned)
+  owner = np.repeat(np.arange(len(sizes) + 1), list(sizes) + [m - sum(sizes)])  # virtual expert E past the groups
   seen = np.zeros((m, n_tiles), np.int32)
   counts = table[:, 0, 6]
   assert np.all(table[:, :, 6] == counts[:, None]) and counts.max() - counts.min() <= 1  # round-robin
-  for cta in range(n_ctas):
+  for cta in range(table.shape[0]):
     for expert, j, loaded, first, count, virtual in table[cta, :counts[cta], :6]:
       rows = np.arange(first, first + count)
       seen[rows, j] += 1
       assert count > 0 and np.all(owner[rows] == (len(sizes) if virtual else expert))
       assert 0 <= expert < len(sizes) and loaded % 8 == 0 and loaded <= first
-      assert first + count <= loaded + block_r + 8 <= m_loaded
+      assert first + count <= loaded + win <= m_loaded
   np.testing.assert_array_equal(seen, 1)
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sizes,m,n_tiles,n_ctas", [([3, 0, 17, 1], 23, 2, 3), ([1] * 6, 6, 3, 5)])
+def test_reference_covers_each_output_block_once(sizes, m, n_tiles, n_ctas, aligned):
+  block_r = 8
+  m_loaded = max(m + (-m % 8), wt.window(block_r, aligned))
+  table = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), m, m_loaded, block_r=block_r,
+                                            n_tiles=n_tiles, n_experts=len(sizes), n_ctas=n_ctas, aligned=aligned))
+  _check_coverage(table, sizes, m, m_loaded, block_r, n_tiles, aligned)
+
+
+def test_aligned_tiles_cover_random_groups_with_fewer_window_rows():
+  """Aligned tiles over random group sizes (empty experts, rows past the groups, R 8 / 16): every row once, inside
+  an R-row window; at most one tile per expert more than padded tiles; and under balanced routing (1, 8 or 16 rows
+  per expert) exactly as many tiles as padded."""
+  rng = np.random.default_rng(1)
+  for _ in range(30):
+    sizes, kw = _random_case(rng)
+    kw["m_loaded"] = max(kw["m_loaded"], wt.window(kw["block_r"], True))
+    table = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw, aligned=True))
+    _check_coverage(table, sizes, kw["m"], kw["m_loaded"], kw["block_r"], kw["n_tiles"], True)
+    padded = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw))
+    n_items = lambda t: int(t[:, 0, 6].sum())
+    assert n_items(padded) <= n_items(table) <= n_items(padded) + (len(sizes) + 1) * kw["n_tiles"]
+  for r, rows in ((8, 8), (16, 16), (8, 1)):
+    sizes = np.full(6, rows)
+    kw = dict(m=6 * rows, m_loaded=max(6 * rows, 16), block_r=r, n_tiles=2, n_experts=6, n_ctas=3)
+    aligned = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw, aligned=True))
+    padded = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw))
+    assert aligned[:, 0, 6].sum() == padded[:, 0, 6].sum() == 6 * 2  # one tile per expert, 2 N tiles
