@@ -436,6 +436,17 @@ def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: 
   return 2
 
 
+def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
+  """Rows per tile R for M rows over E experts. Aligned tiles: 8 up to 4 rows per expert on average, else 16. At 8 rows
+  per expert under random routing (64 × 4096→2048 × 512 rows, results/int4_mgpu_ws_al16_2048_random.md) R = 8 cut
+  most experts into two tiles and ran 0.1368 ms against R = 16's 0.1047 (R = 16 gives up 5% under balanced routing
+  there: 0.0889 against 0.0849 ms); at 2 rows per expert R = 8 was 11-12% faster either way (8 × 4096→14336 × 16).
+  Padded tiles: 8 up to 8 rows per expert (the earlier rule, `int4_grouped_matmul_mgpu.check_inputs`)."""
+  if aligned_tiles:
+    return 8 if m <= 4 * n_experts else 16
+  return 8 if m <= 8 * n_experts else 16
+
+
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
            "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl",
            "aligned_tiles")
@@ -454,7 +465,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
                                 dequant: str = "ptx", overlap_steps: bool = False,
                                 dequant_form: str | None = None, compute_registers: int | None = None,
-                                ablate: str = "", table_impl: str = "pallas", aligned_tiles: bool = False) -> jax.Array:
+                                ablate: str = "", table_impl: str = "pallas", aligned_tiles: bool = True) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -469,7 +480,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       results/int4_mgpu_ws_table.md).
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 and 4 (where
       it divides Kp; the faster per C in the H200 runs).
-    block_r: rows per tile (8 or 16; default 8 up to 8 rows per expert on average).
+    block_r: rows per tile R (8 or 16); default `default_block_r`: with aligned tiles 8 up to 4 rows per expert on
+      average, else 16; with padded tiles 8 up to 8 rows per expert.
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
     memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (32 at C = 4).
@@ -494,13 +506,16 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       (the default: one Triton kernel, 1.3-2.3 µs on the H200 at E = 8-128), "pallas_masked" (its first form, 1.9-10
       µs) or "xla" (its jnp reference, 4-5 small XLA kernels, 5.4-6.8 µs); interpret mode always takes the jnp
       reference.
-    aligned_tiles: cut each expert's rows into row tiles aligned to multiples of 8 (`int4_ws_work_table`): each tile
-      loads and multiplies a window of W = block_r rows instead of block_r + 8, at the price of at most one more tile
-      per expert (the same count under balanced routing).
+    aligned_tiles: cut each expert's rows into row tiles aligned to multiples of 8 (`int4_ws_work_table`; the
+      default): each tile loads and multiplies a window of W = block_r rows instead of block_r + 8 (False: padded
+      tiles, the first form), at the price of at most one more tile per expert (the same count under balanced
+      routing). 4-13% faster than padded tiles on the H200 at every balanced cell of the issue's grid and under
+      random routing with the default block_r (results/int4_mgpu_ws_al*.md).
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "" is the kernel.
   """
-  dequant, block_r, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r)
+  dequant, _, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r or 8)
+  block_r = block_r or default_block_r(m, e, aligned_tiles)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   if table_impl not in TABLE_IMPLS:

@@ -57,9 +57,10 @@ CASES = [
     ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16, overlap_steps=True)),  # ring of 2, chained
     ([5, 0, 2, 9], 0, 320, dict(num_compute_wgs=2, block_k=128, num_ctas=1, overlap_steps=True)),  # START..STOP
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5, block_k=128, overlap_steps=True)),  # one item per CTA, one idle
-    # aligned_tiles: windows of W = R rows (8: wgmma N = 8); experts that start off a multiple of 8 take one more tile.
-    ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, aligned_tiles=True)),  # R = W = 8, virtual rows
-    ([5, 0, 2, 9], 3, 128, dict(num_ctas=2, block_r=16, aligned_tiles=True)),  # R = W = 16
+    # The cases above take aligned tiles (the default: windows of W = R rows, wgmma N = 8 at R = 8; experts that start
+    # off a multiple of 8 take one more tile); padded tiles (W = R + 8), the first form:
+    ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, aligned_tiles=False)),  # R = 8, W = 16, virtual rows
+    ([5, 0, 2, 9], 3, 128, dict(num_ctas=2, block_r=16, aligned_tiles=False)),  # R = 16, W = 24
 ]
 
 
@@ -99,7 +100,8 @@ def test_dequant_forms_match_their_reference(form, order, interpreted):
 
 
 @pytest.mark.parametrize("sizes,extra,n,cfg", [
-    ([3, 0, 17, 1], 2, 256, dict(num_ctas=3, block_r=16)),  # block_k 256 (gk 2), W 24: the x-sum tile padded to 32
+    # block_k 256 (gk 2), padded tiles W 24: the x-sum tile padded to 32.
+    ([3, 0, 17, 1], 2, 256, dict(num_ctas=3, block_r=16, aligned_tiles=False)),
     # Overlapping last N tile (C = 2 at N = 192: tiles at 0 and 64).
     ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),
     ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1, block_k=128)),  # START, STEADY, STOP
@@ -242,7 +244,7 @@ def table_in_jnp(monkeypatch):
                                    for f in ("sub_mul", "fma128", "acc_scale", "acc_zero")
                                    for c in (dict(block_k=512), dict(num_compute_wgs=3, block_k=256, block_r=16))],
                                  dict(dequant="ptx", block_k=512, dequant_form="acc_zero", block_r=16),
-                                 *[dict(dequant="ptx", nibble_order="shift", aligned_tiles=True, block_r=r, **c)
+                                 *[dict(dequant="ptx", nibble_order="shift", aligned_tiles=False, block_r=r, **c)
                                    for r in (8, 16)
                                    for c in (dict(block_k=512), dict(num_compute_wgs=4, block_k=256))]])
 def test_gpu_path_lowers(cfg, table_in_jnp):
@@ -277,7 +279,15 @@ def test_register_split_fits_the_launch(c, memory, want):
 def test_default_compute_wgs(e, n, m, want):
   """The benchmark shapes' defaults (132 CTAs): C = 3 where 192 divides N, 4 where 256 does and 64 experts' items fill
   the CTAs (512 items: 97%), 2 at 8 x 14336 (448 items: 85%) and where neither divides N, 1 below N = 128."""
-  assert ws.default_compute_wgs(m, e, n, 8 if m <= 8 * e else 16, 132) == want
+  assert ws.default_compute_wgs(m, e, n, ws.default_block_r(m, e, aligned_tiles=True), 132) == want
+
+
+@pytest.mark.parametrize("m,e,aligned,want", [(64, 64, True, 8), (256, 64, True, 8), (257, 64, True, 16),
+                                              (512, 64, True, 16), (512, 64, False, 8), (513, 64, False, 16),
+                                              (16, 8, True, 8), (128, 8, True, 16)])
+def test_default_block_r(m, e, aligned, want):
+  """Aligned tiles: R = 8 up to 4 rows per expert on average, else 16; padded tiles: 8 up to 8 rows per expert."""
+  assert ws.default_block_r(m, e, aligned) == want
 
 
 def test_c4_lowers_with_the_fitting_split(table_in_jnp):
