@@ -32,10 +32,11 @@ What differs (the "next step" of benchmarks/notes_expert_matmul.md):
   compute warpgroups finish the current one and store it (the one-warpgroup kernel refills its ring per program).
 - Scale and zero point are streamed with the weight tiles (per step) instead of loaded per program up front.
 
-Rows and the output are handled as in `int4_grouped_matmul_mgpu`: a row tile is up to R (8 or 16) rows of one
-expert, loaded as a window of W = R + 8 rows that starts at a multiple of 8; each compute warpgroup writes its
-out^T [64, W] transposed into shared memory and stores the tile's rows of out [M, N] with a ladder of power-of-two
-TMA row stores. Tiles of the virtual expert E (rows past sum(group_sizes)) stream expert E - 1's weight and store
+Rows and the output: a row tile holds up to R (8 or 16) rows of one expert and loads a window of W rows of lhs that
+starts at a multiple of 8 (TMA into 8-row-tiled shared memory): by default (`aligned_tiles`) the tiles are cut at
+multiples of 8 and W = R; padded tiles (as in `int4_grouped_matmul_mgpu`) take R rows from the expert's first row and
+W = R + 8 (`int4_ws_work_table`). Each compute warpgroup writes its out^T [64, W] transposed into shared memory and
+stores the tile's rows of out [M, N] with a ladder of power-of-two TMA row stores. Tiles of the virtual expert E (rows past sum(group_sizes)) stream expert E - 1's weight and store
 zeros (only when such rows exist).
 
 Measured on the H200 (results/int4_mgpu_ws.md): 1.02-1.08x the one-warpgroup kernel at 8 x 4096->14336 and
@@ -51,7 +52,9 @@ forever; `register_split` gives the compute warpgroups what the launch holds (C 
 overrides the pipeline's own split (`_compute_register_count`). Twelfth session (benchmarks/notes_expert_matmul.md,
 top): with C = 4 where it fills the CTAs and the work table as one small kernel (`int4_ws_work_table`; built by XLA
 from `row_tiles` it had been 22% of the call), 2.47-3.00x the best bf16 peer and 61-72% of copy bandwidth with every
-expert active and <= 16 rows each (results/expert_matmul_ws_pallas_table.md, expert_matmul_ws.md).
+expert active and <= 16 rows each (results/expert_matmul_ws_pallas_table.md, expert_matmul_ws.md). Thirteenth
+session: with the table's prefix sums by scan (1.3-2.3 µs) and aligned row tiles (W = R), 2.68-3.18x and 64-76%
+(results/int4_mgpu_ws_al*.md; benchmarks/notes_expert_matmul.md, top).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
@@ -509,8 +512,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     aligned_tiles: cut each expert's rows into row tiles aligned to multiples of 8 (`int4_ws_work_table`; the
       default): each tile loads and multiplies a window of W = block_r rows instead of block_r + 8 (False: padded
       tiles, the first form), at the price of at most one more tile per expert (the same count under balanced
-      routing). 4-13% faster than padded tiles on the H200 at every balanced cell of the issue's grid and under
-      random routing with the default block_r (results/int4_mgpu_ws_al*.md).
+      routing). With the default block_r 0-13% faster than padded tiles on the H200 under balanced routing and 2-12%
+      under random routing, at no measured cell slower by more than 0.1% (results/int4_mgpu_ws_al*.md).
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "" is the kernel.
   """
