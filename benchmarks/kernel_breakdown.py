@@ -13,11 +13,11 @@ side. Cases:
   core's codes and outliers) and 1 GiB (the copy bandwidth of the other scripts).
 - int4: 64 experts × 4096→2048 × 512 rows and 128 × 2048→768 × 2048 rows, balanced: jax's Mosaic bf16
   `ragged_dot_mgpu` (the best bf16 peer there) and the WS int4 kernel with its defaults, its work table each way
-  (`table_impl`: the Pallas kernel, its masked-sum first form, XLA). (The first form of this case, results/kernel_breakdown.md, timed C = 2 / C = 4
-  and their no_compute forms at the first shape.)
-- table: the WS kernel's work table alone at the issue's shapes (E = 8, 64, 128; the defaults' block_r and C): its
-  jnp reference under XLA, and the Pallas kernel with masked-sum and scan prefix sums and 16-64 rows per program
-  (MB column: not meaningful, 1 byte).
+  (`table_impl`: the Pallas kernel, its masked-sum first form, XLA). (The first form of this case,
+  results/kernel_breakdown.md, timed C = 2 / C = 4 and their no_compute forms at the first shape.)
+- table: the WS kernel's work table alone at the issue's shapes (E = 8, 64, 128; the kernel's default tiles, block_r
+  and C): its jnp reference under XLA, and the Pallas kernel with masked-sum and scan prefix sums and 16-64 rows per
+  program (MB column: not meaningful, 1 byte). results/kernel_breakdown_scan.md timed padded tiles, the default then.
 - core: the OS-KVP core at 64k × 8 (BK = 64, block 128, 16 splits, fp8_stacked outliers, ring 2), with no_compute at
   rings 2 and 3, and the codes-only no_compute.
 Writes kernel_breakdown.{json,md} under --out.
@@ -86,10 +86,10 @@ def _table_cases():
   n_ctas = ws._num_sms()  # pylint: disable=protected-access
   for e, n, rows in ((8, 14336, 128), (64, 2048, 1024), (128, 768, 2048), (128, 768, 512)):
     gs = jnp.asarray(em.balanced_groups(rows, e))
-    block_r = 16 if rows > 8 * e else 8
+    block_r = ws.default_block_r(rows, e, aligned_tiles=True)
     c = ws.default_compute_wgs(rows, e, n, block_r, n_ctas)
-    kw = dict(block_r=block_r, n_tiles=-(-n // (64 * c)), n_experts=e, n_ctas=n_ctas)
-    m_loaded = max(rows + (-rows % 8), block_r + 8)
+    kw = dict(block_r=block_r, n_tiles=-(-n // (64 * c)), n_experts=e, n_ctas=n_ctas, aligned=True)
+    m_loaded = max(rows + (-rows % 8), wt.window(block_r, True))
     label = f"table {e} experts, N {n} (C {c}), {rows} rows"
     f = jax.jit(functools.partial(wt.work_table_reference, m=rows, m_loaded=m_loaded, **kw))
     yield f"{label}: xla", f, (gs,), 1

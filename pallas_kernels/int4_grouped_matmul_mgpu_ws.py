@@ -36,8 +36,8 @@ Rows and the output: a row tile holds up to R (8 or 16) rows of one expert and l
 starts at a multiple of 8 (TMA into 8-row-tiled shared memory): by default (`aligned_tiles`) the tiles are cut at
 multiples of 8 and W = R; padded tiles (as in `int4_grouped_matmul_mgpu`) take R rows from the expert's first row and
 W = R + 8 (`int4_ws_work_table`). Each compute warpgroup writes its out^T [64, W] transposed into shared memory and
-stores the tile's rows of out [M, N] with a ladder of power-of-two TMA row stores. Tiles of the virtual expert E (rows past sum(group_sizes)) stream expert E - 1's weight and store
-zeros (only when such rows exist).
+stores the tile's rows of out [M, N] with a ladder of power-of-two TMA row stores. Tiles of the virtual expert E
+(rows past sum(group_sizes)) stream expert E - 1's weight and store zeros (only when such rows exist).
 
 Measured on the H200 (results/int4_mgpu_ws.md): 1.02-1.08x the one-warpgroup kernel at 8 x 4096->14336 and
 64 x 4096->2048 (C = 2, block_k 512), 1.5-2.1x the best bf16 peer, 33-53% of copy bandwidth; at 128 x 2048->768 the
@@ -195,14 +195,13 @@ def _xsum_window(window: int, gk: int) -> int:
 
 
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
-            block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int, compute_registers: int,
-            a_from_smem: bool, ablate: str,
-            dequant: str, overlap_steps: bool, dequant_form: str, order: str):
+            block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int,
+            compute_registers: int, a_from_smem: bool, ablate: str, dequant: str, overlap_steps: bool,
+            dequant_form: str, order: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
-  # float32 [M', N]). o_smem: float32 [n_wgs, W, 64] (W = R + 8, or R with aligned tiles), one out tile per compute
-  # warpgroup; a_smem: bf16
-  # [n_wgs, 64, G] (interpret mode's route of the decoded tile).
+  # float32 [M', N]). o_smem: float32 [n_wgs, W, 64] (W = R, or R + 8 with padded tiles), one out tile per compute
+  # warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile).
   xsum_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
   cta, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
   bn = n_wgs * _WG_N
@@ -468,7 +467,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
                                 dequant: str = "ptx", overlap_steps: bool = False,
                                 dequant_form: str | None = None, compute_registers: int | None = None,
-                                ablate: str = "", table_impl: str = "pallas", aligned_tiles: bool = True) -> jax.Array:
+                                ablate: str = "", table_impl: str = "pallas",
+                                aligned_tiles: bool = True) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -574,9 +574,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   else:
     table = wt.work_table(group_sizes, m, m + pad, **table_kw)
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
-                           n_groups=kp // _G,
-                           n_cols=n,
-                           steps=max_concurrent_steps, memory_registers=memory_registers,
+                           n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, a_from_smem=bool(interpret), ablate=ablate,
                            dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order)
   scratch = dict(

@@ -15,8 +15,8 @@ Columns: expert to stream (E clamped to E - 1), N tile, first loaded row, first 
 expert, the CTA's item count (every row), 0. Rows past a CTA's count are zeros and never read.
 
 The table depends on group_sizes only, so it is computed on the device in the call. Built from `row_tiles` (a
-search, gathers, concatenations) XLA ran it as 23 small kernels, 26.6 µs of a 120.7 µs call at 64 × 4096→2048 on the
-H200; as masked sums (`work_table_reference`) 4-5 kernels, 5.4-6.8 µs (results/kernel_breakdown*.md). `work_table`
+search, gathers, concatenations) XLA ran it as 23 small kernels, 26.6 µs of a 120.7 µs call at 64 × 4096→2048 on
+the H200; as masked sums (`work_table_reference`) 4-5 kernels, 5.4-6.8 µs (results/kernel_breakdown*.md). `work_table`
 is one Pallas kernel: each program computes the experts' prefix sums (scans over Ep = E rounded up to a power of two,
 or, `prefix="masked"`, the first form, masked sums over [Ep, Ep]) and picks the expert of its `block` items by a
 one-hot sum over [block, Ep]. On the H200 (thirteenth session, results/kernel_breakdown_scan.md) the defaults (scan,
