@@ -82,6 +82,10 @@ WS = {
     "default_shift_al": dict(nibble_order="shift", aligned_tiles=True),
     "default_shift_al_r8": dict(nibble_order="shift", aligned_tiles=True, block_r=8),
     "default_shift_al_r16": dict(nibble_order="shift", aligned_tiles=True, block_r=16),
+    # Not yet timed: C = 3 and 4 at 8 x 4096->14336 with aligned tiles (C = 2 is the default there; its windows were
+    # 8 rows shorter when C was chosen).
+    "al_c3": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=3, block_k=256),
+    "al_c4": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=4, block_k=256),
     # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the
     # zero point on the accumulator too (acc_zero: A = 128 + q, the lop3's output; x summed per K group by XLA).
     "c2_k512_acc_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale", nibble_order="shift"),
