@@ -118,16 +118,18 @@ class OSKVPLayerCache:
     return cache._attend(q), cache
 
   def _attend(self, q: jax.Array) -> jax.Array:
-    """q [B, N, H] -> o [B, N, H] over the stored tokens: the Mosaic GPU core for a values_contiguous cache on the
-    GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`), else `oskvp_decode_attention`."""
+    """q [B, N, H] -> o [B, N, H] over the stored tokens: the Mosaic GPU core for a values_contiguous cache on a
+    Hopper GPU (or the CPU interpreter) where it applies (`oskvp_uniform_codes.mosaic_tiling`), else
+    `oskvp_decode_attention`."""
     impl = self.implementation
     if impl == "auto":
       impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     if self.values_contiguous and impl == "pallas" and self.hi_v is None:
       # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
       from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
-      if uc.mosaic_tiling(self.max_len, q.shape[-1], q.shape[1] // self.codes_k.shape[1],
-                          self.outl_k.shape[-1]) is not None:
+      from pallas_kernels import hopper  # pylint: disable=g-import-not-at-top
+      if hopper.mosaic_gpu_runs() and uc.mosaic_tiling(self.max_len, q.shape[-1], q.shape[1] // self.codes_k.shape[1],
+                                                       self.outl_k.shape[-1]) is not None:
         return uc.uniform_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, self.codes_v,
                                            self.outl_v, self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k,
                                            self.res_v, self.n_comp, self.n_res)

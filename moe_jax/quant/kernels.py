@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from moe_jax import experts as experts_lib
 from moe_jax.quant.formats import QuantizedExperts
+from pallas_kernels import hopper
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws
 from pallas_kernels import vq2_grouped_matmul as v2
@@ -38,6 +39,10 @@ def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Ar
   """lhs [M, K] sorted by expert, rhs [E, K, N] (QuantizedExperts), group_sizes int32 [E] -> float32 [M, N]."""
   if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
     return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
+  if rhs.kind == "int4_mgpu" and not hopper.mosaic_gpu_runs():
+    raise ValueError(f"experts of kind 'int4_mgpu' (quant.to_mgpu_layout) run through a Mosaic GPU kernel that needs "
+                     f"a Hopper GPU (compute capability 9.x); this device is {jax.devices()[0].device_kind}. Keep "
+                     "the 'int4' layout there, or quant.set_implementation(model, 'xla')")
   x = _pad_lhs(lhs, rhs.kp)
   if rhs.kind == "int4_mgpu":
     return mws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.bfloat16), rhs.data, group_sizes.astype(jnp.int32),

@@ -190,3 +190,27 @@ def test_layer_cache_dispatches_to_the_core(monkeypatch):
   o_x, _ = dataclasses.replace(c, implementation="xla").extend(q, kv[0], kv[1], None)
   assert calls == [(B, K * G, H)] * 2
   assert _rel(np.asarray(o_p), np.asarray(o_x)) < 0.03
+
+
+def test_layer_cache_takes_the_triton_path_off_hopper(monkeypatch):
+  """On a GPU that is not a Hopper (no wgmma) the cache does not call the Mosaic GPU core: it decodes through
+  `oskvp_decode_attention` on the token-major view, with the requested implementation."""
+  from moe_jax.kv_quant import oskvp_cache  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import hopper  # pylint: disable=g-import-not-at-top
+  c = _cache(zero_outliers=False)
+  monkeypatch.setattr(hopper, "mosaic_gpu_runs", lambda device=None: False)
+  monkeypatch.setattr(uc, "uniform_decode_attention", lambda *a, **k: pytest.fail("the Mosaic core was called"))
+  impls = []
+  orig = oskvp_cache.oskvp_decode_attention
+
+  def recorded(*args, implementation, **kw):
+    impls.append(implementation)
+    return orig(*args, implementation="xla", **kw)
+
+  monkeypatch.setattr(oskvp_cache, "oskvp_decode_attention", recorded)
+  q = jax.random.normal(jax.random.PRNGKey(10), (B, 2, K * G, H))
+  kv = jax.random.normal(jax.random.PRNGKey(11), (2, B, 2, K, H))
+  o_p, _ = dataclasses.replace(c, implementation="pallas").extend(q, kv[0], kv[1], None)
+  o_x, _ = dataclasses.replace(c, implementation="xla").extend(q, kv[0], kv[1], None)
+  assert impls[0] == "pallas"
+  np.testing.assert_allclose(np.asarray(o_p), np.asarray(o_x), rtol=1e-6, atol=1e-6)
