@@ -86,6 +86,9 @@ WS = {
     # 8 rows shorter when C was chosen).
     "al_c3": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=3, block_k=256),
     "al_c4": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=4, block_k=256),
+    # Not yet timed: wider aligned tiles for uneven routing (experts with 17-32 rows in one tile).
+    "al_r24": dict(nibble_order="shift", aligned_tiles=True, block_r=24),
+    "al_r32": dict(nibble_order="shift", aligned_tiles=True, block_r=32),
     # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the
     # zero point on the accumulator too (acc_zero: A = 128 + q, the lop3's output; x summed per K group by XLA).
     "c2_k512_acc_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale", nibble_order="shift"),

@@ -438,6 +438,9 @@ def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: 
   return 2
 
 
+BLOCK_RS = (8, 16, 24, 32)  # rows per tile (`block_r`)
+
+
 def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
   """Rows per tile R for M rows over E experts. Aligned tiles: 8 up to 4 rows per expert on average, else 16. At 8 rows
   per expert under random routing (64 × 4096→2048 × 512 rows, results/int4_mgpu_ws_al16_2048_random.md) R = 8 cut
@@ -483,8 +486,9 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       results/int4_mgpu_ws_table.md).
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 and 4 (where
       it divides Kp; the faster per C in the H200 runs).
-    block_r: rows per tile R (8 or 16); default `default_block_r`: with aligned tiles 8 up to 4 rows per expert on
-      average, else 16; with padded tiles 8 up to 8 rows per expert.
+    block_r: rows per tile R, one of BLOCK_RS (8, 16, 24, 32: the wgmma's N is the window W); default
+      `default_block_r`: with aligned tiles 8 up to 4 rows per expert on average, else 16; with padded tiles 8 up to
+      8 rows per expert. 24 and 32 (not yet timed) hold more of an expert's rows in one tile under uneven routing.
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
     memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (32 at C = 4).
@@ -517,7 +521,9 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "" is the kernel.
   """
-  dequant, _, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, block_r or 8)
+  dequant, _, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, 8)
+  if block_r is not None and block_r not in BLOCK_RS:
+    raise ValueError(f"block_r={block_r} must be one of {BLOCK_RS}")
   block_r = block_r or default_block_r(m, e, aligned_tiles)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")

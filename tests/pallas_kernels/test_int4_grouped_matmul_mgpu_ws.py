@@ -61,6 +61,9 @@ CASES = [
     # off a multiple of 8 take one more tile); padded tiles (W = R + 8), the first form:
     ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, aligned_tiles=False)),  # R = 8, W = 16, virtual rows
     ([5, 0, 2, 9], 3, 128, dict(num_ctas=2, block_r=16, aligned_tiles=False)),  # R = 16, W = 24
+    # Wider aligned tiles: an expert's 17 rows (starting at row 3) in one 24- or 32-row window, store ladder to 16.
+    ([3, 0, 17, 1], 2, 128, dict(num_ctas=2, block_r=24)),
+    ([3, 0, 17, 1], 2, 128, dict(num_ctas=3, block_r=32, block_k=128)),
 ]
 
 
@@ -246,7 +249,9 @@ def table_in_jnp(monkeypatch):
                                  dict(dequant="ptx", block_k=512, dequant_form="acc_zero", block_r=16),
                                  *[dict(dequant="ptx", nibble_order="shift", aligned_tiles=False, block_r=r, **c)
                                    for r in (8, 16)
-                                   for c in (dict(block_k=512), dict(num_compute_wgs=4, block_k=256))]])
+                                   for c in (dict(block_k=512), dict(num_compute_wgs=4, block_k=256))],
+                                 *[dict(dequant="ptx", nibble_order="shift", block_r=r, num_compute_wgs=c, block_k=256)
+                                   for r, c in ((24, 2), (32, 4))]])
 def test_gpu_path_lowers(cfg, table_in_jnp):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   cfg = dict(cfg)
@@ -319,6 +324,8 @@ def test_rejects_bad_arguments():
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=1, overlap_steps=True, interpret=True)
   with pytest.raises(ValueError, match="dequant_form"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, dequant_form="fma", interpret=True)
+  with pytest.raises(ValueError, match="block_r"):
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_r=12, interpret=True)
   with pytest.raises(ValueError, match="acc_scale"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, overlap_steps=True, dequant_form="acc_scale", interpret=True)
   with pytest.raises(ValueError, match="pad lhs"):
