@@ -164,12 +164,11 @@ def one_row_cache(key, length, *, kv: str, context: int, n_layers: int, kv_heads
 
 
 def expert_bytes_per_expert(model) -> float:
-  """Stored bytes of one routed expert (gate + up + down), quantized or not."""
-  moes = [b.ffn for b in model.blocks if hasattr(b.ffn, "w_gate") and hasattr(b.ffn, "n_experts")]
-  stored = lambda x: x.size // 2 if x.dtype == jnp.int4 else x.nbytes  # int4 arrays report 1 byte per element
-  total = sum(sum(int(stored(x)) for x in jax.tree_util.tree_leaves(getattr(m, n)[...]))
-              for m in moes for n in ("w_gate", "w_up", "w_down"))
-  return total / (len(moes) * moes[0].n_experts)
+  """Stored bytes of one routed expert (gate + up + down), quantized or not (`quant.expert_bytes`: int4 packed two
+  per byte)."""
+  from moe_jax.quant.experts import expert_bytes, moe_layers  # pylint: disable=g-import-not-at-top
+  moes = [m for m in moe_layers(model) if m is not None]
+  return expert_bytes(model) / (len(moes) * moes[0].n_experts)
 
 
 def step_bytes(config, model, c: int, cache_bytes: int) -> dict:

@@ -89,7 +89,7 @@ def _table_cases():
     block_r = ws.default_block_r(rows, e, aligned_tiles=True)
     c = ws.default_compute_wgs(rows, e, n, block_r, n_ctas)
     kw = dict(block_r=block_r, n_tiles=-(-n // (64 * c)), n_experts=e, n_ctas=n_ctas, aligned=True)
-    m_loaded = max(rows + (-rows % 8), wt.window(block_r, True))
+    m_loaded = wt.loaded_rows(rows, block_r, aligned=True)
     label = f"table {e} experts, N {n} (C {c}), {rows} rows"
     f = jax.jit(functools.partial(wt.work_table_reference, m=rows, m_loaded=m_loaded, **kw))
     yield f"{label}: xla", f, (gs,), 1

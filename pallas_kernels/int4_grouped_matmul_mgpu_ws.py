@@ -560,7 +560,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"overlap_steps needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
   memory_registers = memory_registers or (32 if num_compute_wgs == 4 else 40)
   compute_registers = register_split(num_compute_wgs, memory_registers, compute_registers)
-  pad = max(window - m, -m % 8)  # TMA reads lhs in 8-row tiles and windows of W rows
+  pad = wt.loaded_rows(m, block_r, aligned_tiles) - m  # TMA reads lhs in 8-row tiles and windows of W rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
   # acc_zero: x summed per K group (float32 [Kg, M' + W' - W]: zero columns so that the last window's tile fits), in
   # XLA before the kernel.

@@ -43,6 +43,12 @@ def window(block_r: int, aligned: bool) -> int:
   return block_r if aligned else block_r + 8
 
 
+def loaded_rows(m: int, block_r: int, aligned: bool) -> int:
+  """M', the rows of lhs padded for the kernel's loads: M rounded up to a multiple of 8 (TMA's 8-row tiles), at
+  least one window."""
+  return max(m + (-m % 8), window(block_r, aligned))
+
+
 def _max_tiles(m: int, n_experts: int, block_r: int, aligned: bool) -> int:
   """T_max, the most row tiles any group sizes give: ceil(M / R) + E + 1 (an aligned expert's offset adds one more
   tile each: + 2 (E + 1))."""
