@@ -420,11 +420,14 @@ TABLE_IMPLS = ("pallas", "pallas_masked", "xla")
 
 
 def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: int) -> int:
-  """The compute warpgroups per CTA (C) that ran fastest on the H200 (results/int4_mgpu_ws_table.md): 3 where 192
-  divides N (128 x 2048->768); else 4 (more compute warps per SM hide more of the decode's latency: 2.83-2.90x the
+  """The compute warpgroups per CTA (C) that ran fastest on the H200: 3 where 192 divides N (128 x 2048->768,
+  results/int4_mgpu_ws_table.md); else 4 (more compute warps per SM hide more of the decode's latency: 2.83-2.90x the
   best bf16 peer against 2.57-2.62x for C = 2 at 64 x 4096->2048) where 256 divides N and the work items, estimated
-  for balanced routing, fill the CTAs' last round to at least 95% (round-robin over num_ctas); else 2 (at
-  8 x 4096->14336 C = 4's 448 items leave 85%, and it was 3-11% slower than C = 2); 1 where N < 128."""
+  for balanced routing, fill the CTAs' last round to at least 95% (round-robin over num_ctas); else 3 with tiles of
+  16 or more rows (the x window costs 4·R / (64·C) of the weight bytes again: at 8 x 4096->14336 x 128 rows C = 3 ran
+  2.4% faster than C = 2 under balanced routing and 6.5% under random routing, results/int4_mgpu_ws_al_c34*.md) and
+  2 with 8-row tiles (C = 2 was 3.6% faster there at 16 rows, balanced; at 8 x 14336 C = 4's 448 items leave 85% of
+  the last round and it was slower than both); 1 where N < 128."""
   if n < 2 * _WG_N:
     return 1
   if n % (3 * _WG_N) == 0:
@@ -435,7 +438,7 @@ def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: 
   items = tiles * (n // (4 * _WG_N))
   if n % (4 * _WG_N) == 0 and items / (-(-items // num_ctas) * num_ctas) >= 0.95:
     return 4
-  return 2
+  return 3 if block_r >= 16 and n >= 3 * _WG_N else 2
 
 
 BLOCK_RS = (8, 16, 24, 32)  # rows per tile (`block_r`)
@@ -482,8 +485,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     num_compute_wgs: compute warpgroups per CTA (C, 1 to 4); the CTA's N tile is 64·C columns (N a multiple of 64,
       at least 64·C). Where 64·C does not divide N the last N tile starts at N - 64·C and its warpgroups whose
       columns the tile before holds do not store them. Default `default_compute_wgs`: 3 where 192 divides N, 4 where
-      256 does and the work items fill the CTAs, else 2 (the fastest per shape in the H200 runs,
-      results/int4_mgpu_ws_table.md).
+      256 does and the work items fill the CTAs, else 3 with row tiles of 16 or more rows and 2 with 8-row tiles
+      (the fastest per shape in the H200 runs, results/int4_mgpu_ws_table.md, int4_mgpu_ws_al_c34*.md).
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 and 4 (where
       it divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile R, one of BLOCK_RS (8, 16, 24, 32: the wgmma's N is the window W); default
