@@ -89,6 +89,9 @@ WS = {
     # Not yet timed: wider aligned tiles for uneven routing (experts with 17-32 rows in one tile).
     "al_r24": dict(nibble_order="shift", aligned_tiles=True, block_r=24),
     "al_r32": dict(nibble_order="shift", aligned_tiles=True, block_r=32),
+    # Fourteenth session: C = 3 with 128-wide K steps (a ring of 8 fits, twice the steps per item) where the default
+    # C = 3 / block_k 256 reached only 64-69% of copy bandwidth (128 x 2048->768, 8 x 4096->14336 x 128 rows).
+    "al_c3_k128": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=3, block_k=128),
     # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the
     # zero point on the accumulator too (acc_zero: A = 128 + q, the lop3's output; x summed per K group by XLA).
     "c2_k512_acc_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale", nibble_order="shift"),
