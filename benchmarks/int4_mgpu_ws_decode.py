@@ -92,6 +92,8 @@ WS = {
     # Fourteenth session: C = 3 with 128-wide K steps (a ring of 8 fits, twice the steps per item) where the default
     # C = 3 / block_k 256 reached only 64-69% of copy bandwidth (128 x 2048->768, 8 x 4096->14336 x 128 rows).
     "al_c3_k128": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=3, block_k=128),
+    # C = 2 with aligned tiles (the default at 8 x 4096->14336 with 8-row tiles; with 16-row tiles it is now C = 3).
+    "al_c2": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=2, block_k=512),
     # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the
     # zero point on the accumulator too (acc_zero: A = 128 + q, the lop3's output; x summed per K group by XLA).
     "c2_k512_acc_shift": dict(num_compute_wgs=2, block_k=512, dequant_form="acc_scale", nibble_order="shift"),
@@ -242,6 +244,7 @@ def main(argv=None):
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
   ap.add_argument("--ws", default="", help="comma-separated subset of the WS configs")
   ap.add_argument("--n", type=int, default=0, help="only the shapes with this N")
+  ap.add_argument("--rows", default="", help="comma-separated row counts instead of each shape's own")
   ap.add_argument("--tag", default="", help="suffix of the output files")
   ap.add_argument("--routing", default="balanced", choices=em.ROUTINGS, help="group sizes of the timed calls")
   ap.add_argument("--dump", default="", help="E,K,N,ROWS: compile and run once (with MOSAIC_GPU_DUMP_TO set)")
@@ -262,6 +265,8 @@ def main(argv=None):
     print(json.dumps({p: analyze_dump(p) for p in args.analyze_dump.split(",")}, indent=1))
     return 0
   shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
+  if args.rows:
+    shapes = [(e, k, n, [int(r) for r in args.rows.split(",")]) for e, k, n, _ in shapes]
   if args.smoke:
     SMOKE["interpret"], shapes = True, [(4, 512, 256, [8, 64])]
   os.makedirs(args.out, exist_ok=True)
