@@ -54,7 +54,9 @@ top): with C = 4 where it fills the CTAs and the work table as one small kernel 
 from `row_tiles` it had been 22% of the call), 2.47-3.00x the best bf16 peer and 61-72% of copy bandwidth with every
 expert active and <= 16 rows each (results/expert_matmul_ws_pallas_table.md, expert_matmul_ws.md). Thirteenth
 session: with the table's prefix sums by scan (1.3-2.3 µs) and aligned row tiles (W = R), 2.68-3.18x and 64-76%
-(results/int4_mgpu_ws_al*.md; benchmarks/notes_expert_matmul.md, top).
+(results/int4_mgpu_ws_al*.md; benchmarks/notes_expert_matmul.md, top). Fourteenth: C = 3 with 16-row tiles where C =
+4 does not fill the CTAs; the issue's grid (results/expert_matmul.md) at 2.70-3.16x and 65-76%, the memory side alone
+(`ablate="no_compute"`) at 3.20-3.47x and 73-84% in the cells that miss 3x or 70%.
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
@@ -491,7 +493,9 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       it divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile R, one of BLOCK_RS (8, 16, 24, 32: the wgmma's N is the window W); default
       `default_block_r`: with aligned tiles 8 up to 4 rows per expert on average, else 16; with padded tiles 8 up to
-      8 rows per expert. 24 and 32 (not yet timed) hold more of an expert's rows in one tile under uneven routing.
+      8 rows per expert. 24 and 32 hold more of an expert's rows in one tile under uneven routing: 32 was 24% faster
+      than 16 at 16 random rows per expert on average, and 24-33% slower under balanced routing at 1-8
+      (results/int4_mgpu_ws_al_r2432_random.md, int4_mgpu_ws_al_r32_balanced.json).
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
     memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (32 at C = 4).
