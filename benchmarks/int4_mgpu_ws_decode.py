@@ -82,11 +82,11 @@ WS = {
     "default_shift_al": dict(nibble_order="shift", aligned_tiles=True),
     "default_shift_al_r8": dict(nibble_order="shift", aligned_tiles=True, block_r=8),
     "default_shift_al_r16": dict(nibble_order="shift", aligned_tiles=True, block_r=16),
-    # Not yet timed: C = 3 and 4 at 8 x 4096->14336 with aligned tiles (C = 2 is the default there; its windows were
-    # 8 rows shorter when C was chosen).
+    # C = 3 and 4 at 8 x 4096->14336 with aligned tiles (timed in the fourteenth session: int4_mgpu_ws_al_c34*.md;
+    # C = 3 became the default there with 16-row tiles).
     "al_c3": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=3, block_k=256),
     "al_c4": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=4, block_k=256),
-    # Not yet timed: wider aligned tiles for uneven routing (experts with 17-32 rows in one tile).
+    # Wider aligned tiles for uneven routing (experts with 17-32 rows in one tile; int4_mgpu_ws_al_r2432_random.md).
     "al_r24": dict(nibble_order="shift", aligned_tiles=True, block_r=24),
     "al_r32": dict(nibble_order="shift", aligned_tiles=True, block_r=32),
     # Fourteenth session: C = 3 with 128-wide K steps (a ring of 8 fits, twice the steps per item) where the default

@@ -426,10 +426,11 @@ def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: 
   results/int4_mgpu_ws_table.md); else 4 (more compute warps per SM hide more of the decode's latency: 2.83-2.90x the
   best bf16 peer against 2.57-2.62x for C = 2 at 64 x 4096->2048) where 256 divides N and the work items, estimated
   for balanced routing, fill the CTAs' last round to at least 95% (round-robin over num_ctas); else 3 with tiles of
-  16 or more rows (the x window costs 4·R / (64·C) of the weight bytes again: at 8 x 4096->14336 x 128 rows C = 3 ran
-  2.4% faster than C = 2 under balanced routing and 6.5% under random routing, results/int4_mgpu_ws_al_c34*.md) and
-  2 with 8-row tiles (C = 2 was 3.6% faster there at 16 rows, balanced; at 8 x 14336 C = 4's 448 items leave 85% of
-  the last round and it was slower than both); 1 where N < 128."""
+  16 or more rows (the x window costs 4·R / (64·C) of the weight bytes again: at 8 x 4096->14336 x 64 / 128 rows
+  C = 3 ran 2.4-3.7% faster than C = 2 under balanced routing, 6.5-8% at 128 rows under random routing and 1% slower
+  at 64; results/int4_mgpu_ws_al_c34*.md, _al_c2c3*.md) and 2 with 8-row tiles (C = 2 was 3.6% faster there at 16
+  rows, balanced; at 8 x 14336 C = 4's 448 items leave 85% of the last round and it was slower than both under
+  balanced routing); 1 where N < 128."""
   if n < 2 * _WG_N:
     return 1
   if n % (3 * _WG_N) == 0:
