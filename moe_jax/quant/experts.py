@@ -187,14 +187,46 @@ def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = Non
   return model
 
 
-def to_mgpu_layout(model):
+# Keyword arguments of the warp-specialized Mosaic GPU kernel that `to_mgpu_layout` stores with the weights.
+MGPU_KERNEL_OPTIONS = ("block_r", "num_compute_wgs", "block_k", "aligned_tiles", "table_impl")
+
+
+def check_mgpu_options(options: dict, where: str, kp: int, n: int) -> tuple[tuple[str, object], ...]:
+  """The options as sorted (name, value) pairs, or a ValueError naming the weight and the field (checked against the
+  weight's padded K and its N, so that a bad value fails here and not inside the kernel's trace)."""
+  from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws  # pylint: disable=g-import-not-at-top
+  for name, value in options.items():
+    bad = None
+    if name not in MGPU_KERNEL_OPTIONS:
+      bad = f"is not an option of the Mosaic GPU int4 kernel (one of {MGPU_KERNEL_OPTIONS})"
+    elif name == "block_r" and value not in mws.BLOCK_RS:
+      bad = f"must be one of {mws.BLOCK_RS}"
+    elif name == "num_compute_wgs" and (type(value) is not int or not 1 <= value <= 4 or n < 64 * value):
+      bad = f"must be 1 to 4 with N = {n} >= 64·num_compute_wgs"
+    elif name == "block_k" and (type(value) is not int or value <= 0 or value % 128 or kp % value):
+      bad = f"must be a multiple of 128 dividing the padded K = {kp}"
+    elif name == "aligned_tiles" and not isinstance(value, bool):
+      bad = "must be True or False"
+    elif name == "table_impl" and value not in mws.TABLE_IMPLS:
+      bad = f"must be one of {mws.TABLE_IMPLS}"
+    if bad:
+      raise ValueError(f"{where}: {name}={value!r} {bad}")
+  return tuple(sorted(options.items()))
+
+
+def to_mgpu_layout(model, **kernel_options):
   """Re-lays every routed expert weight of kind "int4" (dense RTN int4, G = 128) as kind "int4_mgpu" (in place).
 
   "int4_mgpu" is the layout of the warp-specialized Mosaic GPU kernel (`pallas_kernels/int4_grouped_matmul_mgpu_ws.py`,
-  the fastest int4 kernel on the H200 at decode sizes: benchmarks/results/expert_matmul_ws*.md); the "pallas" grouped
+  the fastest int4 kernel on the H200 at decode sizes: benchmarks/results/expert_matmul.md); the "pallas" grouped
   matmul then runs that kernel (lhs rounded to bf16, its contract) instead of the Triton one. The same values: the
   dequantized weight is unchanged. Other kinds, AWQ weights (activation scales) and weights whose N is not a multiple
   of 64 are refused with the weight's name. Checkpoints store "int4": convert after `load_quantized`.
+
+  kernel_options: keyword arguments of the kernel (MGPU_KERNEL_OPTIONS) stored with every weight and passed on each
+  call, e.g. `block_r=32` where the routing is known to be uneven at ~16 rows per expert (24% faster than the
+  default there on the H200, slower under balanced routing: see the kernel's docstring). Checked here against each
+  weight's shape; a bad one raises a ValueError naming the weight and the field.
   """
   from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws  # pylint: disable=g-import-not-at-top
   for i, moe in enumerate(moe_layers(model)):
@@ -210,7 +242,9 @@ def to_mgpu_layout(model):
       if q.data.in_scale is not None or q.data.meta is not None or q.group_size != 128 or q.shape[2] % 64:
         raise ValueError(f"{where}: the Mosaic GPU int4 kernel takes dense RTN int4 with group 128 and N a multiple "
                          f"of 64 (group {q.group_size}, N {q.shape[2]}, AWQ scales: {q.data.in_scale is not None})")
-      var.set_value(QuantizedExperts(mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size))
+      options = check_mgpu_options(kernel_options, where, q.kp, q.shape[2])
+      var.set_value(QuantizedExperts(mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size,
+                                     options=options))
   return model
 
 

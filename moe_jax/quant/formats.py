@@ -88,11 +88,14 @@ class QuantizedExperts:
     kind: one of KINDS.
     k: the logical K (the arrays hold Kp >= k, zero-padded to a multiple of group_size).
     group_size: G, the K group of scales (and of the kernels' layout).
+    options: keyword arguments of the kind's kernel as sorted (name, value) pairs (static; int4_mgpu only, set by
+      `quant.to_mgpu_layout(model, block_r=...)`); () for its defaults.
   """
   data: Int4Weights | VQ2Weights | VQ2SparseWeights | MgpuInt4WeightsShift
   kind: str = struct.field(pytree_node=False)
   k: int = struct.field(pytree_node=False)
   group_size: int = struct.field(pytree_node=False)
+  options: tuple[tuple[str, object], ...] = struct.field(pytree_node=False, default=())
 
   def __getitem__(self, idx):
     if idx is Ellipsis:

@@ -2,7 +2,8 @@
 
   GROUPED_MATMULS["pallas"]        int4 / int4_sp24 / vq2 weights through the dequant-fused Triton kernels of
                                    `pallas_kernels/`, int4_mgpu weights (`quant.to_mgpu_layout`) through the
-                                   warp-specialized Mosaic GPU kernel (lhs rounded to bf16); any other weight (bf16
+                                   warp-specialized Mosaic GPU kernel (lhs rounded to bf16; with the weights'
+                                   kernel options, `QuantizedExperts.options`); any other weight (bf16
                                    arrays, vq2_sp24) falls back to "xla".
   GROUPED_MATMULS["pallas_fused"]  the same per matmul, and `FUSED_SWIGLU["pallas_fused"]` computes
                                    silu(x W_gate) · (x W_up) in one kernel (one pass over the rows, both weights
@@ -46,7 +47,7 @@ def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Ar
   x = _pad_lhs(lhs, rhs.kp)
   if rhs.kind == "int4_mgpu":
     return mws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.bfloat16), rhs.data, group_sizes.astype(jnp.int32),
-                                           interpret=_interpret())
+                                           interpret=_interpret(), **dict(rhs.options))
   fn = v2.vq2_grouped_matmul if rhs.kind == "vq2" else i4.int4_grouped_matmul
   return fn(x, rhs.data, group_sizes.astype(jnp.int32), group_size=rhs.group_size, interpret=_interpret())
 

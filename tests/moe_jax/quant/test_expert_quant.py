@@ -131,6 +131,49 @@ def test_to_mgpu_layout_keeps_the_weight_and_its_grouped_matmul():
   assert not np.any(got[9:])
 
 
+def test_mgpu_kernel_options_reach_the_kernel(monkeypatch):
+  """Options stored with int4_mgpu weights (`QuantizedExperts.options`) are passed to the WS kernel on each call, and
+  the result with them (R = 32, one compute warpgroup) is the same product."""
+  w = jax.random.normal(jax.random.key(9), (3, K, 128), jnp.float32)
+  q = quant.quantize_int4(w)
+  opts = (("block_r", 32), ("num_compute_wgs", 1))
+  m = quant.QuantizedExperts(kernels.mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size,
+                             options=opts)
+  seen = []
+  real = kernels.mws.int4_grouped_matmul_mgpu_ws
+
+  def spy(*args, **kw):
+    seen.append(kw)
+    return real(*args, **kw)
+
+  monkeypatch.setattr(kernels.mws, "int4_grouped_matmul_mgpu_ws", spy)
+  x = jax.random.normal(jax.random.key(10), (21, K))
+  gs = jnp.asarray([17, 0, 3], jnp.int32)  # 17 rows: one 32-row tile
+  got = np.asarray(kernels.pallas_grouped_matmul(x, m, gs))
+  assert seen and seen[0]["block_r"] == 32 and seen[0]["num_compute_wgs"] == 1
+  want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.bfloat16).astype(jnp.float32), m.dequantize(), gs,
+                                       precision=jax.lax.Precision.HIGHEST))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert not np.any(got[20:])
+
+
+def test_to_mgpu_layout_checks_kernel_options(tiny_config):
+  """to_mgpu_layout stores valid kernel options with every weight and refuses a bad one with the weight's name and the
+  field, before any kernel is traced."""
+  config = dataclasses.replace(tiny_config, d_model=128, expert_hidden=128)
+  q = quant.quantize_experts(decode.init_model(config, seed=0), "int4")
+  r = quant.to_mgpu_layout(nnx.clone(q), block_r=32, table_impl="xla")
+  assert {v.options for v in quant.expert_weights(r).values()} == {(("block_r", 32), ("table_impl", "xla"))}
+  for kw, msg in ((dict(block_r=12), r"w_gate: block_r=12 must be one of \(8, 16, 24, 32\)"),
+                  (dict(num_compute_wgs=3), r"w_gate: num_compute_wgs=3 must be 1 to 4 with N = 128"),
+                  (dict(block_k=384), r"w_gate: block_k=384 must be a multiple of 128 dividing the padded K = 128"),
+                  (dict(aligned_tiles=1), r"w_gate: aligned_tiles=1 must be True or False"),
+                  (dict(table_impl="auto"), r"w_gate: table_impl='auto' must be one of"),
+                  (dict(block_m=64), r"w_gate: block_m=64 is not an option of the Mosaic GPU int4 kernel")):
+    with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\." + msg):
+      quant.to_mgpu_layout(nnx.clone(q), **kw)
+
+
 def test_model_to_mgpu_layout(tiny_config, tiny_model):
   """A whole model re-laid (D = F = 128, so that K groups of 128 and N tiles of 64 apply): every expert weight becomes
   int4_mgpu with the same values (the XLA path's logits are unchanged), and the "pallas" path (the WS kernel, interpret
