@@ -79,6 +79,8 @@ flags.DEFINE_list("variants", ["bf16+bf16", "int4+oskvp"],
                   "warp-specialized Mosaic kernel's layout, else a mode of moe_jax.quant.quantize_experts.")
 flags.DEFINE_string("expert_impl", "pallas", "Grouped matmul of quantized experts ('pallas' reads them compressed).")
 flags.DEFINE_string("oskvp_impl", "pallas", "Decode attention of OS-KVP caches ('pallas' or 'xla').")
+flags.DEFINE_list("mgpu_options", [], "Kernel options of the int4_mgpu variant's experts, name=value (Python "
+                  "literals), passed to quant.to_mgpu_layout: e.g. block_r=32.")
 flags.DEFINE_integer("steps", 16, "Timed decode steps per case (median).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps per case (the first compiles).")
 flags.DEFINE_bool("full_depth_check", True, "Also time bf16 at the first context and concurrency <= 32 with all "
@@ -127,7 +129,7 @@ def build_model(config, expert_quant: str):
     quant.quantize_experts(model, "int4" if expert_quant == "int4_mgpu" else expert_quant,
                            implementation=FLAGS.expert_impl)
     if expert_quant == "int4_mgpu":
-      quant.to_mgpu_layout(model)
+      quant.to_mgpu_layout(model, **quant.parse_kernel_options(FLAGS.mgpu_options, "--mgpu_options"))
     jax.block_until_ready(nnx.state(model))
   return model
 
@@ -385,6 +387,7 @@ def main(argv):
               full_layers=base.n_layers, steps=FLAGS.steps, copy_bandwidth_tb_s=bw / 1e12, copy_probe=probe,
               copy_probes_tb_s={k: v / 1e12 for k, v in bws.items()}, contexts=contexts, concurrency=concurrency,
               expert_impl=FLAGS.expert_impl, oskvp_impl=FLAGS.oskvp_impl, command=" ".join(sys.argv),
+              mgpu_options=FLAGS.mgpu_options,
               xla_flags=os.environ.get("XLA_FLAGS", ""),
               mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (default)"))
   print(meta, flush=True)

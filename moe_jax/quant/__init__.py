@@ -6,8 +6,8 @@ evaluation harness exists, the expert quantization modes of `moe_jax.eval.EXPERT
 
 from moe_jax.quant import kernels as _kernels  # noqa: F401  (registers the Pallas grouped matmuls)
 from moe_jax.quant.experts import (MODES, QuantSpec, collect_expert_inputs, default_calibration_tokens,
-                                   expert_bytes, expert_weights, quantize_experts, quantize_weight,
-                                   set_implementation, spec_for, to_mgpu_layout)
+                                   expert_bytes, expert_weights, parse_kernel_options, quantize_experts,
+                                   quantize_weight, set_implementation, spec_for, to_mgpu_layout)
 from moe_jax.quant.formats import KINDS, QuantizedExperts
 from moe_jax.quant.int4 import quantize_int4
 from moe_jax.quant.io import load_quantized, save_quantized
@@ -15,7 +15,8 @@ from moe_jax.quant.vq2 import quantize_vq2
 
 __all__ = [
     "KINDS", "MODES", "QuantSpec", "QuantizedExperts", "collect_expert_inputs", "default_calibration_tokens",
-    "expert_bytes", "expert_weights", "load_quantized", "quantize_experts", "quantize_int4", "quantize_vq2",
+    "expert_bytes", "expert_weights", "load_quantized", "parse_kernel_options", "quantize_experts", "quantize_int4",
+    "quantize_vq2",
     "quantize_weight", "save_quantized", "set_implementation", "spec_for", "to_mgpu_layout",
 ]
 

@@ -12,6 +12,7 @@ states routed to each expert, down sees silu(gate)·up of those rows.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 
@@ -212,6 +213,21 @@ def check_mgpu_options(options: dict, where: str, kp: int, n: int) -> tuple[tupl
     if bad:
       raise ValueError(f"{where}: {name}={value!r} {bad}")
   return tuple(sorted(options.items()))
+
+
+def parse_kernel_options(items: list[str], flag: str = "kernel options") -> dict:
+  """["block_r=32", "table_impl='xla'", ...] (name=value, values Python literals) -> {"block_r": 32, ...}, for
+  command lines that pass `to_mgpu_layout` options; a malformed item raises a ValueError naming `flag`."""
+  out = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    try:
+      if not sep or not name.strip():
+        raise ValueError
+      out[name.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      raise ValueError(f"{flag}: {item!r} is not name=value with a Python literal value") from None
+  return out
 
 
 def to_mgpu_layout(model, **kernel_options):

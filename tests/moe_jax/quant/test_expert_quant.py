@@ -174,6 +174,16 @@ def test_to_mgpu_layout_checks_kernel_options(tiny_config):
       quant.to_mgpu_layout(nnx.clone(q), **kw)
 
 
+def test_parse_kernel_options():
+  """Command-line kernel options: name=value with Python literal values; a malformed item names the flag."""
+  got = quant.parse_kernel_options(["block_r=32", " table_impl = 'xla' ", "aligned_tiles=False"], "--mgpu_options")
+  assert got == {"block_r": 32, "table_impl": "xla", "aligned_tiles": False}
+  assert quant.parse_kernel_options([]) == {}
+  for bad in ("block_r", "=32", "block_r=thirty", "block_r=(", "table_impl=xla"):
+    with pytest.raises(ValueError, match="--mgpu_options: .* is not name=value"):
+      quant.parse_kernel_options([bad], "--mgpu_options")
+
+
 def test_model_to_mgpu_layout(tiny_config, tiny_model):
   """A whole model re-laid (D = F = 128, so that K groups of 128 and N tiles of 64 apply): every expert weight becomes
   int4_mgpu with the same values (the XLA path's logits are unchanged), and the "pallas" path (the WS kernel, interpret
