@@ -41,9 +41,12 @@ def _inputs(sizes, extra, n):
 # 0 (an idle CTA); virtual-expert tiles (zeros), several tiles per expert, two N tiles, 1 or 2 compute warpgroups.
 # Three compute warpgroups (4 threads per CTA) starve the interpreter on 2 cores several tries in a row
 # (`interpreter_watchdog.py`): C = 3 is checked here by lowering (`test_gpu_path_lowers`) and on the GPU by
-# `benchmarks/int4_mgpu_ws_decode.py`'s checks.
+# `benchmarks/int4_mgpu_ws_decode.py`'s checks. Cases with 16-row tiles at N >= 192 therefore give C = 2, which the
+# default (`default_compute_wgs`) would now make 3.
 CASES = [
-    ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16)),  # 5 tiles x 2 N tiles over 3 CTAs, ring of 2
+    # C = 2 given where the default would now be 3 (16-row tiles, N = 256 not filled by C = 4).
+    ([3, 0, 17, 1], 2, 256, dict(num_compute_wgs=2, block_k=128, num_ctas=3, block_r=16)),  # 5 tiles x 2 N tiles over
+    # 3 CTAs, ring of 2
     ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1)),  # 3 items in one CTA: START, STEADY, STOP
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5)),  # one item per CTA, one CTA idle
     ([0, 0, 0, 0], 2, 192, dict(num_compute_wgs=2, num_ctas=2)),  # only the virtual expert's rows: zeros
@@ -54,7 +57,8 @@ CASES = [
     ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),  # C = 2, tiles at 0 and 64; one CTA
     ([3, 0, 17, 1], 2, 320, dict(num_compute_wgs=4, block_k=128, num_ctas=2)),  # C = 4: tiles at 0 and 64 (overlap)
     # overlap_steps: a step releases the previous step's ring slot, the item's end its last one (manual barriers).
-    ([3, 0, 17, 1], 2, 256, dict(block_k=128, num_ctas=3, block_r=16, overlap_steps=True)),  # ring of 2, chained
+    ([3, 0, 17, 1], 2, 256, dict(num_compute_wgs=2, block_k=128, num_ctas=3, block_r=16, overlap_steps=True)),  # ring
+    # of 2, chained
     ([5, 0, 2, 9], 0, 320, dict(num_compute_wgs=2, block_k=128, num_ctas=1, overlap_steps=True)),  # START..STOP
     ([1, 1, 1, 1], 0, 128, dict(num_ctas=5, block_k=128, overlap_steps=True)),  # one item per CTA, one idle
     # The cases above take aligned tiles (the default: windows of W = R rows, wgmma N = 8 at R = 8; experts that start
@@ -91,7 +95,7 @@ def test_dequant_forms_match_their_reference(form, order, interpreted):
   x, gs, w = _inputs([3, 0, 17, 1], 2, 256)
   wm = ws.to_mgpu_layout(w, nibble_order=order)
   got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(
-      x, wm, gs, interpret=True, block_k=128, num_ctas=3, block_r=16, dequant_form=form)))
+      x, wm, gs, interpret=True, num_compute_wgs=2, block_k=128, num_ctas=3, block_r=16, dequant_form=form)))
   want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form))
   # acc_zero subtracts (128 + z) · xsum from sum x (128 + q): float32 cancellation, ~1e-6 of the largest output.
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
@@ -104,7 +108,7 @@ def test_dequant_forms_match_their_reference(form, order, interpreted):
 
 @pytest.mark.parametrize("sizes,extra,n,cfg", [
     # block_k 256 (gk 2), padded tiles W 24: the x-sum tile padded to 32.
-    ([3, 0, 17, 1], 2, 256, dict(num_ctas=3, block_r=16, aligned_tiles=False)),
+    ([3, 0, 17, 1], 2, 256, dict(num_compute_wgs=2, num_ctas=3, block_r=16, aligned_tiles=False)),
     # Overlapping last N tile (C = 2 at N = 192: tiles at 0 and 64).
     ([2, 1, 0, 0], 5, 192, dict(num_compute_wgs=2, num_ctas=1)),
     ([5, 0, 2, 9], 0, 128, dict(num_ctas=1, max_concurrent_steps=1, block_k=128)),  # START, STEADY, STOP
