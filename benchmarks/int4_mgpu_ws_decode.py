@@ -250,8 +250,9 @@ def main(argv=None):
   ap.add_argument("--dump", default="", help="E,K,N,ROWS: compile and run once (with MOSAIC_GPU_DUMP_TO set)")
   ap.add_argument("--analyze_dump", default="", help="MOSAIC_GPU_DUMP_TO folders (comma-separated): ptxas report "
                   "and SASS loops")
-  ap.add_argument("--ablate", default="", help="also time each WS config with this `ablate` (e.g. no_compute: "
-                  "the memory side alone; wrong results, not checked)")
+  ap.add_argument("--ablate", default="", help="also time each WS config with these `ablate`s, comma-separated "
+                  "(no_compute: the memory side alone; no_decode: without the int4 loads and decode; wrong results, "
+                  "not checked)")
   ap.add_argument("--default_c_only", action="store_true",
                   help="time each WS config only where its num_compute_wgs is the kernel's default C for that N")
   args = ap.parse_args(argv)
@@ -323,10 +324,10 @@ def main(argv=None):
             want = np.asarray(mg.int4_grouped_matmul_mgpu_reference(x, w_mg, gs))
           add(f"pallas_int4_mgpu_ws[{name}]", rows, e, k, n, timer(f, x, w, gs, iters=args.iters), "int4_mgpu",
               n_active, {"config": cfg, **rel_errs(got, want, x, w, gs, kw)})
-          if args.ablate:
-            fa = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **kw, ablate=args.ablate, **_kw()))
-            add(f"pallas_int4_mgpu_ws[{name},{args.ablate}]", rows, e, k, n, timer(fa, x, w, gs, iters=args.iters),
-                "int4_mgpu", n_active, {"config": {**cfg, "ablate": args.ablate}})
+          for ablate in filter(None, args.ablate.split(",")):
+            fa = jax.jit(functools.partial(ws.int4_grouped_matmul_mgpu_ws, **kw, ablate=ablate, **_kw()))
+            add(f"pallas_int4_mgpu_ws[{name},{ablate}]", rows, e, k, n, timer(fa, x, w, gs, iters=args.iters),
+                "int4_mgpu", n_active, {"config": {**cfg, "ablate": ablate}})
         except Exception as ex:  # noqa: BLE001
           print("ws fail", name, type(ex).__name__, str(ex)[:400], flush=True)
       save()

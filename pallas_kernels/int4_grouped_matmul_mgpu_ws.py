@@ -224,6 +224,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
   def decode(q_smem, s_smem, z_smem, c, rows=None):
     """K group c of the step: bf16 [64, G], this warpgroup's W^T slice in the form's scale (see DEQUANT_FORMS); rows:
     the group's (scale, zero point), loaded here after the int4 tile when not given."""
+    if ablate == "no_decode":  # timing only: no int4 load or dequant; the wgmma multiplies q - z = 1 everywhere
+      return plgpu.layout_cast(jnp.full((_WG_N, _G), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
     ks = pl.ds(c * _G, _G)
     w = plgpu.load(q_smem.at[wg_rows, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [64, G]
     s, z = rows or load_rows(s_smem, z_smem, c)
@@ -415,7 +417,7 @@ def _compute_register_count(count: int):
     _mgpu_pipeline._compute_registers = original  # pylint: disable=protected-access
 
 
-ABLATIONS = ("", "no_compute")
+ABLATIONS = ("", "no_compute", "no_decode")
 # How the work table is computed on the GPU (`table_impl`): "pallas" (one Triton kernel, prefix sums by scan),
 # "pallas_masked" (its first form: prefix sums as [Ep, Ep] masked sums, 64 rows per program), "xla" (its jnp reference).
 TABLE_IMPLS = ("pallas", "pallas_masked", "xla")
@@ -527,7 +529,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       routing). With the default block_r 0-13% faster than padded tiles on the H200 under balanced routing and 2-12%
       under random routing, at no measured cell slower by more than 0.1% (results/int4_mgpu_ws_al*.md).
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
-      compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "" is the kernel.
+      compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "no_decode" (acc_scale only)
+      keeps the wgmmas, the per-group scaling and the stores but gives every wgmma a constant operand (q - z = 1,
+      so out[m, n] = sum_k x[m, k] s[e, k // 128, n]) instead of loading and decoding the int4 tile: with the
+      kernel and no_compute it splits the compute's time over the stream into decode and the rest; "" is the kernel.
   """
   dequant, _, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, 8)
   if block_r is not None and block_r not in BLOCK_RS:
@@ -549,6 +554,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   ksteps = kp // block_k
   window = wt.window(block_r, aligned_tiles)
   dequant_form = dequant_form or ("sub_mul" if overlap_steps else "acc_scale")
+  if ablate == "no_decode" and dequant_form != "acc_scale":
+    raise ValueError(f"ablate='no_decode' takes dequant_form='acc_scale', not {dequant_form!r}")
   stage_bytes = (bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2 +
                  (block_k // _G * _xsum_window(window, block_k // _G) * 4 if dequant_form == "acc_zero" else 0))
   fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0)

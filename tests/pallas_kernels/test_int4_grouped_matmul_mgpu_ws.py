@@ -84,6 +84,22 @@ def test_matches_reference(sizes, extra, n, cfg, interpreted):
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
 
 
+def test_no_decode_ablation_multiplies_the_scales(interpreted):
+  """ablate="no_decode" (timing only) gives every wgmma the constant operand q - z = 1 and keeps the per-group
+  scaling and the stores, so out[m] = x[m] @ S[e(m)] with S[e, k, n] = s[e, k // 128, n]; it takes acc_scale only."""
+  sizes, extra = [3, 0, 17, 1], 2
+  x, gs, w = _inputs(sizes, extra, 128)
+  wm = ws.to_mgpu_layout(w, nibble_order="shift")
+  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, num_ctas=2,
+                                                                      ablate="no_decode")))
+  scales = jnp.repeat(wm.scale.astype(jnp.float32), G, axis=1)  # [E, Kp, N]
+  want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), scales, gs, precision=jax.lax.Precision.HIGHEST))
+  np.testing.assert_allclose(got[:sum(sizes)], want[:sum(sizes)], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert not np.any(got[sum(sizes):])
+  with pytest.raises(ValueError, match="no_decode.*acc_scale"):
+    ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, ablate="no_decode", dequant_form="sub_mul")
+
+
 # (form, nibble order): every form in the prmt order (K_ORDER), every form but fma16 in the shift order.
 FORM_ORDERS = [(f, "prmt") for f in ws.DEQUANT_FORMS] + [(f, "shift") for f in ws.DEQUANT_FORMS if f != "fma16"]
 
@@ -255,7 +271,8 @@ def table_in_jnp(monkeypatch):
                                    for r in (8, 16)
                                    for c in (dict(block_k=512), dict(num_compute_wgs=4, block_k=256))],
                                  *[dict(dequant="ptx", nibble_order="shift", block_r=r, num_compute_wgs=c, block_k=256)
-                                   for r, c in ((24, 2), (32, 4))]])
+                                   for r, c in ((24, 2), (32, 4))],
+                                 dict(dequant="ptx", nibble_order="shift", block_k=512, ablate="no_decode")])
 def test_gpu_path_lowers(cfg, table_in_jnp):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   cfg = dict(cfg)
