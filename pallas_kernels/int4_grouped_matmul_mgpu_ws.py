@@ -39,24 +39,13 @@ W = R + 8 (`int4_ws_work_table`). Each compute warpgroup writes its out^T [64, W
 stores the tile's rows of out [M, N] with a ladder of power-of-two TMA row stores. Tiles of the virtual expert E
 (rows past sum(group_sizes)) stream expert E - 1's weight and store zeros (only when such rows exist).
 
-Measured on the H200 (results/int4_mgpu_ws.md): 1.02-1.08x the one-warpgroup kernel at 8 x 4096->14336 and
-64 x 4096->2048 (C = 2, block_k 512), 1.5-2.1x the best bf16 peer, 33-53% of copy bandwidth; at 128 x 2048->768 the
-Triton int4 kernel stays faster. The acc_scale form (sixth session): 2-6% faster than sub_mul at <= 8 rows per
-expert, up to 2.18x the best bf16 peer and 54% of copy bandwidth. The shift nibble order (seventh session): 2.5-6%
-faster again at C = 2, up to 2.22x the best bf16 peer and 56% of copy bandwidth; acc_zero is 2-5.5% slower than
-acc_scale in either order (the x sums cost an XLA reduction and 2 FFMA per accumulator element and group).
-`overlap_steps=True` is correct but slower (ptxas serializes the wgmmas when one stays in flight across the step
-loop's back-edge: C7512; benchmarks/notes_expert_matmul.md). C = 4 with jax's own register split hung on the H200:
-the launch gives 640 threads 96 registers each and the split asked 4 x 112-120 + 40, so setmaxnreg.inc waited
-forever; `register_split` gives the compute warpgroups what the launch holds (C = 4: 4 x 112 + 32 = 5 x 96) and
-overrides the pipeline's own split (`_compute_register_count`). Twelfth session (benchmarks/notes_expert_matmul.md,
-top): with C = 4 where it fills the CTAs and the work table as one small kernel (`int4_ws_work_table`; built by XLA
-from `row_tiles` it had been 22% of the call), 2.47-3.00x the best bf16 peer and 61-72% of copy bandwidth with every
-expert active and <= 16 rows each (results/expert_matmul_ws_pallas_table.md, expert_matmul_ws.md). Thirteenth
-session: with the table's prefix sums by scan (1.3-2.3 µs) and aligned row tiles (W = R), 2.68-3.18x and 64-76%
-(results/int4_mgpu_ws_al*.md; benchmarks/notes_expert_matmul.md, top). Fourteenth: C = 3 with 16-row tiles where C =
-4 does not fill the CTAs; the issue's grid (results/expert_matmul.md) at 2.70-3.16x and 65-76%, the memory side alone
-(`ablate="no_compute"`) at 3.20-3.47x and 73-84% in the cells that miss 3x or 70%.
+Measured on the H200 (jax 0.11.2, CUPTI, L2 flushed; results/expert_matmul.md, the issue's grid with the defaults):
+2.70-3.16x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) and 65-76% of copy bandwidth with every
+expert active and <= 16 rows each; the memory side alone (`ablate="no_compute"`) reaches 3.20-3.47x and 73-84% in
+the cells below 3x or 70% (results/int4_mgpu_ws_al_abl*.md). Why the defaults are what they are, and what was tried
+and left off (overlap_steps: ptxas serializes the wgmmas when one stays in flight across the step loop's back-edge,
+C7512; the fma dequant forms; C = 4 with jax's own register split, which deadlocks, hence `register_split`): the
+session-by-session record in benchmarks/notes_expert_matmul.md.
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
