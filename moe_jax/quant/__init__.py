@@ -16,8 +16,7 @@ from moe_jax.quant.vq2 import quantize_vq2
 __all__ = [
     "KINDS", "MODES", "QuantSpec", "QuantizedExperts", "collect_expert_inputs", "default_calibration_tokens",
     "expert_bytes", "expert_weights", "load_quantized", "parse_kernel_options", "quantize_experts", "quantize_int4",
-    "quantize_vq2",
-    "quantize_weight", "save_quantized", "set_implementation", "spec_for", "to_mgpu_layout",
+    "quantize_vq2", "quantize_weight", "save_quantized", "set_implementation", "spec_for", "to_mgpu_layout",
 ]
 
 
