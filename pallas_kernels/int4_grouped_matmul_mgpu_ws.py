@@ -32,7 +32,7 @@ What differs (the "next step" of benchmarks/notes_expert_matmul.md):
   compute warpgroups finish the current one and store it (the one-warpgroup kernel refills its ring per program).
 - Scale and zero point are streamed with the weight tiles (per step) instead of loaded per program up front.
 
-Rows and the output: a row tile holds up to R (8 or 16) rows of one expert and loads a window of W rows of lhs that
+Rows and the output: a row tile holds up to R (`BLOCK_RS`: 8 to 32) rows of one expert and loads a window of W rows of lhs that
 starts at a multiple of 8 (TMA into 8-row-tiled shared memory): by default (`aligned_tiles`) the tiles are cut at
 multiples of 8 and W = R; padded tiles (as in `int4_grouped_matmul_mgpu`) take R rows from the expert's first row and
 W = R + 8 (`int4_ws_work_table`). Each compute warpgroup writes its out^T [64, W] transposed into shared memory and
@@ -449,6 +449,27 @@ def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
   return 8 if m <= 8 * n_experts else 16
 
 
+# The tiling options a caller may fix per weight (`quant.to_mgpu_layout(model, block_r=...)` stores them).
+OPTIONS = ("block_r", "num_compute_wgs", "block_k", "aligned_tiles", "table_impl")
+
+
+def check_options(kp: int, n: int, *, block_r: int | None = None, num_compute_wgs: int | None = None,
+                  block_k: int | None = None, aligned_tiles: bool = True, table_impl: str = "pallas") -> None:
+  """Raises a ValueError naming the first of OPTIONS that does not fit weights of padded K = kp and N = n (None: the
+  kernel's default, always valid)."""
+  if block_r is not None and block_r not in BLOCK_RS:
+    raise ValueError(f"block_r={block_r} must be one of {BLOCK_RS}")
+  if num_compute_wgs is not None and (type(num_compute_wgs) is not int or not 1 <= num_compute_wgs <= 4
+                                      or n < _WG_N * num_compute_wgs):
+    raise ValueError(f"num_compute_wgs={num_compute_wgs!r} must be 1 to 4 with N = {n} >= 64·num_compute_wgs")
+  if block_k is not None and (type(block_k) is not int or block_k <= 0 or block_k % _G or kp % block_k):
+    raise ValueError(f"block_k={block_k!r} must be a multiple of {_G} dividing the padded K = {kp}")
+  if not isinstance(aligned_tiles, bool):
+    raise ValueError(f"aligned_tiles={aligned_tiles!r} must be True or False")
+  if table_impl not in TABLE_IMPLS:
+    raise ValueError(f"table_impl={table_impl!r} must be one of {TABLE_IMPLS}")
+
+
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
            "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl",
            "aligned_tiles")
@@ -524,22 +545,18 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       kernel and no_compute it splits the compute's time over the stream into decode and the rest; "" is the kernel.
   """
   dequant, _, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, 8)
-  if block_r is not None and block_r not in BLOCK_RS:
-    raise ValueError(f"block_r={block_r} must be one of {BLOCK_RS}")
+  if n % _WG_N:
+    raise ValueError(f"N={n} must be a multiple of {_WG_N}")
+  check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k,
+                aligned_tiles=aligned_tiles, table_impl=table_impl)
   block_r = block_r or default_block_r(m, e, aligned_tiles)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  if table_impl not in TABLE_IMPLS:
-    raise ValueError(f"table_impl={table_impl!r} must be one of {TABLE_IMPLS}")
   order = mg.nibble_order(weights)
   num_ctas = num_ctas or (4 if interpret else _num_sms())
-  num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)
+  num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)  # fits N (n % 64 == 0)
   bn = num_compute_wgs * _WG_N
-  if num_compute_wgs < 1 or n % _WG_N or n < bn:
-    raise ValueError(f"num_compute_wgs={num_compute_wgs} must be >= 1, N={n} a multiple of {_WG_N} and at least 64·C")
   block_k = block_k or next(b for b in ((512, 256, _G) if num_compute_wgs == 2 else (256, _G)) if kp % b == 0)
-  if block_k % _G or kp % block_k:
-    raise ValueError(f"block_k={block_k} must be a multiple of {_G} dividing Kp={kp}")
   ksteps = kp // block_k
   window = wt.window(block_r, aligned_tiles)
   dequant_form = dequant_form or ("sub_mul" if overlap_steps else "acc_scale")

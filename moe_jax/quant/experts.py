@@ -188,30 +188,19 @@ def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = Non
   return model
 
 
-# Keyword arguments of the warp-specialized Mosaic GPU kernel that `to_mgpu_layout` stores with the weights.
-MGPU_KERNEL_OPTIONS = ("block_r", "num_compute_wgs", "block_k", "aligned_tiles", "table_impl")
-
-
 def check_mgpu_options(options: dict, where: str, kp: int, n: int) -> tuple[tuple[str, object], ...]:
-  """The options as sorted (name, value) pairs, or a ValueError naming the weight and the field (checked against the
-  weight's padded K and its N, so that a bad value fails here and not inside the kernel's trace)."""
+  """The options as sorted (name, value) pairs, or a ValueError naming the weight and the field: the kernel's own
+  check (`int4_grouped_matmul_mgpu_ws.check_options`) against the weight's padded K and N, so that a bad value fails
+  at conversion and not inside the kernel's trace."""
   from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws  # pylint: disable=g-import-not-at-top
   for name, value in options.items():
-    bad = None
-    if name not in MGPU_KERNEL_OPTIONS:
-      bad = f"is not an option of the Mosaic GPU int4 kernel (one of {MGPU_KERNEL_OPTIONS})"
-    elif name == "block_r" and value not in mws.BLOCK_RS:
-      bad = f"must be one of {mws.BLOCK_RS}"
-    elif name == "num_compute_wgs" and (type(value) is not int or not 1 <= value <= 4 or n < 64 * value):
-      bad = f"must be 1 to 4 with N = {n} >= 64·num_compute_wgs"
-    elif name == "block_k" and (type(value) is not int or value <= 0 or value % 128 or kp % value):
-      bad = f"must be a multiple of 128 dividing the padded K = {kp}"
-    elif name == "aligned_tiles" and not isinstance(value, bool):
-      bad = "must be True or False"
-    elif name == "table_impl" and value not in mws.TABLE_IMPLS:
-      bad = f"must be one of {mws.TABLE_IMPLS}"
-    if bad:
-      raise ValueError(f"{where}: {name}={value!r} {bad}")
+    if name not in mws.OPTIONS:
+      raise ValueError(f"{where}: {name}={value!r} is not an option of the Mosaic GPU int4 kernel (one of "
+                       f"{mws.OPTIONS})")
+  try:
+    mws.check_options(kp, n, **options)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
   return tuple(sorted(options.items()))
 
 
@@ -239,10 +228,10 @@ def to_mgpu_layout(model, **kernel_options):
   dequantized weight is unchanged. Other kinds, AWQ weights (activation scales) and weights whose N is not a multiple
   of 64 are refused with the weight's name. Checkpoints store "int4": convert after `load_quantized`.
 
-  kernel_options: keyword arguments of the kernel (MGPU_KERNEL_OPTIONS) stored with every weight and passed on each
-  call, e.g. `block_r=32` where the routing is known to be uneven at ~16 rows per expert (24% faster than the
-  default there on the H200, slower under balanced routing: see the kernel's docstring). Checked here against each
-  weight's shape; a bad one raises a ValueError naming the weight and the field.
+  kernel_options: keyword arguments of the kernel (`int4_grouped_matmul_mgpu_ws.OPTIONS`) stored with every weight
+  and passed on each call, e.g. `block_r=32` where the routing is known to be uneven at ~16 rows per expert (24%
+  faster than the default there on the H200, slower under balanced routing: see the kernel's docstring). Checked
+  here against each weight's shape; a bad one raises a ValueError naming the weight and the field.
   """
   from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws  # pylint: disable=g-import-not-at-top
   for i, moe in enumerate(moe_layers(model)):
