@@ -92,6 +92,9 @@ WS = {
     # Fourteenth session: C = 3 with 128-wide K steps (a ring of 8 fits, twice the steps per item) where the default
     # C = 3 / block_k 256 reached only 64-69% of copy bandwidth (128 x 2048->768, 8 x 4096->14336 x 128 rows).
     "al_c3_k128": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=3, block_k=128),
+    # Fifteenth session: C = 3 with 512-wide K steps (a ring of 2: 3 does not divide 8 steps), so that each step's
+    # last decode has 3 wgmmas before it to hide behind instead of 1.
+    "al_c3_k512": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=3, block_k=512),
     # C = 2 with aligned tiles (the default at 8 x 4096->14336 with 8-row tiles; with 16-row tiles it is now C = 3).
     "al_c2": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=2, block_k=512),
     # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the
@@ -248,6 +251,7 @@ def main(argv=None):
   ap.add_argument("--ws", default="", help="comma-separated subset of the WS configs")
   ap.add_argument("--n", type=int, default=0, help="only the shapes with this N")
   ap.add_argument("--rows", default="", help="comma-separated row counts instead of each shape's own")
+  ap.add_argument("--shape", default="", help="E,K,N: time this shape instead of SHAPES (with --rows)")
   ap.add_argument("--tag", default="", help="suffix of the output files")
   ap.add_argument("--routing", default="balanced", choices=em.ROUTINGS, help="group sizes of the timed calls")
   ap.add_argument("--dump", default="", help="E,K,N,ROWS: compile and run once (with MOSAIC_GPU_DUMP_TO set)")
@@ -269,6 +273,8 @@ def main(argv=None):
     print(json.dumps({p: analyze_dump(p) for p in args.analyze_dump.split(",")}, indent=1))
     return 0
   shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
+  if args.shape:
+    shapes = [(*map(int, args.shape.split(",")), [int(r) for r in args.rows.split(",")] if args.rows else [16])]
   if args.rows:
     shapes = [(e, k, n, [int(r) for r in args.rows.split(",")]) for e, k, n, _ in shapes]
   if args.smoke:
