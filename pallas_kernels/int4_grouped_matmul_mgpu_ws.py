@@ -188,7 +188,7 @@ def _xsum_window(window: int, gk: int) -> int:
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
             block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int,
             compute_registers: int, a_from_smem: bool, ablate: str, dequant: str, overlap_steps: bool,
-            dequant_form: str, order: str):
+            dequant_form: str, order: str, wgmma_depth: int):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
   # float32 [M', N]). o_smem: float32 [n_wgs, W, 64] (W = R, or R + 8 with padded tiles), one out tile per compute
@@ -255,6 +255,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
 
       def groups(*tmps):  # tmps: gk zeroed float32 [64, W] accumulators, one per K group
         for c in range(gk):
+          if c >= wgmma_depth:  # group c - depth's wgmma is done: its A registers are free for group c's decode
+            plgpu.wgmma_wait(wgmma_depth - 1)
           mma(tmps[c], decode(q_smem, s_smem, z_smem, c, rows[c]), x_smem, c)
         acc = carry
         bcast = lambda v, dim: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (_WG_N, window), (dim,)),
@@ -475,7 +477,7 @@ def check_options(kp: int, n: int, *, block_r: int | None = None, num_compute_wg
 
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
            "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl",
-           "aligned_tiles")
+           "aligned_tiles", "wgmma_depth")
 
 
 def _num_sms() -> int:
@@ -492,7 +494,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 dequant: str = "ptx", overlap_steps: bool = False,
                                 dequant_form: str | None = None, compute_registers: int | None = None,
                                 ablate: str = "", table_impl: str = "pallas",
-                                aligned_tiles: bool = True) -> jax.Array:
+                                aligned_tiles: bool = True, wgmma_depth: int | None = None) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -541,6 +543,11 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       tiles, the first form), at the price of at most one more tile per expert (the same count under balanced
       routing). With the default block_r 0-13% faster than padded tiles on the H200 under balanced routing and 2-12%
       under random routing, at no measured cell slower by more than 0.1% (results/int4_mgpu_ws_al*.md).
+    wgmma_depth: (acc forms) how many K groups' wgmmas a compute warpgroup keeps in flight within a step: before
+      decoding group c >= depth it waits for group c - depth's (`wgmma_wait(depth - 1)`), so only `depth` groups'
+      decoded A operands (32 registers each) are live at once. Default all of the step's block_k / 128 groups (no
+      wait before the step's end). With block_k 512 at C = 3 (152 registers) a depth of 2 keeps the register use of
+      block_k 256 while 3 of the step's 4 decodes run behind a wgmma instead of 1 of 2.
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "no_decode" (acc_scale only)
       keeps the wgmmas, the per-group scaling and the stores but gives every wgmma a constant operand (q - z = 1,
@@ -555,6 +562,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   block_r = block_r or default_block_r(m, e, aligned_tiles)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
+  if wgmma_depth is not None and (type(wgmma_depth) is not int or wgmma_depth < 1):
+    raise ValueError(f"wgmma_depth={wgmma_depth!r} must be a positive int")
   order = mg.nibble_order(weights)
   num_ctas = num_ctas or (4 if interpret else _num_sms())
   num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)  # fits N (n % 64 == 0)
@@ -575,6 +584,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
+  wgmma_depth = wgmma_depth or block_k // _G
+  if wgmma_depth < block_k // _G and dequant_form not in _ACC_FORMS:
+    raise ValueError(f"wgmma_depth={wgmma_depth} below the step's {block_k // _G} K groups needs an accumulator form "
+                     f"(acc_scale, acc_zero), not dequant_form={dequant_form!r}")
   if overlap_steps and dequant_form in _ACC_FORMS:
     raise ValueError(f"overlap_steps does not combine with dequant_form={dequant_form!r} (each step reads its "
                      "accumulators)")
@@ -606,7 +619,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, a_from_smem=bool(interpret), ablate=ablate,
-                           dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order)
+                           dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order,
+                           wgmma_depth=wgmma_depth)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access

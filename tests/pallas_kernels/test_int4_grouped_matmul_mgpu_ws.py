@@ -68,6 +68,8 @@ CASES = [
     # Wider aligned tiles: an expert's 17 rows (starting at row 3) in one 24- or 32-row window, store ladder to 16.
     ([3, 0, 17, 1], 2, 128, dict(num_ctas=2, block_r=24)),
     ([3, 0, 17, 1], 2, 128, dict(num_ctas=3, block_r=32, block_k=128)),
+    # One K group's wgmma in flight: each step waits for group 0's before decoding group 1.
+    ([3, 0, 17, 1], 2, 128, dict(num_ctas=2, block_k=256, wgmma_depth=1)),
 ]
 
 
@@ -329,6 +331,22 @@ def test_c4_lowers_with_the_fitting_split(table_in_jnp):
   assert counts == {"112", "32"}, counts
 
 
+@pytest.mark.parametrize("depth,waits", [(None, False), (4, False), (2, True)])
+def test_wgmma_depth_waits_within_the_step(depth, waits, table_in_jnp):
+  """block_k 512 (4 K groups per step) at C = 3: with wgmma_depth 2 the step waits until one wgmma is pending before
+  it decodes groups 2 and 3; at the default (all 4 groups) or 4 it waits only at the step's end (wait_group 0)."""
+  x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
+  x = jnp.pad(x, ((0, 0), (0, 512 - K)))
+  w = ws.to_mgpu_layout(w)
+  w = w._replace(q=jnp.pad(w.q, ((0, 0), (0, 0), (0, 512 - K))),
+                 scale=jnp.pad(w.scale, ((0, 0), (0, 2), (0, 0))), zero=jnp.pad(w.zero, ((0, 0), (0, 2), (0, 0))))
+  f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, num_compute_wgs=3, block_k=512,
+                                                             block_r=16, wgmma_depth=depth))
+  text = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))
+  assert "wgmma.wait_group.sync.aligned 0;" in text
+  assert ("wgmma.wait_group.sync.aligned 1;" in text) == waits
+
+
 def test_rejects_bad_arguments():
   x, gs, w = _inputs([1, 2, 3, 4], 0, 128)
   w = ws.to_mgpu_layout(w, nibble_order="prmt")
@@ -350,6 +368,10 @@ def test_rejects_bad_arguments():
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, dequant_form="fma", interpret=True)
   with pytest.raises(ValueError, match="block_r"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_r=12, interpret=True)
+  with pytest.raises(ValueError, match="wgmma_depth"):
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, wgmma_depth=0, interpret=True)
+  with pytest.raises(ValueError, match="wgmma_depth=1 .*'sub_mul'"):  # the per-group waits need per-group accumulators
+    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=256, wgmma_depth=1, dequant_form="sub_mul", interpret=True)
   with pytest.raises(ValueError, match="acc_scale"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, overlap_steps=True, dequant_form="acc_scale", interpret=True)
   with pytest.raises(ValueError, match="pad lhs"):
