@@ -549,7 +549,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       decoding group c >= depth it waits for group c - depth's (`wgmma_wait(depth - 1)`), so only `depth` groups'
       decoded A operands (32 registers each) are live at once. Default all of the step's block_k / 128 groups (no
       wait before the step's end). With block_k 512 at C = 3 (152 registers) a depth of 2 keeps the register use of
-      block_k 256 while 3 of the step's 4 decodes run behind a wgmma instead of 1 of 2.
+      block_k 256 while 3 of the step's 4 decodes run behind a wgmma instead of 1 of 2: 3-6% faster than without on
+      the H200, but from tied to 13% slower than the defaults (results/int4_mgpu_ws_al_depth.md), so none uses it.
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "no_decode" (acc_scale only)
       keeps the wgmmas, the per-group scaling and the stores but gives every wgmma a constant operand (q - z = 1,

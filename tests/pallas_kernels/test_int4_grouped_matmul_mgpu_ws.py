@@ -68,7 +68,9 @@ CASES = [
     # Wider aligned tiles: an expert's 17 rows (starting at row 3) in one 24- or 32-row window, store ladder to 16.
     ([3, 0, 17, 1], 2, 128, dict(num_ctas=2, block_r=24)),
     ([3, 0, 17, 1], 2, 128, dict(num_ctas=3, block_r=32, block_k=128)),
-    # One K group's wgmma in flight: each step waits for group 0's before decoding group 1.
+    # One K group's wgmma in flight: each step waits for group 0's before decoding group 1 (the interpreter's route
+    # waits after every wgmma anyway: this runs the option's code path; `test_wgmma_depth_waits_within_the_step`
+    # checks the waits in the GPU lowering).
     ([3, 0, 17, 1], 2, 128, dict(num_ctas=2, block_k=256, wgmma_depth=1)),
 ]
 
