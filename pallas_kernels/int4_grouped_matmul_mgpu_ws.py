@@ -443,16 +443,17 @@ BLOCK_RS = (8, 16, 24, 32)  # rows per tile (`block_r`)
 
 
 def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
-  """Rows per tile R for M rows over E experts. Aligned tiles: 8 up to 4 rows per expert on average, 16 up to 16, else
-  32. At 8 rows per expert under random routing (64 × 4096→2048 × 512 rows, results/int4_mgpu_ws_al16_2048_random.md)
+  """Rows per tile R for M rows over E experts. Aligned tiles: 8 up to 4 rows per expert on average, 16 up to 16, 24 up
+  to 24, else 32. At 8 rows per expert under random routing (64 × 4096→2048 × 512 rows, results/int4_mgpu_ws_al16_2048_random.md)
   R = 8 cut most experts into two tiles and ran 0.1368 ms against R = 16's 0.1047 (R = 16 gives up 5% under balanced
   routing there: 0.0889 against 0.0849 ms); at 2 rows per expert R = 8 was 11-12% faster either way (8 × 4096→14336 ×
   16). Above 16 rows per expert R = 16 streams each weight tile twice: at 64 × 4096→2048 × 1536 / 2048 rows R = 32 ran
   0.1118 / 0.1118 ms against 0.1535 / 0.1541 (balanced), 0.1797 against 0.2052 at 2048 random rows
-  (results/int4_mgpu_ws_al_r32_big*.md). Padded tiles: 8 up to 8 rows per expert (the earlier rule,
+  (results/int4_mgpu_ws_al_r32_big*.md); at 24 rows per expert R = 24 was 5-8% faster than 32 (64 × 4096→2048,
+  128 × 2048→768, 8 × 4096→14336; results/int4_mgpu_ws_al_r24_*.md). Padded tiles: 8 up to 8 rows per expert (the earlier rule,
   `int4_grouped_matmul_mgpu.check_inputs`)."""
   if aligned_tiles:
-    return 8 if m <= 4 * n_experts else 16 if m <= 16 * n_experts else 32
+    return next(r for r, most in ((8, 4), (16, 16), (24, 24), (32, None)) if most is None or m <= most * n_experts)
   return 8 if m <= 8 * n_experts else 16
 
 
@@ -512,8 +513,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 and 4 (where
       it divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile R, one of BLOCK_RS (8, 16, 24, 32: the wgmma's N is the window W); default
-      `default_block_r`: with aligned tiles 8 up to 4 rows per expert on average, 16 up to 16, else 32; with padded
-      tiles 8 up to 8 rows per expert. 24 and 32 hold more of an expert's rows in one tile under uneven routing: 32
+      `default_block_r`: with aligned tiles 8 up to 4 rows per expert on average, 16 up to 16, 24 up to 24, else 32;
+      with padded tiles 8 up to 8 rows per expert. 24 and 32 hold more of an expert's rows in one tile under uneven routing: 32
       was 24% faster than 16 at 16 random rows per expert on average, and 24-33% slower under balanced routing at
       1-8 (results/int4_mgpu_ws_al_r2432_random.md, int4_mgpu_ws_al_r32_balanced.json).
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);

@@ -316,10 +316,11 @@ def test_default_compute_wgs(e, n, m, want):
 @pytest.mark.parametrize("m,e,aligned,want", [(64, 64, True, 8), (256, 64, True, 8), (257, 64, True, 16),
                                               (512, 64, True, 16), (512, 64, False, 8), (513, 64, False, 16),
                                               (16, 8, True, 8), (128, 8, True, 16), (1024, 64, True, 16),
-                                              (1025, 64, True, 32), (4096, 64, True, 32), (4096, 64, False, 16)])
+                                              (1025, 64, True, 24), (1536, 64, True, 24), (1537, 64, True, 32),
+                                              (4096, 64, True, 32), (4096, 64, False, 16)])
 def test_default_block_r(m, e, aligned, want):
-  """Aligned tiles: R = 8 up to 4 rows per expert on average, 16 up to 16, else 32; padded tiles: 8 up to 8 rows per
-  expert, else 16."""
+  """Aligned tiles: R = 8 up to 4 rows per expert on average, 16 up to 16, 24 up to 24, else 32; padded tiles: 8 up to
+  8 rows per expert, else 16."""
   assert ws.default_block_r(m, e, aligned) == want
 
 
