@@ -99,9 +99,6 @@ WS = {
     # groups' decoded A operands are live (block_k 256's register use); and C = 2 with 1024-wide K steps that way.
     "al_c3_k512_d2": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=3, block_k=512, wgmma_depth=2),
     "al_c2_k1024_d2": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=2, block_k=1024, wgmma_depth=2),
-    # The defaults with two K = 64 wgmma calls per K group (`wgmma_k=64`): a group's first wgmma starts after half
-    # of its decode.
-    "al_k64": dict(nibble_order="shift", aligned_tiles=True, wgmma_k=64),
     # C = 2 with aligned tiles (the default at 8 x 4096->14336 with 8-row tiles; with 16-row tiles it is now C = 3).
     "al_c2": dict(nibble_order="shift", aligned_tiles=True, num_compute_wgs=2, block_k=512),
     # Seventh session: the shift nibble order (K_ORDER_SHIFT: a shift and a lop3 per weight pair, no prmt) and the

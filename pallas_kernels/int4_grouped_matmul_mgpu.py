@@ -170,8 +170,8 @@ mul.bf16x2 $0, t, $4;
 
 def dequant_registers(w, *rows, n_rows: int, asm: str, shifts: tuple[int, int] = (0, -4),
                       nibble_order: str = "prmt"):  # pylint: disable=redefined-outer-name
-  """int4 [n_rows, C] (4X-upcast layout, stored in the order's K permutation; C = G or a multiple of 32 dividing it)
-  and per-row bf16 [n_rows] operands -> bf16 [n_rows, C] wgmma operand, by inline PTX per bf16 pair.
+  """int4 [n_rows, G] (4X-upcast layout, stored in the order's K permutation) and per-row bf16 [n_rows] operands ->
+  bf16 [n_rows, G] wgmma operand, by inline PTX per bf16 pair.
 
   "prmt" order (K_ORDER): `asm` takes $1, $2 = the 32-bit word of 8 nibbles shifted by shifts[0] and shifts[1]
   (> 0 left, < 0 right) and {hi}/{lo} = the prmt byte selectors of the pair. "shift" order (K_ORDER_SHIFT): $1 = the
@@ -179,7 +179,7 @@ def dequant_registers(w, *rows, n_rows: int, asm: str, shifts: tuple[int, int] =
   per row array ($3, $4, ... / $2, ...), the row's value in both halves; $0 the pair.
   """
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, *[_ROW] * len(rows)),
-                     return_type=plgpu.ShapeDtypeStruct((n_rows, w.shape[1]), jnp.bfloat16, plgpu.Layout.WGMMA))
+                     return_type=plgpu.ShapeDtypeStruct((n_rows, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
   def dequant(_, arr, *row_arrs):
     i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
     pair = lambda r: mgpu.utils.bitcast(mgpu.utils.vector_concat([r, r]), i32)  # one row value in both halves
@@ -188,8 +188,8 @@ def dequant_registers(w, *rows, n_rows: int, asm: str, shifts: tuple[int, int] =
     shift = lambda word, n: (word if n == 0 else arith.shli(word, mgpu.utils.c(n, i32)) if n > 0 else
                              arith.shrui(word, mgpu.utils.c(-n, i32)))
     words = {}
-    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((n_rows, w.shape[1])), dtype=object)
-    for idx in np.ndindex(regs.shape):  # [n_rows/64, C/8, 1, 1, 2, 1, 1, 1, 1]
+    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((n_rows, _G)), dtype=object)
+    for idx in np.ndindex(regs.shape):  # [n_rows/64, G/8, 1, 1, 2, 1, 1, 1, 1]
       src = (idx[0], idx[1] // 4, *idx[2:])
       part = idx[1] % 4
       if src not in words:

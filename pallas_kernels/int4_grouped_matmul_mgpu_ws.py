@@ -159,16 +159,16 @@ def form_asm(form: str, order: str = "prmt") -> str:
 
 
 def _dequant_form_ptx(w, rows, form: str, order: str):
-  """int4 [64, C] (4X-upcast layout, stored in `order`; C = `wgmma_k`) and the form's per-row operands (bf16 [64]
-  each) -> bf16 [64, C] operand."""
+  """int4 [64, G] (4X-upcast layout, stored in `order`) and the form's per-row operands (bf16 [64] each) -> bf16
+  [64, G] operand."""
   return mg.dequant_registers(w, *rows, n_rows=_WG_N, asm=form_asm(form, order), shifts=_FORM_ASM[form][0],
                               nibble_order=order)
 
 
 def _dequant_form_jnp(w, s, z, form: str):
-  """Interpret mode's equivalent of `_dequant_form_ptx` on a relaid-out int4 [64, C] tile (c = q - 8): the same bf16
+  """Interpret mode's equivalent of `_dequant_form_ptx` on a relaid-out int4 [64, G] tile (c = q - 8): the same bf16
   values (the fused multiply-add of the fma forms is exact in float32 here, then rounded once to bf16)."""
-  bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, w.shape, (0,)), plgpu.Layout.WGMMA)
+  bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (_WG_N, _G), (0,)), plgpu.Layout.WGMMA)
   x = w.astype(jnp.float32) + float(_FORM_BIAS[form] + 8)  # bias + q
   if form == "acc_zero":
     return x.astype(jnp.bfloat16)  # 128 + q, exact
@@ -190,7 +190,7 @@ def _xsum_window(window: int, gk: int) -> int:
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
             block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int,
             compute_registers: int, a_from_smem: bool, ablate: str, dequant: str, overlap_steps: bool,
-            dequant_form: str, order: str, wgmma_depth: int, wgmma_k: int):
+            dequant_form: str, order: str, wgmma_depth: int):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
   # float32 [M', N]). o_smem: float32 [n_wgs, W, 64] (W = R, or R + 8 with padded tiles), one out tile per compute
@@ -212,13 +212,12 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
   def load_rows(s_smem, z_smem, c):  # bf16 [64] scale and zero point of K group c
     return plgpu.load(s_smem.at[c, wg_rows], layout=_ROW), plgpu.load(z_smem.at[c, wg_rows], layout=_ROW)
 
-  def decode(q_smem, s_smem, z_smem, c, rows=None, part=0):
-    """Part `part` (of G / wgmma_k) of K group c of the step: bf16 [64, wgmma_k], this warpgroup's W^T slice in the
-    form's scale (see DEQUANT_FORMS); rows: the group's (scale, zero point), loaded here after the int4 tile when
-    not given."""
+  def decode(q_smem, s_smem, z_smem, c, rows=None):
+    """K group c of the step: bf16 [64, G], this warpgroup's W^T slice in the form's scale (see DEQUANT_FORMS); rows:
+    the group's (scale, zero point), loaded here after the int4 tile when not given."""
     if ablate == "no_decode":  # timing only: no int4 load or dequant; the wgmma multiplies q - z = 1 everywhere
-      return plgpu.layout_cast(jnp.full((_WG_N, wgmma_k), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
-    ks = pl.ds(c * _G + part * wgmma_k, wgmma_k)
+      return plgpu.layout_cast(jnp.full((_WG_N, _G), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
+    ks = pl.ds(c * _G, _G)
     w = plgpu.load(q_smem.at[wg_rows, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [64, G]
     s, z = rows or load_rows(s_smem, z_smem, c)
     if dequant == "ptx":
@@ -229,9 +228,9 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
       w = mg._as_wgmma_operand(w, _WG_N)  # pylint: disable=protected-access
     return _dequant_form_jnp(w, s, z, dequant_form)
 
-  def mma(acc_ref, w, x_smem, c, part=0):
-    ks = pl.ds(c * _G + part * wgmma_k, wgmma_k)
-    if a_from_smem:  # a_smem: [n_wgs, 64, wgmma_k]
+  def mma(acc_ref, w, x_smem, c):
+    ks = pl.ds(c * _G, _G)
+    if a_from_smem:
       a_smem.at[wg][...] = w
       plgpu.commit_smem()
       plgpu.wgmma(acc_ref, a_smem.at[wg], x_smem.at[:, ks].T)
@@ -257,12 +256,10 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
         xsums = [plgpu.load(rest[0].at[c, pl.ds(0, window)], layout=_COL) for c in range(gk)]  # float32 [W] each
 
       def groups(*tmps):  # tmps: gk zeroed float32 [64, W] accumulators, one per K group
-        parts = _G // wgmma_k  # wgmma calls (commit groups) per K group
         for c in range(gk):
-          if c >= wgmma_depth:  # group c - depth's wgmmas are done: their A registers are free for group c's decode
-            plgpu.wgmma_wait((wgmma_depth - 1) * parts)
-          for part in range(parts):  # the first part's wgmma runs while the next part decodes
-            mma(tmps[c], decode(q_smem, s_smem, z_smem, c, rows[c], part), x_smem, c, part)
+          if c >= wgmma_depth:  # group c - depth's wgmma is done: its A registers are free for group c's decode
+            plgpu.wgmma_wait(wgmma_depth - 1)
+          mma(tmps[c], decode(q_smem, s_smem, z_smem, c, rows[c]), x_smem, c)
         acc = carry
         bcast = lambda v, dim: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (_WG_N, window), (dim,)),
                                                  plgpu.Layout.WGMMA)
@@ -290,9 +287,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
 
   # The item's N tile is passed as gmem refs sliced at its first column (col0, a multiple of 64), so that the last
   # tile of an N that bn does not divide can start at N - bn (overlapping the tile before it) instead of past N.
-  # The int4 and x tiles are tiled so that a wgmma_k-wide column slice is whole tiles (narrower swizzles below 128).
-  specs = [plgpu.BlockSpec((bn, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.int4, wgmma_k)),  # pylint: disable=protected-access
-           plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.bfloat16, wgmma_k)),  # pylint: disable=protected-access
+  specs = [plgpu.BlockSpec((bn, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.int4)),  # pylint: disable=protected-access
+           plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.bfloat16)),  # pylint: disable=protected-access
            plgpu.BlockSpec((gk, bn), lambda k: (k, 0)),
            plgpu.BlockSpec((gk, bn), lambda k: (k, 0))]
   if xsum_ref is not None:
@@ -484,7 +480,7 @@ def check_options(kp: int, n: int, *, block_r: int | None = None, num_compute_wg
 
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
            "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl",
-           "aligned_tiles", "wgmma_depth", "wgmma_k")
+           "aligned_tiles", "wgmma_depth")
 
 
 def _num_sms() -> int:
@@ -501,8 +497,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 dequant: str = "ptx", overlap_steps: bool = False,
                                 dequant_form: str | None = None, compute_registers: int | None = None,
                                 ablate: str = "", table_impl: str = "pallas",
-                                aligned_tiles: bool = True, wgmma_depth: int | None = None,
-                                wgmma_k: int = _G) -> jax.Array:
+                                aligned_tiles: bool = True, wgmma_depth: int | None = None) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -557,9 +552,6 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       wait before the step's end). With block_k 512 at C = 3 (152 registers) a depth of 2 keeps the register use of
       block_k 256 while 3 of the step's 4 decodes run behind a wgmma instead of 1 of 2: 3-6% faster than without on
       the H200, but from tied to 13% slower than the defaults (results/int4_mgpu_ws_al_depth.md), so none uses it.
-    wgmma_k: (acc forms) K per wgmma call: 128 (the default, one call per K group) or 64. Halves let a K group's
-      first wgmma start after half of its decode instead of all of it (the step's first group has no earlier wgmma
-      of its warpgroup to run behind); the int4 and x tiles then take 32- and 128-byte swizzles of 64-column tiles.
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "no_decode" (acc_scale only)
       keeps the wgmmas, the per-group scaling and the stores but gives every wgmma a constant operand (q - z = 1,
@@ -588,7 +580,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"ablate='no_decode' takes dequant_form='acc_scale', not {dequant_form!r}")
   stage_bytes = (bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2 +
                  (block_k // _G * _xsum_window(window, block_k // _G) * 4 if dequant_form == "acc_zero" else 0))
-  fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * wgmma_k * 2 if interpret else 0)
+  fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0)
   if max_concurrent_steps is None:
     max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
                                  s * stage_bytes + fixed <= _SMEM_BUDGET), 1)
@@ -596,11 +588,6 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
-  if wgmma_k not in (64, _G):  # 32 would need a 16-byte swizzle of the int4 tile, which TMA does not offer
-    raise ValueError(f"wgmma_k={wgmma_k!r} must be 64 or {_G}")
-  if wgmma_k != _G and dequant_form not in _ACC_FORMS:
-    raise ValueError(f"wgmma_k={wgmma_k} needs an accumulator form (acc_scale, acc_zero), not "
-                     f"dequant_form={dequant_form!r}")
   wgmma_depth = wgmma_depth or block_k // _G
   if wgmma_depth < block_k // _G and dequant_form not in _ACC_FORMS:
     raise ValueError(f"wgmma_depth={wgmma_depth} below the step's {block_k // _G} K groups needs an accumulator form "
@@ -637,10 +624,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, a_from_smem=bool(interpret), ablate=ablate,
                            dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order,
-                           wgmma_depth=wgmma_depth, wgmma_k=wgmma_k)
+                           wgmma_depth=wgmma_depth)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
-      a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, wgmma_k), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16, wgmma_k))  # pylint: disable=protected-access
+      a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
               if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)))  # unused on the GPU
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((m + pad, n), jnp.float32), grid=(num_ctas,), grid_names=("c",),

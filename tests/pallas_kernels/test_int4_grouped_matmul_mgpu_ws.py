@@ -72,9 +72,6 @@ CASES = [
     # waits after every wgmma anyway: this runs the option's code path; `test_wgmma_depth_waits_within_the_step`
     # checks the waits in the GPU lowering).
     ([3, 0, 17, 1], 2, 128, dict(num_ctas=2, block_k=256, wgmma_depth=1)),
-    # Two wgmma calls of K = 64 per K group (64-column int4 and x tiles), with and without the per-group waits.
-    ([3, 0, 17, 1], 2, 128, dict(num_ctas=2, block_k=256, wgmma_k=64)),
-    ([5, 0, 2, 9], 3, 128, dict(num_ctas=1, block_k=256, wgmma_k=64, wgmma_depth=1)),
 ]
 
 
@@ -279,10 +276,7 @@ def table_in_jnp(monkeypatch):
                                    for c in (dict(block_k=512), dict(num_compute_wgs=4, block_k=256))],
                                  *[dict(dequant="ptx", nibble_order="shift", block_r=r, num_compute_wgs=c, block_k=256)
                                    for r, c in ((24, 2), (32, 4))],
-                                 dict(dequant="ptx", nibble_order="shift", block_k=512, ablate="no_decode"),
-                                 *[dict(dequant="ptx", nibble_order="shift", wgmma_k=64, **c)
-                                   for c in (dict(num_compute_wgs=3, block_k=256, block_r=16),
-                                             dict(block_k=512, ablate="no_decode"))]])
+                                 dict(dequant="ptx", nibble_order="shift", block_k=512, ablate="no_decode")])
 def test_gpu_path_lowers(cfg, table_in_jnp):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   cfg = dict(cfg)
@@ -379,10 +373,6 @@ def test_rejects_bad_arguments():
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_r=12, interpret=True)
   with pytest.raises(ValueError, match="wgmma_depth"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, wgmma_depth=0, interpret=True)
-  with pytest.raises(ValueError, match="wgmma_k=32"):
-    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, wgmma_k=32, interpret=True)
-  with pytest.raises(ValueError, match="wgmma_k=64 .*'sub_mul'"):
-    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, wgmma_k=64, dequant_form="sub_mul", interpret=True)
   with pytest.raises(ValueError, match="wgmma_depth=1 .*'sub_mul'"):  # the per-group waits need per-group accumulators
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=256, wgmma_depth=1, dequant_form="sub_mul", interpret=True)
   with pytest.raises(ValueError, match="acc_scale"):
