@@ -278,7 +278,10 @@ def main(argv=None):
     return 0
   shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
   if args.shape:
-    shapes = [(*map(int, args.shape.split(",")), [int(r) for r in args.rows.split(",")] if args.rows else [16])]
+    dims = args.shape.split(",")
+    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+      ap.error(f"--shape={args.shape!r} must be E,K,N (three positive integers)")
+    shapes = [(*map(int, dims), [16])]  # --rows below replaces the row counts
   if args.rows:
     shapes = [(e, k, n, [int(r) for r in args.rows.split(",")]) for e, k, n, _ in shapes]
   if args.smoke:
