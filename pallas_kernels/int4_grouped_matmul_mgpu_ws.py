@@ -32,12 +32,12 @@ What differs (the "next step" of benchmarks/notes_expert_matmul.md):
   compute warpgroups finish the current one and store it (the one-warpgroup kernel refills its ring per program).
 - Scale and zero point are streamed with the weight tiles (per step) instead of loaded per program up front.
 
-Rows and the output: a row tile holds up to R (`BLOCK_RS`: 8 to 32) rows of one expert and loads a window of W rows of lhs that
-starts at a multiple of 8 (TMA into 8-row-tiled shared memory): by default (`aligned_tiles`) the tiles are cut at
-multiples of 8 and W = R; padded tiles (as in `int4_grouped_matmul_mgpu`) take R rows from the expert's first row and
-W = R + 8 (`int4_ws_work_table`). Each compute warpgroup writes its out^T [64, W] transposed into shared memory and
-stores the tile's rows of out [M, N] with a ladder of power-of-two TMA row stores. Tiles of the virtual expert E
-(rows past sum(group_sizes)) stream expert E - 1's weight and store zeros (only when such rows exist).
+Rows and the output: a row tile holds up to R (`BLOCK_RS`: 8 to 32) rows of one expert and loads a window of W rows
+of lhs that starts at a multiple of 8 (TMA into 8-row-tiled shared memory): by default (`aligned_tiles`) the tiles are
+cut at multiples of 8 and W = R; padded tiles (as in `int4_grouped_matmul_mgpu`) take R rows from the expert's first
+row and W = R + 8 (`int4_ws_work_table`). Each compute warpgroup writes its out^T [64, W] transposed into shared
+memory and stores the tile's rows of out [M, N] with a ladder of power-of-two TMA row stores. Tiles of the virtual
+expert E (rows past sum(group_sizes)) stream expert E - 1's weight and store zeros (only when such rows exist).
 
 Measured on the H200 (jax 0.11.2, CUPTI, L2 flushed; results/expert_matmul.md, the issue's grid with the defaults):
 2.69-3.12x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) and 64-77% of copy bandwidth with every
@@ -444,16 +444,16 @@ BLOCK_RS = (8, 16, 24, 32)  # rows per tile (`block_r`)
 
 def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
   """Rows per tile R for M rows over E experts. Aligned tiles: 8 up to 4 rows per expert on average, 16 up to 16, 24 up
-  to 24, else 32. At 8 rows per expert under random routing (64 × 4096→2048 × 512 rows, results/int4_mgpu_ws_al16_2048_random.md)
-  R = 8 cut most experts into two tiles and ran 0.1368 ms against R = 16's 0.1047 (R = 16 gives up 5% under balanced
-  routing there: 0.0889 against 0.0849 ms); at 2 rows per expert R = 8 was 11-12% faster either way (8 × 4096→14336 ×
-  16). Above 16 rows per expert R = 16 streams each weight tile twice: at 64 × 4096→2048 × 1536 / 2048 rows R = 32 ran
-  0.1118 / 0.1118 ms against 0.1535 / 0.1541 (balanced), 0.1797 against 0.2052 at 2048 random rows
-  (results/int4_mgpu_ws_al_r32_big*.md); at 24 rows per expert R = 24 was 5-8% faster than 32 (64 × 4096→2048,
-  128 × 2048→768, 8 × 4096→14336; results/int4_mgpu_ws_al_r24_*.md). Padded tiles: 8 up to 8 rows per expert (the earlier rule,
-  `int4_grouped_matmul_mgpu.check_inputs`)."""
-  if aligned_tiles:
-    return next(r for r, most in ((8, 4), (16, 16), (24, 24), (32, None)) if most is None or m <= most * n_experts)
+  to 24, else 32. At 8 rows per expert under random routing (64 × 4096→2048 × 512 rows,
+  results/int4_mgpu_ws_al16_2048_random.md) R = 8 cut most experts into two tiles and ran 0.1368 ms against R = 16's
+  0.1047 (R = 16 gives up 5% under balanced routing there: 0.0889 against 0.0849 ms); at 2 rows per expert R = 8 was
+  11-12% faster either way (8 × 4096→14336 × 16). Above 16 rows per expert R = 16 streams each weight tile twice: at
+  64 × 4096→2048 × 1536 / 2048 rows R = 32 ran 0.1118 / 0.1118 ms against 0.1535 / 0.1541 (balanced), 0.1797
+  against 0.2052 at 2048 random rows (results/int4_mgpu_ws_al_r32_big*.md); at 24 rows per expert R = 24 was 5-8%
+  faster than 32 (64 × 4096→2048, 128 × 2048→768, 8 × 4096→14336; results/int4_mgpu_ws_al_r24_*.md). Padded tiles:
+  8 up to 8 rows per expert (the earlier rule, `int4_grouped_matmul_mgpu.check_inputs`)."""
+  if aligned_tiles:  # (R, the most rows per expert on average it takes)
+    return next((r for r, most in ((8, 4), (16, 16), (24, 24)) if m <= most * n_experts), 32)
   return 8 if m <= 8 * n_experts else 16
 
 
@@ -514,9 +514,9 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       it divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile R, one of BLOCK_RS (8, 16, 24, 32: the wgmma's N is the window W); default
       `default_block_r`: with aligned tiles 8 up to 4 rows per expert on average, 16 up to 16, 24 up to 24, else 32;
-      with padded tiles 8 up to 8 rows per expert. 24 and 32 hold more of an expert's rows in one tile under uneven routing: 32
-      was 24% faster than 16 at 16 random rows per expert on average, and 24-33% slower under balanced routing at
-      1-8 (results/int4_mgpu_ws_al_r2432_random.md, int4_mgpu_ws_al_r32_balanced.json).
+      with padded tiles 8 up to 8 rows per expert. 24 and 32 also hold more of an expert's rows in one tile under
+      uneven routing: 32 was 24% faster than 16 at 16 random rows per expert on average, and 24-33% slower under
+      balanced routing at 1-8 (results/int4_mgpu_ws_al_r2432_random.md, int4_mgpu_ws_al_r32_balanced.json).
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
     memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (32 at C = 4).
@@ -566,8 +566,6 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   block_r = block_r or default_block_r(m, e, aligned_tiles)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  if wgmma_depth is not None and (type(wgmma_depth) is not int or wgmma_depth < 1):
-    raise ValueError(f"wgmma_depth={wgmma_depth!r} must be a positive int")
   order = mg.nibble_order(weights)
   num_ctas = num_ctas or (4 if interpret else _num_sms())
   num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)  # fits N (n % 64 == 0)
@@ -588,6 +586,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
+  if wgmma_depth is not None and (type(wgmma_depth) is not int or wgmma_depth < 1):
+    raise ValueError(f"wgmma_depth={wgmma_depth!r} must be a positive int")
   wgmma_depth = wgmma_depth or block_k // _G
   if wgmma_depth < block_k // _G and dequant_form not in _ACC_FORMS:
     raise ValueError(f"wgmma_depth={wgmma_depth} below the step's {block_k // _G} K groups needs an accumulator form "
