@@ -5,7 +5,8 @@
 Formats: `int4` (uint8 layout, x @ W), `int4_nk` (uint16 [E, N, Kp/4] layout, the A/B-swapped W^T x^T kernel with
 split-K), `int4_mgpu` (the Mosaic GPU kernel, int4 [E, N, Kp] layout: TMA + wgmma from registers), `int4_sp24`,
 `vq2`. `--sweep` times tile candidates of `int4_nk` at the decode shapes (<= 16 rows per
-expert) next to the peers, then stops.
+expert) next to the peers, then stops. `--vq2_ablate` adds vq2's look-ups alone and vq2 without them
+(`ablate="gather_only"` / `"no_gather"`, timing only); `--formats` and `--rows` narrow a run.
 
 Peers: `jax.lax.ragged_dot` in bf16 (XLA), jax's Mosaic GPU `ragged_dot_mgpu` (bf16, best of a few tile configs),
 jax's Hopper int8 x bf16 `hopper_mixed_type_matmul_mgpu` (a dense matmul: timed for one expert's weight against 64
@@ -311,7 +312,18 @@ def main(argv=None):
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
   ap.add_argument("--formats", default="", help="comma-separated subset of the formats (default: all of CONFIGS)")
   ap.add_argument("--tag", default="", help="suffix of the output files")
+  ap.add_argument("--rows", default="", help="comma-separated row counts instead of ROWS and 16 per expert")
+  ap.add_argument("--vq2_ablate", action="store_true",
+                  help="also time vq2's best config with each timing ablation (`vq2_grouped_matmul(ablate=)`)")
   args = ap.parse_args(argv)
+  rows_arg = []
+  if args.rows:
+    try:
+      rows_arg = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+      ap.error(f"--rows={args.rows!r} must be comma-separated positive integers")
+    if min(rows_arg) < 1:
+      ap.error(f"--rows={args.rows!r} must be comma-separated positive integers")
   formats_all = [f for f in CONFIGS if not args.formats or f in args.formats.split(",")]
   if args.md_from:
     with open(args.md_from) as fh:
@@ -340,7 +352,7 @@ def main(argv=None):
     shapes, rows_list = (SHAPES[1:2], [16, 64, 1024]) if args.quick else (SHAPES, ROWS)
     if args.smoke:
       shapes, rows_list = [(4, 256, 128)], [3, 16]
-    plan = [(e, k, n, sorted(set(rows_list) | ({16 * e} if not (args.smoke or args.quick) else set())),
+    plan = [(e, k, n, rows_arg or sorted(set(rows_list) | ({16 * e} if not (args.smoke or args.quick) else set())),
              formats_all) for e, k, n in shapes]
     configs = CONFIGS
   if args.smoke:
@@ -399,6 +411,11 @@ def main(argv=None):
             best = (t, cfg)
         if best and not args.sweep:
           add(f"pallas_{fmt}", rows, e, k, n, best[0], fmt, n_active, {"config": best[1]})
+        if best and fmt == "vq2" and args.vq2_ablate:  # where vq2's time goes: the look-ups against the rest
+          for ablate in v2.ABLATIONS[1:]:
+            f = jax.jit(functools.partial(v2.vq2_grouped_matmul, interpret=INTERPRET["on"], ablate=ablate, **best[1]))
+            add(f"pallas_vq2[{ablate}]", rows, e, k, n, timer(f, x, qw[fmt], gs, iters=args.iters), fmt, n_active,
+                {"config": {**best[1], "ablate": ablate}})
       if rows == 16 and not args.sweep and {"int4", "int4_nk"} <= set(formats):
         for fmt in ("int4", "int4_nk"):
           cfg = CONFIGS[fmt][0]

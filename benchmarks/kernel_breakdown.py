@@ -19,7 +19,8 @@ side. Cases:
   and C): its jnp reference under XLA, and the Pallas kernel with masked-sum and scan prefix sums and 16-64 rows per
   program (MB column: not meaningful, 1 byte). results/kernel_breakdown_scan.md timed padded tiles, the default then.
 - core: the OS-KVP core at 64k × 8 (BK = 64, block 128, 16 splits, fp8_stacked outliers, ring 2), with no_compute at
-  rings 2 and 3, and the codes-only no_compute.
+  rings 2 and 3, the codes-only no_compute, and l2_resident at rings 2 and 3 (the full compute on blocks that L2
+  serves: the compute side's own time).
 Writes kernel_breakdown.{json,md} under --out.
 """
 
@@ -101,8 +102,9 @@ def _table_cases():
 def _core_cases():
   s = 65536
   for ring, variant in ((2, "outliers+fp8_stacked"), (2, "outliers+fp8_stacked+no_compute"),
-                        (3, "outliers+fp8_stacked+no_compute"), (2, "no_compute")):
-    ablate = "no_compute" if variant.endswith("no_compute") else ""
+                        (3, "outliers+fp8_stacked+no_compute"), (2, "no_compute"),
+                        (2, "outliers+fp8_stacked+l2_resident"), (3, "outliers+fp8_stacked+l2_resident")):
+    ablate = variant.split("+")[-1] if variant.split("+")[-1] in ("no_compute", "l2_resident") else ""
     form = "fp8_stacked" if "fp8_stacked" in variant else "fp8"
     yield (f"core ring={ring} {variant}", cb.core_fn(128, 16, ring, False, ablate, form), cb._core_args(s, variant),  # pylint: disable=protected-access
            cb._timed_bytes(s, variant))  # pylint: disable=protected-access

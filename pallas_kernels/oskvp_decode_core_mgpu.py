@@ -192,10 +192,13 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
   col = plgpu.Layout.WGMMA.reduce(0)  # an [8] vector broadcast along the rows of a WGMMA-layout array
   qs = plgpu.load(qs_smem.at[pl.ds(0, N)], layout=col)
   tokens = pl.ds(sp * (steps * block_s), steps * block_s)
-  k_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=ks.swizzled(q))
-  v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
-  ko_spec = plgpu.BlockSpec((block_s // 2, 2 * OUTLIERS), lambda i: (i, 0))
-  vo_spec = plgpu.BlockSpec((OUTLIERS, block_s), lambda i: (0, i), transforms=ks.swizzled(block_s))
+  # ablate="l2_resident": every step loads the split's first blocks again (served by L2 after the first), so the
+  # kernel runs its full compute with almost no DRAM traffic: the compute side's own time.
+  blk = (lambda i: 0) if ablate == "l2_resident" else (lambda i: i)
+  k_spec = plgpu.BlockSpec((block_s, q), lambda i: (blk(i), 0), transforms=ks.swizzled(q))
+  v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, blk(i)), transforms=ks.swizzled(block_s))
+  ko_spec = plgpu.BlockSpec((block_s // 2, 2 * OUTLIERS), lambda i: (blk(i), 0))
+  vo_spec = plgpu.BlockSpec((OUTLIERS, block_s), lambda i: (0, blk(i)), transforms=ks.swizzled(block_s))
 
   n_valid = qs_smem[LEN_SLOT].astype(jnp.int32)
 
@@ -454,7 +457,7 @@ def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
   return mean, mean_o, lse2
 
 
-ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value", "no_compute")
+ABLATIONS = ("", "no_max", "no_value", "no_outlier_key", "no_outlier_value", "no_compute", "l2_resident")
 
 
 @settled_when_interpreted
@@ -487,7 +490,8 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     interpret: run in Mosaic GPU's CPU interpreter.
     ablate: timing experiments only (the results are wrong): "no_max" (no block max: p scaled by the initial m),
       "no_value" (no value wgmmas), "no_compute" (the blocks stream through the TMA ring, nothing else runs: the
-      memory-side ceiling); "" is the kernel.
+      memory-side ceiling), "l2_resident" (every step reloads the split's first blocks, from L2 after the first
+      load: the compute side alone); "" is the kernel.
     return_lse2: also return the row's log2-sum-exp2 of the scores (for merging with other tokens' attention).
     value_outliers: how the value-outlier sums run (the same sums either way): "fp8" (p8 split into two e4m3 parts,
       `split_p8`, stored to shared memory as the A operand of two fp8 × fp8 wgmmas with the value-outlier tile as B),

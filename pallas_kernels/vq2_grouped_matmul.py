@@ -56,15 +56,23 @@ def unpack_codebook(packed: jax.Array) -> jax.Array:
                     _bf16_hi(packed[:, 1])], axis=-1)
 
 
-def _step(load_x, ws: VQ2Weights, e, g, n0, acc, *, group_size: int, bn: int):
+ABLATIONS = ("", "gather_only", "no_gather")
+
+
+def _step(load_x, ws: VQ2Weights, e, g, n0, acc, *, group_size: int, bn: int, ablate: str = ""):
   """acc float32 [bm, bn] + K group g of expert e for columns n0 : n0 + bn."""
   quarter, nt = group_size // 4, pl.ds(n0, bn)
   c = e if ws.codebook.shape[0] > 1 else 0
   idx = ws.idx[e, pl.ds(g * quarter, quarter), nt].astype(jnp.int32)  # [G/4, bn]
   coords = []
   for half in range(2):
-    word = ws.codebook[c, half, idx]  # uint32 [G/4, bn], gathered
+    if ablate == "no_gather":  # the index bits stand in for the codebook word: no look-up
+      word = idx.astype(jnp.uint32) * jnp.uint32(0x00410041 + half)
+    else:
+      word = ws.codebook[c, half, idx]  # uint32 [G/4, bn], gathered
     coords += [_bf16_lo(word), _bf16_hi(word)]
+  if ablate == "gather_only":  # the look-ups (kept live by a column sum) and nothing of the dots or the scale
+    return acc + sum(coords).sum(axis=0)[None, :]
   d = None
   for j in range(4):
     x = load_x(g * group_size + j * quarter, quarter)  # [bm, G/4]
@@ -90,14 +98,20 @@ def _check(lhs, ws: VQ2Weights, group_size: int):
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "block_m", "block_n", "num_warps", "num_stages",
-                                             "interpret", "poison"))
+                                             "interpret", "poison", "ablate"))
 def vq2_grouped_matmul(lhs: jax.Array, weights: VQ2Weights, group_sizes: jax.Array, *, group_size: int = 128,
                        block_m: int | None = None, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
-                       interpret: bool = False, poison: float | None = None) -> jax.Array:
-  """lhs [M, Kp] (rows sorted by expert) @ vq2 W [E, Kp, N] per group_sizes [E] -> float32 [M, N]."""
+                       interpret: bool = False, poison: float | None = None, ablate: str = "") -> jax.Array:
+  """lhs [M, Kp] (rows sorted by expert) @ vq2 W [E, Kp, N] per group_sizes [E] -> float32 [M, N].
+
+  `ablate` is for timing experiments only (the results are wrong): "gather_only" runs the codebook look-ups and
+  skips the dots and scales, "no_gather" runs everything but the look-ups (the index bits stand in for the word).
+  """
   _, kp, n = _check(lhs, weights, group_size)
+  if ablate not in ABLATIONS:
+    raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   bn = ragged_tiles.pick_block_n(n, block_n)
-  step = functools.partial(_step, group_size=group_size, bn=bn)
+  step = functools.partial(_step, group_size=group_size, bn=bn, ablate=ablate)
   return ragged_tiles.ragged_call(lhs, group_sizes, [weights], step, n=n, n_groups=kp // group_size,
                                   block_m=block_m, block_n=bn, num_warps=num_warps, num_stages=num_stages,
                                   interpret=interpret, poison=poison)

@@ -38,6 +38,22 @@ def test_matches_blockwise_model(bk, s, block_s, splits, steps, g):
   np.testing.assert_allclose(got[:, :g], want[:, :g], atol=1e-3)
 
 
+def test_l2_resident_ablation_reloads_each_splits_first_block():
+  """ablate="l2_resident" (a timing experiment) streams each split's first block at every step: it must equal the
+  kernel on a cache whose blocks repeat their split's first block, and differ from the kernel on the real cache."""
+  bk, s, block_s, splits = 1, 256, 64, 2
+  kc, vc, qd, qs = _inputs(7, bk, s)
+  per_split = s // splits
+  tok = np.concatenate([np.tile(np.arange(j * per_split, j * per_split + block_s), per_split // block_s)
+                        for j in range(splits)])
+  kw = dict(block_s=block_s, splits=splits, max_concurrent_steps=2, interpret=True)
+  got = np.asarray(dc.decode_core_mgpu(kc, vc, qd, qs, ablate="l2_resident", **kw))
+  want = np.asarray(dc.decode_core_mgpu(kc[:, tok], vc[:, :, tok], qd, qs, **kw))
+  real = np.asarray(dc.decode_core_mgpu(kc, vc, qd, qs, **kw))
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  assert np.abs(got - real).max() > 1e-2
+
+
 def test_ragged_lengths():
   """Lengths 0, 1, 127, 300 and full in one batch (capacity 512): tokens past a row's length are masked in the
   kernel; length 1 gives that token's value codes exactly, length 0 zeros, the rest track both references."""

@@ -44,3 +44,21 @@ def test_fused_swiglu_matches_reference():
   got = v2.vq2_grouped_swiglu(x, gate, up, gs, interpret=True, poison=float("nan"))
   want = v2.vq2_grouped_swiglu_reference(x, gate, up, gs)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+def test_timing_ablations_do_what_they_say():
+  """ablate (timing only): "no_gather" is the kernel with the index bits as the codebook word (no look-up);
+  "gather_only" gives each row its expert's column sums of the unscaled codebook vectors (no dots, no scale)."""
+  gs = jnp.asarray([5, 0, 9, 2], jnp.int32)
+  x = jax.random.normal(jax.random.key(3), (16, K), jnp.float32)
+  ws = _weights(jax.random.key(4), E)
+  words = jnp.arange(256, dtype=jnp.uint32)[None, :] * jnp.asarray([[0x00410041], [0x00410042]], jnp.uint32)
+  as_words = ws._replace(codebook=jnp.broadcast_to(words, (E, 2, 256)))
+  got = v2.vq2_grouped_matmul(x, ws, gs, interpret=True, ablate="no_gather")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(v2.vq2_grouped_matmul_reference(x, as_words, gs)),
+                             rtol=1e-5, atol=1e-3)
+  got = np.asarray(v2.vq2_grouped_matmul(x, ws, gs, interpret=True, ablate="gather_only"))
+  sums = np.asarray(v2.dequantize_vq2(ws._replace(scale=jnp.ones_like(ws.scale))).sum(axis=1))  # [E, N]
+  np.testing.assert_allclose(got, np.repeat(sums, np.asarray(gs), axis=0), rtol=1e-5, atol=1e-3)
+  with pytest.raises(ValueError, match="ablate"):
+    v2.vq2_grouped_matmul(x, ws, gs, interpret=True, ablate="no_dots")
