@@ -277,6 +277,16 @@ def markdown(result: dict) -> str:
     sw = v.get("pallas_int4_nk_swiglu_fused")
     row.append(f"{cell(sw)} [{2 * peer / sw['ms']:.2f}x vs 2 bf16 matmuls]" if sw else "-")
     out.append("| " + " | ".join(row) + " |")
+  ablated = [(key, v) for key, v in sorted(by.items()) if "pallas_vq2[gather_only]" in v and "pallas_vq2" in v]
+  if ablated:  # --vq2_ablate: the time of the look-ups alone and of everything but them, against the best bf16 peer
+    out += ["", "vq2 split (`ablate`, timing only): the kernel, its codebook look-ups alone (`gather_only`) and "
+            "everything but the look-ups (`no_gather`); ms [time / best bf16 peer's time]:", "",
+            "| E, K->N | rows | best bf16 peer | vq2 | gather_only | no_gather |", "|---|---|---|---|---|---|"]
+    for (e, k, n, rows), v in ablated:
+      peer = min(v[p]["ms"] for p in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16") if p in v)
+      out.append(f"| {e}, {k}->{n} | {rows} | {peer:.4f} | "
+                 + " | ".join(f"{v[i]['ms']:.4f} [{v[i]['ms'] / peer:.2f}]" for i in
+                              ("pallas_vq2", "pallas_vq2[gather_only]", "pallas_vq2[no_gather]")) + " |")
   dense = [r for r in result["rows"] if r["impl"].endswith("one_expert")]
   if dense:
     out += ["", "Dense, one expert's [K, N] weight against 64 tokens (jax's Hopper int8 x bf16 kernel is not grouped):",

@@ -443,17 +443,24 @@ BLOCK_RS = (8, 16, 24, 32)  # rows per tile (`block_r`)
 
 
 def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
-  """Rows per tile R for M rows over E experts. Aligned tiles: 8 up to 4 rows per expert on average, 16 up to 16, 24 up
-  to 24, else 32. At 8 rows per expert under random routing (64 × 4096→2048 × 512 rows,
-  results/int4_mgpu_ws_al16_2048_random.md) R = 8 cut most experts into two tiles and ran 0.1368 ms against R = 16's
-  0.1047 (R = 16 gives up 5% under balanced routing there: 0.0889 against 0.0849 ms); at 2 rows per expert R = 8 was
-  11-12% faster either way (8 × 4096→14336 × 16). Above 16 rows per expert R = 16 streams each weight tile twice: at
-  64 × 4096→2048 × 1536 / 2048 rows R = 32 ran 0.1118 / 0.1118 ms against 0.1535 / 0.1541 (balanced), 0.1797
-  against 0.2052 at 2048 random rows (results/int4_mgpu_ws_al_r32_big*.md); at 24 rows per expert R = 24 was 5-8%
-  faster than 32 (64 × 4096→2048, 128 × 2048→768, 8 × 4096→14336; results/int4_mgpu_ws_al_r24_*.md). Padded tiles:
-  8 up to 8 rows per expert (the earlier rule, `int4_grouped_matmul_mgpu.check_inputs`)."""
+  """Rows per tile R for M rows over E experts. Aligned tiles: 8 up to 2 rows per expert on average, 16 up to 16, else
+  32. The rule is chosen for uneven routing, which is what a router gives: an expert with more rows than R, or whose
+  rows straddle a multiple of 8 past R, takes two row tiles and streams its weight twice. Measured on the H200 under
+  random routing (each row to a uniformly random expert; results/int4_mgpu_ws_al_r8_random_*.md,
+  `_al_r24_random*.md`, `_al_r32_big_random.md`, `_al16_2048_random.md`):
+  - 1-2 rows per expert: R = 8 beats 16 by 2.5-11% (64 × 4096→2048 × 64 / 128 rows: 0.0594 / 0.0772 ms against
+    0.0652 / 0.0871; 128 × 2048→768 × 128; 8 × 4096→14336 × 16);
+  - 4 rows per expert: R = 16 beats 8 by 18-20% (0.0876 against 0.1063 ms at 64 × 4096→2048 × 256 rows; 0.0384
+    against 0.0480 at 128 × 2048→768 × 512; 0.0822 against 0.1023 at 8 × 4096→14336 × 32); balanced, R = 8 is 4.5%
+    faster there (0.0837 against 0.0875), and 5% at 8 rows per expert, where random routing makes it 31% slower;
+  - 16 and 24 rows per expert: R = 32 beats 16 by 19% (0.1109 against 0.1368 ms at 64 × 4096→2048 × 1024 rows) and
+    24 by 21-24% (0.1337 against 0.1663 at 64 × 4096→2048 × 1536; 0.0543 / 0.0665 at 128 × 2048→768 × 3072;
+    0.1156 / 0.1397 at 8 × 4096→14336 × 192); balanced, R = 24 is 5-8% faster than 32 at 24 rows per expert
+    (`_al_r24_{2048,768,14336}.md`) and R = 16 is the default at 16 (one tile per expert either way).
+  `block_r` overrides the rule where the routing is known. Padded tiles: 8 up to 8 rows per expert, else 16 (the
+  earlier rule, `int4_grouped_matmul_mgpu.check_inputs`)."""
   if aligned_tiles:  # (R, the most rows per expert on average it takes)
-    return next((r for r, most in ((8, 4), (16, 16), (24, 24)) if m <= most * n_experts), 32)
+    return next((r for r, most in ((8, 2), (16, 16)) if m <= most * n_experts), 32)
   return 8 if m <= 8 * n_experts else 16
 
 
@@ -513,10 +520,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 for C = 2, 256 for C = 3 and 4 (where
       it divides Kp; the faster per C in the H200 runs).
     block_r: rows per tile R, one of BLOCK_RS (8, 16, 24, 32: the wgmma's N is the window W); default
-      `default_block_r`: with aligned tiles 8 up to 4 rows per expert on average, 16 up to 16, 24 up to 24, else 32;
-      with padded tiles 8 up to 8 rows per expert. 24 and 32 also hold more of an expert's rows in one tile under
-      uneven routing: 32 was 24% faster than 16 at 16 random rows per expert on average, and 24-33% slower under
-      balanced routing at 1-8 (results/int4_mgpu_ws_al_r2432_random.md, int4_mgpu_ws_al_r32_balanced.json).
+      `default_block_r`: with aligned tiles 8 up to 2 rows per expert on average, 16 up to 16, else 32 (chosen under
+      random routing; its docstring has the measurements), with padded tiles 8 up to 8 rows per expert, else 16.
+      Pass it where the routing is known: under balanced routing 8 is 4.5% faster than 16 at 4 rows per expert and
+      24 is 5-8% faster than 32 at 24.
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
     memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (32 at C = 4).
