@@ -464,33 +464,6 @@ def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
   return 8 if m <= 8 * n_experts else 16
 
 
-# block_r="auto": the relative cost of one work item per column with R-row tiles, from same-call pairs with equal
-# item counts on the H200 (balanced routing): R = 16 / 8 1.045 (64 × 4096→2048 × 256 rows, `_al_r8_balanced_256.md`),
-# R = 32 / 16 1.244 (× 512 rows, `_al_r32_balanced.json`); 24 between 16 and 32 (`_al_r24_2048.md`: 32 / 24 1.05).
-ROW_TILE_COST = {8: 1.0, 16: 1.045, 24: 1.24, 32: 1.30}
-AUTO_BLOCK_RS = (8, 16, 32)  # the candidates of block_r="auto" (aligned tiles; padded: 8 and 16)
-AUTO_MARGIN = 0.03
-
-
-def auto_block_r_index(group_sizes: jax.Array, m: int, n: int, candidates: tuple[int, ...], wgs: tuple[int, ...],
-                       num_ctas: int, aligned_tiles: bool) -> jax.Array:
-  """block_r="auto": the index into candidates (R, with C = wgs[i] compute warpgroups) of the least estimated time
-  for these group sizes: rounds of the persistent CTAs (ceil(items / num_ctas), items = row tiles · N tiles, the
-  row tiles counted as `int4_ws_work_table` cuts them, the rows past sum(group_sizes) included) × the N tile's
-  columns × ROW_TILE_COST[R]; a larger R must be estimated AUTO_MARGIN faster than each smaller one (calls differ
-  by ~2%). int32 [] (works on numpy group sizes too)."""
-  sizes = jnp.asarray(group_sizes, jnp.int32)
-  sizes = jnp.concatenate([sizes, jnp.maximum(m - jnp.sum(sizes), 0)[None]])  # the virtual expert's rows
-  starts = jnp.cumsum(sizes) - sizes
-  costs = []
-  for r, c in zip(candidates, wgs):
-    tiles = jnp.sum(wt._tiles(starts, sizes, r, aligned_tiles))  # pylint: disable=protected-access
-    items = tiles * -(-n // (_WG_N * c))
-    rounds = ((items + num_ctas - 1) // num_ctas).astype(jnp.float32)
-    costs.append(rounds * (_WG_N * c * ROW_TILE_COST[r] * (1 + AUTO_MARGIN) ** len(costs)))
-  return jnp.argmin(jnp.stack(costs)).astype(jnp.int32)
-
-
 # The tiling options a caller may fix per weight (`quant.to_mgpu_layout(model, block_r=...)` stores them).
 OPTIONS = ("block_r", "num_compute_wgs", "block_k", "aligned_tiles", "table_impl")
 
@@ -499,8 +472,8 @@ def check_options(kp: int, n: int, *, block_r: int | None = None, num_compute_wg
                   block_k: int | None = None, aligned_tiles: bool = True, table_impl: str = "pallas") -> None:
   """Raises a ValueError naming the first of OPTIONS that does not fit weights of padded K = kp and N = n (None: the
   kernel's default, always valid)."""
-  if block_r is not None and block_r != "auto" and block_r not in BLOCK_RS:
-    raise ValueError(f"block_r={block_r!r} must be one of {BLOCK_RS} or 'auto'")
+  if block_r is not None and block_r not in BLOCK_RS:
+    raise ValueError(f"block_r={block_r} must be one of {BLOCK_RS}")
   if num_compute_wgs is not None and (type(num_compute_wgs) is not int or not 1 <= num_compute_wgs <= 4
                                       or n < _WG_N * num_compute_wgs):
     raise ValueError(f"num_compute_wgs={num_compute_wgs!r} must be 1 to 4 with N = {n} >= 64·num_compute_wgs")
@@ -550,8 +523,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       `default_block_r`: with aligned tiles 8 up to 2 rows per expert on average, 16 up to 16, else 32 (chosen under
       random routing; its docstring has the measurements), with padded tiles 8 up to 8 rows per expert, else 16.
       Pass it where the routing is known: under balanced routing 8 is 4.5% faster than 16 at 4 rows per expert and
-      24 is 5-8% faster than 32 at 24. "auto": compile a kernel for each of AUTO_BLOCK_RS (8 and 16 with padded
-      tiles) and run the one `auto_block_r_index` picks from group_sizes on the device (`lax.switch`).
+      24 is 5-8% faster than 32 at 24.
     max_concurrent_steps: depth of the TMA ring; must divide Kp / block_k (the chained pipelines need it);
       default the largest of 8, 6, 4, 3, 2 that divides it and fits in shared memory.
     memory_registers: registers per thread of the TMA warpgroup (`setmaxnreg`); default 40 (32 at C = 4).
@@ -598,22 +570,11 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"N={n} must be a multiple of {_WG_N}")
   check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k,
                 aligned_tiles=aligned_tiles, table_impl=table_impl)
-  num_ctas = num_ctas or (4 if interpret else _num_sms())
-  if block_r == "auto":  # one kernel per candidate R, the one to run picked on the device from group_sizes
-    candidates = AUTO_BLOCK_RS if aligned_tiles else AUTO_BLOCK_RS[:2]
-    wgs = tuple(num_compute_wgs or default_compute_wgs(m, e, n, r, num_ctas) for r in candidates)
-    kw = dict(block_k=block_k, max_concurrent_steps=max_concurrent_steps, memory_registers=memory_registers,
-              num_ctas=num_ctas, interpret=interpret, dequant=dequant, overlap_steps=overlap_steps,
-              dequant_form=dequant_form, compute_registers=compute_registers, ablate=ablate, table_impl=table_impl,
-              aligned_tiles=aligned_tiles, wgmma_depth=wgmma_depth)
-    branches = [functools.partial(int4_grouped_matmul_mgpu_ws, block_r=r, num_compute_wgs=c, **kw)
-                for r, c in zip(candidates, wgs)]
-    pick = auto_block_r_index(group_sizes, m, n, candidates, wgs, num_ctas, aligned_tiles)
-    return jax.lax.switch(pick, branches, lhs, weights, group_sizes)
   block_r = block_r or default_block_r(m, e, aligned_tiles)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   order = mg.nibble_order(weights)
+  num_ctas = num_ctas or (4 if interpret else _num_sms())
   num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)  # fits N (n % 64 == 0)
   bn = num_compute_wgs * _WG_N
   block_k = block_k or next(b for b in ((512, 256, _G) if num_compute_wgs == 2 else (256, _G)) if kp % b == 0)

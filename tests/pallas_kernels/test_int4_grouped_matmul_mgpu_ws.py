@@ -17,7 +17,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
-from benchmarks import expert_matmul as em
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
@@ -394,37 +393,3 @@ def test_rejects_bad_arguments():
     mg.int4_grouped_matmul_mgpu(x, w_shift, gs, interpret=True)
   with pytest.raises(TypeError, match="to_mgpu_layout"):
     ws.int4_grouped_matmul_mgpu_ws(x, tuple(w), gs, interpret=True)
-
-
-# (E, N, rows, routing, the faster R in same-call pairs on the H200: results/int4_mgpu_ws_al_r8_*.md,
-# _al_r32_random16_*.md, _al_r24_random*.md, _al_r2432_random.json, _al.md)
-AUTO_CASES = [(64, 2048, 128, "random", 8), (64, 2048, 256, "random", 16), (64, 2048, 512, "random", 16),
-              (64, 2048, 1024, "random", 32), (64, 2048, 1536, "random", 32), (8, 14336, 16, "random", 8),
-              (8, 14336, 32, "random", 16), (8, 14336, 128, "random", 32), (8, 14336, 192, "random", 32),
-              (128, 768, 128, "random", 8), (128, 768, 512, "random", 16), (128, 768, 2048, "random", 32),
-              (128, 768, 3072, "random", 32), (64, 2048, 256, "balanced", 8), (64, 2048, 512, "balanced", 8),
-              (128, 768, 512, "balanced", 8)]
-
-
-@pytest.mark.parametrize("e,n,rows,routing,want", AUTO_CASES)
-def test_auto_block_r_picks_the_measured_faster(e, n, rows, routing, want):
-  """block_r="auto"'s model (CTA rounds × columns × ROW_TILE_COST) picks, on the benchmark's own group sizes, the R
-  that was faster on the H200 in every same-call pair measured."""
-  gs = em.routed_groups(rows, e, routing)
-  cands = ws.AUTO_BLOCK_RS
-  wgs = tuple(ws.default_compute_wgs(rows, e, n, r, 132) for r in cands)
-  assert cands[int(ws.auto_block_r_index(gs, rows, n, cands, wgs, 132, True))] == want
-
-
-def test_auto_block_r_matches_reference(interpreted):
-  """block_r="auto" runs one of its candidate kernels (lax.switch on the device) and matches the reference."""
-  sizes = [3, 0, 17, 1]
-  x, gs, w = _inputs(sizes, 2, 256)
-  w = ws.to_mgpu_layout(w)
-  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_r="auto", num_compute_wgs=2,
-                                                                      interpret=True)))
-  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, w, gs, "acc_scale"))
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
-  assert not np.any(got[sum(sizes):])
-  with pytest.raises(ValueError, match="block_r=12"):
-    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_r=12, interpret=True)
