@@ -304,8 +304,8 @@ def test_register_split_fits_the_launch(c, memory, want):
 
 
 @pytest.mark.parametrize("e,n,m,want", [(64, 2048, 64, 4), (64, 2048, 512, 4), (64, 2048, 1024, 4), (128, 768, 128, 3),
-                                        (128, 768, 2048, 3), (8, 14336, 16, 2), (8, 14336, 128, 3), (4, 320, 8, 2), (4, 320, 9, 3),
-                                        (4, 320, 40, 3), (4, 128, 40, 2), (4, 64, 9, 1)])
+                                        (128, 768, 2048, 3), (8, 14336, 16, 2), (8, 14336, 128, 3), (4, 320, 8, 2),
+                                        (4, 320, 9, 3), (4, 320, 40, 3), (4, 128, 40, 2), (4, 64, 9, 1)])
 def test_default_compute_wgs(e, n, m, want):
   """The benchmark shapes' defaults (132 CTAs): C = 3 where 192 divides N, 4 where 256 does and 64 experts' items fill
   the CTAs (512 items: 97%); where neither (8 x 14336: 448 items at C = 4 fill 85%) 3 with 16-row tiles and 2 with
