@@ -21,6 +21,7 @@ side. Cases:
 - core: the OS-KVP core at 64k × 8 (BK = 64, block 128, 16 splits, fp8_stacked outliers, ring 2), with no_compute at
   rings 2 and 3, the codes-only no_compute, and l2_resident at rings 2 and 3 (the full compute on blocks that L2
   serves: the compute side's own time).
+- core_blocks (not in the default run): the core and its l2_resident form at blocks 64 / 128 and 16 / 32 splits.
 Writes kernel_breakdown.{json,md} under --out.
 """
 
@@ -110,6 +111,18 @@ def _core_cases():
            cb._timed_bytes(s, variant))  # pylint: disable=protected-access
 
 
+def _core_blocks_cases():
+  """The core and its compute side alone (l2_resident) at other blocks and splits: whether more, smaller programs
+  per SM shorten the compute (a latency chain per block) or not (an issue-rate limit)."""
+  s = 65536
+  for block_s, splits in ((128, 16), (64, 16), (64, 32), (128, 32)):
+    for ablate in ("", "l2_resident"):
+      variant = "outliers+fp8_stacked" + (f"+{ablate}" if ablate else "")
+      yield (f"core block={block_s} splits={splits} ring=2 {variant}",
+             cb.core_fn(block_s, splits, 2, False, ablate, "fp8_stacked"), cb._core_args(s, variant),  # pylint: disable=protected-access
+             cb._timed_bytes(s, variant))  # pylint: disable=protected-access
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="/tmp/kernel_breakdown")
@@ -121,7 +134,8 @@ def main(argv=None) -> int:
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "timing": "CUPTI per kernel, median of --iters calls, 256 MB write before each call (L2 flush)"}
   rows = []
-  gens = {"read": _read_cases, "int4": _int4_cases, "table": _table_cases, "core": _core_cases}
+  gens = {"read": _read_cases, "int4": _int4_cases, "table": _table_cases, "core": _core_cases,
+          "core_blocks": _core_blocks_cases}
   for case in args.cases.split(","):
     for name, fn, fargs, nbytes in gens[case]():
       try:
