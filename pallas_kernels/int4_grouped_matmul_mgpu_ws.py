@@ -457,7 +457,8 @@ def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
     24 by 21-24% (0.1337 against 0.1663 at 64 × 4096→2048 × 1536; 0.0543 / 0.0665 at 128 × 2048→768 × 3072;
     0.1156 / 0.1397 at 8 × 4096→14336 × 192); balanced, R = 24 is 5-8% faster than 32 at 24 rows per expert
     (`_al_r24_{2048,768,14336}.md`). Up to 16 rows per expert the rule keeps 16 all the same: with at most 16 rows
-    per expert (balanced routing, the issue's target regime) R = 32 is ~24% slower (`_al_r32_balanced.json`).
+    per expert (balanced routing, the issue's target regime) R = 32 is 8-18% slower at 16 and 24% at 8
+    (`int4_ws_auto_block_r.md`, `_al_r32_balanced.json`).
   `block_r` overrides the rule where the routing is known. Padded tiles: 8 up to 8 rows per expert, else 16 (the
   earlier rule, `int4_grouped_matmul_mgpu.check_inputs`)."""
   if aligned_tiles:  # (R, the most rows per expert on average it takes)
