@@ -311,6 +311,14 @@ def sweep_markdown(result: dict) -> str:
   return "\n".join(out) + "\n"
 
 
+def positive_ints(ap: argparse.ArgumentParser, flag: str, text: str, count: int | None = None) -> list[int]:
+  """A comma-separated list of positive integers (`count` of them if given), or an argparse error naming the flag."""
+  items = text.split(",")
+  if not all(t.isdigit() and int(t) > 0 for t in items) or (count is not None and len(items) != count):
+    ap.error(f"--{flag}={text!r} must be {count or 'comma-separated'} positive integers")
+  return [int(t) for t in items]
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results")
@@ -326,14 +334,7 @@ def main(argv=None):
   ap.add_argument("--vq2_ablate", action="store_true",
                   help="also time vq2's best config with each timing ablation (`vq2_grouped_matmul(ablate=)`)")
   args = ap.parse_args(argv)
-  rows_arg = []
-  if args.rows:
-    try:
-      rows_arg = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-      ap.error(f"--rows={args.rows!r} must be comma-separated positive integers")
-    if min(rows_arg) < 1:
-      ap.error(f"--rows={args.rows!r} must be comma-separated positive integers")
+  rows_arg = positive_ints(ap, "rows", args.rows) if args.rows else []
   formats_all = [f for f in CONFIGS if not args.formats or f in args.formats.split(",")]
   if args.md_from:
     with open(args.md_from) as fh:

@@ -278,12 +278,9 @@ def main(argv=None):
     return 0
   shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
   if args.shape:
-    dims = args.shape.split(",")
-    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
-      ap.error(f"--shape={args.shape!r} must be E,K,N (three positive integers)")
-    shapes = [(*map(int, dims), [16])]  # --rows below replaces the row counts
+    shapes = [(*em.positive_ints(ap, "shape", args.shape, 3), [16])]  # --rows below replaces the row counts
   if args.rows:
-    shapes = [(e, k, n, [int(r) for r in args.rows.split(",")]) for e, k, n, _ in shapes]
+    shapes = [(e, k, n, em.positive_ints(ap, "rows", args.rows)) for e, k, n, _ in shapes]
   if args.smoke:
     SMOKE["interpret"], shapes = True, [(4, 512, 256, [8, 64])]
   os.makedirs(args.out, exist_ok=True)

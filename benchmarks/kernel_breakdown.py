@@ -100,27 +100,30 @@ def _table_cases():
       yield f"{label}: pallas {prefix} block {block}", f, (gs,), 1
 
 
-def _core_cases():
+def _core_case(label: str, block_s: int, splits: int, ring: int, variant: str):
+  """One OS-KVP core case at 64k × 8: variant "[outliers+fp8_stacked][+ablation]" (the ablation no_compute or
+  l2_resident, last)."""
   s = 65536
+  last = variant.rsplit("+", 1)[-1]
+  ablate = last if last in ("no_compute", "l2_resident") else ""
+  form = "fp8_stacked" if "fp8_stacked" in variant else "fp8"
+  return (label, cb.core_fn(block_s, splits, ring, False, ablate, form), cb._core_args(s, variant),  # pylint: disable=protected-access
+          cb._timed_bytes(s, variant))  # pylint: disable=protected-access
+
+
+def _core_cases():
   for ring, variant in ((2, "outliers+fp8_stacked"), (2, "outliers+fp8_stacked+no_compute"),
                         (3, "outliers+fp8_stacked+no_compute"), (2, "no_compute"),
                         (2, "outliers+fp8_stacked+l2_resident"), (3, "outliers+fp8_stacked+l2_resident")):
-    ablate = variant.split("+")[-1] if variant.split("+")[-1] in ("no_compute", "l2_resident") else ""
-    form = "fp8_stacked" if "fp8_stacked" in variant else "fp8"
-    yield (f"core ring={ring} {variant}", cb.core_fn(128, 16, ring, False, ablate, form), cb._core_args(s, variant),  # pylint: disable=protected-access
-           cb._timed_bytes(s, variant))  # pylint: disable=protected-access
+    yield _core_case(f"core ring={ring} {variant}", 128, 16, ring, variant)
 
 
 def _core_blocks_cases():
   """The core and its compute side alone (l2_resident) at other blocks and splits: whether more, smaller programs
-  per SM shorten the compute (a latency chain per block) or not (an issue-rate limit)."""
-  s = 65536
+  per SM shorten the compute or not."""
   for block_s, splits in ((128, 16), (64, 16), (64, 32), (128, 32)):
-    for ablate in ("", "l2_resident"):
-      variant = "outliers+fp8_stacked" + (f"+{ablate}" if ablate else "")
-      yield (f"core block={block_s} splits={splits} ring=2 {variant}",
-             cb.core_fn(block_s, splits, 2, False, ablate, "fp8_stacked"), cb._core_args(s, variant),  # pylint: disable=protected-access
-             cb._timed_bytes(s, variant))  # pylint: disable=protected-access
+    for variant in ("outliers+fp8_stacked", "outliers+fp8_stacked+l2_resident"):
+      yield _core_case(f"core block={block_s} splits={splits} ring=2 {variant}", block_s, splits, 2, variant)
 
 
 def main(argv=None) -> int:

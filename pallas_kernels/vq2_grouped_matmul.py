@@ -57,6 +57,7 @@ def unpack_codebook(packed: jax.Array) -> jax.Array:
 
 
 ABLATIONS = ("", "gather_only", "no_gather")
+NO_GATHER_WORDS = (0x00410041, 0x00410042)  # ablate="no_gather": codebook half h's word for index i is i · this[h]
 
 
 def _step(load_x, ws: VQ2Weights, e, g, n0, acc, *, group_size: int, bn: int, ablate: str = ""):
@@ -67,7 +68,7 @@ def _step(load_x, ws: VQ2Weights, e, g, n0, acc, *, group_size: int, bn: int, ab
   coords = []
   for half in range(2):
     if ablate == "no_gather":  # the index bits stand in for the codebook word: no look-up
-      word = idx.astype(jnp.uint32) * jnp.uint32(0x00410041 + half)
+      word = idx.astype(jnp.uint32) * jnp.uint32(NO_GATHER_WORDS[half])
     else:
       word = ws.codebook[c, half, idx]  # uint32 [G/4, bn], gathered
     coords += [_bf16_lo(word), _bf16_hi(word)]

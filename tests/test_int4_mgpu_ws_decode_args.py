@@ -5,10 +5,11 @@ import pytest
 from benchmarks import int4_mgpu_ws_decode as bench
 
 
-@pytest.mark.parametrize("shape", ["8,4096", "8,4096,0", "8,4096,x", "8,4096,2048,1"])
-def test_bad_shape_names_the_flag(shape, capsys, tmp_path):
+@pytest.mark.parametrize("flag,value", [("shape", "8,4096"), ("shape", "8,4096,0"), ("shape", "8,4096,x"),
+                                        ("shape", "8,4096,2048,1"), ("rows", "16,x"), ("rows", "0")])
+def test_bad_shape_or_rows_names_the_flag(flag, value, capsys, tmp_path):
   with pytest.raises(SystemExit) as exit_info:
-    bench.main([f"--shape={shape}", f"--out={tmp_path}"])
+    bench.main([f"--{flag}={value}", f"--out={tmp_path}"])
   assert exit_info.value.code == 2
-  assert "--shape" in capsys.readouterr().err
+  assert f"--{flag}" in capsys.readouterr().err
   assert not list(tmp_path.iterdir())  # nothing was written

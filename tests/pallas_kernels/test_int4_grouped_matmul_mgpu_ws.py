@@ -256,6 +256,15 @@ def test_no_races_in_the_interpreter(overlap_steps, form, interpreted):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
+def _inputs_k512(nibble_order="shift"):
+  """`_inputs([3, 0, 17, 1], 0, 256)` with K padded to 512 (block_k 512 and 4 K groups per step), WS layout."""
+  x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
+  w = ws.to_mgpu_layout(w, nibble_order=nibble_order)
+  w = w._replace(q=jnp.pad(w.q, ((0, 0), (0, 0), (0, 512 - K))),
+                 scale=jnp.pad(w.scale, ((0, 0), (0, 2), (0, 0))), zero=jnp.pad(w.zero, ((0, 0), (0, 2), (0, 0))))
+  return jnp.pad(x, ((0, 0), (0, 512 - K))), gs, w
+
+
 @pytest.fixture
 def table_in_jnp(monkeypatch):
   """Lowering for CUDA on the CPU: the work table's Triton kernel needs a GPU to lower (its compute capability), so
@@ -280,11 +289,7 @@ def table_in_jnp(monkeypatch):
 def test_gpu_path_lowers(cfg, table_in_jnp):
   """The GPU-only path (setmaxnreg, fragment reinterpretation, PTX dequant, wgmma from registers) lowers."""
   cfg = dict(cfg)
-  x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
-  x = jnp.pad(x, ((0, 0), (0, 512 - K)))
-  w = ws.to_mgpu_layout(w, nibble_order=cfg.pop("nibble_order", "prmt"))  # the sixth session's configs: prmt
-  w = w._replace(q=jnp.pad(w.q, ((0, 0), (0, 0), (0, 512 - K))),
-                 scale=jnp.pad(w.scale, ((0, 0), (0, 2), (0, 0))), zero=jnp.pad(w.zero, ((0, 0), (0, 2), (0, 0))))
+  x, gs, w = _inputs_k512(cfg.pop("nibble_order", "prmt"))  # the sixth session's configs: prmt
   f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, **cfg))
   text = f.trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
@@ -338,11 +343,7 @@ def test_c4_lowers_with_the_fitting_split(table_in_jnp):
 def test_wgmma_depth_waits_within_the_step(depth, waits, table_in_jnp):
   """block_k 512 (4 K groups per step) at C = 3: with wgmma_depth 2 the step waits until one wgmma is pending before
   it decodes groups 2 and 3; at the default (all 4 groups) or 4 it waits only at the step's end (wait_group 0)."""
-  x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
-  x = jnp.pad(x, ((0, 0), (0, 512 - K)))
-  w = ws.to_mgpu_layout(w)
-  w = w._replace(q=jnp.pad(w.q, ((0, 0), (0, 0), (0, 512 - K))),
-                 scale=jnp.pad(w.scale, ((0, 0), (0, 2), (0, 0))), zero=jnp.pad(w.zero, ((0, 0), (0, 2), (0, 0))))
+  x, gs, w = _inputs_k512()
   f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, num_compute_wgs=3, block_k=512,
                                                              block_r=16, wgmma_depth=depth))
   text = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))

@@ -52,7 +52,7 @@ def test_timing_ablations_do_what_they_say():
   gs = jnp.asarray([5, 0, 9, 2], jnp.int32)
   x = jax.random.normal(jax.random.key(3), (16, K), jnp.float32)
   ws = _weights(jax.random.key(4), E)
-  words = jnp.arange(256, dtype=jnp.uint32)[None, :] * jnp.asarray([[0x00410041], [0x00410042]], jnp.uint32)
+  words = jnp.arange(256, dtype=jnp.uint32)[None, :] * jnp.asarray(v2.NO_GATHER_WORDS, jnp.uint32)[:, None]
   as_words = ws._replace(codebook=jnp.broadcast_to(words, (E, 2, 256)))
   got = v2.vq2_grouped_matmul(x, ws, gs, interpret=True, ablate="no_gather")
   np.testing.assert_allclose(np.asarray(got), np.asarray(v2.vq2_grouped_matmul_reference(x, as_words, gs)),
