@@ -40,7 +40,7 @@ memory and stores the tile's rows of out [M, N] with a ladder of power-of-two TM
 expert E (rows past sum(group_sizes)) stream expert E - 1's weight and store zeros (only when such rows exist).
 
 Measured on the H200 (jax 0.11.2, CUPTI, L2 flushed; results/expert_matmul.md, the issue's grid with the defaults):
-2.69-3.12x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) and 64-77% of copy bandwidth with every
+2.67-3.16x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) and 63-76% of copy bandwidth with every
 expert active and <= 16 rows each; the memory side alone (`ablate="no_compute"`) reaches 3.20-3.47x and 71-84% in
 the cells below 3x or 70% (results/int4_mgpu_ws_al_abl*.md). At 8 x 4096->14336 the 600 work items of C = 3 leave
 the CTAs' last round 55% full, and per CTA the compute sets the pace: with N = 12672 (4 full rounds) the same kernel
