@@ -205,8 +205,14 @@ def check_correctness(sweep=False, formats=None):
       want = np.asarray(ref_fn(x, w, gs))
       err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
       res[tag] = {"max_rel_err": err, "nan": int(np.isnan(got).sum())}
+    if name == "int4_mgpu_ws":  # the fused form (`swiglu=True`) on two different weights, interleaved
+      w_up = mws.to_mgpu_layout(random_int4(jax.random.key(5), e, k, n))
+      got = np.asarray(fn(x, mws.interleave_gate_up(w, w_up), gs, interpret=INTERPRET["on"], swiglu=True))
+      want = np.asarray(jax.nn.silu(ref_fn(x, w, gs)) * ref_fn(x, w_up, gs))
+      res[f"{name}_swiglu"] = {"max_rel_err": float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9)),
+                               "nan": int(np.isnan(got).sum())}
     if name in ("int4_mgpu", "int4_mgpu_ws"):
-      continue  # no fused SwiGLU variant
+      continue  # no Triton fused SwiGLU variant
     swi = (v2.vq2_grouped_swiglu, v2.vq2_grouped_swiglu_reference) if name == "vq2" else (
         i4.int4_grouped_swiglu, i4.int4_grouped_swiglu_reference)
     got = np.asarray(swi[0](x, w, w, gs, poison=float("nan"), interpret=INTERPRET["on"]).astype(jnp.float32))
@@ -287,6 +293,18 @@ def markdown(result: dict) -> str:
       out.append(f"| {e}, {k}->{n} | {rows} | {peer:.4f} | "
                  + " | ".join(f"{v[i]['ms']:.4f} [{v[i]['ms'] / peer:.2f}]" for i in
                               ("pallas_vq2", "pallas_vq2[gather_only]", "pallas_vq2[no_gather]")) + " |")
+  fused = [(key, v) for key, v in sorted(by.items()) if "pallas_int4_mgpu_ws_swiglu_fused" in v]
+  if fused:  # gate/up + SwiGLU (two [K, N] weights, output [M, N]) against twice the best bf16 peer's matmul
+    out += ["", "Gate/up + SwiGLU, silu(x W_gate) · (x W_up) with two [K, N] int4 weights: the warp-specialized kernel "
+            "fused (`swiglu=True`, one call) against two calls and XLA's silu · up, and the Triton fused kernel where "
+            "timed; ms [× two best bf16 peer matmuls]:", "",
+            "| E, K->N | rows | rows/expert | 2 × best bf16 peer | WS fused | WS 2 calls + XLA | Triton fused |",
+            "|---|---|---|---|---|---|---|"]
+    for (e, k, n, rows), v in fused:
+      peer2 = 2 * min(v[p]["ms"] for p in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16") if p in v)
+      cells = [f"{v[i]['ms']:.4f} [{peer2 / v[i]['ms']:.2f}x]" if i in v else "-" for i in
+               ("pallas_int4_mgpu_ws_swiglu_fused", "pallas_int4_mgpu_ws_swiglu_2calls", "pallas_int4_nk_swiglu_fused")]
+      out.append(f"| {e}, {k}->{n} | {rows} | {-(-rows // e)} | {peer2:.4f} | " + " | ".join(cells) + " |")
   dense = [r for r in result["rows"] if r["impl"].endswith("one_expert")]
   if dense:
     out += ["", "Dense, one expert's [K, N] weight against 64 tokens (jax's Hopper int8 x bf16 kernel is not grouped):",
@@ -388,6 +406,7 @@ def main(argv=None):
     key = jax.random.key(e + k + n)
     w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
     qw = quantized(key, e, k, n, formats)
+    w_up = None  # the second weight of the gate/up rows (int4_mgpu_ws)
     for rows in rows_here:
       gs_np = balanced_groups(rows, e)
       gs = jnp.asarray(gs_np)
@@ -427,6 +446,18 @@ def main(argv=None):
             f = jax.jit(functools.partial(v2.vq2_grouped_matmul, interpret=INTERPRET["on"], ablate=ablate, **best[1]))
             add(f"pallas_vq2[{ablate}]", rows, e, k, n, timer(f, x, qw[fmt], gs, iters=args.iters), fmt, n_active,
                 {"config": {**best[1], "ablate": ablate}})
+      if "int4_mgpu_ws" in formats and not args.sweep:  # gate/up + SwiGLU: one fused call against two calls + XLA
+        if w_up is None:  # a second weight: two calls on the same weight would be one call after XLA's CSE
+          w_up = mws.to_mgpu_layout(random_int4(jax.random.fold_in(key, 1), e, k, n))
+        w_gu = mws.interleave_gate_up(qw["int4_mgpu_ws"], w_up)
+        f = jax.jit(functools.partial(mws.int4_grouped_matmul_mgpu_ws, interpret=INTERPRET["on"], swiglu=True))
+        add("pallas_int4_mgpu_ws_swiglu_fused", rows, e, k, n, timer(f, x, w_gu, gs, iters=args.iters),
+            "int4", n_active, n_mats=2)
+        ws_call = functools.partial(mws.int4_grouped_matmul_mgpu_ws, interpret=INTERPRET["on"])
+        f = jax.jit(lambda a, wg, wu, g: jax.nn.silu(ws_call(a, wg, g)) * ws_call(a, wu, g))
+        add("pallas_int4_mgpu_ws_swiglu_2calls", rows, e, k, n,
+            timer(f, x, qw["int4_mgpu_ws"], w_up, gs, iters=args.iters), "int4", n_active, n_mats=2)
+        del w_gu
       if rows == 16 and not args.sweep and {"int4", "int4_nk"} <= set(formats):
         for fmt in ("int4", "int4_nk"):
           cfg = CONFIGS[fmt][0]
@@ -467,7 +498,7 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
     except Exception as ex:  # noqa: BLE001
       print("mixed int8 unavailable", type(ex).__name__, str(ex)[:200], flush=True)
-    del w_bf16, qw
+    del w_bf16, qw, w_up
     save("_partial")
 
   save()

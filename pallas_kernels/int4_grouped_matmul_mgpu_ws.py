@@ -190,11 +190,12 @@ def _xsum_window(window: int, gk: int) -> int:
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
             block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int,
             compute_registers: int, a_from_smem: bool, ablate: str, dequant: str, overlap_steps: bool,
-            dequant_form: str, order: str, wgmma_depth: int):
+            dequant_form: str, order: str, wgmma_depth: int, swiglu: bool, h_smem=None):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
-  # float32 [M', N]). o_smem: float32 [n_wgs, W, 64] (W = R, or R + 8 with padded tiles), one out tile per compute
-  # warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile).
+  # float32 [M', N], or [M', N / 2] with swiglu). o_smem: float32 [n_wgs, W, 64] (W = R, or R + 8 with padded tiles),
+  # one out tile per compute warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile);
+  # h_smem (swiglu): float32 [n_wgs, W, 32], silu(gate) · up of each warpgroup's 32 output columns.
   xsum_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
   cta, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
   bn = n_wgs * _WG_N
@@ -343,14 +344,18 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
           o_smem.at[wg][...] = jnp.zeros((window, _WG_N), jnp.float32)
           plgpu.commit_smem()
 
+        src, cols = o_smem.at[wg], pl.ds(col0 + wg * _WG_N, _WG_N)
+        if swiglu:  # the warpgroup's 64 columns are 32 gate columns, then the same 32 output columns' up columns
+          gate, up = src[:, pl.ds(0, _WG_N // 2)], src[:, pl.ds(_WG_N // 2, _WG_N // 2)]  # float32 [W, 32] each
+          h_smem.at[wg][...] = gate / (1.0 + jnp.exp(-gate)) * up
+          plgpu.commit_smem()
+          src, cols = h_smem.at[wg], pl.ds((col0 + wg * _WG_N) // 2, _WG_N // 2)
         start, done = first - loaded, jnp.int32(0)
-        cols = pl.ds(col0 + wg * _WG_N, _WG_N)
         size = 1 << int(math.log2(block_r))
         while size:  # TMA boxes are static: `count` rows as a ladder of power-of-two row counts
           @pl.when(((count & size) != 0) & owner)
           def _store(size=size, done=done):
-            plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size),
-                                                                                          cols])
+            plgpu.copy_smem_to_gmem(src.at[pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size), cols])
           done = done + (count & size)
           size //= 2
 
@@ -489,7 +494,7 @@ def check_options(kp: int, n: int, *, block_r: int | None = None, num_compute_wg
 
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
            "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl",
-           "aligned_tiles", "wgmma_depth")
+           "aligned_tiles", "wgmma_depth", "swiglu")
 
 
 def _num_sms() -> int:
@@ -506,7 +511,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 dequant: str = "ptx", overlap_steps: bool = False,
                                 dequant_form: str | None = None, compute_registers: int | None = None,
                                 ablate: str = "", table_impl: str = "pallas",
-                                aligned_tiles: bool = True, wgmma_depth: int | None = None) -> jax.Array:
+                                aligned_tiles: bool = True, wgmma_depth: int | None = None,
+                                swiglu: bool = False) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -561,6 +567,11 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       wait before the step's end). With block_k 512 at C = 3 (152 registers) a depth of 2 keeps the register use of
       block_k 256 while 3 of the step's 4 decodes run behind a wgmma instead of 1 of 2: 3-6% faster than without on
       the H200, but from tied to 13% slower than the defaults (results/int4_mgpu_ws_al_depth.md), so none uses it.
+    swiglu: the fused gate/up + SwiGLU form: `weights` is `interleave_gate_up(w_gate, w_up)` (N = 2F columns, the
+      two weights' columns interleaved in blocks of 32) and the result is float32 [M, F] = silu(lhs W_gate) ·
+      (lhs W_up): each compute warpgroup's 64 columns are 32 output columns' gate and up columns, combined in its
+      epilogue (through shared memory) before the store. One call reads both weights and the x windows once per
+      item, and writes F columns instead of 2F.
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "no_decode" (acc_scale only)
       keeps the wgmmas, the per-group scaling and the stores but gives every wgmma a constant operand (q - z = 1,
@@ -587,7 +598,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"ablate='no_decode' takes dequant_form='acc_scale', not {dequant_form!r}")
   stage_bytes = (bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2 +
                  (block_k // _G * _xsum_window(window, block_k // _G) * 4 if dequant_form == "acc_zero" else 0))
-  fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0)
+  fixed = (num_compute_wgs * window * (_WG_N + (_WG_N // 2 if swiglu else 0)) * 4  # o_smem (and h_smem)
+           + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0))
   if max_concurrent_steps is None:
     max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
                                  s * stage_bytes + fixed <= _SMEM_BUDGET), 1)
@@ -633,19 +645,52 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, a_from_smem=bool(interpret), ablate=ablate,
                            dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order,
-                           wgmma_depth=wgmma_depth)
+                           wgmma_depth=wgmma_depth, swiglu=swiglu)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
-              if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)))  # unused on the GPU
+              if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)),  # unused on the GPU
+      **({"h_smem": plgpu.SMEM((num_compute_wgs, window, _WG_N // 2), jnp.float32)} if swiglu else {}))
   kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((m + pad, n), jnp.float32), grid=(num_ctas,), grid_names=("c",),
+      body, out_type=jax.ShapeDtypeStruct((m + pad, n // 2 if swiglu else n), jnp.float32), grid=(num_ctas,),
+      grid_names=("c",),
       num_threads=num_compute_wgs + 1, thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **({"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
          if interpret else {}))
   out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero, *xsum)
   return out[:m] if pad else out
+
+
+SWIGLU_BLOCK = _WG_N // 2  # columns of one weight between columns of the other in `interleave_gate_up`
+
+
+def interleave_gate_up(w_gate: MgpuInt4Weights | MgpuInt4WeightsShift,
+                       w_up: MgpuInt4Weights | MgpuInt4WeightsShift) -> MgpuInt4Weights | MgpuInt4WeightsShift:
+  """Two `to_mgpu_layout` weights [E, Kp, F] (same layout and shapes, F a multiple of 32) -> one [E, Kp, 2F] whose
+  columns go 32 of gate, the same 32 of up, the next 32 of gate, ...: the weight of
+  `int4_grouped_matmul_mgpu_ws(..., swiglu=True)`."""
+  if type(w_gate) is not type(w_up) or any(a.shape != b.shape for a, b in zip(w_gate, w_up)):
+    raise ValueError(f"w_gate and w_up must be the same layout and shapes, got {type(w_gate).__name__} "
+                     f"{[a.shape for a in w_gate]} and {type(w_up).__name__} {[a.shape for a in w_up]}")
+  f = w_gate.scale.shape[-1]
+  if f % SWIGLU_BLOCK:
+    raise ValueError(f"F={f} (the weights' N) must be a multiple of {SWIGLU_BLOCK}")
+
+  def mix(g, u, axis):  # interleave blocks of 32 along `axis`
+    g, u = jnp.moveaxis(g, axis, -1), jnp.moveaxis(u, axis, -1)
+    blocks = g.shape[:-1] + (f // SWIGLU_BLOCK, 1, SWIGLU_BLOCK)
+    both = jnp.concatenate([g.reshape(blocks), u.reshape(blocks)], axis=-2)
+    return jnp.moveaxis(both.reshape(g.shape[:-1] + (2 * f,)), -1, axis)
+
+  return type(w_gate)(q=mix(w_gate.q, w_up.q, 1), scale=mix(w_gate.scale, w_up.scale, 2),
+                      zero=mix(w_gate.zero, w_up.zero, 2))
+
+
+def swiglu_of_interleaved(out: jax.Array) -> jax.Array:
+  """float32 [..., 2F] in `interleave_gate_up`'s column order (x W_gu) -> [..., F] = silu(x W_gate) · (x W_up)."""
+  blocks = out.reshape(out.shape[:-1] + (out.shape[-1] // (2 * SWIGLU_BLOCK), 2, SWIGLU_BLOCK))
+  return (jax.nn.silu(blocks[..., 0, :]) * blocks[..., 1, :]).reshape(out.shape[:-1] + (out.shape[-1] // 2,))
 
 
 def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,

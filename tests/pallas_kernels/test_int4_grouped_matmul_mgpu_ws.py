@@ -8,6 +8,7 @@ PTX dequant) are checked here only as far as lowering to a Mosaic GPU kernel; `b
 checks their values on the H200.
 """
 
+import functools
 import re
 
 import jax
@@ -86,6 +87,61 @@ def test_matches_reference(sizes, extra, n, cfg, interpreted):
   want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
+
+
+# (gate group sizes, rows of no expert, F, kernel config) of the fused gate/up + SwiGLU form: 2F = 192 columns in N
+# tiles at 0 and 64 (the second tile's first warpgroup does not store), virtual rows; one CTA chaining 3 items with
+# 16-row tiles and a ring of 1.
+SWIGLU_CASES = [([3, 0, 17, 1], 2, 96, dict(num_compute_wgs=2, block_k=128, num_ctas=2)),
+                ([5, 0, 2, 9], 0, 64, dict(num_ctas=1, block_r=16, max_concurrent_steps=1))]
+
+
+@pytest.mark.parametrize("sizes,extra,f,cfg", SWIGLU_CASES)
+def test_swiglu_matches_reference(sizes, extra, f, cfg, interpreted):
+  """swiglu=True on `interleave_gate_up(gate, up)` gives silu(x W_gate) · (x W_up) [M, F] (each weight's float32
+  dequantization, as acc_scale computes it); rows of no expert are zero."""
+  x, gs, wg = _inputs(sizes, extra, f)
+  wu = ws.to_mgpu_layout(_inputs([1, 2, 3, 4], 0, f)[2])
+  wg = ws.to_mgpu_layout(wg)
+  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, ws.interleave_gate_up(wg, wu), gs,
+                                                                      interpret=True, swiglu=True, **cfg)))
+  ref = functools.partial(ws.int4_grouped_matmul_mgpu_ws_form_reference, x, group_sizes=gs, dequant_form="acc_scale")
+  want = np.asarray(jax.nn.silu(ref(weights=wg)) * ref(weights=wu))
+  assert got.shape == (x.shape[0], f)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
+  assert not np.any(got[sum(sizes):])
+
+
+def test_interleave_gate_up_orders_columns():
+  """Columns of the interleaved weight go 32 of gate, the same 32 of up, ...; `swiglu_of_interleaved` undoes it."""
+  _, _, w = _inputs([1, 2, 3, 4], 0, 64)
+  wg, wu = ws.to_mgpu_layout(w), ws.to_mgpu_layout(_inputs([2, 1, 3, 4], 0, 64)[2])
+  gu = ws.interleave_gate_up(wg, wu)
+  assert type(gu) is type(wg) and gu.q.shape == (E, 128, K) and gu.scale.shape == (E, K // G, 128)
+  dg, du, dgu = (np.asarray(mg.dequantize_mgpu(v)) for v in (wg, wu, gu))
+  for b in range(2):
+    np.testing.assert_array_equal(dgu[..., 64 * b:64 * b + 32], dg[..., 32 * b:32 * b + 32])
+    np.testing.assert_array_equal(dgu[..., 64 * b + 32:64 * b + 64], du[..., 32 * b:32 * b + 32])
+  out = jax.random.normal(jax.random.key(0), (5, 128))
+  g = np.asarray(out).reshape(5, 2, 2, 32)
+  want = np.asarray(jax.nn.silu(g[:, :, 0]) * g[:, :, 1]).reshape(5, 64)
+  np.testing.assert_allclose(np.asarray(ws.swiglu_of_interleaved(out)), want, rtol=1e-6)
+  with pytest.raises(ValueError, match="same layout and shapes"):
+    ws.interleave_gate_up(wg, ws.to_mgpu_layout(w, nibble_order="prmt"))
+  with pytest.raises(ValueError, match="F=48"):
+    ws.interleave_gate_up(*(v._replace(q=v.q[:, :48], scale=v.scale[..., :48], zero=v.zero[..., :48]) for v in (wg, wu)))
+
+
+@pytest.mark.parametrize("cfg", [dict(num_compute_wgs=3, block_k=256, block_r=16),
+                                 dict(num_compute_wgs=4, block_k=256, block_r=32), dict(block_k=512, block_r=8)])
+def test_swiglu_gpu_path_lowers(cfg, table_in_jnp):
+  """The fused form's epilogue (gate and up halves read back from shared memory, silu · up, 32-column stores)
+  lowers for CUDA."""
+  x, gs, w = _inputs_k512("shift")
+  half = w._replace(q=w.q[:, :128], scale=w.scale[..., :128], zero=w.zero[..., :128])
+  f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, swiglu=True, **cfg))
+  text = f.trace(x, ws.interleave_gate_up(half, half), gs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 def test_no_decode_ablation_multiplies_the_scales(interpreted):
