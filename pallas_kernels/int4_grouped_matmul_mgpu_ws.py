@@ -692,12 +692,6 @@ def interleave_gate_up(w_gate: MgpuInt4Weights | MgpuInt4WeightsShift,
                       zero=mix(w_gate.zero, w_up.zero, 2))
 
 
-def swiglu_of_interleaved(out: jax.Array) -> jax.Array:
-  """float32 [..., 2F] in `interleave_gate_up`'s column order (x W_gu) -> [..., F] = silu(x W_gate) · (x W_up)."""
-  blocks = out.reshape(out.shape[:-1] + (out.shape[-1] // (2 * SWIGLU_BLOCK), 2, SWIGLU_BLOCK))
-  return (jax.nn.silu(blocks[..., 0, :]) * blocks[..., 1, :]).reshape(out.shape[:-1] + (out.shape[-1] // 2,))
-
-
 def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
                                                group_sizes: jax.Array, dequant_form: str) -> jax.Array:
   """XLA reference of a `dequant_form`: lhs bf16 [M, Kp] @ the form's weight [E, Kp, N] -> float32 [M, N].
