@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import int4_gate_up_mgpu as gu
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws
@@ -168,6 +169,12 @@ def quantized(key, e, k, n, formats):
   return {f: make[f]() for f in formats}
 
 
+def _error(got, want) -> dict:
+  """The max error relative to the reference's largest value, and the NaN count, of numpy arrays."""
+  return {"max_rel_err": float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9)),
+          "nan": int(np.isnan(got).sum())}
+
+
 def check_correctness(sweep=False, formats=None):
   """Kernels vs their XLA references on the GPU, awkward group sizes, bf16 lhs (the formats given, default all)."""
   res = {}
@@ -202,23 +209,17 @@ def check_correctness(sweep=False, formats=None):
       except Exception as ex:  # noqa: BLE001
         res[tag] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
         continue
-      want = np.asarray(ref_fn(x, w, gs))
-      err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
-      res[tag] = {"max_rel_err": err, "nan": int(np.isnan(got).sum())}
+      res[tag] = _error(got, np.asarray(ref_fn(x, w, gs)))
     if name == "int4_mgpu_ws":  # the fused form (`swiglu=True`) on two different weights, interleaved
       w_up = mws.to_mgpu_layout(random_int4(jax.random.key(5), e, k, n))
-      got = np.asarray(fn(x, mws.interleave_gate_up(w, w_up), gs, interpret=INTERPRET["on"], swiglu=True))
-      want = np.asarray(jax.nn.silu(ref_fn(x, w, gs)) * ref_fn(x, w_up, gs))
-      res[f"{name}_swiglu"] = {"max_rel_err": float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9)),
-                               "nan": int(np.isnan(got).sum())}
+      got = np.asarray(fn(x, gu.interleave_gate_up(w, w_up), gs, interpret=INTERPRET["on"], swiglu=True))
+      res[f"{name}_swiglu"] = _error(got, np.asarray(jax.nn.silu(ref_fn(x, w, gs)) * ref_fn(x, w_up, gs)))
     if name in ("int4_mgpu", "int4_mgpu_ws"):
       continue  # no Triton fused SwiGLU variant
     swi = (v2.vq2_grouped_swiglu, v2.vq2_grouped_swiglu_reference) if name == "vq2" else (
         i4.int4_grouped_swiglu, i4.int4_grouped_swiglu_reference)
     got = np.asarray(swi[0](x, w, w, gs, poison=float("nan"), interpret=INTERPRET["on"]).astype(jnp.float32))
-    want = np.asarray(swi[1](x, w, w, gs).astype(jnp.float32))
-    res[f"{name}_swiglu"] = {"max_rel_err": float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9)),
-                             "nan": int(np.isnan(got).sum())}
+    res[f"{name}_swiglu"] = _error(got, np.asarray(swi[1](x, w, w, gs).astype(jnp.float32)))
     del mod
   print("correctness", json.dumps(res), flush=True)
   return res
@@ -254,6 +255,11 @@ def explore(timer, args):
           print(f"EXPLORE {fmt} {cfg} FAIL {type(ex).__name__} {str(ex)[:300]}", flush=True)
 
 
+def _best_peer_ms(v: dict) -> float:
+  """The faster bf16 peer's ms among one cell's rows (impl -> row)."""
+  return min(v[p]["ms"] for p in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16") if p in v)
+
+
 def markdown(result: dict) -> str:
   """The results table: per (experts, K, N, rows) the peers and the kernels, ms (TB/s on bytes read)."""
   copy = result["copy"]["f32_sum_read_only"]["TB_per_s"]
@@ -273,7 +279,7 @@ def markdown(result: dict) -> str:
   for (e, k, n, rows), v in sorted(by.items()):
     if "xla_ragged_dot_bf16" not in v:
       continue
-    peer = min(v[p]["ms"] for p in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16") if p in v)
+    peer = _best_peer_ms(v)
     cell = lambda r: f"{r['ms']:.4f} ({r['tb_per_s']:.2f})"
     kcell = lambda r: f"{cell(r)} [{peer / r['ms']:.2f}x, {100 * r['tb_per_s'] / copy:.0f}%]"
     row = [f"{e}, {k}->{n}", str(rows), str(-(-rows // e)), cell(v["xla_ragged_dot_bf16"]),
@@ -289,7 +295,7 @@ def markdown(result: dict) -> str:
             "everything but the look-ups (`no_gather`); ms [time / best bf16 peer's time]:", "",
             "| E, K->N | rows | best bf16 peer | vq2 | gather_only | no_gather |", "|---|---|---|---|---|---|"]
     for (e, k, n, rows), v in ablated:
-      peer = min(v[p]["ms"] for p in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16") if p in v)
+      peer = _best_peer_ms(v)
       out.append(f"| {e}, {k}->{n} | {rows} | {peer:.4f} | "
                  + " | ".join(f"{v[i]['ms']:.4f} [{v[i]['ms'] / peer:.2f}]" for i in
                               ("pallas_vq2", "pallas_vq2[gather_only]", "pallas_vq2[no_gather]")) + " |")
@@ -301,7 +307,7 @@ def markdown(result: dict) -> str:
             "| E, K->N | rows | rows/expert | 2 × best bf16 peer | WS fused | WS 2 calls + XLA | Triton fused |",
             "|---|---|---|---|---|---|---|"]
     for (e, k, n, rows), v in fused:
-      peer2 = 2 * min(v[p]["ms"] for p in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16") if p in v)
+      peer2 = 2 * _best_peer_ms(v)
       cells = [f"{v[i]['ms']:.4f} [{peer2 / v[i]['ms']:.2f}x]" if i in v else "-" for i in
                ("pallas_int4_mgpu_ws_swiglu_fused", "pallas_int4_mgpu_ws_swiglu_2calls", "pallas_int4_nk_swiglu_fused")]
       out.append(f"| {e}, {k}->{n} | {rows} | {-(-rows // e)} | {peer2:.4f} | " + " | ".join(cells) + " |")
@@ -406,7 +412,7 @@ def main(argv=None):
     key = jax.random.key(e + k + n)
     w_bf16 = jax.random.normal(key, (e, k, n), jnp.bfloat16)
     qw = quantized(key, e, k, n, formats)
-    w_up = None  # the second weight of the gate/up rows (int4_mgpu_ws)
+    w_up = w_gu = None  # the gate/up rows' second weight and both interleaved (int4_mgpu_ws), made once per shape
     for rows in rows_here:
       gs_np = balanced_groups(rows, e)
       gs = jnp.asarray(gs_np)
@@ -449,15 +455,14 @@ def main(argv=None):
       if "int4_mgpu_ws" in formats and not args.sweep:  # gate/up + SwiGLU: one fused call against two calls + XLA
         if w_up is None:  # a second weight: two calls on the same weight would be one call after XLA's CSE
           w_up = mws.to_mgpu_layout(random_int4(jax.random.fold_in(key, 1), e, k, n))
-        w_gu = mws.interleave_gate_up(qw["int4_mgpu_ws"], w_up)
-        f = jax.jit(functools.partial(mws.int4_grouped_matmul_mgpu_ws, interpret=INTERPRET["on"], swiglu=True))
-        add("pallas_int4_mgpu_ws_swiglu_fused", rows, e, k, n, timer(f, x, w_gu, gs, iters=args.iters),
-            "int4", n_active, n_mats=2)
+          w_gu = gu.interleave_gate_up(qw["int4_mgpu_ws"], w_up)
         ws_call = functools.partial(mws.int4_grouped_matmul_mgpu_ws, interpret=INTERPRET["on"])
+        add("pallas_int4_mgpu_ws_swiglu_fused", rows, e, k, n,
+            timer(jax.jit(functools.partial(ws_call, swiglu=True)), x, w_gu, gs, iters=args.iters), "int4", n_active,
+            n_mats=2)
         f = jax.jit(lambda a, wg, wu, g: jax.nn.silu(ws_call(a, wg, g)) * ws_call(a, wu, g))
         add("pallas_int4_mgpu_ws_swiglu_2calls", rows, e, k, n,
             timer(f, x, qw["int4_mgpu_ws"], w_up, gs, iters=args.iters), "int4", n_active, n_mats=2)
-        del w_gu
       if rows == 16 and not args.sweep and {"int4", "int4_nk"} <= set(formats):
         for fmt in ("int4", "int4_nk"):
           cfg = CONFIGS[fmt][0]
@@ -498,7 +503,7 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
     except Exception as ex:  # noqa: BLE001
       print("mixed int8 unavailable", type(ex).__name__, str(ex)[:200], flush=True)
-    del w_bf16, qw, w_up
+    del w_bf16, qw, w_up, w_gu
     save("_partial")
 
   save()

@@ -49,10 +49,11 @@ and left off (overlap_steps: ptxas serializes the wgmmas when one stays in fligh
 C7512; the fma dequant forms; C = 4 with jax's own register split, which deadlocks, hence `register_split`): the
 session-by-session record in benchmarks/notes_expert_matmul.md.
 
-Gate/up + SwiGLU (`swiglu=True`): on `interleave_gate_up(w_gate, w_up)` (columns in blocks of 32, gate then up) each
-compute warpgroup's 64 columns hold 32 output columns' gate and up columns; its epilogue reads the two halves of its
-out tile back from shared memory and stores silu(gate) · up, [M, F]. On the H200 3.0-3.4x two matmuls of the best
-bf16 peer with <= 16 rows per expert, 3-11% faster than two calls (results/expert_matmul_ws_swiglu.md).
+Gate/up + SwiGLU (`swiglu=True`): on `int4_gate_up_mgpu.interleave_gate_up(w_gate, w_up)` (columns in blocks of 32,
+gate then up) each compute warpgroup's 64 columns hold 32 output columns' gate and up columns; its epilogue reads the
+two halves of its out tile back from shared memory and stores silu(gate) · up, [M, F]. On the H200 3.0-3.4x two
+matmuls of the best bf16 peer with <= 16 rows per expert, 3-11% faster than two calls
+(results/expert_matmul_ws_swiglu.md).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
@@ -72,6 +73,7 @@ from jax._src.pallas.mosaic_gpu import pipeline as _mgpu_pipeline
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int4_gate_up_mgpu as gu
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_ws_work_table as wt
@@ -82,6 +84,7 @@ MgpuInt4WeightsShift = mg.MgpuInt4WeightsShift
 int4_grouped_matmul_mgpu_ws_reference = mg.int4_grouped_matmul_mgpu_reference
 _G = 128
 _WG_N = 64  # output columns per compute warpgroup: the M extent of one wgmma
+assert _WG_N == 2 * gu.SWIGLU_BLOCK  # swiglu: a warpgroup's columns are one block of gate and one of up
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, W] WGMMA-layout tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 # Columns of the work table.
@@ -351,10 +354,11 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
 
         src, cols = o_smem.at[wg], pl.ds(col0 + wg * _WG_N, _WG_N)
         if swiglu:  # the warpgroup's 64 columns are 32 gate columns, then the same 32 output columns' up columns
-          gate, up = src[:, pl.ds(0, _WG_N // 2)], src[:, pl.ds(_WG_N // 2, _WG_N // 2)]  # float32 [W, 32] each
+          half = gu.SWIGLU_BLOCK
+          gate, up = src[:, pl.ds(0, half)], src[:, pl.ds(half, half)]  # float32 [W, 32] each
           h_smem.at[wg][...] = gate / (1.0 + jnp.exp(-gate)) * up
           plgpu.commit_smem()
-          src, cols = h_smem.at[wg], pl.ds((col0 + wg * _WG_N) // 2, _WG_N // 2)
+          src, cols = h_smem.at[wg], pl.ds((col0 + wg * _WG_N) // 2, half)
         start, done = first - loaded, jnp.int32(0)
         size = 1 << int(math.log2(block_r))
         while size:  # TMA boxes are static: `count` rows as a ladder of power-of-two row counts
@@ -572,11 +576,11 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       wait before the step's end). With block_k 512 at C = 3 (152 registers) a depth of 2 keeps the register use of
       block_k 256 while 3 of the step's 4 decodes run behind a wgmma instead of 1 of 2: 3-6% faster than without on
       the H200, but from tied to 13% slower than the defaults (results/int4_mgpu_ws_al_depth.md), so none uses it.
-    swiglu: the fused gate/up + SwiGLU form: `weights` is `interleave_gate_up(w_gate, w_up)` (N = 2F columns, the
-      two weights' columns interleaved in blocks of 32) and the result is float32 [M, F] = silu(lhs W_gate) ·
-      (lhs W_up): each compute warpgroup's 64 columns are 32 output columns' gate and up columns, combined in its
-      epilogue (through shared memory) before the store. One call reads both weights and the x windows once per
-      item, and writes F columns instead of 2F.
+    swiglu: the fused gate/up + SwiGLU form: `weights` is `int4_gate_up_mgpu.interleave_gate_up(w_gate, w_up)`
+      (N = 2F columns, the two weights' columns interleaved in blocks of 32) and the result is float32 [M, F] =
+      silu(lhs W_gate) · (lhs W_up): each compute warpgroup's 64 columns are 32 output columns' gate and up columns,
+      combined in its epilogue (through shared memory) before the store. One call reads both weights and the x
+      windows once per item, and writes F columns instead of 2F.
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "no_decode" (acc_scale only)
       keeps the wgmmas, the per-group scaling and the stores but gives every wgmma a constant operand (q - z = 1,
@@ -603,7 +607,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"ablate='no_decode' takes dequant_form='acc_scale', not {dequant_form!r}")
   stage_bytes = (bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2 +
                  (block_k // _G * _xsum_window(window, block_k // _G) * 4 if dequant_form == "acc_zero" else 0))
-  fixed = (num_compute_wgs * window * (_WG_N + (_WG_N // 2 if swiglu else 0)) * 4  # o_smem (and h_smem)
+  fixed = (num_compute_wgs * window * (_WG_N + (gu.SWIGLU_BLOCK if swiglu else 0)) * 4  # o_smem (and h_smem)
            + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0))
   if max_concurrent_steps is None:
     max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
@@ -655,7 +659,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
               if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)),  # unused on the GPU
-      **({"h_smem": plgpu.SMEM((num_compute_wgs, window, _WG_N // 2), jnp.float32)} if swiglu else {}))
+      **({"h_smem": plgpu.SMEM((num_compute_wgs, window, gu.SWIGLU_BLOCK), jnp.float32)} if swiglu else {}))
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((m + pad, n // 2 if swiglu else n), jnp.float32), grid=(num_ctas,),
       grid_names=("c",),
@@ -665,31 +669,6 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
          if interpret else {}))
   out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero, *xsum)
   return out[:m] if pad else out
-
-
-SWIGLU_BLOCK = _WG_N // 2  # columns of one weight between columns of the other in `interleave_gate_up`
-
-
-def interleave_gate_up(w_gate: MgpuInt4Weights | MgpuInt4WeightsShift,
-                       w_up: MgpuInt4Weights | MgpuInt4WeightsShift) -> MgpuInt4Weights | MgpuInt4WeightsShift:
-  """Two `to_mgpu_layout` weights [E, Kp, F] (same layout and shapes, F a multiple of 32) -> one [E, Kp, 2F] whose
-  columns go 32 of gate, the same 32 of up, the next 32 of gate, ...: the weight of
-  `int4_grouped_matmul_mgpu_ws(..., swiglu=True)`."""
-  if type(w_gate) is not type(w_up) or any(a.shape != b.shape for a, b in zip(w_gate, w_up)):
-    raise ValueError(f"w_gate and w_up must be the same layout and shapes, got {type(w_gate).__name__} "
-                     f"{[a.shape for a in w_gate]} and {type(w_up).__name__} {[a.shape for a in w_up]}")
-  f = w_gate.scale.shape[-1]
-  if f % SWIGLU_BLOCK:
-    raise ValueError(f"F={f} (the weights' N) must be a multiple of {SWIGLU_BLOCK}")
-
-  def mix(g, u, axis):  # interleave blocks of 32 along `axis`
-    g, u = jnp.moveaxis(g, axis, -1), jnp.moveaxis(u, axis, -1)
-    blocks = g.shape[:-1] + (f // SWIGLU_BLOCK, 1, SWIGLU_BLOCK)
-    both = jnp.concatenate([g.reshape(blocks), u.reshape(blocks)], axis=-2)
-    return jnp.moveaxis(both.reshape(g.shape[:-1] + (2 * f,)), -1, axis)
-
-  return type(w_gate)(q=mix(w_gate.q, w_up.q, 1), scale=mix(w_gate.scale, w_up.scale, 2),
-                      zero=mix(w_gate.zero, w_up.zero, 2))
 
 
 def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,

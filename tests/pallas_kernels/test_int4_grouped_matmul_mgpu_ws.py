@@ -18,6 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
+from pallas_kernels import int4_gate_up_mgpu as gu
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
@@ -103,7 +104,7 @@ def test_swiglu_matches_reference(sizes, extra, f, cfg, interpreted):
   x, gs, wg = _inputs(sizes, extra, f)
   wu = ws.to_mgpu_layout(_inputs([1, 2, 3, 4], 0, f)[2])
   wg = ws.to_mgpu_layout(wg)
-  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, ws.interleave_gate_up(wg, wu), gs,
+  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, gu.interleave_gate_up(wg, wu), gs,
                                                                       interpret=True, swiglu=True, **cfg)))
   ref = functools.partial(ws.int4_grouped_matmul_mgpu_ws_form_reference, x, group_sizes=gs, dequant_form="acc_scale")
   want = np.asarray(jax.nn.silu(ref(weights=wg)) * ref(weights=wu))
@@ -117,16 +118,16 @@ def test_interleave_gate_up_orders_columns():
   and an F that is not a multiple of 32 are refused."""
   _, _, w = _inputs([1, 2, 3, 4], 0, 64)
   wg, wu = ws.to_mgpu_layout(w), ws.to_mgpu_layout(_inputs([2, 1, 3, 4], 0, 64)[2])
-  gu = ws.interleave_gate_up(wg, wu)
-  assert type(gu) is type(wg) and gu.q.shape == (E, 128, K) and gu.scale.shape == (E, K // G, 128)
-  dg, du, dgu = (np.asarray(mg.dequantize_mgpu(v)) for v in (wg, wu, gu))
+  both = gu.interleave_gate_up(wg, wu)
+  assert type(both) is type(wg) and both.q.shape == (E, 128, K) and both.scale.shape == (E, K // G, 128)
+  dg, du, dgu = (np.asarray(mg.dequantize_mgpu(v)) for v in (wg, wu, both))
   for b in range(2):
     np.testing.assert_array_equal(dgu[..., 64 * b:64 * b + 32], dg[..., 32 * b:32 * b + 32])
     np.testing.assert_array_equal(dgu[..., 64 * b + 32:64 * b + 64], du[..., 32 * b:32 * b + 32])
   with pytest.raises(ValueError, match="same layout and shapes"):
-    ws.interleave_gate_up(wg, ws.to_mgpu_layout(w, nibble_order="prmt"))
+    gu.interleave_gate_up(wg, ws.to_mgpu_layout(w, nibble_order="prmt"))
   with pytest.raises(ValueError, match="F=48"):
-    ws.interleave_gate_up(*(v._replace(q=v.q[:, :48], scale=v.scale[..., :48], zero=v.zero[..., :48])
+    gu.interleave_gate_up(*(v._replace(q=v.q[:, :48], scale=v.scale[..., :48], zero=v.zero[..., :48])
                             for v in (wg, wu)))
 
 
@@ -138,7 +139,7 @@ def test_swiglu_gpu_path_lowers(cfg, table_in_jnp):
   x, gs, w = _inputs_k512("shift")
   half = w._replace(q=w.q[:, :128], scale=w.scale[..., :128], zero=w.zero[..., :128])
   f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, swiglu=True, **cfg))
-  text = f.trace(x, ws.interleave_gate_up(half, half), gs).lower(lowering_platforms=("cuda",)).as_text()
+  text = f.trace(x, gu.interleave_gate_up(half, half), gs).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
 
