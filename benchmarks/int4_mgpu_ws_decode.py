@@ -113,14 +113,6 @@ WS = {
     "c4_k128_acc_shift": dict(num_compute_wgs=4, block_k=128, dequant_form="acc_scale", nibble_order="shift"),
     "c4_k256_acc_shift": dict(num_compute_wgs=4, block_k=256, dequant_form="acc_scale", nibble_order="shift"),
     "c4_k512_acc_shift": dict(num_compute_wgs=4, block_k=512, dequant_form="acc_scale", nibble_order="shift"),
-    # Eighteenth session: split-K (`split_k`: each item's K in S slices on S CTAs, the slices added by the TMA store's
-    # reduction) so that the CTAs' last round fills at 8 x 4096->14336: C = 4's 448 items over 66 CTAs in halves
-    # (97% of 7 rounds) or over 33 in quarters; C = 3's 600 over 33 in quarters (95%); "_partials": the halves stored
-    # apart and summed by XLA.
-    "al_c4_s2": dict(nibble_order="shift", num_compute_wgs=4, block_k=256, split_k=2),
-    "al_c4_s4": dict(nibble_order="shift", num_compute_wgs=4, block_k=256, split_k=4),
-    "al_c3_s4": dict(nibble_order="shift", num_compute_wgs=3, block_k=256, split_k=4),
-    "al_c4_s2_partials": dict(nibble_order="shift", num_compute_wgs=4, block_k=256, split_k=2, split_out="partials"),
     # Not here any more: c2_k1024 (8 K groups per step; fifth call, with a 220 KB ring budget): ptxas serializes its
     # wgmmas (C7511), 1.2-1.8x slower than c2_k512.
 }

@@ -198,25 +198,18 @@ def _xsum_window(window: int, gk: int) -> int:
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
             block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int,
             compute_registers: int, a_from_smem: bool, ablate: str, dequant: str, overlap_steps: bool,
-            dequant_form: str, order: str, wgmma_depth: int, swiglu: bool, split_k: int, split_out: str,
-            h_smem=None):
+            dequant_form: str, order: str, wgmma_depth: int, swiglu: bool, h_smem=None):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; q_ref: int4 [E, N, Kp]; scale_ref,
   # zero_ref: bf16 [E, Kg, N]; refs: (xsum_ref float32 [Kg, M'] (acc_zero only: x summed per K group), out_ref
   # float32 [M', N], or [M', N / 2] with swiglu). o_smem: float32 [n_wgs, W, 64] (W = R, or R + 8 with padded tiles),
   # one out tile per compute warpgroup; a_smem: bf16 [n_wgs, 64, G] (interpret mode's route of the decoded tile);
-  # h_smem (swiglu): float32 [n_wgs, W, 32], silu(gate) · up of each warpgroup's 32 output columns. split_k > 1:
-  # CTA c runs the items of table row c % C_ctas over the K slice c // C_ctas, and out_ref is float32 [S, M', N]
-  # (split_out "partials": one slice per K slice) or the zeroed float32 [M', N] that each slice adds to ("tma_add").
+  # h_smem (swiglu): float32 [n_wgs, W, 32], silu(gate) · up of each warpgroup's 32 output columns.
   xsum_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
   cta, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
-  n_rows = table_ref.shape[0]
-  cta, split = (cta, 0) if split_k == 1 else (jax.lax.rem(cta, n_rows), jax.lax.div(cta, n_rows))
   bn = n_wgs * _WG_N
   gk = block_k // _G
   xs_window = _xsum_window(window, gk)
-  ksteps = n_groups // gk // split_k  # pipeline steps per item
-  dst_ref = out_ref.at[split] if split_out == "partials" else out_ref
-  reduction = "add" if split_out == "tma_add" else None
+  ksteps = n_groups // gk
   wg_rows = pl.ds(pl.multiple_of(jnp.minimum(wg, n_wgs - 1) * _WG_N, _WG_N), _WG_N)  # this warpgroup's N slice
 
   consumed = []  # overlap_steps: the ring's consumed barriers (one per input, `steps` slots), set below
@@ -317,15 +310,10 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
         manual_consumed_barriers=overlap_steps)
 
   def gmem(expert, loaded, col0):
-    cols, rows = pl.ds(col0, bn), pl.ds(loaded, window)
-    if split_k == 1:
-      ks, gs = slice(None), slice(None)
-    else:  # this CTA's K slice: ksteps steps from step split · ksteps
-      ks = pl.ds(pl.multiple_of(split * ksteps * block_k, block_k), ksteps * block_k)
-      gs = pl.ds(split * ksteps * gk, ksteps * gk)
-    refs = (q_ref.at[expert, cols, ks], lhs_ref.at[rows, ks], scale_ref.at[expert, gs, cols],
-            zero_ref.at[expert, gs, cols])
-    return refs if xsum_ref is None else (*refs, xsum_ref.at[gs, pl.ds(loaded, xs_window)])
+    cols = pl.ds(col0, bn)
+    refs = (q_ref.at[expert, cols], lhs_ref.at[pl.ds(loaded, window)], scale_ref.at[expert, :, cols],
+            zero_ref.at[expert, :, cols])
+    return refs if xsum_ref is None else (*refs, xsum_ref.at[:, pl.ds(loaded, xs_window)])
 
   ignore = lambda *_, **__: None
   allocs = make_pipeline(ignore, None).get_allocations(*gmem(0, 0, 0))
@@ -376,8 +364,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
         while size:  # TMA boxes are static: `count` rows as a ladder of power-of-two row counts
           @pl.when(((count & size) != 0) & owner)
           def _store(size=size, done=done):
-            plgpu.copy_smem_to_gmem(src.at[pl.ds(start + done, size)], dst_ref.at[pl.ds(first + done, size), cols],
-                                    reduction_op=reduction)
+            plgpu.copy_smem_to_gmem(src.at[pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size), cols])
           done = done + (count & size)
           size //= 2
 
@@ -494,13 +481,11 @@ def default_block_r(m: int, n_experts: int, aligned_tiles: bool) -> int:
 
 
 # The tiling options a caller may fix per weight (`quant.to_mgpu_layout(model, block_r=...)` stores them).
-OPTIONS = ("block_r", "num_compute_wgs", "block_k", "aligned_tiles", "table_impl", "split_k")
-SPLIT_OUTS = ("tma_add", "partials")  # how K slices combine (`split_out`)
+OPTIONS = ("block_r", "num_compute_wgs", "block_k", "aligned_tiles", "table_impl")
 
 
 def check_options(kp: int, n: int, *, block_r: int | None = None, num_compute_wgs: int | None = None,
-                  block_k: int | None = None, aligned_tiles: bool = True, table_impl: str = "pallas",
-                  split_k: int = 1) -> None:
+                  block_k: int | None = None, aligned_tiles: bool = True, table_impl: str = "pallas") -> None:
   """Raises a ValueError naming the first of OPTIONS that does not fit weights of padded K = kp and N = n (None: the
   kernel's default, always valid)."""
   if block_r is not None and block_r not in BLOCK_RS:
@@ -514,13 +499,11 @@ def check_options(kp: int, n: int, *, block_r: int | None = None, num_compute_wg
     raise ValueError(f"aligned_tiles={aligned_tiles!r} must be True or False")
   if table_impl not in TABLE_IMPLS:
     raise ValueError(f"table_impl={table_impl!r} must be one of {TABLE_IMPLS}")
-  if type(split_k) is not int or split_k < 1 or kp % (split_k * _G):
-    raise ValueError(f"split_k={split_k!r} must be a positive int dividing the padded K = {kp} into multiples of {_G}")
 
 
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
            "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl",
-           "aligned_tiles", "wgmma_depth", "swiglu", "split_k", "split_out")
+           "aligned_tiles", "wgmma_depth", "swiglu")
 
 
 def _num_sms() -> int:
@@ -538,7 +521,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                                 dequant_form: str | None = None, compute_registers: int | None = None,
                                 ablate: str = "", table_impl: str = "pallas",
                                 aligned_tiles: bool = True, wgmma_depth: int | None = None,
-                                swiglu: bool = False, split_k: int = 1, split_out: str | None = None) -> jax.Array:
+                                swiglu: bool = False) -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ int4 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -598,16 +581,6 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       silu(lhs W_gate) · (lhs W_up): each compute warpgroup's 64 columns are 32 output columns' gate and up columns,
       combined in its epilogue (through shared memory) before the store. One call reads both weights and the x
       windows once per item, and writes F columns instead of 2F.
-    split_k: K slices per work item (S; split-K). The table deals the items over num_ctas / S CTAs and CTA c runs
-      its row c mod (num_ctas / S) over K slice c div (num_ctas / S), Kp / S wide: S times the items, each S times
-      shorter, so that the CTAs' last round can be filled where the items alone leave it part empty (at
-      8 x 4096->14336 C = 3's 600 items fill 91% of 5 rounds over 132 CTAs; S = 3 makes 14 rounds of thirds over 44,
-      97%). S must divide num_ctas and Kp / block_k, and the ring depth must divide Kp / (S · block_k). Not with
-      swiglu (the silu needs the whole sum).
-    split_out: how the K slices' sums meet (split_k > 1), one of SPLIT_OUTS: "tma_add" (the GPU default) adds each
-      slice's out tile into a zeroed float32 [M', N] with the TMA store's reduction (`cp.reduce.async.bulk`, in L2);
-      "partials" (interpret mode's, whose TMA has no reduction) stores [S, M', N] and XLA sums over S after the
-      kernel.
     ablate: timing experiments only (wrong results): "no_compute" streams every tile through the ring but skips the
       compute warpgroups' loads, decode and wgmmas (the kernel's memory-side ceiling); "no_decode" (acc_scale only)
       keeps the wgmmas, the per-group scaling and the stores but gives every wgmma a constant operand (q - z = 1,
@@ -618,26 +591,16 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   if n % _WG_N:
     raise ValueError(f"N={n} must be a multiple of {_WG_N}")
   check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k,
-                aligned_tiles=aligned_tiles, table_impl=table_impl, split_k=split_k)
+                aligned_tiles=aligned_tiles, table_impl=table_impl)
   block_r = block_r or default_block_r(m, e, aligned_tiles)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   order = mg.nibble_order(weights)
   num_ctas = num_ctas or (4 if interpret else _num_sms())
-  # fits N (n % 64 == 0); the items are dealt over num_ctas / split_k CTAs
-  num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas // split_k)
+  num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)  # fits N (n % 64 == 0)
   bn = num_compute_wgs * _WG_N
-  block_k = block_k or next(b for b in ((512, 256, _G) if num_compute_wgs == 2 else (256, _G))
-                            if kp % (b * split_k) == 0)
-  if kp % (block_k * split_k) or num_ctas % split_k:
-    raise ValueError(f"split_k={split_k} must divide Kp / block_k = {kp // block_k} and num_ctas = {num_ctas}")
-  if split_k > 1 and swiglu:
-    raise ValueError(f"split_k={split_k} does not combine with swiglu (silu needs the whole K sum)")
-  split_out = split_out or ("partials" if interpret else "tma_add")
-  if split_out not in SPLIT_OUTS or (interpret and split_out == "tma_add" and split_k > 1):
-    raise ValueError(f"split_out={split_out!r} must be one of {SPLIT_OUTS} ('partials' in interpret mode, whose TMA "
-                     "has no reduction)")
-  ksteps = kp // block_k // split_k  # pipeline steps per item
+  block_k = block_k or next(b for b in ((512, 256, _G) if num_compute_wgs == 2 else (256, _G)) if kp % b == 0)
+  ksteps = kp // block_k
   window = wt.window(block_r, aligned_tiles)
   dequant_form = dequant_form or ("sub_mul" if overlap_steps else "acc_scale")
   if ablate == "no_decode" and dequant_form != "acc_scale":
@@ -650,7 +613,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
                                  s * stage_bytes + fixed <= _SMEM_BUDGET), 1)
   if ksteps % max_concurrent_steps:
-    raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / (block_k · split_k) = {ksteps}")
+    raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
   if wgmma_depth is not None and (type(wgmma_depth) is not int or wgmma_depth < 1):
@@ -680,7 +643,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.NIBBLE_ORDERS[order]].reshape(m + pad, kp)
   # The work table (`int4_ws_work_table`): one Pallas kernel on the GPU; its jnp reference in interpret mode (the same
   # values, faster in the CPU interpreter).
-  table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas // split_k, aligned=aligned_tiles)
+  table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=aligned_tiles)
   if interpret or table_impl == "xla":
     table = wt.work_table_reference(group_sizes, m, m + pad, **table_kw)
   elif table_impl == "pallas_masked":
@@ -691,31 +654,20 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, a_from_smem=bool(interpret), ablate=ablate,
                            dequant=dequant, overlap_steps=overlap_steps, dequant_form=dequant_form, order=order,
-                           wgmma_depth=wgmma_depth, swiglu=swiglu, split_k=split_k,
-                           split_out=split_out if split_k > 1 else "")
+                           wgmma_depth=wgmma_depth, swiglu=swiglu)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
               if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)),  # unused on the GPU
       **({"h_smem": plgpu.SMEM((num_compute_wgs, window, gu.SWIGLU_BLOCK), jnp.float32)} if swiglu else {}))
-  out_shape = (m + pad, n // 2 if swiglu else n)
-  if split_k > 1 and split_out == "tma_add":  # the kernel adds into a zeroed buffer passed as a mutable Ref
-    out_ref = jax.new_ref(jnp.zeros(out_shape, jnp.float32))
-    out_type, refs = (), (out_ref,)
-  else:
-    out_type, refs = jax.ShapeDtypeStruct((split_k, *out_shape) if split_k > 1 else out_shape, jnp.float32), ()
   kernel = plgpu.kernel(
-      body, out_type=out_type, grid=(num_ctas,),
+      body, out_type=jax.ShapeDtypeStruct((m + pad, n // 2 if swiglu else n), jnp.float32), grid=(num_ctas,),
       grid_names=("c",),
       num_threads=num_compute_wgs + 1, thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **({"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
          if interpret else {}))
-  out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero, *xsum, *refs)
-  if refs:
-    out = jax.freeze(refs[0])
-  elif split_k > 1:
-    out = out.sum(0)
+  out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero, *xsum)
   return out[:m] if pad else out
 
 

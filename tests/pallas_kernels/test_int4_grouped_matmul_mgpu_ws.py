@@ -74,9 +74,6 @@ CASES = [
     # waits after every wgmma anyway: this runs the option's code path; `test_wgmma_depth_waits_within_the_step`
     # checks the waits in the GPU lowering).
     ([3, 0, 17, 1], 2, 128, dict(num_ctas=2, block_k=256, wgmma_depth=1)),
-    # split_k: each item's K halves on two CTAs (interpret mode: partial sums per half, summed after the kernel).
-    ([3, 0, 17, 1], 2, 256, dict(num_compute_wgs=2, block_k=128, num_ctas=4, block_r=16, split_k=2)),  # 2 table rows
-    ([5, 0, 2, 9], 0, 128, dict(num_ctas=2, max_concurrent_steps=1, split_k=2)),  # one row: 3 items chained per half
 ]
 
 
@@ -409,24 +406,6 @@ def test_wgmma_depth_waits_within_the_step(depth, waits, table_in_jnp):
   assert ("wgmma.wait_group.sync.aligned 1;" in text) == waits
 
 
-def test_split_k_adds_with_the_tma_reduction(table_in_jnp):
-  """On the GPU path split_k's K slices meet through the TMA store's add reduction into one [M, N] buffer, and the
-  work table has num_ctas / split_k rows (CTA c runs row c mod 66 here)."""
-  x, gs, w = _inputs_k512("shift")
-  tables = []
-  original = wt.work_table
-  wt_spy = lambda *a, **kw: tables.append(kw["n_ctas"]) or original(*a, **kw)
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(wt, "work_table", wt_spy)
-    f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, num_compute_wgs=4, block_k=128,
-                                                               split_k=2))
-    lowered = f.trace(x, w, gs).lower(lowering_platforms=("cuda",))
-  text = mosaic_module_text(lowered)
-  assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in text
-  assert tables == [66]
-  assert lowered.out_info.shape == (x.shape[0], 256)
-
-
 def test_rejects_bad_arguments():
   x, gs, w = _inputs([1, 2, 3, 4], 0, 128)
   w = ws.to_mgpu_layout(w, nibble_order="prmt")
@@ -460,14 +439,6 @@ def test_rejects_bad_arguments():
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, dequant="lut", interpret=True)
   with pytest.raises(ValueError, match="acc_zero"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, overlap_steps=True, dequant_form="acc_zero", interpret=True)
-  with pytest.raises(ValueError, match="split_k=3"):  # K = 256 is two groups of 128
-    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, split_k=3, interpret=True)
-  with pytest.raises(ValueError, match="split_k=2 must divide .* num_ctas = 3"):
-    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, split_k=2, num_ctas=3, interpret=True)
-  with pytest.raises(ValueError, match="split_k=2 does not combine with swiglu"):
-    ws.int4_grouped_matmul_mgpu_ws(x, gu.interleave_gate_up(w, w), gs, split_k=2, swiglu=True, interpret=True)
-  with pytest.raises(ValueError, match="split_out='tma_add'"):  # the interpreter's TMA has no reduction
-    ws.int4_grouped_matmul_mgpu_ws(x, w, gs, split_k=2, split_out="tma_add", interpret=True)
   _, _, wq = _inputs([1, 2, 3, 4], 0, 128)
   with pytest.raises(ValueError, match="nibble_order"):
     ws.to_mgpu_layout(wq, nibble_order="lop3")
