@@ -3,6 +3,8 @@ experts + bf16 cache against quantized experts + OS-KVP cache, next to the roofl
 the seed_480b preset on 8 GPUs.
 
     PYTHONPATH=$PWD python3 benchmarks/e2e_decode.py --out=$OUT                       # H200, ~5 min
+    PYTHONPATH=$PWD python3 benchmarks/e2e_decode.py --variants=int4_mgpu+oskvp,int4_mgpu_gu+oskvp \\
+        --out=$OUT                                   # Mosaic int4 experts: gate/up as two calls vs one fused call
     JAX_PLATFORMS=cpu python benchmarks/e2e_decode.py --config=tiny --contexts=64,128 --concurrency=1,4 \\
         --steps=2 --full_depth_check=false --out=/tmp/e2e                              # CPU smoke test
 
@@ -76,10 +78,11 @@ flags.DEFINE_list("contexts", ["4096", "32768"], "Cache positions per stream.")
 flags.DEFINE_list("concurrency", ["1", "32", "128", "312"], "Streams decoded together (slots).")
 flags.DEFINE_list("variants", ["bf16+bf16", "int4+oskvp"],
                   "expert_quant+kv_cache pairs; expert_quant 'bf16' keeps the weights, 'int4_mgpu' is int4 in the "
-                  "warp-specialized Mosaic kernel's layout, else a mode of moe_jax.quant.quantize_experts.")
+                  "warp-specialized Mosaic kernel's layout, 'int4_mgpu_gu' the same with gate and up fused into one "
+                  "weight (one swiglu=True call per layer), else a mode of moe_jax.quant.quantize_experts.")
 flags.DEFINE_string("expert_impl", "pallas", "Grouped matmul of quantized experts ('pallas' reads them compressed).")
 flags.DEFINE_string("oskvp_impl", "pallas", "Decode attention of OS-KVP caches ('pallas' or 'xla').")
-flags.DEFINE_list("mgpu_options", [], "Kernel options of the int4_mgpu variant's experts, name=value (Python "
+flags.DEFINE_list("mgpu_options", [], "Kernel options of the int4_mgpu(_gu) variants' experts, name=value (Python "
                   "literals), passed to quant.to_mgpu_layout: e.g. block_r=32.")
 flags.DEFINE_integer("steps", 16, "Timed decode steps per case (median).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps per case (the first compiles).")
@@ -125,11 +128,13 @@ def build_model(config, expert_quant: str):
   jax.block_until_ready(nnx.state(model))
   if expert_quant != "bf16":
     from moe_jax import quant  # pylint: disable=g-import-not-at-top
-    # "int4_mgpu": int4 re-laid for the warp-specialized Mosaic GPU kernel (`quant.to_mgpu_layout`).
-    quant.quantize_experts(model, "int4" if expert_quant == "int4_mgpu" else expert_quant,
-                           implementation=FLAGS.expert_impl)
-    if expert_quant == "int4_mgpu":
-      quant.to_mgpu_layout(model, **quant.parse_kernel_options(FLAGS.mgpu_options, "--mgpu_options"))
+    # "int4_mgpu": int4 re-laid for the warp-specialized Mosaic GPU kernel (`quant.to_mgpu_layout`); "int4_mgpu_gu":
+    # the same with each layer's gate and up stored as one interleaved weight (`fuse_gate_up=True`).
+    mgpu = expert_quant in ("int4_mgpu", "int4_mgpu_gu")
+    quant.quantize_experts(model, "int4" if mgpu else expert_quant, implementation=FLAGS.expert_impl)
+    if mgpu:
+      quant.to_mgpu_layout(model, fuse_gate_up=expert_quant == "int4_mgpu_gu",
+                           **quant.parse_kernel_options(FLAGS.mgpu_options, "--mgpu_options"))
     jax.block_until_ready(nnx.state(model))
   return model
 

@@ -14,6 +14,11 @@ Kinds and bits per weight (G = 128, scales bf16, zero points uint8):
   int4_mgpu   4 + 32/G        dense int4 (RTN, G = 128) in the layout of the warp-specialized Mosaic GPU kernel
                               (`MgpuInt4WeightsShift`: int4 [E, N, Kp], bf16 scale and zero point), made from an int4
                               value by `quant.to_mgpu_layout`; the "pallas" grouped matmul reads it with that kernel.
+  int4_mgpu_gate_up
+              4 + 32/G        a layer's gate and up int4_mgpu weights as one [E, K, 2F], columns in blocks of 32: gate,
+                              then up (`int4_gate_up_mgpu.interleave_gate_up`); made by `quant.to_mgpu_layout(model,
+                              fuse_gate_up=True)` in `w_gate` (`w_up` then holds `moe_jax.experts.FusedIntoGate`);
+                              "pallas" / "pallas_fused" read it with one `swiglu=True` call of the same kernel.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels.int4_gate_up_mgpu import SWIGLU_BLOCK
 from pallas_kernels.int4_grouped_matmul import Int4Weights, dequantize_int4
 from pallas_kernels.int4_grouped_matmul_mgpu import MgpuInt4WeightsShift, dequantize_mgpu
 from pallas_kernels.vq2_grouped_matmul import VQ2Weights, dequantize_vq2, unpack_codebook
 
-KINDS = ("int4", "int4_sp24", "vq2", "vq2_sp24", "int4_mgpu")
+KINDS = ("int4", "int4_sp24", "vq2", "vq2_sp24", "int4_mgpu", "int4_mgpu_gate_up")
 
 
 class VQ2SparseWeights(NamedTuple):
@@ -88,8 +94,8 @@ class QuantizedExperts:
     kind: one of KINDS.
     k: the logical K (the arrays hold Kp >= k, zero-padded to a multiple of group_size).
     group_size: G, the K group of scales (and of the kernels' layout).
-    options: keyword arguments of the kind's kernel as sorted (name, value) pairs (static; int4_mgpu only, set by
-      `quant.to_mgpu_layout(model, block_r=...)`); () for its defaults.
+    options: keyword arguments of the kind's kernel as sorted (name, value) pairs (static; int4_mgpu and
+      int4_mgpu_gate_up only, set by `quant.to_mgpu_layout(model, block_r=...)`); () for its defaults.
   """
   data: Int4Weights | VQ2Weights | VQ2SparseWeights | MgpuInt4WeightsShift
   kind: str = struct.field(pytree_node=False)
@@ -121,13 +127,23 @@ class QuantizedExperts:
     return 8.0 * self.nbytes / (e * k * n)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    """[E, K, N] in dtype: the weight the kernels multiply by (padding rows dropped)."""
+    """[E, K, N] in dtype: the weight the kernels multiply by (padding rows dropped). For int4_mgpu_gate_up that is
+    the interleaved [E, K, 2F] (`dequantize_gate_up` separates gate and up)."""
     if self.kind in ("int4", "int4_sp24"):
       w = dequantize_int4(self.data, group_size=self.group_size)
     elif self.kind == "vq2":
       w = dequantize_vq2(self.data, group_size=self.group_size)
-    elif self.kind == "int4_mgpu":
+    elif self.kind in ("int4_mgpu", "int4_mgpu_gate_up"):
       w = dequantize_mgpu(self.data)
     else:
       w = _dequantize_vq2_sparse(self.data, self.group_size)
     return w[:, : self.k].astype(dtype)
+
+  def dequantize_gate_up(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """(gate, up), [E, K, F] each in dtype, of an int4_mgpu_gate_up weight: the values of the two int4_mgpu weights
+    it was made from."""
+    if self.kind != "int4_mgpu_gate_up":
+      raise ValueError(f"dequantize_gate_up takes kind 'int4_mgpu_gate_up', not {self.kind!r}")
+    e, k, n = self.shape
+    w = self.dequantize(dtype).reshape(e, k, n // (2 * SWIGLU_BLOCK), 2, SWIGLU_BLOCK)
+    return w[:, :, :, 0].reshape(e, k, n // 2), w[:, :, :, 1].reshape(e, k, n // 2)

@@ -3,7 +3,8 @@
 A quantized checkpoint directory holds `quant.json` (the `ModelConfig`, the quantization spec, the source checkpoint,
 expert bytes) and `params/`, an orbax StandardCheckpointer item with the model's whole state as a pure dict
 (quantized experts as their raw arrays). Restoring rebuilds the quantized structure with `jax.eval_shape` (no
-calibration or k-means runs) and reads the arrays into it.
+calibration or k-means runs) and reads the arrays into it. The Mosaic GPU layouts (`to_mgpu_layout`: kinds
+int4_mgpu, int4_mgpu_gate_up) are not stored: save the int4 model and convert after `load_quantized`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from flax import nnx
 
 from moe_jax import checkpoints
 from moe_jax.config import ModelConfig
-from moe_jax.quant.experts import QuantSpec, expert_bytes, quantize_experts
+from moe_jax.quant.experts import QuantSpec, expert_bytes, expert_weights, quantize_experts
 
 
 def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, *, source: str = "") -> str:
   """Writes `directory/quant.json` and `directory/params` (orbax); returns the directory."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  for name, w in expert_weights(model).items():  # load_quantized rebuilds `spec`'s kinds, not to_mgpu_layout's
+    if getattr(w, "kind", None) in ("int4_mgpu", "int4_mgpu_gate_up"):
+      raise ValueError(f"{name}: save_quantized stores the int4 layout that load_quantized rebuilds, not "
+                       f"quant.to_mgpu_layout's {w.kind!r}; save before to_mgpu_layout and convert after loading")
 
   directory = os.path.abspath(directory)
   os.makedirs(directory, exist_ok=True)

@@ -8,6 +8,10 @@
   GROUPED_MATMULS["pallas_fused"]  the same per matmul, and `FUSED_SWIGLU["pallas_fused"]` computes
                                    silu(x W_gate) · (x W_up) in one kernel (one pass over the rows, both weights
                                    streamed by the same program).
+  GATE_UP_SWIGLU["pallas"], ["pallas_fused"]
+                                   gate and up stored as one int4_mgpu_gate_up weight (`quant.to_mgpu_layout(model,
+                                   fuse_gate_up=True)`): one `swiglu=True` call of the warp-specialized Mosaic GPU
+                                   kernel; any other value through the "xla" route.
 
 On a backend other than GPU the kernels run in Pallas interpret mode (slow, exact): what the CPU tests exercise.
 """
@@ -36,18 +40,23 @@ def _pad_lhs(lhs: jax.Array, kp: int) -> jax.Array:
   return lhs if lhs.shape[1] == kp else jnp.pad(lhs, ((0, 0), (0, kp - lhs.shape[1])))
 
 
+def _check_mosaic_gpu(kind: str) -> None:
+  if not hopper.mosaic_gpu_runs():
+    raise ValueError(f"experts of kind {kind!r} (quant.to_mgpu_layout) run through a Mosaic GPU kernel that needs "
+                     f"a Hopper GPU (compute capability 9.x); this device is {jax.devices()[0].device_kind}. Keep "
+                     "the 'int4' layout there, or quant.set_implementation(model, 'xla')")
+
+
 def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
   """lhs [M, K] sorted by expert, rhs [E, K, N] (QuantizedExperts), group_sizes int32 [E] -> float32 [M, N]."""
   if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
     return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
-  if rhs.kind == "int4_mgpu" and not hopper.mosaic_gpu_runs():
-    raise ValueError(f"experts of kind 'int4_mgpu' (quant.to_mgpu_layout) run through a Mosaic GPU kernel that needs "
-                     f"a Hopper GPU (compute capability 9.x); this device is {jax.devices()[0].device_kind}. Keep "
-                     "the 'int4' layout there, or quant.set_implementation(model, 'xla')")
-  x = _pad_lhs(lhs, rhs.kp)
   if rhs.kind == "int4_mgpu":
-    return mws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.bfloat16), rhs.data, group_sizes.astype(jnp.int32),
-                                           interpret=_interpret(), **dict(rhs.options))
+    _check_mosaic_gpu(rhs.kind)
+    x = _pad_lhs(lhs, rhs.kp).astype(jnp.bfloat16)
+    return mws.int4_grouped_matmul_mgpu_ws(x, rhs.data, group_sizes.astype(jnp.int32), interpret=_interpret(),
+                                           **dict(rhs.options))
+  x = _pad_lhs(lhs, rhs.kp)
   fn = v2.vq2_grouped_matmul if rhs.kind == "vq2" else i4.int4_grouped_matmul
   return fn(x, rhs.data, group_sizes.astype(jnp.int32), group_size=rhs.group_size, interpret=_interpret())
 
@@ -66,6 +75,20 @@ def pallas_fused_swiglu(x_sorted: jax.Array, w_gate, w_up, group_sizes: jax.Arra
             interpret=_interpret())
 
 
+def pallas_gate_up_swiglu(x_sorted: jax.Array, w_gate_up, group_sizes: jax.Array) -> jax.Array:
+  """x_sorted [M, D] sorted by expert, w_gate_up gate and up in one weight [E, D, 2F] (kind int4_mgpu_gate_up),
+  group_sizes int32 [E] -> silu(x W_gate) · (x W_up) float32 [M, F]: one call of the warp-specialized kernel (lhs
+  rounded to bf16, with the weight's kernel options)."""
+  if not isinstance(w_gate_up, QuantizedExperts) or w_gate_up.kind != "int4_mgpu_gate_up":
+    return experts_lib.GATE_UP_SWIGLU["xla"](x_sorted, w_gate_up, group_sizes)
+  _check_mosaic_gpu(w_gate_up.kind)
+  x = _pad_lhs(x_sorted, w_gate_up.kp).astype(jnp.bfloat16)
+  return mws.int4_grouped_matmul_mgpu_ws(x, w_gate_up.data, group_sizes.astype(jnp.int32), interpret=_interpret(),
+                                         swiglu=True, **dict(w_gate_up.options))
+
+
 experts_lib.GROUPED_MATMULS["pallas"] = pallas_grouped_matmul
 experts_lib.GROUPED_MATMULS["pallas_fused"] = pallas_grouped_matmul
 experts_lib.FUSED_SWIGLU["pallas_fused"] = pallas_fused_swiglu
+experts_lib.GATE_UP_SWIGLU["pallas"] = pallas_gate_up_swiglu
+experts_lib.GATE_UP_SWIGLU["pallas_fused"] = pallas_gate_up_swiglu

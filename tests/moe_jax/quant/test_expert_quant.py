@@ -7,10 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moe_jax import decode
+from moe_jax import experts
 from moe_jax import quant
 from moe_jax.quant import kernels
+from pallas_kernels import hopper
+from pallas_kernels import int4_gate_up_mgpu as gu
+from sharding import rules
 
 E, K, N = 2, 256, 64
 
@@ -205,3 +210,122 @@ def test_model_to_mgpu_layout(tiny_config, tiny_model):
   awq = quant.quantize_experts(decode.init_model(config, seed=0), "int4_awq", calib=jnp.zeros((1, 8), jnp.int32))
   with pytest.raises(ValueError, match="AWQ scales: True"):
     quant.to_mgpu_layout(awq)
+
+
+@pytest.fixture(scope="module")
+def int4_model_128(tiny_config):
+  """The tiny model with D = F = 128 (K groups of 128, N tiles of 64) and int4 experts."""
+  config = dataclasses.replace(tiny_config, d_model=128, expert_hidden=128)
+  return quant.quantize_experts(decode.init_model(config, seed=0), "int4")
+
+
+def test_fuse_gate_up_layout_values_and_sharding(int4_model_128):
+  """to_mgpu_layout(fuse_gate_up=True) stores each layer's gate and up once: w_gate of kind int4_mgpu_gate_up
+  [E, D, 2F] at 4 + 32/128 bits per weight and the bytes of the two int4_mgpu weights, w_up `FusedIntoGate` (no
+  arrays, 0 bytes). Its de-interleaved weights are the unfused ones and the XLA path's logits the unfused int4_mgpu
+  model's, both exactly (tolerance 0: the same dequantized values through the same two ragged_dots). Its arrays
+  shard as any quantized expert weight's, experts axis first."""
+  tokens = jnp.asarray([[5, 17, 99, 3, 42]], jnp.int32)
+  r = quant.to_mgpu_layout(nnx.clone(int4_model_128))
+  f = quant.to_mgpu_layout(nnx.clone(int4_model_128), fuse_gate_up=True, block_r=16)
+  wr, wf = quant.expert_weights(r), quant.expert_weights(f)
+  for i in (0, 1):
+    gate, up, both, marker = (wr[f"blocks.{i}.ffn.w_gate"], wr[f"blocks.{i}.ffn.w_up"], wf[f"blocks.{i}.ffn.w_gate"],
+                              wf[f"blocks.{i}.ffn.w_up"])
+    e, d, ff = up.shape
+    assert both.kind == "int4_mgpu_gate_up" and both.shape == (e, d, 2 * ff) and both.options == (("block_r", 16),)
+    assert both.nbytes == gate.nbytes + up.nbytes and abs(both.bits_per_weight() - (4 + 32 / 128)) < 1e-9
+    assert isinstance(marker, experts.FusedIntoGate) and marker.shape == (e, d, ff) and marker.nbytes == 0
+    assert not jax.tree.leaves(marker)
+    g, u = both.dequantize_gate_up()
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(gate.dequantize()))
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(up.dequantize()))
+    assert wf[f"blocks.{i}.ffn.w_down"].kind == "int4_mgpu"
+  assert quant.expert_bytes(f) == quant.expert_bytes(r)
+  np.testing.assert_array_equal(np.asarray(decode.logits(f, tokens)), np.asarray(decode.logits(r, tokens)))
+  specs = jax.tree_util.tree_leaves_with_path(rules.tree_specs(nnx.state(f), "ep"), is_leaf=lambda x: isinstance(x, P))
+  ffn = {jax.tree_util.keystr(k): v for k, v in specs
+         if any(f"['ffn']['{n}']" in jax.tree_util.keystr(k) for n in ("w_gate", "w_up", "w_down"))}
+  assert sorted(k for k in ffn if k.startswith("['blocks'][0]['ffn']['w_gate']")) == [
+      f"['blocks'][0]['ffn']['w_gate'].value.data.{n}" for n in ("q", "scale", "zero")]
+  assert not any("w_up" in k for k in ffn)
+  assert all(v == P(rules.RULES["ep"]["experts"], None, None) for v in ffn.values())
+
+
+def test_fused_gate_up_runs_one_swiglu_call_per_layer(int4_model_128, monkeypatch):
+  """"pallas" and "pallas_fused" send a fused gate/up weight to one swiglu=True call of the WS kernel with its stored
+  options (w_down: one plain call); the kernel is stubbed here (its values: the next test). Where Mosaic GPU does not
+  run, the route refuses as int4_mgpu does; an implementation without a gate/up route is refused by name."""
+  f = quant.to_mgpu_layout(nnx.clone(int4_model_128), fuse_gate_up=True, block_r=16)
+  moe = f.blocks[0].ffn
+  calls = []
+
+  def stub(x, w, gs, **kw):
+    calls.append(kw)
+    return jnp.zeros((x.shape[0], w.scale.shape[-1] // (2 if kw.get("swiglu") else 1)), jnp.float32)
+
+  monkeypatch.setattr(kernels.mws, "int4_grouped_matmul_mgpu_ws", stub)
+  x, gs = jnp.ones((6, 128), jnp.float32), jnp.asarray([2, 0, 4, 0, 0, 0, 0, 0], jnp.int32)
+  for impl in ("pallas", "pallas_fused"):
+    calls.clear()
+    moe.implementation = impl
+    assert moe.expert_fn(x, gs).shape == (6, 128)
+    assert [c.get("swiglu", False) for c in calls] == [True, False] and all(c["block_r"] == 16 for c in calls)
+  monkeypatch.setattr(hopper, "mosaic_gpu_runs", lambda device=None: False)
+  with pytest.raises(ValueError, match="'int4_mgpu_gate_up'.*Hopper"):
+    moe.expert_fn(x, gs)
+  moe.implementation = "no_such_kernel"
+  with pytest.raises(ValueError, match="implementation='no_such_kernel' has no route for gate and up fused"):
+    moe.expert_fn(x, gs)
+
+
+def test_fused_gate_up_kernel_route_interpret():
+  """The "pallas" gate/up route (`kernels.pallas_gate_up_swiglu`, the WS kernel's swiglu=True in interpret mode, two
+  compute warpgroups) equals the XLA route on the bf16-rounded lhs (the kernel's contract) within rtol 1e-5 and 1e-5
+  of the largest output, over ragged rows with an empty expert and rows past the groups (zeros)."""
+  wg, wu = (kernels.mws.to_mgpu_layout(quant.quantize_int4(jax.random.normal(jax.random.key(s), (3, K, 64))).data)
+            for s in (11, 12))
+  w = quant.QuantizedExperts(gu.interleave_gate_up(wg, wu), kind="int4_mgpu_gate_up", k=K, group_size=128,
+                             options=(("num_compute_wgs", 2),))
+  x = jax.random.normal(jax.random.key(13), (11, K))
+  gs = jnp.asarray([4, 0, 5], jnp.int32)  # rows 9, 10 belong to no expert
+  got = np.asarray(kernels.pallas_gate_up_swiglu(x, w, gs))
+  want = np.asarray(experts.GATE_UP_SWIGLU["xla"](x.astype(jnp.bfloat16).astype(jnp.float32), w, gs))
+  assert got.shape == (11, 64)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert not np.any(got[9:])
+
+
+def test_fuse_gate_up_refusals_and_checkpoints(tiny_config, int4_model_128, tmp_path):
+  """fuse_gate_up takes F a multiple of 32 (96 fuses, 80 is refused), gate and up of one shape, and kernel options
+  that fit the fused weight's N = 2F and its swiglu call (no split_k); each refusal names the weight and the
+  field. w_up's marker cannot be
+  dequantized, and save_quantized refuses the Mosaic layouts (load_quantized rebuilds int4) naming the weight."""
+  def int4_model(f):
+    config = dataclasses.replace(tiny_config, d_model=128, expert_hidden=f)
+    return quant.quantize_experts(decode.init_model(config, seed=0), "int4")
+
+  q96 = int4_model(96)
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: .* N a multiple of 64 \(group 128, N 96"):
+    quant.to_mgpu_layout(nnx.clone(q96))
+  both = quant.expert_weights(quant.to_mgpu_layout(nnx.clone(q96), fuse_gate_up=True))["blocks.0.ffn.w_gate"]
+  np.testing.assert_array_equal(np.asarray(both.dequantize_gate_up()[1]),
+                                np.asarray(quant.expert_weights(q96)["blocks.0.ffn.w_up"].dequantize()))
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: .* N a multiple of 32 \(group 128, N 80"):
+    quant.to_mgpu_layout(int4_model(80), fuse_gate_up=True)
+  odd = nnx.clone(int4_model_128)
+  odd.blocks[1].ffn.w_up.set_value(quant.quantize_int4(jax.random.normal(jax.random.key(3), (8, 128, 192))))
+  with pytest.raises(ValueError, match=r"blocks\.1\.ffn\.w_up: fuse_gate_up needs gate and up of one shape"):
+    quant.to_mgpu_layout(odd, fuse_gate_up=True)
+  # num_compute_wgs=3 needs N >= 192: the fused gate/up's 2F = 256 has it, w_down's N = 128 does not.
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_down: num_compute_wgs=3 must be 1 to 4 with N = 128"):
+    quant.to_mgpu_layout(nnx.clone(int4_model_128), fuse_gate_up=True, num_compute_wgs=3)
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: split_k=2 does not combine with fuse_gate_up"):
+    quant.to_mgpu_layout(nnx.clone(int4_model_128), fuse_gate_up=True, split_k=2)
+  f = quant.to_mgpu_layout(nnx.clone(int4_model_128), fuse_gate_up=True)
+  with pytest.raises(ValueError, match="w_up is fused into w_gate"):
+    quant.expert_weights(f)["blocks.0.ffn.w_up"].dequantize()
+  spec = quant.spec_for("int4")
+  for model, kind in ((f, "int4_mgpu_gate_up"), (quant.to_mgpu_layout(nnx.clone(int4_model_128)), "int4_mgpu")):
+    with pytest.raises(ValueError, match=rf"blocks\.0\.ffn\.w_gate: save_quantized .* '{kind}'"):
+      quant.save_quantized(model, tiny_config, spec, str(tmp_path / "ck"))
