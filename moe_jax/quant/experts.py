@@ -232,7 +232,7 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
   "int4_mgpu_gate_up" weight [E, D, 2F] in `w_gate`, and `experts.FusedIntoGate` in `w_up`; "pallas" and
   "pallas_fused" then compute silu(x W_gate) · (x W_up) in one `swiglu=True` call of the kernel (3-11% faster than two
   calls on the H200), "xla" from the de-interleaved weights (the unfused model's values). F need only be a multiple
-  of 32; gate and up must have the same shape; `split_k` (which that call does not take) is refused.
+  of 32; gate and up must have the same shape.
 
   kernel_options: keyword arguments of the kernel (`int4_grouped_matmul_mgpu_ws.OPTIONS`) stored with every weight
   and passed on each call, e.g. `block_r=32` where the routing is known to be uneven at ~16 rows per expert (24%
@@ -263,9 +263,6 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
                        f"{relaid['w_gate'].shape} and w_up {relaid['w_up'].shape}")
     for name, q in relaid.items():
       where, fused = f"blocks.{i}.ffn.{name}", fuse_gate_up and name != "w_down"
-      if fused and kernel_options.get("split_k", 1) != 1:  # the kernel refuses it with swiglu=True
-        raise ValueError(f"{where}: split_k={kernel_options['split_k']!r} does not combine with fuse_gate_up (silu "
-                         "needs the whole K sum)")
       options = check_mgpu_options(kernel_options, where, q.kp, q.shape[2] * (2 if fused else 1))  # the kernel's N
       relaid[name] = QuantizedExperts(mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size,
                                       options=options)
