@@ -299,7 +299,7 @@ def test_fused_gate_up_kernel_route_interpret():
 def test_fuse_gate_up_refusals_and_checkpoints(tiny_config, int4_model_128, tmp_path):
   """fuse_gate_up takes F a multiple of 32 (96 fuses, 80 is refused), gate and up of one shape, and kernel options
   that fit the fused weight's N = 2F; each refusal names the weight and the field. w_up's marker cannot be
-  dequantized, and save_quantized refuses the Mosaic layouts (load_quantized rebuilds int4) naming the weight."""
+  dequantized, and save_quantized refuses the Mosaic layouts (load_quantized rebuilds int4), naming the weight."""
   def int4_model(f):
     config = dataclasses.replace(tiny_config, d_model=128, expert_hidden=f)
     return quant.quantize_experts(decode.init_model(config, seed=0), "int4")
