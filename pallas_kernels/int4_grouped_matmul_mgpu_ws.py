@@ -607,8 +607,10 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     raise ValueError(f"ablate='no_decode' takes dequant_form='acc_scale', not {dequant_form!r}")
   stage_bytes = (bn * block_k // 2 + window * block_k * 2 + 2 * (block_k // _G) * bn * 2 +
                  (block_k // _G * _xsum_window(window, block_k // _G) * 4 if dequant_form == "acc_zero" else 0))
-  fixed = (num_compute_wgs * window * (_WG_N + (gu.SWIGLU_BLOCK if swiglu else 0)) * 4  # o_smem (and h_smem)
-           + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0))
+  # o_smem (and a_smem in interpret mode). swiglu's h_smem (C·W·32·4 bytes, at most 20 KB) sits on top of the
+  # budget, so that the fused call gets the single call's ring (at 128 x 2048->768 with 32-row tiles it would
+  # otherwise get 2 stages instead of 4); that stays below the H200's 227 KB per CTA.
+  fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0)
   if max_concurrent_steps is None:
     max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
                                  s * stage_bytes + fixed <= _SMEM_BUDGET), 1)

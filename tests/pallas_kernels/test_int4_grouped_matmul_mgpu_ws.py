@@ -406,6 +406,30 @@ def test_wgmma_depth_waits_within_the_step(depth, waits, table_in_jnp):
   assert ("wgmma.wait_group.sync.aligned 1;" in text) == waits
 
 
+def test_swiglu_gets_the_single_calls_ring(table_in_jnp):
+  """The fused call's h buffer does not shrink its TMA ring: at K = 2048 (8 steps of 256) with 32-row tiles and
+  C = 3, 4 stages fit the budget for one weight's call, and the fused call gets 4 too (counting h_smem, 12 KB, against
+  the budget had given it 2; 9% slower on the H200, results/ws_swiglu_ring.json). The ring shows as the leading
+  dimension of the streamed scale tiles, bf16 [steps, 2, 192]."""
+  kw, n = 2048, 192
+  ks = jax.random.split(jax.random.key(5), 2)
+  w1, w2 = (ws.to_mgpu_layout(i4.Int4Weights(packed=jax.random.bits(k, (E, kw // 2, n // 2), jnp.uint8),
+                                             scale=jnp.ones((E, kw // G, n // 2), jnp.bfloat16),
+                                             zero=jnp.full((E, kw // G, n // 2), 8, jnp.uint8))) for k in ks)
+  x, gs = jnp.ones((72, kw), jnp.bfloat16), jnp.asarray([18, 18, 18, 18], jnp.int32)  # 18 rows per expert: R = 32
+
+  def ring(w, **kw_):
+    f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, num_compute_wgs=3, **kw_))
+    text = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))
+    return set(re.findall(r"memref<(\d+)x2x192xbf16", text))
+
+  single = ws.to_mgpu_layout(i4.Int4Weights(packed=jax.random.bits(ks[0], (E, kw // 2, n), jnp.uint8),
+                                            scale=jnp.ones((E, kw // G, n), jnp.bfloat16),
+                                            zero=jnp.full((E, kw // G, n), 8, jnp.uint8)))
+  assert ring(single) == {"4"}
+  assert ring(gu.interleave_gate_up(w1, w2), swiglu=True) == {"4"}
+
+
 def test_rejects_bad_arguments():
   x, gs, w = _inputs([1, 2, 3, 4], 0, 128)
   w = ws.to_mgpu_layout(w, nibble_order="prmt")
