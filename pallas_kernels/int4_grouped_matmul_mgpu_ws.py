@@ -53,7 +53,9 @@ Gate/up + SwiGLU (`swiglu=True`): on `int4_gate_up_mgpu.interleave_gate_up(w_gat
 gate then up) each compute warpgroup's 64 columns hold 32 output columns' gate and up columns; its epilogue reads the
 two halves of its out tile back from shared memory and stores silu(gate) · up, [M, F]. On the H200 3.0-3.4x two
 matmuls of the best bf16 peer with <= 16 rows per expert, 3-11% faster than two calls
-(results/expert_matmul_ws_swiglu.md).
+(results/expert_matmul_ws_swiglu.md), and 6-11% faster than two calls plus XLA's silu · up at 16-32 rows per expert
+(results/ws_swiglu_ring.json: its h buffer is not counted against the ring's budget, so it gets the single call's
+ring).
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the

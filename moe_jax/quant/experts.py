@@ -231,8 +231,9 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
   fuse_gate_up: store each layer's gate and up once, interleaved (`int4_gate_up_mgpu.interleave_gate_up`), as one
   "int4_mgpu_gate_up" weight [E, D, 2F] in `w_gate`, and `experts.FusedIntoGate` in `w_up`; "pallas" and
   "pallas_fused" then compute silu(x W_gate) · (x W_up) in one `swiglu=True` call of the kernel (3-11% faster than two
-  calls on the H200), "xla" from the de-interleaved weights (the unfused model's values). F need only be a multiple
-  of 32; gate and up must have the same shape.
+  calls on the H200; in the decode step 3.5-35% less expert-kernel time at 1-128 slots), "xla" from the
+  de-interleaved weights (the unfused model's values). F need only be a multiple of 32; gate and up must have the
+  same shape.
 
   kernel_options: keyword arguments of the kernel (`int4_grouped_matmul_mgpu_ws.OPTIONS`) stored with every weight
   and passed on each call, e.g. `block_r=32` where the routing is known to be uneven at ~16 rows per expert (24%
