@@ -54,7 +54,8 @@ def main(argv=None):
       r = {"e": e, "k": k, "n": n, "rows": rows, "err": float(np.abs(got - want).max() / np.abs(want).max()),
            "nan": int(np.isnan(got).sum()), "fused": timer(fused, x, wgu, gs, iters=args.iters),
            "fused_ring2": timer(fused_ring2, x, wgu, gs, iters=args.iters),
-           "two_calls": timer(two, x, wg, wu, gs, iters=args.iters), "one_call": timer(one, x, wg, gs, iters=args.iters)}
+           "two_calls": timer(two, x, wg, wu, gs, iters=args.iters),
+           "one_call": timer(one, x, wg, gs, iters=args.iters)}
       print(r, flush=True)
       rows_out.append(r)
   os.makedirs(args.out, exist_ok=True)
