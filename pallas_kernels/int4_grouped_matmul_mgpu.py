@@ -105,6 +105,7 @@ def to_mgpu_layout(ws: i4.Int4Weights, *, group_size: int = _G,  # pylint: disab
              (ws.zero.astype(jnp.float32) - 8.0).astype(jnp.bfloat16))
 
 
+@functools.partial(jax.jit, static_argnames=("m", "block_r", "m_loaded"))
 def row_tiles(group_sizes: jax.Array, m: int, block_r: int, m_loaded: int | None = None) -> jax.Array:
   """The ragged row tiles: int32 [T, 4] rows (expert, first row, row count, first loaded row), T static.
 

@@ -107,6 +107,7 @@ def _prefix(sizes, ids, block_r, scan: bool = False, aligned: bool = False):
   return starts, ends, tile_end - tiles, tile_end, jnp.sum(sizes), jnp.sum(tiles)
 
 
+@functools.partial(jax.jit, static_argnames=("m", "m_loaded", "block_r", "n_tiles", "n_experts", "n_ctas", "aligned"))
 def work_table_reference(group_sizes: jax.Array, m: int, m_loaded: int, *, block_r: int, n_tiles: int,
                          n_experts: int, n_ctas: int, aligned: bool = False) -> jax.Array:
   """group_sizes int32 [E] -> the table int32 [n_ctas, I, 8] in jnp (masked sums: no search, gather or
