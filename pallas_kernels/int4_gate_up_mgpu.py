@@ -7,6 +7,7 @@ compute warpgroup's 64 columns hold both operands of 32 output columns of silu(x
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
@@ -34,3 +35,10 @@ def interleave_gate_up(w_gate: mg.MgpuInt4Weights | mg.MgpuInt4WeightsShift,
 
   return type(w_gate)(q=mix(w_gate.q, w_up.q, 1), scale=mix(w_gate.scale, w_up.scale, 2),
                       zero=mix(w_gate.zero, w_up.zero, 2))
+
+
+def split_gate_up(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """[..., 2F] in `interleave_gate_up`'s column order (e.g. its dequantized weight) -> (gate, up), [..., F] each."""
+  *lead, n = w.shape
+  w = w.reshape(*lead, n // (2 * SWIGLU_BLOCK), 2, SWIGLU_BLOCK)
+  return w[..., 0, :].reshape(*lead, n // 2), w[..., 1, :].reshape(*lead, n // 2)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.int4_gate_up_mgpu import SWIGLU_BLOCK
+from pallas_kernels.int4_gate_up_mgpu import split_gate_up
 from pallas_kernels.int4_grouped_matmul import Int4Weights, dequantize_int4
 from pallas_kernels.int4_grouped_matmul_mgpu import MgpuInt4WeightsShift, dequantize_mgpu
 from pallas_kernels.vq2_grouped_matmul import VQ2Weights, dequantize_vq2, unpack_codebook
@@ -144,6 +144,4 @@ class QuantizedExperts:
     it was made from."""
     if self.kind != "int4_mgpu_gate_up":
       raise ValueError(f"dequantize_gate_up takes kind 'int4_mgpu_gate_up', not {self.kind!r}")
-    e, k, n = self.shape
-    w = self.dequantize(dtype).reshape(e, k, n // (2 * SWIGLU_BLOCK), 2, SWIGLU_BLOCK)
-    return w[:, :, :, 0].reshape(e, k, n // 2), w[:, :, :, 1].reshape(e, k, n // 2)
+    return split_gate_up(self.dequantize(dtype))

@@ -47,15 +47,21 @@ def _check_mosaic_gpu(kind: str) -> None:
                      "the 'int4' layout there, or quant.set_implementation(model, 'xla')")
 
 
+def _ws_call(lhs: jax.Array, w: QuantizedExperts, group_sizes: jax.Array, **kw) -> jax.Array:
+  """The warp-specialized Mosaic GPU kernel on a to_mgpu_layout weight: lhs padded to its Kp and rounded to bf16 (the
+  kernel's contract), the weight's stored kernel options; refuses where Mosaic GPU does not run."""
+  _check_mosaic_gpu(w.kind)
+  x = _pad_lhs(lhs, w.kp).astype(jnp.bfloat16)
+  return mws.int4_grouped_matmul_mgpu_ws(x, w.data, group_sizes.astype(jnp.int32), interpret=_interpret(),
+                                         **dict(w.options), **kw)
+
+
 def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
   """lhs [M, K] sorted by expert, rhs [E, K, N] (QuantizedExperts), group_sizes int32 [E] -> float32 [M, N]."""
   if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
     return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
   if rhs.kind == "int4_mgpu":
-    _check_mosaic_gpu(rhs.kind)
-    x = _pad_lhs(lhs, rhs.kp).astype(jnp.bfloat16)
-    return mws.int4_grouped_matmul_mgpu_ws(x, rhs.data, group_sizes.astype(jnp.int32), interpret=_interpret(),
-                                           **dict(rhs.options))
+    return _ws_call(lhs, rhs, group_sizes)
   x = _pad_lhs(lhs, rhs.kp)
   fn = v2.vq2_grouped_matmul if rhs.kind == "vq2" else i4.int4_grouped_matmul
   return fn(x, rhs.data, group_sizes.astype(jnp.int32), group_size=rhs.group_size, interpret=_interpret())
@@ -81,10 +87,7 @@ def pallas_gate_up_swiglu(x_sorted: jax.Array, w_gate_up, group_sizes: jax.Array
   rounded to bf16, with the weight's kernel options)."""
   if not isinstance(w_gate_up, QuantizedExperts) or w_gate_up.kind != "int4_mgpu_gate_up":
     return experts_lib.GATE_UP_SWIGLU["xla"](x_sorted, w_gate_up, group_sizes)
-  _check_mosaic_gpu(w_gate_up.kind)
-  x = _pad_lhs(x_sorted, w_gate_up.kp).astype(jnp.bfloat16)
-  return mws.int4_grouped_matmul_mgpu_ws(x, w_gate_up.data, group_sizes.astype(jnp.int32), interpret=_interpret(),
-                                         swiglu=True, **dict(w_gate_up.options))
+  return _ws_call(x_sorted, w_gate_up, group_sizes, swiglu=True)
 
 
 experts_lib.GROUPED_MATMULS["pallas"] = pallas_grouped_matmul

@@ -114,8 +114,8 @@ def test_swiglu_matches_reference(sizes, extra, f, cfg, interpreted):
 
 
 def test_interleave_gate_up_orders_columns():
-  """Columns of the interleaved weight go 32 of gate, the same 32 of up, the next 32 of gate, ...; mismatched weights
-  and an F that is not a multiple of 32 are refused."""
+  """Columns of the interleaved weight go 32 of gate, the same 32 of up, the next 32 of gate, ..., and `split_gate_up`
+  undoes it; mismatched weights and an F that is not a multiple of 32 are refused."""
   _, _, w = _inputs([1, 2, 3, 4], 0, 64)
   wg, wu = ws.to_mgpu_layout(w), ws.to_mgpu_layout(_inputs([2, 1, 3, 4], 0, 64)[2])
   both = gu.interleave_gate_up(wg, wu)
@@ -124,6 +124,9 @@ def test_interleave_gate_up_orders_columns():
   for b in range(2):
     np.testing.assert_array_equal(dgu[..., 64 * b:64 * b + 32], dg[..., 32 * b:32 * b + 32])
     np.testing.assert_array_equal(dgu[..., 64 * b + 32:64 * b + 64], du[..., 32 * b:32 * b + 32])
+  split = gu.split_gate_up(jnp.asarray(dgu))  # its inverse on the dequantized weight
+  np.testing.assert_array_equal(np.asarray(split[0]), dg)
+  np.testing.assert_array_equal(np.asarray(split[1]), du)
   with pytest.raises(ValueError, match="same layout and shapes"):
     gu.interleave_gate_up(wg, ws.to_mgpu_layout(w, nibble_order="prmt"))
   with pytest.raises(ValueError, match="F=48"):
@@ -412,10 +415,13 @@ def test_swiglu_gets_the_single_calls_ring(table_in_jnp):
   the budget had given it 2; 9% slower on the H200, results/ws_swiglu_ring.json). The ring shows as the leading
   dimension of the streamed scale tiles, bf16 [steps, 2, 192]."""
   kw, n = 2048, 192
+
+  def weight(key, cols):  # random codes, unit scales: only the shapes matter here
+    return ws.to_mgpu_layout(i4.Int4Weights(packed=jax.random.bits(key, (E, kw // 2, cols), jnp.uint8),
+                                            scale=jnp.ones((E, kw // G, cols), jnp.bfloat16),
+                                            zero=jnp.full((E, kw // G, cols), 8, jnp.uint8)))
+
   ks = jax.random.split(jax.random.key(5), 2)
-  w1, w2 = (ws.to_mgpu_layout(i4.Int4Weights(packed=jax.random.bits(k, (E, kw // 2, n // 2), jnp.uint8),
-                                             scale=jnp.ones((E, kw // G, n // 2), jnp.bfloat16),
-                                             zero=jnp.full((E, kw // G, n // 2), 8, jnp.uint8))) for k in ks)
   x, gs = jnp.ones((72, kw), jnp.bfloat16), jnp.asarray([18, 18, 18, 18], jnp.int32)  # 18 rows per expert: R = 32
 
   def ring(w, **kw_):
@@ -423,11 +429,8 @@ def test_swiglu_gets_the_single_calls_ring(table_in_jnp):
     text = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))
     return set(re.findall(r"memref<(\d+)x2x192xbf16", text))
 
-  single = ws.to_mgpu_layout(i4.Int4Weights(packed=jax.random.bits(ks[0], (E, kw // 2, n), jnp.uint8),
-                                            scale=jnp.ones((E, kw // G, n), jnp.bfloat16),
-                                            zero=jnp.full((E, kw // G, n), 8, jnp.uint8)))
-  assert ring(single) == {"4"}
-  assert ring(gu.interleave_gate_up(w1, w2), swiglu=True) == {"4"}
+  assert ring(weight(ks[0], n)) == {"4"}
+  assert ring(gu.interleave_gate_up(weight(ks[0], n // 2), weight(ks[1], n // 2)), swiglu=True) == {"4"}
 
 
 def test_rejects_bad_arguments():
