@@ -197,6 +197,37 @@ def _xsum_window(window: int, gk: int) -> int:
   return next(w for w in range(window, window + 33, 8) if gk * w * 4 % 128 == 0)
 
 
+def store_item(acc, o_smem, out_ref, *, wg, col0, first, loaded, count, virtual, owner, block_r: int, window: int,
+               h_smem=None):
+  """A compute warpgroup's epilogue of one work item: its out^T float32 [64, W] (`acc`) transposed into its o_smem
+  [W, 64] slot, zeros for a virtual tile, silu(gate) · up with `h_smem` (swiglu), and the tile's `count` rows stored
+  to out [M', N] (or [M', N / 2]) from row `first` with a ladder of power-of-two TMA row stores (where `owner`)."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
+  o_smem.at[wg].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)  # [W, 64]: out rows
+  plgpu.commit_smem()
+
+  @pl.when(virtual != 0)
+  def _zeros():
+    o_smem.at[wg][...] = jnp.zeros((window, _WG_N), jnp.float32)
+    plgpu.commit_smem()
+
+  src, cols = o_smem.at[wg], pl.ds(col0 + wg * _WG_N, _WG_N)
+  if h_smem is not None:  # the warpgroup's 64 columns are 32 gate columns, then the same 32 output columns' up columns
+    half = gu.SWIGLU_BLOCK
+    gate, up = src[:, pl.ds(0, half)], src[:, pl.ds(half, half)]  # float32 [W, 32] each
+    h_smem.at[wg][...] = gate / (1.0 + jnp.exp(-gate)) * up
+    plgpu.commit_smem()
+    src, cols = h_smem.at[wg], pl.ds((col0 + wg * _WG_N) // 2, half)
+  start, done = first - loaded, jnp.int32(0)
+  size = 1 << int(math.log2(block_r))
+  while size:  # TMA boxes are static: `count` rows as a ladder of power-of-two row counts
+    @pl.when(((count & size) != 0) & owner)
+    def _store(size=size, done=done):
+      plgpu.copy_smem_to_gmem(src.at[pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size), cols])
+    done = done + (count & size)
+    size //= 2
+
+
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
             block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int,
             compute_registers: int, a_from_smem: bool, ablate: str, dequant: str, overlap_steps: bool,
@@ -345,30 +376,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
           acc = run(plgpu.layout_cast(jnp.zeros((_WG_N, window), jnp.float32), plgpu.Layout.WGMMA))
         else:
           acc = pl.run_scoped(scoped, plgpu.ACC((_WG_N, window)))  # float32 [64, W]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
-        o_smem.at[wg].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)  # [W, 64]: out rows
-        plgpu.commit_smem()
-
-        @pl.when(virtual != 0)
-        def _zeros():
-          o_smem.at[wg][...] = jnp.zeros((window, _WG_N), jnp.float32)
-          plgpu.commit_smem()
-
-        src, cols = o_smem.at[wg], pl.ds(col0 + wg * _WG_N, _WG_N)
-        if swiglu:  # the warpgroup's 64 columns are 32 gate columns, then the same 32 output columns' up columns
-          half = gu.SWIGLU_BLOCK
-          gate, up = src[:, pl.ds(0, half)], src[:, pl.ds(half, half)]  # float32 [W, 32] each
-          h_smem.at[wg][...] = gate / (1.0 + jnp.exp(-gate)) * up
-          plgpu.commit_smem()
-          src, cols = h_smem.at[wg], pl.ds((col0 + wg * _WG_N) // 2, half)
-        start, done = first - loaded, jnp.int32(0)
-        size = 1 << int(math.log2(block_r))
-        while size:  # TMA boxes are static: `count` rows as a ladder of power-of-two row counts
-          @pl.when(((count & size) != 0) & owner)
-          def _store(size=size, done=done):
-            plgpu.copy_smem_to_gmem(src.at[pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size), cols])
-          done = done + (count & size)
-          size //= 2
+        store_item(acc, o_smem, out_ref, wg=wg, col0=col0, first=first, loaded=loaded, count=count, virtual=virtual,
+                   owner=owner, block_r=block_r, window=window, h_smem=h_smem if swiglu else None)
 
       # Chain the items' pipelines: the TMA warpgroup runs `steps` steps ahead across items.
       states = ((n_items == 1, None), ((i == 0) & (n_items > 1), plgpu.PipelinePipeline.START),
