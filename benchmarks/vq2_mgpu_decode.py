@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import os
 import sys
@@ -41,6 +42,11 @@ CHECK_CONFIGS = {"default": {}, "c2_k512": dict(num_compute_wgs=2, block_k=512),
                  "r32": dict(block_r=32)}
 
 
+# The vq2 kernel's timed variants: row suffix -> column title (K order, codebook, options).
+VARIANTS = {"": "vq2 Mosaic (natural)", "_paired": "vq2 Mosaic (paired)", "_paired_layer": "paired, layer codebook",
+            "_paired_no_compute": "paired, memory side"}
+
+
 def vq2_bytes(k: int, n: int) -> int:
   """Bytes one expert's [K, N] vq2 weight costs this kernel: 2-bit indices, bf16 scales, the replicated codebook."""
   return k * n // 4 + k // em.G * n * 2 + 32 * 1024
@@ -57,11 +63,13 @@ def check(res: dict):
     m = int(gs.sum()) + 3
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     w = em.random_vq2(jax.random.key(2), e, k, n)
-    for book, wb in (("expert", w), ("layer", layer_codebook(w))):
-      wm = vm.to_mgpu_layout(wb)
+    for (book, wb), order in itertools.product((("expert", w), ("layer", layer_codebook(w))), vm.K_ORDERS):
+      wm = vm.to_mgpu_layout(wb, k_order=order)
       want = np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, wm, gs))
       for name, cfg in CHECK_CONFIGS.items():
-        tag = f"{sizes}_{book}_{name}"
+        if order == "natural" and name not in ("default", "c3_k256"):
+          continue
+        tag = f"{sizes}_{book}_{order}_{name}"
         try:
           got = np.asarray(vm.vq2_grouped_matmul_mgpu_ws(x, wm, gs, **cfg))
           res[tag] = {**em._error(got[:-3], want[:-3]), "tail_max": float(np.abs(got[-3:]).max())}  # pylint: disable=protected-access
@@ -83,8 +91,8 @@ def markdown(meta: dict, rows: list) -> str:
            f"Timing: {meta['timing']}, L2 flushed, median of {meta['iters']}; routing {meta['routing']}; copy "
            f"{meta['copy']['f32_add']['TB_per_s']:.2f} TB/s (f32 add). Cells: ms (× best bf16 peer, % of copy on "
            "the bytes read).", "",
-           "| E, K→N | rows | best bf16 peer | Triton vq2 | WS int4 | vq2 Mosaic | vq2 Mosaic, layer codebook | "
-           "vq2 Mosaic, memory side |", "|---|---|---|---|---|---|---|---|"]
+           "| E, K→N | rows | best bf16 peer | Triton vq2 | WS int4 | " + " | ".join(VARIANTS.values()) + " |",
+           "|---|---|---|---|---|" + "---|" * len(VARIANTS)]
   copy = meta["copy"]["f32_add"]["TB_per_s"]
   for (e, k, n, m), v in cells.items():
     peer = em._best_peer_ms(v)  # pylint: disable=protected-access
@@ -94,9 +102,8 @@ def markdown(meta: dict, rows: list) -> str:
         return "–"
       r = v[name]
       return f"{r['ms']:.4f} ({peer / r['ms']:.2f}×, {100 * r['tb_per_s'] / copy:.0f}%)"
-    lines.append(f"| {e}, {k}→{n} | {m} | {peer:.4f} | {cell('pallas_vq2')} | {cell('pallas_int4_mgpu_ws')} | "
-                 f"{cell('pallas_vq2_mgpu_ws')} | {cell('pallas_vq2_mgpu_ws_layer')} | "
-                 f"{cell('pallas_vq2_mgpu_ws_no_compute')} |")
+    lines.append(f"| {e}, {k}→{n} | {m} | {peer:.4f} | {cell('pallas_vq2')} | {cell('pallas_int4_mgpu_ws')} | " +
+                 " | ".join(cell(f"pallas_vq2_mgpu_ws{name}") for name in VARIANTS) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -130,32 +137,32 @@ def main(argv=None):
   add = base.row_recorder(rows_out, t0)
   vq2_fn = jax.jit(v2.vq2_grouped_matmul)
   ws_fn = jax.jit(mws.int4_grouped_matmul_mgpu_ws)
-  mosaic = {"": jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, **cfg)),
-            "_no_compute": jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, ablate="no_compute", **cfg))}
+  plain = jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, **cfg))
+  no_compute = jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, ablate="no_compute", **cfg))
   for e, k, n, rows_list in [s for s in SHAPES if not args.n or s[2] == args.n]:
     key, w_bf16, w_nk, _ = base.decode_weights(e, k, n)
     w_ws = mws.to_mgpu_layout(em.random_int4(key, e, k, n))
     w_v = em.random_vq2(jax.random.fold_in(key, 7), e, k, n)
-    w_vm, w_vm_layer = vm.to_mgpu_layout(w_v), vm.to_mgpu_layout(layer_codebook(w_v))
+    w_vm = {"natural": vm.to_mgpu_layout(w_v), "paired": vm.to_mgpu_layout(w_v, k_order="paired"),
+            "paired_layer": vm.to_mgpu_layout(layer_codebook(w_v), k_order="paired")}
+    runs = {"": (plain, w_vm["natural"]), "_paired": (plain, w_vm["paired"]),
+            "_paired_layer": (plain, w_vm["paired_layer"]), "_paired_no_compute": (no_compute, w_vm["paired"])}
     for rows in rows_list:
       x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters,
                                         routing=args.routing)
       add("pallas_vq2", rows, e, k, n, timer(vq2_fn, x, w_v, gs, iters=args.iters), "vq2", n_active)
       add("pallas_int4_mgpu_ws", rows, e, k, n, timer(ws_fn, x, w_ws, gs, iters=args.iters), "int4_mgpu_ws",
           n_active)
-      got = np.asarray(mosaic[""](x, w_vm, gs))
-      err = em._error(got, np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, w_vm, gs)))  # pylint: disable=protected-access
       vb = n_active * vq2_bytes(k, n) + rows * k * 2 + rows * n * 4
-      for suffix, f in mosaic.items():
-        ms = timer(f, x, w_vm, gs, iters=args.iters)
+      for suffix, (f, w) in runs.items():
+        err = {}
+        if "no_compute" not in suffix:  # each timed weight's values, against its float32 dequantization
+          err = em._error(np.asarray(f(x, w, gs)), np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, w, gs)))  # pylint: disable=protected-access
+        b = vb - (n_active - 1) * 32 * 1024 if "layer" in suffix else vb  # one codebook
+        ms = timer(f, x, w, gs, iters=args.iters)
         rows_out.append({"impl": f"pallas_vq2_mgpu_ws{suffix}", "rows": rows, "experts": e, "k": k, "n": n,
-                         "ms": ms, "bytes_read": vb, "tb_per_s": vb / ms / 1e9, **(err if not suffix else {})})
+                         "ms": ms, "bytes_read": b, "tb_per_s": b / ms / 1e9, **err})
         print(json.dumps(rows_out[-1]), flush=True)
-      vb_layer = vb - (n_active - 1) * 32 * 1024
-      ms = timer(mosaic[""], x, w_vm_layer, gs, iters=args.iters)
-      rows_out.append({"impl": "pallas_vq2_mgpu_ws_layer", "rows": rows, "experts": e, "k": k, "n": n, "ms": ms,
-                       "bytes_read": vb_layer, "tb_per_s": vb_layer / ms / 1e9})
-      print(json.dumps(rows_out[-1]), flush=True)
       with open(os.path.join(args.out, f"vq2_mgpu{args.tag}.json"), "w") as fh:
         json.dump({**meta, "rows": rows_out}, fh, indent=1)
     del w_bf16, w_nk, w_ws

@@ -66,14 +66,35 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 class MgpuVQ2Weights(NamedTuple):
-  """One vq2 expert weight [E, K, N] in this kernel's layout (module docstring)."""
+  """One vq2 expert weight [E, K, N] in this kernel's layout, "natural" K order (module docstring)."""
   idx: jax.Array  # int32 [E, N/16, Kg, 128]
   codebook: jax.Array  # uint32 [Cb, 64, 128], Cb = 1 or E
   scale: jax.Array  # bf16 [E, Kg, N]
 
 
-def to_mgpu_layout(ws: v2.VQ2Weights, *, group_size: int = _G) -> MgpuVQ2Weights:
-  """`VQ2Weights` (K groups of 128, no activation scale) -> `MgpuVQ2Weights`, the same values."""
+class MgpuVQ2WeightsPaired(NamedTuple):
+  """The same weight in the "paired" K order (module docstring): lhs is permuted by `PAIRED_PERM` per K group."""
+  idx: jax.Array  # int32 [E, N/16, Kg, 128]
+  codebook: jax.Array  # uint32 [Cb, 64, 128], Cb = 1 or E
+  scale: jax.Array  # bf16 [E, Kg, N]
+
+
+K_ORDERS = ("natural", "paired")
+# "paired": kernel K position p = 16 i + 8 jh + 2 t + jl of a group holds coordinate j = 2 jh + jl of vector
+# r = 4 i + t, i.e. the weight at k = r + 32 j.
+PAIRED_PERM = np.array([4 * i + t + 32 * (2 * jh + jl) for i in range(8) for jh in range(2) for t in range(4)
+                        for jl in range(2)])
+
+
+def k_order(weights) -> str:
+  return "paired" if isinstance(weights, MgpuVQ2WeightsPaired) else "natural"
+
+
+def to_mgpu_layout(ws: v2.VQ2Weights, *, group_size: int = _G,
+                   k_order: str = "natural") -> MgpuVQ2Weights | MgpuVQ2WeightsPaired:  # pylint: disable=redefined-outer-name
+  """`VQ2Weights` (K groups of 128, no activation scale) -> this kernel's layout in a K order, the same values."""
+  if k_order not in K_ORDERS:
+    raise ValueError(f"k_order={k_order!r} must be one of {K_ORDERS}")
   if group_size != _G:
     raise ValueError(f"group_size={group_size} must be {_G} for the Mosaic GPU vq2 kernel")
   if ws.in_scale is not None:
@@ -82,21 +103,29 @@ def to_mgpu_layout(ws: v2.VQ2Weights, *, group_size: int = _G) -> MgpuVQ2Weights
   if n % 16:
     raise ValueError(f"N={n} must be a multiple of 16")
   kg = rows // _Q
-  # r = 8 c0 + 2 t + p with c0 = 2 i + bh, byte b = 2 bh + p; column n = 16 blk + 8 h + q
-  idx = ws.idx.astype(jnp.uint32).reshape(e, kg, 2, 2, 4, 2, n // 16, 2, 8)  # [E, Kg, i, bh, t, p, blk, h, q]
-  idx = jnp.transpose(idx, (0, 6, 1, 8, 4, 7, 2, 3, 5)).reshape(e, n // 16, kg, 128, 4)  # [.., (q t h i), b]
+  # column n = 16 blk + 8 h + q; word w of row half h, byte b. natural: r = 8 (2w + bh) + 2t + p with b = 2 bh + p;
+  # paired: r = 4 (4w + b) + t.
+  if k_order == "natural":
+    idx = ws.idx.astype(jnp.uint32).reshape(e, kg, 2, 2, 4, 2, n // 16, 2, 8)  # [E, Kg, w, bh, t, p, blk, h, q]
+    idx = jnp.transpose(idx, (0, 6, 1, 8, 4, 7, 2, 3, 5))
+  else:
+    idx = ws.idx.astype(jnp.uint32).reshape(e, kg, 2, 4, 4, n // 16, 2, 8)  # [E, Kg, w, b, t, blk, h, q]
+    idx = jnp.transpose(idx, (0, 5, 1, 7, 4, 6, 2, 3))
+  idx = idx.reshape(e, n // 16, kg, 128, 4)  # [E, N/16, Kg, (q t h w), b]
   words = sum(idx[..., b] << (8 * b) for b in range(4))
   words = jax.lax.bitcast_convert_type(words, jnp.int32)
   cb = jnp.swapaxes(ws.codebook, 1, 2)  # uint32 [Cb, 256, 2]
   cb = jnp.broadcast_to(cb[:, :, None, :], (cb.shape[0], 256, _COPIES, 2)).reshape(cb.shape[0], *_CB_SHAPE)
-  return MgpuVQ2Weights(words, cb, ws.scale.astype(jnp.bfloat16))
+  cls = MgpuVQ2Weights if k_order == "natural" else MgpuVQ2WeightsPaired
+  return cls(words, cb, ws.scale.astype(jnp.bfloat16))
 
 
-def dequantize_mgpu(ws: MgpuVQ2Weights) -> jax.Array:
-  """float32 [E, Kp, N], read from this layout alone (the kernel's values: codeword · scale, exact in float32)."""
+def dequantize_mgpu(ws: MgpuVQ2Weights | MgpuVQ2WeightsPaired) -> jax.Array:
+  """float32 [E, Kp, N] in lhs's own K order, read from this layout alone (the kernel's values: codeword · scale,
+  exact in float32)."""
   e, nb, kg, _ = ws.idx.shape
   n = nb * 16
-  r_idx = _vector_indices(ws.idx.reshape(e, nb, kg, 8, 4, 2, 2))  # [E, N/16, Kg, q, h, 32]
+  r_idx = _vector_indices(ws.idx.reshape(e, nb, kg, 8, 4, 2, 2), k_order(ws))  # [E, N/16, Kg, q, h, 32]
   r_idx = jnp.swapaxes(r_idx, 2, 4).reshape(e, n, kg, _Q)  # [E, N, Kg, 32]
   cb = ws.codebook.reshape(-1, 256, _COPIES, 2)[:, :, 0, :]  # uint32 [Cb, 256, 2]
   cb = v2.unpack_codebook(jnp.swapaxes(cb, 1, 2))  # float32 [Cb, 256, 4]
@@ -107,21 +136,24 @@ def dequantize_mgpu(ws: MgpuVQ2Weights) -> jax.Array:
   return jnp.swapaxes(w.reshape(e, n, kg * _G), 1, 2)
 
 
-def vq2_grouped_matmul_mgpu_ws_reference(lhs: jax.Array, weights: MgpuVQ2Weights,
+def vq2_grouped_matmul_mgpu_ws_reference(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2WeightsPaired,
                                           group_sizes: jax.Array) -> jax.Array:
   """XLA reference: float32 dequantization, then `jax.lax.ragged_dot` at HIGHEST precision -> float32 [M, N]."""
   return jax.lax.ragged_dot(lhs.astype(jnp.float32), dequantize_mgpu(weights), group_sizes,
                             preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
 
 
-def _vector_indices(words):
-  """int32 [..., q, t, h, i] index words -> int32 [..., q, h, 32] the vector index of each r (module docstring)."""
+def _vector_indices(words, order: str):
+  """int32 [..., q, t, h, w] index words in a K order -> int32 [..., q, h, 32] the vector index of each r (module
+  docstring)."""
   words = jax.lax.bitcast_convert_type(words, jnp.uint32)
-  b = jnp.stack([(words >> (8 * k)) & 0xFF for k in range(4)], axis=-1)  # [..., q, t, h, i, b]
-  b = b.reshape(*b.shape[:-1], 2, 2)  # [..., q, t, h, i, bh, p]
-  nd = b.ndim
-  b = jnp.moveaxis(b, nd - 5, nd - 2)  # [..., q, h, i, bh, t, p]: r = 8 (2i + bh) + 2t + p
-  return b.reshape(*b.shape[:-4], _Q).astype(jnp.int32)
+  b = jnp.stack([(words >> (8 * k)) & 0xFF for k in range(4)], axis=-1)  # [..., q, t, h, w, b]
+  if order == "natural":
+    b = b.reshape(*b.shape[:-1], 2, 2)  # [..., q, t, h, w, bh, p]
+    b = jnp.moveaxis(b, b.ndim - 5, b.ndim - 2)  # [..., q, h, w, bh, t, p]: r = 8 (2w + bh) + 2t + p
+    return b.reshape(*b.shape[:-4], _Q).astype(jnp.int32)
+  b = jnp.moveaxis(b, b.ndim - 4, b.ndim - 1)  # [..., q, h, w, b, t]: r = 4 (4w + b) + t
+  return b.reshape(*b.shape[:-3], _Q).astype(jnp.int32)
 
 
 # The two vectors of a pair (r, r + 1) -> the thread's 4 wgmma registers of column blocks c0, c0 + 4, c0 + 8, c0 + 12:
@@ -129,10 +161,11 @@ def _vector_indices(words):
 _SELECT = (0x5410, 0x7632)  # prmt: low halves of a and b / high halves
 
 
-def _lookup_registers(i_smem, cb_ref, group: int):
+def _lookup_registers(i_smem, cb_ref, group: int, order: str):
   """K group `group` of the step's index tile (int32 [bn/16, gk, 128] in shared memory) and the replicated codebook
   -> bf16 [64, 128] wgmma operand of this warpgroup (the codewords, unscaled): one 16-byte shared load of the lane's
-  index words, one 8-byte shared load per vector, a prmt per register."""
+  index words; per vector a shift, a lop3 (the byte times 128, or'd with the lane's copy offset) and one 8-byte
+  shared load; in the natural K order a prmt per register, in the paired order none."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                      return_type=plgpu.ShapeDtypeStruct((_WG_N, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
   def lookup(_, idx, cb):
@@ -146,22 +179,28 @@ def _lookup_registers(i_smem, cb_ref, group: int):
                                      arith.addi(c(group * 512), arith.shli(arith.andi(tid, c(31)), c(4)))))
     v4i32 = ir.VectorType.get((4,), i32)
     lane_words = llvm.load(v4i32, smem_ptr(idx_addr))  # words 2h + i
-    base = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(cb))
-    lane_off = arith.shli(arith.andi(tid, c(_COPIES - 1)), c(3))  # 8 · (lane mod 16)
-    base = arith.addi(base, lane_off)
+    cb_ptr = mgpu.utils.memref_ptr(cb)
+    lane_off = arith.shli(arith.andi(tid, c(_COPIES - 1)), c(3))  # 8 · (lane mod 16): bits 3-6
     v2i32 = ir.VectorType.get((2,), i32)
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_WG_N, _G)), dtype=object)  # [1, 16, 1, 1, 2, 1, 1, 1, 1]
 
     def fetch(word, byte):
-      index = arith.andi(arith.shrui(word, c(8 * byte)), c(0xFF)) if byte else arith.andi(word, c(0xFF))
-      addr = arith.addi(base, arith.shli(index, c(7)))  # index · 16 copies · 8 bytes
-      pair = llvm.load(v2i32, smem_ptr(addr))
+      # entry · 16 copies · 8 bytes = the byte moved to bits 7-14, which the lane offset does not overlap
+      moved = arith.shli(word, c(7)) if byte == 0 else arith.shrui(word, c(8 * byte - 7))
+      off = arith.ori(arith.andi(moved, c(0xFF << 7)), lane_off)
+      pair = llvm.load(v2i32, mgpu.utils.getelementptr(cb_ptr, [off], ir.IntegerType.get_signless(8)))
       return (llvm.extractelement(pair, arith.constant(i64, 0)), llvm.extractelement(pair, arith.constant(i64, 1)))
 
     for half in range(2):
       for i in range(2):
         word = llvm.extractelement(lane_words, arith.constant(i64, 2 * half + i))
+        if order == "paired":  # byte b: vector (4i + b, t): coordinates (0, 1) and (2, 3) are column blocks 2v, 2v + 1
+          for b in range(4):
+            v = 4 * i + b
+            for blk, reg in enumerate(fetch(word, b)):
+              regs[(0, 2 * v + blk, 0, 0, half, 0, 0, 0, 0)] = mgpu.utils.bitcast(reg, bf16x2)
+          continue
         for bh in range(2):
           c0 = 2 * i + bh
           a, b = fetch(word, 2 * bh), fetch(word, 2 * bh + 1)
@@ -173,20 +212,23 @@ def _lookup_registers(i_smem, cb_ref, group: int):
   return lookup(i_smem, cb_ref)
 
 
-def _lookup_jnp(words, cb_words):
+def _lookup_jnp(words, cb_words, order: str):
   """Interpret mode's equivalent of `_lookup_registers`: int32 [4, 128] index words of the warpgroup's 4 column
-  blocks and uint32 [64, 128] codebook -> bf16 [64, 128] codewords in K order."""
-  r_idx = _vector_indices(words.reshape(4, 8, 4, 2, 2))  # [4, q, h, 32]
+  blocks and uint32 [64, 128] codebook -> bf16 [64, 128] codewords in the kernel's K order."""
+  r_idx = _vector_indices(words.reshape(4, 8, 4, 2, 2), order)  # [4, q, h, 32]
   r_idx = jnp.swapaxes(r_idx, 1, 2).reshape(_WG_N, _Q)  # row 16 blk + 8 h + q
   cb = cb_words.reshape(256, _COPIES, 2)[:, 0, :]  # [256, 2]
   cb = v2.unpack_codebook(cb.T[None])[0]  # float32 [256, 4]
-  vec = cb[r_idx]  # [64, 32, 4]
-  return jnp.swapaxes(vec, 1, 2).reshape(_WG_N, _G).astype(jnp.bfloat16)
+  vec = cb[r_idx]  # [64, 32 (r), 4 (j)]
+  if order == "natural":  # k = r + 32 j
+    return jnp.swapaxes(vec, 1, 2).reshape(_WG_N, _G).astype(jnp.bfloat16)
+  vec = vec.reshape(_WG_N, 8, 4, 2, 2)  # [64, i, t, jh, jl]: p = 16 i + 8 jh + 2 t + jl
+  return jnp.swapaxes(vec, 2, 3).reshape(_WG_N, _G).astype(jnp.bfloat16)
 
 
 def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_smem, cb_smem, cb_ready, cb_free, *,
             n_wgs: int, block_k: int, block_r: int, window: int, n_groups: int, n_cols: int, steps: int,
-            memory_registers: int, compute_registers: int, interpret: bool, per_expert: bool, ablate: str):
+            memory_registers: int, compute_registers: int, interpret: bool, per_expert: bool, ablate: str, order: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; idx_ref: int32 [E, N/16, Kg, 128]; cb_ref:
   # uint32 [Cb, 64, 128]; scale_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64];
   # a_smem: bf16 [n_wgs, 64, G] (interpret mode); cb_smem: uint32 [64, 128]; cb_ready: TMA barrier; cb_free:
@@ -199,8 +241,8 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
 
   def decode(i_smem, c):
     if interpret:
-      return _lookup_jnp(i_smem[pl.ds(jnp.minimum(wg, n_wgs - 1) * 4, 4), c], cb_smem[...])
-    return _lookup_registers(i_smem, cb_smem, c)
+      return _lookup_jnp(i_smem[pl.ds(jnp.minimum(wg, n_wgs - 1) * 4, 4), c], cb_smem[...], order)
+    return _lookup_registers(i_smem, cb_smem, c, order)
 
   def mma(acc_ref, w, x_smem, c):
     ks = pl.ds(c * _G, _G)
@@ -297,7 +339,8 @@ _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "mem
 
 @settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_sizes: jax.Array, *,
+def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2WeightsPaired,
+                               group_sizes: jax.Array, *,
                                num_compute_wgs: int | None = None, block_k: int | None = None,
                                block_r: int | None = None, max_concurrent_steps: int | None = None,
                                memory_registers: int | None = None, compute_registers: int | None = None,
@@ -317,7 +360,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
     ablate: timing only: "no_compute" streams the tiles through the ring and skips the codebook, look-ups and wgmmas
       (the memory-side ceiling; wrong results).
   """
-  if not isinstance(weights, MgpuVQ2Weights):
+  if not isinstance(weights, (MgpuVQ2Weights, MgpuVQ2WeightsPaired)):
     raise TypeError(f"weights must come from to_mgpu_layout, got {type(weights).__name__}")
   m, kp = lhs.shape
   e, nb, kg, _ = weights.idx.shape
@@ -356,6 +399,8 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
   compute_registers = ws4.register_split(num_compute_wgs, memory_registers, compute_registers)
   pad = wt.loaded_rows(m, block_r, True) - m
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
+  if k_order(weights) == "paired":  # the kernel's K positions (one XLA gather of lhs's columns)
+    lhs_p = lhs_p.reshape(m + pad, kp // _G, _G)[..., PAIRED_PERM].reshape(m + pad, kp)
   table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=True)
   if interpret or table_impl == "xla":
     table = wt.work_table_reference(group_sizes, m, m + pad, **table_kw)
@@ -366,7 +411,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, interpret=bool(interpret),
-                           per_expert=weights.codebook.shape[0] > 1, ablate=ablate)
+                           per_expert=weights.codebook.shape[0] > 1, ablate=ablate, order=k_order(weights))
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
