@@ -39,12 +39,15 @@ from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vm  # noqa: E402
 SHAPES = [(8, 4096, 14336, [16, 64, 128]), (64, 4096, 2048, [64, 512, 1024]), (128, 2048, 768, [128, 1024, 2048])]
 CHECK_CONFIGS = {"default": {}, "c2_k512": dict(num_compute_wgs=2, block_k=512),
                  "c3_k256": dict(num_compute_wgs=3, block_k=256), "c4_k256": dict(num_compute_wgs=4, block_k=256),
-                 "r32": dict(block_r=32)}
+                 "r32": dict(block_r=32), "ptx": dict(lookup="ptx"),
+                 "ptx_c4_k256": dict(lookup="ptx", num_compute_wgs=4, block_k=256)}
 
 
-# The vq2 kernel's timed variants: row suffix -> column title (K order, codebook, options).
-VARIANTS = {"": "vq2 Mosaic (natural)", "_paired": "vq2 Mosaic (paired)", "_paired_layer": "paired, layer codebook",
-            "_paired_no_compute": "paired, memory side"}
+# The vq2 kernel's timed variants: row suffix -> options: the weight's K order and codebook ("expert" / "layer"),
+# then the kernel's own (ablate="no_compute": the memory side alone, not checked). --variants replaces them.
+VARIANTS = {"": dict(k_order="natural"), "_paired": dict(k_order="paired"),
+            "_paired_layer": dict(k_order="paired", codebook="layer"),
+            "_paired_no_compute": dict(k_order="paired", ablate="no_compute")}
 
 
 def vq2_bytes(k: int, n: int) -> int:
@@ -67,7 +70,7 @@ def check(res: dict):
       wm = vm.to_mgpu_layout(wb, k_order=order)
       want = np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, wm, gs))
       for name, cfg in CHECK_CONFIGS.items():
-        if order == "natural" and name not in ("default", "c3_k256"):
+        if order == "natural" and name not in ("default", "c3_k256", "ptx"):
           continue
         tag = f"{sizes}_{book}_{order}_{name}"
         try:
@@ -87,12 +90,14 @@ def markdown(meta: dict, rows: list) -> str:
   cells = {}
   for r in rows:
     cells.setdefault((r["experts"], r["k"], r["n"], r["rows"]), {})[r["impl"]] = r
+  variants = meta["variants"]
   lines = [f"# vq2 Mosaic GPU kernel at decode shapes ({meta['device']}, jax {meta['jax']}, {meta['date']})", "",
            f"Timing: {meta['timing']}, L2 flushed, median of {meta['iters']}; routing {meta['routing']}; copy "
            f"{meta['copy']['f32_add']['TB_per_s']:.2f} TB/s (f32 add). Cells: ms (× best bf16 peer, % of copy on "
            "the bytes read).", "",
-           "| E, K→N | rows | best bf16 peer | Triton vq2 | WS int4 | " + " | ".join(VARIANTS.values()) + " |",
-           "|---|---|---|---|---|" + "---|" * len(VARIANTS)]
+           "| E, K→N | rows | best bf16 peer | Triton vq2 | WS int4 | " + " | ".join(
+               ", ".join(f"{a}={b}" for a, b in v.items()) for v in variants.values()) + " |",
+           "|---|---|---|---|---|" + "---|" * len(variants)]
   copy = meta["copy"]["f32_add"]["TB_per_s"]
   for (e, k, n, m), v in cells.items():
     peer = em._best_peer_ms(v)  # pylint: disable=protected-access
@@ -103,7 +108,7 @@ def markdown(meta: dict, rows: list) -> str:
       r = v[name]
       return f"{r['ms']:.4f} ({peer / r['ms']:.2f}×, {100 * r['tb_per_s'] / copy:.0f}%)"
     lines.append(f"| {e}, {k}→{n} | {m} | {peer:.4f} | {cell('pallas_vq2')} | {cell('pallas_int4_mgpu_ws')} | " +
-                 " | ".join(cell(f"pallas_vq2_mgpu_ws{name}") for name in VARIANTS) + " |")
+                 " | ".join(cell(f"pallas_vq2_mgpu_ws{name}") for name in variants) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -115,7 +120,9 @@ def main(argv=None):
   ap.add_argument("--tag", default="")
   ap.add_argument("--n", type=int, default=0, help="only the shapes with this N")
   ap.add_argument("--routing", default="balanced", choices=em.ROUTINGS)
-  ap.add_argument("--config", default="", help="JSON kernel options for the vq2 kernel's timed rows")
+  ap.add_argument("--variants", default="", help="JSON {suffix: options} replacing VARIANTS")
+  ap.add_argument("--rows", default="", help="comma-separated row counts instead of each shape's own")
+  ap.add_argument("--vq2_only", action="store_true", help="skip the Triton vq2 and the WS int4 kernels")
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   check_path = os.path.join(args.out, "vq2_mgpu_check.json")
@@ -128,37 +135,41 @@ def main(argv=None):
   with open(check_path) as fh:
     if not passed(json.load(fh)):
       raise SystemExit(f"{check_path} holds a failed check: not timing")
-  cfg = json.loads(args.config) if args.config else {}
+  variants = json.loads(args.variants) if args.variants else VARIANTS
   timer, timing = em._timer()  # pylint: disable=protected-access
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing, "iters": args.iters,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "routing": args.routing, "vq2_config": cfg, "copy": em.copy_bandwidth(timer)}
+          "routing": args.routing, "variants": variants, "copy": em.copy_bandwidth(timer)}
   rows_out, t0 = [], time.perf_counter()
   add = base.row_recorder(rows_out, t0)
   vq2_fn = jax.jit(v2.vq2_grouped_matmul)
   ws_fn = jax.jit(mws.int4_grouped_matmul_mgpu_ws)
-  plain = jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, **cfg))
-  no_compute = jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, ablate="no_compute", **cfg))
-  for e, k, n, rows_list in [s for s in SHAPES if not args.n or s[2] == args.n]:
+  fns = {suffix: jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, **{
+      a: b for a, b in v.items() if a not in ("k_order", "codebook")})) for suffix, v in variants.items()}
+  shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
+  if args.rows:
+    shapes = [(e, k, n, em.positive_ints(ap, "rows", args.rows)) for e, k, n, _ in shapes]
+  for e, k, n, rows_list in shapes:
     key, w_bf16, w_nk, _ = base.decode_weights(e, k, n)
     w_ws = mws.to_mgpu_layout(em.random_int4(key, e, k, n))
     w_v = em.random_vq2(jax.random.fold_in(key, 7), e, k, n)
-    w_vm = {"natural": vm.to_mgpu_layout(w_v), "paired": vm.to_mgpu_layout(w_v, k_order="paired"),
-            "paired_layer": vm.to_mgpu_layout(layer_codebook(w_v), k_order="paired")}
-    runs = {"": (plain, w_vm["natural"]), "_paired": (plain, w_vm["paired"]),
-            "_paired_layer": (plain, w_vm["paired_layer"]), "_paired_no_compute": (no_compute, w_vm["paired"])}
+    w_vm = {(order, book): vm.to_mgpu_layout(w_v if book == "expert" else layer_codebook(w_v), k_order=order)
+            for order in vm.K_ORDERS for book in ("expert", "layer")}
+    runs = {suffix: (fns[suffix], w_vm[v.get("k_order", "natural"), v.get("codebook", "expert")])
+            for suffix, v in variants.items()}
     for rows in rows_list:
       x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters,
                                         routing=args.routing)
-      add("pallas_vq2", rows, e, k, n, timer(vq2_fn, x, w_v, gs, iters=args.iters), "vq2", n_active)
-      add("pallas_int4_mgpu_ws", rows, e, k, n, timer(ws_fn, x, w_ws, gs, iters=args.iters), "int4_mgpu_ws",
-          n_active)
+      if not args.vq2_only:
+        add("pallas_vq2", rows, e, k, n, timer(vq2_fn, x, w_v, gs, iters=args.iters), "vq2", n_active)
+        add("pallas_int4_mgpu_ws", rows, e, k, n, timer(ws_fn, x, w_ws, gs, iters=args.iters), "int4_mgpu_ws",
+            n_active)
       vb = n_active * vq2_bytes(k, n) + rows * k * 2 + rows * n * 4
       for suffix, (f, w) in runs.items():
         err = {}
-        if "no_compute" not in suffix:  # each timed weight's values, against its float32 dequantization
+        if variants[suffix].get("ablate") != "no_compute":  # each timed weight's values, against its float32 dequantization
           err = em._error(np.asarray(f(x, w, gs)), np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, w, gs)))  # pylint: disable=protected-access
-        b = vb - (n_active - 1) * 32 * 1024 if "layer" in suffix else vb  # one codebook
+        b = vb - (n_active - 1) * 32 * 1024 if variants[suffix].get("codebook") == "layer" else vb  # one codebook
         ms = timer(f, x, w, gs, iters=args.iters)
         rows_out.append({"impl": f"pallas_vq2_mgpu_ws{suffix}", "rows": rows, "experts": e, "k": k, "n": n,
                          "ms": ms, "bytes_read": b, "tb_per_s": b / ms / 1e9, **err})

@@ -161,7 +161,10 @@ def _vector_indices(words, order: str):
 _SELECT = (0x5410, 0x7632)  # prmt: low halves of a and b / high halves
 
 
-def _lookup_registers(i_smem, cb_ref, group: int, order: str):
+LOOKUPS = ("gep", "ptx")  # how a look-up's address is formed (`lookup`)
+
+
+def _lookup_registers(i_smem, cb_ref, group: int, order: str, lookup_form: str):
   """K group `group` of the step's index tile (int32 [bn/16, gk, 128] in shared memory) and the replicated codebook
   -> bf16 [64, 128] wgmma operand of this warpgroup (the codewords, unscaled): one 16-byte shared load of the lane's
   index words; per vector a shift, a lop3 (the byte times 128, or'd with the lane's copy offset) and one 8-byte
@@ -181,6 +184,8 @@ def _lookup_registers(i_smem, cb_ref, group: int, order: str):
     lane_words = llvm.load(v4i32, smem_ptr(idx_addr))  # words 2h + i
     cb_ptr = mgpu.utils.memref_ptr(cb)
     lane_off = arith.shli(arith.andi(tid, c(_COPIES - 1)), c(3))  # 8 · (lane mod 16): bits 3-6
+    base_lane = arith.addi(llvm.ptrtoint(i32, cb_ptr), lane_off)
+    pair_ty = llvm.StructType.get_literal([i32, i32])
     v2i32 = ir.VectorType.get((2,), i32)
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_WG_N, _G)), dtype=object)  # [1, 16, 1, 1, 2, 1, 1, 1, 1]
@@ -188,6 +193,10 @@ def _lookup_registers(i_smem, cb_ref, group: int, order: str):
     def fetch(word, byte):
       # entry · 16 copies · 8 bytes = the byte moved to bits 7-14, which the lane offset does not overlap
       moved = arith.shli(word, c(7)) if byte == 0 else arith.shrui(word, c(8 * byte - 7))
+      if lookup_form == "ptx":  # a 32-bit shared address, one add
+        addr = arith.addi(base_lane, arith.andi(moved, c(0xFF << 7)))
+        pair = llvm.inline_asm(pair_ty, [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", has_side_effects=True)
+        return llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])
       off = arith.ori(arith.andi(moved, c(0xFF << 7)), lane_off)
       pair = llvm.load(v2i32, mgpu.utils.getelementptr(cb_ptr, [off], ir.IntegerType.get_signless(8)))
       return (llvm.extractelement(pair, arith.constant(i64, 0)), llvm.extractelement(pair, arith.constant(i64, 1)))
@@ -228,7 +237,8 @@ def _lookup_jnp(words, cb_words, order: str):
 
 def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_smem, cb_smem, cb_ready, cb_free, *,
             n_wgs: int, block_k: int, block_r: int, window: int, n_groups: int, n_cols: int, steps: int,
-            memory_registers: int, compute_registers: int, interpret: bool, per_expert: bool, ablate: str, order: str):
+            memory_registers: int, compute_registers: int, interpret: bool, per_expert: bool, ablate: str, order: str,
+            lookup: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; idx_ref: int32 [E, N/16, Kg, 128]; cb_ref:
   # uint32 [Cb, 64, 128]; scale_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64];
   # a_smem: bf16 [n_wgs, 64, G] (interpret mode); cb_smem: uint32 [64, 128]; cb_ready: TMA barrier; cb_free:
@@ -242,7 +252,7 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
   def decode(i_smem, c):
     if interpret:
       return _lookup_jnp(i_smem[pl.ds(jnp.minimum(wg, n_wgs - 1) * 4, 4), c], cb_smem[...], order)
-    return _lookup_registers(i_smem, cb_smem, c, order)
+    return _lookup_registers(i_smem, cb_smem, c, order, lookup)
 
   def mma(acc_ref, w, x_smem, c):
     ks = pl.ds(c * _G, _G)
@@ -334,7 +344,7 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
 _SMEM_BUDGET = 200 * 1024
 ABLATIONS = ("", "no_compute")
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "compute_registers",
-           "num_ctas", "interpret", "ablate", "table_impl")
+           "num_ctas", "interpret", "ablate", "table_impl", "lookup")
 
 
 @settled_when_interpreted
@@ -345,7 +355,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
                                block_r: int | None = None, max_concurrent_steps: int | None = None,
                                memory_registers: int | None = None, compute_registers: int | None = None,
                                num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
-                               ablate: str = "", table_impl: str = "pallas") -> jax.Array:
+                               ablate: str = "", table_impl: str = "pallas", lookup: str = "gep") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ vq2 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -357,6 +367,8 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 where it divides Kp (a step reads half
       the int4 kernel's weight bytes per K), else 256, else 128.
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
+    lookup: how a look-up's shared address is formed: "gep" (an LLVM load at the codebook's pointer plus the index
+      times 128 or'd with the lane's copy offset) or "ptx" (inline `ld.shared.v2.b32` at a 32-bit address).
     ablate: timing only: "no_compute" streams the tiles through the ring and skips the codebook, look-ups and wgmmas
       (the memory-side ceiling; wrong results).
   """
@@ -377,6 +389,8 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
     raise ValueError(f"codebook shape {weights.codebook.shape} must be (1 or E={e}, {_CB_SHAPE[0]}, {_CB_SHAPE[1]})")
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
+  if lookup not in LOOKUPS:
+    raise ValueError(f"lookup={lookup!r} must be one of {LOOKUPS}")
   if group_sizes.shape != (e,):
     raise ValueError(f"group_sizes has shape {group_sizes.shape}, expected ({e},)")
   ws4.check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k, table_impl=table_impl)
@@ -411,7 +425,8 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, interpret=bool(interpret),
-                           per_expert=weights.codebook.shape[0] > 1, ablate=ablate, order=k_order(weights))
+                           per_expert=weights.codebook.shape[0] > 1, ablate=ablate, order=k_order(weights),
+                           lookup=lookup)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
