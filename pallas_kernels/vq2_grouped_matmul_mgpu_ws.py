@@ -342,6 +342,15 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
 
 
 _SMEM_BUDGET = 200 * 1024
+
+
+def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: int) -> int:
+  """C = 4 where 256 divides N (the most compute warps per SM to hide the look-ups' latency: at 8 × 4096→14336 ×
+  16 / 128 rows 0.0734 / 0.0830 ms against C = 3's 0.0886 / 0.0836 with block_k 256, results/vq2_mgpu_cfg14336.md),
+  else the int4 kernel's rule."""
+  if n % (4 * _WG_N) == 0:
+    return 4
+  return ws4.default_compute_wgs(m, n_experts, n, block_r, num_ctas)
 ABLATIONS = ("", "no_compute")
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "compute_registers",
            "num_ctas", "interpret", "ablate", "table_impl", "lookup")
@@ -355,7 +364,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
                                block_r: int | None = None, max_concurrent_steps: int | None = None,
                                memory_registers: int | None = None, compute_registers: int | None = None,
                                num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
-                               ablate: str = "", table_impl: str = "pallas", lookup: str = "gep") -> jax.Array:
+                               ablate: str = "", table_impl: str = "pallas", lookup: str = "ptx") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ vq2 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -396,9 +405,9 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
   ws4.check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k, table_impl=table_impl)
   block_r = block_r or ws4.default_block_r(m, e, True)
   num_ctas = num_ctas or (4 if interpret else ws4._num_sms())  # pylint: disable=protected-access
-  num_compute_wgs = num_compute_wgs or ws4.default_compute_wgs(m, e, n, block_r, num_ctas)
+  num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)
   bn = num_compute_wgs * _WG_N
-  block_k = block_k or next(b for b in (512, 256, _G) if kp % b == 0)
+  block_k = block_k or next(b for b in (256, _G) if kp % b == 0)
   ksteps = kp // block_k
   window = wt.window(block_r, True)
   stage_bytes = bn * block_k // 4 + window * block_k * 2 + (block_k // _G) * bn * 2
