@@ -3,9 +3,11 @@
   PYTHONPATH=$PWD python3 benchmarks/vq2_mgpu_decode.py --check_only --out=$OUT   # values first (small shapes)
   PYTHONPATH=$PWD python3 benchmarks/vq2_mgpu_decode.py --out=$OUT                # then the timings
 
-`--check_only` compares the kernel (per-expert and per-layer codebooks, C = 2 / 3 / 4, block_k 256 / 512) with
-float32 dequantization on the GPU over awkward group sizes, with 3 trailing rows of no expert that must come back
-zero, and writes `vq2_mgpu_check.json`; the timing run refuses to time a kernel that failed it. Timing, at <= 16 rows
+`--check_only` compares the kernel (per-expert and per-layer codebooks, the CHECK_CONFIGS: C = 2 / 3 / 4, block_k
+256 / 512, 32-row tiles) with float32 dequantization on the GPU over awkward group sizes (empty experts, one row, all
+rows in one expert), with 3 to 46 trailing rows of no expert that must come back zero, and writes
+`vq2_mgpu_check.json`; the timing run refuses to time after a failed check. `--variants` (JSON) replaces the timed
+variants, `--rows` the row counts, `--vq2_only` skips the Triton vq2 and WS int4 rows. Timing, at <= 16 rows
 per expert with every expert active (balanced routing by default): XLA `ragged_dot` bf16, jax's Mosaic
 `ragged_dot_mgpu` bf16, the Triton int4 and vq2 kernels, the warp-specialized int4 kernel (defaults) and the vq2
 kernel (defaults, per-expert codebooks; then per-layer; then its memory side alone, `ablate="no_compute"`); CUPTI
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import itertools
 import json
 import os
 import sys
@@ -39,15 +40,13 @@ from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vm  # noqa: E402
 SHAPES = [(8, 4096, 14336, [16, 64, 128]), (64, 4096, 2048, [64, 512, 1024]), (128, 2048, 768, [128, 1024, 2048])]
 CHECK_CONFIGS = {"default": {}, "c2_k512": dict(num_compute_wgs=2, block_k=512),
                  "c3_k256": dict(num_compute_wgs=3, block_k=256), "c4_k256": dict(num_compute_wgs=4, block_k=256),
-                 "r32": dict(block_r=32), "ptx": dict(lookup="ptx"),
-                 "ptx_c4_k256": dict(lookup="ptx", num_compute_wgs=4, block_k=256)}
+                 "c4_k512": dict(num_compute_wgs=4, block_k=512), "r32": dict(block_r=32)}
 
 
-# The vq2 kernel's timed variants: row suffix -> options: the weight's K order and codebook ("expert" / "layer"),
-# then the kernel's own (ablate="no_compute": the memory side alone, not checked). --variants replaces them.
-VARIANTS = {"": dict(k_order="natural"), "_paired": dict(k_order="paired"),
-            "_paired_layer": dict(k_order="paired", codebook="layer"),
-            "_paired_no_compute": dict(k_order="paired", ablate="no_compute")}
+# The vq2 kernel's timed variants: row suffix -> options: the weight's codebook ("expert" / "layer"), then the
+# kernel's own (ablate="no_compute": the memory side alone, not checked). --variants replaces them. (The results
+# before the nineteenth session's clean-up also name a "k_order" and a "lookup", options since removed.)
+VARIANTS = {"": {}, "_layer": dict(codebook="layer"), "_no_compute": dict(ablate="no_compute")}
 
 
 def vq2_bytes(k: int, n: int) -> int:
@@ -66,11 +65,11 @@ def check(res: dict):
     m = 67  # at least 3 rows past the groups (must come back zero); one M for all: one compile per config
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     w = em.random_vq2(jax.random.key(2), e, k, n)
-    for (book, wb), order in itertools.product((("expert", w), ("layer", layer_codebook(w))), vm.K_ORDERS):
-      wm = vm.to_mgpu_layout(wb, k_order=order)
+    for book, wb in (("expert", w), ("layer", layer_codebook(w))):
+      wm = vm.to_mgpu_layout(wb)
       want = np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, wm, gs))
       for name, cfg in CHECK_CONFIGS.items():
-        tag = f"{sizes}_{book}_{order}_{name}"
+        tag = f"{sizes}_{book}_{name}"
         try:
           got = np.asarray(vm.vq2_grouped_matmul_mgpu_ws(x, wm, gs, **cfg))
           tail = int(gs.sum())
@@ -149,7 +148,7 @@ def main(argv=None):
   vq2_fn = jax.jit(v2.vq2_grouped_matmul)
   ws_fn = jax.jit(mws.int4_grouped_matmul_mgpu_ws)
   fns = {suffix: jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, **{
-      a: b for a, b in v.items() if a not in ("k_order", "codebook")})) for suffix, v in variants.items()}
+      a: b for a, b in v.items() if a != "codebook"})) for suffix, v in variants.items()}
   shapes = [s for s in SHAPES if not args.n or s[2] == args.n]
   if args.rows:
     shapes = [(e, k, n, em.positive_ints(ap, "rows", args.rows)) for e, k, n, _ in shapes]
@@ -157,10 +156,8 @@ def main(argv=None):
     key, w_bf16, w_nk, _ = base.decode_weights(e, k, n)
     w_ws = mws.to_mgpu_layout(em.random_int4(key, e, k, n))
     w_v = em.random_vq2(jax.random.fold_in(key, 7), e, k, n)
-    w_vm = {(order, book): vm.to_mgpu_layout(w_v if book == "expert" else layer_codebook(w_v), k_order=order)
-            for order in vm.K_ORDERS for book in ("expert", "layer")}
-    runs = {suffix: (fns[suffix], w_vm[v.get("k_order", "natural"), v.get("codebook", "expert")])
-            for suffix, v in variants.items()}
+    w_vm = {"expert": vm.to_mgpu_layout(w_v), "layer": vm.to_mgpu_layout(layer_codebook(w_v))}
+    runs = {suffix: (fns[suffix], w_vm[v.get("codebook", "expert")]) for suffix, v in variants.items()}
     for rows in rows_list:
       x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters,
                                         routing=args.routing)

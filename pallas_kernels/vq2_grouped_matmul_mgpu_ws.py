@@ -20,16 +20,27 @@ Layout (`to_mgpu_layout`, converted once from `VQ2Weights`, same bytes per weigh
     in 16 distinct bank pairs whatever the indices (a single copy gives ~3.5-way conflicts on random indices).
   `scale` bf16 [E, Kg, N].
 
-Per K group a compute warpgroup loads its [64, 8] index words, looks up 8 vectors per row and thread (one 8-byte
-shared load each, `ld.shared.v2.b32`), combines the two vectors of a pair with 4 prmt (`_LOOKUP`), and issues the
-wgmma with the unscaled codewords as the A operand (exact bf16); the group's scale multiplies that group's float32
-accumulator ("acc_scale" of the int4 kernel), so the result is float32 dequantization's. The pipeline, work table,
-row tiles, persistence and stores are the int4 kernel's (`int4_grouped_matmul_mgpu_ws`).
+Per K group a compute warpgroup's lane loads its 16 bytes of index words, looks up 8 vectors per row (one 8-byte
+shared load each, inline `ld.shared.v2.b32`), combines the two vectors of a pair with a prmt per register, and
+issues the wgmma with the unscaled codewords as the A operand (exact bf16); the group's scale multiplies that
+group's float32 accumulator ("acc_scale" of the int4 kernel), so the result is float32 dequantization's. The
+pipeline, work table, row tiles, persistence and stores are the int4 kernel's (`int4_grouped_matmul_mgpu_ws`).
+Defaults: C = 4 compute warpgroups where 256 divides N, block_k 256.
 
 The codebook sits in shared memory once per CTA (a per-layer codebook, loaded before the first item) or per work
 item (per-expert codebooks): at an item whose codebook differs from the previous item's, each compute warpgroup
 arrives at a barrier once it no longer reads the old one, the first waits for all of them and issues the TMA copy of
 the new one (32 KB, from L2 after the first CTA), and all wait for it.
+
+Measured on the H200 (jax 0.11.2, CUPTI, L2 flushed; results/vq2_mgpu_grid.md, the issue's grid with every expert
+active and <= 16 rows each): 2.63-3.37x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) with
+per-expert codebooks, 2.75-3.56x with one per layer, where the Triton vq2 kernel is 0.38-0.48x; 37-46% of copy
+bandwidth on its bytes. The memory side alone (`ablate="no_compute"`) is 5.2-6.7x, so the look-ups set the pace:
+about the WS int4 kernel's time (2.67-3.16x in the same run) on half its bytes. Tried and not kept
+(results/vq2_mgpu_orders.md, _cfg14336.md, _cfg2048.md): a K order whose vectors are the thread's own register
+pairs (no prmt; lhs's columns permuted per K group instead), from 7% faster to 10% slower, no consistent gain;
+look-ups through an LLVM load at a GEP of the codebook's pointer, up to 14% slower; C = 3 (block_k 256 or 512),
+0.5-21% slower than C = 4 with block_k 256.
 
 CPU interpret mode (`interpret=True`) runs the same pipeline in Mosaic GPU's interpreter with the look-ups in jnp
 (a gather from the loaded codebook) and the decoded tile passed to the wgmma through shared memory.
@@ -72,29 +83,8 @@ class MgpuVQ2Weights(NamedTuple):
   scale: jax.Array  # bf16 [E, Kg, N]
 
 
-class MgpuVQ2WeightsPaired(NamedTuple):
-  """The same weight in the "paired" K order (module docstring): lhs is permuted by `PAIRED_PERM` per K group."""
-  idx: jax.Array  # int32 [E, N/16, Kg, 128]
-  codebook: jax.Array  # uint32 [Cb, 64, 128], Cb = 1 or E
-  scale: jax.Array  # bf16 [E, Kg, N]
-
-
-K_ORDERS = ("natural", "paired")
-# "paired": kernel K position p = 16 i + 8 jh + 2 t + jl of a group holds coordinate j = 2 jh + jl of vector
-# r = 4 i + t, i.e. the weight at k = r + 32 j.
-PAIRED_PERM = np.array([4 * i + t + 32 * (2 * jh + jl) for i in range(8) for jh in range(2) for t in range(4)
-                        for jl in range(2)])
-
-
-def k_order(weights) -> str:
-  return "paired" if isinstance(weights, MgpuVQ2WeightsPaired) else "natural"
-
-
-def to_mgpu_layout(ws: v2.VQ2Weights, *, group_size: int = _G,
-                   k_order: str = "natural") -> MgpuVQ2Weights | MgpuVQ2WeightsPaired:  # pylint: disable=redefined-outer-name
-  """`VQ2Weights` (K groups of 128, no activation scale) -> this kernel's layout in a K order, the same values."""
-  if k_order not in K_ORDERS:
-    raise ValueError(f"k_order={k_order!r} must be one of {K_ORDERS}")
+def to_mgpu_layout(ws: v2.VQ2Weights, *, group_size: int = _G) -> MgpuVQ2Weights:
+  """`VQ2Weights` (K groups of 128, no activation scale) -> `MgpuVQ2Weights`, the same values."""
   if group_size != _G:
     raise ValueError(f"group_size={group_size} must be {_G} for the Mosaic GPU vq2 kernel")
   if ws.in_scale is not None:
@@ -103,29 +93,21 @@ def to_mgpu_layout(ws: v2.VQ2Weights, *, group_size: int = _G,
   if n % 16:
     raise ValueError(f"N={n} must be a multiple of 16")
   kg = rows // _Q
-  # column n = 16 blk + 8 h + q; word w of row half h, byte b. natural: r = 8 (2w + bh) + 2t + p with b = 2 bh + p;
-  # paired: r = 4 (4w + b) + t.
-  if k_order == "natural":
-    idx = ws.idx.astype(jnp.uint32).reshape(e, kg, 2, 2, 4, 2, n // 16, 2, 8)  # [E, Kg, w, bh, t, p, blk, h, q]
-    idx = jnp.transpose(idx, (0, 6, 1, 8, 4, 7, 2, 3, 5))
-  else:
-    idx = ws.idx.astype(jnp.uint32).reshape(e, kg, 2, 4, 4, n // 16, 2, 8)  # [E, Kg, w, b, t, blk, h, q]
-    idx = jnp.transpose(idx, (0, 5, 1, 7, 4, 6, 2, 3))
-  idx = idx.reshape(e, n // 16, kg, 128, 4)  # [E, N/16, Kg, (q t h w), b]
+  # column n = 16 blk + 8 h + q; word w of row half h, byte b = 2 bh + p: r = 8 (2w + bh) + 2t + p
+  idx = ws.idx.astype(jnp.uint32).reshape(e, kg, 2, 2, 4, 2, n // 16, 2, 8)  # [E, Kg, w, bh, t, p, blk, h, q]
+  idx = jnp.transpose(idx, (0, 6, 1, 8, 4, 7, 2, 3, 5)).reshape(e, n // 16, kg, 128, 4)  # [.., (q t h w), b]
   words = sum(idx[..., b] << (8 * b) for b in range(4))
   words = jax.lax.bitcast_convert_type(words, jnp.int32)
   cb = jnp.swapaxes(ws.codebook, 1, 2)  # uint32 [Cb, 256, 2]
   cb = jnp.broadcast_to(cb[:, :, None, :], (cb.shape[0], 256, _COPIES, 2)).reshape(cb.shape[0], *_CB_SHAPE)
-  cls = MgpuVQ2Weights if k_order == "natural" else MgpuVQ2WeightsPaired
-  return cls(words, cb, ws.scale.astype(jnp.bfloat16))
+  return MgpuVQ2Weights(words, cb, ws.scale.astype(jnp.bfloat16))
 
 
-def dequantize_mgpu(ws: MgpuVQ2Weights | MgpuVQ2WeightsPaired) -> jax.Array:
-  """float32 [E, Kp, N] in lhs's own K order, read from this layout alone (the kernel's values: codeword · scale,
-  exact in float32)."""
+def dequantize_mgpu(ws: MgpuVQ2Weights) -> jax.Array:
+  """float32 [E, Kp, N], read from this layout alone (the kernel's values: codeword · scale, exact in float32)."""
   e, nb, kg, _ = ws.idx.shape
   n = nb * 16
-  r_idx = _vector_indices(ws.idx.reshape(e, nb, kg, 8, 4, 2, 2), k_order(ws))  # [E, N/16, Kg, q, h, 32]
+  r_idx = _vector_indices(ws.idx.reshape(e, nb, kg, 8, 4, 2, 2))  # [E, N/16, Kg, q, h, 32]
   r_idx = jnp.swapaxes(r_idx, 2, 4).reshape(e, n, kg, _Q)  # [E, N, Kg, 32]
   cb = ws.codebook.reshape(-1, 256, _COPIES, 2)[:, :, 0, :]  # uint32 [Cb, 256, 2]
   cb = v2.unpack_codebook(jnp.swapaxes(cb, 1, 2))  # float32 [Cb, 256, 4]
@@ -136,24 +118,20 @@ def dequantize_mgpu(ws: MgpuVQ2Weights | MgpuVQ2WeightsPaired) -> jax.Array:
   return jnp.swapaxes(w.reshape(e, n, kg * _G), 1, 2)
 
 
-def vq2_grouped_matmul_mgpu_ws_reference(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2WeightsPaired,
+def vq2_grouped_matmul_mgpu_ws_reference(lhs: jax.Array, weights: MgpuVQ2Weights,
                                           group_sizes: jax.Array) -> jax.Array:
   """XLA reference: float32 dequantization, then `jax.lax.ragged_dot` at HIGHEST precision -> float32 [M, N]."""
   return jax.lax.ragged_dot(lhs.astype(jnp.float32), dequantize_mgpu(weights), group_sizes,
                             preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
 
 
-def _vector_indices(words, order: str):
-  """int32 [..., q, t, h, w] index words in a K order -> int32 [..., q, h, 32] the vector index of each r (module
-  docstring)."""
+def _vector_indices(words):
+  """int32 [..., q, t, h, w] index words -> int32 [..., q, h, 32] the vector index of each r (module docstring)."""
   words = jax.lax.bitcast_convert_type(words, jnp.uint32)
   b = jnp.stack([(words >> (8 * k)) & 0xFF for k in range(4)], axis=-1)  # [..., q, t, h, w, b]
-  if order == "natural":
-    b = b.reshape(*b.shape[:-1], 2, 2)  # [..., q, t, h, w, bh, p]
-    b = jnp.moveaxis(b, b.ndim - 5, b.ndim - 2)  # [..., q, h, w, bh, t, p]: r = 8 (2w + bh) + 2t + p
-    return b.reshape(*b.shape[:-4], _Q).astype(jnp.int32)
-  b = jnp.moveaxis(b, b.ndim - 4, b.ndim - 1)  # [..., q, h, w, b, t]: r = 4 (4w + b) + t
-  return b.reshape(*b.shape[:-3], _Q).astype(jnp.int32)
+  b = b.reshape(*b.shape[:-1], 2, 2)  # [..., q, t, h, w, bh, p]
+  b = jnp.moveaxis(b, b.ndim - 5, b.ndim - 2)  # [..., q, h, w, bh, t, p]: r = 8 (2w + bh) + 2t + p
+  return b.reshape(*b.shape[:-4], _Q).astype(jnp.int32)
 
 
 # The two vectors of a pair (r, r + 1) -> the thread's 4 wgmma registers of column blocks c0, c0 + 4, c0 + 8, c0 + 12:
@@ -161,14 +139,11 @@ def _vector_indices(words, order: str):
 _SELECT = (0x5410, 0x7632)  # prmt: low halves of a and b / high halves
 
 
-LOOKUPS = ("gep", "ptx")  # how a look-up's address is formed (`lookup`)
-
-
-def _lookup_registers(i_smem, cb_ref, group: int, order: str, lookup_form: str):
+def _lookup_registers(i_smem, cb_ref, group: int):
   """K group `group` of the step's index tile (int32 [bn/16, gk, 128] in shared memory) and the replicated codebook
   -> bf16 [64, 128] wgmma operand of this warpgroup (the codewords, unscaled): one 16-byte shared load of the lane's
-  index words; per vector a shift, a lop3 (the byte times 128, or'd with the lane's copy offset) and one 8-byte
-  shared load; in the natural K order a prmt per register, in the paired order none."""
+  index words; per vector a shift, an and, an add and one 8-byte shared load (inline `ld.shared.v2.b32` at a 32-bit
+  address); a prmt per register."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                      return_type=plgpu.ShapeDtypeStruct((_WG_N, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
   def lookup(_, idx, cb):
@@ -183,33 +158,24 @@ def _lookup_registers(i_smem, cb_ref, group: int, order: str, lookup_form: str):
     v4i32 = ir.VectorType.get((4,), i32)
     lane_words = llvm.load(v4i32, smem_ptr(idx_addr))  # words 2h + i
     cb_ptr = mgpu.utils.memref_ptr(cb)
-    lane_off = arith.shli(arith.andi(tid, c(_COPIES - 1)), c(3))  # 8 · (lane mod 16): bits 3-6
+    lane_off = arith.shli(arith.andi(tid, c(_COPIES - 1)), c(3))  # 8 · (lane mod 16)
     base_lane = arith.addi(llvm.ptrtoint(i32, cb_ptr), lane_off)
     pair_ty = llvm.StructType.get_literal([i32, i32])
-    v2i32 = ir.VectorType.get((2,), i32)
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_WG_N, _G)), dtype=object)  # [1, 16, 1, 1, 2, 1, 1, 1, 1]
 
     def fetch(word, byte):
-      # entry · 16 copies · 8 bytes = the byte moved to bits 7-14, which the lane offset does not overlap
+      # entry · 16 copies · 8 bytes: the byte moved to bits 7-14. A 32-bit shared address: an LLVM load at a GEP of
+      # the codebook's pointer ran up to 14% slower at 8 × 4096→14336 (results/vq2_mgpu_cfg14336.md). The asm has
+      # side effects so that LLVM keeps it after the barrier waits (ptxas still schedules it).
       moved = arith.shli(word, c(7)) if byte == 0 else arith.shrui(word, c(8 * byte - 7))
-      if lookup_form == "ptx":  # a 32-bit shared address, one add
-        addr = arith.addi(base_lane, arith.andi(moved, c(0xFF << 7)))
-        pair = llvm.inline_asm(pair_ty, [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", has_side_effects=True)
-        return llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])
-      off = arith.ori(arith.andi(moved, c(0xFF << 7)), lane_off)
-      pair = llvm.load(v2i32, mgpu.utils.getelementptr(cb_ptr, [off], ir.IntegerType.get_signless(8)))
-      return (llvm.extractelement(pair, arith.constant(i64, 0)), llvm.extractelement(pair, arith.constant(i64, 1)))
+      addr = arith.addi(base_lane, arith.andi(moved, c(0xFF << 7)))
+      pair = llvm.inline_asm(pair_ty, [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", has_side_effects=True)
+      return llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])
 
     for half in range(2):
       for i in range(2):
         word = llvm.extractelement(lane_words, arith.constant(i64, 2 * half + i))
-        if order == "paired":  # byte b: vector (4i + b, t): coordinates (0, 1) and (2, 3) are column blocks 2v, 2v + 1
-          for b in range(4):
-            v = 4 * i + b
-            for blk, reg in enumerate(fetch(word, b)):
-              regs[(0, 2 * v + blk, 0, 0, half, 0, 0, 0, 0)] = mgpu.utils.bitcast(reg, bf16x2)
-          continue
         for bh in range(2):
           c0 = 2 * i + bh
           a, b = fetch(word, 2 * bh), fetch(word, 2 * bh + 1)
@@ -221,24 +187,20 @@ def _lookup_registers(i_smem, cb_ref, group: int, order: str, lookup_form: str):
   return lookup(i_smem, cb_ref)
 
 
-def _lookup_jnp(words, cb_words, order: str):
+def _lookup_jnp(words, cb_words):
   """Interpret mode's equivalent of `_lookup_registers`: int32 [4, 128] index words of the warpgroup's 4 column
-  blocks and uint32 [64, 128] codebook -> bf16 [64, 128] codewords in the kernel's K order."""
-  r_idx = _vector_indices(words.reshape(4, 8, 4, 2, 2), order)  # [4, q, h, 32]
+  blocks and uint32 [64, 128] codebook -> bf16 [64, 128] codewords in K order."""
+  r_idx = _vector_indices(words.reshape(4, 8, 4, 2, 2))  # [4, q, h, 32]
   r_idx = jnp.swapaxes(r_idx, 1, 2).reshape(_WG_N, _Q)  # row 16 blk + 8 h + q
   cb = cb_words.reshape(256, _COPIES, 2)[:, 0, :]  # [256, 2]
   cb = v2.unpack_codebook(cb.T[None])[0]  # float32 [256, 4]
   vec = cb[r_idx]  # [64, 32 (r), 4 (j)]
-  if order == "natural":  # k = r + 32 j
-    return jnp.swapaxes(vec, 1, 2).reshape(_WG_N, _G).astype(jnp.bfloat16)
-  vec = vec.reshape(_WG_N, 8, 4, 2, 2)  # [64, i, t, jh, jl]: p = 16 i + 8 jh + 2 t + jl
-  return jnp.swapaxes(vec, 2, 3).reshape(_WG_N, _G).astype(jnp.bfloat16)
+  return jnp.swapaxes(vec, 1, 2).reshape(_WG_N, _G).astype(jnp.bfloat16)  # k = r + 32 j
 
 
 def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_smem, cb_smem, cb_ready, cb_free, *,
             n_wgs: int, block_k: int, block_r: int, window: int, n_groups: int, n_cols: int, steps: int,
-            memory_registers: int, compute_registers: int, interpret: bool, per_expert: bool, ablate: str, order: str,
-            lookup: str):
+            memory_registers: int, compute_registers: int, interpret: bool, per_expert: bool, ablate: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; idx_ref: int32 [E, N/16, Kg, 128]; cb_ref:
   # uint32 [Cb, 64, 128]; scale_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64];
   # a_smem: bf16 [n_wgs, 64, G] (interpret mode); cb_smem: uint32 [64, 128]; cb_ready: TMA barrier; cb_free:
@@ -251,8 +213,8 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
 
   def decode(i_smem, c):
     if interpret:
-      return _lookup_jnp(i_smem[pl.ds(jnp.minimum(wg, n_wgs - 1) * 4, 4), c], cb_smem[...], order)
-    return _lookup_registers(i_smem, cb_smem, c, order, lookup)
+      return _lookup_jnp(i_smem[pl.ds(jnp.minimum(wg, n_wgs - 1) * 4, 4), c], cb_smem[...])
+    return _lookup_registers(i_smem, cb_smem, c)
 
   def mma(acc_ref, w, x_smem, c):
     ks = pl.ds(c * _G, _G)
@@ -353,18 +315,17 @@ def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: 
   return ws4.default_compute_wgs(m, n_experts, n, block_r, num_ctas)
 ABLATIONS = ("", "no_compute")
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "compute_registers",
-           "num_ctas", "interpret", "ablate", "table_impl", "lookup")
+           "num_ctas", "interpret", "ablate", "table_impl")
 
 
 @settled_when_interpreted
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2WeightsPaired,
-                               group_sizes: jax.Array, *,
+def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_sizes: jax.Array, *,
                                num_compute_wgs: int | None = None, block_k: int | None = None,
                                block_r: int | None = None, max_concurrent_steps: int | None = None,
                                memory_registers: int | None = None, compute_registers: int | None = None,
                                num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
-                               ablate: str = "", table_impl: str = "pallas", lookup: str = "ptx") -> jax.Array:
+                               ablate: str = "", table_impl: str = "pallas") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ vq2 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -376,12 +337,10 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 where it divides Kp (a step reads half
       the int4 kernel's weight bytes per K), else 256, else 128.
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
-    lookup: how a look-up's shared address is formed: "gep" (an LLVM load at the codebook's pointer plus the index
-      times 128 or'd with the lane's copy offset) or "ptx" (inline `ld.shared.v2.b32` at a 32-bit address).
     ablate: timing only: "no_compute" streams the tiles through the ring and skips the codebook, look-ups and wgmmas
       (the memory-side ceiling; wrong results).
   """
-  if not isinstance(weights, (MgpuVQ2Weights, MgpuVQ2WeightsPaired)):
+  if not isinstance(weights, MgpuVQ2Weights):
     raise TypeError(f"weights must come from to_mgpu_layout, got {type(weights).__name__}")
   m, kp = lhs.shape
   e, nb, kg, _ = weights.idx.shape
@@ -398,8 +357,6 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
     raise ValueError(f"codebook shape {weights.codebook.shape} must be (1 or E={e}, {_CB_SHAPE[0]}, {_CB_SHAPE[1]})")
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  if lookup not in LOOKUPS:
-    raise ValueError(f"lookup={lookup!r} must be one of {LOOKUPS}")
   if group_sizes.shape != (e,):
     raise ValueError(f"group_sizes has shape {group_sizes.shape}, expected ({e},)")
   ws4.check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k, table_impl=table_impl)
@@ -422,8 +379,6 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
   compute_registers = ws4.register_split(num_compute_wgs, memory_registers, compute_registers)
   pad = wt.loaded_rows(m, block_r, True) - m
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
-  if k_order(weights) == "paired":  # the kernel's K positions (one XLA gather of lhs's columns)
-    lhs_p = lhs_p.reshape(m + pad, kp // _G, _G)[..., PAIRED_PERM].reshape(m + pad, kp)
   table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=True)
   if interpret or table_impl == "xla":
     table = wt.work_table_reference(group_sizes, m, m + pad, **table_kw)
@@ -434,8 +389,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights | MgpuVQ2
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, interpret=bool(interpret),
-                           per_expert=weights.codebook.shape[0] > 1, ablate=ablate, order=k_order(weights),
-                           lookup=lookup)
+                           per_expert=weights.codebook.shape[0] > 1, ablate=ablate)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
