@@ -304,6 +304,9 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
 
 
 _SMEM_BUDGET = 200 * 1024
+# The tiling options a caller may fix per weight (`quant.to_mgpu_layout(model, block_r=...)` stores them); checked by
+# `int4_grouped_matmul_mgpu_ws.check_options`.
+OPTIONS = ("block_r", "num_compute_wgs", "block_k", "table_impl")
 
 
 def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: int) -> int:

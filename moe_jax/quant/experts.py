@@ -188,15 +188,19 @@ def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = Non
   return model
 
 
-def check_mgpu_options(options: dict, where: str, kp: int, n: int) -> tuple[tuple[str, object], ...]:
+def check_mgpu_options(options: dict, where: str, kp: int, n: int,
+                       fmt: str = "int4") -> tuple[tuple[str, object], ...]:
   """The options as sorted (name, value) pairs, or a ValueError naming the weight and the field: the kernel's own
   check (`int4_grouped_matmul_mgpu_ws.check_options`) against the weight's padded K and N, so that a bad value fails
-  at conversion and not inside the kernel's trace."""
+  at conversion and not inside the kernel's trace. fmt "vq2": the Mosaic GPU vq2 kernel's options (the same checks,
+  no `aligned_tiles`: its tiles are always aligned)."""
   from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vmws  # pylint: disable=g-import-not-at-top
+  allowed = vmws.OPTIONS if fmt == "vq2" else mws.OPTIONS
   for name, value in options.items():
-    if name not in mws.OPTIONS:
-      raise ValueError(f"{where}: {name}={value!r} is not an option of the Mosaic GPU int4 kernel (one of "
-                       f"{mws.OPTIONS})")
+    if name not in allowed:
+      raise ValueError(f"{where}: {name}={value!r} is not an option of the Mosaic GPU {fmt} kernel (one of "
+                       f"{allowed})")
   try:
     mws.check_options(kp, n, **options)
   except ValueError as e:
@@ -220,13 +224,19 @@ def parse_kernel_options(items: list[str], flag: str = "kernel options") -> dict
 
 
 def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
-  """Re-lays every routed expert weight of kind "int4" (dense RTN int4, G = 128) as kind "int4_mgpu" (in place).
+  """Re-lays every routed expert weight of kind "int4" (dense RTN int4, G = 128) as kind "int4_mgpu", and of kind
+  "vq2" (G = 128) as kind "vq2_mgpu" (in place).
 
   "int4_mgpu" is the layout of the warp-specialized Mosaic GPU kernel (`pallas_kernels/int4_grouped_matmul_mgpu_ws.py`,
   the fastest int4 kernel on the H200 at decode sizes: benchmarks/results/expert_matmul.md); the "pallas" grouped
   matmul then runs that kernel (lhs rounded to bf16, its contract) instead of the Triton one. The same values: the
   dequantized weight is unchanged. Other kinds, AWQ weights (activation scales) and weights whose N is not a multiple
   of 64 are refused with the weight's name. Checkpoints store "int4": convert after `load_quantized`.
+
+  "vq2_mgpu" is the layout of the Mosaic GPU vq2 kernel (`pallas_kernels/vq2_grouped_matmul_mgpu_ws.py`: 2.6-3.4x
+  the best bf16 peer on the H200 at decode sizes where the Triton vq2 kernel is 0.4-0.5x,
+  benchmarks/results/vq2_mgpu_grid.md); the same values, the same rules (no activation scales, G = 128, N a multiple
+  of 64), its options (`vq2_grouped_matmul_mgpu_ws.OPTIONS`). fuse_gate_up takes int4 weights only.
 
   fuse_gate_up: store each layer's gate and up once, interleaved (`int4_gate_up_mgpu.interleave_gate_up`), as one
   "int4_mgpu_gate_up" weight [E, D, 2F] in `w_gate`, and `experts.FusedIntoGate` in `w_up`; "pallas" and
@@ -243,6 +253,7 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
   """
   from pallas_kernels import int4_gate_up_mgpu as gu  # pylint: disable=g-import-not-at-top
   from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vmws  # pylint: disable=g-import-not-at-top
   for i, moe in enumerate(moe_layers(model)):
     if moe is None:
       continue
@@ -250,9 +261,18 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
     for name in ("w_gate", "w_up", "w_down"):
       q = getattr(moe, name)[...]
       where = f"blocks.{i}.ffn.{name}"
-      if not isinstance(q, QuantizedExperts) or q.kind != "int4":
-        raise ValueError(f"{where}: to_mgpu_layout takes int4 weights, got "
+      if not isinstance(q, QuantizedExperts) or q.kind not in ("int4", "vq2"):
+        raise ValueError(f"{where}: to_mgpu_layout takes int4 or vq2 weights, got "
                          f"{q.kind if isinstance(q, QuantizedExperts) else type(q).__name__}")
+      if q.kind == "vq2":
+        if fuse_gate_up:
+          raise ValueError(f"{where}: fuse_gate_up takes int4 weights, not vq2")
+        if q.data.in_scale is not None or q.group_size != 128 or q.shape[2] % 64:
+          raise ValueError(f"{where}: the Mosaic GPU vq2 kernel takes vq2 with group 128, N a multiple of 64 and no "
+                           f"activation scales (group {q.group_size}, N {q.shape[2]}, activation scales: "
+                           f"{q.data.in_scale is not None})")
+        relaid[name] = q
+        continue
       n_multiple = gu.SWIGLU_BLOCK if fuse_gate_up and name != "w_down" else 64  # the fused weight's N is 2F
       if q.data.in_scale is not None or q.data.meta is not None or q.group_size != 128 or q.shape[2] % n_multiple:
         raise ValueError(f"{where}: the Mosaic GPU int4 kernel takes dense RTN int4 with group 128 and N a multiple "
@@ -264,9 +284,10 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
                        f"{relaid['w_gate'].shape} and w_up {relaid['w_up'].shape}")
     for name, q in relaid.items():
       where, fused = f"blocks.{i}.ffn.{name}", fuse_gate_up and name != "w_down"
-      options = check_mgpu_options(kernel_options, where, q.kp, q.shape[2] * (2 if fused else 1))  # the kernel's N
-      relaid[name] = QuantizedExperts(mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size,
-                                      options=options)
+      fmt = q.kind
+      options = check_mgpu_options(kernel_options, where, q.kp, q.shape[2] * (2 if fused else 1), fmt)  # kernel's N
+      data = vmws.to_mgpu_layout(q.data) if fmt == "vq2" else mws.to_mgpu_layout(q.data)
+      relaid[name] = QuantizedExperts(data, kind=f"{fmt}_mgpu", k=q.k, group_size=q.group_size, options=options)
     if fuse_gate_up:
       gate, up = relaid["w_gate"], relaid["w_up"]
       relaid["w_gate"] = gate.replace(data=gu.interleave_gate_up(gate.data, up.data), kind="int4_mgpu_gate_up")

@@ -19,6 +19,10 @@ Kinds and bits per weight (G = 128, scales bf16, zero points uint8):
                               then up (`int4_gate_up_mgpu.interleave_gate_up`); made by `quant.to_mgpu_layout(model,
                               fuse_gate_up=True)` in `w_gate` (`w_up` then holds `moe_jax.experts.FusedIntoGate`);
                               "pallas" / "pallas_fused" read it with one `swiglu=True` call of the same kernel.
+  vq2_mgpu    2 + 16/G        dense vq2 (G = 128, no activation scale) in the layout of the Mosaic GPU vq2 kernel
+                              (`MgpuVQ2Weights`: the same indices regrouped per lane, the scales, each codebook stored
+                              16 times, 32 KB, for conflict-free shared-memory look-ups), made from a vq2 value by
+                              `quant.to_mgpu_layout`; "pallas" / "pallas_fused" read it with that kernel.
 """
 
 from __future__ import annotations
@@ -33,8 +37,11 @@ from pallas_kernels.int4_gate_up_mgpu import split_gate_up
 from pallas_kernels.int4_grouped_matmul import Int4Weights, dequantize_int4
 from pallas_kernels.int4_grouped_matmul_mgpu import MgpuInt4WeightsShift, dequantize_mgpu
 from pallas_kernels.vq2_grouped_matmul import VQ2Weights, dequantize_vq2, unpack_codebook
+from pallas_kernels.vq2_grouped_matmul_mgpu_ws import MgpuVQ2Weights
+from pallas_kernels.vq2_grouped_matmul_mgpu_ws import dequantize_mgpu as dequantize_vq2_mgpu
 
-KINDS = ("int4", "int4_sp24", "vq2", "vq2_sp24", "int4_mgpu", "int4_mgpu_gate_up")
+KINDS = ("int4", "int4_sp24", "vq2", "vq2_sp24", "int4_mgpu", "int4_mgpu_gate_up", "vq2_mgpu")
+MGPU_KINDS = ("int4_mgpu", "int4_mgpu_gate_up", "vq2_mgpu")  # `quant.to_mgpu_layout`'s kinds (not saved)
 
 
 class VQ2SparseWeights(NamedTuple):
@@ -90,14 +97,15 @@ class QuantizedExperts:
   """A quantized [E, K, N] expert weight.
 
   Attributes:
-    data: the format's raw arrays (Int4Weights, VQ2Weights, VQ2SparseWeights or MgpuInt4WeightsShift).
+    data: the format's raw arrays (Int4Weights, VQ2Weights, VQ2SparseWeights, MgpuInt4WeightsShift or
+      MgpuVQ2Weights).
     kind: one of KINDS.
     k: the logical K (the arrays hold Kp >= k, zero-padded to a multiple of group_size).
     group_size: G, the K group of scales (and of the kernels' layout).
-    options: keyword arguments of the kind's kernel as sorted (name, value) pairs (static; int4_mgpu and
-      int4_mgpu_gate_up only, set by `quant.to_mgpu_layout(model, block_r=...)`); () for its defaults.
+    options: keyword arguments of the kind's kernel as sorted (name, value) pairs (static; MGPU_KINDS only, set by
+      `quant.to_mgpu_layout(model, block_r=...)`); () for its defaults.
   """
-  data: Int4Weights | VQ2Weights | VQ2SparseWeights | MgpuInt4WeightsShift
+  data: Int4Weights | VQ2Weights | VQ2SparseWeights | MgpuInt4WeightsShift | MgpuVQ2Weights
   kind: str = struct.field(pytree_node=False)
   k: int = struct.field(pytree_node=False)
   group_size: int = struct.field(pytree_node=False)
@@ -135,6 +143,8 @@ class QuantizedExperts:
       w = dequantize_vq2(self.data, group_size=self.group_size)
     elif self.kind in ("int4_mgpu", "int4_mgpu_gate_up"):
       w = dequantize_mgpu(self.data)
+    elif self.kind == "vq2_mgpu":
+      w = dequantize_vq2_mgpu(self.data)
     else:
       w = _dequantize_vq2_sparse(self.data, self.group_size)
     return w[:, : self.k].astype(dtype)

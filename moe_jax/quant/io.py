@@ -4,7 +4,7 @@ A quantized checkpoint directory holds `quant.json` (the `ModelConfig`, the quan
 expert bytes) and `params/`, an orbax StandardCheckpointer item with the model's whole state as a pure dict
 (quantized experts as their raw arrays). Restoring rebuilds the quantized structure with `jax.eval_shape` (no
 calibration or k-means runs) and reads the arrays into it. The Mosaic GPU layouts (`to_mgpu_layout`: kinds
-int4_mgpu, int4_mgpu_gate_up) are not stored: save the int4 model and convert after `load_quantized`.
+int4_mgpu, int4_mgpu_gate_up, vq2_mgpu) are not stored: save the int4 / vq2 model and convert after `load_quantized`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from flax import nnx
 from moe_jax import checkpoints
 from moe_jax.config import ModelConfig
 from moe_jax.quant.experts import QuantSpec, expert_bytes, expert_weights, quantize_experts
+from moe_jax.quant.formats import MGPU_KINDS
 
 
 def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, *, source: str = "") -> str:
@@ -26,8 +27,8 @@ def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, 
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   for name, w in expert_weights(model).items():  # load_quantized rebuilds `spec`'s kinds, not to_mgpu_layout's
-    if getattr(w, "kind", None) in ("int4_mgpu", "int4_mgpu_gate_up"):
-      raise ValueError(f"{name}: save_quantized stores the int4 layout that load_quantized rebuilds, not "
+    if getattr(w, "kind", None) in MGPU_KINDS:
+      raise ValueError(f"{name}: save_quantized stores the int4 / vq2 layout that load_quantized rebuilds, not "
                        f"quant.to_mgpu_layout's {w.kind!r}; save before to_mgpu_layout and convert after loading")
 
   directory = os.path.abspath(directory)

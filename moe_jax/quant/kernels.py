@@ -3,8 +3,9 @@
   GROUPED_MATMULS["pallas"]        int4 / int4_sp24 / vq2 weights through the dequant-fused Triton kernels of
                                    `pallas_kernels/`, int4_mgpu weights (`quant.to_mgpu_layout`) through the
                                    warp-specialized Mosaic GPU kernel (lhs rounded to bf16; with the weights'
-                                   kernel options, `QuantizedExperts.options`); any other weight (bf16
-                                   arrays, vq2_sp24) falls back to "xla".
+                                   kernel options, `QuantizedExperts.options`), vq2_mgpu weights through the
+                                   Mosaic GPU vq2 kernel (the same way); any other weight (bf16 arrays,
+                                   vq2_sp24) falls back to "xla".
   GROUPED_MATMULS["pallas_fused"]  the same per matmul, and `FUSED_SWIGLU["pallas_fused"]` computes
                                    silu(x W_gate) · (x W_up) in one kernel (one pass over the rows, both weights
                                    streamed by the same program).
@@ -27,8 +28,9 @@ from pallas_kernels import hopper
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws
 from pallas_kernels import vq2_grouped_matmul as v2
+from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vmws
 
-KERNEL_KINDS = ("int4", "int4_sp24", "vq2", "int4_mgpu")
+KERNEL_KINDS = ("int4", "int4_sp24", "vq2", "int4_mgpu", "vq2_mgpu")
 FUSED_KINDS = ("int4", "int4_sp24", "vq2")  # formats with a fused gate/up + SwiGLU kernel
 
 
@@ -48,19 +50,19 @@ def _check_mosaic_gpu(kind: str) -> None:
 
 
 def _ws_call(lhs: jax.Array, w: QuantizedExperts, group_sizes: jax.Array, **kw) -> jax.Array:
-  """The warp-specialized Mosaic GPU kernel on a to_mgpu_layout weight: lhs padded to its Kp and rounded to bf16 (the
-  kernel's contract), the weight's stored kernel options; refuses where Mosaic GPU does not run."""
+  """The warp-specialized Mosaic GPU kernel of a to_mgpu_layout weight (int4 or vq2): lhs padded to its Kp and rounded
+  to bf16 (the kernels' contract), the weight's stored kernel options; refuses where Mosaic GPU does not run."""
   _check_mosaic_gpu(w.kind)
   x = _pad_lhs(lhs, w.kp).astype(jnp.bfloat16)
-  return mws.int4_grouped_matmul_mgpu_ws(x, w.data, group_sizes.astype(jnp.int32), interpret=_interpret(),
-                                         **dict(w.options), **kw)
+  fn = vmws.vq2_grouped_matmul_mgpu_ws if w.kind == "vq2_mgpu" else mws.int4_grouped_matmul_mgpu_ws
+  return fn(x, w.data, group_sizes.astype(jnp.int32), interpret=_interpret(), **dict(w.options), **kw)
 
 
 def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
   """lhs [M, K] sorted by expert, rhs [E, K, N] (QuantizedExperts), group_sizes int32 [E] -> float32 [M, N]."""
   if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
     return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
-  if rhs.kind == "int4_mgpu":
+  if rhs.kind in ("int4_mgpu", "vq2_mgpu"):
     return _ws_call(lhs, rhs, group_sizes)
   x = _pad_lhs(lhs, rhs.kp)
   fn = v2.vq2_grouped_matmul if rhs.kind == "vq2" else i4.int4_grouped_matmul

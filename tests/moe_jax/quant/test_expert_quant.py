@@ -205,11 +205,40 @@ def test_model_to_mgpu_layout(tiny_config, tiny_model):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * float(jnp.abs(want).max()))
   with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: the Mosaic GPU int4 kernel .* \(group 64, N 96"):
     quant.to_mgpu_layout(quant.quantize_experts(nnx.clone(tiny_model), "int4"))
-  with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: to_mgpu_layout takes int4 weights, got Array"):
+  with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: to_mgpu_layout takes int4 or vq2 weights, got Array"):
     quant.to_mgpu_layout(nnx.clone(tiny_model))
   awq = quant.quantize_experts(decode.init_model(config, seed=0), "int4_awq", calib=jnp.zeros((1, 8), jnp.int32))
   with pytest.raises(ValueError, match="AWQ scales: True"):
     quant.to_mgpu_layout(awq)
+
+
+def test_model_to_mgpu_layout_vq2(tiny_config, tiny_model, tmp_path):
+  """A vq2 model (D = F = 128) re-laid: every expert weight becomes vq2_mgpu with the same values (the XLA path's
+  logits equal the vq2 model's exactly) and the stored options; the "pallas" path (the Mosaic GPU vq2 kernel,
+  interpret mode) gives the same logits up to the lhs's bf16 rounding. Refused, naming the weight and the field: the
+  tiny config's group 64, fuse_gate_up, an int4-only option; save_quantized refuses the layout."""
+  config = dataclasses.replace(tiny_config, d_model=128, expert_hidden=128)
+  tokens = jnp.asarray([[5, 17, 99, 3, 42]], jnp.int32)
+  q = quant.quantize_experts(decode.init_model(config, seed=0), "vq2")
+  want = decode.logits(q, tokens)
+  r = quant.to_mgpu_layout(nnx.clone(q), num_compute_wgs=2)
+  weights = quant.expert_weights(r)
+  assert {v.kind for v in weights.values()} == {"vq2_mgpu"}
+  assert {v.options for v in weights.values()} == {(("num_compute_wgs", 2),)}
+  for name, v in quant.expert_weights(q).items():
+    np.testing.assert_array_equal(np.asarray(weights[name].dequantize()), np.asarray(v.dequantize()))
+  np.testing.assert_array_equal(np.asarray(decode.logits(r, tokens)), np.asarray(want))
+  got = decode.logits(quant.set_implementation(r, "pallas"), tokens)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * float(jnp.abs(want).max()))
+  with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: the Mosaic GPU vq2 kernel .* \(group 64, N 96"):
+    quant.to_mgpu_layout(quant.quantize_experts(nnx.clone(tiny_model), "vq2"))
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: fuse_gate_up takes int4 weights, not vq2"):
+    quant.to_mgpu_layout(nnx.clone(q), fuse_gate_up=True)
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: aligned_tiles=False is not an option of the Mosaic GPU "
+                                       r"vq2 kernel"):
+    quant.to_mgpu_layout(nnx.clone(q), aligned_tiles=False)
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: save_quantized .* 'vq2_mgpu'"):
+    quant.save_quantized(r, config, quant.spec_for("vq2"), str(tmp_path / "ck"))
 
 
 @pytest.fixture(scope="module")
