@@ -197,6 +197,42 @@ def _xsum_window(window: int, gk: int) -> int:
   return next(w for w in range(window, window + 33, 8) if gk * w * 4 % 128 == 0)
 
 
+def read_item(table_ref, cta, i, wg, bn: int, n_cols: int):
+  """Item i of CTA cta's row of the work table -> (expert, loaded, first, count, virtual, col0, owner): col0, the
+  N tile's first column, is j·bn, or N - bn for a last tile that would cross N; then the warpgroups whose columns the
+  previous tile already holds (below j·bn) compute them again but do not store them (owner False)."""
+  expert, j, loaded, first, count, virtual = (table_ref[cta, i, col] for col in range(6))
+  col0 = pl.multiple_of(jnp.minimum(j * bn, n_cols - bn), _WG_N)
+  return expert, pl.multiple_of(loaded, 8), first, count, virtual, col0, col0 + wg * _WG_N >= j * bn
+
+
+def group_wgmma(acc_ref, w, x_smem, c: int, a_tile=None):
+  """acc_ref float32 [64, W] += w bf16 [64, G] (registers) @ the K group c of x_smem bf16 [W, block_k] transposed.
+  a_tile: interpret mode's route, bf16 [64, G] shared memory the operand goes through (waited for at once)."""
+  ks = pl.ds(c * _G, _G)
+  if a_tile is not None:
+    a_tile[...] = w
+    plgpu.commit_smem()
+    plgpu.wgmma(acc_ref, a_tile, x_smem.at[:, ks].T)
+    plgpu.wgmma_wait(0)
+  else:
+    plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
+
+
+def run_chained(i, n_items, run, compute_registers: int):
+  """Runs a CTA's item i of n_items as `run(state)` with the pipeline state that chains the items' pipelines (the
+  TMA warpgroup then runs `steps` steps ahead across items: START, STEADY, STOP; None for a lone item), the compute
+  warpgroups at `compute_registers`."""
+  states = ((n_items == 1, None), ((i == 0) & (n_items > 1), plgpu.PipelinePipeline.START),
+            ((i > 0) & (i < n_items - 1), plgpu.PipelinePipeline.STEADY),
+            ((i > 0) & (i == n_items - 1), plgpu.PipelinePipeline.STOP))
+  for pred, state in states:
+    @pl.when(pred)
+    def _run(state=state):
+      with _compute_register_count(compute_registers):
+        run(state)
+
+
 def store_item(acc, o_smem, out_ref, *, wg, col0, first, loaded, count, virtual, owner, block_r: int, window: int,
                h_smem=None):
   """A compute warpgroup's epilogue of one work item: its out^T float32 [64, W] (`acc`) transposed into its o_smem
@@ -271,14 +307,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
     return _dequant_form_jnp(w, s, z, dequant_form)
 
   def mma(acc_ref, w, x_smem, c):
-    ks = pl.ds(c * _G, _G)
-    if a_from_smem:
-      a_smem.at[wg][...] = w
-      plgpu.commit_smem()
-      plgpu.wgmma(acc_ref, a_smem.at[wg], x_smem.at[:, ks].T)
-      plgpu.wgmma_wait(0)
-    else:
-      plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
+    group_wgmma(acc_ref, w, x_smem, c, a_smem.at[wg] if a_from_smem else None)
 
   def body(idx, q_smem, x_smem, s_smem, z_smem, *rest):
     # q_smem: int4 [bn, block_k]; x_smem: bf16 [W, block_k]; s_smem, z_smem: bf16 [block_k / G, bn]; acc_zero:
@@ -358,12 +387,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
 
     @pl.loop(0, n_items)
     def _item(i):
-      expert, j, loaded, first, count, virtual = (table_ref[cta, i, col] for col in range(6))
-      loaded = pl.multiple_of(loaded, 8)
-      # First column of the tile: j·bn, or N - bn for a last tile that would cross N; then the warpgroups whose
-      # columns the previous tile already holds (below j·bn) compute them again but do not store them.
-      col0 = pl.multiple_of(jnp.minimum(j * bn, n_cols - bn), _WG_N)
-      owner = col0 + wg * _WG_N >= j * bn
+      expert, loaded, first, count, virtual, col0, owner = read_item(table_ref, cta, i, wg, bn, n_cols)
 
       def compute_context(run):
         def scoped(acc_ref):
@@ -379,15 +403,9 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
         store_item(acc, o_smem, out_ref, wg=wg, col0=col0, first=first, loaded=loaded, count=count, virtual=virtual,
                    owner=owner, block_r=block_r, window=window, h_smem=h_smem if swiglu else None)
 
-      # Chain the items' pipelines: the TMA warpgroup runs `steps` steps ahead across items.
-      states = ((n_items == 1, None), ((i == 0) & (n_items > 1), plgpu.PipelinePipeline.START),
-                ((i > 0) & (i < n_items - 1), plgpu.PipelinePipeline.STEADY),
-                ((i > 0) & (i == n_items - 1), plgpu.PipelinePipeline.STOP))
-      for pred, state in states:
-        @pl.when(pred)
-        def _run(state=state):
-          with _compute_register_count(compute_registers):
-            make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
+      def run(state):
+        make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
+      run_chained(i, n_items, run, compute_registers)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -654,15 +672,8 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     xsum = (jnp.pad(xsum, ((0, 0), (0, _xsum_window(window, block_k // _G) - window))),)
   if interpret:  # the interpreter's relayout keeps the stored K order: feed lhs in that order too
     lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.NIBBLE_ORDERS[order]].reshape(m + pad, kp)
-  # The work table (`int4_ws_work_table`): one Pallas kernel on the GPU; its jnp reference in interpret mode (the same
-  # values, faster in the CPU interpreter).
-  table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=aligned_tiles)
-  if interpret or table_impl == "xla":
-    table = wt.work_table_reference(group_sizes, m, m + pad, **table_kw)
-  elif table_impl == "pallas_masked":
-    table = wt.work_table(group_sizes, m, m + pad, **table_kw, prefix="masked", block=64)
-  else:
-    table = wt.work_table(group_sizes, m, m + pad, **table_kw)
+  table = build_work_table(group_sizes, m, m + pad, table_impl=table_impl, interpret=bool(interpret), block_r=block_r,
+                           n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=aligned_tiles)
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, a_from_smem=bool(interpret), ablate=ablate,
@@ -682,6 +693,18 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
          if interpret else {}))
   out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero, *xsum)
   return out[:m] if pad else out
+
+
+def build_work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, table_impl: str, interpret: bool,
+                     **table_kw) -> jax.Array:
+  """The work table int32 [C_ctas, I, 8] (`int4_ws_work_table`, `table_kw` its static arguments): one Pallas kernel
+  on the GPU (`table_impl` "pallas", or "pallas_masked", its first form); the jnp reference with "xla" and in
+  interpret mode (the same values, faster in the CPU interpreter)."""
+  if interpret or table_impl == "xla":
+    return wt.work_table_reference(group_sizes, m, m_loaded, **table_kw)
+  if table_impl == "pallas_masked":
+    return wt.work_table(group_sizes, m, m_loaded, **table_kw, prefix="masked", block=64)
+  return wt.work_table(group_sizes, m, m_loaded, **table_kw)
 
 
 def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,

@@ -216,26 +216,16 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
       return _lookup_jnp(i_smem[pl.ds(jnp.minimum(wg, n_wgs - 1) * 4, 4), c], cb_smem[...])
     return _lookup_registers(i_smem, cb_smem, c)
 
-  def mma(acc_ref, w, x_smem, c):
-    ks = pl.ds(c * _G, _G)
-    if interpret:
-      a_smem.at[wg][...] = w
-      plgpu.commit_smem()
-      plgpu.wgmma(acc_ref, a_smem.at[wg], x_smem.at[:, ks].T)
-      plgpu.wgmma_wait(0)
-    else:
-      plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
-
   def body(_, i_smem, x_smem, s_smem, acc):
-    # i_smem: int32 [bn / 16, block_k / G, 128]; x_smem: bf16 [W, block_k]; s_smem: bf16 [block_k / G, bn]; acc: float32
-    # [64, W], out^T of this warpgroup's columns.
+    # i_smem: int32 [bn / 16, block_k / G, 128]; x_smem: bf16 [W, block_k]; s_smem: bf16 [block_k / G, bn];
+    # acc: float32 [64, W], out^T of this warpgroup's columns.
     if ablate == "no_compute":
       return acc
     scales = [plgpu.load(s_smem.at[c, wg_rows], layout=_ROW) for c in range(gk)]  # read before the wgmmas
 
     def groups(*tmps):
       for c in range(gk):
-        mma(tmps[c], decode(i_smem, c), x_smem, c)
+        ws4.group_wgmma(tmps[c], decode(i_smem, c), x_smem, c, a_smem.at[wg] if interpret else None)
       out = acc
       for c in range(gk):  # reading an accumulator waits for the wgmmas
         s = plgpu.layout_cast(jax.lax.broadcast_in_dim(scales[c].astype(jnp.float32), (_WG_N, window), (0,)),
@@ -266,10 +256,7 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
 
     @pl.loop(0, n_items)
     def _item(i):
-      expert, j, loaded, first, count, virtual = (table_ref[cta, i, col] for col in range(6))
-      loaded = pl.multiple_of(loaded, 8)
-      col0 = pl.multiple_of(jnp.minimum(j * bn, n_cols - bn), _WG_N)
-      owner = col0 + wg * _WG_N >= j * bn
+      expert, loaded, first, count, virtual, col0, owner = ws4.read_item(table_ref, cta, i, wg, bn, n_cols)
       book = expert if per_expert else 0
       prev_book = table_ref[cta, jnp.maximum(i - 1, 0), 0] if per_expert else 0
       new_book = (i == 0) | (book != prev_book)
@@ -289,14 +276,9 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
         ws4.store_item(acc, o_smem, out_ref, wg=wg, col0=col0, first=first, loaded=loaded, count=count,
                        virtual=virtual, owner=owner, block_r=block_r, window=window)
 
-      states = ((n_items == 1, None), ((i == 0) & (n_items > 1), plgpu.PipelinePipeline.START),
-                ((i > 0) & (i < n_items - 1), plgpu.PipelinePipeline.STEADY),
-                ((i > 0) & (i == n_items - 1), plgpu.PipelinePipeline.STOP))
-      for pred, state in states:
-        @pl.when(pred)
-        def _run(state=state):
-          with ws4._compute_register_count(compute_registers):  # pylint: disable=protected-access
-            make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
+      def run(state):
+        make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
+      ws4.run_chained(i, n_items, run, compute_registers)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -382,13 +364,8 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
   compute_registers = ws4.register_split(num_compute_wgs, memory_registers, compute_registers)
   pad = wt.loaded_rows(m, block_r, True) - m
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
-  table_kw = dict(block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=True)
-  if interpret or table_impl == "xla":
-    table = wt.work_table_reference(group_sizes, m, m + pad, **table_kw)
-  elif table_impl == "pallas_masked":
-    table = wt.work_table(group_sizes, m, m + pad, **table_kw, prefix="masked", block=64)
-  else:
-    table = wt.work_table(group_sizes, m, m + pad, **table_kw)
+  table = ws4.build_work_table(group_sizes, m, m + pad, table_impl=table_impl, interpret=bool(interpret),
+                               block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=True)
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, interpret=bool(interpret),
