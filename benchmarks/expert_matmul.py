@@ -39,6 +39,7 @@ from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws
 from pallas_kernels import vq2_grouped_matmul as v2
+from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vmws
 
 G = 128
 INTERPRET = {"on": False}  # --smoke: Pallas interpret mode on CPU
@@ -52,6 +53,7 @@ CONFIGS = {
     "int4_mgpu_ws": [dict()],  # its defaults (C per shape, acc_scale, shift order): results/int4_mgpu_ws_table.md
     "int4_sp24": [dict(block_n=64, num_warps=4, num_stages=4, unpack="magic")],
     "vq2": [dict(block_n=256, num_warps=4, num_stages=3)],
+    "vq2_mgpu_ws": [dict()],  # its defaults (C = 4 where 256 divides N, block_k 256): results/vq2_mgpu_cfg*.md
 }
 # --sweep: int4_nk candidates (block_m and split_k automatic unless given) at decode shapes (E, K, N, rows).
 SWEEP = {
@@ -75,7 +77,7 @@ EXPLORE = {
 MGPU_BF16_PEER = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=6, grid_block_n=2)
 KERNELS = {"int4": i4.int4_grouped_matmul, "int4_nk": i4.int4_grouped_matmul, "int4_sp24": i4.int4_grouped_matmul,
            "int4_mgpu": mg.int4_grouped_matmul_mgpu, "int4_mgpu_ws": mws.int4_grouped_matmul_mgpu_ws,
-           "vq2": v2.vq2_grouped_matmul}
+           "vq2": v2.vq2_grouped_matmul, "vq2_mgpu_ws": vmws.vq2_grouped_matmul_mgpu_ws}
 
 
 def _timer():
@@ -157,7 +159,8 @@ def weight_bytes(fmt, k, n):
   groups = k // G * n
   return {"bf16": k * n * 2, "int4": k * n // 2 + groups * 3, "int4_nk": k * n // 2 + groups * 3,
           "int4_mgpu": k * n // 2 + groups * 4, "int4_mgpu_ws": k * n // 2 + groups * 4,
-          "int4_sp24": k * n * 3 // 8 + groups * 3, "vq2": k * n // 4 + groups * 2 + 256 * 8}[fmt]
+          "int4_sp24": k * n * 3 // 8 + groups * 3, "vq2": k * n // 4 + groups * 2 + 256 * 8,
+          "vq2_mgpu_ws": k * n // 4 + groups * 2 + 256 * 8 * 16}[fmt]  # the codebook stored 16 times
 
 
 def quantized(key, e, k, n, formats):
@@ -165,7 +168,8 @@ def quantized(key, e, k, n, formats):
   make = {"int4": lambda: random_int4(key, e, k, n), "int4_nk": lambda: i4.to_nk_layout(random_int4(key, e, k, n)),
           "int4_mgpu": lambda: mg.to_mgpu_layout(random_int4(key, e, k, n)),
           "int4_mgpu_ws": lambda: mws.to_mgpu_layout(random_int4(key, e, k, n)),
-          "int4_sp24": lambda: random_int4(key, e, k, n, True), "vq2": lambda: random_vq2(key, e, k, n)}
+          "int4_sp24": lambda: random_int4(key, e, k, n, True), "vq2": lambda: random_vq2(key, e, k, n),
+          "vq2_mgpu_ws": lambda: vmws.to_mgpu_layout(random_vq2(key, e, k, n))}
   return {f: make[f]() for f in formats}
 
 
@@ -186,7 +190,8 @@ def check_correctness(sweep=False, formats=None):
         "int4_nk": i4.to_nk_layout(random_int4(jax.random.key(2), e, k, n)),
         "int4_mgpu": mg.to_mgpu_layout(random_int4(jax.random.key(2), e, k, n)),
         "int4_mgpu_ws": mws.to_mgpu_layout(random_int4(jax.random.key(2), e, k, n)),
-        "int4_sp24": random_int4(jax.random.key(3), e, k, n, True), "vq2": random_vq2(jax.random.key(4), e, k, n)}
+        "int4_sp24": random_int4(jax.random.key(3), e, k, n, True), "vq2": random_vq2(jax.random.key(4), e, k, n),
+        "vq2_mgpu_ws": vmws.to_mgpu_layout(random_vq2(jax.random.key(4), e, k, n))}
   if sweep:
     ws = {f: ws[f] for f in ("int4", "int4_nk")}
   elif formats is not None:
@@ -200,6 +205,8 @@ def check_correctness(sweep=False, formats=None):
     if name == "int4_mgpu_ws":  # the default form's own reference (float32 dequantization: acc_scale)
       fn, poison = mws.int4_grouped_matmul_mgpu_ws, {}
       ref_fn = functools.partial(mws.int4_grouped_matmul_mgpu_ws_form_reference, dequant_form="acc_scale")
+    if name == "vq2_mgpu_ws":  # float32 dequantization (the kernel scales float32 accumulators)
+      fn, ref_fn, poison = vmws.vq2_grouped_matmul_mgpu_ws, vmws.vq2_grouped_matmul_mgpu_ws_reference, {}
     cfgs = CONFIGS[name] + (list(SWEEP.values()) + [dict(block_n=256, split_k=4)] if sweep and name == "int4_nk"
                             else [])
     for cfg in cfgs:
@@ -214,7 +221,7 @@ def check_correctness(sweep=False, formats=None):
       w_up = mws.to_mgpu_layout(random_int4(jax.random.key(5), e, k, n))
       got = np.asarray(fn(x, gu.interleave_gate_up(w, w_up), gs, interpret=INTERPRET["on"], swiglu=True))
       res[f"{name}_swiglu"] = _error(got, np.asarray(jax.nn.silu(ref_fn(x, w, gs)) * ref_fn(x, w_up, gs)))
-    if name in ("int4_mgpu", "int4_mgpu_ws"):
+    if name in ("int4_mgpu", "int4_mgpu_ws", "vq2_mgpu_ws"):
       continue  # no Triton fused SwiGLU variant
     swi = (v2.vq2_grouped_swiglu, v2.vq2_grouped_swiglu_reference) if name == "vq2" else (
         i4.int4_grouped_swiglu, i4.int4_grouped_swiglu_reference)
@@ -274,8 +281,8 @@ def markdown(result: dict) -> str:
          "Cells: ms (TB/s on bytes read); kernels add [speed-up over the best bf16 peer, % of copy bandwidth].\n",
          "| E, K->N | rows | rows/expert | XLA ragged_dot bf16 | Mosaic ragged_dot_mgpu bf16 | Pallas int4 u16 "
          "(A/B swap) | Mosaic int4 (wgmma) | Mosaic int4 warp-specialized | Pallas int4 u8 (x@W) | Pallas int4 2:4 "
-         "| Pallas vq2 | int4 u16 fused gate+up SwiGLU (2 weights) |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| Pallas vq2 | Mosaic vq2 warp-specialized | int4 u16 fused gate+up SwiGLU (2 weights) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for (e, k, n, rows), v in sorted(by.items()):
     if "xla_ragged_dot_bf16" not in v:
       continue
@@ -285,7 +292,7 @@ def markdown(result: dict) -> str:
     row = [f"{e}, {k}->{n}", str(rows), str(-(-rows // e)), cell(v["xla_ragged_dot_bf16"]),
            cell(v["mgpu_ragged_dot_bf16"]) if "mgpu_ragged_dot_bf16" in v else "-"]
     row += [kcell(v[f"pallas_{f}"]) if f"pallas_{f}" in v else "-"
-            for f in ("int4_nk", "int4_mgpu", "int4_mgpu_ws", "int4", "int4_sp24", "vq2")]
+            for f in ("int4_nk", "int4_mgpu", "int4_mgpu_ws", "int4", "int4_sp24", "vq2", "vq2_mgpu_ws")]
     sw = v.get("pallas_int4_nk_swiglu_fused")
     row.append(f"{cell(sw)} [{2 * peer / sw['ms']:.2f}x vs 2 bf16 matmuls]" if sw else "-")
     out.append("| " + " | ".join(row) + " |")
