@@ -79,11 +79,12 @@ flags.DEFINE_list("concurrency", ["1", "32", "128", "312"], "Streams decoded tog
 flags.DEFINE_list("variants", ["bf16+bf16", "int4+oskvp"],
                   "expert_quant+kv_cache pairs; expert_quant 'bf16' keeps the weights, 'int4_mgpu' is int4 in the "
                   "warp-specialized Mosaic kernel's layout, 'int4_mgpu_gu' the same with gate and up fused into one "
-                  "weight (one swiglu=True call per layer), else a mode of moe_jax.quant.quantize_experts.")
+                  "weight (one swiglu=True call per layer), 'vq2_mgpu' vq2 in the Mosaic vq2 kernel's layout, else a "
+                  "mode of moe_jax.quant.quantize_experts.")
 flags.DEFINE_string("expert_impl", "pallas", "Grouped matmul of quantized experts ('pallas' reads them compressed).")
 flags.DEFINE_string("oskvp_impl", "pallas", "Decode attention of OS-KVP caches ('pallas' or 'xla').")
-flags.DEFINE_list("mgpu_options", [], "Kernel options of the int4_mgpu(_gu) variants' experts, name=value (Python "
-                  "literals), passed to quant.to_mgpu_layout: e.g. block_r=32.")
+flags.DEFINE_list("mgpu_options", [], "Kernel options of the int4_mgpu(_gu) / vq2_mgpu variants' experts, "
+                  "name=value (Python literals), passed to quant.to_mgpu_layout: e.g. block_r=32.")
 flags.DEFINE_integer("steps", 16, "Timed decode steps per case (median).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps per case (the first compiles).")
 flags.DEFINE_bool("full_depth_check", True, "Also time bf16 at the first context and concurrency <= 32 with all "
@@ -129,9 +130,11 @@ def build_model(config, expert_quant: str):
   if expert_quant != "bf16":
     from moe_jax import quant  # pylint: disable=g-import-not-at-top
     # "int4_mgpu": int4 re-laid for the warp-specialized Mosaic GPU kernel (`quant.to_mgpu_layout`); "int4_mgpu_gu":
-    # the same with each layer's gate and up stored as one interleaved weight (`fuse_gate_up=True`).
-    mgpu = expert_quant in ("int4_mgpu", "int4_mgpu_gu")
-    quant.quantize_experts(model, "int4" if mgpu else expert_quant, implementation=FLAGS.expert_impl)
+    # the same with each layer's gate and up stored as one interleaved weight (`fuse_gate_up=True`); "vq2_mgpu": vq2
+    # re-laid for the Mosaic GPU vq2 kernel.
+    mgpu = expert_quant in ("int4_mgpu", "int4_mgpu_gu", "vq2_mgpu")
+    base = {"vq2_mgpu": "vq2"}.get(expert_quant, "int4") if mgpu else expert_quant
+    quant.quantize_experts(model, base, implementation=FLAGS.expert_impl)
     if mgpu:
       quant.to_mgpu_layout(model, fuse_gate_up=expert_quant == "int4_mgpu_gu",
                            **quant.parse_kernel_options(FLAGS.mgpu_options, "--mgpu_options"))
