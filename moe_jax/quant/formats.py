@@ -21,8 +21,9 @@ Kinds and bits per weight (G = 128, scales bf16, zero points uint8):
                               "pallas" / "pallas_fused" read it with one `swiglu=True` call of the same kernel.
   vq2_mgpu    2 + 16/G        dense vq2 (G = 128, no activation scale) in the layout of the Mosaic GPU vq2 kernel
                               (`MgpuVQ2Weights`: the same indices regrouped per lane, the scales, each codebook stored
-                              16 times, 32 KB, for conflict-free shared-memory look-ups), made from a vq2 value by
-                              `quant.to_mgpu_layout`; "pallas" / "pallas_fused" read it with that kernel.
+                              16 times, 32 KB, for conflict-free shared-memory look-ups: + 32 KB per codebook), made
+                              from a vq2 value by `quant.to_mgpu_layout`; "pallas" / "pallas_fused" read it with that
+                              kernel.
 """
 
 from __future__ import annotations
