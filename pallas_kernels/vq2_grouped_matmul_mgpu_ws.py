@@ -14,7 +14,8 @@ Layout (`to_mgpu_layout`, converted once from `VQ2Weights`, same bytes per weigh
     owning those columns read, lane by lane (16 bytes each, one `ld.shared.v4`: no bank conflict). A lane l = 4q + t
     of wgmma's operand layout holds, for rows q and q + 8 of the block, the K pairs (8c + 2t, 8c + 2t + 1) of the 16
     column blocks c: coordinate j = c // 4 of vectors r and r + 1 with r = 8(c % 4) + 2t, 8 vectors per row. Its
-    word 2h + i (row q + 8h) holds in byte b the index of vector r = 8(2i + b // 2) + 2t + b % 2.
+    word 2h + w (word 16q + 4t + 2h + w of the 128; row q + 8h) holds in byte b the index of vector
+    r = 8(2w + b // 2) + 2t + b % 2.
   `codebook` uint32 [Cb, 64, 128]: per codebook 256 entries × 16 copies × 2 words (bf16 pairs (v0, v1), (v2, v3)),
     entry e's copy l at word 32e + 2l. Lane l of a warp reads copy l mod 16: a half-warp's 8-byte look-ups then fall
     in 16 distinct bank pairs whatever the indices (a single copy gives ~3.5-way conflicts on random indices).
@@ -77,7 +78,7 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 class MgpuVQ2Weights(NamedTuple):
-  """One vq2 expert weight [E, K, N] in this kernel's layout, "natural" K order (module docstring)."""
+  """One vq2 expert weight [E, K, N] in this kernel's layout (module docstring)."""
   idx: jax.Array  # int32 [E, N/16, Kg, 128]
   codebook: jax.Array  # uint32 [Cb, 64, 128], Cb = 1 or E
   scale: jax.Array  # bf16 [E, Kg, N]
@@ -156,7 +157,7 @@ def _lookup_registers(i_smem, cb_ref, group: int):
                           arith.addi(arith.muli(arith.shrui(tid, c(5)), c(gk * 512)),
                                      arith.addi(c(group * 512), arith.shli(arith.andi(tid, c(31)), c(4)))))
     v4i32 = ir.VectorType.get((4,), i32)
-    lane_words = llvm.load(v4i32, smem_ptr(idx_addr))  # words 2h + i
+    lane_words = llvm.load(v4i32, smem_ptr(idx_addr))  # words 2h + w
     cb_ptr = mgpu.utils.memref_ptr(cb)
     lane_off = arith.shli(arith.andi(tid, c(_COPIES - 1)), c(3))  # 8 · (lane mod 16)
     base_lane = arith.addi(llvm.ptrtoint(i32, cb_ptr), lane_off)
@@ -173,11 +174,11 @@ def _lookup_registers(i_smem, cb_ref, group: int):
       pair = llvm.inline_asm(pair_ty, [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", has_side_effects=True)
       return llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])
 
-    for half in range(2):
-      for i in range(2):
-        word = llvm.extractelement(lane_words, arith.constant(i64, 2 * half + i))
-        for bh in range(2):
-          c0 = 2 * i + bh
+    for half in range(2):  # the lane's rows q and q + 8
+      for w in range(2):
+        word = llvm.extractelement(lane_words, arith.constant(i64, 2 * half + w))
+        for bh in range(2):  # vectors r = 8 c0 + 2t (byte 2 bh) and r + 1 (byte 2 bh + 1)
+          c0 = 2 * w + bh
           a, b = fetch(word, 2 * bh), fetch(word, 2 * bh + 1)
           for j in range(4):
             out = llvm.inline_asm(i32, [a[j // 2], b[j // 2]], f"prmt.b32 $0, $1, $2, {_SELECT[j % 2]:#x};",
