@@ -91,12 +91,13 @@ def markdown(meta: dict, rows: list) -> str:
   variants = meta["variants"]
   lines = [f"# vq2 Mosaic GPU kernel at decode shapes ({meta['device']}, jax {meta['jax']}, {meta['date']})", "",
            f"Timing: {meta['timing']}, L2 flushed, median of {meta['iters']}; routing {meta['routing']}; copy "
-           f"{meta['copy']['f32_add']['TB_per_s']:.2f} TB/s (f32 add). Cells: ms (× best bf16 peer, % of copy on "
-           "the bytes read).", "",
+           f"{meta['copy']['f32_sum_read_only']['TB_per_s']:.2f} TB/s (read-only sum, as expert_matmul.md). Cells: "
+           "ms (× best bf16 peer, % of copy on the bytes read).", "",
            "| E, K→N | rows | best bf16 peer | Triton vq2 | WS int4 | " + " | ".join(
-               ", ".join(f"{a}={b}" for a, b in v.items()) for v in variants.values()) + " |",
+               "vq2 Mosaic, " + (", ".join(f"{a}={b}" for a, b in v.items()) or "defaults") for v in variants.values())
+           + " |",
            "|---|---|---|---|---|" + "---|" * len(variants)]
-  copy = meta["copy"]["f32_add"]["TB_per_s"]
+  copy = meta["copy"]["f32_sum_read_only"]["TB_per_s"]
   for (e, k, n, m), v in cells.items():
     peer = em._best_peer_ms(v)  # pylint: disable=protected-access
 

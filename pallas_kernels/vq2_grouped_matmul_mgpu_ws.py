@@ -35,7 +35,7 @@ the new one (32 KB, from L2 after the first CTA), and all wait for it.
 
 Measured on the H200 (jax 0.11.2, CUPTI, L2 flushed; results/vq2_mgpu_grid.md, the issue's grid with every expert
 active and <= 16 rows each): 2.63-3.37x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) with
-per-expert codebooks, 2.75-3.56x with one per layer, where the Triton vq2 kernel is 0.38-0.48x; 37-46% of copy
+per-expert codebooks, 2.75-3.56x with one per layer, where the Triton vq2 kernel is 0.38-0.48x; 34-42% of copy
 bandwidth on its bytes. The memory side alone (`ablate="no_compute"`) is 5.2-6.7x, so the look-ups set the pace:
 about the WS int4 kernel's time (2.67-3.16x in the same run) on half its bytes. Tried and not kept
 (results/vq2_mgpu_orders.md, _cfg14336.md, _cfg2048.md): a K order whose vectors are the thread's own register
