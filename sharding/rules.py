@@ -116,9 +116,14 @@ def param_logical_axes(path_names: list[str], ndim: int) -> tuple[str | None, ..
 
 
 def tree_specs(tree, layout: str):
-  """PartitionSpec for every leaf of a parameter tree (an `nnx.State`), in the same structure."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: spec(param_logical_axes(_path_names(path), x.ndim), layout), tree)
+  """PartitionSpec for every leaf of a parameter tree (an `nnx.State`), in the same structure. A leaf below an expert
+  weight whose experts axis has size 1 (vq2's per-layer codebook: one for every expert) is replicated."""
+  def leaf_spec(path, x):
+    logical = param_logical_axes(_path_names(path), x.ndim)
+    if x.ndim and logical[0] == "experts" and x.shape[0] == 1:
+      logical = (None,) + logical[1:]
+    return spec(logical, layout)
+  return jax.tree_util.tree_map_with_path(leaf_spec, tree)
 
 
 def cache_specs(cache, layout: str):

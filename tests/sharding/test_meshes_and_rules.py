@@ -85,3 +85,24 @@ def test_cross_node_bytes_of_an_all_to_all():
   permute = "%p = bf16[4]{0} collective-permute-start(%x), source_target_pairs={{0,1},{3,4},{4,0}}"
   (c,) = hc.collectives(permute, 8)
   assert hc.spans_nodes(c, NODE_OF) and hc.cross_node_bytes(c, NODE_OF) == 2 * 8
+
+
+@pytest.mark.needs_8_devices
+def test_one_codebook_for_all_experts_is_replicated(tiny_config):
+  """Leaves of a quantized expert weight shard on the experts axis, except a leading axis of size 1 (vq2's per-layer
+  codebook, one for every expert), which is replicated: the state then goes onto a 2 x 4 mesh (a size-1 axis sharded
+  8 ways is refused by device_put)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from moe_jax import decode, quant  # pylint: disable=g-import-not-at-top
+  model = quant.quantize_experts(decode.init_model(tiny_config, seed=0), quant.QuantSpec("vq2", codebook="layer"))
+  state = nnx.state(model)
+  specs = rules.tree_specs(state, "ep")
+  leaves = {jax.tree_util.keystr(p): s for p, s in
+            jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]}
+  books = [k for k in leaves if k.endswith(".codebook")]
+  indices = [k for k in leaves if k.endswith(".idx")]
+  assert len(books) == len(indices) == 3 * tiny_config.n_layers
+  assert all(leaves[k] == P(None, None, None) for k in books)
+  assert all(leaves[k] == P(("node", "local"), None, None) for k in indices)
+  placed = jax.device_put(state, rules.named(meshes.make_mesh(layout="2x4"), specs))
+  assert len(jax.tree.leaves(placed)) == len(jax.tree.leaves(state))
