@@ -25,7 +25,7 @@ def _register_eval_modes():
     from moe_jax import eval as eval_lib  # pylint: disable=g-import-not-at-top
   except ImportError:
     return
-  for name in ("int4", "int4_awq", "vq2", "int4_sp24", "vq2_sp24", "int4_awq_sp24"):
+  for name in ("int4", "int4_awq", "vq2", "vq2_awq", "int4_sp24", "vq2_sp24", "int4_awq_sp24"):
     eval_lib.EXPERT_QUANT_MODES.setdefault(name, lambda model, _n=name: quantize_experts(model, _n))
 
 

@@ -56,7 +56,8 @@ if __name__ == "__main__":
   from absl import app, flags
 
   flags.DEFINE_string("checkpoint", "tiny-trained", "Shipped checkpoint name or directory (config.json + safetensors).")
-  flags.DEFINE_string("expert_quant", "int4", "int4 | int4_awq | vq2 (or a full mode name such as int4_sp24).")
+  flags.DEFINE_string("expert_quant", "int4", "int4 | int4_awq | vq2 | vq2_awq (or a full mode name such as "
+                      "int4_sp24).")
   flags.DEFINE_string("sparsity", "", "'2:4' for micro-sparsity, empty for dense.")
   flags.DEFINE_string("out", None, "Output directory.", required=True)
   app.run(main)

@@ -1,11 +1,12 @@
 """Swapping a model's routed expert weights for quantized values, with calibration on real activations.
 
-`quantize_experts(model, "int4" | "int4_awq" | "vq2" | "int4_sp24" | "int4_awq_sp24" | "vq2_sp24")` replaces the
+`quantize_experts(model, "int4" | "int4_awq" | "vq2" | "vq2_awq" | "int4_sp24" | "int4_awq_sp24" | "vq2_sp24")`
+replaces the
 values of every MoE layer's `w_gate`, `w_up` ([E, D, F]) and `w_down` ([E, F, D]) Variables by `QuantizedExperts`.
 The MoE layer reads them unchanged (`v[...]`) and hands them to its grouped matmul: "xla" dequantizes then runs
 `ragged_dot`; "pallas" / "pallas_fused" (`moe_jax.quant.kernels`) read them compressed.
 
-Calibration (AWQ scales, 2:4 saliency): the model's own expert inputs on `calib` tokens (default: windows of the
+Calibration (AWQ scales, vq2_awq's channel weights, 2:4 saliency): the model's own expert inputs on `calib` tokens (default: windows of the
 training split, never validation), collected by running the unquantized model: gate/up see the normalised hidden
 states routed to each expert, down sees silu(gate)·up of those rows.
 """
@@ -34,7 +35,8 @@ class QuantSpec:
 
   Attributes:
     fmt: "int4" or "vq2".
-    awq: activation-aware scales and clipping (int4 only).
+    awq: activation-aware: int4 scales and clipping; vq2 k-means and scale refit weighted by E[x^2] per input
+      channel (dense only).
     sparsity: None or "2:4".
     group_size: G along K (shrunk to a power of two >= K for small K, within the format's minimum).
     codebook: vq2 codebook per "expert" or per "layer".
@@ -48,8 +50,8 @@ class QuantSpec:
   def __post_init__(self):
     if self.fmt not in ("int4", "vq2"):
       raise ValueError(f"fmt={self.fmt!r} must be 'int4' or 'vq2'")
-    if self.awq and self.fmt != "int4":
-      raise ValueError("awq=True is implemented for fmt='int4' only")
+    if self.awq and self.fmt == "vq2" and self.sparsity is not None:
+      raise ValueError("awq=True with fmt='vq2' is implemented for dense weights only (sparsity=None)")
     if self.sparsity not in (None, "2:4"):
       raise ValueError(f"sparsity={self.sparsity!r} must be None or '2:4'")
     if self.group_size not in (32, 64, 128, 256, 512):
@@ -73,6 +75,7 @@ MODES = {
     "int4": QuantSpec("int4"),
     "int4_awq": QuantSpec("int4", awq=True),
     "vq2": QuantSpec("vq2"),
+    "vq2_awq": QuantSpec("vq2", awq=True),
     "int4_sp24": QuantSpec("int4", sparsity="2:4"),
     "int4_awq_sp24": QuantSpec("int4", awq=True, sparsity="2:4"),
     "vq2_sp24": QuantSpec("vq2", sparsity="2:4"),
@@ -151,7 +154,7 @@ def quantize_weight(w: jax.Array, spec: QuantSpec, calib_x: jax.Array | None = N
   g = spec.group_for(w.shape[1])
   if spec.fmt == "int4":
     return quantize_int4(w, group_size=g, sparsity=spec.sparsity, calib_x=calib_x, awq=spec.awq)
-  return quantize_vq2(w, group_size=g, codebook=spec.codebook, sparsity=spec.sparsity, calib_x=calib_x)
+  return quantize_vq2(w, group_size=g, codebook=spec.codebook, sparsity=spec.sparsity, calib_x=calib_x, awq=spec.awq)
 
 
 def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = None, calib=None,

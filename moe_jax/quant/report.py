@@ -23,7 +23,7 @@ from moe_jax import eval as eval_lib
 from moe_jax.quant.experts import (MODES, collect_expert_inputs, default_calibration_tokens, expert_bytes,
                                    expert_weights, quantize_experts)
 
-DEFAULT_MODES = ("int4", "int4_awq", "int4_sp24", "int4_awq_sp24", "vq2", "vq2_sp24")
+DEFAULT_MODES = ("int4", "int4_awq", "int4_sp24", "int4_awq_sp24", "vq2", "vq2_awq", "vq2_sp24")
 
 
 def output_errors(model, quantized, acts) -> dict[str, float]:
