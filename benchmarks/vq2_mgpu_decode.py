@@ -3,6 +3,10 @@
   PYTHONPATH=$PWD python3 benchmarks/vq2_mgpu_decode.py --check_only --out=$OUT   # values first (small shapes)
   PYTHONPATH=$PWD python3 benchmarks/vq2_mgpu_decode.py --out=$OUT                # then the timings
 
+  PYTHONPATH=$PWD python3 benchmarks/vq2_mgpu_decode.py --vq2_only --tag=_split --out=$OUT --variants='{"": {},
+      "_no_lookup": {"ablate": "no_lookup"}, "_no_decode": {"ablate": "no_decode"},
+      "_no_compute": {"ablate": "no_compute"}}'                                      # where the time goes
+
 `--check_only` compares the kernel (per-expert and per-layer codebooks, the CHECK_CONFIGS: C = 2 / 3 / 4, block_k
 256 / 512, 32-row tiles) with float32 dequantization on the GPU over awkward group sizes (empty experts, one row, all
 rows in one expert), with 3 to 46 trailing rows of no expert that must come back zero, and writes

@@ -140,11 +140,13 @@ def _vector_indices(words):
 _SELECT = (0x5410, 0x7632)  # prmt: low halves of a and b / high halves
 
 
-def _lookup_registers(i_smem, cb_ref, group: int):
+def _lookup_registers(i_smem, cb_ref, group: int, no_lookup: bool = False):
   """K group `group` of the step's index tile (int32 [bn/16, gk, 128] in shared memory) and the replicated codebook
   -> bf16 [64, 128] wgmma operand of this warpgroup (the codewords, unscaled): one 16-byte shared load of the lane's
   index words; per vector a shift, an and, an add and one 8-byte shared load (inline `ld.shared.v2.b32` at a 32-bit
-  address); a prmt per register."""
+  address); a prmt per register. no_lookup (timing only): the 8-byte load is left out and the masked index word
+  stands in for both codeword registers (wrong values; the index loads, the address arithmetic, the prmts and the
+  wgmmas stay)."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                      return_type=plgpu.ShapeDtypeStruct((_WG_N, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
   def lookup(_, idx, cb):
@@ -171,6 +173,8 @@ def _lookup_registers(i_smem, cb_ref, group: int):
       # side effects so that LLVM keeps it after the barrier waits (ptxas still schedules it).
       moved = arith.shli(word, c(7)) if byte == 0 else arith.shrui(word, c(8 * byte - 7))
       addr = arith.addi(base_lane, arith.andi(moved, c(0xFF << 7)))
+      if no_lookup:
+        return addr, arith.xori(addr, word)
       pair = llvm.inline_asm(pair_ty, [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", has_side_effects=True)
       return llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])
 
@@ -213,9 +217,11 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
   wg_rows = pl.ds(pl.multiple_of(jnp.minimum(wg, n_wgs - 1) * _WG_N, _WG_N), _WG_N)
 
   def decode(i_smem, c):
+    if ablate == "no_decode":  # timing only: no index loads or look-ups; every codeword 1
+      return plgpu.layout_cast(jnp.full((_WG_N, _G), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
     if interpret:
       return _lookup_jnp(i_smem[pl.ds(jnp.minimum(wg, n_wgs - 1) * 4, 4), c], cb_smem[...])
-    return _lookup_registers(i_smem, cb_smem, c)
+    return _lookup_registers(i_smem, cb_smem, c, no_lookup=ablate == "no_lookup")
 
   def body(_, i_smem, x_smem, s_smem, acc):
     # i_smem: int32 [bn / 16, block_k / G, 128]; x_smem: bf16 [W, block_k]; s_smem: bf16 [block_k / G, bn];
@@ -299,7 +305,7 @@ def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: 
   if n % (4 * _WG_N) == 0:
     return 4
   return ws4.default_compute_wgs(m, n_experts, n, block_r, num_ctas)
-ABLATIONS = ("", "no_compute")
+ABLATIONS = ("", "no_compute", "no_decode", "no_lookup")
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "compute_registers",
            "num_ctas", "interpret", "ablate", "table_impl")
 
@@ -323,8 +329,11 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
     block_k: K per pipeline step (a multiple of 128 dividing Kp); default 512 where it divides Kp (a step reads half
       the int4 kernel's weight bytes per K), else 256, else 128.
     interpret: run in Mosaic GPU's CPU interpreter (True, or its `InterpretGPUParams`).
-    ablate: timing only: "no_compute" streams the tiles through the ring and skips the codebook, look-ups and wgmmas
-      (the memory-side ceiling; wrong results).
+    ablate: timing only (wrong results): "no_compute" streams the tiles through the ring and skips the codebook,
+      look-ups and wgmmas (the memory-side ceiling); "no_decode" keeps the codebook loads, the wgmmas, the scaling and
+      the stores but gives every wgmma a constant operand (no index loads or look-ups); "no_lookup" (GPU only) keeps
+      everything but the codebook's shared loads (their addresses stand in for the codewords). With the kernel they
+      split the compute's time over the stream into look-ups, the rest of the decode, and the wgmmas and epilogue.
   """
   if not isinstance(weights, MgpuVQ2Weights):
     raise TypeError(f"weights must come from to_mgpu_layout, got {type(weights).__name__}")
@@ -343,6 +352,8 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
     raise ValueError(f"codebook shape {weights.codebook.shape} must be (1 or E={e}, {_CB_SHAPE[0]}, {_CB_SHAPE[1]})")
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
+  if ablate == "no_lookup" and interpret:
+    raise ValueError("ablate='no_lookup' takes the GPU's look-ups; interpret mode runs them in jnp")
   if group_sizes.shape != (e,):
     raise ValueError(f"group_sizes has shape {group_sizes.shape}, expected ({e},)")
   ws4.check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k, table_impl=table_impl)

@@ -101,6 +101,33 @@ def test_gpu_path_lowers_with_one_lookup_per_vector(books, cfg, table_in_jnp):
   assert len(re.findall(r"prmt\.b32", text)) == 32 * groups * 4
 
 
+def test_no_decode_ablation_multiplies_the_scales(interpreted):
+  """ablate="no_decode" (timing only) gives every wgmma the constant operand 1 and keeps the per-group scaling and the
+  stores, so out[m] = x[m] @ S[e(m)] with S[e, k, n] = s[e, k // 128, n]."""
+  sizes = [3, 0, 17, 1]
+  w = vm.to_mgpu_layout(_weights(128, seed=5))
+  x = jax.random.normal(jax.random.key(6), (sum(sizes) + 2, K), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  got = np.asarray(interpreted(lambda: vm.vq2_grouped_matmul_mgpu_ws(x, w, gs, interpret=True, ablate="no_decode",
+                                                                     num_compute_wgs=2)))
+  s = jnp.repeat(w.scale.astype(jnp.float32), 128, axis=1)  # [E, K, N]
+  want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), s, gs, precision=jax.lax.Precision.HIGHEST))
+  np.testing.assert_allclose(got[:21], want[:21], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert not np.any(got[21:])
+
+
+@pytest.mark.parametrize("ablate,lookups,prmts", [("no_lookup", 0, 32), ("no_decode", 0, 0)])
+def test_timing_ablations_lower_without_their_part(ablate, lookups, prmts, table_in_jnp):
+  """The timing ablations lower for CUDA without the part they leave out: no_lookup has no codebook loads but its
+  prmts, no_decode neither (per K group and pipeline form, as in the kernel's own lowering test)."""
+  w = vm.to_mgpu_layout(_weights(512, k=1024))
+  x, gs = jnp.ones((64, 1024), jnp.bfloat16), jnp.full((E,), 16, jnp.int32)
+  f = jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, num_ctas=132, ablate=ablate))
+  text = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))
+  assert len(re.findall(r"ld\.shared\.v2\.b32", text)) == lookups * 2 * 4
+  assert len(re.findall(r"prmt\.b32", text)) == prmts * 2 * 4
+
+
 def test_refusals_name_the_field():
   w = _weights(128)
   m = vm.to_mgpu_layout(w)
@@ -121,6 +148,8 @@ def test_refusals_name_the_field():
     vm.vq2_grouped_matmul_mgpu_ws(x, m._replace(codebook=m.codebook[:2]), gs)
   with pytest.raises(ValueError, match="ablate='bogus' must be one of"):
     vm.vq2_grouped_matmul_mgpu_ws(x, m, gs, ablate="bogus")
+  with pytest.raises(ValueError, match="ablate='no_lookup' takes the GPU's look-ups"):
+    vm.vq2_grouped_matmul_mgpu_ws(x, m, gs, ablate="no_lookup", interpret=True)
   with pytest.raises(ValueError, match="group_size=64 must be 128"):
     vm.to_mgpu_layout(w, group_size=64)
   with pytest.raises(ValueError, match="without an activation scale"):
