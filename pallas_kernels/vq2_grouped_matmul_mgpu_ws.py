@@ -84,8 +84,10 @@ class MgpuVQ2Weights(NamedTuple):
   scale: jax.Array  # bf16 [E, Kg, N]
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def to_mgpu_layout(ws: v2.VQ2Weights, *, group_size: int = _G) -> MgpuVQ2Weights:
-  """`VQ2Weights` (K groups of 128, no activation scale) -> `MgpuVQ2Weights`, the same values."""
+  """`VQ2Weights` (K groups of 128, no activation scale) -> `MgpuVQ2Weights`, the same values (jitted: one program
+  per shape)."""
   if group_size != _G:
     raise ValueError(f"group_size={group_size} must be {_G} for the Mosaic GPU vq2 kernel")
   if ws.in_scale is not None:
