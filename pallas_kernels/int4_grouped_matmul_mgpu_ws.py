@@ -57,6 +57,9 @@ matmuls of the best bf16 peer with <= 16 rows per expert, 3-11% faster than two 
 (results/ws_swiglu_ring.json: its h buffer is not counted against the ring's budget, so it gets the single call's
 ring).
 
+The work-item pieces (`read_item`, `group_wgmma`, `run_chained`, `store_item`, `build_work_table`) also serve the vq2
+kernel (`vq2_grouped_matmul_mgpu_ws`), which replaces only the int4 decode by codebook look-ups.
+
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
 wgmma A operand from shared memory. `setmaxnreg` is a no-op there; the PTX dequant and the register reinterpretation
