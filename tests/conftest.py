@@ -1,4 +1,5 @@
-"""Shared test setup: CPU only, float32 matmuls at full precision, and a tiny float32 model fixture."""
+"""Shared test setup: CPU only, float32 matmuls at full precision, a tiny float32 model fixture, and the watchdog of
+Mosaic GPU interpret-mode calls (`interpreted`)."""
 
 import os
 
@@ -7,7 +8,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from interpreter_watchdog import run_with_watchdog  # noqa: E402  # pylint: disable=import-error
+
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def interpreted():
+  """`interpreted(lambda: f(...))`: a call that runs Mosaic GPU kernels in interpret mode, under the watchdog of
+  `interpreter_watchdog.py` (retried when the interpreter's warpgroup threads starve XLA's CPU pool)."""
+  return run_with_watchdog
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Weight quantizers (int4 RTN / AWQ / 2:4, vq2) and their use in the model: errors, layouts, bytes, I/O."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +140,7 @@ def test_modes_registered_and_validated():
     quant.QuantSpec("int4", sparsity="1:4")
 
 
-def test_to_mgpu_layout_keeps_the_weight_and_its_grouped_matmul():
+def test_to_mgpu_layout_keeps_the_weight_and_its_grouped_matmul(interpreted):
   """int4 -> int4_mgpu keeps the dequantized weight exactly and counts int4 as half a byte; the "pallas" grouped
   matmul runs it through the warp-specialized Mosaic GPU kernel (interpret mode here), equal to ragged_dot on the
   bf16-rounded lhs (the kernel's contract) over ragged rows with an empty expert and rows past the groups."""
@@ -150,14 +151,14 @@ def test_to_mgpu_layout_keeps_the_weight_and_its_grouped_matmul():
   assert m.shape == q.shape and abs(m.bits_per_weight() - (4 + 32 / 128)) < 1e-9
   x = jax.random.normal(jax.random.key(8), (11, K))
   gs = jnp.asarray([4, 0, 5], jnp.int32)  # rows 9, 10 belong to no expert: zeros
-  got = np.asarray(kernels.pallas_grouped_matmul(x, m, gs))
+  got = np.asarray(interpreted(lambda: kernels.pallas_grouped_matmul(x, m, gs)))
   want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.bfloat16).astype(jnp.float32), m.dequantize(), gs,
                                        precision=jax.lax.Precision.HIGHEST))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   assert not np.any(got[9:])
 
 
-def test_mgpu_kernel_options_reach_the_kernel(monkeypatch):
+def test_mgpu_kernel_options_reach_the_kernel(monkeypatch, interpreted):
   """Options stored with int4_mgpu weights (`QuantizedExperts.options`) are passed to the WS kernel on each call, and
   the result with them (R = 32, one compute warpgroup) is the same product."""
   w = jax.random.normal(jax.random.key(9), (3, K, 128), jnp.float32)
@@ -175,7 +176,7 @@ def test_mgpu_kernel_options_reach_the_kernel(monkeypatch):
   monkeypatch.setattr(kernels.mws, "int4_grouped_matmul_mgpu_ws", spy)
   x = jax.random.normal(jax.random.key(10), (21, K))
   gs = jnp.asarray([17, 0, 3], jnp.int32)  # 17 rows: one 32-row tile
-  got = np.asarray(kernels.pallas_grouped_matmul(x, m, gs))
+  got = np.asarray(interpreted(lambda: kernels.pallas_grouped_matmul(x, m, gs)))
   assert seen and seen[0]["block_r"] == 32 and seen[0]["num_compute_wgs"] == 1
   want = np.asarray(jax.lax.ragged_dot(x.astype(jnp.bfloat16).astype(jnp.float32), m.dequantize(), gs,
                                        precision=jax.lax.Precision.HIGHEST))
@@ -210,7 +211,7 @@ def test_parse_kernel_options():
       quant.parse_kernel_options([bad], "--mgpu_options")
 
 
-def test_model_to_mgpu_layout(tiny_config, tiny_model):
+def test_model_to_mgpu_layout(tiny_config, tiny_model, interpreted):
   """A whole model re-laid (D = F = 128, so that K groups of 128 and N tiles of 64 apply): every expert weight becomes
   int4_mgpu with the same values (the XLA path's logits are unchanged), and the "pallas" path (the WS kernel, interpret
   mode) gives the same logits up to the lhs's bf16 rounding. The tiny config's weights (group 64, N = 96), AWQ weights
@@ -222,7 +223,7 @@ def test_model_to_mgpu_layout(tiny_config, tiny_model):
   r = quant.to_mgpu_layout(nnx.clone(q))
   assert {v.kind for v in quant.expert_weights(r).values()} == {"int4_mgpu"}
   np.testing.assert_array_equal(np.asarray(decode.logits(r, tokens)), np.asarray(want))
-  got = decode.logits(quant.set_implementation(r, "pallas"), tokens)
+  got = interpreted(lambda: decode.logits(quant.set_implementation(r, "pallas"), tokens))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * float(jnp.abs(want).max()))
   with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: the Mosaic GPU int4 kernel .* \(group 64, N 96"):
     quant.to_mgpu_layout(quant.quantize_experts(nnx.clone(tiny_model), "int4"))
@@ -233,11 +234,14 @@ def test_model_to_mgpu_layout(tiny_config, tiny_model):
     quant.to_mgpu_layout(awq)
 
 
-def test_model_to_mgpu_layout_vq2(tiny_config, tiny_model, tmp_path):
+def test_model_to_mgpu_layout_vq2(tiny_config, tiny_model, tmp_path, monkeypatch):
   """A vq2 model (D = F = 128) re-laid: every expert weight becomes vq2_mgpu with the same values (the XLA path's
-  logits equal the vq2 model's exactly) and the stored options; the "pallas" path (the Mosaic GPU vq2 kernel,
-  interpret mode) gives the same logits up to the lhs's bf16 rounding. Refused, naming the weight and the field: the
-  tiny config's group 64, fuse_gate_up, an int4-only option; save_quantized refuses the layout."""
+  logits equal the vq2 model's exactly) and the stored options; the "pallas" path sends each layer's three weights
+  to the Mosaic GPU vq2 kernel with those options and the lhs padded and rounded to bf16 (the kernel is replaced
+  here by its XLA reference: its own values are `test_vq2_grouped_matmul_mgpu_ws.py`'s, in interpret mode, whose
+  warpgroup threads a whole model's calls would starve on 2 cores), and the logits match within the lhs's bf16
+  rounding. Refused, naming the weight and the field: the tiny config's group 64, fuse_gate_up, an int4-only
+  option; save_quantized refuses the layout."""
   config = dataclasses.replace(tiny_config, d_model=128, expert_hidden=128)
   tokens = jnp.asarray([[5, 17, 99, 3, 42]], jnp.int32)
   q = quant.quantize_experts(decode.init_model(config, seed=0), "vq2")
@@ -249,7 +253,17 @@ def test_model_to_mgpu_layout_vq2(tiny_config, tiny_model, tmp_path):
   for name, v in quant.expert_weights(q).items():
     np.testing.assert_array_equal(np.asarray(weights[name].dequantize()), np.asarray(v.dequantize()))
   np.testing.assert_array_equal(np.asarray(decode.logits(r, tokens)), np.asarray(want))
+  calls = []
+
+  def reference(x, w, gs, **kw):
+    calls.append((x.dtype, x.shape[1], kw))
+    return kernels.vmws.vq2_grouped_matmul_mgpu_ws_reference(x, w, gs)
+
+  monkeypatch.setattr(kernels.vmws, "vq2_grouped_matmul_mgpu_ws", reference)
   got = decode.logits(quant.set_implementation(r, "pallas"), tokens)
+  assert len(calls) == 3 * config.n_layers
+  assert all(dt == jnp.bfloat16 and k == 128 and kw == {"interpret": True, "num_compute_wgs": 1}
+             for dt, k, kw in calls)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * float(jnp.abs(want).max()))
   with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: the Mosaic GPU vq2 kernel .* \(group 64, N 96"):
     quant.to_mgpu_layout(quant.quantize_experts(nnx.clone(tiny_model), "vq2"))
@@ -329,7 +343,7 @@ def test_fused_gate_up_runs_one_swiglu_call_per_layer(int4_model_128, monkeypatc
     moe.expert_fn(x, gs)
 
 
-def test_fused_gate_up_kernel_route_interpret():
+def test_fused_gate_up_kernel_route_interpret(interpreted):
   """The "pallas" gate/up route (`kernels.pallas_gate_up_swiglu`, the WS kernel's swiglu=True in interpret mode, two
   compute warpgroups) equals the XLA route on the bf16-rounded lhs (the kernel's contract) within rtol 1e-5 and 1e-5
   of the largest output, over ragged rows with an empty expert and rows past the groups (zeros)."""
@@ -339,7 +353,7 @@ def test_fused_gate_up_kernel_route_interpret():
                              options=(("num_compute_wgs", 2),))
   x = jax.random.normal(jax.random.key(13), (11, K))
   gs = jnp.asarray([4, 0, 5], jnp.int32)  # rows 9, 10 belong to no expert
-  got = np.asarray(kernels.pallas_gate_up_swiglu(x, w, gs))
+  got = np.asarray(interpreted(lambda: kernels.pallas_gate_up_swiglu(x, w, gs)))
   want = np.asarray(experts.GATE_UP_SWIGLU["xla"](x.astype(jnp.bfloat16).astype(jnp.float32), w, gs))
   assert got.shape == (11, 64)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

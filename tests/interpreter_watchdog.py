@@ -7,7 +7,7 @@ while the other warpgroups' computations wait to start. On this 2-core machine t
 to 20 at 2-4 warpgroups per CTA, and on the 2-core CI it held the whole suite until the CI's limit. That is the
 interpreter's scheduling, not the kernel's: a kernel whose barriers really deadlock hangs on every try.
 
-`run_with_watchdog(fn)` (the `interpreted` fixture of this folder's conftest) runs `fn()` in a thread. After
+`run_with_watchdog(fn)` (the `interpreted` fixture of tests/conftest.py) runs `fn()` in a thread. After
 `timeout_s` it fails the interpreter's shared memory the way the interpreter fails a kernel that raised
 (`set_failed` wakes every waiter, and the queued warpgroups stop at their first callback), resets the interpreter's
 state and tries again, up to `attempts` times; then the test fails, naming both causes.
