@@ -43,6 +43,7 @@ from benchmarks import oskvp_decode_core_mgpu_bench as cb
 from benchmarks import oskvp_key_scores_mgpu_bench as kb
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
+from pallas_kernels import ws_pipeline as wp
 
 CASES = ("read", "int4", "table", "core")
 
@@ -85,7 +86,7 @@ def _int4_cases():
 
 def _table_cases():
   from pallas_kernels import int4_ws_work_table as wt  # pylint: disable=g-import-not-at-top
-  n_ctas = ws._num_sms()  # pylint: disable=protected-access
+  n_ctas = wp.num_sms()
   for e, n, rows in ((8, 14336, 128), (64, 2048, 1024), (128, 768, 2048), (128, 768, 512)):
     gs = jnp.asarray(em.balanced_groups(rows, e))
     block_r = ws.default_block_r(rows, e, aligned_tiles=True)

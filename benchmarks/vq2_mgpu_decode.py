@@ -53,11 +53,6 @@ CHECK_CONFIGS = {"default": {}, "c2_k512": dict(num_compute_wgs=2, block_k=512),
 VARIANTS = {"": {}, "_layer": dict(codebook="layer"), "_no_compute": dict(ablate="no_compute")}
 
 
-def vq2_bytes(k: int, n: int) -> int:
-  """Bytes one expert's [K, N] vq2 weight costs this kernel: 2-bit indices, bf16 scales, the replicated codebook."""
-  return k * n // 4 + k // em.G * n * 2 + 32 * 1024
-
-
 def layer_codebook(w: v2.VQ2Weights) -> v2.VQ2Weights:
   return w._replace(codebook=w.codebook[:1])
 
@@ -170,7 +165,7 @@ def main(argv=None):
         add("pallas_vq2", rows, e, k, n, timer(vq2_fn, x, w_v, gs, iters=args.iters), "vq2", n_active)
         add("pallas_int4_mgpu_ws", rows, e, k, n, timer(ws_fn, x, w_ws, gs, iters=args.iters), "int4_mgpu_ws",
             n_active)
-      vb = n_active * vq2_bytes(k, n) + rows * k * 2 + rows * n * 4
+      vb = n_active * em.weight_bytes("vq2_mgpu_ws", k, n) + rows * k * 2 + rows * n * 4  # 32 KB codebook each
       for suffix, (f, w) in runs.items():
         err = {}
         if variants[suffix].get("ablate") != "no_compute":  # each timed weight's values, against its float32 dequantization

@@ -57,8 +57,9 @@ matmuls of the best bf16 peer with <= 16 rows per expert, 3-11% faster than two 
 (results/ws_swiglu_ring.json: its h buffer is not counted against the ring's budget, so it gets the single call's
 ring).
 
-The work-item pieces (`read_item`, `group_wgmma`, `run_chained`, `store_item`, `build_work_table`) also serve the vq2
-kernel (`vq2_grouped_matmul_mgpu_ws`), which replaces only the int4 decode by codebook look-ups.
+The persistent pipeline's pieces (register split, ring depth, work table, reading, chaining, multiplying and storing
+an item) live in `ws_pipeline.py`, shared with the vq2 kernel (`vq2_grouped_matmul_mgpu_ws`), which replaces only the
+int4 decode by codebook look-ups.
 
 CPU interpret mode (`interpret=True`) runs the warp-specialized pipeline (threads, barriers, TMA, wgmma) in Mosaic
 GPU's interpreter, with the interpreter-only route of the one-warpgroup kernel: Mosaic relayout, jnp dequant and the
@@ -68,13 +69,10 @@ are checked on the GPU (`benchmarks/int4_mgpu_ws_decode.py`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from jax._src.pallas.mosaic_gpu import pipeline as _mgpu_pipeline
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -82,10 +80,12 @@ from pallas_kernels import int4_gate_up_mgpu as gu
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_ws_work_table as wt
+from pallas_kernels import ws_pipeline as wp
 from pallas_kernels.interpret_settle import settled_when_interpreted
 
 MgpuInt4Weights = mg.MgpuInt4Weights
 MgpuInt4WeightsShift = mg.MgpuInt4WeightsShift
+register_split = wp.register_split  # this kernel's `register_split`, shared with the vq2 kernel
 int4_grouped_matmul_mgpu_ws_reference = mg.int4_grouped_matmul_mgpu_reference
 _G = 128
 _WG_N = 64  # output columns per compute warpgroup: the M extent of one wgmma
@@ -93,11 +93,7 @@ assert _WG_N == 2 * gu.SWIGLU_BLOCK  # swiglu: a warpgroup's columns are one blo
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, W] WGMMA-layout tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 # Columns of the work table.
-_EXPERT, _NTILE, _LOADED, _FIRST, _COUNT, _VIRTUAL, _NITEMS = range(7)
 DEQUANTS = mg.DEQUANTS
-# Shared memory the default ring may use (the H200 allows 227 KB per CTA). The fifth H200 call ran with 220 KB, which
-# gives block_k 512 with 8-row tiles at Kp = 4096 a ring of 4 instead of 2: 2-4% slower there, so 200 KB it stays.
-_SMEM_BUDGET = 200 * 1024
 
 # How a K group's zero point and scale reach the weight (`dequant_form`), per pair of weights (one 32-bit register):
 # - "sub_mul": 128 + q by prmt + lop3 (magic exponent 0x4300), sub.bf16x2 of 128 + z (exact), mul.bf16x2 by s: one
@@ -200,73 +196,6 @@ def _xsum_window(window: int, gk: int) -> int:
   return next(w for w in range(window, window + 33, 8) if gk * w * 4 % 128 == 0)
 
 
-def read_item(table_ref, cta, i, wg, bn: int, n_cols: int):
-  """Item i of CTA cta's row of the work table -> (expert, loaded, first, count, virtual, col0, owner): col0, the
-  N tile's first column, is j·bn, or N - bn for a last tile that would cross N; then the warpgroups whose columns the
-  previous tile already holds (below j·bn) compute them again but do not store them (owner False)."""
-  expert, j, loaded, first, count, virtual = (table_ref[cta, i, col] for col in range(6))
-  col0 = pl.multiple_of(jnp.minimum(j * bn, n_cols - bn), _WG_N)
-  return expert, pl.multiple_of(loaded, 8), first, count, virtual, col0, col0 + wg * _WG_N >= j * bn
-
-
-def group_wgmma(acc_ref, w, x_smem, c: int, a_tile=None):
-  """acc_ref float32 [64, W] += w bf16 [64, G] (registers) @ the K group c of x_smem bf16 [W, block_k] transposed.
-  a_tile: interpret mode's route, bf16 [64, G] shared memory the operand goes through (waited for at once)."""
-  ks = pl.ds(c * _G, _G)
-  if a_tile is not None:
-    a_tile[...] = w
-    plgpu.commit_smem()
-    plgpu.wgmma(acc_ref, a_tile, x_smem.at[:, ks].T)
-    plgpu.wgmma_wait(0)
-  else:
-    plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
-
-
-def run_chained(i, n_items, run, compute_registers: int):
-  """Runs a CTA's item i of n_items as `run(state)` with the pipeline state that chains the items' pipelines (the
-  TMA warpgroup then runs `steps` steps ahead across items: START, STEADY, STOP; None for a lone item), the compute
-  warpgroups at `compute_registers`."""
-  states = ((n_items == 1, None), ((i == 0) & (n_items > 1), plgpu.PipelinePipeline.START),
-            ((i > 0) & (i < n_items - 1), plgpu.PipelinePipeline.STEADY),
-            ((i > 0) & (i == n_items - 1), plgpu.PipelinePipeline.STOP))
-  for pred, state in states:
-    @pl.when(pred)
-    def _run(state=state):
-      with _compute_register_count(compute_registers):
-        run(state)
-
-
-def store_item(acc, o_smem, out_ref, *, wg, col0, first, loaded, count, virtual, owner, block_r: int, window: int,
-               h_smem=None):
-  """A compute warpgroup's epilogue of one work item: its out^T float32 [64, W] (`acc`) transposed into its o_smem
-  [W, 64] slot, zeros for a virtual tile, silu(gate) · up with `h_smem` (swiglu), and the tile's `count` rows stored
-  to out [M', N] (or [M', N / 2]) from row `first` with a ladder of power-of-two TMA row stores (where `owner`)."""
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
-  o_smem.at[wg].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)  # [W, 64]: out rows
-  plgpu.commit_smem()
-
-  @pl.when(virtual != 0)
-  def _zeros():
-    o_smem.at[wg][...] = jnp.zeros((window, _WG_N), jnp.float32)
-    plgpu.commit_smem()
-
-  src, cols = o_smem.at[wg], pl.ds(col0 + wg * _WG_N, _WG_N)
-  if h_smem is not None:  # the warpgroup's 64 columns are 32 gate columns, then the same 32 output columns' up columns
-    half = gu.SWIGLU_BLOCK
-    gate, up = src[:, pl.ds(0, half)], src[:, pl.ds(half, half)]  # float32 [W, 32] each
-    h_smem.at[wg][...] = gate / (1.0 + jnp.exp(-gate)) * up
-    plgpu.commit_smem()
-    src, cols = h_smem.at[wg], pl.ds((col0 + wg * _WG_N) // 2, half)
-  start, done = first - loaded, jnp.int32(0)
-  size = 1 << int(math.log2(block_r))
-  while size:  # TMA boxes are static: `count` rows as a ladder of power-of-two row counts
-    @pl.when(((count & size) != 0) & owner)
-    def _store(size=size, done=done):
-      plgpu.copy_smem_to_gmem(src.at[pl.ds(start + done, size)], out_ref.at[pl.ds(first + done, size), cols])
-    done = done + (count & size)
-    size //= 2
-
-
 def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_smem, n_wgs: int, block_k: int,
             block_r: int, window: int, n_groups: int, n_cols: int, steps: int, memory_registers: int,
             compute_registers: int, a_from_smem: bool, ablate: str, dequant: str, overlap_steps: bool,
@@ -310,7 +239,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
     return _dequant_form_jnp(w, s, z, dequant_form)
 
   def mma(acc_ref, w, x_smem, c):
-    group_wgmma(acc_ref, w, x_smem, c, a_smem.at[wg] if a_from_smem else None)
+    wp.group_wgmma(acc_ref, w, x_smem, c, a_smem.at[wg] if a_from_smem else None)
 
   def body(idx, q_smem, x_smem, s_smem, z_smem, *rest):
     # q_smem: int4 [bn, block_k]; x_smem: bf16 [W, block_k]; s_smem, z_smem: bf16 [block_k / G, bn]; acc_zero:
@@ -384,13 +313,13 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
   allocs = make_pipeline(ignore, None).get_allocations(*gmem(0, 0, 0))
 
   def scope(allocs):
-    n_items = table_ref[cta, 0, _NITEMS]
+    n_items = wp.item_count(table_ref, cta)
     if overlap_steps:
       consumed.extend(allocs["flat_consumed_barrier_refs"])
 
     @pl.loop(0, n_items)
     def _item(i):
-      expert, loaded, first, count, virtual, col0, owner = read_item(table_ref, cta, i, wg, bn, n_cols)
+      expert, loaded, first, count, virtual, col0, owner = wp.read_item(table_ref, cta, i, wg, bn, n_cols)
 
       def compute_context(run):
         def scoped(acc_ref):
@@ -403,57 +332,16 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
           acc = run(plgpu.layout_cast(jnp.zeros((_WG_N, window), jnp.float32), plgpu.Layout.WGMMA))
         else:
           acc = pl.run_scoped(scoped, plgpu.ACC((_WG_N, window)))  # float32 [64, W]
-        store_item(acc, o_smem, out_ref, wg=wg, col0=col0, first=first, loaded=loaded, count=count, virtual=virtual,
+        wp.store_item(acc, o_smem, out_ref, wg=wg, col0=col0, first=first, loaded=loaded, count=count, virtual=virtual,
                    owner=owner, block_r=block_r, window=window, h_smem=h_smem if swiglu else None)
 
       def run(state):
         make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
-      run_chained(i, n_items, run, compute_registers)
+      wp.run_chained(i, n_items, run, compute_registers)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   pl.run_scoped(scope, allocs, collective_axes="wg")
-
-
-def register_split(num_compute_wgs: int, memory_registers: int, compute_registers: int | None = None) -> int:
-  """Registers per thread of each compute warpgroup (`setmaxnreg.inc`) that fit the CTA's launch allocation.
-
-  setmaxnreg only moves registers within what the CTA was launched with: ptxas gives each of its
-  128 · (C + 1) threads the most registers that fit 65536 (a multiple of 8, at most 255), so C · compute + memory
-  must not exceed (C + 1) · launch, or setmaxnreg.inc waits forever (C = 4 hung on the H200 with jax's own split,
-  (512 - memory) / C, which assumes 512 per thread slot). Default: the most that fit, a multiple of 8 (232 at C = 2,
-  152 at C = 3 with 40 for the TMA warpgroup, as jax's split; 112 at C = 4 with 32).
-  """
-  if not 1 <= num_compute_wgs <= 4:
-    raise ValueError(f"num_compute_wgs={num_compute_wgs} must be 1 to 4")
-  if memory_registers % 8 or not 24 <= memory_registers <= 256:
-    raise ValueError(f"memory_registers={memory_registers} must be a multiple of 8 in [24, 256] (setmaxnreg)")
-  launch = min(255, 65536 // (128 * (num_compute_wgs + 1))) // 8 * 8
-  fit = min(256, ((num_compute_wgs + 1) * launch - memory_registers) // num_compute_wgs // 8 * 8)
-  compute = fit if compute_registers is None else compute_registers
-  if compute % 8 or not 24 <= compute <= fit:
-    raise ValueError(f"compute_registers={compute} must be a multiple of 8 in [24, {fit}]: with "
-                     f"num_compute_wgs={num_compute_wgs} and memory_registers={memory_registers} more would exceed the "
-                     f"launch allocation ({num_compute_wgs + 1} x {launch}) and setmaxnreg would deadlock")
-  return compute
-
-
-@contextlib.contextmanager
-def _compute_register_count(count: int):
-  """Makes `plgpu.emit_pipeline_warp_specialized` (jax 0.11.2) raise its compute warpgroups to `count` registers.
-
-  The pipeline computes the count itself from `memory_registers` as if every thread slot had 512 / 128 registers,
-  which C = 4 cannot launch with; it has no argument for it, so its private helper is swapped while the pipeline is
-  traced. If a jax upgrade removes the helper, a clear error says so."""
-  if not callable(getattr(_mgpu_pipeline, "_compute_registers", None)):
-    raise NotImplementedError("this jax's warp-specialized pipeline has no _compute_registers to override; "
-                              "int4_grouped_matmul_mgpu_ws was written for jax 0.11.2")
-  original = _mgpu_pipeline._compute_registers  # pylint: disable=protected-access
-  _mgpu_pipeline._compute_registers = lambda memory_registers, num_compute_wgs: count  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    _mgpu_pipeline._compute_registers = original  # pylint: disable=protected-access
 
 
 ABLATIONS = ("", "no_compute", "no_decode")
@@ -536,10 +424,6 @@ def check_options(kp: int, n: int, *, block_r: int | None = None, num_compute_wg
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "num_ctas",
            "interpret", "dequant", "overlap_steps", "dequant_form", "compute_registers", "ablate", "table_impl",
            "aligned_tiles", "wgmma_depth", "swiglu")
-
-
-def _num_sms() -> int:
-  return getattr(jax.devices()[0], "core_count", 0) or 132
 
 
 @settled_when_interpreted
@@ -628,7 +512,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   order = mg.nibble_order(weights)
-  num_ctas = num_ctas or (4 if interpret else _num_sms())
+  num_ctas = num_ctas or (4 if interpret else wp.num_sms())
   num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)  # fits N (n % 64 == 0)
   bn = num_compute_wgs * _WG_N
   block_k = block_k or next(b for b in ((512, 256, _G) if num_compute_wgs == 2 else (256, _G)) if kp % b == 0)
@@ -643,11 +527,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   # budget, so that the fused call gets the single call's ring (at 128 x 2048->768 with 32-row tiles it would
   # otherwise get 2 stages instead of 4); that stays below the H200's 227 KB per CTA.
   fixed = num_compute_wgs * window * _WG_N * 4 + (num_compute_wgs * _WG_N * _G * 2 if interpret else 0)
-  if max_concurrent_steps is None:
-    max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
-                                 s * stage_bytes + fixed <= _SMEM_BUDGET), 1)
-  if ksteps % max_concurrent_steps:
-    raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
+  max_concurrent_steps = wp.ring_depth(ksteps, stage_bytes, fixed, max_concurrent_steps)
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")
   if wgmma_depth is not None and (type(wgmma_depth) is not int or wgmma_depth < 1):
@@ -664,7 +544,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   if overlap_steps and max_concurrent_steps < 2:  # a step releases the previous step's slot: one slot would deadlock
     raise ValueError(f"overlap_steps needs max_concurrent_steps >= 2, got {max_concurrent_steps}")
   memory_registers = memory_registers or (32 if num_compute_wgs == 4 else 40)
-  compute_registers = register_split(num_compute_wgs, memory_registers, compute_registers)
+  compute_registers = wp.register_split(num_compute_wgs, memory_registers, compute_registers)
   pad = wt.loaded_rows(m, block_r, aligned_tiles) - m  # TMA reads lhs in 8-row tiles and windows of W rows
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
   # acc_zero: x summed per K group (float32 [Kg, M' + W' - W]: zero columns so that the last window's tile fits), in
@@ -675,7 +555,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
     xsum = (jnp.pad(xsum, ((0, 0), (0, _xsum_window(window, block_k // _G) - window))),)
   if interpret:  # the interpreter's relayout keeps the stored K order: feed lhs in that order too
     lhs_p = lhs_p.reshape(m + pad, -1, 32)[..., mg.NIBBLE_ORDERS[order]].reshape(m + pad, kp)
-  table = build_work_table(group_sizes, m, m + pad, table_impl=table_impl, interpret=bool(interpret), block_r=block_r,
+  table = wp.build_work_table(group_sizes, m, m + pad, table_impl=table_impl, interpret=bool(interpret), block_r=block_r,
                            n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=aligned_tiles)
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
@@ -696,18 +576,6 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
          if interpret else {}))
   out = kernel(table, lhs_p, weights.q, weights.scale, weights.zero, *xsum)
   return out[:m] if pad else out
-
-
-def build_work_table(group_sizes: jax.Array, m: int, m_loaded: int, *, table_impl: str, interpret: bool,
-                     **table_kw) -> jax.Array:
-  """The work table int32 [C_ctas, I, 8] (`int4_ws_work_table`, `table_kw` its static arguments): one Pallas kernel
-  on the GPU (`table_impl` "pallas", or "pallas_masked", its first form); the jnp reference with "xla" and in
-  interpret mode (the same values, faster in the CPU interpreter)."""
-  if interpret or table_impl == "xla":
-    return wt.work_table_reference(group_sizes, m, m_loaded, **table_kw)
-  if table_impl == "pallas_masked":
-    return wt.work_table(group_sizes, m, m_loaded, **table_kw, prefix="masked", block=64)
-  return wt.work_table(group_sizes, m, m_loaded, **table_kw)
 
 
 def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,

@@ -25,7 +25,8 @@ Per K group a compute warpgroup's lane loads its 16 bytes of index words, looks 
 shared load each, inline `ld.shared.v2.b32`), combines the two vectors of a pair with a prmt per register, and
 issues the wgmma with the unscaled codewords as the A operand (exact bf16); the group's scale multiplies that
 group's float32 accumulator ("acc_scale" of the int4 kernel), so the result is float32 dequantization's. The
-pipeline, work table, row tiles, persistence and stores are the int4 kernel's (`int4_grouped_matmul_mgpu_ws`).
+pipeline, work table, row tiles, persistence and stores are the int4 kernel's (`int4_grouped_matmul_mgpu_ws`; the
+shared pieces in `ws_pipeline.py`).
 Defaults: C = 4 compute warpgroups where 256 divides N, block_k 256.
 
 The codebook sits in shared memory once per CTA (a per-layer codebook, loaded before the first item) or per work
@@ -66,11 +67,11 @@ from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws4
 from pallas_kernels import int4_ws_work_table as wt
 from pallas_kernels import vq2_grouped_matmul as v2
+from pallas_kernels import ws_pipeline as wp
 from pallas_kernels.interpret_settle import settled_when_interpreted
 
 _G = 128  # K group of the scale: one wgmma K extent of the decoded tile
 _Q = _G // 4  # vectors per column and K group
-_WORDS = _Q // 4  # index words per column and K group
 _WG_N = 64
 _COPIES = 16  # codebook copies: one per lane of a half-warp
 _CB_SHAPE = (64, 128)  # uint32 words of one replicated codebook (256 · 16 · 2), as a TMA box
@@ -234,7 +235,7 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
 
     def groups(*tmps):
       for c in range(gk):
-        ws4.group_wgmma(tmps[c], decode(i_smem, c), x_smem, c, a_smem.at[wg] if interpret else None)
+        wp.group_wgmma(tmps[c], decode(i_smem, c), x_smem, c, a_smem.at[wg] if interpret else None)
       out = acc
       for c in range(gk):  # reading an accumulator waits for the wgmmas
         s = plgpu.layout_cast(jax.lax.broadcast_in_dim(scales[c].astype(jnp.float32), (_WG_N, window), (0,)),
@@ -261,11 +262,11 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
   allocs = make_pipeline(ignore, None).get_allocations(*gmem(0, 0, 0))
 
   def scope(allocs):
-    n_items = table_ref[cta, 0, ws4._NITEMS]  # pylint: disable=protected-access
+    n_items = wp.item_count(table_ref, cta)
 
     @pl.loop(0, n_items)
     def _item(i):
-      expert, loaded, first, count, virtual, col0, owner = ws4.read_item(table_ref, cta, i, wg, bn, n_cols)
+      expert, loaded, first, count, virtual, col0, owner = wp.read_item(table_ref, cta, i, wg, bn, n_cols)
       book = expert if per_expert else 0
       prev_book = table_ref[cta, jnp.maximum(i - 1, 0), 0] if per_expert else 0
       new_book = (i == 0) | (book != prev_book)
@@ -282,19 +283,18 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
           plgpu.barrier_wait(cb_ready)
 
         acc = run(plgpu.layout_cast(jnp.zeros((_WG_N, window), jnp.float32), plgpu.Layout.WGMMA))
-        ws4.store_item(acc, o_smem, out_ref, wg=wg, col0=col0, first=first, loaded=loaded, count=count,
+        wp.store_item(acc, o_smem, out_ref, wg=wg, col0=col0, first=first, loaded=loaded, count=count,
                        virtual=virtual, owner=owner, block_r=block_r, window=window)
 
       def run(state):
         make_pipeline(compute_context, state)(*gmem(expert, loaded, col0), allocations=allocs)
-      ws4.run_chained(i, n_items, run, compute_registers)
+      wp.run_chained(i, n_items, run, compute_registers)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   pl.run_scoped(scope, allocs, collective_axes="wg")
 
 
-_SMEM_BUDGET = 200 * 1024
 # The tiling options a caller may fix per weight (`quant.to_mgpu_layout(model, block_r=...)` stores them); checked by
 # `int4_grouped_matmul_mgpu_ws.check_options`.
 OPTIONS = ("block_r", "num_compute_wgs", "block_k", "table_impl")
@@ -341,11 +341,11 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
     raise TypeError(f"weights must come from to_mgpu_layout, got {type(weights).__name__}")
   m, kp = lhs.shape
   e, nb, kg, _ = weights.idx.shape
-  n, nw = nb * 16, kg * _WORDS
+  n = nb * 16
   if lhs.dtype != jnp.bfloat16:
     raise TypeError(f"lhs must be bfloat16, got {lhs.dtype}")
-  if nw * 16 != kp:
-    raise ValueError(f"lhs has K={kp} but the vq2 weights hold Kp={nw * 16}; pad lhs with zeros to Kp")
+  if kg * _G != kp:
+    raise ValueError(f"lhs has K={kp} but the vq2 weights hold Kp={kg * _G}; pad lhs with zeros to Kp")
   if kp % _G:
     raise ValueError(f"Kp={kp} must be a multiple of {_G}")
   if n % _WG_N:
@@ -360,7 +360,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
     raise ValueError(f"group_sizes has shape {group_sizes.shape}, expected ({e},)")
   ws4.check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k, table_impl=table_impl)
   block_r = block_r or ws4.default_block_r(m, e, True)
-  num_ctas = num_ctas or (4 if interpret else ws4._num_sms())  # pylint: disable=protected-access
+  num_ctas = num_ctas or (4 if interpret else wp.num_sms())
   num_compute_wgs = num_compute_wgs or default_compute_wgs(m, e, n, block_r, num_ctas)
   bn = num_compute_wgs * _WG_N
   block_k = block_k or next(b for b in (256, _G) if kp % b == 0)
@@ -369,16 +369,12 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
   stage_bytes = bn * block_k // 4 + window * block_k * 2 + (block_k // _G) * bn * 2
   fixed = (num_compute_wgs * window * _WG_N * 4 + math.prod(_CB_SHAPE) * 4 +
            (num_compute_wgs * _WG_N * _G * 2 if interpret else 0))
-  if max_concurrent_steps is None:
-    max_concurrent_steps = next((s for s in (8, 6, 4, 3, 2, 1) if ksteps % s == 0 and
-                                 s * stage_bytes + fixed <= _SMEM_BUDGET), 1)
-  if ksteps % max_concurrent_steps:
-    raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must divide Kp / block_k = {ksteps}")
+  max_concurrent_steps = wp.ring_depth(ksteps, stage_bytes, fixed, max_concurrent_steps)
   memory_registers = memory_registers or (32 if num_compute_wgs == 4 else 40)
-  compute_registers = ws4.register_split(num_compute_wgs, memory_registers, compute_registers)
+  compute_registers = wp.register_split(num_compute_wgs, memory_registers, compute_registers)
   pad = wt.loaded_rows(m, block_r, True) - m
   lhs_p = jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs
-  table = ws4.build_work_table(group_sizes, m, m + pad, table_impl=table_impl, interpret=bool(interpret),
+  table = wp.build_work_table(group_sizes, m, m + pad, table_impl=table_impl, interpret=bool(interpret),
                                block_r=block_r, n_tiles=-(-n // bn), n_experts=e, n_ctas=num_ctas, aligned=True)
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,

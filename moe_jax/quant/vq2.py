@@ -59,15 +59,14 @@ def _fit(vecs: jax.Array, per: str, iters: int, hw: jax.Array | None = None) -> 
   """vecs [E, P, 4] (and optional weights hw [E, P, 4]) -> (packed codebook uint32 [C, 2, 256], idx int32 [E, P])
   against the bf16-rounded codebook."""
   if per == "expert":
-    cb = (jax.vmap(lambda v: kmeans(v, iters=iters))(vecs) if hw is None else
-          jax.vmap(lambda v, h: kmeans(v, iters=iters, hw=h))(vecs, hw))
+    cb = jax.vmap(lambda v, h: kmeans(v, iters=iters, hw=h))(vecs, hw)  # hw None: an empty pytree
   elif per == "layer":
     cb = kmeans(vecs.reshape(-1, 4), iters=iters, hw=None if hw is None else hw.reshape(-1, 4))[None]
   else:
     raise ValueError(f"codebook={per!r} must be 'expert' or 'layer'")
   packed = pack_codebook(cb)
   cbr = jnp.broadcast_to(unpack_codebook(packed), (vecs.shape[0], CODEBOOK_SIZE, 4))
-  idx = jax.vmap(_assign)(vecs, cbr) if hw is None else jax.vmap(_assign)(vecs, cbr, hw)
+  idx = jax.vmap(_assign)(vecs, cbr, hw)
   return packed, idx
 
 
