@@ -269,14 +269,18 @@ def _best_peer_ms(v: dict) -> float:
 
 def markdown(result: dict) -> str:
   """The results table: per (experts, K, N, rows) the peers and the kernels, ms (TB/s on bytes read)."""
-  copy = result["copy"]["f32_sum_read_only"]["TB_per_s"]
+  runs = result.get("runs", [{k: result[k] for k in ("date", "copy")}])  # several (`--merge`): one per shape
+  run_copy = lambda i: runs[i]["copy"]["f32_sum_read_only"]["TB_per_s"]
   by = {}
   for r in result["rows"]:
     by.setdefault((r["experts"], r["k"], r["n"], r["rows"]), {})[r["impl"]] = r
-  out = [f"Device {result['device']}, jax {result['jax']}, {result['date']}; kernel time by {result['timing']} "
+  copies = "; ".join(f"{run['date']}" + (f" (E = {', '.join(map(str, run['experts']))})" if "experts" in run else "")
+                     + f": read-only sum {run_copy(i):.2f} TB/s, f32 x+1 {run['copy']['f32_add']['TB_per_s']:.2f} TB/s"
+                     for i, run in enumerate(runs))
+  out = [f"Device {result['device']}, jax {result['jax']}; kernel time by {result['timing']} "
          f"(median, L2 flushed before each call); group size {result['group_size']}, {result['routing']} routing. "
-         f"Copy bandwidth in the same run: read-only sum {copy:.2f} TB/s, f32 x+1 "
-         f"{result['copy']['f32_add']['TB_per_s']:.2f} TB/s. bytes_read: weights of the experts that have rows "
+         f"{'Runs' if len(runs) > 1 else 'Run'} and the copy bandwidth measured in each (every row's ratios and % "
+         f"of copy come from its own run): {copies}. bytes_read: weights of the experts that have rows "
          "(in each format) + lhs + f32 output.\n",
          "Cells: ms (TB/s on bytes read); kernels add [speed-up over the best bf16 peer, % of copy bandwidth].\n",
          "| E, K->N | rows | rows/expert | XLA ragged_dot bf16 | Mosaic ragged_dot_mgpu bf16 | Pallas int4 u16 "
@@ -287,6 +291,7 @@ def markdown(result: dict) -> str:
     if "xla_ragged_dot_bf16" not in v:
       continue
     peer = _best_peer_ms(v)
+    copy = run_copy(v["xla_ragged_dot_bf16"].get("run", 0))
     cell = lambda r: f"{r['ms']:.4f} ({r['tb_per_s']:.2f})"
     kcell = lambda r: f"{cell(r)} [{peer / r['ms']:.2f}x, {100 * r['tb_per_s'] / copy:.0f}%]"
     row = [f"{e}, {k}->{n}", str(rows), str(-(-rows // e)), cell(v["xla_ragged_dot_bf16"]),
@@ -326,6 +331,30 @@ def markdown(result: dict) -> str:
   return "\n".join(out) + "\n"
 
 
+def merge_runs(paths: list[str]) -> dict:
+  """Result JSONs of runs over disjoint (E, K, N) shapes -> one result: the first run's meta, `runs` (each run's
+  date, copy bandwidth, correctness and experts) and every row tagged with its run's index."""
+  results = []
+  for path in paths:
+    with open(path) as fh:
+      results.append(json.load(fh))
+  seen = {}
+  rows = []
+  for i, res in enumerate(results):
+    for r in res["rows"]:
+      shape = (r["experts"], r["k"], r["n"])
+      if r["impl"].endswith("one_expert"):
+        shape = ("dense", r["k"], r["n"])
+      if seen.setdefault(shape, i) != i:
+        raise ValueError(f"{paths[i]} times the shape {shape} that {paths[seen[shape]]} already has")
+      rows.append({**r, "run": i})
+  runs = [{"date": res["date"], "copy": res["copy"], "correctness": res.get("correctness", {}),
+           "experts": sorted({r["experts"] for r in res["rows"] if not r["impl"].endswith("one_expert")})}
+          for res in results]
+  first = {k: v for k, v in results[0].items() if k not in ("rows", "date", "copy", "correctness")}
+  return {**first, "date": results[-1]["date"], "copy": results[0]["copy"], "runs": runs, "rows": rows}
+
+
 def sweep_markdown(result: dict) -> str:
   """Per decode shape: every timed impl, ms, speed-up over the best bf16 peer and % of copy bandwidth."""
   copy = result["copy"]["f32_sum_read_only"]["TB_per_s"]
@@ -362,11 +391,24 @@ def main(argv=None):
   ap.add_argument("--formats", default="", help="comma-separated subset of the formats (default: all of CONFIGS)")
   ap.add_argument("--tag", default="", help="suffix of the output files")
   ap.add_argument("--rows", default="", help="comma-separated row counts instead of ROWS and 16 per expert")
+  ap.add_argument("--experts", default="", help="comma-separated expert counts: only those of SHAPES")
+  ap.add_argument("--merge", default="",
+                  help="comma-separated result JSONs of runs over disjoint shapes: write them as one "
+                       "expert_matmul{tag}.json / .md in --out (each row keeps its own run's copy bandwidth)")
   ap.add_argument("--vq2_ablate", action="store_true",
                   help="also time vq2's best config with each timing ablation (`vq2_grouped_matmul(ablate=)`)")
   args = ap.parse_args(argv)
   rows_arg = positive_ints(ap, "rows", args.rows) if args.rows else []
   formats_all = [f for f in CONFIGS if not args.formats or f in args.formats.split(",")]
+  experts = positive_ints(ap, "experts", args.experts) if args.experts else [e for e, _, _ in SHAPES]
+  if args.merge:
+    merged = merge_runs(args.merge.split(","))
+    path = os.path.join(args.out, "expert_matmul" + args.tag)
+    with open(path + ".json", "w") as fh:
+      json.dump(merged, fh, indent=1)
+    with open(path + ".md", "w") as fh:
+      fh.write(markdown(merged))
+    return 0
   if args.md_from:
     with open(args.md_from) as fh:
       md = markdown(json.load(fh))
@@ -392,6 +434,7 @@ def main(argv=None):
     configs = {"int4": CONFIGS["int4"], "int4_nk": list(SWEEP.values())}
   else:
     shapes, rows_list = (SHAPES[1:2], [16, 64, 1024]) if args.quick else (SHAPES, ROWS)
+    shapes = [s for s in shapes if s[0] in experts]
     if args.smoke:
       shapes, rows_list = [(4, 256, 128)], [3, 16]
     plan = [(e, k, n, rows_arg or sorted(set(rows_list) | ({16 * e} if not (args.smoke or args.quick) else set())),

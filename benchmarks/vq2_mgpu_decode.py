@@ -10,7 +10,8 @@
 `--check_only` compares the kernel (per-expert and per-layer codebooks, the CHECK_CONFIGS: C = 2 / 3 / 4, block_k
 256 / 512, 32-row tiles) with float32 dequantization on the GPU over awkward group sizes (empty experts, one row, all
 rows in one expert), with 3 to 46 trailing rows of no expert that must come back zero, and writes
-`vq2_mgpu_check.json`; the timing run refuses to time after a failed check. `--variants` (JSON) replaces the timed
+`vq2_mgpu_check.json` in --out; a timing run reads that file (running the check first when it is absent) and
+refuses to time after a failed check. `--variants` (JSON) replaces the timed
 variants, `--rows` the row counts, `--vq2_only` skips the Triton vq2 and WS int4 rows. Timing, at <= 16 rows
 per expert with every expert active (balanced routing by default): XLA `ragged_dot` bf16, jax's Mosaic
 `ragged_dot_mgpu` bf16, the Triton int4 and vq2 kernels, the warp-specialized int4 kernel (defaults) and the vq2
@@ -122,19 +123,27 @@ def main(argv=None):
   ap.add_argument("--variants", default="", help="JSON {suffix: options} replacing VARIANTS")
   ap.add_argument("--rows", default="", help="comma-separated row counts instead of each shape's own")
   ap.add_argument("--vq2_only", action="store_true", help="skip the Triton vq2 and the WS int4 kernels")
+  ap.add_argument("--md_from", default="", help="only write the markdown of a results JSON (e.g. a timed-out run's)")
   args = ap.parse_args(argv)
+  if args.md_from:
+    with open(args.md_from) as fh:
+      res = json.load(fh)
+    with open(args.md_from[:-len(".json")] + ".md", "w") as fh:
+      fh.write(markdown(res, res["rows"]))
+    return 0
   os.makedirs(args.out, exist_ok=True)
   check_path = os.path.join(args.out, "vq2_mgpu_check.json")
   if args.check_configs:
     for name in list(CHECK_CONFIGS):
       if name not in args.check_configs.split(","):
         del CHECK_CONFIGS[name]
-  if args.check_only:
+  if args.check_only or not os.path.exists(check_path):  # a timing run without an earlier check runs it first
     res = {}
     check(res)
     with open(check_path, "w") as fh:
       json.dump(res, fh, indent=1)
-    return 0 if passed(res) else 1
+    if args.check_only:
+      return 0 if passed(res) else 1
   with open(check_path) as fh:
     if not passed(json.load(fh)):
       raise SystemExit(f"{check_path} holds a failed check: not timing")
