@@ -37,8 +37,12 @@ the new one (32 KB, from L2 after the first CTA), and all wait for it.
 Measured on the H200 (jax 0.11.2, CUPTI, L2 flushed; results/vq2_mgpu_grid.md, the issue's grid with every expert
 active and <= 16 rows each): 2.63-3.37x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) with
 per-expert codebooks, 2.75-3.56x with one per layer, where the Triton vq2 kernel is 0.38-0.48x; 34-42% of copy
-bandwidth on its bytes. The memory side alone (`ablate="no_compute"`) is 5.2-6.7x, so the look-ups set the pace:
-about the WS int4 kernel's time (2.67-3.16x in the same run) on half its bytes. Tried and not kept
+bandwidth on its bytes; about the WS int4 kernel's time (2.67-3.16x in the same run) on half its bytes. Where the
+time goes (results/vq2_mgpu_split.md, _split768.md): without the codebook's shared loads (`ablate="no_lookup"`) the
+kernel's time changes by -3 to +1%, so the look-ups' shared-memory traffic is not the bound; the decode's instructions
+(address arithmetic and prmts, ~97 per lane and 64 weights: ~21 us of issue at 8 x 4096->14336) cost 0.024-0.029 ms
+at the 4096-K shapes; with a constant operand (`"no_decode"`) the kernel is 3.8-5.1x, the memory side alone
+(`"no_compute"`) 5.2-6.7x. Tried and not kept
 (results/vq2_mgpu_orders.md, _cfg14336.md, _cfg2048.md): a K order whose vectors are the thread's own register
 pairs (no prmt; lhs's columns permuted per K group instead), from 7% faster to 10% slower, no consistent gain;
 look-ups through an LLVM load at a GEP of the codebook's pointer, up to 14% slower; C = 3 (block_k 256 or 512),
