@@ -147,13 +147,14 @@ def _vector_indices(words):
 _SELECT = (0x5410, 0x7632)  # prmt: low halves of a and b / high halves
 
 
-def _lookup_registers(i_smem, cb_ref, group: int, no_lookup: bool = False):
+def _lookup_registers(i_smem, cb_ref, group: int, no_lookup: bool = False, index_extract: str = "shift"):
   """K group `group` of the step's index tile (int32 [bn/16, gk, 128] in shared memory) and the replicated codebook
   -> bf16 [64, 128] wgmma operand of this warpgroup (the codewords, unscaled): one 16-byte shared load of the lane's
   index words; per vector a shift, an and, an add and one 8-byte shared load (inline `ld.shared.v2.b32` at a 32-bit
-  address); a prmt per register. no_lookup (timing only): the 8-byte load is left out and the masked index word
-  stands in for both codeword registers (wrong values; the index loads, the address arithmetic, the prmts and the
-  wgmmas stay)."""
+  address); a prmt per register. index_extract "prmt" takes the index byte by a zero-filling prmt instead of the
+  shift and the and (2 instructions per vector, the shift by 7 and the add left to ptxas's lea, instead of 3).
+  no_lookup (timing only): the 8-byte load is left out and the masked index word stands in for both codeword
+  registers (wrong values; the index loads, the address arithmetic, the prmts and the wgmmas stay)."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                      return_type=plgpu.ShapeDtypeStruct((_WG_N, _G), jnp.bfloat16, plgpu.Layout.WGMMA))
   def lookup(_, idx, cb):
@@ -178,8 +179,12 @@ def _lookup_registers(i_smem, cb_ref, group: int, no_lookup: bool = False):
       # entry · 16 copies · 8 bytes: the byte moved to bits 7-14. A 32-bit shared address: an LLVM load at a GEP of
       # the codebook's pointer ran up to 14% slower at 8 × 4096→14336 (results/vq2_mgpu_cfg14336.md). The asm has
       # side effects so that LLVM keeps it after the barrier waits (ptxas still schedules it).
-      moved = arith.shli(word, c(7)) if byte == 0 else arith.shrui(word, c(8 * byte - 7))
-      addr = arith.addi(base_lane, arith.andi(moved, c(0xFF << 7)))
+      if index_extract == "prmt":  # bytes 1-3 of the result from byte 4 of the pair (word, 0): zero
+        index = llvm.inline_asm(i32, [word, c(0)], f"prmt.b32 $0, $1, $2, {0x4440 + byte:#x};", "=r,r,r")
+        addr = arith.addi(base_lane, arith.shli(index, c(7)))
+      else:
+        moved = arith.shli(word, c(7)) if byte == 0 else arith.shrui(word, c(8 * byte - 7))
+        addr = arith.addi(base_lane, arith.andi(moved, c(0xFF << 7)))
       if no_lookup:
         return addr, arith.xori(addr, word)
       pair = llvm.inline_asm(pair_ty, [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", has_side_effects=True)
@@ -212,7 +217,8 @@ def _lookup_jnp(words, cb_words):
 
 def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_smem, cb_smem, cb_ready, cb_free, *,
             n_wgs: int, block_k: int, block_r: int, window: int, n_groups: int, n_cols: int, steps: int,
-            memory_registers: int, compute_registers: int, interpret: bool, per_expert: bool, ablate: str):
+            memory_registers: int, compute_registers: int, interpret: bool, per_expert: bool, ablate: str,
+            index_extract: str):
   # table_ref: int32 [C_ctas, I, 8] (work_table); lhs_ref: bf16 [M', Kp]; idx_ref: int32 [E, N/16, Kg, 128]; cb_ref:
   # uint32 [Cb, 64, 128]; scale_ref: bf16 [E, Kg, N]; out_ref: float32 [M', N]. o_smem: float32 [n_wgs, W, 64];
   # a_smem: bf16 [n_wgs, 64, G] (interpret mode); cb_smem: uint32 [64, 128]; cb_ready: TMA barrier; cb_free:
@@ -228,7 +234,7 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
       return plgpu.layout_cast(jnp.full((_WG_N, _G), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
     if interpret:
       return _lookup_jnp(i_smem[pl.ds(jnp.minimum(wg, n_wgs - 1) * 4, 4), c], cb_smem[...])
-    return _lookup_registers(i_smem, cb_smem, c, no_lookup=ablate == "no_lookup")
+    return _lookup_registers(i_smem, cb_smem, c, no_lookup=ablate == "no_lookup", index_extract=index_extract)
 
   def body(_, i_smem, x_smem, s_smem, acc):
     # i_smem: int32 [bn / 16, block_k / G, 128]; x_smem: bf16 [W, block_k]; s_smem: bf16 [block_k / G, bn];
@@ -312,8 +318,9 @@ def default_compute_wgs(m: int, n_experts: int, n: int, block_r: int, num_ctas: 
     return 4
   return ws4.default_compute_wgs(m, n_experts, n, block_r, num_ctas)
 ABLATIONS = ("", "no_compute", "no_decode", "no_lookup")
+INDEX_EXTRACTS = ("shift", "prmt")
 _STATIC = ("num_compute_wgs", "block_k", "block_r", "max_concurrent_steps", "memory_registers", "compute_registers",
-           "num_ctas", "interpret", "ablate", "table_impl")
+           "num_ctas", "interpret", "ablate", "table_impl", "index_extract")
 
 
 @settled_when_interpreted
@@ -323,7 +330,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
                                block_r: int | None = None, max_concurrent_steps: int | None = None,
                                memory_registers: int | None = None, compute_registers: int | None = None,
                                num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
-                               ablate: str = "", table_impl: str = "pallas") -> jax.Array:
+                               ablate: str = "", table_impl: str = "pallas", index_extract: str = "shift") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ vq2 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -340,6 +347,9 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
       the stores but gives every wgmma a constant operand (no index loads or look-ups); "no_lookup" (GPU only) keeps
       everything but the codebook's shared loads (their addresses stand in for the codewords). With the kernel they
       split the compute's time over the stream into look-ups, the rest of the decode, and the wgmmas and epilogue.
+    index_extract: how the GPU path takes a vector's index byte from its word: "shift" (shift and and, the measured
+      default) or "prmt" (one zero-filling prmt; one instruction fewer per vector; not yet timed on the H200).
+      Interpret mode runs the look-ups in jnp either way.
   """
   if not isinstance(weights, MgpuVQ2Weights):
     raise TypeError(f"weights must come from to_mgpu_layout, got {type(weights).__name__}")
@@ -358,6 +368,8 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
     raise ValueError(f"codebook shape {weights.codebook.shape} must be (1 or E={e}, {_CB_SHAPE[0]}, {_CB_SHAPE[1]})")
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
+  if index_extract not in INDEX_EXTRACTS:
+    raise ValueError(f"index_extract={index_extract!r} must be one of {INDEX_EXTRACTS}")
   if ablate == "no_lookup" and interpret:
     raise ValueError("ablate='no_lookup' takes the GPU's look-ups; interpret mode runs them in jnp")
   if group_sizes.shape != (e,):
@@ -383,7 +395,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
   body = functools.partial(_kernel, n_wgs=num_compute_wgs, block_k=block_k, block_r=block_r, window=window,
                            n_groups=kp // _G, n_cols=n, steps=max_concurrent_steps, memory_registers=memory_registers,
                            compute_registers=compute_registers, interpret=bool(interpret),
-                           per_expert=weights.codebook.shape[0] > 1, ablate=ablate)
+                           per_expert=weights.codebook.shape[0] > 1, ablate=ablate, index_extract=index_extract)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
       a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access

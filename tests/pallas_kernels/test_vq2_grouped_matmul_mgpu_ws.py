@@ -101,6 +101,23 @@ def test_gpu_path_lowers_with_one_lookup_per_vector(books, cfg, table_in_jnp):
   assert len(re.findall(r"prmt\.b32", text)) == 32 * groups * 4
 
 
+def test_prmt_index_extract_trades_the_shift_and_and_for_one_prmt(table_in_jnp):
+  """index_extract="prmt" lowers with the same 16 look-ups per compute thread, K group and pipeline form, one more prmt
+  per look-up (48 instead of 32) and 16 ands fewer (the byte's mask)."""
+  w = vm.to_mgpu_layout(_weights(512, k=1024))
+  x, gs = jnp.ones((64, 1024), jnp.bfloat16), jnp.full((E,), 16, jnp.int32)
+  texts = {}
+  for form in ("shift", "prmt"):
+    f = jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, num_ctas=132, index_extract=form))
+    texts[form] = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))
+  per_kernel = 2 * 4  # K groups per step (block_k 256) x pipeline forms
+  for form, prmts in (("shift", 32), ("prmt", 48)):
+    assert len(re.findall(r"ld\.shared\.v2\.b32", texts[form])) == 16 * per_kernel
+    assert len(re.findall(r"prmt\.b32", texts[form])) == prmts * per_kernel
+  ands = {form: len(re.findall(r"arith\.andi", text)) for form, text in texts.items()}
+  assert ands["shift"] - ands["prmt"] == 16 * per_kernel
+
+
 def test_no_decode_ablation_multiplies_the_scales(interpreted):
   """ablate="no_decode" (timing only) gives every wgmma the constant operand 1 and keeps the per-group scaling and the
   stores, so out[m] = x[m] @ S[e(m)] with S[e, k, n] = s[e, k // 128, n]."""
@@ -148,6 +165,8 @@ def test_refusals_name_the_field():
     vm.vq2_grouped_matmul_mgpu_ws(x, m._replace(codebook=m.codebook[:2]), gs)
   with pytest.raises(ValueError, match="ablate='bogus' must be one of"):
     vm.vq2_grouped_matmul_mgpu_ws(x, m, gs, ablate="bogus")
+  with pytest.raises(ValueError, match="index_extract='lut' must be one of"):
+    vm.vq2_grouped_matmul_mgpu_ws(x, m, gs, index_extract="lut")
   with pytest.raises(ValueError, match="ablate='no_lookup' takes the GPU's look-ups"):
     vm.vq2_grouped_matmul_mgpu_ws(x, m, gs, ablate="no_lookup", interpret=True)
   with pytest.raises(ValueError, match="group_size=64 must be 128"):
