@@ -78,6 +78,10 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
     max_new_tokens: tokens to be generated after the prompt.
   """
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
+  if not isinstance(cache_len, (int, np.integer)) or cache_len < 1:
+    raise ValueError(f"cache_len={cache_len!r} must be an int >= 1")
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
   if not np.issubdtype(tokens.dtype, np.integer):

@@ -159,6 +159,11 @@ def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  for name in ("max_new_tokens", "batch"):
+    if getattr(f, name) < 1:
+      raise ValueError(f"--{name}={getattr(f, name)} must be >= 1")
+  if f.cache_len < 0:
+    raise ValueError(f"--cache_len={f.cache_len} must be >= 0 (0: prompt + max_new_tokens)")
   config, model, tok = _load(f)
   sampling = SamplingParams(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p)
   prompt = tok.encode(f.prompt)

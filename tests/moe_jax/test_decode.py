@@ -134,3 +134,11 @@ def test_unknown_kv_cache_mode(tiny_model):
 def test_cache_len_beyond_model_limit(tiny_model, tiny_config):
   with pytest.raises(ValueError, match="max_seq_len"):
     decode.validate_prompts(tiny_config, np.ones((1, 2), np.int32), [2], cache_len=tiny_config.max_seq_len + 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(cache_len=8, max_new_tokens=-1), "max_new_tokens=-1 must be"),
+                                             (dict(cache_len=0), "cache_len=0 must be"),
+                                             (dict(cache_len=4.0), "cache_len=4.0 must be")])
+def test_bad_lengths_are_named(tiny_config, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    decode.validate_prompts(tiny_config, np.ones((1, 2), np.int32), [2], **kwargs)
