@@ -76,6 +76,8 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
   Returns:
     {"lines", "skipped" (already done), "bad" (rejected lines), "finished", "failed"}.
   """
+  if not isinstance(max_tokens, int) or max_tokens < 1:  # the default of every line without its own: refuse it once
+    raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
   with open(input_path) as f:
     lines = f.read().splitlines()

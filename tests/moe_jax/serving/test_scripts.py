@@ -72,6 +72,15 @@ def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
     assert lines[r["line"] - 1] == good[i]
 
 
+def test_batch_decode_refuses_a_bad_default_max_tokens_before_writing(tmp_path, tiny_model):
+  src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  _write(src, [_good(0)])
+  with pytest.raises(ValueError, match="max_tokens=0 must be an int >= 1"):
+    batch_decode.run(tiny_model, ByteTokenizer(), input_path=str(src), output_path=str(out), engine_config=ENGINE,
+                     max_tokens=0, progress=False)
+  assert not out.exists()  # no line marked bad: a re-run with a good default decodes it
+
+
 def test_read_done_ids_ignores_torn_lines(tmp_path):
   p = tmp_path / "o.jsonl"
   p.write_text('{"id": 1, "text": "a"}\n{"id": "b"}\n{"id": "c", "te')
