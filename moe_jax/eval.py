@@ -133,6 +133,8 @@ def evaluate(model: nnx.Module, config: ModelConfig, *, kv_cache: str = "bf16", 
   routing_fn = _lookup("routing", routing, ROUTING_MODES)
   if not 1 <= prefix <= context:
     raise ValueError(f"prefix={prefix} must be in [1, context={context}]")
+  if windows is None and (not isinstance(n_windows, int) or n_windows < 1):
+    raise ValueError(f"n_windows={n_windows!r} must be an int >= 1")
   if context + 1 > config.max_seq_len:
     raise ValueError(f"context={context} + 1 exceeds max_seq_len={config.max_seq_len} of {config.name!r}")
   if windows is None:

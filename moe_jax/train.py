@@ -255,6 +255,8 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
   """
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
+  if tc.seq_len > config.max_seq_len:  # the model would be trained at positions it is not built to decode
+    raise ValueError(f"seq_len={tc.seq_len} exceeds max_seq_len={config.max_seq_len} of config {config.name!r}")
   corpus = corpus or data_lib.load_corpus()
   train_tokens, val_tokens = corpus["train"].tokens, corpus["validation"].tokens
   print(f"corpus: {data_lib.describe(corpus)}", flush=True)

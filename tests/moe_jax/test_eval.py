@@ -57,6 +57,11 @@ def test_unknown_modes_name_the_flag(tiny_model, tiny_config, flag):
     eval_lib.evaluate(tiny_model, tiny_config, **{flag: "no-such-mode"})
 
 
+def test_no_windows_is_refused_not_a_nan_table(tiny_model, tiny_config):
+  with pytest.raises(ValueError, match="n_windows=0 must be an int >= 1"):
+    eval_lib.evaluate(tiny_model, tiny_config, n_windows=0)
+
+
 def test_shipped_checkpoint_reproduces_its_recorded_bpb():
   recorded = checkpoints.recorded_metrics("tiny-trained")
   config, model = checkpoints.load("tiny-trained")

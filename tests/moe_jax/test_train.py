@@ -69,6 +69,13 @@ def test_learning_rate_schedule():
     train.TrainConfig(compute_dtype="int8")
 
 
+def test_sequences_longer_than_the_model_are_refused(tmp_path, config):
+  tc = dataclasses.replace(TC, seq_len=config.max_seq_len + 1)
+  with pytest.raises(ValueError, match=f"seq_len={config.max_seq_len + 1} exceeds max_seq_len"):
+    train.train(config, tc, str(tmp_path), progress=False)
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def _losses(workdir):
   with open(f"{workdir}/metrics.jsonl") as f:
     return [(r["step"], r["loss"]) for r in map(json.loads, f)]
