@@ -50,6 +50,11 @@ def prefill(model: Transformer, tokens, lengths, *, kv_cache: str = "bf16",
   """
   cache_len = cache_len or model.config.max_seq_len
   get_kv_cache_mode(kv_cache)  # Clear error for an unknown mode before tracing.
+  if not any(isinstance(a, jax.core.Tracer) for a in (tokens, lengths)):  # concrete prompts: check them by name
+    validate_prompts(model.config, tokens, lengths, cache_len=cache_len)
+    if np.shape(tokens)[1] > cache_len:
+      raise ValueError(f"tokens has {np.shape(tokens)[1]} positions but cache_len={cache_len}: trim the padding to "
+                       "at most cache_len or give a longer cache")
   return _prefill(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), kv_cache=kv_cache,
                   cache_len=cache_len)
 
@@ -64,6 +69,9 @@ def decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[
   Returns:
     (float32 logits [B, V] for the following position, KVCache with lengths + 1).
   """
+  if tokens.shape != cache.lengths.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):  # checked when traced
+    raise ValueError(f"tokens must be an integer array of shape {cache.lengths.shape} (one per sequence of the "
+                     f"cache), got {tokens.dtype} {tokens.shape}")
   out, cache = model.decode(cache, tokens[:, None])
   return out[:, 0], cache
 

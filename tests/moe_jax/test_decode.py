@@ -142,3 +142,20 @@ def test_cache_len_beyond_model_limit(tiny_model, tiny_config):
 def test_bad_lengths_are_named(tiny_config, kwargs, message):
   with pytest.raises(ValueError, match=message):
     decode.validate_prompts(tiny_config, np.ones((1, 2), np.int32), [2], **kwargs)
+
+
+def test_prefill_checks_concrete_prompts_by_name(tiny_model):
+  with pytest.raises(ValueError, match="tokens must be integers, got dtype float32"):
+    decode.prefill(tiny_model, np.ones((1, 3), np.float32), [3], cache_len=8)
+  with pytest.raises(ValueError, match=r"lengths=\[5\] exceed the token array's length 3"):
+    decode.prefill(tiny_model, np.ones((1, 3), np.int32), [5], cache_len=8)
+  with pytest.raises(ValueError, match="tokens has 10 positions but cache_len=8"):
+    decode.prefill(tiny_model, np.ones((1, 10), np.int32), [3], cache_len=8)
+
+
+def test_decode_step_names_a_token_batch_that_is_not_the_caches(tiny_model):
+  _, cache = decode.prefill(tiny_model, np.ones((2, 3), np.int32), [3, 3], cache_len=8)
+  with pytest.raises(ValueError, match=r"tokens must be an integer array of shape \(2,\).*int32 \(3,\)"):
+    decode.decode_step(tiny_model, cache, np.ones((3,), np.int32))
+  with pytest.raises(ValueError, match=r"got float32 \(2,\)"):
+    decode.decode_step(tiny_model, cache, np.ones((2,), np.float32))
