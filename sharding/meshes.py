@@ -47,6 +47,9 @@ def simulated_mesh(n_nodes: int, n_local: int | None = None,
                    devices: Sequence[jax.Device] | None = None) -> Mesh:
   """`n_nodes` × `n_local` devices of this host (default all of them) grouped into simulated nodes."""
   devices = sorted(devices if devices is not None else jax.devices(), key=lambda d: (d.process_index, d.id))
+  for name, value in (("n_nodes", n_nodes), ("n_local", n_local)):
+    if value is not None and (not isinstance(value, int) or value < 1):
+      raise ValueError(f"{name}={value!r} must be a positive int")
   if n_local is None:
     if len(devices) % n_nodes:
       raise ValueError(f"n_nodes={n_nodes} must divide the {len(devices)} devices")

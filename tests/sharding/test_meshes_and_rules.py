@@ -31,6 +31,10 @@ def test_parse_layout_errors_name_the_layout():
     meshes.parse_layout("2by4")
   with pytest.raises(ValueError, match="needs 16 devices"):
     meshes.simulated_mesh(4, 4, devices=jax.devices()[:1])
+  with pytest.raises(ValueError, match="n_nodes=0 must be a positive int"):
+    meshes.make_mesh(nodes=0)  # was a ZeroDivisionError
+  with pytest.raises(ValueError, match="n_local=-2 must be a positive int"):
+    meshes.simulated_mesh(1, -2)
 
 
 def test_rules_table_maps_logical_axes():
