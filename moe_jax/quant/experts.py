@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import dispatch, routing
-from moe_jax.experts import FusedIntoGate, grouped_matmul
+from moe_jax.experts import GROUPED_MATMULS, FusedIntoGate, grouped_matmul
 from moe_jax.moe import MoE
 from moe_jax.quant.formats import QuantizedExperts
 from moe_jax.quant.int4 import quantize_int4
@@ -302,6 +302,9 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
 
 def set_implementation(model, implementation: str):
   """Switches every MoE layer's grouped matmul implementation (in place)."""
+  if implementation not in GROUPED_MATMULS:
+    raise ValueError(f"implementation={implementation!r} is not a grouped matmul; choose one of "
+                     f"{sorted(GROUPED_MATMULS)}")
   for moe in moe_layers(model):
     if moe is not None:
       moe.implementation = implementation

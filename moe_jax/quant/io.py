@@ -49,6 +49,8 @@ def load_quantized(directory: str, *, moe_implementation: str = "xla"):
   from moe_jax.model import Transformer  # pylint: disable=g-import-not-at-top
 
   directory = os.path.abspath(directory)
+  if not os.path.isfile(os.path.join(directory, "quant.json")):
+    raise ValueError(f"{directory!r} is not a directory written by save_quantized (no quant.json)")
   with open(os.path.join(directory, "quant.json")) as f:
     meta = json.load(f)
   config = checkpoints.config_from_json(meta["model"])

@@ -390,3 +390,12 @@ def test_fuse_gate_up_refusals_and_checkpoints(tiny_config, int4_model_128, tmp_
   for model, kind in ((f, "int4_mgpu_gate_up"), (quant.to_mgpu_layout(nnx.clone(int4_model_128)), "int4_mgpu")):
     with pytest.raises(ValueError, match=rf"blocks\.0\.ffn\.w_gate: save_quantized .* '{kind}'"):
       quant.save_quantized(model, tiny_config, spec, str(tmp_path / "ck"))
+
+
+def test_unknown_implementation_and_missing_directory_are_named(tiny_model, tmp_path):
+  with pytest.raises(ValueError, match="implementation='cuda' is not a grouped matmul; choose one of"):
+    quant.set_implementation(tiny_model, "cuda")
+  from moe_jax.quant.experts import moe_layers  # pylint: disable=g-import-not-at-top
+  assert all(m is None or m.implementation == "xla" for m in moe_layers(tiny_model))  # nothing switched
+  with pytest.raises(ValueError, match="is not a directory written by save_quantized"):
+    quant.load_quantized(str(tmp_path))
