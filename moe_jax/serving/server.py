@@ -5,7 +5,8 @@
     curl -sN localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 16, "stream": true}'
 
 POST /v1/completions takes {"prompt": text or token ids, "max_tokens", "temperature", "top_p", "top_k" (extension),
-"stop": a string or list of strings, "stream"} and answers a `text_completion` object, or with "stream": true
+"stop": a string or list of strings, "stream"} ("n" / "best_of" other than 1 are refused: one completion per
+request) and answers a `text_completion` object, or with "stream": true
 server-sent events, one `data: {...}` chunk per text delta and `data: [DONE]` at the end. GET /v1/models lists the
 model. Errors: 400 invalid request (the engine's message), 429 queue full (back-pressure), 500 a request that failed
 (e.g. non-finite logits). The engine runs on its own thread; each HTTP request is served on its own thread and waits
@@ -24,6 +25,7 @@ from moe_jax.serving.engine import Engine
 from moe_jax.serving.request import InvalidRequest, QueueFull, RequestFailed
 
 _SAMPLING = ("temperature", "top_p", "top_k")
+_ONE_CHOICE = ("n", "best_of")
 
 
 class TextStream:
@@ -65,7 +67,13 @@ def _parse(body: dict, tokenizer) -> dict:
   stop = [stop] if isinstance(stop, str) else stop
   if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
     raise InvalidRequest("\"stop\" must be a string or a list of strings")
-  return dict(prompt=ids, max_tokens=body.get("max_tokens", 16), stream=bool(body.get("stream", False)),
+  stream = body.get("stream", False)
+  if not isinstance(stream, bool) and stream is not None:
+    raise InvalidRequest(f"\"stream\" must be true or false, got {stream!r}")
+  for name in _ONE_CHOICE:  # one completion per request: refused rather than silently ignored
+    if body.get(name, 1) not in (1, None):
+      raise InvalidRequest(f"\"{name}\"={body[name]!r}: this server returns one completion per request (1)")
+  return dict(prompt=ids, max_tokens=body.get("max_tokens", 16), stream=bool(stream),
               sampling={k: body[k] for k in _SAMPLING if k in body and body[k] is not None}, stop=stop)
 
 

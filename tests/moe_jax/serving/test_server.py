@@ -70,6 +70,9 @@ def test_token_id_prompt_and_models_route(server):
     ({"prompt": [1, 999]}, "outside the vocabulary"),
     ({"prompt": 5}, "must be a string or a list"),
     ({"prompt": "hi", "stop": 3}, "stop"),
+    ({"prompt": "hi", "stream": "yes"}, "\"stream\" must be true or false"),
+    ({"prompt": "hi", "n": 3}, "one completion per request"),
+    ({"prompt": "hi", "max_tokens": 2, "n": 1, "stream": False}, None),
 ])
 def test_bad_requests_get_400(server, body, message):
   _, url = server
