@@ -274,9 +274,10 @@ def markdown(result: dict) -> str:
   by = {}
   for r in result["rows"]:
     by.setdefault((r["experts"], r["k"], r["n"], r["rows"]), {})[r["impl"]] = r
-  copies = "; ".join(f"{run['date']}" + (f" (E = {', '.join(map(str, run['experts']))})" if "experts" in run else "")
-                     + f": read-only sum {run_copy(i):.2f} TB/s, f32 x+1 {run['copy']['f32_add']['TB_per_s']:.2f} TB/s"
-                     for i, run in enumerate(runs))
+  copies = "; ".join(
+      f"{run['date']}" + (f" (E = {', '.join(map(str, run['experts']))})" if "experts" in run else "")
+      + f": read-only sum {run_copy(i):.2f} TB/s, f32 x+1 {run['copy']['f32_add']['TB_per_s']:.2f} TB/s"
+      for i, run in enumerate(runs))
   out = [f"Device {result['device']}, jax {result['jax']}; kernel time by {result['timing']} "
          f"(median, L2 flushed before each call); group size {result['group_size']}, {result['routing']} routing. "
          f"{'Runs' if len(runs) > 1 else 'Run'} and the copy bandwidth measured in each (every row's ratios and % "

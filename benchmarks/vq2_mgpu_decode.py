@@ -10,11 +10,11 @@
       "_prmt": {"index_extract": "prmt"}}'                      # the index byte by prmt against shift + and
 
 `--check_only` compares the kernel (per-expert and per-layer codebooks, the CHECK_CONFIGS: C = 2 / 3 / 4, block_k
-256 / 512, 32-row tiles, the prmt index extraction) with float32 dequantization on the GPU over awkward group sizes (empty experts, one row, all
-rows in one expert), with 3 to 46 trailing rows of no expert that must come back zero, and writes
-`vq2_mgpu_check.json` in --out; a timing run reads that file (running the check first when it is absent) and
-refuses to time after a failed check. `--variants` (JSON) replaces the timed
-variants, `--rows` the row counts, `--vq2_only` skips the Triton vq2 and WS int4 rows. Timing, at <= 16 rows
+256 / 512, 32-row tiles, the prmt index extraction) with float32 dequantization on the GPU over awkward group sizes
+(empty experts, one row, all rows in one expert), with 3 to 46 trailing rows of no expert that must come back zero,
+and writes `vq2_mgpu_check.json` in --out; a timing run reads that file (running the check first when it is absent)
+and refuses to time after a failed check. `--variants` (JSON) replaces the timed variants, `--rows` the row counts,
+`--vq2_only` skips the Triton vq2 and WS int4 rows. Timing, at <= 16 rows
 per expert with every expert active (balanced routing by default): XLA `ragged_dot` bf16, jax's Mosaic
 `ragged_dot_mgpu` bf16, the Triton int4 and vq2 kernels, the warp-specialized int4 kernel (defaults) and the vq2
 kernel (defaults, per-expert codebooks; then per-layer; then its memory side alone, `ablate="no_compute"`); CUPTI
