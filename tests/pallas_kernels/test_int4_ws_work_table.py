@@ -18,6 +18,21 @@ def _random_case(rng, experts=None):
                      n_ctas=n_ctas)
 
 
+def _assert_awkward_cases_drawn(cases):
+  """The random cases (each a fresh compile of the tables, ~0.5 s on CPU) hold every awkward case: empty experts
+  beside full ones, rows past the groups, a single expert, M' beyond M rounded to 8 (a window longer than M),
+  block_r 8 and 16, 1, 2 and 3 N tiles, and at least 5 CTA counts, one CTA among them."""
+  seen = set()
+  for sizes, kw in cases:
+    seen |= {("block_r", kw["block_r"]), ("n_tiles", kw["n_tiles"]), ("n_ctas", kw["n_ctas"])}
+    seen |= {name for name, hit in [("empty experts", len(sizes) > 1 and (sizes == 0).any() and sizes.any()),
+                                    ("rows past the groups", kw["m"] > sizes.sum()), ("one expert", len(sizes) == 1),
+                                    ("long window", kw["m_loaded"] > kw["m"] + (-kw["m"] % 8))] if hit}
+  want = {"empty experts", "rows past the groups", "one expert", "long window", ("block_r", 8), ("block_r", 16),
+          ("n_tiles", 1), ("n_tiles", 2), ("n_tiles", 3), ("n_ctas", 1)}
+  assert want <= seen and len({x for x in seen if x[0] == "n_ctas"}) >= 5, sorted(map(str, want - seen))
+
+
 @pytest.mark.parametrize("experts,prefix,block,aligned", [
     (1, "masked", 64, False), (3, "scan", 16, True), (8, "masked", 64, True), (8, "scan", 16, False),
     (64, "masked", 64, False), (64, "scan", 32, True), (130, "masked", 32, False), (130, "scan", 16, True)])
@@ -61,8 +76,9 @@ def test_reference_matches_row_tiles():
   """The masked-sum table equals the one built from `row_tiles` on every row a CTA reads, over random group
   sizes (empty experts, rows past the groups, block_r 8 / 16, several N tiles and CTA counts)."""
   rng = np.random.default_rng(0)
-  for _ in range(40):
-    sizes, kw = _random_case(rng)
+  cases = [_random_case(rng) for _ in range(20)]
+  _assert_awkward_cases_drawn(cases)
+  for sizes, kw in cases:
     want = _work_table_from_row_tiles(sizes, **kw)
     got = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw))
     assert got.shape == (*want.shape[:2], 8)
@@ -103,8 +119,9 @@ def test_aligned_tiles_cover_random_groups_with_fewer_window_rows():
   an R-row window; at most one tile per expert more than padded tiles; and under balanced routing (1, 8 or 16 rows
   per expert) exactly as many tiles as padded."""
   rng = np.random.default_rng(1)
-  for _ in range(30):
-    sizes, kw = _random_case(rng)
+  cases = [_random_case(rng) for _ in range(21)]
+  _assert_awkward_cases_drawn(cases)
+  for sizes, kw in cases:
     kw["m_loaded"] = max(kw["m_loaded"], wt.window(kw["block_r"], True))
     table = np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw, aligned=True))
     _check_coverage(table, sizes, kw["m"], kw["m_loaded"], kw["block_r"], kw["n_tiles"], True)

@@ -152,7 +152,8 @@ def test_uniform_mode_marks_a_symmetric_cache():
   h = 128
   k = jax.random.normal(jax.random.PRNGKey(5), (B, 300, K, h)) * jnp.ones(h).at[9].set(5.0)
   v = jax.random.normal(jax.random.PRNGKey(6), (B, 300, K, h))
-  c = OSKVPMode(window=R, uniform=True).from_prefill(k, v, jnp.array([300, 150]), 320, layer=0)
+  c = jax.jit(lambda k, v: OSKVPMode(window=R, uniform=True).from_prefill(k, v, jnp.array([300, 150]), 320,
+                                                                          layer=0))(k, v)
   assert c.symmetric
   o = oskvp.n_outliers(h, 0.08)
   for cb in (c.cb_k, c.cb_v):

@@ -2,6 +2,7 @@
 residual window, against the XLA OS-KVP attention on the same cache (outlier channels zeroed, then included)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +16,20 @@ from moe_jax.kv_quant import oskvp_uniform_codes as uc
 B, K, G, H, R = 2, 2, 4, 128, 16
 
 
+@jax.jit
+def _prefill(k, v, lengths):
+  """`OSKVPMode(uniform=True).from_prefill` as one program, as the model's jitted prefill runs it (op by op, the fit
+  compiles for ~10 s per shape on CPU); the lengths are traced, so one compile per kv head count."""
+  return OSKVPMode(window=R, uniform=True).from_prefill(k, v, lengths, 512, layer=0)
+
+
+@functools.cache  # the caches are immutable pytrees: the tests that build the same one share it
 def _cache(zero_outliers=True, kv_heads=K, lengths=(300, 150), seed=1):
   """A real uniform cache: the prompts' tokens in a 512-token store (capacity = 4 splits · 1 block · 128); the values
   tokens contiguous, as `OSKVPMode(uniform=True)` stores them."""
   k = jax.random.normal(jax.random.PRNGKey(seed), (B, 300, kv_heads, H)) * jnp.linspace(0.5, 2.0, H)
   v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B, 300, kv_heads, H))
-  c = OSKVPMode(window=R, uniform=True).from_prefill(k, v, jnp.array(lengths), 512, layer=0)
+  c = _prefill(k, v, jnp.array(lengths))
   assert c.values_contiguous and c.codes_v.shape == (B, kv_heads, H // 4, 512)
   if not zero_outliers:
     return c
@@ -31,12 +40,16 @@ def _rows(x):
   return x.reshape(-1, *x.shape[2:])
 
 
+@jax.jit
+def _xla_attention(c, q):
+  codes_v, outl_v = c.value_store()
+  return attn.oskvp_decode_attention_xla(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, codes_v, outl_v, c.scale_v, c.cb_v,
+                                         c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp, c.n_res)
+
+
 def _xla(c, q):
   """The XLA OS-KVP attention over the cache's token-major view."""
-  codes_v, outl_v = c.value_store()
-  return np.asarray(attn.oskvp_decode_attention_xla(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, codes_v, outl_v,
-                                                    c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
-                                                    c.n_res), np.float32)
+  return np.asarray(_xla_attention(c, q), np.float32)
 
 
 def _wired(c, q, glue="pallas", max_splits=None):
@@ -47,9 +60,8 @@ def _wired(c, q, glue="pallas", max_splits=None):
                     np.float32)
 
 
-def _exact_codes(c, q):
-  """attend_codes' exact ("xla") path merged with the window and rotated back: the wired function's arithmetic
-  without the kernel's quantization."""
+@jax.jit
+def _exact_codes_attention(c, q):
   kh, g = c.codes_k.shape[1], q.shape[1] // c.codes_k.shape[1]
   q_rot = _rows(jnp.einsum("BKGH,BKHJ->BKGJ", q.reshape(B, kh, g, H), c.u_k))
   scale = H**-0.5
@@ -58,7 +70,13 @@ def _exact_codes(c, q):
                                                           _rows(c.scale_v)), scale=scale, implementation="xla")
   o_r, lse_r = uc.window_attention(q_rot, _rows(c.res_k), _rows(c.res_v), jnp.repeat(c.n_res, kh), scale=scale)
   o, _ = uc.merge_lse2(o_c, lse_c, o_r, lse_r)
-  return np.asarray(jnp.einsum("bgj,bhj->bgh", o, _rows(c.u_v)).reshape(B, kh * g, H))
+  return jnp.einsum("bgj,bhj->bgh", o, _rows(c.u_v)).reshape(B, kh * g, H)
+
+
+def _exact_codes(c, q):
+  """attend_codes' exact ("xla") path merged with the window and rotated back: the wired function's arithmetic
+  without the kernel's quantization."""
+  return np.asarray(_exact_codes_attention(c, q))
 
 
 def _rel(x, want):
@@ -109,6 +127,21 @@ def test_groups_and_ragged_lengths(kv_heads, g, lengths):
     assert _rel(got[i], want[i]) < (1e-5 if int(c.n_comp[i]) == 0 else 0.03), (i, _rel(got[i], want[i]))
 
 
+@jax.jit
+def _extend(c, q, k, v):
+  return c.extend(q, k, v, None)
+
+
+def _decode(c, q, k, v):
+  """`c.extend` token by token, as decode steps call it (T = 1), through one compiled step per cache layout (op by
+  op, each token cost ~1 s of compiles on CPU, the flush's `lax.cond` included): ([B, T, N, H], cache)."""
+  outs = []
+  for t in range(q.shape[1]):
+    o, c = _extend(c, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+    outs.append(o)
+  return jnp.concatenate(outs, axis=1), c
+
+
 def test_values_contiguous_cache_decodes_like_the_token_major_one():
   """The same uniform cache stored both ways decodes identically on the XLA path through window flushes (the
   flush writes a block of value tokens at n_comp into [B, K, X, S]); `dequantized` agrees too."""
@@ -118,8 +151,8 @@ def test_values_contiguous_cache_decodes_like_the_token_major_one():
   steps = 2 * R + 3  # two flushes of the window
   q = jax.random.normal(jax.random.PRNGKey(8), (B, steps, K * G, H))
   kv = jax.random.normal(jax.random.PRNGKey(9), (2, B, steps, K, H))
-  o_c, c2 = c.extend(q, kv[0], kv[1], None)
-  o_t, t2 = t.extend(q, kv[0], kv[1], None)
+  o_c, c2 = _decode(c, q, kv[0], kv[1])
+  o_t, t2 = _decode(t, q, kv[0], kv[1])
   np.testing.assert_array_equal(np.asarray(o_c), np.asarray(o_t))
   assert int(c2.n_comp[1]) > int(c.n_comp[1])
   np.testing.assert_array_equal(np.asarray(c2.value_store()[0]), np.asarray(t2.codes_v))
@@ -174,7 +207,8 @@ def test_merge_handles_empty_sides():
 def test_layer_cache_dispatches_to_the_core(monkeypatch):
   """`implementation="pallas"` on a values_contiguous cache runs `uniform_decode_attention` inside `extend` (here
   with the core in interpret mode): the same arguments in the same order as the XLA path gets, so decode steps
-  agree with the XLA cache's to 3%; a call counter shows the core path ran."""
+  agree with the XLA cache's to 3%; a call counter shows the core path ran (in each of the two steps of the jitted
+  `extend`)."""
   c = _cache(zero_outliers=False)
   calls = []
   orig = uc.uniform_decode_attention
@@ -186,8 +220,9 @@ def test_layer_cache_dispatches_to_the_core(monkeypatch):
   monkeypatch.setattr(uc, "uniform_decode_attention", interpreted)
   q = jax.random.normal(jax.random.PRNGKey(10), (B, 2, K * G, H))
   kv = jax.random.normal(jax.random.PRNGKey(11), (2, B, 2, K, H))
-  o_p, _ = dataclasses.replace(c, implementation="pallas").extend(q, kv[0], kv[1], None)
-  o_x, _ = dataclasses.replace(c, implementation="xla").extend(q, kv[0], kv[1], None)
+  extend = jax.jit(lambda c, q, k, v: c.extend(q, k, v, None))  # traced here, with the patch in place
+  o_p, _ = extend(dataclasses.replace(c, implementation="pallas"), q, kv[0], kv[1])
+  o_x, _ = extend(dataclasses.replace(c, implementation="xla"), q, kv[0], kv[1])
   assert calls == [(B, K * G, H)] * 2
   assert _rel(np.asarray(o_p), np.asarray(o_x)) < 0.03
 
@@ -210,7 +245,8 @@ def test_layer_cache_takes_the_triton_path_off_hopper(monkeypatch):
   monkeypatch.setattr(oskvp_cache, "oskvp_decode_attention", recorded)
   q = jax.random.normal(jax.random.PRNGKey(10), (B, 2, K * G, H))
   kv = jax.random.normal(jax.random.PRNGKey(11), (2, B, 2, K, H))
-  o_p, _ = dataclasses.replace(c, implementation="pallas").extend(q, kv[0], kv[1], None)
-  o_x, _ = dataclasses.replace(c, implementation="xla").extend(q, kv[0], kv[1], None)
+  extend = jax.jit(lambda c, q, k, v: c.extend(q, k, v, None))  # traced here, with the patches in place
+  o_p, _ = extend(dataclasses.replace(c, implementation="pallas"), q, kv[0], kv[1])
+  o_x, _ = extend(dataclasses.replace(c, implementation="xla"), q, kv[0], kv[1])
   assert impls[0] == "pallas"
   np.testing.assert_allclose(np.asarray(o_p), np.asarray(o_x), rtol=1e-6, atol=1e-6)
