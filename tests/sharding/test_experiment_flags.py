@@ -1,0 +1,27 @@
+"""`sharding.experiments.check_flags`: settings that would fail every row of the sweep are refused before it."""
+
+import types
+
+import pytest
+
+from sharding import experiments
+
+GOOD = dict(layouts="1x8,2x4", transports="padded,ragged_emulated", batch=16, prompt_len=32, steps=20,
+            lambdas="0,0.05", ranks="0,8")
+
+
+def test_good_flags_give_the_layouts():
+  assert experiments.check_flags(types.SimpleNamespace(**GOOD)) == [(1, 8), (2, 4)]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(transports="padded,bogus"), r"\['bogus'\] not among"),
+    (dict(batch=12), "batch=12 must be divisible by the 8 devices of layout 1x8"),
+    (dict(steps=0), "steps=0 must be >= 1"),
+    (dict(lambdas="0,a"), "lambdas='0,a' must be comma-separated floats"),
+    (dict(ranks="8,1.5"), "ranks='8,1.5' must be comma-separated ints"),
+    (dict(layouts="2by4"), "layout='2by4'"),
+])
+def test_bad_flags_are_named(change, message):
+  with pytest.raises(ValueError, match=message):
+    experiments.check_flags(types.SimpleNamespace(**{**GOOD, **change}))
