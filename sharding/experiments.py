@@ -45,7 +45,7 @@ from moe_jax import eval as eval_lib
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import surrogates as surrogates_lib
-from sharding import expert_parallel, hlo_collectives, meshes, rules, runner
+from sharding import experiment_flags, hlo_collectives, meshes, rules, runner
 
 ROW_KEYS = ["layout", "routing", "transport", "step_ms", "node_axis_bytes_per_step", "node_axis_payload_bytes_per_step",
             "remote_rate", "surrogate_rate", "bpb_delta", "kl", "max_abs_err"]
@@ -159,29 +159,8 @@ def payload_bytes(config, rate: float, batch: int) -> float:
   return rate * batch * config.n_experts_per_tok * config.d_model * 4 * 2 * n_moe
 
 
-def check_flags(f) -> list[tuple[int, int]]:
-  """The flags' layouts [(nodes, local)], after refusing, by name, settings that would fail (or time nothing) in
-  every row of the sweep instead of before it."""
-  layouts = [meshes.parse_layout(s) for s in f.layouts.split(",")]
-  bad = [t for t in f.transports.split(",") if t not in expert_parallel.TRANSPORTS]
-  if bad:
-    raise ValueError(f"transports={f.transports!r}: {bad} not among {expert_parallel.TRANSPORTS}")
-  for name in ("batch", "prompt_len", "steps"):
-    if getattr(f, name) < 1:
-      raise ValueError(f"{name}={getattr(f, name)} must be >= 1")
-  for n, l in layouts:
-    if f.batch % (n * l):
-      raise ValueError(f"batch={f.batch} must be divisible by the {n * l} devices of layout {n}x{l}")
-  for name, kind in (("lambdas", float), ("ranks", int)):
-    try:
-      [kind(v) for v in getattr(f, name).split(",")]
-    except ValueError:
-      raise ValueError(f"{name}={getattr(f, name)!r} must be comma-separated {kind.__name__}s") from None
-  return layouts
-
-
 def run(f) -> dict:
-  layouts = check_flags(f)
+  layouts = experiment_flags.check_flags(f)
   config, model, trained = load_model(f.config)
   windows, calib = token_data(config, n_windows=f.windows, context=f.context, n_calib=4, calib_len=f.context)
   quality = Quality(model, windows, f.prefix)

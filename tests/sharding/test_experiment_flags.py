@@ -1,10 +1,10 @@
-"""`sharding.experiments.check_flags`: settings that would fail every row of the sweep are refused before it."""
+"""`sharding.experiment_flags.check_flags`: settings that would fail every row of the sweep are refused before it."""
 
 import types
 
 import pytest
 
-from sharding import experiments
+from sharding import experiment_flags as experiments
 
 GOOD = dict(layouts="1x8,2x4", transports="padded,ragged_emulated", batch=16, prompt_len=32, steps=20,
             lambdas="0,0.05", ranks="0,8")

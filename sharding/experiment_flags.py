@@ -1,0 +1,27 @@
+"""The checks of `sharding.experiments`' flags, importable without that script's XLA_FLAGS side effect (it asks
+for 8 CPU devices at import, which would leak into a test process)."""
+
+from __future__ import annotations
+
+from sharding import expert_parallel, meshes
+
+
+def check_flags(f) -> list[tuple[int, int]]:
+  """The flags' layouts [(nodes, local)], after refusing, by name, settings that would fail (or time nothing) in
+  every row of the sweep instead of before it."""
+  layouts = [meshes.parse_layout(s) for s in f.layouts.split(",")]
+  bad = [t for t in f.transports.split(",") if t not in expert_parallel.TRANSPORTS]
+  if bad:
+    raise ValueError(f"transports={f.transports!r}: {bad} not among {expert_parallel.TRANSPORTS}")
+  for name in ("batch", "prompt_len", "steps"):
+    if getattr(f, name) < 1:
+      raise ValueError(f"{name}={getattr(f, name)} must be >= 1")
+  for n, l in layouts:
+    if f.batch % (n * l):
+      raise ValueError(f"batch={f.batch} must be divisible by the {n * l} devices of layout {n}x{l}")
+  for name, kind in (("lambdas", float), ("ranks", int)):
+    try:
+      [kind(v) for v in getattr(f, name).split(",")]
+    except ValueError:
+      raise ValueError(f"{name}={getattr(f, name)!r} must be comma-separated {kind.__name__}s") from None
+  return layouts
