@@ -52,9 +52,6 @@ def prefill(model: Transformer, tokens, lengths, *, kv_cache: str = "bf16",
   get_kv_cache_mode(kv_cache)  # Clear error for an unknown mode before tracing.
   if not any(isinstance(a, jax.core.Tracer) for a in (tokens, lengths)):  # concrete prompts: check them by name
     validate_prompts(model.config, tokens, lengths, cache_len=cache_len)
-    if np.shape(tokens)[1] > cache_len:
-      raise ValueError(f"tokens has {np.shape(tokens)[1]} positions but cache_len={cache_len}: trim the padding to "
-                       "at most cache_len or give a longer cache")
   return _prefill(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), kv_cache=kv_cache,
                   cache_len=cache_len)
 
@@ -92,6 +89,9 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
     raise ValueError(f"cache_len={cache_len!r} must be an int >= 1")
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+  if tokens.shape[1] > cache_len:
+    raise ValueError(f"tokens has {tokens.shape[1]} positions but cache_len={cache_len}: trim the padding to at most "
+                     "cache_len or give a longer cache")
   if not np.issubdtype(tokens.dtype, np.integer):
     raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
   if lengths.shape != (tokens.shape[0],):
