@@ -7,10 +7,10 @@
       "_no_lookup": {"ablate": "no_lookup"}, "_no_decode": {"ablate": "no_decode"},
       "_no_compute": {"ablate": "no_compute"}}'                                      # where the time goes
   PYTHONPATH=$PWD python3 benchmarks/vq2_mgpu_decode.py --vq2_only --tag=_index --out=$OUT --variants='{"": {},
-      "_prmt": {"index_extract": "prmt"}}'                      # the index byte by prmt against shift + and
+      "_shift": {"index_extract": "shift"}}'                    # the index byte by shift + and against prmt
 
 `--check_only` compares the kernel (per-expert and per-layer codebooks, the CHECK_CONFIGS: C = 2 / 3 / 4, block_k
-256 / 512, 32-row tiles, the prmt index extraction) with float32 dequantization on the GPU over awkward group sizes
+256 / 512, 32-row tiles, the shift-and-and index extraction) with float32 dequantization on the GPU over awkward group sizes
 (empty experts, one row, all rows in one expert), with 3 to 46 trailing rows of no expert that must come back zero,
 and writes `vq2_mgpu_check.json` in --out; a timing run reads that file (running the check first when it is absent)
 and refuses to time after a failed check. `--variants` (JSON) replaces the timed variants, `--rows` the row counts,
@@ -48,7 +48,7 @@ SHAPES = [(8, 4096, 14336, [16, 64, 128]), (64, 4096, 2048, [64, 512, 1024]), (1
 CHECK_CONFIGS = {"default": {}, "c2_k512": dict(num_compute_wgs=2, block_k=512),
                  "c3_k256": dict(num_compute_wgs=3, block_k=256), "c4_k256": dict(num_compute_wgs=4, block_k=256),
                  "c4_k512": dict(num_compute_wgs=4, block_k=512), "r32": dict(block_r=32),
-                 "prmt_index": dict(index_extract="prmt")}
+                 "shift_index": dict(index_extract="shift")}
 
 
 # The vq2 kernel's timed variants: row suffix -> options: the weight's codebook ("expert" / "layer"), then the

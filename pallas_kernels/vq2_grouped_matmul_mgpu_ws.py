@@ -34,15 +34,17 @@ item (per-expert codebooks): at an item whose codebook differs from the previous
 arrives at a barrier once it no longer reads the old one, the first waits for all of them and issues the TMA copy of
 the new one (32 KB, from L2 after the first CTA), and all wait for it.
 
-Measured on the H200 (jax 0.11.2, CUPTI, L2 flushed; results/vq2_mgpu_grid.md, the issue's grid with every expert
-active and <= 16 rows each): 2.63-3.37x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) with
-per-expert codebooks, 2.75-3.56x with one per layer, where the Triton vq2 kernel is 0.38-0.48x; 34-42% of copy
-bandwidth on its bytes; about the WS int4 kernel's time (2.67-3.16x in the same run) on half its bytes. Where the
-time goes (results/vq2_mgpu_split.md, _split768.md): without the codebook's shared loads (`ablate="no_lookup"`) the
-kernel's time changes by -3 to +1%, so the look-ups' shared-memory traffic is not the bound; the decode's instructions
-(address arithmetic and prmts, ~97 per lane and 64 weights: ~21 us of issue at 8 x 4096->14336) cost 0.024-0.029 ms
-at the 4096-K shapes; with a constant operand (`"no_decode"`) the kernel is 3.8-5.1x, the memory side alone
-(`"no_compute"`) 5.2-6.7x. Tried and not kept
+Measured on the H200 (jax 0.11.2, CUPTI, L2 flushed; every expert active, <= 16 rows each, per-expert codebooks):
+2.70-3.58x the best bf16 peer (XLA `ragged_dot`, Mosaic `ragged_dot_mgpu`) at 35-45% of copy bandwidth on its bytes
+(results/vq2_mgpu_index.md: the prmt index extraction, 1-8% faster than the shift form's 2.62-3.30x in the same
+call). With the shift form over the issue's grid (results/vq2_mgpu_grid.md): 2.63-3.37x, 2.75-3.56x with one
+codebook per layer, where the Triton vq2 kernel is 0.38-0.48x; about the WS int4 kernel's time (2.67-3.16x in the
+same run) on half its bytes. Where the time goes (shift form; results/vq2_mgpu_split.md, _split768.md): without the
+codebook's shared loads (`ablate="no_lookup"`) the kernel's time changes by -3 to +1%, so the look-ups'
+shared-memory traffic is not the bound; the decode's instructions (address arithmetic and prmts, ~97 per lane and 64
+weights with the shift form, ~81 with prmt: ~21 / ~18 us of issue at 8 x 4096->14336) cost 0.024-0.029 ms at the
+4096-K shapes; with a constant operand (`"no_decode"`) the kernel is 3.8-5.1x, the memory side alone
+(`"no_compute"`) 5.2-6.7x, so no cheaper decode reaches 5x at the Mixtral and Qwen3 shapes. Tried and not kept
 (results/vq2_mgpu_orders.md, _cfg14336.md, _cfg2048.md): a K order whose vectors are the thread's own register
 pairs (no prmt; lhs's columns permuted per K group instead), from 7% faster to 10% slower, no consistent gain;
 look-ups through an LLVM load at a GEP of the codebook's pointer, up to 14% slower; C = 3 (block_k 256 or 512),
@@ -147,12 +149,13 @@ def _vector_indices(words):
 _SELECT = (0x5410, 0x7632)  # prmt: low halves of a and b / high halves
 
 
-def _lookup_registers(i_smem, cb_ref, group: int, no_lookup: bool = False, index_extract: str = "shift"):
+def _lookup_registers(i_smem, cb_ref, group: int, no_lookup: bool = False, index_extract: str = "prmt"):
   """K group `group` of the step's index tile (int32 [bn/16, gk, 128] in shared memory) and the replicated codebook
   -> bf16 [64, 128] wgmma operand of this warpgroup (the codewords, unscaled): one 16-byte shared load of the lane's
-  index words; per vector a shift, an and, an add and one 8-byte shared load (inline `ld.shared.v2.b32` at a 32-bit
-  address); a prmt per register. index_extract "prmt" takes the index byte by a zero-filling prmt instead of the
-  shift and the and (2 instructions per vector, the shift by 7 and the add left to ptxas's lea, instead of 3).
+  index words; per vector a zero-filling prmt that takes the index byte, a shift by 7 and an add (one `lea` after
+  ptxas) and one 8-byte shared load (inline `ld.shared.v2.b32` at a 32-bit address); a prmt per register.
+  index_extract "shift" takes the byte by a shift and an and instead (3 instructions per vector before the load,
+  1-8% slower on the H200: results/vq2_mgpu_index.md).
   no_lookup (timing only): the 8-byte load is left out and the masked index word stands in for both codeword
   registers (wrong values; the index loads, the address arithmetic, the prmts and the wgmmas stay)."""
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
@@ -330,7 +333,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
                                block_r: int | None = None, max_concurrent_steps: int | None = None,
                                memory_registers: int | None = None, compute_registers: int | None = None,
                                num_ctas: int | None = None, interpret: bool | plgpu.InterpretGPUParams = False,
-                               ablate: str = "", table_impl: str = "pallas", index_extract: str = "shift") -> jax.Array:
+                               ablate: str = "", table_impl: str = "pallas", index_extract: str = "prmt") -> jax.Array:
   """lhs bf16 [M, Kp] (rows sorted by expert) @ vq2 W [E, Kp, N] per group_sizes int32 [E] -> float32 [M, N].
 
   Args:
@@ -347,9 +350,9 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
       the stores but gives every wgmma a constant operand (no index loads or look-ups); "no_lookup" (GPU only) keeps
       everything but the codebook's shared loads (their addresses stand in for the codewords). With the kernel they
       split the compute's time over the stream into look-ups, the rest of the decode, and the wgmmas and epilogue.
-    index_extract: how the GPU path takes a vector's index byte from its word: "shift" (shift and and, the measured
-      default) or "prmt" (one zero-filling prmt; one instruction fewer per vector; not yet timed on the H200).
-      Interpret mode runs the look-ups in jnp either way.
+    index_extract: how the GPU path takes a vector's index byte from its word: "prmt" (one zero-filling prmt, the
+      default) or "shift" (a shift and an and: one instruction more per vector, 1-8% slower on the H200 over the
+      issue's grid, results/vq2_mgpu_index.md). Interpret mode runs the look-ups in jnp either way.
   """
   if not isinstance(weights, MgpuVQ2Weights):
     raise TypeError(f"weights must come from to_mgpu_layout, got {type(weights).__name__}")

@@ -91,14 +91,15 @@ def table_in_jnp(monkeypatch):
 def test_gpu_path_lowers_with_one_lookup_per_vector(books, cfg, table_in_jnp):
   """The GPU path (inline-PTX look-ups, wgmma from registers, the codebook's barrier protocol) lowers to a Mosaic GPU
   kernel with 16 `ld.shared.v2.b32` look-ups per compute thread and K group (8 vectors for each of its 2 rows) in
-  each of the 4 pipeline forms (one item; START, STEADY, STOP), and 4 prmt per 2 look-ups."""
+  each of the 4 pipeline forms (one item; START, STEADY, STOP), and per 2 look-ups 4 prmt for the registers and 2
+  for the index bytes (the default index_extract="prmt")."""
   w = vm.to_mgpu_layout(_weights(512, books, k=1024))
   x, gs = jnp.ones((64, 1024), jnp.bfloat16), jnp.full((E,), 16, jnp.int32)
   f = jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, num_ctas=132, **cfg))
   text = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))
   groups = cfg.get("block_k", 256) // 128
   assert len(re.findall(r"ld\.shared\.v2\.b32", text)) == 16 * groups * 4
-  assert len(re.findall(r"prmt\.b32", text)) == 32 * groups * 4
+  assert len(re.findall(r"prmt\.b32", text)) == 48 * groups * 4
 
 
 def test_prmt_index_extract_trades_the_shift_and_and_for_one_prmt(table_in_jnp):
@@ -133,10 +134,11 @@ def test_no_decode_ablation_multiplies_the_scales(interpreted):
   assert not np.any(got[21:])
 
 
-@pytest.mark.parametrize("ablate,lookups,prmts", [("no_lookup", 0, 32), ("no_decode", 0, 0)])
+@pytest.mark.parametrize("ablate,lookups,prmts", [("no_lookup", 0, 48), ("no_decode", 0, 0)])
 def test_timing_ablations_lower_without_their_part(ablate, lookups, prmts, table_in_jnp):
   """The timing ablations lower for CUDA without the part they leave out: no_lookup has no codebook loads but its
-  prmts, no_decode neither (per K group and pipeline form, as in the kernel's own lowering test)."""
+  prmts (the registers' and the index bytes'), no_decode neither (per K group and pipeline form, as in the kernel's
+  own lowering test)."""
   w = vm.to_mgpu_layout(_weights(512, k=1024))
   x, gs = jnp.ones((64, 1024), jnp.bfloat16), jnp.full((E,), 16, jnp.int32)
   f = jax.jit(functools.partial(vm.vq2_grouped_matmul_mgpu_ws, num_ctas=132, ablate=ablate))
