@@ -120,15 +120,16 @@ def balanced_groups(rows: int, e: int) -> np.ndarray:
 ROUTINGS = ("balanced", "random")
 
 
-def routed_groups(rows: int, e: int, routing: str = "balanced") -> np.ndarray:
+def routed_groups(rows: int, e: int, routing: str = "balanced", seed: int = 0) -> np.ndarray:
   """Group sizes int32 [E] of `rows` rows: "balanced" (rows // E each, the remainder to the first experts) or
-  "random" (each row to a uniformly random expert, fixed seed: uneven sizes, some experts empty at few rows, groups
-  starting anywhere)."""
+  "random" (each row to a uniformly random expert, a fixed draw per seed: uneven sizes, some experts empty at few
+  rows, groups starting anywhere; seed 0 is the draw of the results before seeds existed)."""
   if routing == "balanced":
     return balanced_groups(rows, e)
   if routing != "random":
     raise ValueError(f"routing={routing!r} must be one of {ROUTINGS}")
-  return np.bincount(np.random.default_rng(rows * 1000 + e).integers(0, e, rows), minlength=e).astype(np.int32)
+  rng = np.random.default_rng(rows * 1000 + e if seed == 0 else [rows, e, seed])
+  return np.bincount(rng.integers(0, e, rows), minlength=e).astype(np.int32)
 
 
 def random_int4(key, e, k, n, sparse=False):
@@ -362,8 +363,10 @@ def sweep_markdown(result: dict) -> str:
   by = {}
   for r in result["rows"]:
     by.setdefault((r["experts"], r["k"], r["n"], r["rows"]), []).append(r)
-  out = [f"Device {result['device']}, jax {result['jax']}, {result['date']}; copy (read-only sum) {copy:.2f} TB/s.",
-         "", "| E, K->N | rows | impl | ms | TB/s | x best bf16 | % copy |", "|---|---|---|---|---|---|---|"]
+  routing = result.get("routing", "balanced")
+  routing += f" (seed {result['seed']})" if routing == "random" and "seed" in result else ""
+  out = [f"Device {result['device']}, jax {result['jax']}, {result['date']}; copy (read-only sum) {copy:.2f} TB/s; "
+         f"routing {routing}.", "", "| E, K->N | rows | impl | ms | TB/s | x best bf16 | % copy |", "|---|---|---|---|---|---|---|"]
   for (e, k, n, rows), rs in sorted(by.items()):
     peer = min(r["ms"] for r in rs if r["impl"] in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16"))
     for r in sorted(rs, key=lambda r: r["ms"]):

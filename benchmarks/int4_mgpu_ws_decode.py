@@ -258,6 +258,8 @@ def main(argv=None):
   ap.add_argument("--shape", default="", help="E,K,N: time this shape instead of SHAPES (with --rows)")
   ap.add_argument("--tag", default="", help="suffix of the output files")
   ap.add_argument("--routing", default="balanced", choices=em.ROUTINGS, help="group sizes of the timed calls")
+  ap.add_argument("--seeds", default="0", help="random routing: comma-separated draws (`em.routed_groups`' seed); "
+                  "more than one writes a result file per draw, tagged _s<seed>")
   ap.add_argument("--dump", default="", help="E,K,N,ROWS: compile and run once (with MOSAIC_GPU_DUMP_TO set)")
   ap.add_argument("--analyze_dump", default="", help="MOSAIC_GPU_DUMP_TO folders (comma-separated): ptxas report "
                   "and SASS loops")
@@ -281,6 +283,12 @@ def main(argv=None):
     shapes = [(*em.positive_ints(ap, "shape", args.shape, 3), [16])]  # --rows below replaces the row counts
   if args.rows:
     shapes = [(e, k, n, em.positive_ints(ap, "rows", args.rows)) for e, k, n, _ in shapes]
+  seeds = [int(v) for v in args.seeds.split(",")] if args.seeds.replace(",", "").isdigit() else None
+  if seeds is None or len(set(seeds)) != len(seeds):
+    ap.error(f"--seeds={args.seeds!r} must be distinct non-negative integers, comma-separated")
+  if seeds != [0] and args.routing != "random":
+    ap.error("--seeds draws random routing: pass --routing=random")
+  tags = {seed: args.tag + (f"_s{seed}" if len(seeds) > 1 else "") for seed in seeds}
   if args.smoke:
     SMOKE["interpret"], shapes = True, [(4, 512, 256, [8, 64])]
   os.makedirs(args.out, exist_ok=True)
@@ -304,22 +312,24 @@ def main(argv=None):
   todo = {name: cfg for name, cfg in WS.items() if passed(meta["correctness"], name)}
   print("timing ws configs that passed the check:", list(todo), flush=True)
   meta["copy"] = em.copy_bandwidth(timer)
-  rows_out, t0 = [], time.perf_counter()
-
-  add = base.row_recorder(rows_out, t0)
+  t0 = time.perf_counter()
+  rows_by_seed = {seed: [] for seed in seeds}
+  adds = {seed: base.row_recorder(rows_by_seed[seed], t0) for seed in seeds}
 
   def save():
-    with open(os.path.join(args.out, f"int4_mgpu_ws{args.tag}.json"), "w") as fh:
-      json.dump({**meta, "rows": rows_out}, fh, indent=1)
+    for seed in seeds:
+      with open(os.path.join(args.out, f"int4_mgpu_ws{tags[seed]}.json"), "w") as fh:
+        json.dump({**meta, "seed": seed, "rows": rows_by_seed[seed]}, fh, indent=1)
 
   for e, k, n, rows_list in shapes:
     key, w_bf16, w_nk, w_mg = base.decode_weights(e, k, n)
     w_by_order = {"prmt": w_mg}
     if any(_split(cfg)[1] == "shift" for cfg in todo.values()):
       w_by_order["shift"] = mg.to_mgpu_layout(em.random_int4(key, e, k, n), nibble_order="shift")  # the same weight
-    for rows in rows_list:
+    for rows, seed in ((r, s) for r in rows_list for s in seeds):
+      add = adds[seed]
       x, gs, n_active = base.time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, args.iters,
-                                        routing=args.routing, **_kw())
+                                        routing=args.routing, seed=seed, **_kw())
       f = jax.jit(functools.partial(mg.int4_grouped_matmul_mgpu, **_kw()))
       add("pallas_int4_mgpu", rows, e, k, n, timer(f, x, w_mg, gs, iters=args.iters), "int4_mgpu", n_active)
       want = None
@@ -346,10 +356,11 @@ def main(argv=None):
       save()
     del w_bf16, w_nk, w_mg, w_by_order
   save()
-  md = em.sweep_markdown({**meta, "rows": rows_out})
-  with open(os.path.join(args.out, f"int4_mgpu_ws{args.tag}.md"), "w") as fh:
-    fh.write(md)
-  print(md)
+  for seed in seeds:
+    md = em.sweep_markdown({**meta, "seed": seed, "rows": rows_by_seed[seed]})
+    with open(os.path.join(args.out, f"int4_mgpu_ws{tags[seed]}.md"), "w") as fh:
+      fh.write(md)
+    print(md)
   print(f"total {time.perf_counter() - t0:.0f} s")
 
 

@@ -15,6 +15,9 @@ def test_routed_groups(rows, e):
   np.testing.assert_array_equal(random, em.routed_groups(rows, e, "random"))  # fixed seed
   if rows >= e:  # uneven: some expert gets more than the balanced share
     assert random.max() > balanced.max()
+  other = em.routed_groups(rows, e, "random", seed=3)
+  assert other.sum() == rows and not np.array_equal(other, random)  # another draw
+  np.testing.assert_array_equal(other, em.routed_groups(rows, e, "random", seed=3))
 
 
 def test_routed_groups_rejects_unknown_routing():
