@@ -366,7 +366,8 @@ def sweep_markdown(result: dict) -> str:
   routing = result.get("routing", "balanced")
   routing += f" (seed {result['seed']})" if routing == "random" and "seed" in result else ""
   out = [f"Device {result['device']}, jax {result['jax']}, {result['date']}; copy (read-only sum) {copy:.2f} TB/s; "
-         f"routing {routing}.", "", "| E, K->N | rows | impl | ms | TB/s | x best bf16 | % copy |", "|---|---|---|---|---|---|---|"]
+         f"routing {routing}.", "", "| E, K->N | rows | impl | ms | TB/s | x best bf16 | % copy |",
+         "|---|---|---|---|---|---|---|"]
   for (e, k, n, rows), rs in sorted(by.items()):
     peer = min(r["ms"] for r in rs if r["impl"] in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16"))
     for r in sorted(rs, key=lambda r: r["ms"]):

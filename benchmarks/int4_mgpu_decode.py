@@ -80,9 +80,9 @@ def decode_weights(e: int, k: int, n: int):
 
 
 def time_peers(add, timer, key, e, k, n, rows, w_bf16, w_nk, iters, routing="balanced", seed=0, **kernel_kw):
-  """At one decode shape (`em.routed_groups(rows, e, routing, seed)`: balanced routing by default): draws x [rows, K] bf16 and times the bf16
-  peers (XLA `ragged_dot`, jax's Mosaic `ragged_dot_mgpu`) and the Triton int4 kernel (uint16 layout `w_nk`, default
-  tile) through `add`. Returns (x, group_sizes, n_active) for the caller's own kernels."""
+  """At one decode shape (`em.routed_groups(rows, e, routing, seed)`: balanced routing by default): draws x [rows, K]
+  bf16 and times the bf16 peers (XLA `ragged_dot`, jax's Mosaic `ragged_dot_mgpu`) and the Triton int4 kernel (uint16
+  layout `w_nk`, default tile) through `add`. Returns (x, group_sizes, n_active) for the caller's own kernels."""
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
   gs_np = em.routed_groups(rows, e, routing, seed)
   gs, n_active = jnp.asarray(gs_np), int((gs_np > 0).sum())

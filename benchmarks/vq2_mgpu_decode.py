@@ -10,16 +10,16 @@
       "_shift": {"index_extract": "shift"}}'                    # the index byte by shift + and against prmt
 
 `--check_only` compares the kernel (per-expert and per-layer codebooks, the CHECK_CONFIGS: C = 2 / 3 / 4, block_k
-256 / 512, 32-row tiles, the shift-and-and index extraction) with float32 dequantization on the GPU over awkward group sizes
-(empty experts, one row, all rows in one expert), with 3 to 46 trailing rows of no expert that must come back zero,
-and writes `vq2_mgpu_check.json` in --out; a timing run reads that file (running the check first when it is absent)
-and refuses to time after a failed check. `--variants` (JSON) replaces the timed variants, `--rows` the row counts,
-`--vq2_only` skips the Triton vq2 and WS int4 rows. Timing, at <= 16 rows
-per expert with every expert active (balanced routing by default): XLA `ragged_dot` bf16, jax's Mosaic
-`ragged_dot_mgpu` bf16, the Triton int4 and vq2 kernels, the warp-specialized int4 kernel (defaults) and the vq2
-kernel (defaults, per-expert codebooks; then per-layer; then its memory side alone, `ablate="no_compute"`); CUPTI
-kernel time with L2 flushed before every call, median (`expert_matmul._timer`). Writes `vq2_mgpu{tag}.json` / `.md`.
-Bytes read per active expert: the stored 2-bit indices and bf16 scales plus the replicated codebook (32 KB).
+256 / 512, 32-row tiles, the shift-and-and index extraction) with float32 dequantization on the GPU over awkward
+group sizes (empty experts, one row, all rows in one expert), with 3 to 46 trailing rows of no expert that must come
+back zero, and writes `vq2_mgpu_check.json` in --out; a timing run reads that file (running the check first when it
+is absent) and refuses to time after a failed check. `--variants` (JSON) replaces the timed variants, `--rows` the
+row counts, `--vq2_only` skips the Triton vq2 and WS int4 rows. Timing, at <= 16 rows per expert with every expert
+active (balanced routing by default): XLA `ragged_dot` bf16, jax's Mosaic `ragged_dot_mgpu` bf16, the Triton int4
+and vq2 kernels, the warp-specialized int4 kernel (defaults) and the vq2 kernel (defaults, per-expert codebooks;
+then per-layer; then its memory side alone, `ablate="no_compute"`); CUPTI kernel time with L2 flushed before every
+call, median (`expert_matmul._timer`). Writes `vq2_mgpu{tag}.json` / `.md`. Bytes read per active expert: the stored
+2-bit indices and bf16 scales plus the replicated codebook (32 KB).
 """
 
 from __future__ import annotations

@@ -238,8 +238,8 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
 
   "vq2_mgpu" is the layout of the Mosaic GPU vq2 kernel (`pallas_kernels/vq2_grouped_matmul_mgpu_ws.py`: 2.7-3.6x
   the best bf16 peer on the H200 at <= 16 rows per expert, balanced routing, benchmarks/results/vq2_mgpu_index.md;
-  the Triton vq2 kernel is 0.4-0.5x, vq2_mgpu_grid.md); the same values, the same rules (no activation scales, G = 128, N a multiple
-  of 64), its options (`vq2_grouped_matmul_mgpu_ws.OPTIONS`). fuse_gate_up takes int4 weights only.
+  the Triton vq2 kernel is 0.4-0.5x, vq2_mgpu_grid.md); the same values, the same rules (no activation scales,
+  G = 128, N a multiple of 64), its options (`vq2_grouped_matmul_mgpu_ws.OPTIONS`). fuse_gate_up takes int4 weights only.
 
   fuse_gate_up: store each layer's gate and up once, interleaved (`int4_gate_up_mgpu.interleave_gate_up`), as one
   "int4_mgpu_gate_up" weight [E, D, 2F] in `w_gate`, and `experts.FusedIntoGate` in `w_up`; "pallas" and
