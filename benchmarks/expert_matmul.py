@@ -376,11 +376,14 @@ def sweep_markdown(result: dict) -> str:
   return "\n".join(out) + "\n"
 
 
-def positive_ints(ap: argparse.ArgumentParser, flag: str, text: str, count: int | None = None) -> list[int]:
-  """A comma-separated list of positive integers (`count` of them if given), or an argparse error naming the flag."""
+def positive_ints(ap: argparse.ArgumentParser, flag: str, text: str, count: int | None = None,
+                  minimum: int = 1) -> list[int]:
+  """A comma-separated list of integers >= minimum (positive by default; `count` of them if given), or an argparse
+  error naming the flag."""
   items = text.split(",")
-  if not all(t.isdigit() and int(t) > 0 for t in items) or (count is not None and len(items) != count):
-    ap.error(f"--{flag}={text!r} must be {count or 'comma-separated'} positive integers")
+  if not all(t.isdigit() and int(t) >= minimum for t in items) or (count is not None and len(items) != count):
+    kind = "positive integers" if minimum == 1 else f"integers >= {minimum}"
+    ap.error(f"--{flag}={text!r} must be {count or 'comma-separated'} {kind}")
   return [int(t) for t in items]
 
 

@@ -283,9 +283,9 @@ def main(argv=None):
     shapes = [(*em.positive_ints(ap, "shape", args.shape, 3), [16])]  # --rows below replaces the row counts
   if args.rows:
     shapes = [(e, k, n, em.positive_ints(ap, "rows", args.rows)) for e, k, n, _ in shapes]
-  seeds = [int(v) for v in args.seeds.split(",")] if args.seeds.replace(",", "").isdigit() else None
-  if seeds is None or len(set(seeds)) != len(seeds):
-    ap.error(f"--seeds={args.seeds!r} must be distinct non-negative integers, comma-separated")
+  seeds = em.positive_ints(ap, "seeds", args.seeds, minimum=0)
+  if len(set(seeds)) != len(seeds):
+    ap.error(f"--seeds={args.seeds!r} must be distinct")
   if seeds != [0] and args.routing != "random":
     ap.error("--seeds draws random routing: pass --routing=random")
   tags = {seed: args.tag + (f"_s{seed}" if len(seeds) > 1 else "") for seed in seeds}

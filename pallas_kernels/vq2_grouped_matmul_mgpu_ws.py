@@ -149,7 +149,7 @@ def _vector_indices(words):
 _SELECT = (0x5410, 0x7632)  # prmt: low halves of a and b / high halves
 
 
-def _lookup_registers(i_smem, cb_ref, group: int, no_lookup: bool = False, index_extract: str = "prmt"):
+def _lookup_registers(i_smem, cb_ref, group: int, *, no_lookup: bool, index_extract: str):
   """K group `group` of the step's index tile (int32 [bn/16, gk, 128] in shared memory) and the replicated codebook
   -> bf16 [64, 128] wgmma operand of this warpgroup (the codewords, unscaled): one 16-byte shared load of the lane's
   index words; per vector a zero-filling prmt that takes the index byte, a shift by 7 and an add (one `lea` after
