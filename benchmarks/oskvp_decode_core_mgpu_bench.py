@@ -39,7 +39,11 @@ CHECKS = [(2, 1024, 64, 2, 2, None, False), (3, 3072, 128, 3, 2, None, False), (
           (1, 8192, 128, 1, 8, None, False), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), False),
           (2, 2048, 64, 2, 2, None, True), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), True),
           (2, 2048, 64, 2, 2, None, "f16"), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), "f16"),
-          (2, 2048, 64, 2, 2, None, "fp8_stacked"), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), "fp8_stacked")]
+          (2, 2048, 64, 2, 2, None, "fp8_stacked"), (4, 4096, 128, 2, 2, (1, 127, 1000, 4096), "fp8_stacked"),
+          # block 256: two 128-token passes per pipeline step (twenty-second session)
+          (2, 2048, 256, 2, 2, None, False), (4, 4096, 256, 2, 2, (1, 127, 1000, 4096), False),
+          (2, 2048, 256, 2, 2, None, "fp8_stacked"), (4, 4096, 256, 2, 2, (1, 127, 1000, 4096), "fp8_stacked"),
+          (2, 8192, 256, 1, 4, (300, 8192), "fp8_stacked")]
 SMOKE_CHECKS = [(2, 256, 64, 2, 2, (1, 200), False), (2, 256, 64, 2, 2, (1, 200), True),
                 (2, 256, 64, 2, 2, (1, 200), "f16"), (2, 256, 64, 2, 2, (1, 200), "fp8_stacked")]
 # S, block_s, splits, TMA ring depth, ablation. Run 2 (results/oskvp_decode_core_mgpu.md): bs 128, 16 splits, ring 2
@@ -214,7 +218,8 @@ def main(argv=None) -> int:
   ap.add_argument("--no_peers", action="store_true", help="skip the cuDNN / XLA peers (timed in runs 1-10)")
   ap.add_argument("--timed", default="", help="rows to time instead of TIMED: S:block_s:splits:ring:variant, "
                   "comma-separated (e.g. 65536:128:16:2:outliers+fp8_stacked+no_compute)")
-  ap.add_argument("--checks", default="all", choices=("all", "stacked"), help="stacked: only the fp8_stacked checks")
+  ap.add_argument("--checks", default="all", choices=("all", "stacked", "block256"),
+                  help="stacked: only the fp8_stacked checks; block256: only the block_s=256 checks")
   ap.add_argument("--no_glue", action="store_true", help="skip the glue check and the whole op's timing")
   args = ap.parse_args(argv)
   timed = TIMED
@@ -227,6 +232,8 @@ def main(argv=None) -> int:
   cases = SMOKE_CHECKS if args.smoke else CHECKS
   if args.checks == "stacked":
     cases = [c for c in cases if c[-1] == "fp8_stacked"]
+  elif args.checks == "block256":
+    cases = [c for c in cases if c[2] == 256]
   for case in cases:
     checks.append(run_check(case, interpret=args.smoke))
     print("check", json.dumps(checks[-1]), flush=True)

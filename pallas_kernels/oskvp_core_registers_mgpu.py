@@ -27,11 +27,11 @@ import numpy as np
 OUTLIERS = 8  # fp8 outlier channels per side: the key-outlier rows [S/2, 16] hold two tokens' 8 channels
 
 
-def store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0):
-  """Inside the kernel (GPU route): arr [T, C] in the WGMMA layout -> ref [R >= C + row_offset, T] with element (t, c)
-  at ref[c + row_offset, t] (transposed; int32 values are truncated to an int8 ref), or at
-  ref[c + row_offset, column_map(ops, t)] (a permutation of the
-  columns). `transforms` are the ref's (tiles of 8 × tc elements, a swizzle of sw bytes), and the swizzle is applied
+def store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0, column_offset: int = 0):
+  """Inside the kernel (GPU route): arr [T, C] in the WGMMA layout -> ref [R >= C + row_offset, T' >= T +
+  column_offset] with element (t, c) at ref[c + row_offset, t + column_offset] (transposed; int32 values are
+  truncated to an int8 ref), or at ref[c + row_offset, column_map(ops, t)] (a permutation of the columns; no
+  column_offset). `transforms` are the ref's (tiles of 8 × tc elements, a swizzle of sw bytes), and the swizzle is applied
   by hand: the 16-byte chunk index ^= the row's address bits 7+. The other rows of ref are left as they were."""
   (tiling, swizzle) = transforms
   tc, sw = tiling.tiling[-1], swizzle.swizzle
@@ -52,6 +52,8 @@ def store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0)
         n = arith.addi(n, c(row_offset))
       if column_map is not None:
         t = column_map(Mlir(index), t)
+      elif column_offset:
+        t = arith.addi(t, c(column_offset))
       tile_r, r = (zero, n) if row_tiles == 1 else (arith.divui(n, c(8)), arith.remui(n, c(8)))
       tile_t, tt = (zero, t) if col_tiles == 1 else (arith.divui(t, c(tc)), arith.remui(t, c(tc)))
       xor = arith.andi(arith.shrui(arith.muli(r, c(tc * itemsize)), c(7)), c(sw // 16 - 1))

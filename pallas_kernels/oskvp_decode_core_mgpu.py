@@ -71,6 +71,8 @@ OUTLIERS = rg.OUTLIERS  # fp8 outlier channels per side
 VALUE_OUTLIER_FORMS = ("fp8", "fp8_stacked", "f16")
 VALUE_OUTLIERS = "fp8_stacked"  # the default form: the fastest core on the H200 (results/..._run13.md)
 P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
+SUB_BLOCK = 128  # tokens per key-score and softmax pass: a 256-token pipeline step runs two (`block_s=256`)
+BLOCK_SIZES = (64, 128, 256)
 MASKED = -1e30  # the score of a token past the row's length (finite: a fully masked block keeps alpha = 1)
 QS_SLOTS = 32  # qs padded to a row of 128 bytes (what a TMA copy moves): the 8 scales, the length, zeros
 LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
@@ -156,8 +158,8 @@ def split_p8(p8):
   return hi, (pf - hi.astype(jnp.float16).astype(jnp.float32)).astype(jnp.float8_e4m3fn)
 
 
-def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, bar, qo_smem=None, a16_smem=None,
-            vt_smem=None, p16_smem=None, ph_smem=None, pl_smem=None, ar_smem=None, oo_smem=None, block_s: int,
+def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_smem=None, a16_smem=None,
+            vt_smem=None, p16_smem=None, ph_smem=None, pl_smem=None, block_s: int,
             steps: int, max_concurrent_steps: int, interpret: bool, ablate: str, ragged: bool, outliers: bool,
             value_outliers: str):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
@@ -183,7 +185,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out = refs
   bk, sp = jax.lax.axis_index("bk"), jax.lax.axis_index("split")
   plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[0])
-  plgpu.copy_gmem_to_smem(qs_ref.at[bk], qs_smem, bar.at[0])
+  plgpu.copy_gmem_to_smem(qs_ref.at[bk], qs_smem.at[pl.ds(0, QS_SLOTS)], bar.at[0])
   if outliers:
     plgpu.copy_gmem_to_smem(qo_ref.at[bk], qo_smem, bar.at[0])
   plgpu.barrier_wait(bar.at[0])
@@ -202,8 +204,11 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
 
   n_valid = qs_smem[LEN_SLOT].astype(jnp.int32)
 
-  def key_scores(k_smem, ko_tile):  # -> f32 [block_s, 8] base-2 logits (WGMMA layout)
-    scale = jax.lax.broadcast_in_dim(qs, (block_s, N), [1])
+  sub = min(block_s, SUB_BLOCK)  # tokens per key-score and softmax pass
+  halves = block_s // sub  # passes per pipeline step (2 at block_s = 256)
+
+  def key_scores(k_smem, ko_tile):  # k_smem [sub, Q], ko_tile [sub / 2, 16] -> f32 [sub, 8] base-2 logits (WGMMA)
+    scale = jax.lax.broadcast_in_dim(qs, (sub, N), [1])
     if not outliers or ablate == "no_outlier_key":
       s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
                                interpret=interpret)
@@ -212,94 +217,131 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     def scope(acc_i, acc_o):  # int32 [block_s, 8] code scores; f32 [block_s, 8] key-outlier scores
       if interpret:
         ka_smem[...] = ks.key_planes_reference(k_smem[...], 1)
-        a16_smem[...] = jnp.pad(ko_tile[...].reshape(block_s, OUTLIERS).astype(jnp.float16), ((0, 0), (0, OUTLIERS)))
+        a16_smem[...] = jnp.pad(ko_tile[...].reshape(sub, OUTLIERS).astype(jnp.float16), ((0, 0), (0, OUTLIERS)))
         plgpu.commit_smem()
         plgpu.wgmma(acc_i, ka_smem, q_smem.T)
         plgpu.wgmma(acc_o, a16_smem, qo_smem.T)
       else:
         codes = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA_8BIT)
-        plgpu.wgmma(acc_i, ks._planes_in_registers(codes, block_s, q, 1), q_smem.T)  # pylint: disable=protected-access
-        plgpu.wgmma(acc_o, rg.key_outlier_fragment(ko_tile, block_s), qo_smem.T)
+        plgpu.wgmma(acc_i, ks._planes_in_registers(codes, sub, q, 1), q_smem.T)  # pylint: disable=protected-access
+        plgpu.wgmma(acc_o, rg.key_outlier_fragment(ko_tile, sub), qo_smem.T)
       plgpu.wgmma_wait(0)
       return acc_i[...].astype(jnp.float32) * scale + acc_o[...]
 
-    return pl.run_scoped(scope, plgpu.ACC((block_s, N), jnp.int32), plgpu.ACC((block_s, N), jnp.float32))
+    return pl.run_scoped(scope, plgpu.ACC((sub, N), jnp.int32), plgpu.ACC((sub, N), jnp.float32))
+
+  def half(ref, i, rows):  # pass i's rows of a step's tile (the tile itself at one pass per step)
+    return ref if halves == 1 else ref.at[pl.ds(i * rows, rows)]
 
   def body(idx, k_smem, v_smem, *rest):
     ko_tile, vo_tile, carry = rest if outliers else (None, None, rest[0])
     if ablate == "no_compute":  # the TMA ring alone: the kernel's memory-side ceiling
       return carry
-    m, l, acc, acc_o = carry  # f32 [8] (col); [block_s, 8] per-token p8 sums; [H, 8]; [64, 8] or None
-    s = key_scores(k_smem, ko_tile)
-    if ragged:  # tokens at or past the row's length score MASKED; only a block reaching past it pays for the mask
-      first = (sp * steps + idx[0]) * block_s
+    m, l, acc, acc_o = carry  # f32 [8] (col); [sub, 8] per-token p8 sums; [H, 8]; [64, 8] or None
+    scores = []  # per pass: f32 [sub, 8]
+    for i in range(halves):
+      s = key_scores(half(k_smem, i, sub), None if ko_tile is None else half(ko_tile, i, sub // 2))
+      if ragged:  # tokens at or past the row's length score MASKED; only a pass reaching past it pays for the mask
+        first = (sp * steps + idx[0]) * block_s + i * sub
 
-      def mask(s):
-        valid = plgpu.broadcasted_iota(jnp.int32, (block_s, N), 0, layout=plgpu.Layout.WGMMA) + first < n_valid
-        return jnp.where(valid, s, MASKED)
+        def mask(s, first=first):
+          valid = plgpu.broadcasted_iota(jnp.int32, (sub, N), 0, layout=plgpu.Layout.WGMMA) + first < n_valid
+          return jnp.where(valid, s, MASKED)
 
-      s = jax.lax.cond(first + block_s > n_valid, mask, lambda s: s, s)
+        s = jax.lax.cond(first + sub > n_valid, mask, lambda s: s, s)
+      scores.append(s)
     # ablate (timing experiments only, wrong results): "no_max" skips the block max, "no_value" the value wgmmas,
     # "no_outlier_key" / "no_outlier_value" the outlier work of one side (their tiles are still loaded).
-    m_new = m if ablate == "no_max" else jnp.maximum(m, jnp.max(s, axis=0))
+    # The passes' maxima elementwise first: one reduction across the warps per step.
+    m_new = m if ablate == "no_max" else jnp.maximum(m, jnp.max(functools.reduce(jnp.maximum, scores), axis=0))
     alpha = jnp.exp2(m - m_new)
     # While a split has seen no stored token (m_new = MASKED), p must be 0, not 2^0: subtract +inf instead.
     m_p = jnp.where(m_new > 0.5 * MASKED, m_new, jnp.inf) if ragged else m_new
-    p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_p, (block_s, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
-    l = l * jax.lax.broadcast_in_dim(alpha, (block_s, N), [1]) + p8.astype(jnp.float32)  # summed over rows at the end
+    p8s = [(jnp.exp2(s - jax.lax.broadcast_in_dim(m_p, (sub, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
+           for s in scores]
+    l = l * jax.lax.broadcast_in_dim(alpha, (sub, N), [1])  # summed over rows at the end
+    for p8 in p8s:
+      l = l + p8.astype(jnp.float32)
     fp8_form = outliers and value_outliers.startswith("fp8")
     fp8_values = fp8_form and ablate != "no_outlier_value"
     stacked = value_outliers == "fp8_stacked"
-    lo_smem, lo_row = (ph_smem, N) if stacked else (pl_smem, 0)  # where p8's low part goes
+    lo_smem, lo_row = (ph_smem, N) if stacked else (pl_smem, 0)  # where p8's low part goes (pass 0)
     if fp8_values:
-      hi, lo = split_p8(p8)
-      slot = ar_smem.at[idx[0] % 2]
-      slot[pl.ds(0, N)] = alpha
-      if stacked:
-        slot[pl.ds(N, N)] = alpha
+      parts = [split_p8(p8) for p8 in p8s]  # pass i's hi, lo in rows 2·8·i + (0..7, 8..15) when stacked
+      slot = qs_smem.at[pl.ds(QS_SLOTS + 64 * (idx[0] % 2), 64)]  # alpha's slot of this block's parity
+      for r in range(2 * halves if stacked else 1):
+        slot[pl.ds(r * N, N)] = alpha
     if interpret:
-      p_smem[...] = p8.T.astype(jnp.int8)
+      p_smem[...] = jnp.concatenate([p8.T for p8 in p8s], axis=1).astype(jnp.int8)
       va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
       if fp8_values:
-        ph_smem[pl.ds(0, N), :] = hi.T
-        lo_smem[pl.ds(lo_row, N), :] = lo.T
+        for i, (hi, lo) in enumerate(parts):
+          ph_smem[pl.ds(2 * N * i, N), :] = hi.T
+          lo_smem[pl.ds(lo_row + 2 * N * i, N), :] = lo.T
       elif outliers and not fp8_form:
-        p16_smem[...] = p8.T.astype(jnp.float16)
+        p16_smem[...] = p8s[0].T.astype(jnp.float16)
         vt_smem[...] = jnp.tile(vo_tile[...].astype(jnp.float16), (64 // OUTLIERS, 1))
     else:
-      rg.store_transposed(p8, p_smem, ks.swizzled(block_s))
+      for i, p8 in enumerate(p8s):
+        rg.store_transposed(p8, p_smem, ks.swizzled(block_s), column_offset=i * sub)
       if fp8_values:
-        rg.store_transposed(hi, ph_smem, ks.swizzled(block_s))
-        rg.store_transposed(lo, lo_smem, ks.swizzled(block_s), row_offset=lo_row)
+        for i, (hi, lo) in enumerate(parts):
+          rg.store_transposed(hi, ph_smem, ks.swizzled(sub), row_offset=2 * N * i)
+          rg.store_transposed(lo, lo_smem, ks.swizzled(sub), row_offset=lo_row + 2 * N * i)
       elif outliers and ablate != "no_outlier_value":
-        rg.store_transposed(p8.astype(jnp.float16), p16_smem, rg.F16_T_TRANSFORMS, column_map=rg.token_to_k)
+        rg.store_transposed(p8s[0].astype(jnp.float16), p16_smem, rg.F16_T_TRANSFORMS, column_map=rg.token_to_k)
     plgpu.commit_smem()
     if fp8_values:  # after the barrier: every thread's alpha is in; the other slot is the next block's
       alpha_rows = plgpu.load(slot, layout=plgpu.Layout.WGMMA.reduce(1))  # [64]; only the written rows are used
 
-    def value_scope(vacc_ref, oacc_ref=None):  # int32 [H, 8], this block's code sums; f32 [64, 8] outlier sums
+    def value_scope(vacc_ref, *oacc_refs):  # int32 [H, 8], this block's code sums; f32 [64, 8] outlier sums per pass
+      oacc_ref = oacc_refs[0] if oacc_refs else None
+
+      def outlier_sums():
+        if fp8_values:  # [64 (heads), 8 (channels)] = p8 [heads, tokens] @ vout [channels, tokens]ᵀ, fp8 × fp8
+          # stacked: rows 0..7 hi, rows 8..15 lo (summed after the kernel); pass i's tokens against rows 16i..16i+15
+          for i, oacc_i in enumerate(oacc_refs):
+            plgpu.wgmma(oacc_i, ph_smem, (vo_tile if halves == 1 else vo_tile.at[:, pl.ds(i * sub, sub)]).T)
+          if not stacked:
+            plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
+        elif fp8_form:
+          pass  # ablated
+        elif outliers and interpret:
+          plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
+        elif outliers and ablate != "no_outlier_value":
+          plgpu.wgmma(oacc_ref, rg.value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
+
       if interpret:
         plgpu.wgmma(vacc_ref, va_smem, p_smem.T)
-      else:
+        outlier_sums()
+      elif halves == 1:
         codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
-      if fp8_values:  # [64 (heads), 8 (channels)] = p8 [heads, tokens] @ vout [channels, tokens]ᵀ, fp8 × fp8
-        plgpu.wgmma(oacc_ref, ph_smem, vo_tile.T)  # stacked: rows 0..7 hi, rows 8..15 lo (summed after the kernel)
-        if not stacked:
-          plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
-      elif fp8_form:
-        pass  # ablated
-      elif outliers and interpret:
-        plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
-      elif outliers and ablate != "no_outlier_value":
-        plgpu.wgmma(oacc_ref, rg.value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
+        outlier_sums()
+      else:  # the outlier sums first (operands in shared memory), then the passes' code planes one at a time: a
+        # pass's planes (32 registers) are retired before the next pass's are built (both at once: 158 registers)
+        outlier_sums()
+        for i in range(halves):
+          if i:
+            plgpu.wgmma_wait(0)
+          cols = pl.ds(i * sub, sub)
+          codes = plgpu.load(v_smem.at[:, cols], layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
+          plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, sub, q, 1), p_smem.at[:, cols].T)  # pylint: disable=protected-access
       plgpu.wgmma_wait(0)
-      return (vacc_ref[...], oacc_ref[...]) if outliers else vacc_ref[...]
+      if not outliers:
+        return vacc_ref[...]
+      sums_o = oacc_ref[...]
+      for i in range(1, len(oacc_refs)):  # rows 16i.. of pass i's sums
+        row = plgpu.broadcasted_iota(jnp.int32, (64, N), 0, layout=plgpu.Layout.WGMMA)
+        sums_o = jnp.where(row >= 2 * N * i, oacc_refs[i][...], sums_o)
+      return vacc_ref[...], sums_o
 
     if ablate == "no_value":
       return m_new, l, acc, acc_o
     if outliers:
-      sums, sums_o = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32), plgpu.ACC((64, N), jnp.float32))
+      n_oacc = halves if fp8_values else 1
+      sums, sums_o = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32),
+                                   *[plgpu.ACC((64, N), jnp.float32)] * n_oacc)
       if fp8_values:  # rows are heads: [head, channel]
         acc_o = acc_o * jax.lax.broadcast_in_dim(alpha_rows, (64, N), [0]) + sums_o
       elif not fp8_form:  # rows are channels (repeated 8 times): [channel, head]
@@ -310,7 +352,7 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     return m_new, l, acc, acc_o
 
   init = (plgpu.layout_cast(jnp.full((N,), 0.0 if ablate == "no_max" else MASKED, jnp.float32), col),
-          plgpu.layout_cast(jnp.zeros((block_s, N), jnp.float32), plgpu.Layout.WGMMA),
+          plgpu.layout_cast(jnp.zeros((sub, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA) if outliers else None)
   specs, srcs = [k_spec, v_spec], [kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens]]
@@ -319,17 +361,22 @@ def _kernel(*refs, q_smem, qs_smem, ka_smem, va_smem, p_smem, o_smem, ml_smem, b
     srcs += [ko_ref.at[bk, pl.ds(sp * (steps * block_s // 2), steps * block_s // 2)], vo_ref.at[bk, :, tokens]]
   m, l, acc, acc_o = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs,
                                          max_concurrent_steps=max_concurrent_steps, init_carry=init)(*srcs)
-  o_smem[...] = acc  # ACC row order: the reader reorders (a channel-order store by hand cost the core 10%)
-  ml_smem[pl.ds(0, N)] = m
-  ml_smem[pl.ds(N, N)] = jnp.sum(l, axis=0)
-  if outliers:
-    oo_smem[...] = acc_o
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
-  plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
-  if outliers:
-    plgpu.copy_smem_to_gmem(oo_smem.at[pl.ds(0, acco_out.shape[2])], acco_out.at[bk, sp])
-  plgpu.wait_smem_to_gmem(0)
+
+  def store(o_smem, ml_smem, oo_smem=None):  # after the pipeline: these buffers take the ring's shared memory
+    o_smem[...] = acc  # ACC row order: the reader reorders (a channel-order store by hand cost the core 10%)
+    ml_smem[pl.ds(0, N)] = m
+    ml_smem[pl.ds(N, N)] = jnp.sum(l, axis=0)
+    if outliers:
+      oo_smem[...] = acc_o
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
+    plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
+    if outliers:
+      plgpu.copy_smem_to_gmem(oo_smem.at[pl.ds(0, acco_out.shape[2])], acco_out.at[bk, sp])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(store, plgpu.SMEM((h, N), jnp.float32), plgpu.SMEM(ml_out.shape[-1:], jnp.float32),
+                *([plgpu.SMEM((64, N), jnp.float32)] if outliers else []))
 
 
 def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps):
@@ -347,8 +394,8 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
     raise ValueError(f"qd {qd.shape} must be [BK, {N}, H={4 * q}] and qs {qs.shape} [BK, {N}]")
   if q % 32:
     raise ValueError(f"code bytes per token Q={q} must be a multiple of 32 (H a multiple of 128)")
-  if block_s not in (64, 128):
-    raise ValueError(f"block_s={block_s!r} must be 64 or 128")
+  if block_s not in BLOCK_SIZES:
+    raise ValueError(f"block_s={block_s!r} must be one of {BLOCK_SIZES}")
   ks.check_loop_args(s, block_s, splits, max_concurrent_steps)
   return bk, s, q
 
@@ -368,6 +415,10 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
     raise ValueError(f"value_outliers={value_outliers!r} must be one of {VALUE_OUTLIER_FORMS}")
   fp8_values = outliers and value_outliers.startswith("fp8")
   stacked = outliers and value_outliers == "fp8_stacked"
+  sub = min(block_s, SUB_BLOCK)
+  if outliers and block_s > sub and not stacked:
+    raise ValueError(f"block_s={block_s} (two passes per step) takes value_outliers='fp8_stacked' only, "
+                     f"not {value_outliers!r}")
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
                            interpret=bool(interpret), ablate=ablate, ragged=ragged, outliers=outliers,
                            value_outliers=value_outliers)
@@ -377,24 +428,22 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
       body,
       out_type=(jax.ShapeDtypeStruct((bk, splits, h, N), jnp.float32),
                 jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
-      + ((jax.ShapeDtypeStruct((bk, splits, 2 * OUTLIERS if stacked else OUTLIERS, N), jnp.float32),)
+      + ((jax.ShapeDtypeStruct((bk, splits, 2 * OUTLIERS * (block_s // sub) if stacked else OUTLIERS, N),
+                                jnp.float32),)
          if outliers else ()),
       grid=(bk, splits), grid_names=("bk", "split"),
       scratch_types=dict(
           q_smem=plgpu.SMEM((N, h), jnp.int8, transforms=ks.swizzled(128)),
-          qs_smem=plgpu.SMEM((QS_SLOTS,), jnp.float32),
-          ka_smem=plgpu.SMEM((block_s, h) if smem_a else (8, 128), jnp.int8, transforms=ks.swizzled(128)),
-          va_smem=plgpu.SMEM((h, block_s) if smem_a else (8, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
+          # the scales and the length; alpha's two slots after them with fp8 value outliers (one 1 KB allocation)
+          qs_smem=plgpu.SMEM((QS_SLOTS + (2 * 64 if fp8_values else 0),), jnp.float32),
+          **(dict(ka_smem=plgpu.SMEM((sub, h), jnp.int8, transforms=ks.swizzled(128)),
+                  va_smem=plgpu.SMEM((h, block_s), jnp.int8, transforms=ks.swizzled(block_s))) if smem_a else {}),
           p_smem=plgpu.SMEM((N, block_s), jnp.int8, transforms=ks.swizzled(block_s)),
-          o_smem=plgpu.SMEM((h, N), jnp.float32),
-          ml_smem=plgpu.SMEM((32,), jnp.float32),
           bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1),
           **(dict(qo_smem=plgpu.SMEM((N, 2 * OUTLIERS), jnp.float16, transforms=rg.F16_B16_TRANSFORMS),
-                  a16_smem=plgpu.SMEM((block_s, 2 * OUTLIERS) if smem_a else (8, 16), jnp.float16,
-                                      transforms=rg.F16_B16_TRANSFORMS),
-                  oo_smem=plgpu.SMEM((64, N), jnp.float32)) if outliers else {}),
-          **(dict(ph_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn, transforms=ks.swizzled(block_s)),
-                  ar_smem=plgpu.SMEM((2, 64), jnp.float32),
+                  **(dict(a16_smem=plgpu.SMEM((sub, 2 * OUTLIERS), jnp.float16, transforms=rg.F16_B16_TRANSFORMS))
+                     if smem_a else {})) if outliers else {}),
+          **(dict(ph_smem=plgpu.SMEM((64, sub), jnp.float8_e4m3fn, transforms=ks.swizzled(sub)),
                   **({} if stacked else dict(pl_smem=plgpu.SMEM((64, block_s), jnp.float8_e4m3fn,
                                                                 transforms=ks.swizzled(block_s))))) if fp8_values else
              dict(vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=rg.F16_T_TRANSFORMS),

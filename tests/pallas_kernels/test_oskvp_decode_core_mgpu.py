@@ -25,7 +25,7 @@ def _inputs(seed, bk, s, g=4, scale=0.004):
 
 
 @pytest.mark.parametrize("bk,s,block_s,splits,steps,g", [(2, 256, 64, 2, 2, 4), (1, 768, 128, 3, 2, 8),
-                                                         (2, 512, 64, 1, 3, 1)])
+                                                         (2, 512, 64, 1, 3, 1), (1, 1024, 256, 2, 2, 4)])
 def test_matches_blockwise_model(bk, s, block_s, splits, steps, g):
   """The kernel does the blockwise model's arithmetic (running max per block, p8 = round(127·2^(s − m)), rescaled
   int32 block sums, log-sum-exp over splits): equal to 1e-3 (f32 summation order; a rounding tie of p8 may land on
@@ -117,6 +117,26 @@ def test_outlier_channels(value_outliers):
   assert np.abs(np.asarray(plain - got))[1:, :4].max() > 0.05
 
 
+def test_two_passes_per_step_with_outliers_and_ragged_lengths():
+  """block_s=256: two 128-token passes per pipeline step share the step's max, p8's parts sit in rows 16i.. of one
+  A tile (4 value-outlier parts); equal to the blockwise model at block 256 to 1e-3, a one-token row gives exactly
+  that token's value outliers."""
+  kc, vc, qd, qs = _inputs(15, 3, 1024)
+  kout, vout, qo = _outliers(16, 3, 1024)
+  lens = jnp.array([1, 300, 1000], jnp.int32)
+  got, got_o = dc.decode_core_mgpu(kc, vc, qd, qs, lens, kout, vout, qo, block_s=256, splits=2,
+                                   max_concurrent_steps=2, interpret=True)
+  want, want_o = dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, kout, vout, qo, block_s=256, splits=2)
+  np.testing.assert_allclose(np.asarray(got)[:, :4], np.asarray(want)[:, :4], atol=1e-3)
+  np.testing.assert_allclose(np.asarray(got_o)[:, :4], np.asarray(want_o)[:, :4], atol=1e-3)
+  first = np.asarray(vout[0, :, 0].astype(jnp.float32))
+  np.testing.assert_allclose(np.asarray(got_o)[0, :4], np.broadcast_to(first, (4, 8)), atol=1e-6)
+  for form in ("fp8", "f16"):  # the passes share one A tile of the stacked form only
+    with pytest.raises(ValueError, match="fp8_stacked"):
+      dc.decode_core_mgpu(kc, vc, qd, qs, lens, kout, vout, qo, block_s=256, splits=2, interpret=True,
+                          value_outliers=form)
+
+
 def test_split_p8_is_exact():
   """Every p8 level 0..127 is hi + lo with both parts representable in e4m3 (the fp8 value form's sums equal the
   f16 form's); hi is p8 rounded to e4m3 and |lo| <= 4."""
@@ -192,6 +212,29 @@ def test_gpu_route_lowers():
     assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3 \{", text)) == n_fp8
     assert len(re.findall(r"memref\.store\"\(.*\(f16, memref<1x2x8x64xf16", text)) == f16_stores
     assert len(re.findall(r"memref\.store\"\(.*\(f8E4M3FN, memref<8x1x8x128xf8E4M3FN", text)) == fp8_stores
+
+
+def test_gpu_route_lowers_two_passes_per_step():
+  """block_s=256: twice the wgmmas of block 128 per step (value sums with K = 256, the value-outlier sums of each
+  pass against its half of the tile), p8 stored into both column tiles of [8, 256], and shared memory within
+  55 KB (ring 2 × 20 KB): four programs per SM, as at block 128."""
+  kc = jax.ShapeDtypeStruct((2, 4096, Q), jnp.uint8)
+  vc = jax.ShapeDtypeStruct((2, Q, 4096), jnp.uint8)
+  qd = jax.ShapeDtypeStruct((2, dc.N, 4 * Q), jnp.int8)
+  qs = jax.ShapeDtypeStruct((2, dc.N), jnp.float32)
+  ko = jax.ShapeDtypeStruct((2, 4096, dc.OUTLIERS), jnp.float8_e4m3fn)
+  vo = jax.ShapeDtypeStruct((2, dc.OUTLIERS, 4096), jnp.float8_e4m3fn)
+  qo = jax.ShapeDtypeStruct((2, dc.N, dc.OUTLIERS), jnp.float16)
+  f = jax.jit(lambda *a: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=256, splits=2, max_concurrent_steps=2))
+  text = mosaic_module_text(f.trace(kc, vc, qd, qs, ko, vo, qo).lower(lowering_platforms=("cuda",)))
+  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.s32\.s8\.s8", text)) == 32
+  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.f16\.f16 \{", text)) == 4
+  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3 \{", text)) == 8
+  assert len(re.findall(r"memref\.store\"\(.*\(i8, memref<1x2x8x128xi8", text)) == 16
+  assert len(re.findall(r"memref\.store\"\(.*\(f8E4M3FN, memref<8x1x8x128xf8E4M3FN", text)) == 32
+  smem = [int(b) for b in re.findall(r"memref<(\d+)xi8, #gpu\.address_space<workgroup>>", text)]
+  # 4 × (this + the barriers, 24 bytes, + the 1 KB the driver reserves per block) <= 228 KB per SM
+  assert smem and max(smem) <= 55 * 1024, smem
 
 
 def test_rejects_bad_arguments():
