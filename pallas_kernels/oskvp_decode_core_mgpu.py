@@ -257,39 +257,40 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     alpha = jnp.exp2(m - m_new)
     # While a split has seen no stored token (m_new = MASKED), p must be 0, not 2^0: subtract +inf instead.
     m_p = jnp.where(m_new > 0.5 * MASKED, m_new, jnp.inf) if ragged else m_new
-    p8s = [(jnp.exp2(s - jax.lax.broadcast_in_dim(m_p, (sub, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
-           for s in scores]
-    l = l * jax.lax.broadcast_in_dim(alpha, (sub, N), [1])  # summed over rows at the end
-    for p8 in p8s:
-      l = l + p8.astype(jnp.float32)
     fp8_form = outliers and value_outliers.startswith("fp8")
     fp8_values = fp8_form and ablate != "no_outlier_value"
     stacked = value_outliers == "fp8_stacked"
     lo_smem, lo_row = (ph_smem, N) if stacked else (pl_smem, 0)  # where p8's low part goes (pass 0)
     if fp8_values:
-      parts = [split_p8(p8) for p8 in p8s]  # pass i's hi, lo in rows 2·8·i + (0..7, 8..15) when stacked
       slot = qs_smem.at[pl.ds(QS_SLOTS + 64 * (idx[0] % 2), 64)]  # alpha's slot of this block's parity
       for r in range(2 * halves if stacked else 1):
         slot[pl.ds(r * N, N)] = alpha
+    l = l * jax.lax.broadcast_in_dim(alpha, (sub, N), [1])  # summed over rows at the end
+    p8s = []
+    for i, s in enumerate(scores):  # pass by pass: one pass's p8 and its e4m3 parts live at a time
+      p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_p, (sub, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
+      l = l + p8.astype(jnp.float32)
+      if interpret:
+        p8s.append(p8)
+        continue
+      rg.store_transposed(p8, p_smem, ks.swizzled(block_s), column_offset=i * sub)
+      if fp8_values:  # hi, lo of pass i in rows 2·8·i + (0..7, 8..15) of the stacked tile
+        hi, lo = split_p8(p8)
+        rg.store_transposed(hi, ph_smem, ks.swizzled(sub), row_offset=2 * N * i)
+        rg.store_transposed(lo, lo_smem, ks.swizzled(sub), row_offset=lo_row + 2 * N * i)
+      elif outliers and ablate != "no_outlier_value":  # one pass per step (block_s <= 128)
+        rg.store_transposed(p8.astype(jnp.float16), p16_smem, rg.F16_T_TRANSFORMS, column_map=rg.token_to_k)
     if interpret:
       p_smem[...] = jnp.concatenate([p8.T for p8 in p8s], axis=1).astype(jnp.int8)
       va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
       if fp8_values:
-        for i, (hi, lo) in enumerate(parts):
+        for i, p8 in enumerate(p8s):
+          hi, lo = split_p8(p8)
           ph_smem[pl.ds(2 * N * i, N), :] = hi.T
           lo_smem[pl.ds(lo_row + 2 * N * i, N), :] = lo.T
       elif outliers and not fp8_form:
         p16_smem[...] = p8s[0].T.astype(jnp.float16)
         vt_smem[...] = jnp.tile(vo_tile[...].astype(jnp.float16), (64 // OUTLIERS, 1))
-    else:
-      for i, p8 in enumerate(p8s):
-        rg.store_transposed(p8, p_smem, ks.swizzled(block_s), column_offset=i * sub)
-      if fp8_values:
-        for i, (hi, lo) in enumerate(parts):
-          rg.store_transposed(hi, ph_smem, ks.swizzled(sub), row_offset=2 * N * i)
-          rg.store_transposed(lo, lo_smem, ks.swizzled(sub), row_offset=lo_row + 2 * N * i)
-      elif outliers and ablate != "no_outlier_value":
-        rg.store_transposed(p8s[0].astype(jnp.float16), p16_smem, rg.F16_T_TRANSFORMS, column_map=rg.token_to_k)
     plgpu.commit_smem()
     if fp8_values:  # after the barrier: every thread's alpha is in; the other slot is the next block's
       alpha_rows = plgpu.load(slot, layout=plgpu.Layout.WGMMA.reduce(1))  # [64]; only the written rows are used
