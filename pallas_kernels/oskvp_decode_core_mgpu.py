@@ -73,6 +73,7 @@ VALUE_OUTLIERS = "fp8_stacked"  # the default form: the fastest core on the H200
 P_LEVELS = 127.0  # p8 = round(127 · p), 0..127
 SUB_BLOCK = 128  # tokens per key-score and softmax pass: a 256-token pipeline step runs two (`block_s=256`)
 BLOCK_SIZES = (64, 128, 256)
+L_ROWS = 64  # the running p8 sums per head are kept as [64, 8] (one wgmma M tile: 4 registers per thread)
 MASKED = -1e30  # the score of a token past the row's length (finite: a fully masked block keeps alpha = 1)
 QS_SLOTS = 32  # qs padded to a row of 128 bytes (what a TMA copy moves): the 8 scales, the length, zeros
 LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
@@ -265,11 +266,13 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
       slot = qs_smem.at[pl.ds(QS_SLOTS + 64 * (idx[0] % 2), 64)]  # alpha's slot of this block's parity
       for r in range(2 * halves if stacked else 1):
         slot[pl.ds(r * N, N)] = alpha
-    l = l * jax.lax.broadcast_in_dim(alpha, (sub, N), [1])  # summed over rows at the end
+    l = l * jax.lax.broadcast_in_dim(alpha, (L_ROWS, N), [1])  # summed over rows at the end
     p8s = []
     for i, s in enumerate(scores):  # pass by pass: one pass's p8 and its e4m3 parts live at a time
       p8 = (jnp.exp2(s - jax.lax.broadcast_in_dim(m_p, (sub, N), [1])) * P_LEVELS + 0.5).astype(jnp.int32)
-      l = l + p8.astype(jnp.float32)
+      pf = p8.astype(jnp.float32)
+      for r in range(0, sub, L_ROWS):  # the thread's own rows folded: no data moves
+        l = l + pf[r:r + L_ROWS]
       if interpret:
         p8s.append(p8)
         continue
@@ -319,15 +322,16 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
         codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
         outlier_sums()
-      else:  # the outlier sums first (operands in shared memory), then the passes' code planes one at a time: a
-        # pass's planes (32 registers) are retired before the next pass's are built (both at once: 158 registers)
-        outlier_sums()
+      else:  # the passes' code planes one at a time: a pass's planes (32 registers) are retired before the next
+        # pass's are built (both at once: 158 registers); the outlier sums last, so that their accumulators are not
+        # live while the planes are built
         for i in range(halves):
           if i:
             plgpu.wgmma_wait(0)
           cols = pl.ds(i * sub, sub)
           codes = plgpu.load(v_smem.at[:, cols], layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
           plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, sub, q, 1), p_smem.at[:, cols].T)  # pylint: disable=protected-access
+        outlier_sums()
       plgpu.wgmma_wait(0)
       if not outliers:
         return vacc_ref[...]
@@ -353,7 +357,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     return m_new, l, acc, acc_o
 
   init = (plgpu.layout_cast(jnp.full((N,), 0.0 if ablate == "no_max" else MASKED, jnp.float32), col),
-          plgpu.layout_cast(jnp.zeros((sub, N), jnp.float32), plgpu.Layout.WGMMA),
+          plgpu.layout_cast(jnp.zeros((L_ROWS, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA) if outliers else None)
   specs, srcs = [k_spec, v_spec], [kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens]]
