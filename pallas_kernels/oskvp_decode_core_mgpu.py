@@ -19,8 +19,8 @@ tokens as key code blocks uint8 [block_s, Q] and value code blocks uint8 [Q, blo
 TMA ring (`plgpu.emit_pipeline`). Per block:
 1. key scores: the codes themselves as int8 A (planes in registers, 4 per 64 tokens), qd as B: int32 [block_s, 8];
 2. online softmax in f32 on the WGMMA layout: the block max per head (a reduction over the tokens, across the 4
-   warps), p = 2^(s − m) quantized to int8 (p8 = round(127 p), 0..127), l += p8 elementwise ([block_s, 8],
-   rescaled with the accumulator; reduced over the tokens once, at the end: one cross-warp reduction per block);
+   warps), p = 2^(s − m) quantized to int8 (p8 = round(127 p), 0..127), l += p8 elementwise (kept as [64, 8], the
+   thread's row tiles folded; rescaled with the accumulator; reduced over the tokens once, at the end);
 3. p8 stored transposed to shared memory [8, block_s] (K-major, the int8 wgmma B layout; byte stores with the
    swizzle applied by hand on the GPU route);
 4. value sums: a fresh int32 [H, 8] accumulator = vcodes [H (ACC order), block_s] @ p8ᵀ (4 wgmmas per 64 tokens),
@@ -48,6 +48,10 @@ reorders in its reads: a channel-order store in the kernel cost the core 10% at 
 The GPU route's register-level pieces (hand-written transposed stores, the outlier A fragments and their index math)
 are in `oskvp_core_registers_mgpu.py`. CPU interpret mode: the interpreter runs no inline Mosaic, so there the planes
 go through shared memory (as in the building blocks) and p8 is stored with jnp.
+
+`block_s=256` runs steps 1-3 in two passes of 128 tokens per pipeline step (one max per step, one fence) and step 4
+once, the code planes a pass at a time; on the H200 it is no faster than 128 with outliers (156 registers: three
+programs per SM instead of four) and 9% faster on codes alone (`benchmarks/notes_mgpu_oskvp.md` §20).
 """
 
 from __future__ import annotations
@@ -168,18 +172,21 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
   # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
   # columns 8.. zero). acc_out f32 [BK, splits, H, 8] (ACC row order);
-  # ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16); acco_out f32 [BK, splits, 8 or 16, 8] (value-outlier
-  # sums: [head, channel] in the fp8 forms, rows 8..15 the lo part's with fp8_stacked; [channel, head] in f16).
-  # q_smem int8 [8, H]; qs_smem f32 [32]; ka_smem int8 [block_s, H] / va_smem int8 [H, block_s] (planes through
-  # shared memory, interpret mode only); p_smem int8 [8, block_s]; o_smem f32 [H, 8]; ml_smem f32 [32]. Outliers:
-  # qo_smem f16 [8, 16]; a16_smem f16 [block_s, 16] / vt_smem f16 [64, block_s] (the outlier A operands, interpret
-  # mode only: the GPU route builds them in registers, `rg.key_outlier_fragment`, `rg.value_outlier_fragment`);
-  # p16_smem f16 [8, block_s] (p8 as f16; on the GPU route its columns permuted as the value A's, `rg.token_to_k`);
-  # oo_smem f32 [64, 8]. value_outliers="fp8" instead of vt_smem, p16_smem: ph_smem, pl_smem fp8 [64, block_s]
+  # ml_out f32 [BK, splits, 32]: m in [0, 8), l in [8, 16); acco_out f32 [BK, splits, 8 or 16 · passes, 8]
+  # (value-outlier sums: [head, channel] in the fp8 forms, with fp8_stacked rows 16i..16i+7 pass i's hi part's and
+  # 16i+8.. its lo part's; [channel, head] in f16). A pipeline step of block_s tokens runs block_s / sub passes of
+  # sub = min(block_s, 128) tokens (key scores, p8) and one fence and one set of value wgmmas.
+  # q_smem int8 [8, H]; qs_smem f32 [32 (+128)]: qs_ref's row, then with fp8 value outliers alpha per head as a row
+  # vector in two slots of 64 by block parity (one allocation: each takes 1 KB, aligned); ka_smem int8 [sub, H] /
+  # va_smem int8 [H, block_s] (planes through shared memory, interpret mode only); p_smem int8 [8, block_s].
+  # Outliers: qo_smem f16 [8, 16]; a16_smem f16 [sub, 16] / vt_smem f16 [64, block_s] (the outlier A operands,
+  # interpret mode only: the GPU route builds them in registers, `rg.key_outlier_fragment`,
+  # `rg.value_outlier_fragment`); p16_smem f16 [8, block_s] (p8 as f16; on the GPU route its columns permuted as the
+  # value A's, `rg.token_to_k`). value_outliers="fp8" instead of vt_smem, p16_smem: ph_smem, pl_smem fp8 [64, sub]
   # (rows 0..7: p8 = hi + lo, both exact in e4m3, `split_p8`; rows 8.. never written: their sums, in the rows of
-  # acc_o past 8, are never read);
-  # ar_smem f32 [2, 64] (alpha per head as a row vector, two slots by block parity). "fp8_stacked": ph_smem only,
-  # hi in rows 0..7 and lo in rows 8..15 (one wgmma; acco_out then [BK, splits, 16, 8], the halves summed outside).
+  # acc_o past 8, are never read); "fp8_stacked": ph_smem only, hi in rows 0..7 and lo in rows 8..15 (16i.. for
+  # pass i; one wgmma per pass; the parts summed outside). The output buffers (o [H, 8], ml [32], oo [64, 8], f32)
+  # are scoped after the pipeline, in the ring's memory.
   if outliers:
     kc_ref, vc_ref, qd_ref, qs_ref, ko_ref, vo_ref, qo_ref, acc_out, ml_out, acco_out = refs
   else:
@@ -330,7 +337,8 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
             plgpu.wgmma_wait(0)
           cols = pl.ds(i * sub, sub)
           codes = plgpu.load(v_smem.at[:, cols], layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
-          plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, sub, q, 1), p_smem.at[:, cols].T)  # pylint: disable=protected-access
+          planes = vs._planes_in_registers(codes, sub, q, 1)  # pylint: disable=protected-access
+          plgpu.wgmma(vacc_ref, planes, p_smem.at[:, cols].T)
         outlier_sums()
       plgpu.wgmma_wait(0)
       if not outliers:
@@ -538,7 +546,9 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
       key-outlier query per head in base-2 logits (the channel scales folded in; the caller applies the value
       channels' scales to the output). Adds Σ_o qo · kout to the scores (f16 wgmma, A built in registers) and returns
       the value-outlier sums too. All three or none (codes only).
-    block_s: tokens per pipeline step (64 or 128).
+    block_s: tokens per pipeline step: 64, 128 or 256 (two passes of 128 per step, one max reduction, fence and
+      set of value wgmmas; value_outliers "fp8_stacked" only; on the H200 not faster than 128 with outliers, 9%
+      faster on codes alone: benchmarks/notes_mgpu_oskvp.md §20).
     splits: programs per BK row; S must be a multiple of splits · block_s.
     max_concurrent_steps: depth of the TMA ring.
     interpret: run in Mosaic GPU's CPU interpreter.
