@@ -213,7 +213,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
   n_valid = qs_smem[LEN_SLOT].astype(jnp.int32)
 
   sub = min(block_s, SUB_BLOCK)  # tokens per key-score and softmax pass
-  halves = block_s // sub  # passes per pipeline step (2 at block_s = 256)
+  passes = block_s // sub  # passes per pipeline step (2 at block_s = 256)
 
   def key_scores(k_smem, ko_tile):  # k_smem [sub, Q], ko_tile [sub / 2, 16] -> f32 [sub, 8] base-2 logits (WGMMA)
     scale = jax.lax.broadcast_in_dim(qs, (sub, N), [1])
@@ -238,8 +238,8 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
 
     return pl.run_scoped(scope, plgpu.ACC((sub, N), jnp.int32), plgpu.ACC((sub, N), jnp.float32))
 
-  def half(ref, i, rows):  # pass i's rows of a step's tile (the tile itself at one pass per step)
-    return ref if halves == 1 else ref.at[pl.ds(i * rows, rows)]
+  def pass_rows(ref, i, rows):  # pass i's rows of a step's tile (the tile itself at one pass per step)
+    return ref if passes == 1 else ref.at[pl.ds(i * rows, rows)]
 
   def body(idx, k_smem, v_smem, *rest):
     ko_tile, vo_tile, carry = rest if outliers else (None, None, rest[0])
@@ -247,8 +247,8 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
       return carry
     m, l, acc, acc_o = carry  # f32 [8] (col); [sub, 8] per-token p8 sums; [H, 8]; [64, 8] or None
     scores = []  # per pass: f32 [sub, 8]
-    for i in range(halves):
-      s = key_scores(half(k_smem, i, sub), None if ko_tile is None else half(ko_tile, i, sub // 2))
+    for i in range(passes):
+      s = key_scores(pass_rows(k_smem, i, sub), None if ko_tile is None else pass_rows(ko_tile, i, sub // 2))
       if ragged:  # tokens at or past the row's length score MASKED; only a pass reaching past it pays for the mask
         first = (sp * steps + idx[0]) * block_s + i * sub
 
@@ -271,7 +271,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     lo_smem, lo_row = (ph_smem, N) if stacked else (pl_smem, 0)  # where p8's low part goes (pass 0)
     if fp8_values:
       slot = qs_smem.at[pl.ds(QS_SLOTS + 64 * (idx[0] % 2), 64)]  # alpha's slot of this block's parity
-      for r in range(2 * halves if stacked else 1):
+      for r in range(2 * passes if stacked else 1):
         slot[pl.ds(r * N, N)] = alpha
     l = l * jax.lax.broadcast_in_dim(alpha, (L_ROWS, N), [1])  # summed over rows at the end
     p8s = []
@@ -312,7 +312,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
         if fp8_values:  # [64 (heads), 8 (channels)] = p8 [heads, tokens] @ vout [channels, tokens]ᵀ, fp8 × fp8
           # stacked: rows 0..7 hi, rows 8..15 lo (summed after the kernel); pass i's tokens against rows 16i..16i+15
           for i, oacc_i in enumerate(oacc_refs):
-            plgpu.wgmma(oacc_i, ph_smem, (vo_tile if halves == 1 else vo_tile.at[:, pl.ds(i * sub, sub)]).T)
+            plgpu.wgmma(oacc_i, ph_smem, (vo_tile if passes == 1 else vo_tile.at[:, pl.ds(i * sub, sub)]).T)
           if not stacked:
             plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
         elif fp8_form:
@@ -325,14 +325,14 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
       if interpret:
         plgpu.wgmma(vacc_ref, va_smem, p_smem.T)
         outlier_sums()
-      elif halves == 1:
+      elif passes == 1:
         codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
         plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
         outlier_sums()
       else:  # the passes' code planes one at a time: a pass's planes (32 registers) are retired before the next
         # pass's are built (both at once: 158 registers); the outlier sums last, so that their accumulators are not
         # live while the planes are built
-        for i in range(halves):
+        for i in range(passes):
           if i:
             plgpu.wgmma_wait(0)
           cols = pl.ds(i * sub, sub)
@@ -352,7 +352,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     if ablate == "no_value":
       return m_new, l, acc, acc_o
     if outliers:
-      n_oacc = halves if fp8_values else 1
+      n_oacc = passes if fp8_values else 1
       sums, sums_o = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32),
                                    *[plgpu.ACC((64, N), jnp.float32)] * n_oacc)
       if fp8_values:  # rows are heads: [head, channel]
@@ -419,7 +419,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
   [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (ACC row order), ml f32
   [BK, splits, 32] (+ acco f32 [BK, splits, P, 8, 8] with outliers: the value-outlier sums as [head, channel] in P
-  parts to be summed, 2 for "fp8_stacked" (p8's e4m3 hi and lo parts), else 1))."""
+  parts to be summed, 2 per pass for "fp8_stacked" (p8's e4m3 hi and lo parts; 4 at block_s=256), else 1))."""
   bk, s, q = kcodes.shape
   h = 4 * q
   steps = s // (splits * block_s)
@@ -491,7 +491,7 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
     `oskvp_value_sums_mgpu.acc_row_channels`; relative to 2^m),
     ml f32 [BK, splits, 32]: m (the split's running max, base-2 logits) in [0, 8), l = Σ_t p8 in [8, 16),
     acco f32 [BK, splits, P, 8, 8]: Σ_t p8[n, t] · vout[o, t] as [n, o], the sum of its P parts (2 for
-    "fp8_stacked", else 1), left unsummed for the reader); p8 = round(127 · 2^(s − m)).
+    "fp8_stacked", 4 at block_s=256, else 1), left unsummed for the reader); p8 = round(127 · 2^(s − m)).
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], block_s, splits, max_concurrent_steps)
   if qs_row.shape != (bk, QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
