@@ -238,8 +238,10 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
 
     return pl.run_scoped(scope, plgpu.ACC((sub, N), jnp.int32), plgpu.ACC((sub, N), jnp.float32))
 
-  def pass_rows(ref, i, rows):  # pass i's rows of a step's tile (the tile itself at one pass per step)
-    return ref if passes == 1 else ref.at[pl.ds(i * rows, rows)]
+  def pass_view(ref, i, size, axis=0):  # pass i's rows (or columns) of a step's tile (the tile at one pass per step)
+    if passes == 1:
+      return ref
+    return ref.at[pl.ds(i * size, size)] if axis == 0 else ref.at[:, pl.ds(i * size, size)]
 
   def body(idx, k_smem, v_smem, *rest):
     ko_tile, vo_tile, carry = rest if outliers else (None, None, rest[0])
@@ -248,7 +250,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     m, l, acc, acc_o = carry  # f32 [8] (col); [sub, 8] per-token p8 sums; [H, 8]; [64, 8] or None
     scores = []  # per pass: f32 [sub, 8]
     for i in range(passes):
-      s = key_scores(pass_rows(k_smem, i, sub), None if ko_tile is None else pass_rows(ko_tile, i, sub // 2))
+      s = key_scores(pass_view(k_smem, i, sub), None if ko_tile is None else pass_view(ko_tile, i, sub // 2))
       if ragged:  # tokens at or past the row's length score MASKED; only a pass reaching past it pays for the mask
         first = (sp * steps + idx[0]) * block_s + i * sub
 
@@ -308,38 +310,29 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     def value_scope(vacc_ref, *oacc_refs):  # int32 [H, 8], this block's code sums; f32 [64, 8] outlier sums per pass
       oacc_ref = oacc_refs[0] if oacc_refs else None
 
-      def outlier_sums():
-        if fp8_values:  # [64 (heads), 8 (channels)] = p8 [heads, tokens] @ vout [channels, tokens]ᵀ, fp8 × fp8
-          # stacked: rows 0..7 hi, rows 8..15 lo (summed after the kernel); pass i's tokens against rows 16i..16i+15
-          for i, oacc_i in enumerate(oacc_refs):
-            plgpu.wgmma(oacc_i, ph_smem, (vo_tile if passes == 1 else vo_tile.at[:, pl.ds(i * sub, sub)]).T)
-          if not stacked:
-            plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
-        elif fp8_form:
-          pass  # ablated
-        elif outliers and interpret:
-          plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
-        elif outliers and ablate != "no_outlier_value":
-          plgpu.wgmma(oacc_ref, rg.value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
-
       if interpret:
         plgpu.wgmma(vacc_ref, va_smem, p_smem.T)
-        outlier_sums()
-      elif passes == 1:
-        codes = plgpu.load(v_smem, layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
-        plgpu.wgmma(vacc_ref, vs._planes_in_registers(codes, block_s, q, 1), p_smem.T)  # pylint: disable=protected-access
-        outlier_sums()
-      else:  # the passes' code planes one at a time: a pass's planes (32 registers) are retired before the next
-        # pass's are built (both at once: 158 registers); the outlier sums last, so that their accumulators are not
-        # live while the planes are built
+      else:  # the code planes a pass at a time: a pass's planes (32 registers) are retired before the next pass's are
+        # built (both at once: 158 registers at block 256)
         for i in range(passes):
           if i:
             plgpu.wgmma_wait(0)
-          cols = pl.ds(i * sub, sub)
-          codes = plgpu.load(v_smem.at[:, cols], layout=vs._CODE_LAYOUT_PL)  # pylint: disable=protected-access
+          codes = plgpu.load(pass_view(v_smem, i, sub, axis=1), layout=vs._CODE_LAYOUT_PL)  # pylint: disable=W0212
           planes = vs._planes_in_registers(codes, sub, q, 1)  # pylint: disable=protected-access
-          plgpu.wgmma(vacc_ref, planes, p_smem.at[:, cols].T)
-        outlier_sums()
+          plgpu.wgmma(vacc_ref, planes, pass_view(p_smem, i, sub, axis=1).T)
+      # The outlier sums last, so that their accumulators are not live while the planes are built.
+      if fp8_values:  # [64 (heads), 8 (channels)] = p8 [heads, tokens] @ vout [channels, tokens]ᵀ, fp8 × fp8
+        # stacked: rows 0..7 hi, rows 8..15 lo (summed after the kernel); pass i's tokens against rows 16i..16i+15
+        for i, oacc_i in enumerate(oacc_refs):
+          plgpu.wgmma(oacc_i, ph_smem, pass_view(vo_tile, i, sub, axis=1).T)
+        if not stacked:
+          plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
+      elif fp8_form:
+        pass  # ablated
+      elif outliers and interpret:
+        plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
+      elif outliers and ablate != "no_outlier_value":
+        plgpu.wgmma(oacc_ref, rg.value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
       plgpu.wgmma_wait(0)
       if not outliers:
         return vacc_ref[...]

@@ -239,7 +239,8 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
   "vq2_mgpu" is the layout of the Mosaic GPU vq2 kernel (`pallas_kernels/vq2_grouped_matmul_mgpu_ws.py`: 2.7-3.6x
   the best bf16 peer on the H200 at <= 16 rows per expert, balanced routing, benchmarks/results/vq2_mgpu_index.md;
   the Triton vq2 kernel is 0.4-0.5x, vq2_mgpu_grid.md); the same values, the same rules (no activation scales,
-  G = 128, N a multiple of 64), its options (`vq2_grouped_matmul_mgpu_ws.OPTIONS`). fuse_gate_up takes int4 weights only.
+  G = 128, N a multiple of 64), its options (`vq2_grouped_matmul_mgpu_ws.OPTIONS`). fuse_gate_up takes int4 weights
+  only.
 
   fuse_gate_up: store each layer's gate and up once, interleaved (`int4_gate_up_mgpu.interleave_gate_up`), as one
   "int4_mgpu_gate_up" weight [E, D, 2F] in `w_gate`, and `experts.FusedIntoGate` in `w_up`; "pallas" and
@@ -251,9 +252,8 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
   kernel_options: keyword arguments of the kernel (`int4_grouped_matmul_mgpu_ws.OPTIONS`) stored with every weight
   and passed on each call, e.g. `block_r=32` where the routing is known to be uneven at ~16 rows per expert (19-24%
   faster than the default there on the H200 for int4, 9-24% for vq2; slower under balanced routing: see the int4
-  kernel's docstring). Checked
-  here against each weight's shape (the fused weight's N is 2F); a bad one raises a ValueError naming the weight and
-  the field.
+  kernel's docstring). Checked here against each weight's shape (the fused weight's N is 2F); a bad one raises a
+  ValueError naming the weight and the field.
   """
   from pallas_kernels import int4_gate_up_mgpu as gu  # pylint: disable=g-import-not-at-top
   from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws  # pylint: disable=g-import-not-at-top

@@ -181,12 +181,18 @@ def test_outlier_fragment_index_math(shape, source, tile):
   np.testing.assert_array_equal(got, want)
 
 
+def _abstract_inputs(s: int):
+  """Shapes only (BK = 2, S = s): kcodes, vcodes, qd, qs, then kout, vout, qo, for lowering without data."""
+  return (jax.ShapeDtypeStruct((2, s, Q), jnp.uint8), jax.ShapeDtypeStruct((2, Q, s), jnp.uint8),
+          jax.ShapeDtypeStruct((2, dc.N, 4 * Q), jnp.int8), jax.ShapeDtypeStruct((2, dc.N), jnp.float32),
+          jax.ShapeDtypeStruct((2, s, dc.OUTLIERS), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((2, dc.OUTLIERS, s), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((2, dc.N, dc.OUTLIERS), jnp.float16))
+
+
 def test_gpu_route_lowers():
   """Per 128-token block: 8 key and 8 value int8 wgmmas (codes as A in registers), and p stored by hand."""
-  kc = jax.ShapeDtypeStruct((2, 2048, Q), jnp.uint8)
-  vc = jax.ShapeDtypeStruct((2, Q, 2048), jnp.uint8)
-  qd = jax.ShapeDtypeStruct((2, dc.N, 4 * Q), jnp.int8)
-  qs = jax.ShapeDtypeStruct((2, dc.N), jnp.float32)
+  kc, vc, qd, qs, ko, vo, qo = _abstract_inputs(2048)
   f = jax.jit(lambda *a: dc.decode_core_mgpu(*a, block_s=128, splits=2, max_concurrent_steps=2))
   text = mosaic_module_text(f.trace(kc, vc, qd, qs).lower(lowering_platforms=("cuda",)))
   instr = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n8k32\.s32\.s8\.s8) \{[^}]*\}", text)
@@ -199,9 +205,6 @@ def test_gpu_route_lowers():
   # sums: "f16": 8 more f16 wgmmas (k16 steps), A in registers, p8 stored a second time, as f16; "fp8": 2 × 4
   # e4m3 wgmmas (k32 steps), both operands in shared memory, p8's two e4m3 parts stored (8 bytes each per thread);
   # "fp8_stacked": the two parts in one A tile, 4 e4m3 wgmmas.
-  ko = jax.ShapeDtypeStruct((2, 2048, dc.OUTLIERS), jnp.float8_e4m3fn)
-  vo = jax.ShapeDtypeStruct((2, dc.OUTLIERS, 2048), jnp.float8_e4m3fn)
-  qo = jax.ShapeDtypeStruct((2, dc.N, dc.OUTLIERS), jnp.float16)
   for form, n_f16, n_fp8, f16_stores, fp8_stores in (("f16", 10, 0, 8, 0), ("fp8", 2, 8, 0, 16),
                                                       ("fp8_stacked", 2, 4, 0, 16)):
     f = jax.jit(lambda *a, form=form: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=128, splits=2,
@@ -218,13 +221,7 @@ def test_gpu_route_lowers_two_passes_per_step():
   """block_s=256: twice the wgmmas of block 128 per step (value sums with K = 256, the value-outlier sums of each
   pass against its half of the tile), p8 stored into both column tiles of [8, 256], and shared memory within
   55 KB (ring 2 × 20 KB): four programs per SM, as at block 128."""
-  kc = jax.ShapeDtypeStruct((2, 4096, Q), jnp.uint8)
-  vc = jax.ShapeDtypeStruct((2, Q, 4096), jnp.uint8)
-  qd = jax.ShapeDtypeStruct((2, dc.N, 4 * Q), jnp.int8)
-  qs = jax.ShapeDtypeStruct((2, dc.N), jnp.float32)
-  ko = jax.ShapeDtypeStruct((2, 4096, dc.OUTLIERS), jnp.float8_e4m3fn)
-  vo = jax.ShapeDtypeStruct((2, dc.OUTLIERS, 4096), jnp.float8_e4m3fn)
-  qo = jax.ShapeDtypeStruct((2, dc.N, dc.OUTLIERS), jnp.float16)
+  kc, vc, qd, qs, ko, vo, qo = _abstract_inputs(4096)
   f = jax.jit(lambda *a: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=256, splits=2, max_concurrent_steps=2))
   text = mosaic_module_text(f.trace(kc, vc, qd, qs, ko, vo, qo).lower(lowering_platforms=("cuda",)))
   assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.s32\.s8\.s8", text)) == 32
