@@ -218,8 +218,9 @@ def main(argv=None) -> int:
   ap.add_argument("--no_peers", action="store_true", help="skip the cuDNN / XLA peers (timed in runs 1-10)")
   ap.add_argument("--timed", default="", help="rows to time instead of TIMED: S:block_s:splits:ring:variant, "
                   "comma-separated (e.g. 65536:128:16:2:outliers+fp8_stacked+no_compute)")
-  ap.add_argument("--checks", default="all", choices=("all", "stacked", "block256"),
-                  help="stacked: only the fp8_stacked checks; block256: only the block_s=256 checks")
+  ap.add_argument("--checks", default="all", choices=("all", "stacked", "block256", "none"),
+                  help="stacked: only the fp8_stacked checks; block256: only the block_s=256 checks; none: no "
+                       "checks (a timing-only process, e.g. for MOSAIC_GPU_DUMP_TO)")
   ap.add_argument("--no_glue", action="store_true", help="skip the glue check and the whole op's timing")
   args = ap.parse_args(argv)
   timed = TIMED
@@ -234,6 +235,8 @@ def main(argv=None) -> int:
     cases = [c for c in cases if c[-1] == "fp8_stacked"]
   elif args.checks == "block256":
     cases = [c for c in cases if c[2] == 256]
+  elif args.checks == "none":
+    cases = []
   for case in cases:
     checks.append(run_check(case, interpret=args.smoke))
     print("check", json.dumps(checks[-1]), flush=True)

@@ -307,9 +307,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     if fp8_values:  # after the barrier: every thread's alpha is in; the other slot is the next block's
       alpha_rows = plgpu.load(slot, layout=plgpu.Layout.WGMMA.reduce(1))  # [64]; only the written rows are used
 
-    def value_scope(vacc_ref, *oacc_refs):  # int32 [H, 8], this block's code sums; f32 [64, 8] outlier sums per pass
-      oacc_ref = oacc_refs[0] if oacc_refs else None
-
+    def value_scope(vacc_ref):  # int32 [H, 8]: this block's code sums
       if interpret:
         plgpu.wgmma(vacc_ref, va_smem, p_smem.T)
       else:  # the code planes a pass at a time: a pass's planes (32 registers) are retired before the next pass's are
@@ -320,7 +318,16 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
           codes = plgpu.load(pass_view(v_smem, i, sub, axis=1), layout=vs._CODE_LAYOUT_PL)  # pylint: disable=W0212
           planes = vs._planes_in_registers(codes, sub, q, 1)  # pylint: disable=protected-access
           plgpu.wgmma(vacc_ref, planes, pass_view(p_smem, i, sub, axis=1).T)
-      # The outlier sums last, so that their accumulators are not live while the planes are built.
+      if not outliers:
+        plgpu.wgmma_wait(0)
+        return vacc_ref[...]
+      # The outlier sums last, in their own scope: their accumulators (and the zeros they start from) are not live
+      # while the planes are built.
+      return pl.run_scoped(functools.partial(outlier_scope, vacc_ref),
+                           *[plgpu.ACC((64, N), jnp.float32)] * (passes if fp8_values else 1))
+
+    def outlier_scope(vacc_ref, *oacc_refs):  # f32 [64, 8] outlier sums per pass (one outside fp8_values)
+      oacc_ref = oacc_refs[0]
       if fp8_values:  # [64 (heads), 8 (channels)] = p8 [heads, tokens] @ vout [channels, tokens]ᵀ, fp8 × fp8
         # stacked: rows 0..7 hi, rows 8..15 lo (summed after the kernel); pass i's tokens against rows 16i..16i+15
         for i, oacc_i in enumerate(oacc_refs):
@@ -329,13 +336,11 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
           plgpu.wgmma(oacc_ref, pl_smem, vo_tile.T)
       elif fp8_form:
         pass  # ablated
-      elif outliers and interpret:
+      elif interpret:
         plgpu.wgmma(oacc_ref, vt_smem, p16_smem.T)
-      elif outliers and ablate != "no_outlier_value":
+      elif ablate != "no_outlier_value":
         plgpu.wgmma(oacc_ref, rg.value_outlier_fragment(vo_tile, block_s, ks.swizzled(block_s)), p16_smem.T)
       plgpu.wgmma_wait(0)
-      if not outliers:
-        return vacc_ref[...]
       sums_o = oacc_ref[...]
       for i in range(1, len(oacc_refs)):  # rows 16i.. of pass i's sums
         row = plgpu.broadcasted_iota(jnp.int32, (64, N), 0, layout=plgpu.Layout.WGMMA)
@@ -345,9 +350,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     if ablate == "no_value":
       return m_new, l, acc, acc_o
     if outliers:
-      n_oacc = passes if fp8_values else 1
-      sums, sums_o = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32),
-                                   *[plgpu.ACC((64, N), jnp.float32)] * n_oacc)
+      sums, sums_o = pl.run_scoped(value_scope, plgpu.ACC((h, N), jnp.int32))
       if fp8_values:  # rows are heads: [head, channel]
         acc_o = acc_o * jax.lax.broadcast_in_dim(alpha_rows, (64, N), [0]) + sums_o
       elif not fp8_form:  # rows are channels (repeated 8 times): [channel, head]
