@@ -80,7 +80,7 @@ KERNELS = {"int4": i4.int4_grouped_matmul, "int4_nk": i4.int4_grouped_matmul, "i
            "vq2": v2.vq2_grouped_matmul, "vq2_mgpu_ws": vmws.vq2_grouped_matmul_mgpu_ws}
 
 
-def _timer():
+def kernel_timer():
   try:
     from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
     flush_buf = jnp.zeros((64 << 20,), jnp.float32)
@@ -174,7 +174,7 @@ def quantized(key, e, k, n, formats):
   return {f: make[f]() for f in formats}
 
 
-def _error(got, want) -> dict:
+def error_stats(got, want) -> dict:
   """The max error relative to the reference's largest value, and the NaN count, of numpy arrays."""
   return {"max_rel_err": float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9)),
           "nan": int(np.isnan(got).sum())}
@@ -217,17 +217,17 @@ def check_correctness(sweep=False, formats=None):
       except Exception as ex:  # noqa: BLE001
         res[tag] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
         continue
-      res[tag] = _error(got, np.asarray(ref_fn(x, w, gs)))
+      res[tag] = error_stats(got, np.asarray(ref_fn(x, w, gs)))
     if name == "int4_mgpu_ws":  # the fused form (`swiglu=True`) on two different weights, interleaved
       w_up = mws.to_mgpu_layout(random_int4(jax.random.key(5), e, k, n))
       got = np.asarray(fn(x, gu.interleave_gate_up(w, w_up), gs, interpret=INTERPRET["on"], swiglu=True))
-      res[f"{name}_swiglu"] = _error(got, np.asarray(jax.nn.silu(ref_fn(x, w, gs)) * ref_fn(x, w_up, gs)))
+      res[f"{name}_swiglu"] = error_stats(got, np.asarray(jax.nn.silu(ref_fn(x, w, gs)) * ref_fn(x, w_up, gs)))
     if name in ("int4_mgpu", "int4_mgpu_ws", "vq2_mgpu_ws"):
       continue  # no Triton fused SwiGLU variant
     swi = (v2.vq2_grouped_swiglu, v2.vq2_grouped_swiglu_reference) if name == "vq2" else (
         i4.int4_grouped_swiglu, i4.int4_grouped_swiglu_reference)
     got = np.asarray(swi[0](x, w, w, gs, poison=float("nan"), interpret=INTERPRET["on"]).astype(jnp.float32))
-    res[f"{name}_swiglu"] = _error(got, np.asarray(swi[1](x, w, w, gs).astype(jnp.float32)))
+    res[f"{name}_swiglu"] = error_stats(got, np.asarray(swi[1](x, w, w, gs).astype(jnp.float32)))
     del mod
   print("correctness", json.dumps(res), flush=True)
   return res
@@ -427,7 +427,7 @@ def main(argv=None):
   if args.smoke:
     INTERPRET["on"] = True
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd  # pylint: disable=g-import-not-at-top
-  timer, timing = _timer()
+  timer, timing = kernel_timer()
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": G,
           "routing": "balanced", "l2_flush": "256 MiB write before every timed call"}

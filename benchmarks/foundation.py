@@ -19,7 +19,7 @@ import configs
 from benchmarks.timing import median_ms
 from moe_jax import decode
 from moe_jax.config import param_counts
-from moe_jax.generate import _last_logits, decode_loop
+from moe_jax.generate import decode_loop, last_logits
 from moe_jax.sampling import SamplingParams
 
 flags.DEFINE_string("config", "small", "Preset.")
@@ -65,7 +65,7 @@ def main(argv):
     prefill = lambda: decode.prefill(model, tokens, lengths, kv_cache=FLAGS.kv_cache, cache_len=cache_len)
     prefill_ms = median_ms(prefill, FLAGS.repeats)
     logits, cache = prefill()
-    first = _last_logits(logits, jnp.asarray(lengths))
+    first = last_logits(logits, jnp.asarray(lengths))
     params = SamplingParams().arrays(b)
     loop = lambda: decode_loop(model, cache, first, jax.random.key(0), *params, max_new_tokens=FLAGS.steps,
                                eos_id=None)[0]

@@ -104,7 +104,7 @@ def main(argv=None):
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--iters", type=int, default=10)
   args = ap.parse_args(argv)
-  timer, timing = em._timer()  # pylint: disable=protected-access
+  timer, timing = em.kernel_timer()
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": em.G,
           "routing": "balanced", "correctness": {}}

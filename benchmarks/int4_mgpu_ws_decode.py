@@ -299,7 +299,7 @@ def main(argv=None):
     with open(check_path, "w") as fh:
       json.dump(res, fh, indent=1)
     return 0
-  timer, timing = em._timer()  # pylint: disable=protected-access
+  timer, timing = em.kernel_timer()
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": em.G,
           "routing": args.routing, "l2_flush": "256 MiB write before every timed call", "ws_configs": WS}

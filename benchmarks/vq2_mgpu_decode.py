@@ -18,7 +18,7 @@ row counts, `--vq2_only` skips the Triton vq2 and WS int4 rows. Timing, at <= 16
 active (balanced routing by default): XLA `ragged_dot` bf16, jax's Mosaic `ragged_dot_mgpu` bf16, the Triton int4
 and vq2 kernels, the warp-specialized int4 kernel (defaults) and the vq2 kernel (defaults, per-expert codebooks;
 then per-layer; then its memory side alone, `ablate="no_compute"`); CUPTI kernel time with L2 flushed before every
-call, median (`expert_matmul._timer`). Writes `vq2_mgpu{tag}.json` / `.md`. Bytes read per active expert: the stored
+call, median (`expert_matmul.kernel_timer`). Writes `vq2_mgpu{tag}.json` / `.md`. Bytes read per active expert: the stored
 2-bit indices and bf16 scales plus the replicated codebook (32 KB).
 """
 
@@ -76,7 +76,7 @@ def check(res: dict):
         try:
           got = np.asarray(vm.vq2_grouped_matmul_mgpu_ws(x, wm, gs, **cfg))
           tail = int(gs.sum())
-          res[tag] = {**em._error(got[:tail], want[:tail]), "tail_max": float(np.abs(got[tail:]).max())}  # pylint: disable=protected-access
+          res[tag] = {**em.error_stats(got[:tail], want[:tail]), "tail_max": float(np.abs(got[tail:]).max())}
         except Exception as ex:  # noqa: BLE001
           res[tag] = {"error": f"{type(ex).__name__}: {str(ex)[:400]}"}
         print(tag, res[tag], flush=True)
@@ -151,7 +151,7 @@ def main(argv=None):
     if not passed(json.load(fh)):
       raise SystemExit(f"{check_path} holds a failed check: not timing")
   variants = json.loads(args.variants) if args.variants else VARIANTS
-  timer, timing = em._timer()  # pylint: disable=protected-access
+  timer, timing = em.kernel_timer()
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "timing": timing, "iters": args.iters,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "routing": args.routing, "variants": variants, "copy": em.copy_bandwidth(timer)}
@@ -181,7 +181,7 @@ def main(argv=None):
       for suffix, (f, w) in runs.items():
         err = {}
         if variants[suffix].get("ablate") != "no_compute":  # each timed weight's values, against its float32 dequantization
-          err = em._error(np.asarray(f(x, w, gs)), np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, w, gs)))  # pylint: disable=protected-access
+          err = em.error_stats(np.asarray(f(x, w, gs)), np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, w, gs)))
         b = vb - (n_active - 1) * 32 * 1024 if variants[suffix].get("codebook") == "layer" else vb  # one codebook
         ms = timer(f, x, w, gs, iters=args.iters)
         rows_out.append({"impl": f"pallas_vq2_mgpu_ws{suffix}", "rows": rows, "experts": e, "k": k, "n": n,

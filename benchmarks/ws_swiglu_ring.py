@@ -5,7 +5,7 @@
 
 Per shape and row count (balanced routing): the fused call with its default ring, the same with
 `max_concurrent_steps=2` (the ring it had before at 2048→768 with 32-row tiles), two single calls plus XLA's
-silu · up, and one single call; CUPTI, L2 flushed (`expert_matmul._timer`). The fused result is checked against
+silu · up, and one single call; CUPTI, L2 flushed (`expert_matmul.kernel_timer`). The fused result is checked against
 each weight's float32 dequantization. Writes ws_swiglu_ring.json under --out.
 """
 
@@ -35,7 +35,7 @@ def main(argv=None):
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--iters", type=int, default=15)
   args = ap.parse_args(argv)
-  timer, timing = em._timer()  # pylint: disable=protected-access
+  timer, timing = em.kernel_timer()
   fused = jax.jit(functools.partial(mws.int4_grouped_matmul_mgpu_ws, swiglu=True))
   fused_ring2 = jax.jit(functools.partial(mws.int4_grouped_matmul_mgpu_ws, swiglu=True, max_concurrent_steps=2))
   one = jax.jit(mws.int4_grouped_matmul_mgpu_ws)

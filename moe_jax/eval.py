@@ -84,7 +84,7 @@ def available_modes() -> dict[str, list[str]]:
 
 
 @functools.partial(jax.jit, static_argnames=("prefix", "kv_cache", "cache_len"))
-def _teacher_forced_logprobs(model, windows: jax.Array, *, prefix: int, kv_cache: str, cache_len: int):
+def teacher_forced_logprobs(model, windows: jax.Array, *, prefix: int, kv_cache: str, cache_len: int):
   """windows: int32 [B, L+1] -> (float32 log-probs [B, L+1-prefix, V] of targets windows[:, prefix:], final cache).
 
   One jit: prefill of the prefix, then a scan of decode steps over the true tokens.
@@ -104,7 +104,8 @@ def _teacher_forced_logprobs(model, windows: jax.Array, *, prefix: int, kv_cache
   return logp, cache
 
 
-def _scores(logp: np.ndarray, targets: np.ndarray) -> float:
+def bits_per_byte(logp: np.ndarray, targets: np.ndarray) -> float:
+  """logp float32 [B, T, V] log-probs, targets int [B, T] -> mean -log2 p(target): bits per byte (byte tokens)."""
   return float(-np.mean(np.take_along_axis(logp, targets[..., None], axis=-1)) / np.log(2.0))
 
 
@@ -147,7 +148,7 @@ def evaluate(model: nnx.Module, config: ModelConfig, *, kv_cache: str = "bf16", 
   cache_len = context + 1
 
   t0 = time.time()
-  base_logp, base_cache = _teacher_forced_logprobs(model, jnp.asarray(windows), prefix=prefix,
+  base_logp, base_cache = teacher_forced_logprobs(model, jnp.asarray(windows), prefix=prefix,
                                                    kv_cache=BASELINE["kv_cache"], cache_len=cache_len)
   base_logp, base_bytes = np.asarray(base_logp), base_cache.nbytes()
   is_baseline = quant_fn is None and routing_fn is None and kv_cache == BASELINE["kv_cache"]
@@ -159,7 +160,7 @@ def evaluate(model: nnx.Module, config: ModelConfig, *, kv_cache: str = "bf16", 
       variant = quant_fn(variant)
     if routing_fn is not None:
       variant = routing_fn(variant)
-    logp, cache = _teacher_forced_logprobs(variant, jnp.asarray(windows), prefix=prefix, kv_cache=kv_cache,
+    logp, cache = teacher_forced_logprobs(variant, jnp.asarray(windows), prefix=prefix, kv_cache=kv_cache,
                                            cache_len=cache_len)
     logp, nbytes = np.asarray(logp), cache.nbytes()
   p_base = np.exp(base_logp)
@@ -169,7 +170,7 @@ def evaluate(model: nnx.Module, config: ModelConfig, *, kv_cache: str = "bf16", 
       "model": config.name, "kv_cache": kv_cache, "expert_quant": expert_quant, "routing": routing,
       "n_windows": int(windows.shape[0]), "context": context, "prefix": prefix,
       "scored_tokens": int(targets.size),
-      "bpb": _scores(logp, targets), "baseline_bpb": _scores(base_logp, targets),
+      "bpb": bits_per_byte(logp, targets), "baseline_bpb": bits_per_byte(base_logp, targets),
       "agreement": agreement, "kl": kl,
       "kv_cache_bytes": int(nbytes), "seconds": time.time() - t0,
   }

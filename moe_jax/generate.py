@@ -34,7 +34,7 @@ class GenerateOutput:
   cache: KVCache
 
 
-def _last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
+def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
   """[B, T, V] prefill logits -> [B, V] at each sequence's last prompt token."""
   return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
@@ -105,7 +105,7 @@ def generate(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
   cache_len = cache_len or int(tokens.shape[1]) + max_new_tokens
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
   logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
-  out, n, cache = decode_loop(model, cache, _last_logits(logits, jnp.asarray(lengths)), key,
+  out, n, cache = decode_loop(model, cache, last_logits(logits, jnp.asarray(lengths)), key,
                               *sampling.arrays(tokens.shape[0]), max_new_tokens=max_new_tokens, eos_id=eos_id)
   return GenerateOutput(tokens=out, lengths=n, cache=cache)
 
@@ -119,7 +119,7 @@ def stream(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
   logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
   params = sampling.arrays(tokens.shape[0])
-  step_logits = _last_logits(logits, jnp.asarray(lengths))
+  step_logits = last_logits(logits, jnp.asarray(lengths))
   sample_jit = jax.jit(sample)
   for _ in range(max_new_tokens):
     key, sub = jax.random.split(key)
@@ -178,7 +178,7 @@ def main(argv):
     logits, cache = decode.prefill(model, tokens, lengths, kv_cache=f.kv_cache, cache_len=cache_len)
     jax.block_until_ready(logits)
     t1 = time.perf_counter()
-    out, n, cache = decode_loop(model, cache, _last_logits(logits, jnp.asarray(lengths)), key,
+    out, n, cache = decode_loop(model, cache, last_logits(logits, jnp.asarray(lengths)), key,
                                 *sampling.arrays(f.batch), max_new_tokens=f.max_new_tokens, eos_id=eos)
     jax.block_until_ready(out)
     return out, n, cache, t1 - t0, time.perf_counter() - t1

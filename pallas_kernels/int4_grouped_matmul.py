@@ -283,7 +283,7 @@ def to_nk_layout(ws: Int4Weights, *, group_size: int = 128) -> Int4Weights:
     raise ValueError("2:4 weights stay in the uint8 layout")
   if is_nk(ws):
     return ws
-  q = _codes_kn(ws, group_size)  # int32 [E, Kg, G, N]
+  q = codes_kn(ws, group_size)  # int32 [E, Kg, G, N]
   e, ng, _, n = q.shape
   q = q.reshape(e, ng, 4, group_size // 4, n)
   words = sum(q[:, :, j] << (4 * j) for j in range(4))  # [E, Kg, G/4, N]
@@ -291,7 +291,7 @@ def to_nk_layout(ws: Int4Weights, *, group_size: int = 128) -> Int4Weights:
   return ws._replace(packed=packed)
 
 
-def _codes_kn(ws: Int4Weights, group_size: int) -> jax.Array:
+def codes_kn(ws: Int4Weights, group_size: int) -> jax.Array:
   """Dense codes q of either layout: int32 [E, Kg, G, N] (k = g·G + r)."""
   ng = ws.scale.shape[1]
   p = ws.packed.astype(jnp.int32)
@@ -309,7 +309,7 @@ def dequantize_int4(ws: Int4Weights, *, group_size: int = 128, dtype=jnp.float32
   e, ng, n = ws.scale.shape
   z = ws.zero.astype(jnp.int32)[:, :, None, :]  # [E, Kg, 1, N]
   if ws.meta is None:
-    q = _codes_kn(ws, group_size)  # [E, Kg, G, N]
+    q = codes_kn(ws, group_size)  # [E, Kg, G, N]
   else:
     p = ws.packed.astype(jnp.int32)
     quarter, eighth = group_size // 4, group_size // 8

@@ -96,7 +96,7 @@ def to_mgpu_layout(ws: i4.Int4Weights, *, group_size: int = _G,  # pylint: disab
     raise ValueError("the Mosaic GPU int4 kernel takes dense weights without activation scales")
   if group_size != _G:
     raise ValueError(f"group_size={group_size} must be {_G} for the Mosaic GPU int4 kernel")
-  codes = i4._codes_kn(ws, group_size)  # int32 [E, Kg, G, N]  # pylint: disable=protected-access
+  codes = i4.codes_kn(ws, group_size)  # int32 [E, Kg, G, N]
   e, ng, _, n = codes.shape
   c = jnp.moveaxis(codes.reshape(e, ng * group_size, n), 2, 1) - 8  # [E, N, Kp] in [-8, 7]
   c = c.reshape(e, n, -1, 32)[..., NIBBLE_ORDERS[nibble_order]].reshape(e, n, ng * group_size)  # stored order
@@ -130,14 +130,14 @@ def row_tiles(group_sizes: jax.Array, m: int, block_r: int, m_loaded: int | None
   return jnp.stack([expert, first, count, loaded], axis=1)
 
 
-def _swizzled(dtype, minor: int = _G):
+def swizzled(dtype, minor: int = _G):
   """Tiling + swizzle of a shared-memory tile read in column slices of `minor` elements (wgmma's K extent)."""
   bits = 4 if dtype == jnp.int4 else jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(minor * bits)
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _as_wgmma_operand(w, block_n: int):
+def as_wgmma_operand(w, block_n: int):
   """int4 [bn, G] in the 4X-upcast layout, stored in K_ORDER -> the same registers as the wgmma operand layout.
 
   Each 32-bit register (8 nibbles) becomes the four 2-nibble registers of column blocks 4b .. 4b + 3: no data
@@ -245,7 +245,7 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
               if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
                 w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
               else:
-                w = _as_wgmma_operand(w, block_n)
+                w = as_wgmma_operand(w, block_n)
               bcast = lambda v: plgpu.layout_cast(jax.lax.broadcast_in_dim(v, (block_n, _G), (0,)),
                                                   plgpu.Layout.WGMMA)
               w = (w.astype(jnp.bfloat16) - bcast(z)) * bcast(s)  # bf16 [bn, G]: the dequantized W^T tile
@@ -263,8 +263,8 @@ def _kernel(tiles_ref, lhs_ref, q_ref, scale_ref, zero_ref, out_ref, sz_smem, o_
 
         plgpu.emit_pipeline(
             step, grid=(n_groups * _G // block_k,), max_concurrent_steps=steps,
-            in_specs=[plgpu.BlockSpec((block_n, block_k), lambda k: (j, k), transforms=_swizzled(jnp.int4)),
-                      plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=_swizzled(jnp.bfloat16))],
+            in_specs=[plgpu.BlockSpec((block_n, block_k), lambda k: (j, k), transforms=swizzled(jnp.int4)),
+                      plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=swizzled(jnp.bfloat16))],
         )(q_ref.at[expert], lhs_ref.at[pl.ds(loaded, window)])
         plgpu.wgmma_wait(0)
       return acc_ref[...]
@@ -355,7 +355,7 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
   scratch = dict(
       sz_smem=plgpu.SMEM((2, n_groups, block_n), jnp.bfloat16),
       o_smem=plgpu.SMEM((block_r + 8, block_n), jnp.float32),
-      a_smem=(plgpu.SMEM((block_n, _G), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16))
+      a_smem=(plgpu.SMEM((block_n, _G), jnp.bfloat16, transforms=swizzled(jnp.bfloat16))
               if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)),  # unused on the GPU
       bar=plgpu.Barrier(num_arrivals=1, num_barriers=2))
   kernel = plgpu.kernel(

@@ -235,7 +235,7 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
     if a_from_smem:  # interpret mode: a real relayout; lhs comes with its columns in K_ORDER
       w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
     else:
-      w = mg._as_wgmma_operand(w, _WG_N)  # pylint: disable=protected-access
+      w = mg.as_wgmma_operand(w, _WG_N)
     return _dequant_form_jnp(w, s, z, dequant_form)
 
   def mma(acc_ref, w, x_smem, c):
@@ -290,8 +290,8 @@ def _kernel(table_ref, lhs_ref, q_ref, scale_ref, zero_ref, *refs, o_smem, a_sme
 
   # The item's N tile is passed as gmem refs sliced at its first column (col0, a multiple of 64), so that the last
   # tile of an N that bn does not divide can start at N - bn (overlapping the tile before it) instead of past N.
-  specs = [plgpu.BlockSpec((bn, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.int4)),  # pylint: disable=protected-access
-           plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.bfloat16)),  # pylint: disable=protected-access
+  specs = [plgpu.BlockSpec((bn, block_k), lambda k: (0, k), transforms=mg.swizzled(jnp.int4)),
+           plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg.swizzled(jnp.bfloat16)),
            plgpu.BlockSpec((gk, bn), lambda k: (k, 0)),
            plgpu.BlockSpec((gk, bn), lambda k: (k, 0))]
   if xsum_ref is not None:
@@ -564,7 +564,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
                            wgmma_depth=wgmma_depth, swiglu=swiglu)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
-      a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
+      a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg.swizzled(jnp.bfloat16))
               if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)),  # unused on the GPU
       **({"h_smem": plgpu.SMEM((num_compute_wgs, window, gu.SWIGLU_BLOCK), jnp.float32)} if swiglu else {}))
   kernel = plgpu.kernel(

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 COLUMNS = 8
-_NITEMS = 6  # the column of the CTA's item count
+NITEMS = 6  # the column of the CTA's item count
 
 
 def window(block_r: int, aligned: bool) -> int:

@@ -41,7 +41,7 @@ three forms (`value_outliers`), the same sums in each:
 On the H200 at 64k × batch 8 the fp8_stacked form at ring 2 is the fastest core (145.5 µs; fp8 151.3, f16 159.9 at
 its best ring 3; results/oskvp_decode_core_mgpu_run13.md). Each side issues its wgmmas before one wait.
 Outputs per program: acc f32 [H, 8], m f32 [8], l f32 [8]; `decode_core_mgpu` merges the splits (log-sum-exp) and
-restores the channel order (`_channel_rows`) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the
+restores the channel order (`channel_rows`) in XLA and returns out f32 [BK, 8, H]; `decode_core_splits` returns the
 per-split outputs as the kernel stores them, acc in ACC row order (for `oskvp_uniform_epilogue.epilogue`, which
 reorders in its reads: a channel-order store in the kernel cost the core 10% at 64k × 8).
 
@@ -218,7 +218,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
   def key_scores(k_smem, ko_tile):  # k_smem [sub, Q], ko_tile [sub / 2, 16] -> f32 [sub, 8] base-2 logits (WGMMA)
     scale = jax.lax.broadcast_in_dim(qs, (sub, N), [1])
     if not outliers or ablate == "no_outlier_key":
-      s_i32 = ks._block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",  # pylint: disable=protected-access
+      s_i32 = ks.block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",
                                interpret=interpret)
       return s_i32.astype(jnp.float32) * scale
 
@@ -231,7 +231,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
         plgpu.wgmma(acc_o, a16_smem, qo_smem.T)
       else:
         codes = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA_8BIT)
-        plgpu.wgmma(acc_i, ks._planes_in_registers(codes, sub, q, 1), q_smem.T)  # pylint: disable=protected-access
+        plgpu.wgmma(acc_i, ks.planes_in_registers(codes, sub, q, 1), q_smem.T)
         plgpu.wgmma(acc_o, rg.key_outlier_fragment(ko_tile, sub), qo_smem.T)
       plgpu.wgmma_wait(0)
       return acc_i[...].astype(jnp.float32) * scale + acc_o[...]
@@ -294,7 +294,7 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
         rg.store_transposed(p8.astype(jnp.float16), p16_smem, rg.F16_T_TRANSFORMS, column_map=rg.token_to_k)
     if interpret:
       p_smem[...] = jnp.concatenate([p8.T for p8 in p8s], axis=1).astype(jnp.int8)
-      va_smem[...] = vs._acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)  # pylint: disable=protected-access
+      va_smem[...] = vs.acc_rows(vs.value_planes_reference(v_smem[...], 1), q, 0)
       if fp8_values:
         for i, p8 in enumerate(p8s):
           hi, lo = split_p8(p8)
@@ -315,8 +315,8 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
         for i in range(passes):
           if i:
             plgpu.wgmma_wait(0)
-          codes = plgpu.load(pass_view(v_smem, i, sub, axis=1), layout=vs._CODE_LAYOUT_PL)  # pylint: disable=W0212
-          planes = vs._planes_in_registers(codes, sub, q, 1)  # pylint: disable=protected-access
+          codes = plgpu.load(pass_view(v_smem, i, sub, axis=1), layout=vs.CODE_LAYOUT_PL)
+          planes = vs.planes_in_registers(codes, sub, q, 1)
           plgpu.wgmma(vacc_ref, planes, pass_view(p_smem, i, sub, axis=1).T)
       if not outliers:
         plgpu.wgmma_wait(0)
@@ -458,7 +458,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
              dict(vt_smem=plgpu.SMEM((64, block_s) if smem_a else (8, 64), jnp.float16, transforms=rg.F16_T_TRANSFORMS),
                   p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=rg.F16_T_TRANSFORMS)) if outliers else {})),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **ks._interpret_kwargs(interpret))  # pylint: disable=protected-access
+      **ks.interpret_kwargs(interpret))
   res = kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))
   if outliers:  # every form returns parts × [head, channel]: the fp8 forms as stored (free reshapes), f16 transposed
     acco = res[2] if fp8_values else jnp.swapaxes(res[2], -1, -2)
@@ -589,7 +589,7 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
                    max_concurrent_steps=max_concurrent_steps, interpret=interpret, ablate=ablate,
                    ragged=lengths is not None, value_outliers=value_outliers)
   mean, mean_o, lse2 = merge_splits(res[0], res[1], res[2].sum(axis=2) if outliers else None)  # acc: ACC row order
-  outs = (vs._channel_rows(mean, q, 2),)  # pylint: disable=protected-access
+  outs = (vs.channel_rows(mean, q, 2),)
   if outliers:
     outs += (mean_o,)
   if return_lse2:

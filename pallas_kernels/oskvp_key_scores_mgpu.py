@@ -134,7 +134,7 @@ def plane_registers(arr, out_shape: tuple[int, int], register_index, plane_types
   return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=True)
 
 
-def _planes_in_registers(codes, block_s: int, q: int, plane_types: int):
+def planes_in_registers(codes, block_s: int, q: int, plane_types: int):
   """uint8 codes [block_s, Q] (8-bit wgmma layout) -> int8 planes [block_s, T·4Q] in the same layout (A operand)."""
   k = plane_types * PLANES * q
 
@@ -170,7 +170,7 @@ def swizzled(minor_bytes: int):
   return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
 
-def _block_scores(c_smem, q_smem, a_smem, *, n: int, plane_types: int, a_operand: str, interpret: bool):
+def block_scores(c_smem, q_smem, a_smem, *, n: int, plane_types: int, a_operand: str, interpret: bool):
   """One token block: c_smem uint8 [block_s, Q], q_smem int8 [N, T·H] -> int32 [block_s, N] (WGMMA layout).
 
   a_smem: int8 [block_s, T·H], the planes when A is read from shared memory (interpret mode or a_operand="smem").
@@ -183,7 +183,7 @@ def _block_scores(c_smem, q_smem, a_smem, *, n: int, plane_types: int, a_operand
       a_smem[...] = key_planes_reference(c_smem[...], plane_types)
     else:
       codes = plgpu.load(c_smem, layout=plgpu.Layout.WGMMA_8BIT)  # uint8 [block_s, Q]
-      planes = _planes_in_registers(codes, block_s, q, plane_types)  # int8 [block_s, T·H]
+      planes = planes_in_registers(codes, block_s, q, plane_types)  # int8 [block_s, T·H]
       if a_operand == "registers":
         plgpu.wgmma(acc_ref, planes, q_smem.T)
         plgpu.wgmma_wait(0)
@@ -208,7 +208,7 @@ def _kernel(codes_ref, qd_ref, out_ref, c_smem, q_smem, a_smem, o_smem, bar, *, 
   plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[1])
   plgpu.barrier_wait(bar.at[0])
   plgpu.barrier_wait(bar.at[1])
-  o_smem[...] = _block_scores(c_smem, q_smem, a_smem, n=o_smem.shape[1], plane_types=plane_types,
+  o_smem[...] = block_scores(c_smem, q_smem, a_smem, n=o_smem.shape[1], plane_types=plane_types,
                               a_operand=a_operand, interpret=interpret)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bk, rows])
@@ -235,7 +235,7 @@ def _check_inputs(codes: jax.Array, qdigits: jax.Array, block_s: int, a_operand:
   return bk, s, q, n, k, plane_types
 
 
-def _interpret_kwargs(interpret) -> dict:
+def interpret_kwargs(interpret) -> dict:
   if not interpret:
     return {}
   return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
@@ -269,7 +269,7 @@ def key_scores_mgpu(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, 
           o_smem=plgpu.SMEM((block_s, n), jnp.int32),
           bar=plgpu.Barrier(num_arrivals=1, num_barriers=2)),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **_interpret_kwargs(interpret))
+      **interpret_kwargs(interpret))
   return kernel(codes, qdigits)
 
 
@@ -298,7 +298,7 @@ def _loop_kernel(codes_ref, qd_ref, out_ref, q_smem, a_smem, o_smem, r_smem, bar
   q, n = codes_ref.shape[-1], q_smem.shape[0]
   tokens = pl.ds(sp * (steps * block_s), steps * block_s)
   c_spec = plgpu.BlockSpec((block_s, q), lambda i: (i, 0), transforms=swizzled(q))
-  scores = functools.partial(_block_scores, q_smem=q_smem, a_smem=a_smem, n=n, plane_types=plane_types,
+  scores = functools.partial(block_scores, q_smem=q_smem, a_smem=a_smem, n=n, plane_types=plane_types,
                              a_operand=a_operand, interpret=interpret)
 
   if output == "scores":
@@ -390,5 +390,5 @@ def key_scores_mgpu_loop(codes: jax.Array, qdigits: jax.Array, *, block_s: int =
           r_smem=plgpu.SMEM((n,), jnp.int32),
           bar=plgpu.Barrier(num_arrivals=1, num_barriers=1)),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **_interpret_kwargs(interpret))
+      **interpret_kwargs(interpret))
   return kernel(codes, qdigits)

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.oskvp_decode_attention import MMA_ROWS
 from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS, merge_splits
 from pallas_kernels.oskvp_decode_prologue import unfold_rows
-from pallas_kernels.oskvp_value_sums_mgpu import _channel_rows  # pylint: disable=protected-access
+from pallas_kernels.oskvp_value_sums_mgpu import channel_rows
 from pallas_kernels.oskvp_uniform_glue import LOG2E, merge_lse2, uniform_steps, window_attention
 
 
@@ -155,7 +155,7 @@ def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_
   b, kh, _, h, _ = acc.shape
   g = q_rot.shape[2]
   # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
-  mean, mean_o, lse_c = merge_splits(_channel_rows(acc, h // 4, 3), ml, acco.sum(axis=3))
+  mean, mean_o, lse_c = merge_splits(channel_rows(acc, h // 4, 3), ml, acco.sum(axis=3))
   c0, d = uniform_steps(cb_v)
   o_c = (c0[:, :, None, :] + d[:, :, None, :] * mean).at[..., :OUTLIERS].add(mean_o * scale_v[:, :, None, :])
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])

@@ -80,7 +80,7 @@ _ROWS = 32  # code rows per CODE_LAYOUT tile: 4 warps × 8 lane rows
 _CODE_TILING = mgpu.fragmented_array.Tiling(((_ROWS, 16), (8, 16), (4,)))
 #: Code tile uint8 [Q, block_s]: thread (w, l) holds row 32·qt + 8w + l//4, bytes 16c + 4(l%4) .. + 3.
 CODE_LAYOUT = mgpu.TiledLayout(_CODE_TILING, warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
-_CODE_LAYOUT_PL = plgpu.Layout.TILED(_CODE_TILING, warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
+CODE_LAYOUT_PL = plgpu.Layout.TILED(_CODE_TILING, warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
 
 
 # ---- Layout of the cache and references.
@@ -128,7 +128,7 @@ def value_sums_split_reference(p: jax.Array, vcodes: jax.Array, splits: int, pla
 
 # ---- The accumulator's row order (see the module docstring).
 
-def _acc_rows(x: jax.Array, q: int, axis: int) -> jax.Array:
+def acc_rows(x: jax.Array, q: int, axis: int) -> jax.Array:
   """Channel order -> ACC order along `axis` (of length T·4Q): [T, p2, p1, qt, w, i] -> [T, p2, qt, w, p1, i]."""
   shape = x.shape
   axis %= x.ndim
@@ -138,8 +138,8 @@ def _acc_rows(x: jax.Array, q: int, axis: int) -> jax.Array:
   return y.transpose(perm).reshape(shape)
 
 
-def _channel_rows(x: jax.Array, q: int, axis: int) -> jax.Array:
-  """ACC order -> channel order along `axis` (the inverse of `_acc_rows`)."""
+def channel_rows(x: jax.Array, q: int, axis: int) -> jax.Array:
+  """ACC order -> channel order along `axis` (the inverse of `acc_rows`)."""
   shape = x.shape
   axis %= x.ndim
   y = x.reshape(*shape[:axis], -1, 2, q // _ROWS, 4, 2, 8, *shape[axis + 1:])
@@ -150,7 +150,7 @@ def _channel_rows(x: jax.Array, q: int, axis: int) -> jax.Array:
 
 def acc_row_channels(q: int) -> np.ndarray:
   """int [4Q]: the channel held by each accumulator row of one plane type (ACC order)."""
-  return np.asarray(_acc_rows(np.arange(PLANES * q), q, 0))
+  return np.asarray(acc_rows(np.arange(PLANES * q), q, 0))
 
 
 # ---- The GPU route: planes in registers.
@@ -163,11 +163,11 @@ def value_register_index(idx: tuple[int, ...], t: int, p: int, q: int) -> tuple[
   return (g, c, 0, 0, p % 2, 0, 0, 0, 0)
 
 
-def _planes_in_registers(codes, block_s: int, q: int, plane_types: int):
+def planes_in_registers(codes, block_s: int, q: int, plane_types: int):
   """uint8 codes [Q, block_s] (CODE_LAYOUT) -> int8 planes [T·H, block_s] in ACC row order (8-bit wgmma layout)."""
   m = plane_types * PLANES * q
 
-  @plgpu.inline_mgpu(arg_types=(_CODE_LAYOUT_PL,),
+  @plgpu.inline_mgpu(arg_types=(CODE_LAYOUT_PL,),
                      return_type=plgpu.ShapeDtypeStruct((m, block_s), jnp.int8, plgpu.Layout.WGMMA_8BIT))
   def planes(_, arr):  # arr registers [Q/32, block_s/16, 1, 1, 1, 1, 1]
     return plane_registers(arr, (m, block_s), lambda idx, t, p: value_register_index(idx, t, p, q), plane_types)
@@ -210,10 +210,10 @@ def _kernel(p_ref, v_ref, out_ref, a_smem, o_smem, *, block_s: int, steps: int, 
   def acc_scope(acc_ref):  # acc_ref: int32 [T·H, N], accumulated over the split's blocks
     def body(_, v_smem, p_smem):  # v_smem: uint8 [Q, block_s]; p_smem: int8 [N, block_s]
       if interpret:  # the interpreter: jnp planes, A through shared memory
-        a_smem[...] = _acc_rows(value_planes_reference(v_smem[...], plane_types), q, 0)
+        a_smem[...] = acc_rows(value_planes_reference(v_smem[...], plane_types), q, 0)
       else:
-        codes = plgpu.load(v_smem, layout=_CODE_LAYOUT_PL)  # uint8 [Q, block_s]
-        planes = _planes_in_registers(codes, block_s, q, plane_types)  # int8 [T·H, block_s]
+        codes = plgpu.load(v_smem, layout=CODE_LAYOUT_PL)  # uint8 [Q, block_s]
+        planes = planes_in_registers(codes, block_s, q, plane_types)  # int8 [T·H, block_s]
         if a_operand == "registers":
           plgpu.wgmma(acc_ref, planes, p_smem.T)
           plgpu.wgmma_wait(0)  # the ring slot of p_smem is released when the body returns
@@ -258,7 +258,7 @@ def _check_inputs(p: jax.Array, vcodes: jax.Array, plane_types: int, block_s: in
   return bk, n, s, q
 
 
-def _interpret_kwargs(interpret) -> dict:
+def interpret_kwargs(interpret) -> dict:
   if not interpret:
     return {}
   return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
@@ -302,6 +302,6 @@ def value_sums_mgpu(p: jax.Array, vcodes: jax.Array, *, plane_types: int = 3, bl
           a_smem=plgpu.SMEM(a_shape, jnp.int8, transforms=swizzled(block_s)),
           o_smem=plgpu.SMEM((m, n), jnp.int32)),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **_interpret_kwargs(interpret))
+      **interpret_kwargs(interpret))
   acc = kernel(p, vcodes)  # [BK, splits, T·H (ACC order), N]
-  return _channel_rows(acc, q, 2).reshape(bk, splits, plane_types, PLANES * q, n)
+  return channel_rows(acc, q, 2).reshape(bk, splits, plane_types, PLANES * q, n)

@@ -258,7 +258,7 @@ def _kernel(table_ref, lhs_ref, idx_ref, cb_ref, scale_ref, out_ref, o_smem, a_s
     return pl.run_scoped(groups, *[plgpu.ACC((_WG_N, window))] * gk)
 
   specs = [plgpu.BlockSpec((bn // 16, gk, 4 * _Q), lambda k: (0, k, 0)),
-           plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg._swizzled(jnp.bfloat16)),  # pylint: disable=protected-access
+           plgpu.BlockSpec((window, block_k), lambda k: (0, k), transforms=mg.swizzled(jnp.bfloat16)),
            plgpu.BlockSpec((gk, bn), lambda k: (k, 0))]
 
   def make_pipeline(compute_context, state):
@@ -401,7 +401,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
                            per_expert=weights.codebook.shape[0] > 1, ablate=ablate, index_extract=index_extract)
   scratch = dict(
       o_smem=plgpu.SMEM((num_compute_wgs, window, _WG_N), jnp.float32),
-      a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg._swizzled(jnp.bfloat16))  # pylint: disable=protected-access
+      a_smem=(plgpu.SMEM((num_compute_wgs, _WG_N, _G), jnp.bfloat16, transforms=mg.swizzled(jnp.bfloat16))
               if interpret else plgpu.SMEM((8, 8), jnp.bfloat16)),
       cb_smem=plgpu.SMEM(_CB_SHAPE, jnp.uint32),
       cb_ready=plgpu.Barrier(),

@@ -44,7 +44,7 @@ def ring_depth(ksteps: int, stage_bytes: int, fixed_bytes: int, requested: int |
 
 def item_count(table_ref, cta):
   """The number of work items of CTA cta (the work table's item-count column)."""
-  return table_ref[cta, 0, wt._NITEMS]  # pylint: disable=protected-access
+  return table_ref[cta, 0, wt.NITEMS]
 
 
 def register_split(num_compute_wgs: int, memory_registers: int, compute_registers: int | None = None) -> int:

@@ -85,18 +85,18 @@ class Quality:
     self.targets = windows[:, prefix:]
     self.cache_len = windows.shape[1]
     self.base = self._logp(model)
-    self.base_bpb = eval_lib._scores(self.base, self.targets)  # pylint: disable=protected-access
+    self.base_bpb = eval_lib.bits_per_byte(self.base, self.targets)
 
   def _logp(self, model) -> np.ndarray:
-    logp, _ = eval_lib._teacher_forced_logprobs(  # pylint: disable=protected-access
+    logp, _ = eval_lib.teacher_forced_logprobs(
         model, self.windows, prefix=self.prefix, kv_cache="fp32", cache_len=self.cache_len)
     return np.asarray(logp)
 
   def __call__(self, variant) -> dict:
     logp = self._logp(variant)
     p = np.exp(self.base)
-    return {"bpb": eval_lib._scores(logp, self.targets),  # pylint: disable=protected-access
-            "bpb_delta": eval_lib._scores(logp, self.targets) - self.base_bpb,  # pylint: disable=protected-access
+    return {"bpb": eval_lib.bits_per_byte(logp, self.targets),
+            "bpb_delta": eval_lib.bits_per_byte(logp, self.targets) - self.base_bpb,
             "kl": float(np.mean(np.sum(p * (self.base - logp), axis=-1))),
             "agreement": float(np.mean(np.argmax(logp, -1) == np.argmax(self.base, -1)))}
 

@@ -66,7 +66,7 @@ def reference(model, prompts, max_new=MAX_NEW):
     tokens, lengths = generate.pad_batch(chunk)
     tokens = np.pad(tokens, ((0, 0), (0, MAX_PROMPT - tokens.shape[1])))
     logits, cache = decode.prefill(model, tokens, lengths, kv_cache="fp32", cache_len=CACHE_LEN)
-    last = generate._last_logits(logits, jnp.asarray(lengths))  # pylint: disable=protected-access
+    last = generate.last_logits(logits, jnp.asarray(lengths))
     tok = np.asarray(jnp.argmax(last, -1))
     rows = [tok]
     for _ in range(max_new - 1):
@@ -275,7 +275,7 @@ def test_compressed_cache_mode_matches_alone(tiny_model):
   assert steps.total_traces() == before
   tokens, lengths = generate.pad_batch(prompts)
   logits, cache = decode.prefill(tiny_model, tokens, lengths, kv_cache="int8", cache_len=CACHE_LEN)
-  last = generate._last_logits(logits, jnp.asarray(lengths))  # pylint: disable=protected-access
+  last = generate.last_logits(logits, jnp.asarray(lengths))
   tok = np.asarray(jnp.argmax(last, -1))
   ref = [tok]
   for _ in range(MAX_NEW - 1):
