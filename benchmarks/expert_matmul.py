@@ -263,7 +263,7 @@ def explore(timer, args):
           print(f"EXPLORE {fmt} {cfg} FAIL {type(ex).__name__} {str(ex)[:300]}", flush=True)
 
 
-def _best_peer_ms(v: dict) -> float:
+def best_peer_ms(v: dict) -> float:
   """The faster bf16 peer's ms among one cell's rows (impl -> row)."""
   return min(v[p]["ms"] for p in ("xla_ragged_dot_bf16", "mgpu_ragged_dot_bf16") if p in v)
 
@@ -292,7 +292,7 @@ def markdown(result: dict) -> str:
   for (e, k, n, rows), v in sorted(by.items()):
     if "xla_ragged_dot_bf16" not in v:
       continue
-    peer = _best_peer_ms(v)
+    peer = best_peer_ms(v)
     copy = run_copy(v["xla_ragged_dot_bf16"].get("run", 0))
     cell = lambda r: f"{r['ms']:.4f} ({r['tb_per_s']:.2f})"
     kcell = lambda r: f"{cell(r)} [{peer / r['ms']:.2f}x, {100 * r['tb_per_s'] / copy:.0f}%]"
@@ -309,7 +309,7 @@ def markdown(result: dict) -> str:
             "everything but the look-ups (`no_gather`); ms [time / best bf16 peer's time]:", "",
             "| E, K->N | rows | best bf16 peer | vq2 | gather_only | no_gather |", "|---|---|---|---|---|---|"]
     for (e, k, n, rows), v in ablated:
-      peer = _best_peer_ms(v)
+      peer = best_peer_ms(v)
       out.append(f"| {e}, {k}->{n} | {rows} | {peer:.4f} | "
                  + " | ".join(f"{v[i]['ms']:.4f} [{v[i]['ms'] / peer:.2f}]" for i in
                               ("pallas_vq2", "pallas_vq2[gather_only]", "pallas_vq2[no_gather]")) + " |")
@@ -321,7 +321,7 @@ def markdown(result: dict) -> str:
             "| E, K->N | rows | rows/expert | 2 × best bf16 peer | WS fused | WS 2 calls + XLA | Triton fused |",
             "|---|---|---|---|---|---|---|"]
     for (e, k, n, rows), v in fused:
-      peer2 = 2 * _best_peer_ms(v)
+      peer2 = 2 * best_peer_ms(v)
       cells = [f"{v[i]['ms']:.4f} [{peer2 / v[i]['ms']:.2f}x]" if i in v else "-" for i in
                ("pallas_int4_mgpu_ws_swiglu_fused", "pallas_int4_mgpu_ws_swiglu_2calls", "pallas_int4_nk_swiglu_fused")]
       out.append(f"| {e}, {k}->{n} | {rows} | {-(-rows // e)} | {peer2:.4f} | " + " | ".join(cells) + " |")

@@ -108,8 +108,8 @@ def _core_case(label: str, block_s: int, splits: int, ring: int, variant: str):
   last = variant.rsplit("+", 1)[-1]
   ablate = last if last in ("no_compute", "l2_resident") else ""
   form = "fp8_stacked" if "fp8_stacked" in variant else "fp8"
-  return (label, cb.core_fn(block_s, splits, ring, False, ablate, form), cb._core_args(s, variant),  # pylint: disable=protected-access
-          cb._timed_bytes(s, variant))  # pylint: disable=protected-access
+  return (label, cb.core_fn(block_s, splits, ring, False, ablate, form), cb.core_args(s, variant),
+          cb.timed_bytes(s, variant))
 
 
 def _core_cases():

@@ -88,7 +88,7 @@ def outlier_inputs(seed: int, bk: int, s: int, g: int = 4):
   return kout, vout, qo
 
 
-def _core_args(s: int, variant: str):
+def core_args(s: int, variant: str):
   """The timed inputs at BK = 64; "ragged" adds full lengths (the masking work without fewer tokens), "outliers"
   the fp8 outlier channels."""
   args = inputs(0, BK, s)
@@ -96,7 +96,7 @@ def _core_args(s: int, variant: str):
   return (*args, lengths, *outlier_inputs(1, BK, s)) if "outliers" in variant else (*args, lengths)
 
 
-def _timed_bytes(s: int, variant: str) -> int:
+def timed_bytes(s: int, variant: str) -> int:
   return BK * s * (2 * Q + (16 if "outliers" in variant else 0))
 
 
@@ -249,9 +249,9 @@ def main(argv=None) -> int:
     try:
       ablate = variant.split("+")[-1] if variant.split("+")[-1] in dc.ABLATIONS else ""
       form = next((f for f in ("f16", "fp8_stacked") if f"+{f}" in variant), "fp8")
-      ms, kernels, _ = kb.kernel_ms(core_fn(block_s, splits, ring, args.smoke, ablate, form), _core_args(s, variant),
+      ms, kernels, _ = kb.kernel_ms(core_fn(block_s, splits, ring, args.smoke, ablate, form), core_args(s, variant),
                                     args.iters, args.smoke)
-      nbytes = _timed_bytes(s, variant)
+      nbytes = timed_bytes(s, variant)
       rows.append(dict(config=name, s=s, us=ms * 1e3, bytes=nbytes, tb_per_s=nbytes / ms / 1e9, kernels=kernels))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(dict(config=name, s=s, error=f"{type(e).__name__}: {str(e)[:600]}"))
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
   if not args.smoke and not args.no_glue:  # the whole op at 64k x 8: query digits, the core, the merge of splits, c0 + d · out
     try:
       ms, kernels, _ = kb.kernel_ms(glue_fn("pallas", False), glue_inputs(0, BK, 65536), args.iters, False)
-      nbytes = _timed_bytes(65536, "outliers")
+      nbytes = timed_bytes(65536, "outliers")
       rows.append(dict(config="attend_codes (ragged, outliers; XLA prologue/epilogue + core)", s=65536, us=ms * 1e3,
                        bytes=nbytes, tb_per_s=nbytes / ms / 1e9, kernels=kernels))
     except Exception as e:  # pylint: disable=broad-except

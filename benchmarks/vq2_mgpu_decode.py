@@ -102,7 +102,7 @@ def markdown(meta: dict, rows: list) -> str:
            "|---|---|---|---|---|" + "---|" * len(variants)]
   copy = meta["copy"]["f32_sum_read_only"]["TB_per_s"]
   for (e, k, n, m), v in cells.items():
-    peer = em._best_peer_ms(v)  # pylint: disable=protected-access
+    peer = em.best_peer_ms(v)
 
     def cell(name):
       if name not in v:
