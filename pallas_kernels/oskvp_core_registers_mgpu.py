@@ -33,6 +33,8 @@ def store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0,
   truncated to an int8 ref), or at ref[c + row_offset, column_map(ops, t)] (a permutation of the columns; no
   column_offset). `transforms` are the ref's (tiles of 8 × tc elements, a swizzle of sw bytes), and the swizzle is
   applied by hand: the 16-byte chunk index ^= the row's address bits 7+. The other rows of ref are left as they were."""
+  if column_map is not None and column_offset:
+    raise ValueError(f"column_offset={column_offset} with a column_map: the map places every column")
   (tiling, swizzle) = transforms
   tc, sw = tiling.tiling[-1], swizzle.swizzle
   itemsize = jnp.dtype(ref.dtype).itemsize

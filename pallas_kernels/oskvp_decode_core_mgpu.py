@@ -50,8 +50,8 @@ are in `oskvp_core_registers_mgpu.py`. CPU interpret mode: the interpreter runs 
 go through shared memory (as in the building blocks) and p8 is stored with jnp.
 
 `block_s=256` runs steps 1-3 in two passes of 128 tokens per pipeline step (one max per step, one fence) and step 4
-once, the code planes a pass at a time; on the H200 it is no faster than 128 with outliers (156 registers: three
-programs per SM instead of four) and 9% faster on codes alone (`benchmarks/notes_mgpu_oskvp.md` §20).
+once, the code planes a pass at a time; on the H200 it is no faster than 128 with outliers (146 registers: three
+programs per SM instead of four) and 9% faster on codes alone (`benchmarks/notes_mgpu_oskvp.md` §20, §21).
 """
 
 from __future__ import annotations
@@ -214,15 +214,19 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
 
   sub = min(block_s, SUB_BLOCK)  # tokens per key-score and softmax pass
   passes = block_s // sub  # passes per pipeline step (2 at block_s = 256)
+  fp8_form = outliers and value_outliers.startswith("fp8")
+  fp8_values = fp8_form and ablate != "no_outlier_value"
+  stacked = value_outliers == "fp8_stacked"
+  lo_smem, lo_row = (ph_smem, N) if stacked else (pl_smem, 0)  # where p8's low part goes (pass 0)
 
   def key_scores(k_smem, ko_tile):  # k_smem [sub, Q], ko_tile [sub / 2, 16] -> f32 [sub, 8] base-2 logits (WGMMA)
     scale = jax.lax.broadcast_in_dim(qs, (sub, N), [1])
     if not outliers or ablate == "no_outlier_key":
       s_i32 = ks.block_scores(k_smem, q_smem, ka_smem, n=N, plane_types=1, a_operand="registers",
-                               interpret=interpret)
+                              interpret=interpret)
       return s_i32.astype(jnp.float32) * scale
 
-    def scope(acc_i, acc_o):  # int32 [block_s, 8] code scores; f32 [block_s, 8] key-outlier scores
+    def scope(acc_i, acc_o):  # int32 [sub, 8] code scores; f32 [sub, 8] key-outlier scores
       if interpret:
         ka_smem[...] = ks.key_planes_reference(k_smem[...], 1)
         a16_smem[...] = jnp.pad(ko_tile[...].reshape(sub, OUTLIERS).astype(jnp.float16), ((0, 0), (0, OUTLIERS)))
@@ -267,10 +271,6 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     alpha = jnp.exp2(m - m_new)
     # While a split has seen no stored token (m_new = MASKED), p must be 0, not 2^0: subtract +inf instead.
     m_p = jnp.where(m_new > 0.5 * MASKED, m_new, jnp.inf) if ragged else m_new
-    fp8_form = outliers and value_outliers.startswith("fp8")
-    fp8_values = fp8_form and ablate != "no_outlier_value"
-    stacked = value_outliers == "fp8_stacked"
-    lo_smem, lo_row = (ph_smem, N) if stacked else (pl_smem, 0)  # where p8's low part goes (pass 0)
     if fp8_values:
       slot = qs_smem.at[pl.ds(QS_SLOTS + 64 * (idx[0] % 2), 64)]  # alpha's slot of this block's parity
       for r in range(2 * passes if stacked else 1):
