@@ -106,6 +106,37 @@ def copy_bandwidth():
   return max(res[0], res[1]), res[2]
 
 
+def copy_bandwidth_span(reps: int = 3, n: int = 2**26, calls: int = 8):
+  """The same copies timed by the clock of the `--span` rows: (copy TB/s, read-only sum TB/s), each the best of
+  `reps` profiler traces (`decode_timeline.trace_chained`) of one program of `calls` chained calls, each on its own
+  n-element array (so that no fusion of the calls can read an array once for several of them), or (None, None)
+  where the trace has no GPU kernels (CPU). `copy_bandwidth` divides wall clock, host launch and sync included, so
+  a GPU span divided by it overstates the fraction of copy bandwidth.
+  """
+  from benchmarks.decode_timeline import trace_chained  # pylint: disable=g-import-not-at-top
+  cases = ((lambda x, dep: x + (1.0 + dep), jnp.float32, 2 * 4 * n),
+           (lambda x, dep: x * (2.0 + dep).astype(jnp.bfloat16), jnp.bfloat16, 2 * 2 * n),
+           (lambda x, dep: jnp.sum(x) + dep, jnp.float32, 4 * n))
+  rates = []
+  for fn, dtype, nbytes in cases:
+    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32).astype(dtype) for i in range(calls)]
+
+    @jax.jit
+    def multi(_, xs, fn=fn):
+      outs, dep = [], jnp.float32(0)
+      for x in xs:  # call i waits for an element of call i - 1's output, as in `chained_calls`
+        outs.append(fn(x, dep))
+        dep = outs[-1].reshape(-1)[0].astype(jnp.float32) * 1e-30
+      return outs
+
+    spans = [trace_chained((multi, None, xs, calls)).get("span_us") for _ in range(reps)]
+    del xs
+    rates.append(None if None in spans else nbytes / min(spans) / 1e6)
+  if None in rates:
+    return None, None
+  return max(rates[0], rates[1]), rates[2]
+
+
 # ------------------------------------------------------------------------------------------------- peers (bf16 etc.)
 
 
@@ -357,6 +388,11 @@ def main():
   log(f"device {dev.device_kind}, jax {jax.__version__}")
   copy_tbs, read_tbs = copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s (x+1, f32, read+write), read-only sum {read_tbs:.2f} TB/s")
+  copy_span_tbs = read_span_tbs = None
+  if args.span:
+    copy_span_tbs, read_span_tbs = copy_bandwidth_span()
+    if copy_span_tbs:
+      log(f"by GPU span: copy {copy_span_tbs:.2f} TB/s, read-only sum {read_span_tbs:.2f} TB/s")
   if args.mosaic_grid:
     checks = [c for glue, form in itertools.product(args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","))
               for c in check_mosaic_uniform(log, glue, form)]
@@ -449,6 +485,8 @@ def main():
   meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(),
               shapes=dict(n_heads=N_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, window=WINDOW, outliers=8),
               copy_tb_per_s=copy_tbs, read_tb_per_s=read_tbs, best_configs={k: str(v) for k, v in best.items()})
+  if copy_span_tbs:
+    meta.update(copy_span_tb_per_s=copy_span_tbs, read_span_tb_per_s=read_span_tbs)
   result = dict(meta=meta, checks=checks, sweep=sweep, rows=rows)
 
   def save():
@@ -464,6 +502,8 @@ def main():
                frac_copy_bw=nbytes / ms / 1e9 / copy_tbs, note=note)
     if span_ms is not None:
       row["span_ms"] = span_ms
+      if copy_span_tbs:
+        row["frac_copy_bw_span"] = nbytes / span_ms / 1e9 / copy_span_tbs
     rows.append(row)
     save()
     span = "" if span_ms is None else f" (GPU span {span_ms:.4f} ms)"
@@ -596,9 +636,16 @@ def write_merged(paths: list[str], out: str, added_paths: list[str] = ()) -> int
   return 0
 
 
+def _span_copy(meta) -> str:
+  if not meta.get("copy_span_tb_per_s"):
+    return ""
+  return (f"; by GPU span (the clock of the span rows) copy {meta['copy_span_tb_per_s']:.2f} TB/s, read-only "
+          f"{meta['read_span_tb_per_s']:.2f} TB/s")
+
+
 def _run_header(meta) -> str:
   return (f"{meta['device']}, jax {meta['jax']}, {meta['date'][:16]} UTC; copy bandwidth {meta['copy_tb_per_s']:.2f} "
-          f"TB/s (f32 x+1, read+write), read-only {meta['read_tb_per_s']:.2f} TB/s")
+          f"TB/s (f32 x+1, read+write), read-only {meta['read_tb_per_s']:.2f} TB/s" + _span_copy(meta))
 
 
 def render_md(result, sources=None):
@@ -616,17 +663,26 @@ def render_md(result, sources=None):
              f"OS-KVP configs {m['best_configs']}" for m, src in zip(runs, sources or [""] * len(runs))]
   else:
     head += [f"Copy bandwidth in this run: {meta['copy_tb_per_s']:.2f} TB/s (f32 x+1, read+write), read-only "
-             f"{meta['read_tb_per_s']:.2f} TB/s.", f"Best tilings: {meta['best_configs']}"]
+             f"{meta['read_tb_per_s']:.2f} TB/s{_span_copy(meta)}.", f"Best tilings: {meta['best_configs']}"]
   run_col = lambda r: f" {r['run']} |" if runs else ""
   spans = any("span_ms" in r for r in rows)
+  span_copy = any("frac_copy_bw_span" in r for r in rows)  # the span's rate over the copy timed by span
+  if span_copy:
+    head += ["", "\"of copy BW\" divides the wall-clock rate by the wall-clock copy; \"span of copy\" the GPU span's "
+             "rate by the copy timed by GPU span."]
   out = head + ["", "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN |" +
-                (" GPU span ms | span vs cuDNN |" if spans else "") + (" run |" if runs else ""),
-                "|---|---|---|---|---|---|---|---|" + ("---|---|" if spans else "") + ("---|" if runs else "")]
+                (" GPU span ms | span vs cuDNN |" if spans else "") + (" span of copy |" if span_copy else "") +
+                (" run |" if runs else ""),
+                "|---|---|---|---|---|---|---|---|" + ("---|---|" if spans else "") + ("---|" if span_copy else "") +
+                ("---|" if runs else "")]
   cud = {(r.get("run"), r["batch"], r["context"]): r for r in rows if r["impl"] == "cudnn_bf16"}
   ratio = lambda ref, r, key: f" {ref[key] / r[key]:.2f}x |" if ref and ref.get(key) and r.get(key) else " - |"
 
   def span_cols(r, ref):
-    return (f" {r['span_ms']:.4f} |" if r.get("span_ms") else " - |") + ratio(ref, r, "span_ms") if spans else ""
+    cols = (f" {r['span_ms']:.4f} |" if r.get("span_ms") else " - |") + ratio(ref, r, "span_ms") if spans else ""
+    if span_copy:
+      cols += f" {100 * r['frac_copy_bw_span']:.0f}% |" if "frac_copy_bw_span" in r else " - |"
+    return cols
 
   for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["ms"])):
     ref = cud.get((r.get("run"), r["batch"], r["context"]))  # the row's own run

@@ -72,3 +72,24 @@ def test_a_later_added_run_replaces_an_earlier_added_runs_rows_in_the_cells_it_t
                  (65536, "oskvp_mosaic_uniform", "second"), (65536, "oskvp_pallas_bitplane", "run10")]
   md = bench.render_md(merged)
   assert "| oskvp_mosaic_uniform | 8 | 65536 | 1.5000 | 1.0 MB | 0.50 | 20% | 3.00x | second |" in md
+
+
+def test_span_rows_get_their_fraction_of_the_copy_timed_by_span():
+  """A run with a copy timed by GPU span shows each span row's rate over it beside the wall-clock fraction; the
+  header gives both copy figures."""
+  run = _run("2026-12-02T17:30", {(131072, 32): (4.0, 1.0)})
+  run["meta"].update(copy_span_tb_per_s=4.0, read_span_tb_per_s=4.2)
+  for r in run["rows"]:
+    r["span_ms"] = 0.8 * r["ms"]
+    r["frac_copy_bw_span"] = 2.4e9 / r["span_ms"] / 1e9 / 4.0  # as `record` computes it, for 2.4 GB per call
+  md = bench.render_md(run)
+  assert "by GPU span (the clock of the span rows) copy 4.00 TB/s, read-only 4.20 TB/s" in md
+  assert "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN | GPU span ms | span vs cuDNN | " \
+         "span of copy |\n" in md
+  # 2.4 GB over 0.8 ms is 3 TB/s, 75% of the 4 TB/s span copy; the wall-clock fraction stays the row's own 10%.
+  assert "| oskvp_pallas_bitplane | 32 | 131072 | 1.0000 | 1.0 MB | 0.00 | 10% | 4.00x | 0.8000 | 4.00x | 75% |\n" in md
+
+
+def test_the_span_copy_is_none_without_gpu_kernels():
+  """On the CPU the profiler trace has no GPU kernels, so there is no span copy figure (and no column)."""
+  assert bench.copy_bandwidth_span(reps=1, n=2**10, calls=2) == (None, None)
