@@ -137,6 +137,19 @@ def copy_bandwidth_span(reps: int = 3, n: int = 2**26, calls: int = 8):
   return max(rates[0], rates[1]), rates[2]
 
 
+def timing_row(impl: str, b: int, s: int, ms: float, nbytes: float, copy_tbs: float, note: str = "",
+               span_ms: float | None = None, copy_span_tbs: float | None = None) -> dict:
+  """One result row: wall-clock ms per call and its rate over the wall-clock copy (`frac_copy_bw`); with a GPU span,
+  the span and, where the copy was timed by span too, the span's rate over that copy (`frac_copy_bw_span`)."""
+  row = dict(impl=impl, batch=b, context=s, ms=ms, bytes_read=int(nbytes), tb_per_s=nbytes / ms / 1e9,
+             frac_copy_bw=nbytes / ms / 1e9 / copy_tbs, note=note)
+  if span_ms is not None:
+    row["span_ms"] = span_ms
+    if copy_span_tbs:
+      row["frac_copy_bw_span"] = nbytes / span_ms / 1e9 / copy_span_tbs
+  return row
+
+
 # ------------------------------------------------------------------------------------------------- peers (bf16 etc.)
 
 
@@ -498,12 +511,7 @@ def main():
   save()
 
   def record(impl, b, s, ms, nbytes, note="", span_ms=None):
-    row = dict(impl=impl, batch=b, context=s, ms=ms, bytes_read=int(nbytes), tb_per_s=nbytes / ms / 1e9,
-               frac_copy_bw=nbytes / ms / 1e9 / copy_tbs, note=note)
-    if span_ms is not None:
-      row["span_ms"] = span_ms
-      if copy_span_tbs:
-        row["frac_copy_bw_span"] = nbytes / span_ms / 1e9 / copy_span_tbs
+    row = timing_row(impl, b, s, ms, nbytes, copy_tbs, note=note, span_ms=span_ms, copy_span_tbs=copy_span_tbs)
     rows.append(row)
     save()
     span = "" if span_ms is None else f" (GPU span {span_ms:.4f} ms)"

@@ -1,5 +1,7 @@
 """The decode-attention benchmark's merge of several GPU runs into one result file (no GPU needed)."""
 
+import pytest
+
 from benchmarks import decode_attention as bench
 
 
@@ -75,19 +77,22 @@ def test_a_later_added_run_replaces_an_earlier_added_runs_rows_in_the_cells_it_t
 
 
 def test_span_rows_get_their_fraction_of_the_copy_timed_by_span():
-  """A run with a copy timed by GPU span shows each span row's rate over it beside the wall-clock fraction; the
-  header gives both copy figures."""
-  run = _run("2026-12-02T17:30", {(131072, 32): (4.0, 1.0)})
-  run["meta"].update(copy_span_tb_per_s=4.0, read_span_tb_per_s=4.2)
-  for r in run["rows"]:
-    r["span_ms"] = 0.8 * r["ms"]
-    r["frac_copy_bw_span"] = 2.4e9 / r["span_ms"] / 1e9 / 4.0  # as `record` computes it, for 2.4 GB per call
+  """Each clock over its own copy: the wall-clock rate over the wall-clock copy, the GPU span's rate over the copy
+  timed by span; the table shows both and the header both copy figures."""
+  rows = [bench.timing_row("cudnn_bf16", 32, 131072, 4.0, 16e9, copy_tbs=3.8, span_ms=3.6, copy_span_tbs=4.2),
+          bench.timing_row("oskvp_mosaic_uniform", 32, 131072, 1.2, 2.4e9, copy_tbs=3.8, span_ms=1.0,
+                           copy_span_tbs=4.2)]
+  assert rows[1]["frac_copy_bw"] == pytest.approx(2.0 / 3.8) and rows[1]["frac_copy_bw_span"] == pytest.approx(2.4 / 4.2)
+  # No span copy (CPU, or a run before it existed): no span fraction, and no column.
+  assert "frac_copy_bw_span" not in bench.timing_row("x", 1, 1, 1.0, 1e6, copy_tbs=3.8, span_ms=0.5)
+  run = _run("2026-12-02T17:30", {})
+  run["rows"] = rows
+  run["meta"].update(copy_span_tb_per_s=4.2, read_span_tb_per_s=4.4)
   md = bench.render_md(run)
-  assert "by GPU span (the clock of the span rows) copy 4.00 TB/s, read-only 4.20 TB/s" in md
+  assert "by GPU span (the clock of the span rows) copy 4.20 TB/s, read-only 4.40 TB/s" in md
   assert "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN | GPU span ms | span vs cuDNN | " \
          "span of copy |\n" in md
-  # 2.4 GB over 0.8 ms is 3 TB/s, 75% of the 4 TB/s span copy; the wall-clock fraction stays the row's own 10%.
-  assert "| oskvp_pallas_bitplane | 32 | 131072 | 1.0000 | 1.0 MB | 0.00 | 10% | 4.00x | 0.8000 | 4.00x | 75% |\n" in md
+  assert "| oskvp_mosaic_uniform | 32 | 131072 | 1.2000 | 2400.0 MB | 2.00 | 53% | 3.33x | 1.0000 | 3.60x | 57% |\n" in md
 
 
 def test_the_span_copy_is_none_without_gpu_kernels():
