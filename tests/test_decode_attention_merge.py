@@ -82,7 +82,8 @@ def test_span_rows_get_their_fraction_of_the_copy_timed_by_span():
   rows = [bench.timing_row("cudnn_bf16", 32, 131072, 4.0, 16e9, copy_tbs=3.8, span_ms=3.6, copy_span_tbs=4.2),
           bench.timing_row("oskvp_mosaic_uniform", 32, 131072, 1.2, 2.4e9, copy_tbs=3.8, span_ms=1.0,
                            copy_span_tbs=4.2)]
-  assert rows[1]["frac_copy_bw"] == pytest.approx(2.0 / 3.8) and rows[1]["frac_copy_bw_span"] == pytest.approx(2.4 / 4.2)
+  assert rows[1]["frac_copy_bw"] == pytest.approx(2.0 / 3.8)  # 2.4 GB in 1.2 ms
+  assert rows[1]["frac_copy_bw_span"] == pytest.approx(2.4 / 4.2)  # in 1.0 ms of span
   # No span copy (CPU, or a run before it existed): no span fraction, and no column.
   assert "frac_copy_bw_span" not in bench.timing_row("x", 1, 1, 1.0, 1e6, copy_tbs=3.8, span_ms=0.5)
   run = _run("2026-12-02T17:30", {})
@@ -92,7 +93,8 @@ def test_span_rows_get_their_fraction_of_the_copy_timed_by_span():
   assert "by GPU span (the clock of the span rows) copy 4.20 TB/s, read-only 4.40 TB/s" in md
   assert "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN | GPU span ms | span vs cuDNN | " \
          "span of copy |\n" in md
-  assert "| oskvp_mosaic_uniform | 32 | 131072 | 1.2000 | 2400.0 MB | 2.00 | 53% | 3.33x | 1.0000 | 3.60x | 57% |\n" in md
+  want = "| oskvp_mosaic_uniform | 32 | 131072 | 1.2000 | 2400.0 MB | 2.00 | 53% | 3.33x | 1.0000 | 3.60x | 57% |\n"
+  assert want in md
 
 
 def test_the_span_copy_is_none_without_gpu_kernels():
