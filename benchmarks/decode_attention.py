@@ -10,8 +10,9 @@ decode_attention.{md,json} under --out (and --results if given).
 files (each context x batch from the last file that has it), every row labelled with its run; a row's "vs cuDNN"
 is always against the cuDNN row of its own run.
 
-Timing: each measurement jits `calls` back-to-back invocations (distinct queries, rotating over enough copies of
-the cache to exceed 3x the 60 MB L2), takes the median over `reps` runs after warm-up and divides by `calls`.
+Timing (`chained_timing.py`): each measurement jits `calls` back-to-back invocations (distinct queries, rotating
+over enough copies of the cache to exceed 3x the 60 MB L2), takes the median over `reps` runs after warm-up and
+divides by `calls`; `--span` also reads the GPU span of that program, and the copy bandwidth is timed both ways.
 """
 
 from __future__ import annotations
@@ -22,119 +23,22 @@ import functools
 import datetime
 import itertools
 import json
-import math
 import os
-import statistics
 import sys
-import time
 import traceback
 import warnings
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.chained_timing import chained_calls, copy_bandwidth, copy_bandwidth_span, timeit
 from pallas_kernels.oskvp_decode_attention import (BITPLANE, PLAIN_ROWS, DecodeBlockConfig, _oskvp_pallas,
                                                    oskvp_decode_attention_reference)
 from pallas_kernels.oskvp_random import random_oskvp_inputs, uniform_codebooks
 from pallas_kernels import per_token_decode_attention as ptda
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
-L2_BYTES = 60 * 2**20
 N_HEADS, KV_HEADS, HEAD_DIM, WINDOW = 32, 8, 128, 128
-
-
-def chained_calls(fn, make_args, bytes_per_call, min_calls=8):
-  """fn(*args) one call; make_args(i) -> args of copy i. Returns (multi, qs, arg_sets, calls): multi(qs, arg_sets)
-  runs `calls` calls of fn in one jitted program, over enough copies of the arguments to defeat the L2 cache.
-
-  Call i's query carries a 1e-30 * (an element of call i-1's output): numerically a no-op, but it orders the calls
-  and stops XLA from merging the calls' dots that share a K/V operand into one pass over the cache (the first
-  version of this script lacked it, and XLA's rows there read the cache once for 8 calls).
-  """
-  copies = max(1, min(16, math.ceil(3 * L2_BYTES / max(bytes_per_call, 1))))
-  calls = max(min_calls, copies)
-  arg_sets = [make_args(i) for i in range(copies)]
-  qs = [jax.random.normal(jax.random.key(1000 + i), arg_sets[0][0].shape, jnp.float32).astype(arg_sets[0][0].dtype)
-        for i in range(calls)]
-
-  @jax.jit
-  def multi(qs, arg_sets):
-    outs, dep = [], jnp.float32(0)
-    for i in range(calls):
-      q = (qs[i].astype(jnp.float32) + dep).astype(qs[i].dtype)
-      outs.append(fn(q, *arg_sets[i % copies][1:]))
-      dep = outs[-1].reshape(-1)[0].astype(jnp.float32) * 1e-30
-    return outs
-
-  return multi, qs, arg_sets, calls
-
-
-def timeit(fn, make_args, bytes_per_call, reps=15, min_calls=8, chained=None):
-  """Wall-clock ms per call of fn (median over reps of `chained_calls`' program, divided by its calls); `chained`:
-  that program, already built."""
-  multi, qs, arg_sets, calls = chained or chained_calls(fn, make_args, bytes_per_call, min_calls)
-  jax.block_until_ready(multi(qs, arg_sets))
-  jax.block_until_ready(multi(qs, arg_sets))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(multi(qs, arg_sets))
-    times.append((time.perf_counter() - t0) * 1e3 / calls)
-  del arg_sets
-  return statistics.median(times)
-
-
-def copy_bandwidth():
-  """(copy TB/s counting read + write: the better of f32 x+1 and bf16 x*2 on 4 GiB, read-only sum TB/s).
-
-  One call per host sync, so the launch and sync overhead (tens of us) counts against each pass: on 1 GiB (the
-  first sessions' size) that made these rates 2.7-3.1 TB/s while cuDNN read at 4.4 TB/s in the same runs. 4 GiB
-  passes take ~1 ms and the minimum over reps is kept, so the overhead is a few percent (not re-measured yet).
-  """
-  x = jax.random.normal(jax.random.key(0), (2**30,), jnp.float32)
-  xb = x.astype(jnp.bfloat16).reshape(2, -1)
-  res = []
-  for f, arr, nbytes in ((jax.jit(lambda x: x + 1.0), x, 2 * x.nbytes), (jax.jit(lambda x: x * 2), xb, 2 * xb.nbytes),
-                         (jax.jit(lambda x: x.sum()), x, x.nbytes)):
-    jax.block_until_ready(f(arr))
-    ts = []
-    for _ in range(20):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(arr))
-      ts.append(time.perf_counter() - t0)
-    res.append(nbytes / min(ts) / 1e12)
-  return max(res[0], res[1]), res[2]
-
-
-def copy_bandwidth_span(reps: int = 3, n: int = 2**26, calls: int = 8):
-  """The same copies timed by the clock of the `--span` rows: (copy TB/s, read-only sum TB/s), each the best of
-  `reps` profiler traces (`decode_timeline.trace_chained`) of one program of `calls` chained calls, each on its own
-  n-element array (so that no fusion of the calls can read an array once for several of them), or (None, None)
-  where the trace has no GPU kernels (CPU). `copy_bandwidth` divides wall clock, host launch and sync included, so
-  a GPU span divided by it overstates the fraction of copy bandwidth.
-  """
-  from benchmarks.decode_timeline import trace_chained  # pylint: disable=g-import-not-at-top
-  cases = ((lambda x, dep: x + (1.0 + dep), jnp.float32, 2 * 4 * n),
-           (lambda x, dep: x * (2.0 + dep).astype(jnp.bfloat16), jnp.bfloat16, 2 * 2 * n),
-           (lambda x, dep: jnp.sum(x) + dep, jnp.float32, 4 * n))
-  rates = []
-  for fn, dtype, nbytes in cases:
-    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32).astype(dtype) for i in range(calls)]
-
-    @jax.jit
-    def multi(_, xs, fn=fn):
-      outs, dep = [], jnp.float32(0)
-      for x in xs:  # call i waits for an element of call i - 1's output, as in `chained_calls`
-        outs.append(fn(x, dep))
-        dep = outs[-1].reshape(-1)[0].astype(jnp.float32) * 1e-30
-      return outs
-
-    spans = [trace_chained((multi, None, xs, calls)).get("span_us") for _ in range(reps)]
-    del xs
-    rates.append(None if None in spans else nbytes / min(spans) / 1e6)
-  if None in rates:
-    return None, None
-  return max(rates[0], rates[1]), rates[2]
 
 
 def timing_row(impl: str, b: int, s: int, ms: float, nbytes: float, copy_tbs: float, note: str = "",

@@ -24,8 +24,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from benchmarks.chained_timing import timeit
 from benchmarks.decode_attention import (HEAD_DIM, KV_HEADS, N_HEADS, WINDOW, bf16_cache, check_correctness,
-                                         cudnn_bf16, kernel_fn, oskvp_args, oskvp_bytes, timeit)
+                                         cudnn_bf16, kernel_fn, oskvp_args, oskvp_bytes)
 from pallas_kernels.oskvp_decode_attention import BITPLANE
 
 # What runs around the attention kernel: XLA query preparation + XLA merge (the first default), the Pallas prologue,

@@ -24,6 +24,7 @@ import tempfile
 import jax
 from jax.profiler import ProfileData
 
+from benchmarks import chained_timing
 from benchmarks import decode_attention as da
 
 
@@ -60,7 +61,7 @@ def _events(space: ProfileData, gpu: bool):
 
 def timeline(fn, make_args, nbytes: int, min_calls: int) -> dict:
   """`trace_chained` of `chained_calls`' program for fn."""
-  return trace_chained(da.chained_calls(fn, make_args, nbytes, min_calls))
+  return trace_chained(chained_timing.chained_calls(fn, make_args, nbytes, min_calls))
 
 
 def trace_chained(chained) -> dict:

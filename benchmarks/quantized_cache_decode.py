@@ -28,6 +28,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_attention as da  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from benchmarks import chained_timing as ct  # pylint: disable=wrong-import-position
 from moe_jax.kv_quant import kivi  # pylint: disable=wrong-import-position
 from pallas_kernels import kivi_decode_attention as kd  # pylint: disable=wrong-import-position
 from pallas_kernels import per_token_decode_attention as ptda  # pylint: disable=wrong-import-position
@@ -110,7 +111,7 @@ def main() -> int:
   meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
   log(f"device {meta['device']}, jax {meta['jax']}")
-  copy_tbs, _ = da.copy_bandwidth()
+  copy_tbs, _ = ct.copy_bandwidth()
   log(f"copy bandwidth {copy_tbs:.2f} TB/s")
   if not check(log):
     log("the kernel failed its check; stopping before the timings")
@@ -119,7 +120,7 @@ def main() -> int:
 
   def record(impl, b, s, fn, make_args, nbytes, note=""):
     try:
-      ms = da.timeit(fn, make_args, nbytes)
+      ms = ct.timeit(fn, make_args, nbytes)
     except Exception as e:  # pylint: disable=broad-except
       log(f"{impl} B={b} S={s} failed: {repr(e)[:300]}")
       return None

@@ -96,7 +96,3 @@ def test_span_rows_get_their_fraction_of_the_copy_timed_by_span():
   want = "| oskvp_mosaic_uniform | 32 | 131072 | 1.2000 | 2400.0 MB | 2.00 | 53% | 3.33x | 1.0000 | 3.60x | 57% |\n"
   assert want in md
 
-
-def test_the_span_copy_is_none_without_gpu_kernels():
-  """On the CPU the profiler trace has no GPU kernels, so there is no span copy figure (and no column)."""
-  assert bench.copy_bandwidth_span(reps=1, n=2**10, calls=2) == (None, None)
