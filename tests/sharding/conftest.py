@@ -29,7 +29,8 @@ def pytest_configure(config):
 def _run_child(path: str) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     report = os.path.join(tmp, "report.json")
-    env = dict(os.environ, XLA_FLAGS=FLAG, JAX_PLATFORMS="cpu", **{CHILD_ENV: report})
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(), JAX_PLATFORMS="cpu",
+               **{CHILD_ENV: report})
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                         "-m", "needs_8_devices", os.path.relpath(path, ROOT)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)

@@ -143,8 +143,9 @@ def _decode(c, q, k, v):
 
 
 def test_values_contiguous_cache_decodes_like_the_token_major_one():
-  """The same uniform cache stored both ways decodes identically on the XLA path through window flushes (the
-  flush writes a block of value tokens at n_comp into [B, K, X, S]); `dequantized` agrees too."""
+  """The same uniform cache stored both ways holds identical codes through window flushes (the flush writes a block
+  of value tokens at n_comp into [B, K, X, S]), so `dequantized` is identical, and the XLA path's attention agrees
+  up to float32 summation order (the two layouts' programs reduce in different orders: ~1e-7 seen, 1e-6 stated)."""
   c = _cache(zero_outliers=False)
   codes_v, outl_v = c.value_store()
   t = dataclasses.replace(c, codes_v=codes_v, outl_v=outl_v, values_contiguous=False)
@@ -153,7 +154,7 @@ def test_values_contiguous_cache_decodes_like_the_token_major_one():
   kv = jax.random.normal(jax.random.PRNGKey(9), (2, B, steps, K, H))
   o_c, c2 = _decode(c, q, kv[0], kv[1])
   o_t, t2 = _decode(t, q, kv[0], kv[1])
-  np.testing.assert_array_equal(np.asarray(o_c), np.asarray(o_t))
+  np.testing.assert_allclose(np.asarray(o_c), np.asarray(o_t), rtol=1e-5, atol=1e-6)
   assert int(c2.n_comp[1]) > int(c.n_comp[1])
   np.testing.assert_array_equal(np.asarray(c2.value_store()[0]), np.asarray(t2.codes_v))
   for a, b_ in zip(c2.dequantized(), t2.dequantized()):
