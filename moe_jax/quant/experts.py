@@ -40,12 +40,14 @@ class QuantSpec:
     sparsity: None or "2:4".
     group_size: G along K (shrunk to a power of two >= K for small K, within the format's minimum).
     codebook: vq2 codebook per "expert" or per "layer".
+    kmeans_iters: vq2's k-means iterations (Lloyd steps from the initial codebook).
   """
   fmt: str
   awq: bool = False
   sparsity: str | None = None
   group_size: int = 128
   codebook: str = "expert"
+  kmeans_iters: int = 20
 
   def __post_init__(self):
     if self.fmt not in ("int4", "vq2"):
@@ -58,6 +60,8 @@ class QuantSpec:
       raise ValueError(f"group_size={self.group_size} must be a power of two in [32, 512]")
     if self.codebook not in ("expert", "layer"):
       raise ValueError(f"codebook={self.codebook!r} must be 'expert' or 'layer'")
+    if not isinstance(self.kmeans_iters, int) or self.kmeans_iters < 1:
+      raise ValueError(f"kmeans_iters={self.kmeans_iters!r} must be a positive int")
 
   @property
   def needs_calibration(self) -> bool:
@@ -154,7 +158,8 @@ def quantize_weight(w: jax.Array, spec: QuantSpec, calib_x: jax.Array | None = N
   g = spec.group_for(w.shape[1])
   if spec.fmt == "int4":
     return quantize_int4(w, group_size=g, sparsity=spec.sparsity, calib_x=calib_x, awq=spec.awq)
-  return quantize_vq2(w, group_size=g, codebook=spec.codebook, sparsity=spec.sparsity, calib_x=calib_x, awq=spec.awq)
+  return quantize_vq2(w, group_size=g, codebook=spec.codebook, sparsity=spec.sparsity, calib_x=calib_x, awq=spec.awq,
+                      iters=spec.kmeans_iters)
 
 
 def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = None, calib=None,

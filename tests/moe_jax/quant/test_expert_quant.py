@@ -138,6 +138,8 @@ def test_modes_registered_and_validated():
     quant.spec_for("int3")
   with pytest.raises(ValueError, match="sparsity"):
     quant.QuantSpec("int4", sparsity="1:4")
+  with pytest.raises(ValueError, match="kmeans_iters=0"):
+    quant.QuantSpec("vq2", kmeans_iters=0)
 
 
 def test_to_mgpu_layout_keeps_the_weight_and_its_grouped_matmul(interpreted):
@@ -244,7 +246,8 @@ def test_model_to_mgpu_layout_vq2(tiny_config, tiny_model, tmp_path, monkeypatch
   option; save_quantized refuses the layout."""
   config = dataclasses.replace(tiny_config, d_model=128, expert_hidden=128)
   tokens = jnp.asarray([[5, 17, 99, 3, 42]], jnp.int32)
-  q = quant.quantize_experts(decode.init_model(config, seed=0), "vq2")
+  fast = quant.QuantSpec("vq2", kmeans_iters=2)  # the layout, not the codebooks' fit, is what is checked here
+  q = quant.quantize_experts(decode.init_model(config, seed=0), fast)
   want = decode.logits(q, tokens)
   r = quant.to_mgpu_layout(nnx.clone(q), num_compute_wgs=1)
   weights = quant.expert_weights(r)
@@ -266,7 +269,7 @@ def test_model_to_mgpu_layout_vq2(tiny_config, tiny_model, tmp_path, monkeypatch
              for dt, k, kw in calls)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * float(jnp.abs(want).max()))
   with pytest.raises(ValueError, match=r"blocks\.\d+\.ffn\.w_gate: the Mosaic GPU vq2 kernel .* \(group 64, N 96"):
-    quant.to_mgpu_layout(quant.quantize_experts(nnx.clone(tiny_model), "vq2"))
+    quant.to_mgpu_layout(quant.quantize_experts(nnx.clone(tiny_model), fast))
   with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: fuse_gate_up takes int4 weights, not vq2"):
     quant.to_mgpu_layout(nnx.clone(q), fuse_gate_up=True)
   with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: aligned_tiles=False is not an option of the Mosaic GPU "
