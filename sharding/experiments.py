@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import os
 
+from sharding import cpu_devices
+
 if os.environ.get("JAX_PLATFORMS", "") == "cpu" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = cpu_devices.with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import json

@@ -19,6 +19,8 @@ import time
 
 from absl import app, flags
 
+from sharding import cpu_devices
+
 FLAGS = flags.FLAGS
 
 BATCH, LENGTH, CACHE_LEN, SEED = 8, 12, 16, 0
@@ -78,9 +80,8 @@ def worker() -> None:
 
 def launch() -> int:
   port = FLAGS.port or free_port()
-  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]  # the caller's other flags
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=" ".join(kept + [f"--xla_force_host_platform_device_count={FLAGS.devices_per_process}"]))
+             XLA_FLAGS=cpu_devices.with_device_count(os.environ.get("XLA_FLAGS", ""), FLAGS.devices_per_process))
   procs = [subprocess.Popen([sys.executable, "-m", "sharding.multiprocess", f"--process_id={i}", f"--port={port}",
                              f"--processes={FLAGS.processes}", f"--out={FLAGS.out}",
                              f"--decode={FLAGS.decode}"], env=env)

@@ -15,7 +15,7 @@ import tempfile
 
 import pytest
 
-FLAG = "--xla_force_host_platform_device_count=8"
+from sharding.cpu_devices import with_device_count
 CHILD_ENV = "MOE_JAX_SHARDING_CHILD_REPORT"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _child_results: dict[str, dict] = {}  # test file -> {nodeid: {"outcome", "text"}}
@@ -29,7 +29,7 @@ def pytest_configure(config):
 def _run_child(path: str) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     report = os.path.join(tmp, "report.json")
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=with_device_count(os.environ.get("XLA_FLAGS", ""), 8), JAX_PLATFORMS="cpu",
                **{CHILD_ENV: report})
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                         "-m", "needs_8_devices", os.path.relpath(path, ROOT)], cwd=ROOT, env=env,

@@ -25,3 +25,10 @@ def test_two_processes_match_one(tmp_path):
   from sharding import multiprocess  # pylint: disable=g-import-not-at-top
   model, tokens, _ = multiprocess.reference_inputs()  # LCVC with λ > 0: the token-to-node mapping matters
   np.testing.assert_allclose(got["logits"], decode.logits(model, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_device_count_flag_replaces_the_callers_and_keeps_the_rest():
+  from sharding.cpu_devices import with_device_count  # pylint: disable=g-import-not-at-top
+  got = with_device_count("--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8", 4)
+  assert got == "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4"
+  assert with_device_count("", 2) == "--xla_force_host_platform_device_count=2"
