@@ -10,9 +10,13 @@ kernels, the 8-device and multi-process children):
 - a persistent compilation cache in a fresh temporary directory per run (removed at exit by the process that made
   it): programs with the same HLO compiled in another process, or by another `jax.jit` object, are read back
   instead of compiled again.
+And in each pytest process, Python's full (generation 2) garbage collections made ten times rarer, with the objects
+alive after the imports left out of them (`gc.freeze`): a full collection walks every live object, the heap grows
+with jax's caches over a worker's files, and the full collections took ~20 s of each worker's run (25-30 of them).
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -33,6 +37,8 @@ import pytest  # noqa: E402
 from interpreter_watchdog import run_with_watchdog  # noqa: E402  # pylint: disable=import-error
 
 jax.config.update("jax_default_matmul_precision", "highest")
+gc.freeze()
+gc.set_threshold(700, 10, 100)  # a full collection after 100 generation-1 collections instead of 10
 
 
 @pytest.fixture

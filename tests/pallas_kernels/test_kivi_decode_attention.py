@@ -15,6 +15,12 @@ from pallas_kernels import kivi_decode_attention as kd
 
 
 def _cache(seed, b, kh, s, r, h, n_comp, n_res):
+  return _cache_arrays(seed, b, kh, s, r, h) + (jnp.asarray(n_comp, jnp.int32), jnp.asarray(n_res, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=range(1, 6))
+def _cache_arrays(seed, b, kh, s, r, h):
+  """One program per shape (op by op, the draws and the quantizers compile a program per operation)."""
   ks = jax.random.split(jax.random.key(seed), 4)
   kf = jax.random.normal(ks[0], (b, kh, s, h)) * 2.0
   vf = jax.random.normal(ks[1], (b, kh, s, h))
@@ -22,8 +28,7 @@ def _cache(seed, b, kh, s, r, h, n_comp, n_res):
   cv, v_scale, v_zero = kivi.quantize_values(vf)
   res_k = jax.random.normal(ks[2], (b, kh, r, h)).astype(jnp.bfloat16)
   res_v = jax.random.normal(ks[3], (b, kh, r, h)).astype(jnp.bfloat16)
-  return (ck, k_scale, k_zero, cv, v_scale, v_zero, res_k, res_v, jnp.asarray(n_comp, jnp.int32),
-          jnp.asarray(n_res, jnp.int32))
+  return ck, k_scale, k_zero, cv, v_scale, v_zero, res_k, res_v
 
 
 # (K, G, H, capacity S, window R, n_comp, n_res, splits): H 64/128, G 1/4/8, empty stores and windows, splits
@@ -42,7 +47,7 @@ def test_matches_reference(kh, g, h, s, r, n_comp, n_res, splits):
   cache = _cache(h + g + s, len(n_comp), kh, s, r, h, n_comp, n_res)
   q = jax.random.normal(jax.random.key(s), (len(n_comp), kh * g, h))
   got = np.asarray(kd.kivi_decode_attention(q, *cache, num_splits=splits, interpret=True))
-  want = np.asarray(kd.kivi_decode_attention_reference(q, *cache))
+  want = np.asarray(jax.jit(kd.kivi_decode_attention_reference)(q, *cache))
   live = (np.asarray(n_comp) + np.asarray(n_res)) > 0
   assert np.isfinite(got[live]).all()
   np.testing.assert_allclose(got[live], want[live], atol=1e-2 * np.abs(want[live]).max())

@@ -8,6 +8,9 @@ sits within f32 rounding of a rounding boundary (at most 0.5% of the digits here
 encode, qs (hi + lo / 256), stays within qs / 256 of the reference's.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +18,14 @@ import pytest
 from pallas_kernels.oskvp_decode_attention_bitplane import compact_query, prepare_bitplane_query
 from pallas_kernels.oskvp_decode_prologue import compact_query_pallas
 from pallas_kernels.oskvp_random import random_oskvp_inputs_host as random_oskvp_inputs
+
+
+@functools.partial(jax.jit, static_argnames=("kh", "groups", "rows", "o_cols", "digits", "types"))
+def _reference(q, u_k, cb_k, scale_k, *, kh, groups, rows, o_cols, digits, types):
+  """The jnp reference as one program (op by op, it compiles a program per operation)."""
+  qhi, qlo, qs, qc_r, qp_r, qo_r = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, 1, rows, o_cols, digits, types)
+  qd_r, qw_r, qc_r = compact_query(qhi, qlo, qs, qc_r, groups, digits)
+  return qd_r, qw_r, qc_r, qp_r[:, :, :, 0], qo_r[:, :, 0].astype(jnp.float16)
 
 
 @pytest.mark.parametrize("groups,outliers,symmetric,digits", [(4, 8, False, 2), (8, 12, True, 2), (1, 8, False, 1)])
@@ -26,9 +37,8 @@ def test_prologue_matches_reference(groups, outliers, symmetric, digits):
   types = 2 if symmetric else 3
   qd, qw, qc, qp, qo = compact_query_pallas(q, u_k, cb_k, scale_k, rows=rows, o_cols=o_cols, types=types,
                                             digits=digits, outlier_dtype=jnp.float16, interpret=True)
-  qhi, qlo, qs, qc_r, qp_r, qo_r = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, 1, rows, o_cols, digits, types)
-  qd_r, qw_r, qc_r = compact_query(qhi, qlo, qs, qc_r, groups, digits)
-  qp_r, qo_r = qp_r[:, :, :, 0], qo_r[:, :, 0].astype(jnp.float16)
+  qd_r, qw_r, qc_r, qp_r, qo_r = _reference(q, u_k, cb_k, scale_k, kh=kh, groups=groups, rows=rows, o_cols=o_cols,
+                                            digits=digits, types=types)
   assert qd.shape == qd_r.shape and qd.dtype == jnp.int8
   np.testing.assert_allclose(qw, qw_r, rtol=1e-5, atol=0)
   np.testing.assert_allclose(qc, qc_r, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,9 @@ from pallas_kernels import oskvp_value_sums_mgpu as vs
 H, R = 128, 128
 
 
+@functools.partial(jax.jit, static_argnums=range(1, 6))
 def _epilogue_inputs(seed, b, kh, splits, g=4, empty_split=True):
+  """One program per shape (op by op, the draws compile a program per operation)."""
   ks = jax.random.split(jax.random.key(seed), 8)
   acc = jax.random.uniform(ks[0], (b, kh, splits, H, 8)) * 3000.0
   m = jax.random.normal(ks[1], (b, kh, splits, 8)) * 4
@@ -42,7 +44,7 @@ def test_epilogue_matches_reference(splits, g):
   window's attention exactly."""
   args = list(_epilogue_inputs(3, 3, 2, splits, g))
   got = np.asarray(epi.epilogue(*args, interpret=True))[:, :, :g]
-  want = np.asarray(epi.epilogue_reference(*args))[:, :, :g]
+  want = np.asarray(jax.jit(epi.epilogue_reference)(*args))[:, :, :g]  # one program, not a compile per operation
   assert np.isfinite(got).all()
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   args[1] = args[1].at[1, 0, :, :8].set(dc.MASKED).at[1, 0, :, 8:16].set(0.0)  # row (1, 0): no compressed token

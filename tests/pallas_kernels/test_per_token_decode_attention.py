@@ -14,7 +14,9 @@ from moe_jax.kv_quant.per_token import dequantize_per_token, quantize_per_token
 from pallas_kernels import per_token_decode_attention as pt
 
 
+@functools.partial(jax.jit, static_argnums=range(1, 7))
 def _inputs(seed, b, s, kh, g, h, dtype):
+  """One program per shape (op by op, the draws and the quantizer compile a program per operation)."""
   ks = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(ks[0], (b, kh * g, h), jnp.float32)
   k = jax.random.normal(ks[1], (b, s, kh, h)) * 2.0
@@ -42,7 +44,7 @@ def test_matches_reference(lengths, kh, g, h, block_s, splits, dtype):
   lengths = jnp.asarray(lengths, jnp.int32)
   got = np.asarray(pt.per_token_decode_attention(q, k, v, k_scale, v_scale, lengths, block_s=block_s,
                                                  num_splits=splits, interpret=True))
-  want = np.asarray(pt.per_token_decode_attention_reference(q, k, v, k_scale, v_scale, lengths))
+  want = np.asarray(jax.jit(pt.per_token_decode_attention_reference)(q, k, v, k_scale, v_scale, lengths))
   live = np.asarray(lengths) > 0
   assert np.isfinite(got[live]).all()
   np.testing.assert_allclose(got[live], want[live], atol=1e-2 * np.abs(want[live]).max())
@@ -54,7 +56,9 @@ def test_reference_equals_the_cache_quantizer_and_dense_attention():
   """The reference is dense attention over `per_token`'s own dequantized cache (the XLA path of `decode_step`)."""
   q, k, v, k_scale, v_scale = _inputs(3, 2, 50, 2, 4, 64, "int8")
   lengths = jnp.asarray([17, 50], jnp.int32)
-  want = decode_attention_reference(q, dequantize_per_token(k, k_scale), dequantize_per_token(v, v_scale), lengths)
+  dense = jax.jit(lambda q, k, v, k_scale, v_scale, lengths: decode_attention_reference(  # one program, not one per op
+      q, dequantize_per_token(k, k_scale), dequantize_per_token(v, v_scale), lengths))
+  want = dense(q, k, v, k_scale, v_scale, lengths)
   got = pt.per_token_decode_attention(q, k, v, k_scale, v_scale, lengths, implementation="xla")
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 

@@ -1,5 +1,7 @@
 """The per-head OS-KVP quantizer: packing, calibration, quantization error, degenerate inputs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 from moe_jax.kv_quant import oskvp
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=("n_big", "big"))
 def planted(key, n, h, n_big=4, big=12.0):
   """Gaussian rows with `n_big` high-variance, offset channels at random positions, mixed by a random rotation."""
   k1, k2, k3 = jax.random.split(key, 3)
@@ -15,6 +18,24 @@ def planted(key, n, h, n_big=4, big=12.0):
   x = jax.random.normal(k1, (n, h)) * std + 0.5 * std
   q, _ = jnp.linalg.qr(jax.random.normal(k3, (h, h)))
   return x @ q
+
+
+@jax.jit
+def _rotated_mse(x, p):
+  """Mean squared error on the rotated non-outlier channels (one program per shape, not a compile per operation)."""
+  xr = x @ p.u
+  return jnp.mean((oskvp.dequantize(oskvp.quantize(x, p), p) @ p.u - xr)[:, p.n_outlier:] ** 2)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _lloyd_inputs(n_levels):
+  """Laplace and uniform channels, row weights and Gaussian-level initial codebooks (one program)."""
+  key = jax.random.PRNGKey(n_levels)
+  x = jnp.concatenate([jax.random.laplace(key, (500, 6)), jax.random.uniform(key, (500, 2)) * 3], axis=1)
+  w = (jax.random.uniform(jax.random.PRNGKey(9), (500,)) > 0.2).astype(jnp.float32)
+  g = jnp.asarray(oskvp.GAUSSIAN_LEVELS[n_levels])
+  init = jnp.mean(x, 0)[:, None] + jnp.std(x, 0)[:, None] * g
+  return x, w, init
 
 
 @pytest.mark.parametrize("h", [32, 128])
@@ -57,11 +78,7 @@ def test_u_orthogonal_and_sorted_by_variance():
 
 @pytest.mark.parametrize("n_levels", [4, 8])
 def test_lloyd_max_distortion_non_increasing(n_levels):
-  key = jax.random.PRNGKey(n_levels)
-  x = jnp.concatenate([jax.random.laplace(key, (500, 6)), jax.random.uniform(key, (500, 2)) * 3], axis=1)
-  w = (jax.random.uniform(jax.random.PRNGKey(9), (500,)) > 0.2).astype(jnp.float32)
-  g = jnp.asarray(oskvp.GAUSSIAN_LEVELS[n_levels])
-  init = jnp.mean(x, 0)[:, None] + jnp.std(x, 0)[:, None] * g
+  x, w, init = _lloyd_inputs(n_levels)
   levels, hist = jax.jit(oskvp.lloyd_max, static_argnums=3)(x, w, init, 25)
   hist = np.asarray(hist)
   assert np.all(np.diff(hist) <= 1e-6 * hist[0]), hist
@@ -103,8 +120,7 @@ def test_symmetric_codebooks():
   assert np.all(np.diff(np.asarray(sym.codebook), axis=-1) >= 0)
 
   def mse(x, p):
-    xr = x @ p.u
-    return float(jnp.mean((oskvp.dequantize(oskvp.quantize(x, p), p) @ p.u - xr)[:, p.n_outlier:] ** 2))
+    return float(_rotated_mse(x, p))
 
   assert mse(x, sym) <= 1.03 * mse(x, free), (mse(x, sym), mse(x, free))
   skew = jax.random.exponential(jax.random.PRNGKey(4), (2048, h)) * jnp.linspace(1.0, 3.0, h)
@@ -127,14 +143,14 @@ def test_uniform_codebooks():
   assert oskvp.symmetric_codebooks(uni.codebook)
 
   def mse(x, p):
-    xr = x @ p.u
-    return float(jnp.mean((oskvp.dequantize(oskvp.quantize(x, p), p) @ p.u - xr)[:, p.n_outlier:] ** 2))
+    return float(_rotated_mse(x, p))
 
   assert mse(x, free) <= mse(x, uni) <= 1.04 * mse(x, free), (mse(x, uni), mse(x, free))
-  g = jax.random.normal(jax.random.PRNGKey(8), (4096, 8)) * jnp.linspace(0.5, 4.0, 8) + 1.0
+  # Inputs and iterations jitted: one program each instead of a compile per operation.
+  g = jax.jit(lambda: jax.random.normal(jax.random.PRNGKey(8), (4096, 8)) * jnp.linspace(0.5, 4.0, 8) + 1.0)()
   w = jnp.ones((4096,))
   std = jnp.std(g, axis=0)
-  _, hist = oskvp.uniform_lloyd(g, w, jnp.mean(g, axis=0) + 0.3 * std, 0.6 * std, 12)
+  _, hist = jax.jit(oskvp.uniform_lloyd, static_argnums=4)(g, w, jnp.mean(g, axis=0) + 0.3 * std, 0.6 * std, 12)
   hist = np.asarray(hist)
   assert np.all(np.diff(hist) <= 1e-6 * hist[0]) and hist[-1] < 0.8 * hist[0], hist
   rel = hist[-1] / float(jnp.mean(jnp.var(g, axis=0)))  # per-channel MSE / variance, averaged via the mean variance

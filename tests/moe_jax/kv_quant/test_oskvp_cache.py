@@ -15,12 +15,30 @@ from moe_jax.kv_quant import oskvp_attention as attn
 from moe_jax.layers import rope
 
 B, K, G, H, R = 2, 2, 2, 32, 8
+# Jitted references and helpers: one program per shape instead of a compile per eager operation.
+_dequantized = jax.jit(lambda c: c.dequantized())
+_decode_attention = jax.jit(attn.oskvp_decode_attention, static_argnames=("implementation",))
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def kv(key, t):
   k1, k2 = jax.random.split(key)
   std = jnp.ones(H).at[jnp.array([3, 17])].set(6.0)
   return (jax.random.normal(k1, (B, t, K, H)) * std + std * 0.3, jax.random.normal(k2, (B, t, K, H)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _outlier_kv(t, h):
+  """Keys with an outlier channel 9 and values, [B, t, K, h] (seeds 5 and 6)."""
+  k = jax.random.normal(jax.random.PRNGKey(5), (B, t, K, h)) * jnp.ones(h).at[9].set(5.0)
+  return k, jax.random.normal(jax.random.PRNGKey(6), (B, t, K, h))
+
+
+@jax.jit
+def _requantize(x, u, scale, cb, b, h):
+  """oskvp.quantize then dequantize of x[b, :, h] with the cache's (b, h) parameters (b, h traced: one program)."""
+  params = jax.tree_util.tree_map(lambda a: a[b, h], oskvp.OSKVPParams(u, scale, cb))
+  return oskvp.dequantize(oskvp.quantize(x[b, :, h], params), params)
 
 
 def test_prefill_split_and_stored_tokens():
@@ -32,16 +50,14 @@ def test_prefill_split_and_stored_tokens():
   assert cache.codes_k.shape == (B, K, 48, H // 4) and cache.outl_k.shape == (B, K, 48, 8)
   assert cache.res_k.shape == (B, K, R, H) and cache.res_k.dtype == jnp.bfloat16 and cache.u_k.shape == (B, K, H, H)
   assert cache.hi_k is None and cache.max_len == 48
-  k_hat, v_hat = jax.jit(lambda c: c.dequantized())(cache)
+  k_hat, v_hat = _dequantized(cache)
   for b, n in enumerate([40, 29]):
     nc = int(cache.n_comp[b])
     # The window holds the last tokens up to bf16 rounding (rotated, stored, rotated back).
     np.testing.assert_allclose(k_hat[b, nc:n], k[b, nc:n], atol=0.03 * float(jnp.abs(k).max()))
     np.testing.assert_allclose(v_hat[b, n:], 0.0)
     for h in range(K):  # the first 24 compressed tokens of each row (one shape, one compile)
-      params = jax.tree_util.tree_map(lambda a, b=b, h=h: a[b, h],
-                                      oskvp.OSKVPParams(cache.u_k, cache.scale_k, cache.cb_k))
-      ref = oskvp.dequantize(oskvp.quantize(k[b, :24, h], params), params)
+      ref = _requantize(k[:, :24], cache.u_k, cache.scale_k, cache.cb_k, b, h)
       np.testing.assert_allclose(k_hat[b, :24, h], ref, atol=1e-4)
     assert float(jnp.linalg.norm(k_hat[b, :nc] - k[b, :nc]) / jnp.linalg.norm(k[b, :nc])) < 0.3
   # A fitted basis is orthogonal per (sequence, head).
@@ -49,8 +65,9 @@ def test_prefill_split_and_stored_tokens():
                              jnp.broadcast_to(jnp.eye(H), (B, K, H, H)), atol=3e-5)
 
 
-@pytest.mark.parametrize("bits", [2, 3])
-def test_lut_scores_equal_dequantized_scores(bits):
+@functools.partial(jax.jit, static_argnums=0)
+def _lut_inputs(bits):
+  """Random codes, outliers, scales, codebooks and rotated queries for `bits` (one program per bit width)."""
   s, o, n_levels = 24, 8, 2**bits
   ks = jax.random.split(jax.random.PRNGKey(bits), 6)
   idx = jax.random.randint(ks[0], (B, K, s, H), 0, n_levels).astype(jnp.uint8)
@@ -60,14 +77,27 @@ def test_lut_scores_equal_dequantized_scores(bits):
   scale = jax.random.uniform(ks[2], (B, K, o), minval=0.01, maxval=0.1)
   cb = jnp.sort(jax.random.normal(ks[3], (B, K, H, n_levels)), axis=-1).at[:, :, :o].set(0.0)
   qr = jax.random.normal(ks[4], (B, K, G, H))
+  return idx, codes, hi, outl, scale, cb, qr
+
+
+@functools.partial(jax.jit, static_argnums=5)
+def _explicit_scores(qr, idx, outl, scale, cb, o):
+  """Scores against an explicit per-element dequantization."""
+  xr = jnp.take_along_axis(cb, jnp.swapaxes(idx.astype(jnp.int32), 2, 3), axis=-1)  # [B, K, H, S]
+  xr = jnp.swapaxes(xr, 2, 3).at[..., :o].add(outl.astype(jnp.float32) * scale[:, :, None])
+  return jnp.einsum("BKGH,BKSH->BKGS", qr, xr)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_lut_scores_equal_dequantized_scores(bits):
+  o = 8
+  idx, codes, hi, outl, scale, cb, qr = _lut_inputs(bits)
   scores = jax.jit(attn.compressed_scores, static_argnames="form")
   lut = scores(qr, codes, outl, scale, cb, hi, form="lut")
   deq = scores(qr, codes, outl, scale, cb, hi, form="dequant")
   np.testing.assert_allclose(lut, deq, rtol=1e-5, atol=1e-4)
   # And against an explicit per-element dequantization.
-  xr = jnp.take_along_axis(cb, jnp.swapaxes(idx.astype(jnp.int32), 2, 3), axis=-1)  # [B, K, H, S]
-  xr = jnp.swapaxes(xr, 2, 3).at[..., :o].add(outl.astype(jnp.float32) * scale[:, :, None])
-  np.testing.assert_allclose(deq, jnp.einsum("BKGH,BKSH->BKGS", qr, xr), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(deq, _explicit_scores(qr, idx, outl, scale, cb, o), rtol=1e-5, atol=1e-4)
   p = jax.nn.softmax(lut, axis=-1)
   values = jax.jit(attn.compressed_values, static_argnames="form")
   np.testing.assert_allclose(values(p, codes, outl, scale, cb, hi, form="lut"),
@@ -82,6 +112,13 @@ def _attend(cache, q, form):
       hi_v=cache.hi_v, form=form)
 
 
+@jax.jit
+def _visible_attention(q, k_hat, v_hat, total):
+  """Dense attention over the first `total` tokens of each row."""
+  visible = (jnp.arange(k_hat.shape[1])[None, :] < total[:, None])[:, None, :]
+  return masked_gqa_attention(q, k_hat, v_hat, visible)
+
+
 @pytest.mark.parametrize("bits", [2, 3])
 def test_extend_flushes_and_attends_over_what_it_stores(bits):
   """Decode crossing flushes: every step's output equals dense attention over the cache's own dequantized tokens,
@@ -92,14 +129,12 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits):
   new_k, new_v = kv(jax.random.PRNGKey(2), 9)
   qs = jax.random.normal(jax.random.PRNGKey(3), (B, 9, K * G, H))
   step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
-  deq = jax.jit(lambda c: c.dequantized())
   for t in range(9):
     o, cache = step(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
-    k_hat, v_hat = deq(cache)
+    k_hat, v_hat = _dequantized(cache)
     total = cache.n_comp + cache.n_res
     np.testing.assert_array_equal(total, lengths + t + 1)
-    visible = (jnp.arange(64)[None, :] < total[:, None])[:, None, :]
-    ref = masked_gqa_attention(qs[:, t:t + 1], k_hat, v_hat, visible)
+    ref = _visible_attention(qs[:, t:t + 1], k_hat, v_hat, total)
     np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(_attend(cache, qs[:, t], "dequant"), o[:, 0], rtol=1e-4, atol=1e-4)
   np.testing.assert_array_equal(cache.n_comp, [48, 32])  # two flushes for row 0, one for row 1
@@ -132,8 +167,7 @@ def test_symmetric_mode_reaches_the_bitplane_kernel():
   mode, two plane types) agrees with the XLA path on that cache to the kernel's 1.5e-2 relative tolerance."""
   kernel = pytest.importorskip("pallas_kernels.oskvp_decode_attention")
   h = 128
-  k = jax.random.normal(jax.random.PRNGKey(5), (B, 300, K, h)) * jnp.ones(h).at[9].set(5.0)
-  v = jax.random.normal(jax.random.PRNGKey(6), (B, 300, K, h))
+  k, v = _outlier_kv(300, h)
   c = jax.jit(lambda k, v: OSKVPMode(window=R, symmetric=True).from_prefill(k, v, jnp.array([300, 150]), 320,
                                                                             layer=0))(k, v)
   assert c.symmetric and oskvp.symmetric_codebooks(c.cb_k) and oskvp.symmetric_codebooks(c.cb_v)
@@ -142,7 +176,7 @@ def test_symmetric_mode_reaches_the_bitplane_kernel():
           c.res_v, c.n_comp, c.n_res)
   config = dataclasses.replace(kernel.BITPLANE, block_s=64)
   out = kernel.oskvp_decode_attention(*args, interpret=True, config=config, symmetric_codebooks=True)
-  ref = attn.oskvp_decode_attention(*args, implementation="xla")
+  ref = _decode_attention(*args, implementation="xla")
   assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1.5e-2
 
 
@@ -150,8 +184,7 @@ def test_uniform_mode_marks_a_symmetric_cache():
   """OSKVPMode(uniform=True): equally spaced codebooks on both sides, and the cache is marked symmetric so that the
   Triton kernel takes its two-plane-type path."""
   h = 128
-  k = jax.random.normal(jax.random.PRNGKey(5), (B, 300, K, h)) * jnp.ones(h).at[9].set(5.0)
-  v = jax.random.normal(jax.random.PRNGKey(6), (B, 300, K, h))
+  k, v = _outlier_kv(300, h)
   c = jax.jit(lambda k, v: OSKVPMode(window=R, uniform=True).from_prefill(k, v, jnp.array([300, 150]), 320,
                                                                           layer=0))(k, v)
   assert c.symmetric
@@ -189,7 +222,7 @@ def test_model_decode_tracks_bf16_cache(tiny_model):
   kl = float(jnp.mean(jnp.sum(jnp.exp(rp) * (rp - lp), -1)))
   assert rel < 0.25 and kl < 0.03, (rel, kl)
   for layer, ref_layer in zip(cache.layers, ref_cache.layers):
-    k_hat = layer.dequantized()[0][:, :50]
+    k_hat = _dequantized(layer)[0][:, :50]
     k_ref = ref_layer.k[:, :50].astype(jnp.float32)
     assert float(jnp.linalg.norm(k_hat - k_ref) / jnp.linalg.norm(k_ref)) < 0.3
 
@@ -199,13 +232,12 @@ def test_layout_matches_the_pallas_kernel_reference():
   sides agree on the storage layout (planar codes, rotated window, outlier scales)."""
   kernel = pytest.importorskip("pallas_kernels.oskvp_decode_attention")
   h = 64
-  k = jax.random.normal(jax.random.PRNGKey(5), (B, 40, K, h)) * jnp.ones(h).at[9].set(5.0)
-  v = jax.random.normal(jax.random.PRNGKey(6), (B, 40, K, h))
+  k, v = _outlier_kv(40, h)
   c = jax.jit(lambda k, v: OSKVPMode(window=R).from_prefill(k, v, jnp.array([40, 21]), 48, layer=0))(k, v)
   q = jax.random.normal(jax.random.PRNGKey(7), (B, K * G, h))
   args = (q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k,
           c.res_v, c.n_comp, c.n_res)
-  np.testing.assert_allclose(attn.oskvp_decode_attention(*args), kernel.oskvp_decode_attention_reference(*args),
+  np.testing.assert_allclose(_decode_attention(*args), jax.jit(kernel.oskvp_decode_attention_reference)(*args),
                              atol=1e-5)
 
 
@@ -220,13 +252,19 @@ def test_long_prompts_fit_on_evenly_spaced_tokens():
   assert float(sub.u[..., 3, 0].min()) > 0.99  # channel 3 leads, sign fixed positive
 
 
+@jax.jit
+def _rope_keys():
+  """Offset keys at positions 0-511 after RoPE (one program)."""
+  pre = jax.random.normal(jax.random.PRNGKey(9), (1, 512, 1, H)) + jnp.zeros(H).at[jnp.array([8, 24])].set(
+      jnp.array([10.0, 6.0]))
+  return rope(pre, jnp.arange(512)[None], 1e4)
+
+
 def test_rope_shift_augmentation_fits_later_positions():
   """A large, offset key pair that RoPE turns by ~2.6 rad over 256 positions: fitted on positions 0-255, the
   augmented fit quantizes positions 256-511 better than a fit on the prefill positions alone (measured 0.134 vs
   0.160 relative error)."""
-  pre = jax.random.normal(jax.random.PRNGKey(9), (1, 512, 1, H)) + jnp.zeros(H).at[jnp.array([8, 24])].set(
-      jnp.array([10.0, 6.0]))
-  k = rope(pre, jnp.arange(512)[None], 1e4)
+  k = _rope_keys()
   errs = []
   for mode in (OSKVPMode(window=R), OSKVPMode(window=R, rope_theta=None)):
     fit = jax.jit(lambda x, mode=mode: mode.fit(x, jnp.array([256]), rope_span=512))
