@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 
+@jax.jit
 def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
   """Grouped-query attention with an explicit visibility mask, softmax in float32.
 

@@ -21,6 +21,7 @@ Shapes: T tokens (batch × length flattened), D model dim, E experts, X experts 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,7 @@ def locality_penalty(probs: jax.Array, token_node: jax.Array, expert_node: jax.A
   return jnp.where(remote & (probs <= threshold), -jnp.asarray(penalty, jnp.float32), 0.0)
 
 
+@functools.partial(jax.jit, static_argnames=("k", "router", "norm_topk_prob"))
 def lcvc_select(logits: jax.Array, *, k: int, router: str, norm_topk_prob: bool, bias: jax.Array,
                 token_node: jax.Array, expert_node: jax.Array, penalty,
                 threshold: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -5,10 +5,13 @@ Shapes: T tokens (flattened batch × length), D model dim, E experts, X experts 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
+@jax.jit
 def router_logits(x: jax.Array, w_router: jax.Array) -> jax.Array:
   """x: [T, D], w_router: [D, E] -> float32 [T, E]. Routing runs in float32 whatever the activations."""
   return jnp.einsum("TD,DE->TE", x.astype(jnp.float32), w_router.astype(jnp.float32))
@@ -23,6 +26,7 @@ def affinities(logits: jax.Array, router: str) -> jax.Array:
   raise ValueError(f"router={router!r} must be 'softmax' or 'sigmoid'")
 
 
+@functools.partial(jax.jit, static_argnames=("k", "router", "norm_topk_prob"))
 def select_experts(
     logits: jax.Array,
     *,

@@ -16,6 +16,8 @@ Shapes: E experts, D model dim, F expert hidden, r rank, n calibration tokens, M
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,6 +29,7 @@ class Surrogate(nnx.Variable):
   """Low-rank surrogate factors: replicated on every node, not trained."""
 
 
+@functools.partial(jax.jit, static_argnames=("rank",))
 def low_rank(w: jax.Array, rank: int, second_moment: jax.Array | None = None,
              eps: float = 1e-4) -> tuple[jax.Array, jax.Array]:
   """Rank-r factors of one weight.
@@ -69,6 +72,23 @@ def _expert_hidden(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Arra
   return jax.nn.silu(g) * u
 
 
+@functools.partial(jax.jit, static_argnames=("rank", "dtype"))
+def _factors(w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, calibration: jax.Array | None, *, rank: int,
+             dtype) -> tuple[jax.Array, ...]:
+  """`LowRankExperts`' factors as one program: (gate_a, gate_b, up_a, up_b, down_a, down_b) in dtype."""
+  if calibration is None:
+    factor = jax.vmap(lambda w: low_rank(w, rank))
+    (ga, gb), (ua, ub), (da, db) = factor(w_gate), factor(w_up), factor(w_down)
+  else:
+    cx = _second_moment(calibration)
+    factor_in = jax.vmap(lambda w: low_rank(w, rank, cx))
+    (ga, gb), (ua, ub) = factor_in(w_gate), factor_in(w_up)
+    h = _expert_hidden(calibration, w_gate, w_up)  # [E, n, F]
+    ch = jax.vmap(_second_moment)(h)  # [E, F, F]
+    da, db = jax.vmap(lambda w, c: low_rank(w, rank, c))(w_down, ch)
+  return tuple(a.astype(dtype) for a in (ga, gb, ua, ub, da, db))
+
+
 class LowRankExperts(nnx.Module):
   """Rank-r surrogates of one MoE layer's E experts, callable like the layer's `expert_fn`.
 
@@ -90,21 +110,11 @@ class LowRankExperts(nnx.Module):
     e, d, f = w_gate.shape
     if not 1 <= rank <= min(d, f):
       raise ValueError(f"rank={rank} must be in [1, min(D={d}, F={f})]")
-    dtype = dtype or w_gate.dtype
-    if calibration is None:
-      factor = jax.vmap(lambda w: low_rank(w, rank))
-      (ga, gb), (ua, ub), (da, db) = factor(w_gate), factor(w_up), factor(w_down)
-    else:
-      cx = _second_moment(calibration)
-      factor_in = jax.vmap(lambda w: low_rank(w, rank, cx))
-      (ga, gb), (ua, ub) = factor_in(w_gate), factor_in(w_up)
-      h = _expert_hidden(calibration, w_gate, w_up)  # [E, n, F]
-      ch = jax.vmap(_second_moment)(h)  # [E, F, F]
-      da, db = jax.vmap(lambda w, c: low_rank(w, rank, c))(w_down, ch)
+    ga, gb, ua, ub, da, db = _factors(w_gate, w_up, w_down, calibration, rank=rank, dtype=dtype or w_gate.dtype)
     self.rank = rank
-    self.gate_a, self.gate_b = Surrogate(ga.astype(dtype)), Surrogate(gb.astype(dtype))
-    self.up_a, self.up_b = Surrogate(ua.astype(dtype)), Surrogate(ub.astype(dtype))
-    self.down_a, self.down_b = Surrogate(da.astype(dtype)), Surrogate(db.astype(dtype))
+    self.gate_a, self.gate_b = Surrogate(ga), Surrogate(gb)
+    self.up_a, self.up_b = Surrogate(ua), Surrogate(ub)
+    self.down_a, self.down_b = Surrogate(da), Surrogate(db)
 
   def __call__(self, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """The `expert_fn` contract: x_sorted [M, D] rows sorted by expert, group_sizes int32 [E] -> [M, D]."""

@@ -274,10 +274,11 @@ def int4_grouped_swiglu(lhs: jax.Array, gate: Int4Weights, up: Int4Weights, grou
                                   **plan)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def to_nk_layout(ws: Int4Weights, *, group_size: int = 128) -> Int4Weights:
   """Dense int4 weights, uint8 [E, Kp/2, N] -> the kernel's uint16 [E, N, Kp/4] layout (same values, run once).
 
-  Word (n, g·G/4 + c) holds in nibble j the code of k = g·G + (G/4)·j + c, j = 0..3.
+  Word (n, g·G/4 + c) holds in nibble j the code of k = g·G + (G/4)·j + c, j = 0..3. Jitted; group_size is static.
   """
   if ws.meta is not None:
     raise ValueError("2:4 weights stay in the uint8 layout")
@@ -304,8 +305,9 @@ def codes_kn(ws: Int4Weights, group_size: int) -> jax.Array:
   return jnp.concatenate([p & 15, p >> 4], axis=2)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "dtype"))
 def dequantize_int4(ws: Int4Weights, *, group_size: int = 128, dtype=jnp.float32) -> jax.Array:
-  """The weight the kernel multiplies by, in plain jnp: [E, Kp, N] in dtype."""
+  """The weight the kernel multiplies by, in plain jnp: [E, Kp, N] in dtype. Jitted; group_size and dtype are static."""
   e, ng, n = ws.scale.shape
   z = ws.zero.astype(jnp.int32)[:, :, None, :]  # [E, Kg, 1, N]
   if ws.meta is None:
@@ -328,13 +330,16 @@ def dequantize_int4(ws: Int4Weights, *, group_size: int = 128, dtype=jnp.float32
   return w.astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def int4_grouped_matmul_reference(lhs: jax.Array, weights: Int4Weights, group_sizes: jax.Array, *,
                                   group_size: int = 128) -> jax.Array:
-  """XLA reference: dequantize to lhs.dtype, then `jax.lax.ragged_dot` with float32 accumulation."""
+  """XLA reference: dequantize to lhs.dtype, then `jax.lax.ragged_dot` with float32 accumulation (jitted; group_size
+  is static)."""
   w = dequantize_int4(weights, group_size=group_size, dtype=lhs.dtype)
   return jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def int4_grouped_swiglu_reference(lhs, gate: Int4Weights, up: Int4Weights, group_sizes, *, group_size=128):
   g = int4_grouped_matmul_reference(lhs, gate, group_sizes, group_size=group_size)
   u = int4_grouped_matmul_reference(lhs, up, group_sizes, group_size=group_size)

@@ -86,10 +86,12 @@ def nibble_order(weights: MgpuInt4Weights | MgpuInt4WeightsShift) -> str:
   return "shift" if isinstance(weights, MgpuInt4WeightsShift) else "prmt"
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "nibble_order"))
 def to_mgpu_layout(ws: i4.Int4Weights, *, group_size: int = _G,  # pylint: disable=redefined-outer-name
                    nibble_order: str = "prmt") -> MgpuInt4Weights | MgpuInt4WeightsShift:
   """Dense int4 weights of the quantizer (either layout of `int4_grouped_matmul`) -> the Mosaic GPU layout, with
-  the nibbles in K_ORDER ("prmt": `MgpuInt4Weights`) or K_ORDER_SHIFT ("shift": `MgpuInt4WeightsShift`)."""
+  the nibbles in K_ORDER ("prmt": `MgpuInt4Weights`) or K_ORDER_SHIFT ("shift": `MgpuInt4WeightsShift`). Jitted;
+  group_size and nibble_order are static."""
   if nibble_order not in NIBBLE_ORDERS:
     raise ValueError(f"nibble_order={nibble_order!r} must be one of {tuple(NIBBLE_ORDERS)}")
   if ws.meta is not None or ws.in_scale is not None:
@@ -383,14 +385,18 @@ def ungroup(w: jax.Array) -> jax.Array:
   return jnp.moveaxis(w.reshape(e, n, kg * g), 1, 2)
 
 
+@jax.jit
 def dequantize_mgpu(weights: MgpuInt4Weights | MgpuInt4WeightsShift) -> jax.Array:
-  """The weight of either Mosaic layout, float32 [E, Kp, N] = (c - z') · s (exact: small integers times bf16)."""
+  """The weight of either Mosaic layout, float32 [E, Kp, N] = (c - z') · s (exact: small integers times bf16;
+  jitted)."""
   c, s, z = mgpu_groups(weights)
   return ungroup((c - z) * s)
 
 
+@jax.jit
 def int4_grouped_matmul_mgpu_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
                                        group_sizes: jax.Array) -> jax.Array:
-  """XLA reference: dequantize to bf16, then `jax.lax.ragged_dot` with float32 accumulation -> float32 [M, N]."""
+  """XLA reference: dequantize to bf16, then `jax.lax.ragged_dot` with float32 accumulation -> float32 [M, N]
+  (jitted)."""
   w = dequantize_mgpu(weights).astype(lhs.dtype)  # [E, Kp, N]
   return jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)

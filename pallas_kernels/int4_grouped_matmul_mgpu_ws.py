@@ -133,12 +133,13 @@ _ACC_FORMS = ("acc_scale", "acc_zero")  # the forms that scale float32 accumulat
 # prmt. fma16's nibble sits at bits 3-6, which the shift order's lop3 cannot reach without one more shift: prmt only.
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "nibble_order"))
 def to_mgpu_layout(w: i4.Int4Weights, *, group_size: int = _G,
                    nibble_order: str = "shift") -> MgpuInt4Weights | MgpuInt4WeightsShift:
   """`int4_grouped_matmul_mgpu.to_mgpu_layout` with the shift nibble order by default: the layout this kernel decodes
   with a shift and one lop3 per weight pair (no prmt), to the same values; 2.5-6% faster than the K_ORDER layout at
   C = 2 in the seventh session's H200 run. nibble_order="prmt" gives `MgpuInt4Weights`, which the one-warpgroup
-  kernel reads too."""
+  kernel reads too. Jitted; group_size and nibble_order are static."""
   return mg.to_mgpu_layout(w, group_size=group_size, nibble_order=nibble_order)
 
 
@@ -578,13 +579,14 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
   return out[:m] if pad else out
 
 
+@functools.partial(jax.jit, static_argnames=("dequant_form",))
 def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4Weights | MgpuInt4WeightsShift,
                                                group_sizes: jax.Array, dequant_form: str) -> jax.Array:
   """XLA reference of a `dequant_form`: lhs bf16 [M, Kp] @ the form's weight [E, Kp, N] -> float32 [M, N].
 
   "sub_mul" is `int4_grouped_matmul_mgpu_ws_reference` (bf16 (q - z) s); "fma128" / "fma16" round
   (bias + q) s + bf16(-(bias + z) s) once to bf16, as fma.rn.bf16x2 does; "acc_scale" and "acc_zero" keep (q - z) s
-  in float32.
+  in float32. Jitted; dequant_form is static.
   """
   if dequant_form not in DEQUANT_FORMS:
     raise ValueError(f"dequant_form={dequant_form!r} must be one of {DEQUANT_FORMS}")

@@ -51,9 +51,11 @@ def dequantized_tokens(codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k
   return k, v, live
 
 
+@jax.jit
 def kivi_decode_attention_reference(q, codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v, n_comp,
                                     n_res):
-  """q [B, N, H] -> [B, N, H] (f32 dequantization and softmax over [0, n_comp) and the n_res window tokens)."""
+  """q [B, N, H] -> [B, N, H] (f32 dequantization and softmax over [0, n_comp) and the n_res window tokens;
+  jitted)."""
   b, n, h = q.shape
   kh = codes_k.shape[1]
   k, v, live = dequantized_tokens(codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v, n_comp, n_res)

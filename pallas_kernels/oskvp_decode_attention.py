@@ -194,10 +194,20 @@ def oskvp_decode_attention_reference(q, codes_k, outl_k, scale_k, cb_k, codes_v,
                                      res_k, res_v, n_comp, n_res, **unused) -> jax.Array:
   """Plain-jnp decode attention over the OS-KVP cache (same arguments as `oskvp_decode_attention`).
 
+  Jitted (one program per shape); the keyword arguments of `oskvp_decode_attention` in `unused` are ignored.
+
   Returns:
     [B, N, H] in q's dtype. Needs n_comp + n_res >= 1 for every row.
   """
   del unused
+  return _reference_jit(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
+                        n_comp, n_res)
+
+
+@jax.jit
+def _reference_jit(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp,
+                   n_res) -> jax.Array:
+  """`oskvp_decode_attention_reference` without its ignored keyword arguments (jitted)."""
   b, n, h = q.shape
   kh, s, r = codes_k.shape[1], codes_k.shape[2], res_k.shape[2]
   hi = lax.Precision.HIGHEST
@@ -585,7 +595,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   """
   args = (q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp, n_res)
   if implementation == "xla":
-    return jax.jit(oskvp_decode_attention_reference)(*args)
+    return oskvp_decode_attention_reference(*args)
   if implementation != "pallas":
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
   check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp)

@@ -97,6 +97,7 @@ def _outlier_scores(kout: jax.Array | None, qo: jax.Array | None) -> jax.Array |
   return jnp.einsum("btc,bnc->bnt", kout.astype(jnp.float32), qo.astype(jnp.float32))
 
 
+@functools.partial(jax.jit, static_argnames=("return_lse2",))
 def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
                           lengths: jax.Array | None = None, kout: jax.Array | None = None,
                           vout: jax.Array | None = None, qo: jax.Array | None = None, return_lse2: bool = False):
@@ -104,7 +105,7 @@ def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, q
   lengths int32 [BK] (optional) -> out f32 [BK, 8, H] = softmax_2(s) @ vcode over the first lengths[b] tokens
   (exact softmax, no quantization of p; zeros where a row has no token); kout, vout, qo as in `decode_core_mgpu`
   add the outlier scores and return (out, f32 [BK, 8, 8] value-outlier sums); return_lse2 appends
-  lse2 f32 [BK, 8] = log2 Σ_t 2^s[n, t] (-inf for a row without tokens)."""
+  lse2 f32 [BK, 8] = log2 Σ_t 2^s[n, t] (-inf for a row without tokens). Jitted; return_lse2 is static."""
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes 0..3
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None] + _outlier_scores(kout, qo)
   valid = _valid(*kcodes.shape[:2], lengths)
@@ -122,13 +123,15 @@ def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, q
   return outs[0] if len(outs) == 1 else outs
 
 
+@functools.partial(jax.jit, static_argnames=("block_s", "splits"))
 def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
                                     lengths: jax.Array | None = None, kout: jax.Array | None = None,
                                     vout: jax.Array | None = None, qo: jax.Array | None = None, *, block_s: int,
                                     splits: int):
   """The kernel's own arithmetic in XLA: per split, blocks in order with the running max m_j (after block j),
   p8 = round(127 · 2^(s − m_j)), the block's sums weighed by 2^(m_j − m_final); splits merged by log-sum-exp.
-  Same shapes as `decode_core_reference`; equal to the kernel up to f32 summation order."""
+  Same shapes as `decode_core_reference`; equal to the kernel up to f32 summation order. Jitted; block_s and splits
+  are static."""
   bk, s_len, _ = kcodes.shape
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.int32)
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.int32)).astype(jnp.float32) * qs[..., None]  # [BK, 8, S]

@@ -78,8 +78,9 @@ def key_planes_reference(codes: jax.Array, plane_types: int = 3) -> jax.Array:
   return jnp.concatenate([b0, b1, b0 & b1][:plane_types], axis=-1).astype(jnp.int8)
 
 
+@jax.jit
 def key_scores_reference(codes: jax.Array, qdigits: jax.Array) -> jax.Array:
-  """XLA reference: codes uint8 [BK, S, Q], qdigits int8 [BK, N, T·H] -> int32 [BK, S, N] (exact)."""
+  """XLA reference: codes uint8 [BK, S, Q], qdigits int8 [BK, N, T·H] -> int32 [BK, S, N] (exact; jitted)."""
   plane_types = qdigits.shape[-1] // (PLANES * codes.shape[-1])
   planes = key_planes_reference(codes, plane_types).astype(jnp.int32)
   return jnp.einsum("bsk,bnk->bsn", planes, qdigits.astype(jnp.int32))
@@ -275,10 +276,11 @@ def key_scores_mgpu(codes: jax.Array, qdigits: jax.Array, *, block_s: int = 64, 
 
 # ---- Sequence-loop variant: one program per (BK row, split of the sequence), code blocks through a TMA pipeline.
 
+@functools.partial(jax.jit, static_argnames=("splits",))
 def key_scores_max_reference(codes: jax.Array, qdigits: jax.Array, splits: int) -> jax.Array:
   """XLA reference of output="max": the max over each split's tokens, int32 [BK, splits, N].
 
-  Split j holds tokens [j·S/splits, (j + 1)·S/splits) (splits divides S).
+  Split j holds tokens [j·S/splits, (j + 1)·S/splits) (splits divides S). Jitted; splits is static.
   """
   scores = key_scores_reference(codes, qdigits)  # [BK, S, N]
   bk, s, n = scores.shape

@@ -147,11 +147,12 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
     res_v, n_res.astype(jnp.int32))
 
 
+@jax.jit
 def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res):
   """The core's per-split outputs acc [B, K, S, H, 8] (ACC row order), ml [B, K, S, 32], acco [B, K, S, P, 8, 8]
   ([head, outlier channel] in P parts); q_rot f32 [B, K, G, H]; the prologue's qc [B, K, 8]; cb_v [B, K, H, 4], scale_v
   [B, K, 8], res_k, res_v [B, K, R, H], n_res int32 [B] -> o' f32 [B, K, 16, H] in the rotated basis (rows G..
-  meaningless): `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`."""
+  meaningless): `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`. Jitted."""
   b, kh, _, h, _ = acc.shape
   g = q_rot.shape[2]
   # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]

@@ -90,10 +90,11 @@ def token_contiguous(codes: jax.Array) -> jax.Array:
   return jnp.swapaxes(codes, -1, -2)
 
 
+@jax.jit
 def append_token(vt: jax.Array, codes: jax.Array, pos: jax.Array) -> jax.Array:
   """Decode append into token-contiguous codes: vt uint8 [..., Q, S], codes uint8 [..., Q] at token pos -> vt.
 
-  One byte per code row at stride S (a [..., Q, 1] column update).
+  One byte per code row at stride S (a [..., Q, 1] column update). Jitted.
   """
   zeros = (0,) * (vt.ndim - 1)
   return jax.lax.dynamic_update_slice(vt, codes[..., None].astype(vt.dtype), (*zeros, pos))
@@ -105,8 +106,10 @@ def value_planes_reference(vcodes: jax.Array, plane_types: int = 3) -> jax.Array
   return jnp.swapaxes(key_planes_reference(jnp.swapaxes(vcodes, -1, -2), plane_types), -1, -2)
 
 
+@functools.partial(jax.jit, static_argnames=("plane_types",))
 def value_sums_reference(p: jax.Array, vcodes: jax.Array, plane_types: int = 3) -> jax.Array:
-  """XLA reference: p int8 [BK, N, S], vcodes uint8 [BK, Q, S] -> int32 [BK, T, H, N] (exact).
+  """XLA reference: p int8 [BK, N, S], vcodes uint8 [BK, Q, S] -> int32 [BK, T, H, N] (exact; jitted, plane_types
+  static).
 
   out[b, type, ch, n] = Σ_t plane_type[ch, t] · p[n, t].
   """
@@ -116,8 +119,10 @@ def value_sums_reference(p: jax.Array, vcodes: jax.Array, plane_types: int = 3) 
   return out.reshape(bk, plane_types, PLANES * q, p.shape[1])
 
 
+@functools.partial(jax.jit, static_argnames=("splits", "plane_types"))
 def value_sums_split_reference(p: jax.Array, vcodes: jax.Array, splits: int, plane_types: int = 3) -> jax.Array:
-  """The per-split sums of `value_sums_mgpu`: int32 [BK, splits, T, H, N]; split i = tokens [i·S/splits, ...)."""
+  """The per-split sums of `value_sums_mgpu`: int32 [BK, splits, T, H, N]; split i = tokens [i·S/splits, ...).
+  Jitted; splits and plane_types are static."""
   bk, n, s = p.shape
   q = vcodes.shape[1]
   ps = p.reshape(bk, n, splits, s // splits).transpose(0, 2, 1, 3).reshape(bk * splits, n, s // splits)

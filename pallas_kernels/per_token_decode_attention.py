@@ -33,10 +33,11 @@ from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, check_trit
 DTYPES = ("float8_e4m3fn", "int8")
 
 
+@jax.jit
 def per_token_decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array,
                                          v_scale: jax.Array, lengths: jax.Array) -> jax.Array:
   """q [B, N, H]; k, v [B, S, K, H] 8-bit; k_scale, v_scale f32 [B, S, K]; lengths int32 [B] (keys s < lengths[b]
-  are visible) -> [B, N, H] in q's dtype (f32 dequantization and softmax)."""
+  are visible) -> [B, N, H] in q's dtype (f32 dequantization and softmax; jitted)."""
   b, n, h = q.shape
   kh = k.shape[2]
   kf = k.astype(jnp.float32) * k_scale[..., None]

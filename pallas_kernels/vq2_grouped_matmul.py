@@ -133,8 +133,9 @@ def vq2_grouped_swiglu(lhs: jax.Array, gate: VQ2Weights, up: VQ2Weights, group_s
                                   interpret=interpret, poison=poison)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "dtype"))
 def dequantize_vq2(ws: VQ2Weights, *, group_size: int = 128, dtype=jnp.float32) -> jax.Array:
-  """The weight the kernel multiplies by, in plain jnp: [E, Kp, N] in dtype."""
+  """The weight the kernel multiplies by, in plain jnp: [E, Kp, N] in dtype. Jitted; group_size and dtype are static."""
   e, rows, n = ws.idx.shape
   ng, quarter = ws.scale.shape[1], group_size // 4
   cb = jnp.broadcast_to(unpack_codebook(ws.codebook), (e, 256, 4))
@@ -147,13 +148,16 @@ def dequantize_vq2(ws: VQ2Weights, *, group_size: int = 128, dtype=jnp.float32) 
   return w.astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def vq2_grouped_matmul_reference(lhs: jax.Array, weights: VQ2Weights, group_sizes: jax.Array, *,
                                  group_size: int = 128) -> jax.Array:
-  """XLA reference: dequantize to lhs.dtype, then `jax.lax.ragged_dot` with float32 accumulation."""
+  """XLA reference: dequantize to lhs.dtype, then `jax.lax.ragged_dot` with float32 accumulation (jitted; group_size
+  is static)."""
   w = dequantize_vq2(weights, group_size=group_size, dtype=lhs.dtype)
   return jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def vq2_grouped_swiglu_reference(lhs, gate: VQ2Weights, up: VQ2Weights, group_sizes, *, group_size=128):
   g = vq2_grouped_matmul_reference(lhs, gate, group_sizes, group_size=group_size)
   u = vq2_grouped_matmul_reference(lhs, up, group_sizes, group_size=group_size)

@@ -113,8 +113,10 @@ def to_mgpu_layout(ws: v2.VQ2Weights, *, group_size: int = _G) -> MgpuVQ2Weights
   return MgpuVQ2Weights(words, cb, ws.scale.astype(jnp.bfloat16))
 
 
+@jax.jit
 def dequantize_mgpu(ws: MgpuVQ2Weights) -> jax.Array:
-  """float32 [E, Kp, N], read from this layout alone (the kernel's values: codeword · scale, exact in float32)."""
+  """float32 [E, Kp, N], read from this layout alone (the kernel's values: codeword · scale, exact in float32;
+  jitted)."""
   e, nb, kg, _ = ws.idx.shape
   n = nb * 16
   r_idx = _vector_indices(ws.idx.reshape(e, nb, kg, 8, 4, 2, 2))  # [E, N/16, Kg, q, h, 32]
@@ -128,9 +130,11 @@ def dequantize_mgpu(ws: MgpuVQ2Weights) -> jax.Array:
   return jnp.swapaxes(w.reshape(e, n, kg * _G), 1, 2)
 
 
+@jax.jit
 def vq2_grouped_matmul_mgpu_ws_reference(lhs: jax.Array, weights: MgpuVQ2Weights,
                                           group_sizes: jax.Array) -> jax.Array:
-  """XLA reference: float32 dequantization, then `jax.lax.ragged_dot` at HIGHEST precision -> float32 [M, N]."""
+  """XLA reference: float32 dequantization, then `jax.lax.ragged_dot` at HIGHEST precision -> float32 [M, N]
+  (jitted)."""
   return jax.lax.ragged_dot(lhs.astype(jnp.float32), dequantize_mgpu(weights), group_sizes,
                             preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
 

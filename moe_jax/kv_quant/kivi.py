@@ -42,6 +42,7 @@ def _asym(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   return codes, scale, zero
 
 
+@jax.jit
 def quantize_keys(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """x f32 [..., T, H] (T a multiple of 32) -> (packed [..., T, H/4], scale, zero f16 [..., T/32, H])."""
   *lead, t, h = x.shape
@@ -49,6 +50,7 @@ def quantize_keys(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return pack2(codes.reshape(*lead, t, h)), scale, zero
 
 
+@jax.jit
 def quantize_values(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """x f32 [..., T, H] -> (packed [..., T, H/4], scale, zero f16 [..., T, H/32])."""
   *lead, t, h = x.shape
@@ -57,12 +59,14 @@ def quantize_values(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return pack2(codes.reshape(*lead, t, h)), scale, zero
 
 
+@jax.jit
 def dequantize_keys(packed, scale, zero) -> jax.Array:
   codes = unpack2(packed).astype(jnp.float32)  # [..., T, H]
   rep = lambda a: jnp.repeat(a.astype(jnp.float32), GROUP, axis=-2)
   return codes * rep(scale) + rep(zero)
 
 
+@jax.jit
 def dequantize_values(packed, scale, zero) -> jax.Array:
   codes = unpack2(packed).astype(jnp.float32)
   g = codes.shape[-1] // scale.shape[-1]
@@ -115,6 +119,7 @@ class KIVILayerCache:
                         v_scale=put(self.v_scale, sv, idx), v_zero=put(self.v_zero, zv, idx),
                         n_comp=self.n_comp + jnp.where(full, r, 0), n_res=jnp.where(full, 0, self.n_res))
 
+  @jax.jit
   def dequantized(self) -> tuple[jax.Array, jax.Array]:
     """(k_hat, v_hat) f32 [B, S, K, H] in token order: compressed [0, n_comp), window after it, zeros beyond."""
     s, r = self.max_len, self.window

@@ -28,6 +28,8 @@ Shapes: T tokens, N calibration rows, H head dim, O outlier channels, L levels.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +133,7 @@ class OSKVPCode:
 # ---------------------------------------------------------------------------------------------- fitting
 
 
+@functools.partial(jax.jit, static_argnames=("n_iters",))
 def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int) -> tuple[jax.Array, jax.Array]:
   """Per-channel weighted Lloyd-Max iterations.
 
@@ -175,6 +178,7 @@ GAUSSIAN_UNIFORM_STEP = 0.9957
 _UNIFORM_Z = (-1.5, -0.5, 0.5, 1.5)  # level offsets in steps, about the centre
 
 
+@functools.partial(jax.jit, static_argnames=("n_iters",))
 def uniform_lloyd(x: jax.Array, w: jax.Array, centre: jax.Array, step: jax.Array,
                   n_iters: int) -> tuple[jax.Array, jax.Array]:
   """Per-channel weighted Lloyd iterations for equally spaced 4-level codebooks (levels centre + step·z).
@@ -223,6 +227,7 @@ def _sign_fix(u: jax.Array) -> jax.Array:
   return u * jnp.where(sign == 0, 1.0, sign)[None, :]
 
 
+@functools.partial(jax.jit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric", "uniform"))
 def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int = 2,
         n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None, symmetric: bool = False,
         uniform: bool = False) -> OSKVPParams:
@@ -292,9 +297,6 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   return OSKVPParams(u=u, scale=scale, codebook=codebook)
 
 
-_fit_jit = jax.jit(fit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric", "uniform"))
-
-
 def symmetric_codebooks(codebook: jax.Array, rtol: float = 1e-5) -> bool:
   """True if every 4-level row [..., H, 4] has cb0 + cb3 = cb1 + cb2 (to rtol of its range): two plane types."""
   cb = np.asarray(codebook, np.float64)
@@ -335,8 +337,8 @@ def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, we
       row, col = np.argwhere(bad)[0]
       raise ValueError(f"calibration data has {int(bad.sum())} non-finite values (first at x[{row}, {col}]); "
                        "drop those rows or pass weights=0 for them")
-  return _fit_jit(x, weights, n_outlier=n_outliers(x.shape[1], outlier_fraction), bits=bits, n_iters=n_iters,
-                  min_samples=min_samples, symmetric=symmetric, uniform=uniform)
+  return fit(x, weights, n_outlier=n_outliers(x.shape[1], outlier_fraction), bits=bits, n_iters=n_iters,
+             min_samples=min_samples, symmetric=symmetric, uniform=uniform)
 
 
 # ---------------------------------------------------------------------------------------------- (de)quantization

@@ -16,6 +16,8 @@ channels, L codebook levels.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -47,6 +49,7 @@ def dequantize_store(codes: jax.Array, outl: jax.Array, scale: jax.Array, cb: ja
   return xr.at[..., :o].add(outl.astype(jnp.float32) * scale[:, :, None, :])
 
 
+@functools.partial(jax.jit, static_argnames=("form",))
 def compressed_scores(qr: jax.Array, codes, outl, scale, cb, hi=None, *, form: str = "lut") -> jax.Array:
   """Unscaled q'·k'_hat over the compressed store.
 
@@ -69,6 +72,7 @@ def compressed_scores(qr: jax.Array, codes, outl, scale, cb, hi=None, *, form: s
   return code_part + outl_part
 
 
+@functools.partial(jax.jit, static_argnames=("form",))
 def compressed_values(p: jax.Array, codes, outl, scale, cb, hi=None, *, form: str = "lut") -> jax.Array:
   """Σ_s p_s v'_hat_s over the compressed store: p f32 [B, K, G, S] -> f32 [B, K, G, H] (rotated basis)."""
   if form == "dequant":
@@ -83,6 +87,7 @@ def compressed_values(p: jax.Array, codes, outl, scale, cb, hi=None, *, form: st
   return out.at[..., :o].add(outl_part)
 
 
+@functools.partial(jax.jit, static_argnames=("form",))
 def oskvp_decode_attention_xla(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k,
                                res_v, n_comp, n_res, *, hi_k=None, hi_v=None, form: str = "lut") -> jax.Array:
   """One query per head over compressed + residual tokens (see the module docstring for the math).
@@ -114,6 +119,7 @@ def oskvp_decode_attention_xla(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_
   return out.reshape(b, n, h).astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "symmetric_codebooks"))
 def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
                            n_comp, n_res, *, hi_k=None, hi_v=None, implementation: str = "auto",
                            interpret: bool = False, symmetric_codebooks: bool = False) -> jax.Array:

@@ -156,6 +156,7 @@ class OSKVPLayerCache:
       outs.append(o)
     return jnp.stack(outs, axis=1), cache
 
+  @jax.jit
   def dequantized(self) -> tuple[jax.Array, jax.Array]:
     """The keys and values the cache represents, in the original basis and token order.
 

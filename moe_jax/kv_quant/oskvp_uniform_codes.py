@@ -17,6 +17,7 @@ With `outliers`, the fp8 channels 0..7 of both sides join through the kernel's f
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -141,6 +142,8 @@ def resolved_glue(glue: str, window: int, splits: int, head_dim: int) -> str:
   return "xla" if epi.epilogue_shape_error(window, splits, head_dim) else "pallas"
 
 
+@functools.partial(jax.jit, static_argnames=("interpret", "max_concurrent_steps", "glue", "value_outliers",
+                                             "max_splits"))
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,

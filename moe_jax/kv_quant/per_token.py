@@ -11,6 +11,7 @@ Shapes: B batch, T new tokens, S cache length, K kv heads, H head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from moe_jax.kv_cache import masked_gqa_attention
 _QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def quantize_per_token(x: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
   """x [..., H] -> (q [..., H] in dtype, scale f32 [...])."""
   qmax = _QMAX[dtype]
@@ -32,6 +34,7 @@ def quantize_per_token(x: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
   return y.astype(dtype), scale
 
 
+@jax.jit
 def dequantize_per_token(q: jax.Array, scale: jax.Array) -> jax.Array:
   return q.astype(jnp.float32) * scale[..., None]
 
@@ -53,6 +56,7 @@ class PerTokenKV:
   def nbytes(self) -> int:
     return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self))
 
+  @jax.jit
   def dequantized(self) -> tuple[jax.Array, jax.Array]:
     """(k_hat, v_hat) f32 [B, S, K, H]."""
     return dequantize_per_token(self.k, self.k_scale), dequantize_per_token(self.v, self.v_scale)

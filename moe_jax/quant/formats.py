@@ -28,6 +28,7 @@ Kinds and bits per weight (G = 128, scales bf16, zero points uint8):
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -135,6 +136,7 @@ class QuantizedExperts:
     e, k, n = self.shape
     return 8.0 * self.nbytes / (e * k * n)
 
+  @functools.partial(jax.jit, static_argnames=("dtype",))
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """[E, K, N] in dtype: the weight the kernels multiply by (padding rows dropped). For int4_mgpu_gate_up that is
     the interleaved [E, K, 2F] (`dequantize_gate_up` separates gate and up)."""
@@ -150,6 +152,7 @@ class QuantizedExperts:
       w = _dequantize_vq2_sparse(self.data, self.group_size)
     return w[:, : self.k].astype(dtype)
 
+  @functools.partial(jax.jit, static_argnames=("dtype",))
   def dequantize_gate_up(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """(gate, up), [E, K, F] each in dtype, of an int4_mgpu_gate_up weight: the values of the two int4_mgpu weights
     it was made from."""

@@ -15,6 +15,8 @@ Math, per expert, K group g of G rows and column n (Kp = K padded to a multiple 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -40,6 +42,7 @@ def quads(w: jax.Array, group_size: int) -> jax.Array:
   return w.reshape(e, kp // group_size, 4, group_size // 4, n)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def prune_24(w: jax.Array, group_size: int, importance: jax.Array | None = None) -> jax.Array:
   """Keep mask (bool [E, Kp, N]) of the two most salient weights of every quad.
 
@@ -111,6 +114,7 @@ def clip_ratios(w: jax.Array, h: jax.Array, group_size: int, keep: jax.Array | N
   return ratios[jnp.argmin(errs, axis=0)]
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "sparsity", "awq"))
 def quantize_int4(w: jax.Array, *, group_size: int = 128, sparsity: str | None = None,
                   calib_x: jax.Array | None = None, awq: bool = False) -> QuantizedExperts:
   """Quantizes an expert weight.

@@ -17,6 +17,8 @@ vector: one index per 8 weights; with the 4-bit masks the total is still 2 bits 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -89,6 +91,7 @@ def _refit_scale(w: jax.Array, w_unit: jax.Array, h: jax.Array | None = None) ->
   return s.astype(jnp.bfloat16)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "codebook", "sparsity", "iters", "awq"))
 def quantize_vq2(w: jax.Array, *, group_size: int = 128, codebook: str = "expert", sparsity: str | None = None,
                  calib_x: jax.Array | None = None, iters: int = 20, awq: bool = False) -> QuantizedExperts:
   """Quantizes an expert weight [E, K, N] to vq2 (or vq2_sp24 with sparsity="2:4").

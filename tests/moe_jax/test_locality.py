@@ -12,10 +12,6 @@ from moe_jax import locality, routing
 from moe_jax.dispatch import LocalDispatch
 
 
-# Jitted: one program per shape instead of a compile per eager operation.
-_lcvc_select = jax.jit(locality.lcvc_select, static_argnames=("k", "router", "norm_topk_prob"))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _logits(t=64, e=8, seed=0):
   return jax.random.normal(jax.random.key(seed), (t, e)) * 2.0
@@ -37,17 +33,17 @@ def test_config_errors_name_the_field(field, value):
 
 def _select(logits, penalty, threshold, n_nodes=2, k=2, router="softmax"):
   t, e = logits.shape
-  return _lcvc_select(logits, k=k, router=router, norm_topk_prob=True, bias=jnp.zeros((e,)),
-                       token_node=locality.simulated_token_nodes(t, n_nodes),
-                       expert_node=locality.expert_nodes(e, n_nodes), penalty=penalty,
-                       threshold=jnp.float32(threshold))
+  return locality.lcvc_select(logits, k=k, router=router, norm_topk_prob=True, bias=jnp.zeros((e,)),
+                              token_node=locality.simulated_token_nodes(t, n_nodes),
+                              expert_node=locality.expert_nodes(e, n_nodes), penalty=penalty,
+                              threshold=jnp.float32(threshold))
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 def test_zero_penalty_is_exact_routing(router):
   logits = _logits()
   w, ids, _ = _select(logits, 0.0, 0.5, router=router)
-  w_ref, ids_ref = jax.jit(routing.select_experts, static_argnames=("k", "router"))(logits, k=2, router=router)
+  w_ref, ids_ref = routing.select_experts(logits, k=2, router=router)
   np.testing.assert_array_equal(ids, ids_ref)
   np.testing.assert_allclose(w, w_ref, rtol=1e-6)
 
@@ -86,17 +82,17 @@ def test_lcvc_layer_splits_local_and_surrogate_pairs(tiny_model):
   """With surrogates the layer = exact experts on local pairs + surrogates on remote pairs (checked by hand)."""
   from moe_jax import surrogates  # pylint: disable=g-import-not-at-top
   moe = tiny_model.blocks[1].ffn
-  sur = jax.jit(surrogates.LowRankExperts, static_argnames="rank")(moe.w_gate[...], moe.w_up[...], moe.w_down[...],
-                                                                   rank=4)
+  sur = surrogates.LowRankExperts(moe.w_gate[...], moe.w_up[...], moe.w_down[...], rank=4)
   cfg = locality.LCVCConfig(n_nodes=2, penalty=0.3, threshold=0.2, surrogates=True, surrogate_scope="all")
   layer = locality.LCVCMoE(moe, cfg, sur)
   x = jax.random.normal(jax.random.key(6), (2, 8, tiny_model.config.d_model))
   y, aux = jax.jit(lambda m, x: m(x))(layer, x)
   tokens = x.reshape(16, -1)
-  logits = jax.jit(routing.router_logits)(tokens, moe.w_router[...])
-  w, ids, remote = _lcvc_select(logits, k=moe.k, router=moe.router, norm_topk_prob=moe.norm_topk_prob,
-                                bias=moe.router_bias[...], token_node=locality.simulated_token_nodes(16, 2),
-                                expert_node=locality.expert_nodes(8, 2), penalty=0.3, threshold=jnp.float32(0.2))
+  logits = routing.router_logits(tokens, moe.w_router[...])
+  w, ids, remote = locality.lcvc_select(logits, k=moe.k, router=moe.router, norm_topk_prob=moe.norm_topk_prob,
+                                        bias=moe.router_bias[...], token_node=locality.simulated_token_nodes(16, 2),
+                                        expert_node=locality.expert_nodes(8, 2), penalty=0.3,
+                                        threshold=jnp.float32(0.2))
 
   @jax.jit
   def expected(moe, sur, tokens, w, ids, remote):

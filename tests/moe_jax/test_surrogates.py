@@ -9,11 +9,6 @@ import pytest
 
 from moe_jax import surrogates
 
-# Jitted: one program per shape instead of a compile per eager operation.
-_low_rank = jax.jit(surrogates.low_rank, static_argnums=1)
-_low_rank_experts = jax.jit(surrogates.LowRankExperts, static_argnames=("rank",))
-
-
 @jax.jit
 def _residual_norm(w, a, b):
   return jnp.linalg.norm(w - a @ b)
@@ -51,7 +46,7 @@ def test_plain_low_rank_is_the_truncated_svd():
   w = jax.random.normal(jax.random.key(0), (24, 40))
   s = np.linalg.svd(np.asarray(w), compute_uv=False)
   for r in (1, 5, 24):
-    a, b = _low_rank(w, r)
+    a, b = surrogates.low_rank(w, r)
     assert a.shape == (24, r) and b.shape == (r, 40)
     err = float(_residual_norm(w, a, b))
     assert err == pytest.approx(float(np.sqrt(np.sum(s[r:] ** 2))), abs=1e-4)  # Eckart-Young
@@ -60,11 +55,11 @@ def test_plain_low_rank_is_the_truncated_svd():
 def test_whitening_lowers_the_output_error_on_calibration_like_inputs():
   d, r = 32, 6
   x, w, c = _whitening_inputs()
-  plain = _low_rank(w, r)
-  white = _low_rank(w, r, c)
+  plain = surrogates.low_rank(w, r)
+  white = surrogates.low_rank(w, r, c)
   err = lambda ab: float(_output_error(x, w, *ab))
   assert err(white) < 0.7 * err(plain)
-  full = _low_rank(w, d, c)  # full rank: exact whatever the whitening
+  full = surrogates.low_rank(w, d, c)  # full rank: exact whatever the whitening
   np.testing.assert_allclose(*jax.jit(lambda x, w, a, b: (x @ a @ b, x @ w))(x, w, *full), rtol=1e-3, atol=1e-3)
 
 
@@ -72,13 +67,13 @@ def test_low_rank_experts_follow_the_expert_fn_contract(tiny_model):
   moe = tiny_model.blocks[0].ffn
   e, d, f = moe.w_gate[...].shape
   calib = jax.random.normal(jax.random.key(2), (256, d))
-  sur = _low_rank_experts(moe.w_gate[...], moe.w_up[...], moe.w_down[...], rank=5, calibration=calib)
+  sur = surrogates.LowRankExperts(moe.w_gate[...], moe.w_up[...], moe.w_down[...], rank=5, calibration=calib)
   group_sizes = jnp.array([2, 0, 2, 2, 0, 2, 2, 2], jnp.int32)  # equal sizes: the eager loop compiles once
   x = jax.random.normal(jax.random.key(3), (int(group_sizes.sum()), d))
   got = jax.jit(lambda s, x, g: s(x, g))(sur, x, group_sizes)
   np.testing.assert_allclose(got, _loop_reference(sur, x, tuple(np.asarray(group_sizes).tolist())), rtol=1e-5,
                              atol=1e-5)
-  full = _low_rank_experts(moe.w_gate[...], moe.w_up[...], moe.w_down[...], rank=min(d, f))
+  full = surrogates.LowRankExperts(moe.w_gate[...], moe.w_up[...], moe.w_down[...], rank=min(d, f))
   both = jax.jit(lambda s, m, x, g: (s(x, g), m.expert_fn(x, g)))(full, moe, x, group_sizes)
   np.testing.assert_allclose(*both, rtol=1e-4, atol=1e-4)
 

@@ -18,7 +18,8 @@ E, K, N, G = 4, 256, 64, 128
 PATTERNS = [0b0011, 0b0101, 0b1001, 0b0110, 0b1010, 0b1100]
 
 
-# Jitted test data and references: one program per shape instead of a compile per eager operation (same values).
+# Jitted test data (the library's references jit themselves): one program per shape instead of a compile per eager
+# operation (same values).
 @functools.partial(jax.jit, static_argnames=("sparse", "in_scale"))
 def _weights(key, sparse=False, in_scale=False):
   ks = jax.random.split(key, 5)
@@ -33,12 +34,6 @@ def _weights(key, sparse=False, in_scale=False):
       zero=jax.random.randint(ks[2], (E, K // G, N), 0, 16).astype(jnp.uint8),
       in_scale=jax.random.uniform(ks[4], (E, K), jnp.float32, 0.5, 2.0) if in_scale else None,
       meta=meta)
-
-
-_reference = jax.jit(i4.int4_grouped_matmul_reference, static_argnames=("group_size",))
-_swiglu_reference = jax.jit(i4.int4_grouped_swiglu_reference, static_argnames=("group_size",))
-_dequantize = jax.jit(i4.dequantize_int4, static_argnames=("group_size", "dtype"))
-_to_nk = jax.jit(i4.to_nk_layout, static_argnames=("group_size",))
 
 
 @jax.jit
@@ -59,7 +54,7 @@ def test_dense_matches_reference(sizes, extra):
   x = jax.random.normal(jax.random.key(len(sizes) + m), (m, K), jnp.float32)
   ws = _weights(jax.random.key(m))
   got = i4.int4_grouped_matmul(x, ws, gs, interpret=True, poison=float("nan"))
-  want = _reference(x, ws, gs)
+  want = i4.int4_grouped_matmul_reference(x, ws, gs)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
   assert not np.any(np.asarray(got)[sum(sizes):])  # rows of no expert are zero
 
@@ -71,20 +66,20 @@ def test_nk_layout_matches_reference(sizes, extra, block_m, split_k):
   m = sum(sizes) + extra
   x = jax.random.normal(jax.random.key(len(sizes) + m), (m, K), jnp.float32)
   ws = _weights(jax.random.key(m))
-  nk = _to_nk(ws)
+  nk = i4.to_nk_layout(ws)
   got = i4.int4_grouped_matmul(x, nk, gs, interpret=True, poison=float("nan"), block_m=block_m, split_k=split_k)
-  want = _reference(x, ws, gs)
+  want = i4.int4_grouped_matmul_reference(x, ws, gs)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
   assert not np.any(np.asarray(got)[sum(sizes):])
 
 
 def test_nk_layout_round_trips():
   ws = _weights(jax.random.key(7), in_scale=True)
-  nk = _to_nk(ws)
+  nk = i4.to_nk_layout(ws)
   assert nk.packed.dtype == jnp.uint16 and nk.packed.shape == (E, N, K // 4)
-  np.testing.assert_array_equal(np.asarray(_dequantize(nk)), np.asarray(_dequantize(ws)))
+  np.testing.assert_array_equal(np.asarray(i4.dequantize_int4(nk)), np.asarray(i4.dequantize_int4(ws)))
   with pytest.raises(ValueError, match="2:4"):
-    _to_nk(_weights(jax.random.key(8), sparse=True))
+    i4.to_nk_layout(_weights(jax.random.key(8), sparse=True))
 
 
 @pytest.mark.parametrize("unpack,in_scale", [("magic", False), ("magic", True), ("convert", True)])
@@ -94,7 +89,7 @@ def test_nk_layout_bf16(unpack, in_scale):
   gs = jnp.asarray([1, 0, 9, 30], jnp.int32)
   x = jax.random.normal(jax.random.key(9), (40, K), jnp.bfloat16)
   ws = _weights(jax.random.key(10), in_scale=in_scale)
-  got = np.asarray(i4.int4_grouped_matmul(x, _to_nk(ws), gs, interpret=True, poison=float("nan"),
+  got = np.asarray(i4.int4_grouped_matmul(x, i4.to_nk_layout(ws), gs, interpret=True, poison=float("nan"),
                                           unpack=unpack, split_k=2))
   want = np.asarray(_ragged_reference(x, ws, gs))
   assert np.max(np.abs(got - want)) <= 1e-2 * np.max(np.abs(want))
@@ -102,8 +97,8 @@ def test_nk_layout_bf16(unpack, in_scale):
 
 def test_split_k_must_divide_groups():
   with pytest.raises(ValueError, match="split_k"):
-    i4.int4_grouped_matmul(jnp.zeros((4, K)), _to_nk(_weights(jax.random.key(0))), jnp.asarray([4, 0, 0, 0]),
-                           interpret=True, split_k=3)
+    i4.int4_grouped_matmul(jnp.zeros((4, K)), i4.to_nk_layout(_weights(jax.random.key(0))),
+                           jnp.asarray([4, 0, 0, 0]), interpret=True, split_k=3)
 
 
 def test_sparse_with_activation_scale_bf16():
@@ -118,7 +113,7 @@ def test_sparse_with_activation_scale_bf16():
 
 def test_sparse_dequant_prunes_two_of_four():
   ws = _weights(jax.random.key(3), sparse=True)
-  w = np.asarray(_dequantize(ws)).reshape(E, K // G, 4, G // 4, N)  # slot j of quad r: k = r + (G/4) j
+  w = np.asarray(i4.dequantize_int4(ws)).reshape(E, K // G, 4, G // 4, N)  # slot j of quad r: k = r + (G/4) j
   assert np.all(np.sum(w == 0, axis=2) >= 2)
 
 
@@ -127,7 +122,7 @@ def test_fused_swiglu_matches_reference():
   x = jax.random.normal(jax.random.key(4), (18, K), jnp.float32)
   gate, up = _weights(jax.random.key(5)), _weights(jax.random.key(6), sparse=True)
   got = i4.int4_grouped_swiglu(x, gate, up, gs, interpret=True, poison=float("nan"))
-  want = _swiglu_reference(x, gate, up, gs)
+  want = i4.int4_grouped_swiglu_reference(x, gate, up, gs)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
 
 
@@ -136,12 +131,12 @@ def test_fused_swiglu_nk_layout(split_k):
   gs = jnp.asarray([0, 5, 1, 12], jnp.int32)
   x = jax.random.normal(jax.random.key(11), (20, K), jnp.float32)
   gate, up = _weights(jax.random.key(12)), _weights(jax.random.key(13), in_scale=True)
-  got = i4.int4_grouped_swiglu(x, _to_nk(gate), _to_nk(up), gs, interpret=True,
+  got = i4.int4_grouped_swiglu(x, i4.to_nk_layout(gate), i4.to_nk_layout(up), gs, interpret=True,
                                poison=float("nan"), split_k=split_k)
-  want = _swiglu_reference(x, gate, up, gs)
+  want = i4.int4_grouped_swiglu_reference(x, gate, up, gs)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
   with pytest.raises(ValueError, match="one layout"):
-    i4.int4_grouped_swiglu(x, _to_nk(gate), up, gs, interpret=True)
+    i4.int4_grouped_swiglu(x, i4.to_nk_layout(gate), up, gs, interpret=True)
 
 
 def test_k_mismatch_is_rejected():

@@ -45,14 +45,6 @@ def _inputs(sizes, extra, n):
   return x, jnp.asarray(sizes, jnp.int32), w
 
 
-# Jitted layout change and XLA references (same values): one program per shape instead of a compile per operation.
-_to_mgpu_layout = jax.jit(ws.to_mgpu_layout, static_argnames=("group_size", "nibble_order"))
-_form_reference = jax.jit(ws.int4_grouped_matmul_mgpu_ws_form_reference, static_argnames=("dequant_form",))
-_mgpu_reference = jax.jit(ws.int4_grouped_matmul_mgpu_ws_reference)
-_i4_reference = jax.jit(i4.int4_grouped_matmul_reference, static_argnames=("group_size",))
-_dequantize_mgpu = jax.jit(mg.dequantize_mgpu)
-
-
 # (group sizes, rows of no expert, N, kernel config). Items per CTA: 2 (START, STOP), 3 (+ STEADY), 1 (no chaining),
 # 0 (an idle CTA); virtual-expert tiles (zeros), several tiles per expert, two N tiles, 1 or 2 compute warpgroups.
 # Three compute warpgroups (4 threads per CTA) starve the interpreter on 2 cores several tries in a row
@@ -94,12 +86,12 @@ CASES = [
 @pytest.mark.parametrize("sizes,extra,n,cfg", CASES)
 def test_matches_reference(sizes, extra, n, cfg, interpreted):
   x, gs, w = _inputs(sizes, extra, n)
-  wm = _to_mgpu_layout(w)
+  wm = ws.to_mgpu_layout(w)
   got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, **cfg)))
   # The default form (acc_scale; sub_mul with overlap_steps) against its reference: float32 accumulation in another
   # order.
   form = "sub_mul" if cfg.get("overlap_steps") else "acc_scale"
-  want = np.asarray(_form_reference(x, wm, gs, form))
+  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
 
@@ -116,11 +108,11 @@ def test_swiglu_matches_reference(sizes, extra, f, cfg, interpreted):
   """swiglu=True on `interleave_gate_up(gate, up)` gives silu(x W_gate) · (x W_up) [M, F] (each weight's float32
   dequantization, as acc_scale computes it); rows of no expert are zero."""
   x, gs, wg = _inputs(sizes, extra, f)
-  wu = _to_mgpu_layout(_inputs([1, 2, 3, 4], 0, f)[2])
-  wg = _to_mgpu_layout(wg)
+  wu = ws.to_mgpu_layout(_inputs([1, 2, 3, 4], 0, f)[2])
+  wg = ws.to_mgpu_layout(wg)
   got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, gu.interleave_gate_up(wg, wu), gs,
                                                                       interpret=True, swiglu=True, **cfg)))
-  ref = functools.partial(_form_reference, x, group_sizes=gs, dequant_form="acc_scale")
+  ref = functools.partial(ws.int4_grouped_matmul_mgpu_ws_form_reference, x, group_sizes=gs, dequant_form="acc_scale")
   want = np.asarray(jax.nn.silu(ref(weights=wg)) * ref(weights=wu))
   assert got.shape == (x.shape[0], f)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
@@ -131,10 +123,10 @@ def test_interleave_gate_up_orders_columns():
   """Columns of the interleaved weight go 32 of gate, the same 32 of up, the next 32 of gate, ..., and `split_gate_up`
   undoes it; mismatched weights and an F that is not a multiple of 32 are refused."""
   _, _, w = _inputs([1, 2, 3, 4], 0, 64)
-  wg, wu = _to_mgpu_layout(w), _to_mgpu_layout(_inputs([2, 1, 3, 4], 0, 64)[2])
+  wg, wu = ws.to_mgpu_layout(w), ws.to_mgpu_layout(_inputs([2, 1, 3, 4], 0, 64)[2])
   both = gu.interleave_gate_up(wg, wu)
   assert type(both) is type(wg) and both.q.shape == (E, 128, K) and both.scale.shape == (E, K // G, 128)
-  dg, du, dgu = (np.asarray(_dequantize_mgpu(v)) for v in (wg, wu, both))
+  dg, du, dgu = (np.asarray(mg.dequantize_mgpu(v)) for v in (wg, wu, both))
   for b in range(2):
     np.testing.assert_array_equal(dgu[..., 64 * b:64 * b + 32], dg[..., 32 * b:32 * b + 32])
     np.testing.assert_array_equal(dgu[..., 64 * b + 32:64 * b + 64], du[..., 32 * b:32 * b + 32])
@@ -142,7 +134,7 @@ def test_interleave_gate_up_orders_columns():
   np.testing.assert_array_equal(np.asarray(split[0]), dg)
   np.testing.assert_array_equal(np.asarray(split[1]), du)
   with pytest.raises(ValueError, match="same layout and shapes"):
-    gu.interleave_gate_up(wg, _to_mgpu_layout(w, nibble_order="prmt"))
+    gu.interleave_gate_up(wg, ws.to_mgpu_layout(w, nibble_order="prmt"))
   with pytest.raises(ValueError, match="F=48"):
     gu.interleave_gate_up(*(v._replace(q=v.q[:, :48], scale=v.scale[..., :48], zero=v.zero[..., :48])
                             for v in (wg, wu)))
@@ -165,7 +157,7 @@ def test_no_decode_ablation_multiplies_the_scales(interpreted):
   scaling and the stores, so out[m] = x[m] @ S[e(m)] with S[e, k, n] = s[e, k // 128, n]; it takes acc_scale only."""
   sizes, extra = [3, 0, 17, 1], 2
   x, gs, w = _inputs(sizes, extra, 128)
-  wm = _to_mgpu_layout(w, nibble_order="shift")
+  wm = ws.to_mgpu_layout(w, nibble_order="shift")
   got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True, num_ctas=2,
                                                                       ablate="no_decode")))
   scales = jnp.repeat(wm.scale.astype(jnp.float32), G, axis=1)  # [E, Kp, N]
@@ -185,17 +177,17 @@ def test_dequant_forms_match_their_reference(form, order, interpreted):
   """Each dequant form gives its own reference's values (interpret mode reproduces the form's rounding) and stays
   within the form's stated distance of the bf16 reference, in either nibble order."""
   x, gs, w = _inputs([3, 0, 17, 1], 2, 256)
-  wm = _to_mgpu_layout(w, nibble_order=order)
+  wm = ws.to_mgpu_layout(w, nibble_order=order)
   got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(
       x, wm, gs, interpret=True, num_compute_wgs=2, block_k=128, num_ctas=3, block_r=16, dequant_form=form)))
-  want = np.asarray(_form_reference(x, wm, gs, form))
+  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form))
   # acc_zero subtracts (128 + z) · xsum from sum x (128 + q): float32 cancellation, ~1e-6 of the largest output.
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
-  ref = np.asarray(_i4_reference(x, w, gs))
+  ref = np.asarray(i4.int4_grouped_matmul_reference(x, w, gs))
   err = np.abs(got - ref).max() / np.abs(ref).max()
   assert err < {"sub_mul": 1e-5, "acc_scale": 1e-2, "acc_zero": 1e-2, "fma16": 3e-2, "fma128": 2e-1}[form], err
   if form == "sub_mul":
-    np.testing.assert_array_equal(want, _mgpu_reference(x, wm, gs))
+    np.testing.assert_array_equal(want, ws.int4_grouped_matmul_mgpu_ws_reference(x, wm, gs))
 
 
 @pytest.mark.parametrize("sizes,extra,n,cfg", [
@@ -209,10 +201,10 @@ def test_acc_zero_shift_order_matches_reference(sizes, extra, n, cfg, interprete
   """The shift nibble order with the zero point on the accumulator (acc_zero), over chained items and N tiles,
   exact against float32 dequantization up to the float32 cancellation of its 128 · xsum (stated: 1e-5)."""
   x, gs, w = _inputs(sizes, extra, n)
-  wm = _to_mgpu_layout(w, nibble_order="shift")
+  wm = ws.to_mgpu_layout(w, nibble_order="shift")
   got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=True,
                                                                       dequant_form="acc_zero", **cfg)))
-  want = np.asarray(_form_reference(x, wm, gs, "acc_zero"))
+  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, "acc_zero"))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
   assert not np.any(got[sum(sizes):])
 
@@ -220,10 +212,11 @@ def test_acc_zero_shift_order_matches_reference(sizes, extra, n, cfg, interprete
 def test_shift_order_keeps_the_weight():
   """Both nibble orders hold the same weight: the same XLA reference, and q permuted within each block of 32."""
   x, gs, w = _inputs([3, 0, 17, 1], 2, 256)
-  wp, wsh = _to_mgpu_layout(w, nibble_order="prmt"), _to_mgpu_layout(w)  # the WS default: shift
+  wp, wsh = ws.to_mgpu_layout(w, nibble_order="prmt"), ws.to_mgpu_layout(w)  # the WS default: shift
   assert isinstance(wsh, ws.MgpuInt4WeightsShift) and mg.nibble_order(wsh) == "shift"
   assert isinstance(wp, ws.MgpuInt4Weights) and mg.nibble_order(wp) == "prmt"
-  np.testing.assert_array_equal(_mgpu_reference(x, wp, gs), _mgpu_reference(x, wsh, gs))
+  np.testing.assert_array_equal(ws.int4_grouped_matmul_mgpu_ws_reference(x, wp, gs),
+                                ws.int4_grouped_matmul_mgpu_ws_reference(x, wsh, gs))
   qp = np.asarray(wp.q, np.int32).reshape(E, -1, 32)[..., np.argsort(mg.K_ORDER)]
   qs = np.asarray(wsh.q, np.int32).reshape(E, -1, 32)[..., np.argsort(mg.K_ORDER_SHIFT)]
   np.testing.assert_array_equal(qp, qs)
@@ -234,12 +227,12 @@ def test_fma_forms_round_as_predicted():
   """The fma forms' weight error against the exact (q - z) s is bounded by the rounding of the per-group constant
   (half an ulp of (bias + z) s) plus half an ulp of the weight."""
   _, _, w = _inputs([1], 0, 256)
-  wm = _to_mgpu_layout(w)
+  wm = ws.to_mgpu_layout(w)
   eye = jnp.eye(K, dtype=jnp.bfloat16)
-  exact = np.asarray(_form_reference(eye, wm, jnp.asarray([K, 0, 0, 0]), "acc_scale"))
+  exact = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(eye, wm, jnp.asarray([K, 0, 0, 0]), "acc_scale"))
   scale = np.repeat(np.asarray(w.scale[0], np.float32), G, axis=0)  # [K, N]
   for form, bias in (("fma128", 128), ("fma16", 16)):
-    got = np.asarray(_form_reference(eye, wm, jnp.asarray([K, 0, 0, 0]), form))
+    got = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(eye, wm, jnp.asarray([K, 0, 0, 0]), form))
     bound = (bias + 15) * scale * 2.0**-8 + np.abs(exact) * 2.0**-8  # ulp(v) <= |v| 2^-7 in bf16
     assert np.all(np.abs(got - exact) <= bound), form
 
@@ -318,18 +311,18 @@ def test_no_races_in_the_interpreter(overlap_steps, form, interpreted):
   (acc_zero: also the streamed x sums, shift nibble order)."""
   x, gs, w = _inputs([3, 0, 9, 1], 0, 128)
   params = plgpu.InterpretGPUParams(detect_races=True)
-  wm = _to_mgpu_layout(w, nibble_order="shift" if form else "prmt")
+  wm = ws.to_mgpu_layout(w, nibble_order="shift" if form else "prmt")
   got = interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, gs, interpret=params, block_k=128, num_ctas=2,
                                                            overlap_steps=overlap_steps, dequant_form=form))
   assert not interpret_pallas_call.get_races().races_found
-  want = _form_reference(x, wm, gs, form or ("sub_mul" if overlap_steps else "acc_scale"))
+  want = ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, gs, form or ("sub_mul" if overlap_steps else "acc_scale"))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def _inputs_k512(nibble_order="shift"):
   """`_inputs([3, 0, 17, 1], 0, 256)` with K padded to 512 (block_k 512 and 4 K groups per step), WS layout."""
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
-  w = _to_mgpu_layout(w, nibble_order=nibble_order)
+  w = ws.to_mgpu_layout(w, nibble_order=nibble_order)
   w = w._replace(q=jnp.pad(w.q, ((0, 0), (0, 0), (0, 512 - K))),
                  scale=jnp.pad(w.scale, ((0, 0), (0, 2), (0, 0))), zero=jnp.pad(w.zero, ((0, 0), (0, 2), (0, 0))))
   return jnp.pad(x, ((0, 0), (0, 512 - K))), gs, w
@@ -402,7 +395,7 @@ def test_default_block_r(m, e, aligned, want):
 def test_c4_lowers_with_the_fitting_split(table_in_jnp):
   """C = 4 lowers for CUDA with setmaxnreg 112 (compute) and 32 (TMA), not jax's own 120, which would deadlock."""
   x, gs, w = _inputs([3, 0, 17, 1], 0, 256)
-  w = _to_mgpu_layout(w)
+  w = ws.to_mgpu_layout(w)
   f = jax.jit(lambda a, w, g: ws.int4_grouped_matmul_mgpu_ws(a, w, g, num_ctas=132, num_compute_wgs=4, block_k=128))
   text = mosaic_module_text(f.trace(x, w, gs).lower(lowering_platforms=("cuda",)))
   counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 (\d+)", text))
@@ -429,7 +422,7 @@ def test_swiglu_gets_the_single_calls_ring(table_in_jnp):
   kw, n = 2048, 192
 
   def weight(key, cols):  # random codes, unit scales: only the shapes matter here
-    return _to_mgpu_layout(i4.Int4Weights(packed=jax.random.bits(key, (E, kw // 2, cols), jnp.uint8),
+    return ws.to_mgpu_layout(i4.Int4Weights(packed=jax.random.bits(key, (E, kw // 2, cols), jnp.uint8),
                                            scale=jnp.ones((E, kw // G, cols), jnp.bfloat16),
                                            zero=jnp.full((E, kw // G, cols), 8, jnp.uint8)))
 
@@ -447,17 +440,17 @@ def test_swiglu_gets_the_single_calls_ring(table_in_jnp):
 
 def test_rejects_bad_arguments():
   x, gs, w = _inputs([1, 2, 3, 4], 0, 128)
-  w = _to_mgpu_layout(w, nibble_order="prmt")
+  w = ws.to_mgpu_layout(w, nibble_order="prmt")
   with pytest.raises(TypeError, match="bfloat16"):
     ws.int4_grouped_matmul_mgpu_ws(x.astype(jnp.float32), w, gs, interpret=True)
   with pytest.raises(ValueError, match="num_compute_wgs"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, num_compute_wgs=3, interpret=True)  # the N tile 192 exceeds N = 128
   x4, gs4, w4 = _inputs([1, 2, 3, 4], 0, 256)
   with pytest.raises(ValueError, match="deadlock"):  # more than the launch holds: setmaxnreg would wait forever
-    ws.int4_grouped_matmul_mgpu_ws(x4, _to_mgpu_layout(w4), gs4, num_compute_wgs=4, compute_registers=120,
+    ws.int4_grouped_matmul_mgpu_ws(x4, ws.to_mgpu_layout(w4), gs4, num_compute_wgs=4, compute_registers=120,
                                    interpret=True)
   with pytest.raises(ValueError, match="num_compute_wgs"):
-    ws.int4_grouped_matmul_mgpu_ws(x4, _to_mgpu_layout(w4), gs4, num_compute_wgs=5, interpret=True)
+    ws.int4_grouped_matmul_mgpu_ws(x4, ws.to_mgpu_layout(w4), gs4, num_compute_wgs=5, interpret=True)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, max_concurrent_steps=3, interpret=True)
   with pytest.raises(ValueError, match="overlap_steps"):  # one slot: the step would wait for its own release
@@ -480,8 +473,8 @@ def test_rejects_bad_arguments():
     ws.int4_grouped_matmul_mgpu_ws(x, w, gs, block_k=128, overlap_steps=True, dequant_form="acc_zero", interpret=True)
   _, _, wq = _inputs([1, 2, 3, 4], 0, 128)
   with pytest.raises(ValueError, match="nibble_order"):
-    _to_mgpu_layout(wq, nibble_order="lop3")
-  w_shift = _to_mgpu_layout(wq, nibble_order="shift")
+    ws.to_mgpu_layout(wq, nibble_order="lop3")
+  w_shift = ws.to_mgpu_layout(wq, nibble_order="shift")
   with pytest.raises(ValueError, match="fma16"):  # its nibble at bits 3-6 needs the prmt order
     ws.int4_grouped_matmul_mgpu_ws(x, w_shift, gs, dequant_form="fma16", interpret=True)
   with pytest.raises(TypeError, match="prmt nibble order"):  # the one-warpgroup kernel reads K_ORDER only

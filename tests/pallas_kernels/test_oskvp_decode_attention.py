@@ -24,8 +24,6 @@ from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas, mask
 from pallas_kernels.oskvp_random import random_oskvp_inputs_host as random_oskvp_inputs
 
 TOL = {"mma": 1.5e-2, "lut": 1e-3, "bitplane": 1.5e-2}
-# The reference as one program per shape (op by op, a new shape costs ~1.5 s of compiles on CPU).
-_reference = jax.jit(oskvp_decode_attention_reference)
 
 
 def rel_err(out, ref):
@@ -35,7 +33,7 @@ def rel_err(out, ref):
 
 def run_case(seed, config, symmetric=False, **shape):
   args = random_oskvp_inputs(seed, symmetric=symmetric, **shape)
-  ref = _reference(*args)
+  ref = oskvp_decode_attention_reference(*args)
   out = _oskvp_pallas(*args, interpret=True, config=config, poison=True, symmetric_codebooks=symmetric)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   assert not np.isnan(np.asarray(out, np.float32)).any()
@@ -141,7 +139,7 @@ def test_bitplane_symmetric_codebooks_two_plane_types():
   args = random_oskvp_inputs(17, batch=1, heads=8, kv_heads=2, head_dim=128, capacity=256, window=16)
   wrong = _oskvp_pallas(*args, interpret=True, config=dataclasses.replace(BITPLANE, block_s=64),
                         symmetric_codebooks=True)
-  assert rel_err(wrong, _reference(*args)) > 0.1
+  assert rel_err(wrong, oskvp_decode_attention_reference(*args)) > 0.1
 
 
 def test_codebook_deltas_rebuild_every_codebook_entry():
@@ -243,8 +241,8 @@ def test_matches_kv_quant_reference_on_quantized_keys():
   q = jnp.asarray(rng.standard_normal((b, n, h), np.float32)).astype(jnp.bfloat16)
   args = (q, cache.codes_k, cache.outl_k, cache.scale_k, cache.cb_k, cache.codes_v, cache.outl_v, cache.scale_v,
           cache.cb_v, cache.u_k, cache.u_v, cache.res_k, cache.res_v, cache.n_comp, cache.n_res)
-  theirs = jax.jit(oskvp_attention.oskvp_decode_attention_xla)(*args)
-  assert rel_err(_reference(*args), theirs) < 1e-2  # bf16 output rounding only
+  theirs = oskvp_attention.oskvp_decode_attention_xla(*args)
+  assert rel_err(oskvp_decode_attention_reference(*args), theirs) < 1e-2  # bf16 output rounding only
   out = _oskvp_pallas(*args, interpret=True, config=DecodeBlockConfig(block_s=32), poison=True)
   assert max(rel_err(out[i], theirs[i]) for i in range(b)) < TOL["mma"]
 

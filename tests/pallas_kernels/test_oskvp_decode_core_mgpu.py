@@ -16,10 +16,6 @@ from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
 
 Q = 32
 
-# The references jitted: one program per shape instead of a compile per operation.
-_blockwise_reference = jax.jit(dc.decode_core_blockwise_reference, static_argnames=("block_s", "splits"))
-_exact_reference = jax.jit(dc.decode_core_reference)
-
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _inputs(seed, bk, s, g=4, scale=0.004):
@@ -40,7 +36,7 @@ def test_matches_blockwise_model(bk, s, block_s, splits, steps, g):
   args = _inputs(bk * s + splits, bk, s, g)
   got = np.asarray(dc.decode_core_mgpu(*args, block_s=block_s, splits=splits, max_concurrent_steps=steps,
                                        interpret=True))
-  want = np.asarray(_blockwise_reference(*args, block_s=block_s, splits=splits))
+  want = np.asarray(dc.decode_core_blockwise_reference(*args, block_s=block_s, splits=splits))
   assert got.shape == (bk, dc.N, 4 * Q)
   np.testing.assert_allclose(got[:, :g], want[:, :g], atol=1e-3)
 
@@ -68,8 +64,8 @@ def test_ragged_lengths():
   lens = jnp.array([0, 1, 127, 300, 512], jnp.int32)
   got = np.asarray(dc.decode_core_mgpu(kc, vc, qd, qs, lens, block_s=64, splits=2, max_concurrent_steps=2,
                                        interpret=True))[:, :4]
-  model = np.asarray(_blockwise_reference(kc, vc, qd, qs, lens, block_s=64, splits=2))[:, :4]
-  exact = np.asarray(_exact_reference(kc, vc, qd, qs, lens))[:, :4]
+  model = np.asarray(dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, block_s=64, splits=2))[:, :4]
+  exact = np.asarray(dc.decode_core_reference(kc, vc, qd, qs, lens))[:, :4]
   np.testing.assert_allclose(got, model, atol=1e-3)
   assert np.abs(got - exact).max() < 0.1
   np.testing.assert_array_equal(got[0], 0.0)
@@ -83,12 +79,12 @@ def test_blockwise_model_tracks_the_exact_softmax():
   kc, vc, qd, qs = _inputs(3, 2, 1024)
   for scale in (0.02, 0.001):
     qs_ = jnp.full_like(qs, scale)
-    model = np.asarray(_blockwise_reference(kc, vc, qd, qs_, block_s=64, splits=4))[:, :4]
-    exact = np.asarray(_exact_reference(kc, vc, qd, qs_))[:, :4]
+    model = np.asarray(dc.decode_core_blockwise_reference(kc, vc, qd, qs_, block_s=64, splits=4))[:, :4]
+    exact = np.asarray(dc.decode_core_reference(kc, vc, qd, qs_))[:, :4]
     assert np.abs(model - exact).max() < 0.1, (scale, np.abs(model - exact).max())
   qs_ = jnp.full_like(qs, 1.0)  # scores in units of 2^1: the top token takes all the mass
-  model = np.asarray(_blockwise_reference(kc, vc, qd, qs_, block_s=64, splits=4))[:, :4]
-  exact = np.asarray(_exact_reference(kc, vc, qd, qs_))[:, :4]
+  model = np.asarray(dc.decode_core_blockwise_reference(kc, vc, qd, qs_, block_s=64, splits=4))[:, :4]
+  exact = np.asarray(dc.decode_core_reference(kc, vc, qd, qs_))[:, :4]
   np.testing.assert_allclose(model, exact, atol=1e-3)
 
 
@@ -112,13 +108,13 @@ def test_outlier_channels(value_outliers):
   lens = jnp.array([1, 300, 512], jnp.int32)
   got, got_o = dc.decode_core_mgpu(kc, vc, qd, qs, lens, kout, vout, qo, block_s=64, splits=2,
                                    max_concurrent_steps=2, interpret=True, value_outliers=value_outliers)
-  want, want_o = _blockwise_reference(kc, vc, qd, qs, lens, kout, vout, qo, block_s=64, splits=2)
+  want, want_o = dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, kout, vout, qo, block_s=64, splits=2)
   assert got_o.shape == (3, dc.N, dc.OUTLIERS)
   np.testing.assert_allclose(np.asarray(got)[:, :4], np.asarray(want)[:, :4], atol=1e-3)
   np.testing.assert_allclose(np.asarray(got_o)[:, :4], np.asarray(want_o)[:, :4], atol=1e-3)
   first = np.asarray(vout[0, :, 0].astype(jnp.float32))
   np.testing.assert_allclose(np.asarray(got_o)[0, :4], np.broadcast_to(first, (4, 8)), atol=1e-6)
-  exact, exact_o = _exact_reference(kc, vc, qd, qs, lens, kout, vout, qo)
+  exact, exact_o = dc.decode_core_reference(kc, vc, qd, qs, lens, kout, vout, qo)
   assert np.abs(np.asarray(got_o - exact_o))[:, :4].max() < 0.15  # p's 127 levels; outliers up to ±8
   assert np.abs(np.asarray(got - exact))[:, :4].max() < 0.1
   # The key outliers move the scores: without them the output differs.
@@ -135,7 +131,7 @@ def test_two_passes_per_step_with_outliers_and_ragged_lengths():
   lens = jnp.array([1, 300, 1000], jnp.int32)
   got, got_o = dc.decode_core_mgpu(kc, vc, qd, qs, lens, kout, vout, qo, block_s=256, splits=2,
                                    max_concurrent_steps=2, interpret=True)
-  want, want_o = _blockwise_reference(kc, vc, qd, qs, lens, kout, vout, qo, block_s=256, splits=2)
+  want, want_o = dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, kout, vout, qo, block_s=256, splits=2)
   np.testing.assert_allclose(np.asarray(got)[:, :4], np.asarray(want)[:, :4], atol=1e-3)
   np.testing.assert_allclose(np.asarray(got_o)[:, :4], np.asarray(want_o)[:, :4], atol=1e-3)
   first = np.asarray(vout[0, :, 0].astype(jnp.float32))

@@ -20,10 +20,6 @@ from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas
 
 Q = 32  # H = 128
 
-# The references jitted: one program per shape instead of a compile per operation.
-_scores_reference = jax.jit(ks.key_scores_reference)
-_max_reference = jax.jit(ks.key_scores_max_reference, static_argnums=2)
-
 
 @functools.partial(jax.jit, static_argnums=range(1, 5))
 def _inputs(seed, bk, s, n, plane_types):
@@ -39,7 +35,7 @@ def _inputs(seed, bk, s, n, plane_types):
 def test_matches_reference(bk, s, n, block_s, plane_types):
   codes, qd = _inputs(bk * s + n, bk, s, n, plane_types)
   got = ks.key_scores_mgpu(codes, qd, block_s=block_s, interpret=True)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(_scores_reference(codes, qd)))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(ks.key_scores_reference(codes, qd)))
 
 
 def test_planes_give_the_codebook_scores():
@@ -123,16 +119,16 @@ def test_loop_matches_reference(bk, s, n, block_s, plane_types, splits, output, 
   codes, qd = _inputs(bk * s + n + splits, bk, s, n, plane_types)
   got = ks.key_scores_mgpu_loop(codes, qd, block_s=block_s, splits=splits, output=output,
                                 max_concurrent_steps=steps, interpret=True)
-  want = (_scores_reference(codes, qd) if output == "scores"
-          else _max_reference(codes, qd, splits))
+  want = (ks.key_scores_reference(codes, qd) if output == "scores"
+          else ks.key_scores_max_reference(codes, qd, splits))
   assert got.shape == want.shape and got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_max_reference_is_the_split_max():
   codes, qd = _inputs(7, 2, 256, 8, 3)
-  scores = np.asarray(_scores_reference(codes, qd))
-  got = np.asarray(_max_reference(codes, qd, 4))
+  scores = np.asarray(ks.key_scores_reference(codes, qd))
+  got = np.asarray(ks.key_scores_max_reference(codes, qd, 4))
   np.testing.assert_array_equal(got[:, 1], scores[:, 64:128].max(axis=1))
 
 

@@ -44,7 +44,7 @@ def test_epilogue_matches_reference(splits, g):
   window's attention exactly."""
   args = list(_epilogue_inputs(3, 3, 2, splits, g))
   got = np.asarray(epi.epilogue(*args, interpret=True))[:, :, :g]
-  want = np.asarray(jax.jit(epi.epilogue_reference)(*args))[:, :, :g]  # one program, not a compile per operation
+  want = np.asarray(epi.epilogue_reference(*args))[:, :, :g]
   assert np.isfinite(got).all()
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   args[1] = args[1].at[1, 0, :, :8].set(dc.MASKED).at[1, 0, :, 8:16].set(0.0)  # row (1, 0): no compressed token

@@ -21,10 +21,6 @@ from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas
 
 Q = 32  # H = 128
 
-# The references jitted: one program per shape instead of a compile per operation.
-_split_reference = jax.jit(vs.value_sums_split_reference, static_argnums=(2, 3))
-_total_reference = jax.jit(vs.value_sums_reference, static_argnums=2)
-
 
 @functools.partial(jax.jit, static_argnums=range(1, 5))
 def _inputs(seed, bk, s, n, q=Q):
@@ -43,15 +39,15 @@ def test_matches_reference(bk, s, n, block_s, plane_types, splits, steps, q):
   p, vcodes = _inputs(bk * s + n + splits, bk, s, n, q)
   got = vs.value_sums_mgpu(p, vcodes, plane_types=plane_types, block_s=block_s, splits=splits,
                            max_concurrent_steps=steps, interpret=True)
-  want = _split_reference(p, vcodes, splits, plane_types)
+  want = vs.value_sums_split_reference(p, vcodes, splits, plane_types)
   assert got.shape == (bk, splits, plane_types, 4 * q, n) and got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_split_sums_add_up_to_the_total():
   p, vcodes = _inputs(5, 2, 256, 8)
-  parts = np.asarray(_split_reference(p, vcodes, 4))
-  np.testing.assert_array_equal(parts.sum(axis=1), np.asarray(_total_reference(p, vcodes)))
+  parts = np.asarray(vs.value_sums_split_reference(p, vcodes, 4))
+  np.testing.assert_array_equal(parts.sum(axis=1), np.asarray(vs.value_sums_reference(p, vcodes)))
 
 
 def test_planes_give_the_codebook_values():
@@ -78,7 +74,7 @@ def test_token_contiguous_and_append():
   assert vt.shape == (2, 3, Q, 64)
   np.testing.assert_array_equal(np.asarray(vt)[1, 2, 5], np.asarray(codes)[1, 2, :, 5])
   new = jax.random.bits(jax.random.key(2), (2, 3, Q), jnp.uint8)
-  got = jax.jit(vs.append_token)(vt, new, jnp.int32(17))
+  got = vs.append_token(vt, new, jnp.int32(17))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(vs.token_contiguous(codes.at[:, :, 17].set(new))))
 
 

@@ -44,7 +44,7 @@ def test_matches_reference(lengths, kh, g, h, block_s, splits, dtype):
   lengths = jnp.asarray(lengths, jnp.int32)
   got = np.asarray(pt.per_token_decode_attention(q, k, v, k_scale, v_scale, lengths, block_s=block_s,
                                                  num_splits=splits, interpret=True))
-  want = np.asarray(jax.jit(pt.per_token_decode_attention_reference)(q, k, v, k_scale, v_scale, lengths))
+  want = np.asarray(pt.per_token_decode_attention_reference(q, k, v, k_scale, v_scale, lengths))
   live = np.asarray(lengths) > 0
   assert np.isfinite(got[live]).all()
   np.testing.assert_allclose(got[live], want[live], atol=1e-2 * np.abs(want[live]).max())

@@ -31,12 +31,6 @@ def _weights(n, books=E, seed=0, k=K):
                        jax.random.uniform(ks[2], (E, k // 128, n), jnp.float32, 0.01, 0.1).astype(jnp.bfloat16))
 
 
-# Jitted XLA references (same values): one program per shape instead of a compile per operation.
-_reference = jax.jit(vm.vq2_grouped_matmul_mgpu_ws_reference)
-_dequantize_mgpu = jax.jit(vm.dequantize_mgpu)
-_dequantize_vq2 = jax.jit(v2.dequantize_vq2, static_argnames=("group_size", "dtype"))
-
-
 def test_layout_holds_the_documented_words_and_the_same_values():
   """Word 16q + 4t + 2h + w of column block blk and K group g holds in byte b = 2 bh + p the index of vector
   r = 8 (2w + bh) + 2t + p of column 16 blk + 8h + q (the module docstring), each codebook is stored 16 times
@@ -56,7 +50,7 @@ def test_layout_holds_the_documented_words_and_the_same_values():
       assert got == idx[e, 32 * g + r, 16 * blk + 8 * h + q]
     cb = np.asarray(m.codebook).reshape(books, 256, 16, 2)
     np.testing.assert_array_equal(cb, np.broadcast_to(np.swapaxes(np.asarray(w.codebook), 1, 2)[:, :, None], cb.shape))
-    np.testing.assert_array_equal(np.asarray(_dequantize_mgpu(m)), np.asarray(_dequantize_vq2(w)))
+    np.testing.assert_array_equal(np.asarray(vm.dequantize_mgpu(m)), np.asarray(v2.dequantize_vq2(w)))
 
 
 # (group sizes, rows of no expert, N, codebooks, kernel config). Items per CTA: 1 to 3 (START, STEADY, STOP), an idle
@@ -82,7 +76,7 @@ def test_matches_float32_dequantization(sizes, extra, n, books, cfg, interpreted
   x = jax.random.normal(jax.random.key(m), (m, K), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   got = np.asarray(interpreted(lambda: vm.vq2_grouped_matmul_mgpu_ws(x, w, gs, interpret=True, **cfg)))
-  want = np.asarray(_reference(x, w, gs))
+  want = np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, w, gs))
   rows = sum(sizes)
   assert got.shape == (m, n) and not np.isnan(got).any()
   np.testing.assert_allclose(got[:rows], want[:rows], rtol=1e-5, atol=1e-5 * max(np.abs(want).max(), 1e-30))

@@ -11,12 +11,6 @@ from moe_jax.kv_cache import get_kv_cache_mode, masked_gqa_attention
 from moe_jax.kv_quant import KIVIMode, kivi, per_token
 
 B, K, H = 2, 2, 64
-# Jitted: one program per shape instead of a compile per eager operation.
-_masked_gqa_attention = jax.jit(masked_gqa_attention)
-_quantize_per_token = jax.jit(per_token.quantize_per_token, static_argnums=1)
-_dequantize_per_token = jax.jit(per_token.dequantize_per_token)
-_quantize_keys, _dequantize_keys = jax.jit(kivi.quantize_keys), jax.jit(kivi.dequantize_keys)
-_quantize_values, _dequantize_values = jax.jit(kivi.quantize_values), jax.jit(kivi.dequantize_values)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -41,9 +35,9 @@ def test_per_token_error_bound(dtype, rel):
   """|x - x_hat| <= amax·rel for int8 (half a step), <= |x|·2^-4 + subnormal step for e4m3."""
   x = jax.jit(lambda: jax.random.normal(jax.random.PRNGKey(0), (B, 16, K, H)) * jnp.exp(
       jax.random.normal(jax.random.PRNGKey(1), (B, 16, K, 1))))()
-  q, s = _quantize_per_token(x, dtype)
+  q, s = per_token.quantize_per_token(x, dtype)
   assert q.dtype == jnp.dtype(dtype) and s.shape == (B, 16, K)
-  err = np.abs(np.asarray(_dequantize_per_token(q, s) - x))
+  err = np.abs(np.asarray(per_token.dequantize_per_token(q, s) - x))
   amax = np.max(np.abs(np.asarray(x)), axis=-1, keepdims=True)
   if dtype == "int8":
     assert np.all(err <= rel * amax * 1.0001)
@@ -53,17 +47,17 @@ def test_per_token_error_bound(dtype, rel):
 
 def test_kivi_quantizers_error_bounds_and_grouping():
   x = jax.jit(lambda: jax.random.normal(jax.random.PRNGKey(2), (B, K, 64, H)) * jnp.ones(H).at[7].set(20.0) + 3.0)()
-  packed, scale, zero = _quantize_keys(x)
+  packed, scale, zero = kivi.quantize_keys(x)
   assert packed.shape == (B, K, 64, H // 4) and scale.shape == (B, K, 2, H) and scale.dtype == jnp.float16
-  x_hat = _dequantize_keys(packed, scale, zero)
+  x_hat = kivi.dequantize_keys(packed, scale, zero)
   step = jnp.repeat(scale.astype(jnp.float32), kivi.GROUP, axis=-2)
   # Half a step, plus float16 rounding of scale and zero point.
   assert np.all(np.abs(np.asarray(x_hat - x)) <= 0.5 * np.asarray(step) + 2e-3 * np.abs(np.asarray(x)) + 1e-3)
   # Per-channel key groups: the outlier channel does not widen the other channels' steps.
   assert float(scale[..., 0].astype(jnp.float32).max()) < 0.2 * float(scale[..., 7].astype(jnp.float32).min())
-  packed, scale, zero = _quantize_values(x)
+  packed, scale, zero = kivi.quantize_values(x)
   assert scale.shape == (B, K, 64, H // 32)
-  x_hat = _dequantize_values(packed, scale, zero)
+  x_hat = kivi.dequantize_values(packed, scale, zero)
   step = jnp.repeat(scale.astype(jnp.float32), 32, axis=-1)
   assert np.all(np.abs(np.asarray(x_hat - x)) <= 0.5 * np.asarray(step) + 2e-3 * np.abs(np.asarray(x)) + 1e-3)
 
@@ -76,18 +70,17 @@ def test_kivi_cache_flushes_and_attends_over_what_it_stores():
   np.testing.assert_array_equal(cache.n_res, [6, 1])
   assert cache.codes_k.shape == (B, K, 128, H // 4) and cache.max_len == 128
   step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
-  deq = jax.jit(lambda c: c.dequantized())
   for t in range(30):
     o, cache = step(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
   np.testing.assert_array_equal(cache.n_comp + cache.n_res, lengths + 30)
   np.testing.assert_array_equal(cache.n_comp, [96, 32])
-  k_hat, v_hat = deq(cache)
+  k_hat, v_hat = cache.dequantized()
   visible = (jnp.arange(128)[None, :] < (lengths + 30)[:, None])[:, None, :]
-  np.testing.assert_allclose(o, _masked_gqa_attention(qs[:, -1:], k_hat, v_hat, visible), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(o, masked_gqa_attention(qs[:, -1:], k_hat, v_hat, visible), rtol=1e-4, atol=1e-4)
   # Row 0 tokens 64..95 were flushed at decode: quantized per channel as one group of 32.
   seq = jnp.concatenate([k[0], new_k[0]], axis=0)  # [100, K, H]
   blk = jnp.swapaxes(seq[64:96], 0, 1).astype(jnp.bfloat16).astype(jnp.float32)  # [K, 32, H]
-  np.testing.assert_allclose(jnp.swapaxes(k_hat[0, 64:96], 0, 1), _dequantize_keys(*_quantize_keys(blk)),
+  np.testing.assert_allclose(jnp.swapaxes(k_hat[0, 64:96], 0, 1), kivi.dequantize_keys(*kivi.quantize_keys(blk)),
                              atol=1e-3)
   # The window (tokens 96..99) is exact up to bf16.
   np.testing.assert_allclose(k_hat[0, 96:100], seq[96:100], atol=0.02)

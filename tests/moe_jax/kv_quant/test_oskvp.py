@@ -79,7 +79,7 @@ def test_u_orthogonal_and_sorted_by_variance():
 @pytest.mark.parametrize("n_levels", [4, 8])
 def test_lloyd_max_distortion_non_increasing(n_levels):
   x, w, init = _lloyd_inputs(n_levels)
-  levels, hist = jax.jit(oskvp.lloyd_max, static_argnums=3)(x, w, init, 25)
+  levels, hist = oskvp.lloyd_max(x, w, init, 25)
   hist = np.asarray(hist)
   assert np.all(np.diff(hist) <= 1e-6 * hist[0]), hist
   assert hist[-1] < 0.97 * hist[0], "Lloyd-Max should improve on the Gaussian initialisation for these data"
@@ -146,11 +146,11 @@ def test_uniform_codebooks():
     return float(_rotated_mse(x, p))
 
   assert mse(x, free) <= mse(x, uni) <= 1.04 * mse(x, free), (mse(x, uni), mse(x, free))
-  # Inputs and iterations jitted: one program each instead of a compile per operation.
+  # Inputs jitted: one program instead of a compile per operation.
   g = jax.jit(lambda: jax.random.normal(jax.random.PRNGKey(8), (4096, 8)) * jnp.linspace(0.5, 4.0, 8) + 1.0)()
   w = jnp.ones((4096,))
   std = jnp.std(g, axis=0)
-  _, hist = jax.jit(oskvp.uniform_lloyd, static_argnums=4)(g, w, jnp.mean(g, axis=0) + 0.3 * std, 0.6 * std, 12)
+  _, hist = oskvp.uniform_lloyd(g, w, jnp.mean(g, axis=0) + 0.3 * std, 0.6 * std, 12)
   hist = np.asarray(hist)
   assert np.all(np.diff(hist) <= 1e-6 * hist[0]) and hist[-1] < 0.8 * hist[0], hist
   rel = hist[-1] / float(jnp.mean(jnp.var(g, axis=0)))  # per-channel MSE / variance, averaged via the mean variance
@@ -217,7 +217,7 @@ def test_degenerate_non_finite():
     oskvp.calibrate(x.at[9, 0].set(jnp.inf))
   # Inside jit the rows are left out: same params as without them, never a NaN.
   bad = x.at[5, 2].set(jnp.nan).at[9, 0].set(-jnp.inf)
-  p_bad = oskvp._fit_jit(bad, None, n_outlier=8)  # pylint: disable=protected-access
+  p_bad = oskvp.fit(bad, None, n_outlier=8)
   p_ref = oskvp.calibrate(x, weights=jnp.ones(256).at[5].set(0.0).at[9].set(0.0))
   for a, b in zip(jax.tree_util.tree_leaves(p_bad), jax.tree_util.tree_leaves(p_ref)):
     np.testing.assert_allclose(a, b, atol=2e-4)

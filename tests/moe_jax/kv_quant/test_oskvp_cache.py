@@ -15,9 +15,6 @@ from moe_jax.kv_quant import oskvp_attention as attn
 from moe_jax.layers import rope
 
 B, K, G, H, R = 2, 2, 2, 32, 8
-# Jitted references and helpers: one program per shape instead of a compile per eager operation.
-_dequantized = jax.jit(lambda c: c.dequantized())
-_decode_attention = jax.jit(attn.oskvp_decode_attention, static_argnames=("implementation",))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -50,7 +47,7 @@ def test_prefill_split_and_stored_tokens():
   assert cache.codes_k.shape == (B, K, 48, H // 4) and cache.outl_k.shape == (B, K, 48, 8)
   assert cache.res_k.shape == (B, K, R, H) and cache.res_k.dtype == jnp.bfloat16 and cache.u_k.shape == (B, K, H, H)
   assert cache.hi_k is None and cache.max_len == 48
-  k_hat, v_hat = _dequantized(cache)
+  k_hat, v_hat = cache.dequantized()
   for b, n in enumerate([40, 29]):
     nc = int(cache.n_comp[b])
     # The window holds the last tokens up to bf16 rounding (rotated, stored, rotated back).
@@ -92,16 +89,14 @@ def _explicit_scores(qr, idx, outl, scale, cb, o):
 def test_lut_scores_equal_dequantized_scores(bits):
   o = 8
   idx, codes, hi, outl, scale, cb, qr = _lut_inputs(bits)
-  scores = jax.jit(attn.compressed_scores, static_argnames="form")
-  lut = scores(qr, codes, outl, scale, cb, hi, form="lut")
-  deq = scores(qr, codes, outl, scale, cb, hi, form="dequant")
+  lut = attn.compressed_scores(qr, codes, outl, scale, cb, hi, form="lut")
+  deq = attn.compressed_scores(qr, codes, outl, scale, cb, hi, form="dequant")
   np.testing.assert_allclose(lut, deq, rtol=1e-5, atol=1e-4)
   # And against an explicit per-element dequantization.
   np.testing.assert_allclose(deq, _explicit_scores(qr, idx, outl, scale, cb, o), rtol=1e-5, atol=1e-4)
   p = jax.nn.softmax(lut, axis=-1)
-  values = jax.jit(attn.compressed_values, static_argnames="form")
-  np.testing.assert_allclose(values(p, codes, outl, scale, cb, hi, form="lut"),
-                             values(p, codes, outl, scale, cb, hi, form="dequant"), atol=1e-5)
+  np.testing.assert_allclose(attn.compressed_values(p, codes, outl, scale, cb, hi, form="lut"),
+                             attn.compressed_values(p, codes, outl, scale, cb, hi, form="dequant"), atol=1e-5)
 
 
 @functools.partial(jax.jit, static_argnames=("form",))
@@ -131,7 +126,7 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits):
   step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
   for t in range(9):
     o, cache = step(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
-    k_hat, v_hat = _dequantized(cache)
+    k_hat, v_hat = cache.dequantized()
     total = cache.n_comp + cache.n_res
     np.testing.assert_array_equal(total, lengths + t + 1)
     ref = _visible_attention(qs[:, t:t + 1], k_hat, v_hat, total)
@@ -176,7 +171,7 @@ def test_symmetric_mode_reaches_the_bitplane_kernel():
           c.res_v, c.n_comp, c.n_res)
   config = dataclasses.replace(kernel.BITPLANE, block_s=64)
   out = kernel.oskvp_decode_attention(*args, interpret=True, config=config, symmetric_codebooks=True)
-  ref = _decode_attention(*args, implementation="xla")
+  ref = attn.oskvp_decode_attention(*args, implementation="xla")
   assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1.5e-2
 
 
@@ -222,7 +217,7 @@ def test_model_decode_tracks_bf16_cache(tiny_model):
   kl = float(jnp.mean(jnp.sum(jnp.exp(rp) * (rp - lp), -1)))
   assert rel < 0.25 and kl < 0.03, (rel, kl)
   for layer, ref_layer in zip(cache.layers, ref_cache.layers):
-    k_hat = _dequantized(layer)[0][:, :50]
+    k_hat = layer.dequantized()[0][:, :50]
     k_ref = ref_layer.k[:, :50].astype(jnp.float32)
     assert float(jnp.linalg.norm(k_hat - k_ref) / jnp.linalg.norm(k_ref)) < 0.3
 
@@ -237,8 +232,8 @@ def test_layout_matches_the_pallas_kernel_reference():
   q = jax.random.normal(jax.random.PRNGKey(7), (B, K * G, h))
   args = (q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k,
           c.res_v, c.n_comp, c.n_res)
-  np.testing.assert_allclose(_decode_attention(*args), jax.jit(kernel.oskvp_decode_attention_reference)(*args),
-                             atol=1e-5)
+  np.testing.assert_allclose(attn.oskvp_decode_attention(*args),
+                             kernel.oskvp_decode_attention_reference(*args), atol=1e-5)
 
 
 def test_long_prompts_fit_on_evenly_spaced_tokens():

@@ -52,16 +52,11 @@ def _xla(c, q):
   return np.asarray(_xla_attention(c, q), np.float32)
 
 
-# One program per shape instead of a compile per eager operation of the glue around the core.
-_uniform_decode_attention = jax.jit(uc.uniform_decode_attention, static_argnames=("interpret", "glue", "max_splits"))
-_dequantized = jax.jit(lambda c: c.dequantized())
-
-
 def _wired(c, q, glue="pallas", max_splits=None):
   """`uniform_decode_attention` (the core in interpret mode + the window, merged, rotated back) on the cache."""
-  return np.asarray(_uniform_decode_attention(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v,
-                                              c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
-                                              c.n_res, interpret=True, glue=glue, max_splits=max_splits),
+  return np.asarray(uc.uniform_decode_attention(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v,
+                                                c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
+                                                c.n_res, interpret=True, glue=glue, max_splits=max_splits),
                     np.float32)
 
 
@@ -162,7 +157,7 @@ def test_values_contiguous_cache_decodes_like_the_token_major_one():
   np.testing.assert_allclose(np.asarray(o_c), np.asarray(o_t), rtol=1e-5, atol=1e-6)
   assert int(c2.n_comp[1]) > int(c.n_comp[1])
   np.testing.assert_array_equal(np.asarray(c2.value_store()[0]), np.asarray(t2.codes_v))
-  for a, b_ in zip(_dequantized(c2), _dequantized(t2)):
+  for a, b_ in zip(c2.dequantized(), t2.dequantized()):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
 
 

@@ -26,18 +26,9 @@ def _w(seed=0):
   return jax.random.normal(jax.random.key(seed), (E, K, N), jnp.float32)
 
 
-# Jitted quantizers and helpers (same computations): one program per shape instead of a compile per eager operation.
-_quantize_int4 = jax.jit(quant.quantize_int4, static_argnames=("group_size", "sparsity", "awq"))
-_quantize_vq2 = jax.jit(quant.quantize_vq2, static_argnames=("group_size", "codebook", "sparsity", "iters", "awq"))
-_prune_24 = jax.jit(quant.int4.prune_24, static_argnums=(1,))
-_to_mgpu = jax.jit(kernels.mws.to_mgpu_layout, static_argnames=("group_size", "nibble_order"))
+# Jitted helpers (same computations): one program per shape instead of a compile per eager operation.
 _ragged_dot = jax.jit(jax.lax.ragged_dot, static_argnames=("precision", "preferred_element_type"))
 _gate_up_swiglu_xla = jax.jit(experts.GATE_UP_SWIGLU["xla"])
-
-
-@jax.jit
-def _dequantize(q):
-  return q.dequantize()
 
 
 @jax.jit
@@ -54,8 +45,8 @@ def _ragged_bf16_lhs(x, w, gs):
 
 def test_int4_rtn_error_within_one_step():
   w = _w()
-  q = _quantize_int4(w)
-  err = np.abs(np.asarray(_dequantize(q)) - np.asarray(w))
+  q = quant.quantize_int4(w)
+  err = np.abs(np.asarray(q.dequantize()) - np.asarray(w))
   step = np.repeat(np.asarray(q.data.scale, np.float32), 128, axis=1)  # [E, K, N]
   assert np.all(err <= step * 1.001)  # round to nearest, plus at most half a step from the rounded zero point
   rel = np.linalg.norm(err) / np.linalg.norm(np.asarray(w))
@@ -65,12 +56,12 @@ def test_int4_rtn_error_within_one_step():
 
 def test_int4_sp24_keeps_two_of_four_and_saves_bytes():
   w = _w(1)
-  q = _quantize_int4(w, sparsity="2:4")
-  wh = np.asarray(_dequantize(q)).reshape(E, K // 128, 4, 32, N)  # slot j of quad r at k = r + 32 j
+  q = quant.quantize_int4(w, sparsity="2:4")
+  wh = np.asarray(q.dequantize()).reshape(E, K // 128, 4, 32, N)  # slot j of quad r at k = r + 32 j
   assert np.all(np.sum(wh == 0, axis=2) >= 2)
   assert q.bits_per_weight() == pytest.approx(3 + 24 / 128)
   # The kept weights are the larger two of each quad (no calibration: magnitude saliency).
-  kept = np.asarray(_prune_24(w, 128)).reshape(E, K // 128, 4, 32, N)
+  kept = np.asarray(quant.int4.prune_24(w, 128)).reshape(E, K // 128, 4, 32, N)
   mag = np.abs(np.asarray(w)).reshape(E, K // 128, 4, 32, N)
   assert np.all(np.min(np.where(kept, mag, np.inf), axis=2) >= np.max(np.where(kept, -np.inf, mag), axis=2))
 
@@ -82,23 +73,23 @@ def test_awq_beats_rtn_on_outlier_channels():
   out_err = jax.jit(lambda q: jnp.linalg.norm(jnp.einsum("ERK,EKN->ERN", x, q.dequantize() - w)))
   err = {}
   for awq in (False, True):
-    q = _quantize_int4(w, calib_x=x, awq=awq)
+    q = quant.quantize_int4(w, calib_x=x, awq=awq)
     err[awq] = float(out_err(q))
   assert err[True] < 0.8 * err[False], err
 
 
 def test_vq2_error_bits_and_codebooks():
   w = _w(4)
-  q = _quantize_vq2(w, iters=10)
+  q = quant.quantize_vq2(w, iters=10)
   rel = float(_rel_err(q, w))
-  int4_rel = float(_rel_err(_quantize_int4(w), w))
+  int4_rel = float(_rel_err(quant.quantize_int4(w), w))
   assert int4_rel < rel < 0.45, (int4_rel, rel)
   assert q.data.codebook.shape == (E, 2, 256)
   # 8-bit index per 4 weights, a bf16 scale per 128, and a 2 KiB codebook per expert (large for this small matrix).
   assert q.bits_per_weight() == pytest.approx(2 + 16 / 128 + 256 * 4 * 2 * 8 / (K * N))
-  assert _quantize_vq2(w, codebook="layer", iters=2).data.codebook.shape == (1, 2, 256)
-  qs = _quantize_vq2(w, sparsity="2:4", iters=5)
-  wh = np.asarray(_dequantize(qs)).reshape(E, K // 128, 4, 32, N)
+  assert quant.quantize_vq2(w, codebook="layer", iters=2).data.codebook.shape == (1, 2, 256)
+  qs = quant.quantize_vq2(w, sparsity="2:4", iters=5)
+  wh = np.asarray(qs.dequantize()).reshape(E, K // 128, 4, 32, N)
   assert np.all(np.sum(wh == 0, axis=2) >= 2)
 
 
@@ -114,7 +105,7 @@ def test_vq2_awq_lowers_the_output_error_on_uneven_channels():
     return w, jax.random.normal(ks[2], (E, 64, K)) * loud
 
   w, x = inputs()
-  plain, aware = _quantize_vq2(w, iters=10), _quantize_vq2(w, iters=10, calib_x=x, awq=True)
+  plain, aware = quant.quantize_vq2(w, iters=10), quant.quantize_vq2(w, iters=10, calib_x=x, awq=True)
   out_err_jit = jax.jit(lambda q: jnp.linalg.norm(jnp.einsum("erk,ekn->ern", x, w - q.dequantize()))
                         / jnp.linalg.norm(jnp.einsum("erk,ekn->ern", x, w)))
   out_err = lambda q: float(out_err_jit(q))
@@ -129,11 +120,11 @@ def test_vq2_awq_lowers_the_output_error_on_uneven_channels():
 
 
 def test_pallas_registry_runs_vq2_and_falls_back_for_arrays():
-  q = _quantize_vq2(_w(5), iters=2)
+  q = quant.quantize_vq2(_w(5), iters=2)
   x = jax.random.normal(jax.random.key(6), (9, K))
   gs = jnp.asarray([4, 5], jnp.int32)
   got = kernels.pallas_grouped_matmul(x, q, gs)
-  want = _ragged_dot(x, _dequantize(q), gs)
+  want = _ragged_dot(x, q.dequantize(), gs)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(kernels.pallas_grouped_matmul(x, _w(5), gs)),
                              np.asarray(_ragged_dot(x, _w(5), gs)), rtol=1e-6)
@@ -180,14 +171,14 @@ def test_to_mgpu_layout_keeps_the_weight_and_its_grouped_matmul(interpreted):
   matmul runs it through the warp-specialized Mosaic GPU kernel (interpret mode here), equal to ragged_dot on the
   bf16-rounded lhs (the kernel's contract) over ragged rows with an empty expert and rows past the groups."""
   w = jax.random.normal(jax.random.key(7), (3, K, 128), jnp.float32)
-  q = _quantize_int4(w)
-  m = quant.QuantizedExperts(_to_mgpu(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size)
-  np.testing.assert_array_equal(np.asarray(_dequantize(m)), np.asarray(_dequantize(q)))
+  q = quant.quantize_int4(w)
+  m = quant.QuantizedExperts(kernels.mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size)
+  np.testing.assert_array_equal(np.asarray(m.dequantize()), np.asarray(q.dequantize()))
   assert m.shape == q.shape and abs(m.bits_per_weight() - (4 + 32 / 128)) < 1e-9
   x = jax.random.normal(jax.random.key(8), (11, K))
   gs = jnp.asarray([4, 0, 5], jnp.int32)  # rows 9, 10 belong to no expert: zeros
   got = np.asarray(interpreted(lambda: kernels.pallas_grouped_matmul(x, m, gs)))
-  want = np.asarray(_ragged_bf16_lhs(x, _dequantize(m), gs))
+  want = np.asarray(_ragged_bf16_lhs(x, m.dequantize(), gs))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   assert not np.any(got[9:])
 
@@ -196,9 +187,9 @@ def test_mgpu_kernel_options_reach_the_kernel(monkeypatch, interpreted):
   """Options stored with int4_mgpu weights (`QuantizedExperts.options`) are passed to the WS kernel on each call, and
   the result with them (R = 32, one compute warpgroup) is the same product."""
   w = jax.random.normal(jax.random.key(9), (3, K, 128), jnp.float32)
-  q = _quantize_int4(w)
+  q = quant.quantize_int4(w)
   opts = (("block_r", 32), ("num_compute_wgs", 1))
-  m = quant.QuantizedExperts(_to_mgpu(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size,
+  m = quant.QuantizedExperts(kernels.mws.to_mgpu_layout(q.data), kind="int4_mgpu", k=q.k, group_size=q.group_size,
                              options=opts)
   seen = []
   real = kernels.mws.int4_grouped_matmul_mgpu_ws
@@ -212,7 +203,7 @@ def test_mgpu_kernel_options_reach_the_kernel(monkeypatch, interpreted):
   gs = jnp.asarray([17, 0, 3], jnp.int32)  # 17 rows: one 32-row tile
   got = np.asarray(interpreted(lambda: kernels.pallas_grouped_matmul(x, m, gs)))
   assert seen and seen[0]["block_r"] == 32 and seen[0]["num_compute_wgs"] == 1
-  want = np.asarray(_ragged_bf16_lhs(x, _dequantize(m), gs))
+  want = np.asarray(_ragged_bf16_lhs(x, m.dequantize(), gs))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   assert not np.any(got[20:])
 
@@ -381,7 +372,8 @@ def test_fused_gate_up_kernel_route_interpret(interpreted):
   """The "pallas" gate/up route (`kernels.pallas_gate_up_swiglu`, the WS kernel's swiglu=True in interpret mode, two
   compute warpgroups) equals the XLA route on the bf16-rounded lhs (the kernel's contract) within rtol 1e-5 and 1e-5
   of the largest output, over ragged rows with an empty expert and rows past the groups (zeros)."""
-  wg, wu = (_to_mgpu(_quantize_int4(jax.random.normal(jax.random.key(s), (3, K, 64))).data) for s in (11, 12))
+  wg, wu = (kernels.mws.to_mgpu_layout(quant.quantize_int4(jax.random.normal(jax.random.key(s), (3, K, 64))).data)
+            for s in (11, 12))
   w = quant.QuantizedExperts(gu.interleave_gate_up(wg, wu), kind="int4_mgpu_gate_up", k=K, group_size=128,
                              options=(("num_compute_wgs", 2),))
   x = jax.random.normal(jax.random.key(13), (11, K))
@@ -410,7 +402,7 @@ def test_fuse_gate_up_refusals_and_checkpoints(tiny_config, int4_model_128, tmp_
   with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: .* N a multiple of 32 \(group 128, N 80"):
     quant.to_mgpu_layout(int4_model(80), fuse_gate_up=True)
   odd = nnx.clone(int4_model_128)
-  odd.blocks[1].ffn.w_up.set_value(_quantize_int4(jax.random.normal(jax.random.key(3), (8, 128, 192))))
+  odd.blocks[1].ffn.w_up.set_value(quant.quantize_int4(jax.random.normal(jax.random.key(3), (8, 128, 192))))
   with pytest.raises(ValueError, match=r"blocks\.1\.ffn\.w_up: fuse_gate_up needs gate and up of one shape"):
     quant.to_mgpu_layout(odd, fuse_gate_up=True)
   # num_compute_wgs=3 needs N >= 192: the fused gate/up's 2F = 256 has it, w_down's N = 128 does not.
