@@ -208,10 +208,7 @@ SASS_KINDS = {"all": ".", "HGMMA": "HGMMA", "WARPGROUP": "WARPGROUP", "LDS": "LD
               "LDL/STL": "LDL|STL", "BRA": "BRA", "DEPBAR/WAIT": "DEPBAR|WARPSYNC|WAIT"}
 
 
-NVDISASM = "/tmp/tvenv/lib/python3.11/site-packages/triton/backends/nvidia/bin/nvdisasm"
-
-
-def analyze_dump(path, ptxas="ptxas", nvdisasm=NVDISASM):
+def analyze_dump(path, ptxas="ptxas", nvdisasm=None):
   """Per dumped kernel: ptxas's report (registers, spills, warnings) and, for each loop that holds a wgmma, its SASS
   instructions by kind (a compute warpgroup's thread handles 64 · block_k / 128 weights per step). A `*.ptx` without
   its `*.sass` is compiled here first (ptxas -arch=sm_90a, then nvdisasm)."""
@@ -225,7 +222,8 @@ def analyze_dump(path, ptxas="ptxas", nvdisasm=NVDISASM):
     with open(base_name + ".ptxas", "w") as fh:
       fh.write(r.stdout + r.stderr)
     if not r.returncode:
-      sass = subprocess.run([nvdisasm, "-c", base_name + ".cubin"], capture_output=True, text=True, check=True).stdout
+      disasm = nvdisasm or triton_sass.triton_tool("nvdisasm")
+      sass = subprocess.run([disasm, "-c", base_name + ".cubin"], capture_output=True, text=True, check=True).stdout
       with open(base_name + ".sass", "w") as fh:
         fh.write(sass)
   out = {}

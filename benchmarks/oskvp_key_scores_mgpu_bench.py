@@ -188,9 +188,6 @@ SASS_KINDS = {"all": ".", "IGMMA/HGMMA": "[HI]GMMA", "WARPGROUP": "WARPGROUP", "
               "STS": "STS", "LOP3": "LOP3", "SHF/SHR/SHL": r"SHF|SHR|SHL", "PRMT": "PRMT", "IMAD/IADD": "IMAD|IADD",
               "IMNMX/VIMNMX": "IMNMX", "MOV": r"\bMOV", "SYNCS/BAR": "SYNCS|BAR", "LDL/STL": "LDL|STL",
               "BRA": "BRA", "DEPBAR/WAIT": "DEPBAR|WARPSYNC|WAIT"}
-NVDISASM = "/tmp/tvenv/lib/python3.11/site-packages/triton/backends/nvidia/bin/nvdisasm"
-
-
 def dump(index: int) -> int:
   """Compiles and runs DUMP_CONFIGS[index] once at its real shape (run with MOSAIC_GPU_DUMP_TO set)."""
   cfg = DUMP_CONFIGS[index]
@@ -209,7 +206,7 @@ def dump(index: int) -> int:
   return 0
 
 
-def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str = NVDISASM) -> dict:
+def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str | None = None) -> dict:
   """ptxas's report and the wgmma loop's SASS counts (per token-head) of each `*.ptx` under one dump folder.
 
   A thread of the one warpgroup handles block_s tokens × the BK row's heads per loop trip; per token-head the loop's
@@ -231,7 +228,8 @@ def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str = NVDISASM) -> d
     if r.returncode:
       out[os.path.basename(base)] = rep
       continue
-    sass = subprocess.run([nvdisasm, "-c", base + ".cubin"], capture_output=True, text=True, check=True).stdout
+    disasm = nvdisasm or triton_sass.triton_tool("nvdisasm")
+    sass = subprocess.run([disasm, "-c", base + ".cubin"], capture_output=True, text=True, check=True).stdout
     with open(base + ".sass", "w") as fh:
       fh.write(sass)
     rep["loops"] = [{"warp_instr_per_token_head": round(4 * lp["length"] / block_s, 2), **lp}

@@ -8,6 +8,7 @@ Triton is a different build, so what this shows is a guide, not the measurement.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -26,6 +27,23 @@ open(base + ".ttgir", "w").write(k.asm["ttgir"])
 open(base + ".ptx", "w").write(k.asm["ptx"])
 print(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"))
 """
+
+
+TVENV = "/tmp/tvenv"  # where the module docstring's set-up puts the pip Triton
+TVENV_SETUP = f"python3 -m venv {TVENV} && {TVENV}/bin/pip install triton"
+
+
+def triton_tool(name: str, tvenv: str = TVENV) -> str:
+  """Path of a CUDA tool (`nvdisasm`, `cuobjdump`) that the pip Triton in `tvenv` ships, for any Python 3 minor.
+
+  Raises:
+    FileNotFoundError: no pip Triton there; the message gives the set-up command.
+  """
+  found = sorted(glob.glob(os.path.join(tvenv, "lib", "python3*", "site-packages", "triton", "backends", "nvidia",
+                                        "bin", name)))
+  if not found:
+    raise FileNotFoundError(f"no {name} from a pip Triton under {tvenv}: make that environment with `{TVENV_SETUP}`")
+  return found[-1]
 
 
 def lower_to_ttir(fn, *args) -> str:
@@ -55,6 +73,9 @@ def compile_sass(ttir: str, path: str, num_warps: int, num_stages: int, triton_p
   Raises:
     RuntimeError: the pip Triton failed to compile (message: its last stderr line).
   """
+  if not os.path.exists(triton_python):
+    raise FileNotFoundError(f"--triton_python={triton_python} does not exist: make it with `{TVENV_SETUP}` (a pip "
+                            "Triton, not a project dependency)")
   with open(path, "w") as f:
     f.write(ttir)
   r = subprocess.run([triton_python, "-c", COMPILE, path, str(num_warps), str(num_stages)], capture_output=True,

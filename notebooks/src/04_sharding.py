@@ -7,7 +7,10 @@
 # %%
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before JAX starts its CPU backend
+from sharding.cpu_devices import with_device_count
+
+# 8 CPU devices, the other XLA flags kept; before JAX starts its CPU backend.
+os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
 
 import jax
 import jax.numpy as jnp
