@@ -7,7 +7,9 @@ Input, one JSON object per line: {"id": ..., "prompt": "text"} or {"id": ..., "t
 "max_tokens", "temperature", "top_k", "top_p", "stop" (list of token ids; the tokenizer's EOS always stops).
 Output, one line per finished input line, in completion order:
   {"id", "line", "text", "tokens", "finish_reason"}   or   {"id", "line", "error"} for a request that failed.
-Resumable: ids already present in the output are skipped, so rerunning after an interruption finishes the rest.
+Resumable: ids already present in the output are skipped, so rerunning after an interruption finishes the rest; a
+torn last line (a record the interruption cut short) is first truncated away, so the output stays valid JSONL, and
+its request is redone.
 A bad line (invalid JSON, no id, a duplicate id, a prompt the engine rejects) is reported on stderr with its line
 number (and in the output when it has an id); the other lines continue.
 """
@@ -38,10 +40,28 @@ def read_done_ids(path: str) -> set:
   return done
 
 
-def _ends_with_newline(path: str) -> bool:
-  with open(path, "rb") as f:
-    f.seek(-1, os.SEEK_END)
-    return f.read(1) == b"\n"
+def truncate_torn_tail(path: str, block: int = 1 << 16) -> int:
+  """Cuts a last line without its newline (torn by an interruption) off the file; returns the bytes removed.
+
+  The file then ends at the end of its last complete line (or is empty), so appending keeps it valid JSONL. A torn
+  line is removed even when it happens to parse: its id is then not in `read_done_ids`, and the request is redone.
+  """
+  if not os.path.exists(path):
+    return 0
+  with open(path, "r+b") as f:
+    size = f.seek(0, os.SEEK_END)
+    end = size
+    while end > 0:  # scan back, a block at a time, for the last newline
+      start = max(0, end - block)
+      f.seek(start)
+      i = f.read(end - start).rfind(b"\n")
+      if i >= 0:
+        end = start + i + 1
+        break
+      end = start
+    if end < size:
+      f.truncate(end)
+    return size - end
 
 
 def parse_line(text: str, tokenizer, default_max_tokens: int) -> dict:
@@ -81,6 +101,9 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
   with open(input_path) as f:
     lines = f.read().splitlines()
+  torn = truncate_torn_tail(output_path)
+  if torn:
+    log(f"{output_path}: removed a torn last line ({torn} bytes) left by an interrupted run; its request is redone")
   done = read_done_ids(output_path)
   engine = Engine(model, engine_config)
   eos = getattr(tokenizer, "eos_id", None)
@@ -90,11 +113,7 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
     bar = tqdm(total=sum(1 for line in lines if line.strip()), desc="batch_decode", unit="req")
   seen = set()
-  torn = os.path.exists(output_path) and os.path.getsize(output_path) > 0 and not _ends_with_newline(output_path)
   with open(output_path, "a") as out:
-    if torn:
-      out.write("\n")  # the interrupted run's cut last line stays on its own line (and is ignored)
-
     def write(record: dict) -> None:
       out.write(json.dumps(record) + "\n")
       out.flush()  # every finished request is on disk: an interrupted run resumes after it
@@ -161,10 +180,10 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
 def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from moe_jax.generate import _load  # pylint: disable=g-import-not-at-top
+  from moe_jax import cli  # pylint: disable=g-import-not-at-top
 
   f = flags.FLAGS
-  config, model, tokenizer = _load(f)
+  config, model, tokenizer = cli.from_flags(f)
   cache_len = f.cache_len or config.max_seq_len
   lengths = tuple(sorted({min(int(x), cache_len) for x in f.prefill_lengths}))
   engine_config = EngineConfig(num_slots=f.slots, cache_len=cache_len, kv_cache=f.kv_cache, prefill_lengths=lengths,
@@ -187,6 +206,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("slots", 32, "Decode slots.")
   flags.DEFINE_integer("cache_len", 0, "Positions per slot (0: the model's max_seq_len).")
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode.")
+  flags.DEFINE_integer("kv_calib_windows", 16, "Training-split windows that calibrate --kv_cache=oskvp_static.")
   flags.DEFINE_list("prefill_lengths", ["32", "128", "512"], "Prefill bucket lengths.")
   flags.DEFINE_list("prefill_batches", ["1", "8"], "Prefill group sizes.")
   flags.DEFINE_integer("seed", 0, "PRNG seed.")

@@ -7,10 +7,12 @@
 POST /v1/completions takes {"prompt": text or token ids, "max_tokens", "temperature", "top_p", "top_k" (extension),
 "stop": a string or list of strings, "stream"} ("n" / "best_of" other than 1 are refused: one completion per
 request) and answers a `text_completion` object, or with "stream": true
-server-sent events, one `data: {...}` chunk per text delta and `data: [DONE]` at the end. GET /v1/models lists the
-model. Errors: 400 invalid request (the engine's message), 429 queue full (back-pressure), 500 a request that failed
-(e.g. non-finite logits). The engine runs on its own thread; each HTTP request is served on its own thread and waits
-on its request handle.
+server-sent events, one `data: {...}` chunk per text delta and `data: [DONE]` at the end. A stop string ends the
+request, streamed or not, at the token that completes it (the engine frees the slot then); the text ends just before
+the stop string (as in OpenAI's API) and `usage.completion_tokens` counts the tokens generated up to and including
+that token. GET /v1/models lists the model. Errors: 400 invalid request (the engine's message), 429 queue full
+(back-pressure), 500 a request that failed (e.g. non-finite logits). The engine runs on its own thread; each HTTP
+request is served on its own thread and reads its request handle (`read_until_stop`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
 from moe_jax.serving.engine import Engine
-from moe_jax.serving.request import InvalidRequest, QueueFull, RequestFailed
+from moe_jax.serving.request import InvalidRequest, QueueFull, RequestFailed, RequestHandle
 
 _SAMPLING = ("temperature", "top_p", "top_k")
 _ONE_CHOICE = ("n", "best_of")
@@ -51,6 +54,41 @@ class TextStream:
     new = text[len(self.sent):] if text.startswith(self.sent) else ""
     self.sent = text if text.startswith(self.sent) else self.sent
     return new, hit >= 0
+
+
+def read_until_stop(handle: RequestHandle, text: TextStream,
+                    on_delta: Callable[[str], None] | None = None) -> tuple[list[int], str, bool]:
+  """Reads a request's tokens until it ends or its text reaches a stop string, which cancels the request.
+
+  Both the streaming and the non-streaming completion read a request this way, so a stop string ends either at the
+  token that completes it: the handle is cancelled there and the engine frees the slot at its next step instead of
+  decoding on to max_tokens. Tokens the engine may still emit between the cancel and that step are not read.
+
+  Args:
+    handle: the request's handle (iterated; a caller-stepped engine is stepped by the iteration).
+    text: the request's `TextStream`; afterwards `text.sent` is the whole completion text, cut before the stop
+      string (the stop string itself is not part of it, as in OpenAI's API).
+    on_delta: called with each text delta as it becomes final (before the last one, which is returned).
+
+  Returns:
+    (tokens, rest, stopped): the tokens read, up to and including the one that completed a stop string (what
+    `usage.completion_tokens` counts); the last text delta, not yet passed to `on_delta`; whether a stop string
+    was reached.
+
+  Raises:
+    RequestFailed: the request failed before it ended or reached a stop string.
+  """
+  tokens = []
+  for t in handle:
+    tokens.append(t)
+    delta, stopped = text.delta(tokens, final=False)
+    if delta and on_delta is not None:
+      on_delta(delta)
+    if stopped:
+      handle.cancel()
+      break
+  rest, stopped = text.delta(tokens, final=True)
+  return tokens, rest, stopped
 
 
 def _parse(body: dict, tokenizer) -> dict:
@@ -131,14 +169,12 @@ def make_handler(engine: Engine, tokenizer, model_name: str):
         return "length" if handle.finish_reason == "length" else "stop"
 
       if not req["stream"]:
-        out, stopped = "", False
         try:
-          tokens = handle.result()
+          tokens, _, stopped = read_until_stop(handle, text)
         except RequestFailed as e:
           self._error(500, "request_failed", str(e))
           return
-        out, stopped = text.delta(tokens, final=True)
-        body = chunk(out, "stop" if stopped else reason())
+        body = chunk(text.sent, "stop" if stopped else reason())
         body["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
                          "total_tokens": n_prompt + len(tokens)}
         self._json(200, body)
@@ -148,20 +184,15 @@ def make_handler(engine: Engine, tokenizer, model_name: str):
       self.send_header("Cache-Control", "no-cache")
       self.send_header("Connection", "close")
       self.end_headers()
-      tokens = []
+
+      def send(delta: str) -> None:
+        self.wfile.write(f"data: {json.dumps(chunk(delta, None))}\n\n".encode())
+        self.wfile.flush()
+
       try:
         try:
-          for t in handle:
-            tokens.append(t)
-            delta, stopped = text.delta(tokens, final=False)
-            if delta:
-              self.wfile.write(f"data: {json.dumps(chunk(delta, None))}\n\n".encode())
-              self.wfile.flush()
-            if stopped:
-              handle.cancel()
-              break
-          delta, stopped = text.delta(tokens, final=True)
-          final = chunk(delta, "stop" if stopped or handle.cancelled else reason())
+          _, rest, stopped = read_until_stop(handle, text, on_delta=send)
+          final = chunk(rest, "stop" if stopped or handle.cancelled else reason())
           self.wfile.write(f"data: {json.dumps(final)}\n\n".encode())
         except RequestFailed as e:
           err = {"error": {"message": str(e), "type": "request_failed", "code": 500}}

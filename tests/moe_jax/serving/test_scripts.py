@@ -48,7 +48,7 @@ def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
                            engine_config=ENGINE, max_tokens=8, progress=False, log=logs.append)
   assert first == {"lines": 6, "skipped": 0, "bad": 2, "finished": 4, "failed": 0}
   with open(out, "a") as f:
-    f.write('{"id": "torn')  # a line cut by the interruption is ignored on resume
+    f.write('{"id": "torn')  # a line cut by the interruption is truncated away on resume
   _write(src, lines)
   logs.clear()
   second = batch_decode.run(tiny_model, ByteTokenizer(), input_path=str(src), output_path=str(out),
@@ -57,9 +57,8 @@ def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
   assert second["bad"] == len(bad) - 1  # the duplicate "r0" (line 11) is skipped as already done
   for n in (3, 5, 7, 9, 13):
     assert any(msg.startswith(f"{src}:{n}: ") for msg in logs), (n, logs)
-  text = out.read_text().splitlines()
-  assert text[4] == '{"id": "torn'  # kept on its own line
-  records = [json.loads(x) for i, x in enumerate(text) if i != 4]
+  assert any(msg.startswith(f"{out}: removed a torn last line") for msg in logs), logs
+  records = [json.loads(x) for x in out.read_text().splitlines()]  # valid JSONL: the torn line is gone
   ids = [r["id"] for r in records]
   assert sorted(i for i in ids if i.startswith("r")) == sorted(f"r{i}" for i in range(10))  # each exactly once
   by_id = {r["id"]: r for r in records}
@@ -79,6 +78,41 @@ def test_batch_decode_refuses_a_bad_default_max_tokens_before_writing(tmp_path, 
     batch_decode.run(tiny_model, ByteTokenizer(), input_path=str(src), output_path=str(out), engine_config=ENGINE,
                      max_tokens=0, progress=False)
   assert not out.exists()  # no line marked bad: a re-run with a good default decodes it
+
+
+@pytest.mark.parametrize("cut", ["half", "whole"])
+def test_batch_decode_resume_truncates_a_torn_last_line_and_redoes_it(tmp_path, tiny_model, cut):
+  """An interrupted run's last record cut short (half of it, or all of it but its newline) is removed from the file
+  and decoded again: the result is valid JSONL with every input id exactly once and the earlier records untouched."""
+  src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  _write(src, [_good(i) for i in range(6)])
+  kwargs = dict(input_path=str(src), output_path=str(out), engine_config=ENGINE, max_tokens=8, progress=False)
+  assert batch_decode.run(tiny_model, ByteTokenizer(), **kwargs)["finished"] == 6
+  full = out.read_text().splitlines()
+  by_id = {json.loads(x)["id"]: json.loads(x) for x in full}
+  torn = full[3][:len(full[3]) // 2] if cut == "half" else full[3]
+  kept = "".join(x + "\n" for x in full[:3])
+  out.write_text(kept + torn)  # no newline after the torn record
+  logs = []
+  counts = batch_decode.run(tiny_model, ByteTokenizer(), log=logs.append, **kwargs)
+  assert counts == {"lines": 6, "skipped": 3, "bad": 0, "finished": 3, "failed": 0}
+  assert logs == [f"{out}: removed a torn last line ({len(torn.encode())} bytes) left by an interrupted run; "
+                  "its request is redone"]
+  text = out.read_text()
+  assert text.startswith(kept) and text.endswith("\n")
+  records = [json.loads(x) for x in text.splitlines()]  # every line parses
+  assert sorted(r["id"] for r in records) == sorted(f"r{i}" for i in range(6))  # each input id exactly once
+  redone = json.loads(full[3])["id"]
+  assert [r for r in records[3:] if r["id"] == redone] == [by_id[redone]]  # the torn record, redone in full
+
+
+def test_truncate_torn_tail(tmp_path):
+  p = tmp_path / "o.jsonl"
+  for content, removed in [(b"a\nbb\nccc", 3), (b"a\nbb\n", 0), (b"torn", 4), (b"", 0), (b"x\n" + b"y" * 9, 9)]:
+    p.write_bytes(content)
+    assert batch_decode.truncate_torn_tail(str(p), block=2) == removed, content  # scans back across blocks
+    assert p.read_bytes() == content[:len(content) - removed]
+  assert batch_decode.truncate_torn_tail(str(tmp_path / "missing.jsonl")) == 0
 
 
 def test_read_done_ids_ignores_torn_lines(tmp_path):

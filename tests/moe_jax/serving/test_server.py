@@ -1,13 +1,14 @@
 """The OpenAI-shaped HTTP endpoint on 127.0.0.1: completion, streaming, stop strings, errors, back-pressure."""
 
 import json
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from moe_jax.serving import Engine, EngineConfig
-from moe_jax.serving.server import TextStream, serve
+from moe_jax.serving.server import TextStream, read_until_stop, serve
 from moe_jax.tokenizer import ByteTokenizer
 
 CONFIG = EngineConfig(num_slots=4, cache_len=32, kv_cache="fp32", prefill_lengths=(16,), prefill_batches=(1, 4),
@@ -112,3 +113,55 @@ def test_stop_string_ends_a_streamed_completion(server):
     else:
       got, finish = out["choices"][0]["text"], out["choices"][0]["finish_reason"]
     assert got == text[:text.find(stop)] and finish == "stop", (stream, got, text, stop)
+
+
+def _early_stop(tokens, max_tokens):
+  """A two-character printable ASCII stop string from the text `tokens` decode to (not at its very start, so the
+  cut text is not empty) and n, the number of tokens after which it first occurs; n is well below max_tokens."""
+  tok = ByteTokenizer()
+  text = tok.decode(tokens)
+  i = next((i for i in range(1, len(text) - 1) if all(c.isascii() and c.isprintable() for c in text[i:i + 2])), None)
+  assert i is not None, f"no printable ASCII pair in {text!r}: choose another prompt"
+  stop = text[i:i + 2]
+  n = next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k]))
+  assert n <= max_tokens // 2, (text, stop, n)  # an early stop: the test below cannot pass by running to the end
+  return text, stop, n
+
+
+def test_stop_string_ends_a_non_streamed_request_at_the_completing_token(server):
+  engine, url = server
+  prompt, max_tokens, tok = "print(", 24, ByteTokenizer()
+  status, full = post(url, {"prompt": prompt, "max_tokens": max_tokens})
+  direct = engine.submit(tok.encode(prompt), max_tokens=max_tokens, stop_tokens=[tok.eos_id]).result(timeout=60)
+  assert status == 200 and full["choices"][0]["text"] == tok.decode(direct)
+  assert full["usage"]["completion_tokens"] == len(direct) == max_tokens  # without a stop string: to max_tokens
+  text, stop, n = _early_stop(direct, max_tokens)
+  status, out = post(url, {"prompt": prompt, "max_tokens": max_tokens, "stop": ["\x00never", stop]})
+  assert status == 200, out
+  choice = out["choices"][0]
+  assert choice["text"] == text[:text.find(stop)] and stop not in choice["text"], (choice, text, stop)
+  assert choice["finish_reason"] == "stop"
+  n_prompt = len(tok.encode(prompt))
+  assert out["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+  deadline = time.monotonic() + 30  # the cancelled request leaves its slot at the engine's next step
+  while (engine.num_active or engine.num_queued) and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert engine.num_active == 0 and engine.num_queued == 0
+
+
+def test_read_until_stop_cancels_the_request_at_the_completing_token(tiny_model):
+  engine, tok, max_tokens = Engine(tiny_model, CONFIG), ByteTokenizer(), 24  # stepped by the handle: no run-ahead
+  prompt = tok.encode("print(")
+  direct = engine.submit(prompt, max_tokens=max_tokens, stop_tokens=[tok.eos_id]).result()
+  text, stop, n = _early_stop(direct, max_tokens)
+  steps_before = engine.stats.decode_steps
+  handle = engine.submit(prompt, max_tokens=max_tokens, stop_tokens=[tok.eos_id])
+  stream = TextStream(tok, [stop])
+  deltas = []
+  tokens, rest, stopped = read_until_stop(handle, stream, on_delta=deltas.append)
+  assert stopped and tokens == direct[:n] and handle.cancelled
+  assert "".join(deltas) + rest == stream.sent == text[:text.find(stop)]
+  engine.step()  # reaps the cancelled request
+  assert handle.status == "cancelled" and engine.num_active == 0 and not engine.has_work()
+  assert handle.tokens[:n] == tokens and len(handle.tokens) <= n + 1  # the engine stopped at the stop string
+  assert engine.stats.decode_steps - steps_before <= n and engine.stats.cancelled == 1
