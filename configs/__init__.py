@@ -23,7 +23,8 @@ def register(config: ModelConfig) -> None:
   PRESETS[config.name] = config
 
 
-def get(name: str) -> ModelConfig:
+def get(name: str, *, flag: str = "config") -> ModelConfig:
+  """The preset `name`; an unknown name raises ValueError naming `flag` (e.g. "--preset" for a command line)."""
   if name not in PRESETS:
-    raise ValueError(f"config={name!r} is not a preset; choose one of {sorted(PRESETS)}")
+    raise ValueError(f"{flag}={name!r} is not a preset; choose one of {sorted(PRESETS)}")
   return PRESETS[name]

@@ -32,12 +32,18 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 # ---------------------------------------------------------------------------------------------------------------------
 # Training checkpoints (orbax).
 
-def train_manager(directory: str, *, save_every: int, keep: int, async_save: bool = True):
-  """An orbax CheckpointManager that saves every `save_every` steps, keeps the last `keep`, writes asynchronously."""
+def train_manager(directory: str, *, save_every: int = 1, keep: int = 1, async_save: bool = True,
+                  read_only: bool = False):
+  """An orbax CheckpointManager that saves every `save_every` steps, keeps the last `keep`, writes asynchronously.
+
+  With `read_only=True` it only restores (the directory must exist; nothing is created, saved or deleted).
+  """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
-  options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
-                                         enable_async_checkpointing=async_save, create=True)
+  options = ocp.CheckpointManagerOptions(save_interval_steps=0 if read_only else save_every,
+                                         max_to_keep=None if read_only else keep,
+                                         enable_async_checkpointing=async_save, create=not read_only,
+                                         read_only=read_only)
   return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "meta"))
 
 
@@ -57,6 +63,13 @@ def restore_train_state(manager, like: dict[str, Any], step: int | None = None) 
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
   restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
   return restored["state"]
+
+
+def restore_train_meta(manager, step: int) -> dict[str, Any]:
+  """The "meta" item saved with `step` (the train loop's {"model_config", "train_config"})."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -129,7 +142,9 @@ def resolve(name_or_dir: str) -> str:
     return candidate
   shipped = sorted(d for d in os.listdir(ASSETS)) if os.path.isdir(ASSETS) else []
   raise ValueError(f"checkpoint={name_or_dir!r} is neither a checkpoint directory (with config.json) nor a shipped "
-                   f"checkpoint; shipped: {shipped}")
+                   f"checkpoint; shipped: {shipped}. A training --workdir or a moe_jax.quant.convert --out directory "
+                   "is read by moe_jax.cli.load_checkpoint (every --checkpoint flag), or export the run with "
+                   "`python -m moe_jax.train ... --export=DIR`")
 
 
 def load(name_or_dir: str, *, param_dtype: str | None = None,

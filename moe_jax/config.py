@@ -167,7 +167,7 @@ def main(argv):
   from absl import flags  # pylint: disable=g-import-not-at-top
   import configs  # pylint: disable=g-import-not-at-top
 
-  report = analytical_report(configs.get(flags.FLAGS.preset))
+  report = analytical_report(configs.get(flags.FLAGS.preset, flag="--preset"))
   if flags.FLAGS.json:
     print(json.dumps(report, indent=2))
     return

@@ -1,6 +1,8 @@
 """Evaluation harness: validation bits per byte through the real decode path, and agreement with the baseline.
 
 `python -m moe_jax.eval --checkpoint=NAME_OR_DIR [--kv_cache=MODE] [--expert_quant=MODE] [--routing=MODE] [--json]`
+(`--checkpoint`: anything `moe_jax.cli.load_checkpoint` reads; `--kv_cache=oskvp_static` is calibrated at start on
+`--kv_calib_windows` training-split windows, `moe_jax.cli.setup_kv_cache`).
 
 What is measured, on `n_windows` validation windows of the stdlib corpus (`moe_jax.data`, evenly spaced, so the
 numbers are deterministic on a given Python's stdlib):
@@ -220,13 +222,14 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv):
   del argv
   from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top
-  from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
+  from moe_jax import cli  # pylint: disable=g-import-not-at-top
 
   f = absl_flags.FLAGS
   if f.record:
     print(json.dumps(record_metrics(f.checkpoint), indent=2))
     return
-  config, model = checkpoints.load(f.checkpoint)
+  config, model = cli.load_checkpoint(f.checkpoint)
+  cli.setup_kv_cache(model, f.kv_cache, calib_windows=f.kv_calib_windows)
   result = evaluate(model, config, kv_cache=f.kv_cache, expert_quant=f.expert_quant, routing=f.routing,
                     n_windows=f.n_windows, context=f.context, prefix=f.prefix)
   result["checkpoint"] = f.checkpoint
@@ -236,8 +239,10 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
 
-  flags.DEFINE_string("checkpoint", "tiny-trained", "Shipped checkpoint name or checkpoint directory.")
+  flags.DEFINE_string("checkpoint", "tiny-trained", "Shipped checkpoint name, checkpoint directory, quantized "
+                      "directory (moe_jax.quant.convert --out) or training --workdir (moe_jax.cli.load_checkpoint).")
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode (moe_jax.kv_cache / moe_jax.kv_quant).")
+  flags.DEFINE_integer("kv_calib_windows", 16, "Training-split windows that calibrate --kv_cache=oskvp_static.")
   flags.DEFINE_string("expert_quant", "none", "Expert weight quantization mode (EXPERT_QUANT_MODES).")
   flags.DEFINE_string("routing", "default", "Routing mode (ROUTING_MODES).")
   flags.DEFINE_integer("n_windows", DEFAULTS["n_windows"], "Validation windows.")

@@ -1,7 +1,7 @@
 """Text generation: an on-device decode loop (`lax.while_loop`), a Python streaming variant, and the CLI.
 
     python -m moe_jax.generate --config=tiny --prompt="def f(x):" --max_new_tokens=32 [--batch=N] [--seed=S]
-    python -m moe_jax.generate --checkpoint=tiny-trained --prompt="..."
+    python -m moe_jax.generate --checkpoint=tiny-trained --prompt="..."   # or a quant.convert / train --workdir dir
     python -m moe_jax.generate --hf=DIR --prompt="..."
 
 prints the continuation and one report line: prefill ms, decode ms/token, tokens/s, KV cache bytes.
@@ -138,38 +138,49 @@ def pad_batch(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[np.ndarra
 
 
 def _load(flags_):
-  """(config, model, tokenizer) from --hf, --checkpoint or --config."""
-  from moe_jax.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
-  if sum(bool(x) for x in (flags_.hf, flags_.checkpoint)) > 1:
-    raise ValueError("give at most one of --hf and --checkpoint")
-  if flags_.hf:
-    from moe_jax import hf  # pylint: disable=g-import-not-at-top
-    config, model = hf.load(flags_.hf)
-    return config, model, hf.load_tokenizer(flags_.hf)
-  if flags_.checkpoint:
-    from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
-    config, model = checkpoints.load(flags_.checkpoint)
-    return config, model, ByteTokenizer()
-  import configs  # pylint: disable=g-import-not-at-top
-  config = configs.get(flags_.config)
-  return config, decode.init_model(config, seed=flags_.seed), ByteTokenizer()
+  """(config, model, tokenizer) from --hf, --checkpoint or --config, --kv_cache prepared: `moe_jax.cli.from_flags`
+  (kept under this name for the tools that import it)."""
+  from moe_jax import cli  # pylint: disable=g-import-not-at-top
+  return cli.from_flags(flags_)
+
+
+def prompt_cache_len(config, prompt_tokens: int, *, max_new_tokens: int, cache_len: int = 0) -> int:
+  """The CLI's cache length (`--cache_len`, or 0: the prompt + `--max_new_tokens`), checked against the model.
+
+  Raises ValueError naming --prompt (its token count, the limit, and --max_new_tokens' share of it) when the prompt
+  and the tokens to generate do not fit in max_seq_len (or in an explicit --cache_len), and naming --cache_len when
+  that exceeds max_seq_len.
+  """
+  limit, where = config.max_seq_len, f"max_seq_len={config.max_seq_len} of config {config.name!r}"
+  if cache_len > limit:
+    raise ValueError(f"--cache_len={cache_len} exceeds {where}")
+  if cache_len:
+    limit, where = cache_len, f"--cache_len={cache_len}"
+  if prompt_tokens + max_new_tokens > limit:
+    room = (f"shorten the prompt to at most {limit - max_new_tokens} tokens or lower --max_new_tokens"
+            if max_new_tokens < limit else f"--max_new_tokens must be below {limit}")
+    raise ValueError(f"--prompt is {prompt_tokens} tokens; with --max_new_tokens={max_new_tokens} that needs "
+                     f"{prompt_tokens + max_new_tokens} positions, more than {where}: {room}")
+  return cache_len or prompt_tokens + max_new_tokens
 
 
 def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
+  from moe_jax import cli  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   for name in ("max_new_tokens", "batch"):
     if getattr(f, name) < 1:
       raise ValueError(f"--{name}={getattr(f, name)} must be >= 1")
   if f.cache_len < 0:
     raise ValueError(f"--cache_len={f.cache_len} must be >= 0 (0: prompt + max_new_tokens)")
-  config, model, tok = _load(f)
+  config, model, tok = cli.load_model(checkpoint=f.checkpoint, hf=f.hf, config=f.config, seed=f.seed)
   sampling = SamplingParams(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p)
   prompt = tok.encode(f.prompt)
   tokens, lengths = pad_batch([prompt] * f.batch)
-  cache_len = f.cache_len or len(prompt) + f.max_new_tokens
+  cache_len = prompt_cache_len(config, len(prompt), max_new_tokens=f.max_new_tokens, cache_len=f.cache_len)
   decode.validate_prompts(config, tokens, lengths, cache_len=cache_len, max_new_tokens=f.max_new_tokens)
+  cli.setup_kv_cache(model, f.kv_cache, calib_windows=f.kv_calib_windows)  # after the cheap checks
   key = jax.random.key(f.seed)
   eos = getattr(tok, "eos_id", None)
 
@@ -208,6 +219,8 @@ if __name__ == "__main__":
   flags.DEFINE_float("temperature", 0.0, "0 for greedy.")
   flags.DEFINE_integer("top_k", 0, "0 disables top-k.")
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
-  flags.DEFINE_string("kv_cache", "bf16", "KV cache mode: bf16, fp32, fp8, int8, kivi2, oskvp, oskvp3.")
+  flags.DEFINE_string("kv_cache", "bf16", "KV cache mode: bf16, fp32, fp8, int8, kivi2, oskvp, oskvp3, oskvp_static "
+                      "(calibrated at start on --kv_calib_windows training windows), ...")
+  flags.DEFINE_integer("kv_calib_windows", 16, "Training-split windows that calibrate --kv_cache=oskvp_static.")
   flags.DEFINE_integer("cache_len", 0, "KV cache positions (0: prompt + max_new_tokens).")
   app.run(main)

@@ -76,10 +76,10 @@ def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from moe_jax.generate import _load  # pylint: disable=g-import-not-at-top
+  from moe_jax import cli  # pylint: disable=g-import-not-at-top
 
   f = flags.FLAGS
-  _, model, _ = _load(f)
+  _, model, _ = cli.from_flags(f)
   summary = run(model, requests=f.requests, concurrency=f.concurrency, prompt_len=f.prompt_len, gen_len=f.gen_len,
                 slots=f.slots, kv_cache=f.kv_cache, cache_len=f.cache_len,
                 prefill_batches=tuple(int(b) for b in f.prefill_batches), temperature=f.temperature, seed=f.seed)
@@ -111,6 +111,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("gen_len", 16, "Generated tokens per request.")
   flags.DEFINE_integer("slots", 0, "Decode slots (0: --concurrency).")
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode.")
+  flags.DEFINE_integer("kv_calib_windows", 16, "Training-split windows that calibrate --kv_cache=oskvp_static.")
   flags.DEFINE_integer("cache_len", 0, "Positions per slot (0: prompt_len + gen_len).")
   flags.DEFINE_list("prefill_batches", ["1", "8"], "Prefill group sizes compiled.")
   flags.DEFINE_float("temperature", 0.0, "0: greedy.")

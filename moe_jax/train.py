@@ -144,6 +144,34 @@ def model_from_state(graphdef: nnx.GraphDef, state: dict[str, Any]) -> Transform
   return nnx.merge(graphdef, state["params"], state["rest"])
 
 
+def load_workdir(workdir: str, *, step: int | None = None) -> tuple[ModelConfig, Transformer]:
+  """The model of a training run: `workdir`'s orbax checkpoint at `step` (default: the latest) -> (config, model).
+
+  The run's model and train configs come from the checkpoint's "meta" item; the parameters and router biases are
+  the train state's exact float32 arrays (the returned config says `param_dtype="float32"`), not the bf16-rounded
+  values `--export` writes. The optimizer state is read and dropped.
+  """
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise ValueError(f"workdir={workdir!r} has no checkpoints/ directory: not a moe_jax.train --workdir")
+  manager = checkpoints.train_manager(directory, read_only=True)
+  step = manager.latest_step() if step is None else step
+  if step is None:
+    raise ValueError(f"workdir={workdir!r} holds no checkpoint yet (the run saves every --save_every steps)")
+  if step not in manager.all_steps():
+    raise ValueError(f"step={step} is not saved in {directory}; saved: {sorted(manager.all_steps())}")
+  meta = checkpoints.restore_train_meta(manager, step)
+  config = checkpoints.config_from_json(meta["model_config"]).replace(param_dtype="float32")
+  tc = TrainConfig(**meta["train_config"])
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(config, seed=tc.seed)))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever mesh the run was trained on
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                      jax.eval_shape(_state_builder(config, tc)))
+  state = checkpoints.restore_train_state(manager, like, step)
+  manager.close()
+  return config, model_from_state(graphdef, state)
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """float32 [B, T, V] logits, int32 [B, T] targets -> mean negative log-likelihood in nats."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -354,7 +382,7 @@ def main(argv):
                    save_every=f.save_every, keep=f.keep, log_every=f.log_every, eval_every=f.eval_every,
                    eval_windows=f.eval_windows)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  train(configs.get(f.config), tc, f.workdir, max_seconds=f.max_seconds, export_dir=f.export or None,
+  train(configs.get(f.config, flag="--config"), tc, f.workdir, max_seconds=f.max_seconds, export_dir=f.export or None,
         auto_steps=f.auto_steps, stop_at=f.stop_at)
 
 

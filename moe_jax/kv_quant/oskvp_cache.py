@@ -349,7 +349,8 @@ class StaticOSKVPMode:
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
     if self.params_k is None:
       raise ValueError("kv_cache='oskvp_static' is not calibrated: run moe_jax.kv_quant.static.calibrate_model(model, "
-                       "tokens) and static.install(...) (or static.load(path)) first")
+                       "tokens) and static.install(...) (or static.load(path)) first; the command-line tools do it "
+                       "(moe_jax.cli.setup_kv_cache)")
     n_layers = self.params_k.u.shape[0]
     if not 0 <= layer < n_layers:
       raise ValueError(f"layer={layer} outside the {n_layers} calibrated layers")

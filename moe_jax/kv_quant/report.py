@@ -101,10 +101,8 @@ def real_fidelity(model, windows: np.ndarray, modes, *, n_queries: int) -> dict:
 def calibrate_static(model, train_tokens: np.ndarray, *, n_windows: int, seq_len: int) -> None:
   """Calibrates `oskvp_static` on training-split windows and installs it (orbax round trip included)."""
   import tempfile  # pylint: disable=g-import-not-at-top
-  from moe_jax import data as data_lib  # pylint: disable=g-import-not-at-top
 
-  windows = data_lib.eval_windows(train_tokens, n_windows=n_windows, seq_len=seq_len - 1)
-  mode = static.calibrate_model(model, windows)
+  mode = static.calibrate_on_training_split(model, n_windows=n_windows, seq_len=seq_len, tokens=train_tokens)
   with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "oskvp_static")
     static.save(path, mode)

@@ -1,9 +1,12 @@
 """Static OS-KVP: U and codebooks calibrated once per (layer, kv head) on calibration text, saved with orbax.
 
   mode = static.calibrate_model(model, tokens, lengths)   # keys/values captured by model.forward
+  mode = static.calibrate_on_training_split(model)         # the same on 16 training-split windows of 1024 tokens
   static.save("/path/oskvp_static", mode); mode = static.load("/path/oskvp_static")
   static.install(mode)                                    # now kv_cache="oskvp_static" uses it
-Prompts then pay no per-sequence fitting, and short prompts get codebooks fitted on plenty of data.
+Prompts then pay no per-sequence fitting, and short prompts get codebooks fitted on plenty of data. The command-line
+tools (`moe_jax.cli.setup_kv_cache`) calibrate with `calibrate_on_training_split` when given
+`--kv_cache=oskvp_static`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,29 @@ def calibrate_model(model, tokens, lengths=None, *, outlier_fraction: float = 0.
   _, _, kvs = jax.jit(lambda m, t: m.forward(t))(model, tokens)
   params_k, params_v = calibrate_layers(kvs, lengths, outlier_fraction=outlier_fraction, bits=bits)
   return StaticOSKVPMode(params_k=params_k, params_v=params_v, window=window, implementation=implementation)
+
+
+def calibrate_on_training_split(model, *, n_windows: int = 16, seq_len: int = 1024, tokens: np.ndarray | None = None,
+                                **kwargs) -> StaticOSKVPMode:
+  """`calibrate_model` on the default calibration data: `n_windows` evenly spaced windows of `seq_len` tokens of the
+  training split of `moe_jax.data` (never validation), or of `tokens` (a 1-D token stream) when given.
+
+  Args:
+    model: the Transformer.
+    n_windows: windows (the calibration batch), >= 1.
+    seq_len: tokens per window (at most the model's max_seq_len).
+    tokens: the stream to cut the windows from (default: the training split).
+    **kwargs: passed to `calibrate_model` (outlier_fraction, bits, window, implementation).
+  """
+  from moe_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+
+  if not isinstance(n_windows, int) or n_windows < 1:
+    raise ValueError(f"n_windows={n_windows!r} must be an int >= 1")
+  if not 2 <= seq_len <= model.config.max_seq_len:
+    raise ValueError(f"seq_len={seq_len} must be in [2, max_seq_len={model.config.max_seq_len}]")
+  tokens = data_lib.load_corpus()["train"].tokens if tokens is None else tokens
+  windows = data_lib.eval_windows(tokens, n_windows=n_windows, seq_len=seq_len - 1)  # [n_windows, seq_len]
+  return calibrate_model(model, windows, **kwargs)
 
 
 def install(mode: StaticOSKVPMode, name: str = "oskvp_static") -> None:

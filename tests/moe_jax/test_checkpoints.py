@@ -54,6 +54,10 @@ def test_export_load_round_trip(tiny_model, tiny_config, tmp_path):
 def test_load_errors(tmp_path):
   with pytest.raises(ValueError, match="checkpoint='nope'"):
     checkpoints.load("nope")
+  (tmp_path / "checkpoints").mkdir()  # a training workdir: the message says how to export it (or where it loads)
+  with pytest.raises(ValueError, match=r"moe_jax\.cli\.load_checkpoint .*`python -m moe_jax\.train \.\.\. "
+                                       r"--export=DIR`"):
+    checkpoints.load(str(tmp_path))
 
 
 def test_shipped_checkpoint_loads_and_is_small():

@@ -51,3 +51,15 @@ def test_seed_preset_is_480b_with_32_active_experts():
 def test_kv_bytes_per_token():
   c = configs.get("qwen3_30b_a3b")  # 48 layers × 4 kv heads × 128 × (K and V) × 2 bytes
   assert analytical_report(c)["kv_bytes_per_token_bf16"] == 48 * 4 * 128 * 2 * 2
+
+
+def test_the_config_cli_names_its_preset_flag():
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+  r = subprocess.run([sys.executable, "-m", "moe_jax.config", "--preset=nope"], cwd=root, env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode != 0
+  assert "ValueError: --preset='nope' is not a preset; choose one of [" in r.stderr and "'tiny'" in r.stderr, r.stderr
+  with pytest.raises(ValueError, match=r"^--config='nope' is not a preset"):
+    configs.get("nope", flag="--config")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe_jax import decode
-from moe_jax.generate import generate, pad_batch, stream
+from moe_jax.generate import generate, pad_batch, prompt_cache_len, stream
 from moe_jax.sampling import SamplingParams, sample
 from moe_jax.tokenizer import EOS_ID
 
@@ -129,6 +129,22 @@ def test_bad_sampling_params(kwargs, field):
 def test_unknown_kv_cache_mode(tiny_model):
   with pytest.raises(ValueError, match="kv_cache"):
     decode.prefill(tiny_model, np.ones((1, 2), np.int32), [2], kv_cache="int3", cache_len=4)
+
+
+@pytest.mark.parametrize("prompt, max_new, cache_len, match", [
+    (3005, 32, 0, r"^--prompt is 3005 tokens; with --max_new_tokens=32 that needs 3037 positions, more than "
+                  r"max_seq_len=1024 of config 'tiny': shorten the prompt to at most 992 tokens"),
+    (1000, 32, 0, r"^--prompt is 1000 tokens; .* 1032 positions, more than max_seq_len=1024"),
+    (10, 2000, 0, r"^--prompt is 10 tokens; .* --max_new_tokens must be below 1024"),
+    (10, 32, 20, r"^--prompt is 10 tokens; .* more than --cache_len=20"),
+    (10, 32, 2000, r"^--cache_len=2000 exceeds max_seq_len=1024"),
+])
+def test_the_generate_cli_names_a_prompt_that_does_not_fit(tiny_config, prompt, max_new, cache_len, match):
+  # The CLI checks the prompt before deriving a cache length the user never gave (it used to report cache_len=3037).
+  with pytest.raises(ValueError, match=match):
+    prompt_cache_len(tiny_config, prompt, max_new_tokens=max_new, cache_len=cache_len)
+  assert prompt_cache_len(tiny_config, 992, max_new_tokens=32) == 1024
+  assert prompt_cache_len(tiny_config, 10, max_new_tokens=32, cache_len=64) == 64
 
 
 def test_cache_len_beyond_model_limit(tiny_model, tiny_config):
