@@ -24,9 +24,18 @@ def init_model(config: ModelConfig, *, seed: int = 0, moe_implementation: str = 
 
 
 @jax.jit
-def logits(model: Transformer, tokens: jax.Array) -> jax.Array:
-  """int32 [B, T] -> float32 logits [B, T, V] of a full causal pass."""
+def _logits(model: Transformer, tokens: jax.Array) -> jax.Array:
   return model.forward(tokens)[0]
+
+
+def logits(model: Transformer, tokens) -> jax.Array:
+  """int32 [B, T] -> float32 logits [B, T, V] of a full causal pass (jitted; concrete token ids are checked first)."""
+  shape, dtype = np.shape(tokens), jnp.result_type(tokens)
+  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"tokens must be an integer array [batch, length], got {dtype} {shape}")
+  if not isinstance(tokens, jax.core.Tracer):
+    check_token_ids(model.config, np.asarray(tokens), np.ones(shape, bool))
+  return _logits(model, jnp.asarray(tokens))
 
 
 @functools.partial(jax.jit, static_argnames=("kv_cache", "cache_len"))
@@ -48,7 +57,7 @@ def prefill(model: Transformer, tokens, lengths, *, kv_cache: str = "bf16",
   Returns:
     (float32 logits [B, T, V], KVCache with lengths = lengths).
   """
-  cache_len = cache_len or model.config.max_seq_len
+  cache_len = model.config.max_seq_len if cache_len is None else cache_len
   get_kv_cache_mode(kv_cache)  # Clear error for an unknown mode before tracing.
   if not any(isinstance(a, jax.core.Tracer) for a in (tokens, lengths)):  # concrete prompts: check them by name
     validate_prompts(model.config, tokens, lengths, cache_len=cache_len)
@@ -69,6 +78,9 @@ def decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[
   if tokens.shape != cache.lengths.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):  # checked when traced
     raise ValueError(f"tokens must be an integer array of shape {cache.lengths.shape} (one per sequence of the "
                      f"cache), got {tokens.dtype} {tokens.shape}")
+  if len(cache.layers) != len(model.blocks):
+    raise ValueError(f"cache has {len(cache.layers)} layers but the model has {len(model.blocks)}: pass the cache "
+                     "that prefill built for this model")
   out, cache = model.decode(cache, tokens[:, None])
   return out[:, 0], cache
 
@@ -94,8 +106,8 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
                      "cache_len or give a longer cache")
   if not np.issubdtype(tokens.dtype, np.integer):
     raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-  if lengths.shape != (tokens.shape[0],):
-    raise ValueError(f"lengths must have shape ({tokens.shape[0]},), got {lengths.shape}")
+  if lengths.shape != (tokens.shape[0],) or not np.issubdtype(lengths.dtype, np.integer):
+    raise ValueError(f"lengths must be integers of shape ({tokens.shape[0]},), got {lengths.dtype} {lengths.shape}")
   if np.any(lengths < 1):
     raise ValueError(f"empty prompt: lengths={lengths.tolist()} must all be >= 1")
   if np.any(lengths > tokens.shape[1]):
@@ -105,7 +117,11 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
   if np.any(lengths + max_new_tokens > cache_len):
     raise ValueError(f"prompt too long: lengths={lengths.max()} + max_new_tokens={max_new_tokens} exceeds "
                      f"cache_len={cache_len}")
-  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  check_token_ids(config, tokens, np.arange(tokens.shape[1])[None, :] < lengths[:, None])
+
+
+def check_token_ids(config: ModelConfig, tokens: np.ndarray, valid: np.ndarray) -> None:
+  """Raises ValueError naming the first token id outside the vocabulary among int [B, T] `tokens` where `valid`."""
   bad = valid & ((tokens < 0) | (tokens >= config.vocab_size))
   if bad.any():
     row, col = np.argwhere(bad)[0]

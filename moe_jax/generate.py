@@ -99,10 +99,13 @@ def generate(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
     kv_cache: cache mode name.
     cache_len: cache positions; default prompt length + max_new_tokens.
   """
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+  max_new_tokens = int(max_new_tokens)
+  if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < model.config.vocab_size):
+    raise ValueError(f"eos_id={eos_id!r} must be None or a token id in [0, vocab_size={model.config.vocab_size})")
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  cache_len = cache_len or int(tokens.shape[1]) + max_new_tokens
+  cache_len = int(tokens.shape[1]) + max_new_tokens if cache_len is None else cache_len
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
   logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
   out, n, cache = decode_loop(model, cache, last_logits(logits, jnp.asarray(lengths)), key,
@@ -115,7 +118,7 @@ def stream(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
            cache_len: int | None = None) -> Iterator[np.ndarray]:
   """Python-driven decode for debugging: yields the int32 [B] tokens of each step as they are produced."""
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  cache_len = cache_len or int(tokens.shape[1]) + max_new_tokens
+  cache_len = int(tokens.shape[1]) + max_new_tokens if cache_len is None else cache_len
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
   logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
   params = sampling.arrays(tokens.shape[0])

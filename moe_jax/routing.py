@@ -49,6 +49,11 @@ def select_experts(
     weights: float32 [T, X], combine weights.
     ids: int32 [T, X], chosen experts, in descending order of biased affinity.
   """
+  t, e = logits.shape if logits.ndim == 2 else (None, None)
+  if e is None or not 1 <= k <= e:
+    raise ValueError(f"select_experts takes logits [T, E] and 1 <= k <= E, got logits {logits.shape} and k={k}")
+  if selection_bias is not None and selection_bias.shape not in ((e,), (t, e)):
+    raise ValueError(f"selection_bias must have shape ({e},) or ({t}, {e}), got {selection_bias.shape}")
   probs = affinities(logits, router)
   score = probs if selection_bias is None else probs + selection_bias
   _, ids = jax.lax.top_k(score, k)

@@ -205,6 +205,8 @@ def is_nk(ws: Int4Weights) -> bool:
 
 
 def _check(lhs, ws: Int4Weights, group_size: int):
+  if lhs.ndim != 2:
+    raise ValueError(f"lhs must be [M, Kp] (rows sorted by expert), got shape {lhs.shape}")
   if is_nk(ws):
     if ws.meta is not None:
       raise ValueError("the uint16 [E, N, Kp/4] layout is dense only; keep 2:4 weights in the uint8 layout")
@@ -218,6 +220,9 @@ def _check(lhs, ws: Int4Weights, group_size: int):
     raise ValueError(f"lhs has K={lhs.shape[1]} but the int4 weights hold Kp={kp}; pad lhs with zeros to Kp")
   if group_size % (128 if ws.meta is not None else 32) or kp % group_size:
     raise ValueError(f"group_size={group_size} must be a multiple of 32 (128 for 2:4) dividing Kp={kp}")
+  if ws.scale.shape != (e, kp // group_size, n):
+    raise ValueError(f"weights.scale has shape {ws.scale.shape} but group_size={group_size} needs "
+                     f"{(e, kp // group_size, n)}: pass the group_size the weights were quantized with")
   return e, kp, n
 
 
@@ -228,6 +233,9 @@ def _plan(lhs, weight_sets, group_sizes, group_size, block_m, block_n, split_k, 
     raise ValueError("fused weights must share one layout (all uint16 [E, N, Kp/4] or all uint8)")
   nk = layouts.pop()
   e, kp, n = _check(lhs, weight_sets[0], group_size)
+  if group_sizes.shape != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be an integer array of shape ({e},) (rows per expert), got "
+                     f"{group_sizes.dtype} {group_sizes.shape}")
   bn = ragged_tiles.pick_block_n(n, block_n)
   m, n_groups = lhs.shape[0], kp // group_size
   bm = block_m or ragged_tiles.pick_block_m(m, e, smallest=8 if nk else 16)

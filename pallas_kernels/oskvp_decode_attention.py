@@ -482,6 +482,27 @@ def poison_outputs(kernel, inputs, in_specs, out_specs, out_shape):
   return kernel, inputs, in_specs + out_specs, aliases
 
 
+def check_layout(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp,
+                 n_res) -> None:
+  """Raises ValueError naming the argument whose shape or dtype does not fit q [B, N, H] and codes_k [B, K, S, H/4]
+  (the layout of `oskvp_decode_attention`'s docstring; checked at trace time, free at run time)."""
+  b, _, h = q.shape
+  _, kh, s, _ = codes_k.shape
+  o_k, o_v = outl_k.shape[-1], outl_v.shape[-1]
+  want = dict(codes_k=(b, kh, s, h // 4), codes_v=(b, kh, s, h // 4), outl_k=(b, kh, s, o_k), outl_v=(b, kh, s, o_v),
+              scale_k=(b, kh, o_k), scale_v=(b, kh, o_v), cb_k=(b, kh, h, 4), cb_v=(b, kh, h, 4), u_k=(b, kh, h, h),
+              u_v=(b, kh, h, h), res_k=(b, kh, res_k.shape[2], h), res_v=res_k.shape, n_comp=(b,), n_res=(b,))
+  got = dict(codes_k=codes_k, codes_v=codes_v, outl_k=outl_k, outl_v=outl_v, scale_k=scale_k, scale_v=scale_v,
+             cb_k=cb_k, cb_v=cb_v, u_k=u_k, u_v=u_v, res_k=res_k, res_v=res_v, n_comp=n_comp, n_res=n_res)
+  for name, shape in want.items():
+    if tuple(got[name].shape) != tuple(shape):
+      raise ValueError(f"{name} must have shape {tuple(shape)} for q {tuple(q.shape)} and codes_k "
+                       f"{tuple(codes_k.shape)}, got {tuple(got[name].shape)}")
+  for name in ("n_comp", "n_res"):
+    if not jnp.issubdtype(got[name].dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array (valid tokens per row), got dtype {got[name].dtype}")
+
+
 def check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp):
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
@@ -594,6 +615,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     [B, N, H] in q's dtype.
   """
   args = (q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp, n_res)
+  check_layout(*args)
   if implementation == "xla":
     return oskvp_decode_attention_reference(*args)
   if implementation != "pallas":

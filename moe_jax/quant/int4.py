@@ -27,6 +27,25 @@ ALPHAS = tuple(i / 10 for i in range(11))
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
+def check_quantize_args(w, *, group_size, sparsity, calib_x, awq: bool, min_group: int) -> None:
+  """Raises ValueError naming the argument for inputs `quantize_int4` / `quantize_vq2` cannot quantize (shapes only,
+  so it costs nothing under jit). min_group: the dense format's group granularity (32 int4, 64 vq2)."""
+  if sparsity not in (None, "2:4"):
+    raise ValueError(f"sparsity={sparsity!r} must be None or '2:4'")
+  step = 128 if sparsity else min_group
+  if not isinstance(group_size, int) or group_size < step or group_size % step:
+    raise ValueError(f"group_size={group_size!r} must be a positive multiple of {step}"
+                     + (" with sparsity='2:4'" if sparsity else ""))
+  if awq and calib_x is None:
+    raise ValueError("awq=True needs calib_x, the experts' calibration inputs")
+  if len(w.shape) != 3:
+    raise ValueError(f"w must be an expert weight [E, K, N], got shape {tuple(w.shape)}")
+  if calib_x is not None and (len(calib_x.shape) != 3 or calib_x.shape[0] != w.shape[0]
+                              or calib_x.shape[2] != w.shape[1]):
+    raise ValueError(f"calib_x must be [E, R, K] = [{w.shape[0]}, R, {w.shape[1]}] for w of shape {tuple(w.shape)}, "
+                     f"got {tuple(calib_x.shape)}")
+
+
 def padded_k(k: int, group_size: int) -> int:
   return -(-k // group_size) * group_size
 
@@ -129,10 +148,7 @@ def quantize_int4(w: jax.Array, *, group_size: int = 128, sparsity: str | None =
   Returns:
     QuantizedExperts of kind "int4" or "int4_sp24".
   """
-  if sparsity not in (None, "2:4"):
-    raise ValueError(f"sparsity={sparsity!r} must be None or '2:4'")
-  if awq and calib_x is None:
-    raise ValueError("awq=True needs calib_x, the experts' calibration inputs")
+  check_quantize_args(w, group_size=group_size, sparsity=sparsity, calib_x=calib_x, awq=awq, min_group=32)
   e, k, n = w.shape
   kp = padded_k(k, group_size)
   w = pad_k(w.astype(jnp.float32), kp)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.quant.formats import QuantizedExperts, VQ2SparseWeights
-from moe_jax.quant.int4 import pad_k, padded_k, prune_24, quads
+from moe_jax.quant.int4 import check_quantize_args, pad_k, padded_k, prune_24, quads
 from pallas_kernels.vq2_grouped_matmul import VQ2Weights, pack_codebook, unpack_codebook
 
 CODEBOOK_SIZE = 256
@@ -105,8 +105,7 @@ def quantize_vq2(w: jax.Array, *, group_size: int = 128, codebook: str = "expert
     iters: k-means iterations.
     awq: weight the k-means and the scale refit by the calibration inputs' E[x_k^2] (module docstring); dense only.
   """
-  if sparsity not in (None, "2:4"):
-    raise ValueError(f"sparsity={sparsity!r} must be None or '2:4'")
+  check_quantize_args(w, group_size=group_size, sparsity=sparsity, calib_x=calib_x, awq=False, min_group=64)
   if awq and (calib_x is None or sparsity is not None):
     raise ValueError("awq=True needs calib_x, the experts' calibration inputs, and dense weights (sparsity=None)")
   e, k, n = w.shape

@@ -1,6 +1,8 @@
 """Prefill / decode_step / generate on the tiny model: incremental decoding equals the full pass, ragged batches
 equal per-sequence runs, bad input is rejected with a clear error."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,3 +177,37 @@ def test_decode_step_names_a_token_batch_that_is_not_the_caches(tiny_model):
     decode.decode_step(tiny_model, cache, np.ones((3,), np.int32))
   with pytest.raises(ValueError, match=r"got float32 \(2,\)"):
     decode.decode_step(tiny_model, cache, np.ones((2,), np.float32))
+
+
+def test_logits_names_bad_tokens(tiny_model):
+  with pytest.raises(ValueError, match=r"tokens must be an integer array \[batch, length\], got float32"):
+    decode.logits(tiny_model, jnp.ones((1, 3), jnp.float32))  # before: "indices must have an integer type"
+  with pytest.raises(ValueError, match=r"tokens must be an integer array \[batch, length\], got int32 \(3,\)"):
+    decode.logits(tiny_model, jnp.ones((3,), jnp.int32))  # before: IndexError in model.py
+  with pytest.raises(ValueError, match=r"token id 9999 at tokens\[0, 1\] is outside the vocabulary"):
+    decode.logits(tiny_model, jnp.asarray([[1, 9999]]))  # before: silent NaN logits
+
+
+def test_prefill_names_float_lengths_and_a_zero_cache_len(tiny_model):
+  with pytest.raises(ValueError, match=r"lengths must be integers of shape \(2,\), got float64"):
+    decode.prefill(tiny_model, np.ones((2, 3), np.int32), np.array([3.0, 2.5]), cache_len=8)  # before: truncated
+  with pytest.raises(ValueError, match="cache_len=0 must be an int >= 1"):
+    decode.prefill(tiny_model, np.ones((1, 3), np.int32), [3], cache_len=0)  # before: max_seq_len silently
+
+
+def test_decode_step_names_a_cache_of_another_model(tiny_model, tiny_config):
+  _, cache = decode.prefill(tiny_model, np.ones((2, 3), np.int32), [3, 3], cache_len=8)
+  other = decode.init_model(dataclasses.replace(tiny_config, n_layers=1))
+  with pytest.raises(ValueError, match="cache has 2 layers but the model has 1"):  # before: silently ran 1 layer
+    decode.decode_step(other, cache, np.ones((2,), np.int32))
+
+
+def test_generate_takes_a_numpy_integer_max_new_tokens(tiny_model):
+  out = generate(tiny_model, np.ones((1, 2), np.int32), [2], key=jax.random.key(0), max_new_tokens=np.int64(2))
+  assert out.tokens.shape == (1, 2)
+
+
+def test_generate_names_an_eos_id_outside_the_vocabulary(tiny_model, tiny_config):
+  vocab = tiny_config.vocab_size
+  with pytest.raises(ValueError, match=rf"eos_id=-5 must be None or a token id in \[0, vocab_size={vocab}\)"):
+    generate(tiny_model, np.ones((1, 2), np.int32), [2], key=jax.random.key(0), max_new_tokens=2, eos_id=-5)

@@ -91,6 +91,19 @@ def test_select_experts_properties():
                                                                  np.asarray(ids2), -1), rtol=1e-6)
 
 
+def test_select_experts_names_bad_k_logits_and_bias():
+  logits = jnp.zeros((5, 8))
+  for k in (9, 0):  # before: lax.top_k's error for 9, an empty [T, 0] result for 0
+    with pytest.raises(ValueError, match=rf"1 <= k <= E, got logits \(5, 8\) and k={k}"):
+      routing.select_experts(logits, k=k)
+  with pytest.raises(ValueError, match=r"logits \[T, E\]"):  # before: ran on a 1-D row
+    routing.select_experts(logits[0], k=2)
+  with pytest.raises(ValueError, match=r"selection_bias must have shape \(8,\) or \(5, 8\), got \(7,\)"):
+    routing.select_experts(logits, k=2, selection_bias=jnp.zeros(7))
+  with pytest.raises(ValueError, match="router='nope'"):
+    routing.select_experts(logits, k=2, router="nope")
+
+
 def test_load_balancing_loss_is_one_when_balanced():
   e = 4
   ids = jnp.arange(8).reshape(8, 1) % e

@@ -143,3 +143,15 @@ def test_k_mismatch_is_rejected():
   with pytest.raises(ValueError, match="pad lhs"):
     i4.int4_grouped_matmul(jnp.zeros((4, K - 8)), _weights(jax.random.key(0)), jnp.asarray([4, 0, 0, 0]),
                            interpret=True)
+
+
+def test_group_sizes_lhs_rank_and_group_size_mismatch_are_named():
+  ws, x = i4.to_nk_layout(_weights(jax.random.key(0)), group_size=G), jnp.zeros((4, K))
+  for bad in (jnp.asarray([4, 0, 0]), jnp.asarray([[4, 0, 0, 0]]), jnp.asarray([4.0, 0, 0, 0])):  # before: silent/NaN
+    with pytest.raises(ValueError, match=r"group_sizes must be an integer array of shape \(4,\)"):
+      i4.int4_grouped_matmul(x, ws, bad, interpret=True)
+  gs = jnp.asarray([4, 0, 0, 0])
+  with pytest.raises(ValueError, match="pass the group_size the weights were quantized with"):  # before: silent
+    i4.int4_grouped_matmul(x, ws, gs, group_size=64, interpret=True)
+  with pytest.raises(ValueError, match=r"lhs must be \[M, Kp\]"):
+    i4.int4_grouped_matmul(x[None], ws, gs, interpret=True)

@@ -224,6 +224,19 @@ def test_entry_point_switch_and_validation():
     oskvp_decode_attention(*bad, interpret=True)
 
 
+def test_entry_point_names_mismatched_value_side_and_lengths():
+  args = list(random_oskvp_inputs(5, batch=2, heads=4, kv_heads=1, head_dim=64, capacity=16, window=16))
+  cases = {5: ("codes_v", args[5][:, :, :8]), 8: ("cb_v", args[8][..., :2]), 12: ("res_v", args[12][:, :, :8]),
+           14: ("n_res", np.ones(3, np.int32))}  # before: silent, a crash deep in the kernel, or NaN
+  for implementation in ("xla", "pallas"):
+    for i, (name, bad) in cases.items():
+      with pytest.raises(ValueError, match=f"{name} must have shape"):
+        oskvp_decode_attention(*args[:i], bad, *args[i + 1:], implementation=implementation, interpret=True)
+    with pytest.raises(ValueError, match="n_comp must be an integer array"):
+      oskvp_decode_attention(*args[:13], np.asarray(args[13], np.float32), args[14], implementation=implementation,
+                             interpret=True)
+
+
 def test_matches_kv_quant_reference_on_quantized_keys():
   """Real OS-KVP caches (moe_jax.kv_quant fits U, codebooks and fp8 scales on keys/values with outlier channels and
   quantizes them): the kernel matches kv_quant's own XLA decode attention, and so does this file's reference."""

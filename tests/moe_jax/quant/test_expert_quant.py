@@ -119,6 +119,23 @@ def test_vq2_awq_lowers_the_output_error_on_uneven_channels():
     quant.QuantSpec("vq2", awq=True, sparsity="2:4")
 
 
+def test_quantizers_name_bad_shapes_and_group_sizes():
+  w = jnp.ones((2, 256, 64), jnp.float32)
+  x = jnp.ones((2, 8, 256), jnp.float32)
+  for fn in (quant.quantize_int4, functools.partial(quant.quantize_vq2, iters=1)):
+    with pytest.raises(ValueError, match=r"w must be an expert weight \[E, K, N\]"):
+      fn(w[0])
+    with pytest.raises(ValueError, match="group_size=100 must be a positive multiple of"):
+      fn(w, group_size=100)
+    with pytest.raises(ValueError, match="group_size=64 must be a positive multiple of 128 with sparsity='2:4'"):
+      fn(w, group_size=64, sparsity="2:4")
+    for bad in (x[:, :, :128], x[0], x[:1], jnp.swapaxes(x, 1, 2)):  # wrong K, 2-D, wrong E, [E, K, R]
+      with pytest.raises(ValueError, match=r"calib_x must be \[E, R, K\] = \[2, R, 256\]"):
+        fn(w, calib_x=bad, awq=True)
+  with pytest.raises(ValueError, match="group_size=32 must be a positive multiple of 64"):
+    quant.quantize_vq2(w, group_size=32)
+
+
 def test_pallas_registry_runs_vq2_and_falls_back_for_arrays():
   q = quant.quantize_vq2(_w(5), iters=2)
   x = jax.random.normal(jax.random.key(6), (9, K))
