@@ -33,6 +33,8 @@ def logits(model: Transformer, tokens) -> jax.Array:
   shape, dtype = np.shape(tokens), jnp.result_type(tokens)
   if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"tokens must be an integer array [batch, length], got {dtype} {shape}")
+  if shape[1] > model.config.max_seq_len:
+    raise ValueError(f"tokens has length {shape[1]} > max_seq_len={model.config.max_seq_len} of the model")
   if not isinstance(tokens, jax.core.Tracer):
     check_token_ids(model.config, np.asarray(tokens), np.ones(shape, bool))
   return _logits(model, jnp.asarray(tokens))
@@ -75,6 +77,8 @@ def decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[
   Returns:
     (float32 logits [B, V] for the following position, KVCache with lengths + 1).
   """
+  if not hasattr(tokens, "shape"):
+    raise TypeError(f"tokens must be an integer array [B], got a {type(tokens).__name__}: pass jnp.asarray(tokens)")
   if tokens.shape != cache.lengths.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):  # checked when traced
     raise ValueError(f"tokens must be an integer array of shape {cache.lengths.shape} (one per sequence of the "
                      f"cache), got {tokens.dtype} {tokens.shape}")

@@ -106,6 +106,8 @@ def quantize_vq2(w: jax.Array, *, group_size: int = 128, codebook: str = "expert
     awq: weight the k-means and the scale refit by the calibration inputs' E[x_k^2] (module docstring); dense only.
   """
   check_quantize_args(w, group_size=group_size, sparsity=sparsity, calib_x=calib_x, awq=False, min_group=64)
+  if not isinstance(iters, int) or iters < 1:
+    raise ValueError(f"iters={iters!r} must be a positive int (k-means iterations)")
   if awq and (calib_x is None or sparsity is not None):
     raise ValueError("awq=True needs calib_x, the experts' calibration inputs, and dense weights (sparsity=None)")
   e, k, n = w.shape

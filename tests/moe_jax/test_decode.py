@@ -186,6 +186,9 @@ def test_logits_names_bad_tokens(tiny_model):
     decode.logits(tiny_model, jnp.ones((3,), jnp.int32))  # before: IndexError in model.py
   with pytest.raises(ValueError, match=r"token id 9999 at tokens\[0, 1\] is outside the vocabulary"):
     decode.logits(tiny_model, jnp.asarray([[1, 9999]]))  # before: silent NaN logits
+  too_long = tiny_model.config.max_seq_len + 1
+  with pytest.raises(ValueError, match=rf"tokens has length {too_long} > max_seq_len="):
+    decode.logits(tiny_model, jnp.ones((1, too_long), jnp.int32))
 
 
 def test_prefill_names_float_lengths_and_a_zero_cache_len(tiny_model):
@@ -200,6 +203,8 @@ def test_decode_step_names_a_cache_of_another_model(tiny_model, tiny_config):
   other = decode.init_model(dataclasses.replace(tiny_config, n_layers=1))
   with pytest.raises(ValueError, match="cache has 2 layers but the model has 1"):  # before: silently ran 1 layer
     decode.decode_step(other, cache, np.ones((2,), np.int32))
+  with pytest.raises(TypeError, match=r"tokens must be an integer array \[B\], got a list"):  # before: AttributeError
+    decode.decode_step(tiny_model, cache, [1, 2])
 
 
 def test_generate_takes_a_numpy_integer_max_new_tokens(tiny_model):

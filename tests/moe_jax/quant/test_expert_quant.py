@@ -134,6 +134,8 @@ def test_quantizers_name_bad_shapes_and_group_sizes():
         fn(w, calib_x=bad, awq=True)
   with pytest.raises(ValueError, match="group_size=32 must be a positive multiple of 64"):
     quant.quantize_vq2(w, group_size=32)
+  with pytest.raises(ValueError, match="iters=0 must be a positive int"):  # before: silently no k-means step
+    quant.quantize_vq2(w, iters=0)
 
 
 def test_pallas_registry_runs_vq2_and_falls_back_for_arrays():
