@@ -197,6 +197,8 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
 
+  from moe_jax import cli
+
   flags.DEFINE_string("config", "tiny", "Preset name (random weights).")
   flags.DEFINE_string("checkpoint", None, "Shipped checkpoint name (e.g. tiny-trained) or a checkpoint directory.")
   flags.DEFINE_string("hf", None, "Hugging Face model directory.")
@@ -206,7 +208,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("slots", 32, "Decode slots.")
   flags.DEFINE_integer("cache_len", 0, "Positions per slot (0: the model's max_seq_len).")
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode.")
-  flags.DEFINE_integer("kv_calib_windows", 16, "Training-split windows that calibrate --kv_cache=oskvp_static.")
+  cli.define_kv_calib_windows()
   flags.DEFINE_list("prefill_lengths", ["32", "128", "512"], "Prefill bucket lengths.")
   flags.DEFINE_list("prefill_batches", ["1", "8"], "Prefill group sizes.")
   flags.DEFINE_integer("seed", 0, "PRNG seed.")

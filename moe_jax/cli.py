@@ -110,8 +110,6 @@ def setup_kv_cache(model, kv_cache: str, *, calib_windows: int = CALIB_WINDOWS, 
   from moe_jax.kv_cache import get_kv_cache_mode  # pylint: disable=g-import-not-at-top
 
   mode = get_kv_cache_mode(kv_cache)
-  if kv_cache in ("bf16", "fp32"):
-    return None
   from moe_jax.kv_quant import static  # pylint: disable=g-import-not-at-top
   from moe_jax.kv_quant.oskvp_cache import StaticOSKVPMode  # pylint: disable=g-import-not-at-top
 
@@ -126,6 +124,14 @@ def setup_kv_cache(model, kv_cache: str, *, calib_windows: int = CALIB_WINDOWS, 
                                                   window=mode.window, implementation=mode.implementation)
   static.install(calibrated, name=kv_cache)
   return calibrated
+
+
+def define_kv_calib_windows() -> None:
+  """Defines `--kv_calib_windows` (absl) for the tool being run, which takes `--kv_cache`."""
+  import sys  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_integer("kv_calib_windows", CALIB_WINDOWS, "Training-split windows that calibrate "
+                       "--kv_cache=oskvp_static.", module_name=sys.argv[0])  # listed by the tool's --helpshort
 
 
 def from_flags(flags_) -> tuple[ModelConfig, Any, Any]:

@@ -36,7 +36,7 @@ def logits(model: Transformer, tokens) -> jax.Array:
   if shape[1] > model.config.max_seq_len:
     raise ValueError(f"tokens has length {shape[1]} > max_seq_len={model.config.max_seq_len} of the model")
   if not isinstance(tokens, jax.core.Tracer):
-    check_token_ids(model.config, np.asarray(tokens), np.ones(shape, bool))
+    check_token_ids(model.config, np.asarray(tokens))
   return _logits(model, jnp.asarray(tokens))
 
 
@@ -124,9 +124,11 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
   check_token_ids(config, tokens, np.arange(tokens.shape[1])[None, :] < lengths[:, None])
 
 
-def check_token_ids(config: ModelConfig, tokens: np.ndarray, valid: np.ndarray) -> None:
-  """Raises ValueError naming the first token id outside the vocabulary among int [B, T] `tokens` where `valid`."""
-  bad = valid & ((tokens < 0) | (tokens >= config.vocab_size))
+def check_token_ids(config: ModelConfig, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
+  """Raises ValueError naming the first token id outside the vocabulary among int [B, T] `tokens` (where `valid`,
+  bool [B, T], if given)."""
+  bad = (tokens < 0) | (tokens >= config.vocab_size)
+  bad = bad if valid is None else bad & valid
   if bad.any():
     row, col = np.argwhere(bad)[0]
     raise ValueError(f"token id {int(tokens[row, col])} at tokens[{row}, {col}] is outside the vocabulary "

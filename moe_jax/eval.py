@@ -239,10 +239,12 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
 
+  from moe_jax import cli
+
   flags.DEFINE_string("checkpoint", "tiny-trained", "Shipped checkpoint name, checkpoint directory, quantized "
                       "directory (moe_jax.quant.convert --out) or training --workdir (moe_jax.cli.load_checkpoint).")
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode (moe_jax.kv_cache / moe_jax.kv_quant).")
-  flags.DEFINE_integer("kv_calib_windows", 16, "Training-split windows that calibrate --kv_cache=oskvp_static.")
+  cli.define_kv_calib_windows()
   flags.DEFINE_string("expert_quant", "none", "Expert weight quantization mode (EXPERT_QUANT_MODES).")
   flags.DEFINE_string("routing", "default", "Routing mode (ROUTING_MODES).")
   flags.DEFINE_integer("n_windows", DEFAULTS["n_windows"], "Validation windows.")

@@ -140,13 +140,6 @@ def pad_batch(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[np.ndarra
   return out, lengths
 
 
-def _load(flags_):
-  """(config, model, tokenizer) from --hf, --checkpoint or --config, --kv_cache prepared: `moe_jax.cli.from_flags`
-  (kept under this name for the tools that import it)."""
-  from moe_jax import cli  # pylint: disable=g-import-not-at-top
-  return cli.from_flags(flags_)
-
-
 def prompt_cache_len(config, prompt_tokens: int, *, max_new_tokens: int, cache_len: int = 0) -> int:
   """The CLI's cache length (`--cache_len`, or 0: the prompt + `--max_new_tokens`), checked against the model.
 
@@ -212,6 +205,8 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
 
+  from moe_jax import cli
+
   flags.DEFINE_string("config", "tiny", "Preset name (random weights).")
   flags.DEFINE_string("checkpoint", None, "Shipped checkpoint name (e.g. tiny-trained) or a checkpoint directory.")
   flags.DEFINE_string("hf", None, "Hugging Face model directory (config.json + safetensors + tokenizer.json).")
@@ -224,6 +219,6 @@ if __name__ == "__main__":
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode: bf16, fp32, fp8, int8, kivi2, oskvp, oskvp3, oskvp_static "
                       "(calibrated at start on --kv_calib_windows training windows), ...")
-  flags.DEFINE_integer("kv_calib_windows", 16, "Training-split windows that calibrate --kv_cache=oskvp_static.")
+  cli.define_kv_calib_windows()
   flags.DEFINE_integer("cache_len", 0, "KV cache positions (0: prompt + max_new_tokens).")
   app.run(main)

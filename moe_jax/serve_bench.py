@@ -101,6 +101,8 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
 
+  from moe_jax import cli
+
   flags.DEFINE_string("config", "tiny", "Preset name (random weights).")
   flags.DEFINE_string("checkpoint", None, "Shipped checkpoint name or a checkpoint directory.")
   flags.DEFINE_string("hf", None, "Hugging Face model directory.")
@@ -111,7 +113,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("gen_len", 16, "Generated tokens per request.")
   flags.DEFINE_integer("slots", 0, "Decode slots (0: --concurrency).")
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode.")
-  flags.DEFINE_integer("kv_calib_windows", 16, "Training-split windows that calibrate --kv_cache=oskvp_static.")
+  cli.define_kv_calib_windows()
   flags.DEFINE_integer("cache_len", 0, "Positions per slot (0: prompt_len + gen_len).")
   flags.DEFINE_list("prefill_batches", ["1", "8"], "Prefill group sizes compiled.")
   flags.DEFINE_float("temperature", 0.0, "0: greedy.")

@@ -482,46 +482,43 @@ def poison_outputs(kernel, inputs, in_specs, out_specs, out_shape):
   return kernel, inputs, in_specs + out_specs, aliases
 
 
-def check_layout(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp,
-                 n_res) -> None:
-  """Raises ValueError naming the argument whose shape or dtype does not fit q [B, N, H] and codes_k [B, K, S, H/4]
-  (the layout of `oskvp_decode_attention`'s docstring; checked at trace time, free at run time)."""
-  b, _, h = q.shape
-  _, kh, s, _ = codes_k.shape
-  o_k, o_v = outl_k.shape[-1], outl_v.shape[-1]
-  want = dict(codes_k=(b, kh, s, h // 4), codes_v=(b, kh, s, h // 4), outl_k=(b, kh, s, o_k), outl_v=(b, kh, s, o_v),
-              scale_k=(b, kh, o_k), scale_v=(b, kh, o_v), cb_k=(b, kh, h, 4), cb_v=(b, kh, h, 4), u_k=(b, kh, h, h),
-              u_v=(b, kh, h, h), res_k=(b, kh, res_k.shape[2], h), res_v=res_k.shape, n_comp=(b,), n_res=(b,))
-  got = dict(codes_k=codes_k, codes_v=codes_v, outl_k=outl_k, outl_v=outl_v, scale_k=scale_k, scale_v=scale_v,
-             cb_k=cb_k, cb_v=cb_v, u_k=u_k, u_v=u_v, res_k=res_k, res_v=res_v, n_comp=n_comp, n_res=n_res)
-  for name, shape in want.items():
-    if tuple(got[name].shape) != tuple(shape):
-      raise ValueError(f"{name} must have shape {tuple(shape)} for q {tuple(q.shape)} and codes_k "
-                       f"{tuple(codes_k.shape)}, got {tuple(got[name].shape)}")
-  for name in ("n_comp", "n_res"):
-    if not jnp.issubdtype(got[name].dtype, jnp.integer):
-      raise ValueError(f"{name} must be an integer array (valid tokens per row), got dtype {got[name].dtype}")
+_ARGS = ("q", "codes_k", "outl_k", "scale_k", "cb_k", "codes_v", "outl_v", "scale_v", "cb_v", "u_k", "u_v", "res_k",
+         "res_v", "n_comp", "n_res")
 
 
-def check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp):
-  b, n, h = q.shape
-  _, kh, s, qd = codes_k.shape
-  if h % 64:
-    raise ValueError(f"head dim {h=} must be a multiple of 64 (each code plane is a Triton dot of >= 16)")
-  if qd * 4 != h:
-    raise ValueError(f"codes_k.shape[-1]={qd} must be H/4 = {h // 4}")
+def check_layout(*args) -> None:
+  """Raises ValueError naming the argument (in `oskvp_decode_attention`'s order) whose shape or dtype does not fit
+  q [B, N, H] and codes_k [B, K, S, H/4], the layout of its docstring (checked at trace time, free at run time)."""
+  a = dict(zip(_ARGS, args))
+  b, n, h = a["q"].shape
+  _, kh, s, _ = a["codes_k"].shape
   if n % kh:
     raise ValueError(f"{kh=} kv heads must divide {n=} query heads")
+  o_k, o_v, r = a["outl_k"].shape[-1], a["outl_v"].shape[-1], a["res_k"].shape[2]
+  want = dict(codes_k=(b, kh, s, h // 4), codes_v=(b, kh, s, h // 4), outl_k=(b, kh, s, o_k), outl_v=(b, kh, s, o_v),
+              scale_k=(b, kh, o_k), scale_v=(b, kh, o_v), cb_k=(b, kh, h, 4), cb_v=(b, kh, h, 4), u_k=(b, kh, h, h),
+              u_v=(b, kh, h, h), res_k=(b, kh, r, h), res_v=(b, kh, r, h), n_comp=(b,), n_res=(b,))
+  for name, shape in want.items():
+    if tuple(a[name].shape) != shape:
+      raise ValueError(f"{name} must have shape {shape} for q {tuple(a['q'].shape)} and codes_k "
+                       f"{tuple(a['codes_k'].shape)}, got {tuple(a[name].shape)}")
+  for name in ("n_comp", "n_res"):
+    if not jnp.issubdtype(a[name].dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array (valid tokens per row), got dtype {a[name].dtype}")
+
+
+def check_kernel_shapes(q, codes_k, outl_k) -> None:
+  """What the Pallas kernel needs beyond `check_layout`: H a multiple of 64, G = N / K a power of two, 1..H outliers."""
+  _, n, h = q.shape
+  kh = codes_k.shape[1]
+  if h % 64:
+    raise ValueError(f"head dim {h=} must be a multiple of 64 (each code plane is a Triton dot of >= 16)")
   g = n // kh
   if g & (g - 1):
     raise ValueError(f"G = N / K = {g} must be a power of two")
   o = outl_k.shape[-1]
   if not 1 <= o <= h:
     raise ValueError(f"outlier channels {o=} must be in [1, H]")
-  if cb_k.shape != (b, kh, h, 4) or u_k.shape != (b, kh, h, h) or scale_k.shape != (b, kh, o):
-    raise ValueError(f"bad cache shapes: {cb_k.shape=}, {u_k.shape=}, {scale_k.shape=}")
-  if res_k.shape[:2] != (b, kh) or res_k.shape[3] != h or n_comp.shape != (b,):
-    raise ValueError(f"bad shapes: {res_k.shape=}, {n_comp.shape=}")
 
 
 @functools.partial(jax.jit, static_argnames=["interpret", "config", "poison", "symmetric_codebooks"])
@@ -620,7 +617,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     return oskvp_decode_attention_reference(*args)
   if implementation != "pallas":
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
-  check_shapes(q, codes_k, outl_k, scale_k, cb_k, u_k, res_k, n_comp)
+  check_kernel_shapes(q, codes_k, outl_k)
   check_triton_offsets(codes_k=codes_k, codes_v=codes_v, outl_k=outl_k, outl_v=outl_v)
   return _oskvp_pallas(*args, interpret=interpret, config=config or default_config(q.shape[-1]),
                        symmetric_codebooks=symmetric_codebooks)

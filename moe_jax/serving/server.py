@@ -220,11 +220,11 @@ def serve(engine: Engine, tokenizer, *, host: str = "127.0.0.1", port: int = 0,
 def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from moe_jax.generate import _load  # pylint: disable=g-import-not-at-top
+  from moe_jax import cli  # pylint: disable=g-import-not-at-top
   from moe_jax.serving.engine import EngineConfig  # pylint: disable=g-import-not-at-top
 
   f = flags.FLAGS
-  config, model, tokenizer = _load(f)
+  config, model, tokenizer = cli.from_flags(f)
   cache_len = f.cache_len or config.max_seq_len
   engine = Engine(model, EngineConfig(num_slots=f.slots, cache_len=cache_len, kv_cache=f.kv_cache,
                                       prefill_lengths=tuple(sorted({min(int(x), cache_len)
@@ -244,6 +244,8 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
 
+  from moe_jax import cli
+
   flags.DEFINE_string("config", "tiny", "Preset name (random weights).")
   flags.DEFINE_string("checkpoint", None, "Shipped checkpoint name or a checkpoint directory.")
   flags.DEFINE_string("hf", None, "Hugging Face model directory.")
@@ -253,6 +255,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("slots", 32, "Decode slots.")
   flags.DEFINE_integer("cache_len", 0, "Positions per slot (0: the model's max_seq_len).")
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode.")
+  cli.define_kv_calib_windows()
   flags.DEFINE_list("prefill_lengths", ["32", "128", "512"], "Prefill bucket lengths.")
   flags.DEFINE_integer("max_queue", 256, "Pending requests before 429.")
   app.run(main)
