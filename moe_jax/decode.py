@@ -67,18 +67,26 @@ def prefill(model: Transformer, tokens, lengths, *, kv_cache: str = "bf16",
                   cache_len=cache_len)
 
 
-@jax.jit
-def decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
-  """Appends one token per sequence.
+def decode_step(model: Transformer, cache: KVCache, tokens) -> tuple[jax.Array, KVCache]:
+  """Appends one token per sequence (jitted).
 
   Args:
-    tokens: int32 [B], the next token of each sequence.
+    tokens: int32 [B], the next token of each sequence. Host (numpy) ids are checked against the vocabulary first;
+      ids already on the device are not (that check would wait for the device each step), and an id outside the
+      vocabulary there gives NaN logits.
 
   Returns:
     (float32 logits [B, V] for the following position, KVCache with lengths + 1).
   """
   if not hasattr(tokens, "shape"):
     raise TypeError(f"tokens must be an integer array [B], got a {type(tokens).__name__}: pass jnp.asarray(tokens)")
+  if isinstance(tokens, np.ndarray) and np.issubdtype(tokens.dtype, np.integer) and tokens.ndim == 1:
+    check_token_ids(model.config, tokens)
+  return _decode_step(model, cache, tokens)
+
+
+@jax.jit
+def _decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
   if tokens.shape != cache.lengths.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):  # checked when traced
     raise ValueError(f"tokens must be an integer array of shape {cache.lengths.shape} (one per sequence of the "
                      f"cache), got {tokens.dtype} {tokens.shape}")
@@ -125,11 +133,11 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
 
 
 def check_token_ids(config: ModelConfig, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
-  """Raises ValueError naming the first token id outside the vocabulary among int [B, T] `tokens` (where `valid`,
-  bool [B, T], if given)."""
+  """Raises ValueError naming the first token id outside the vocabulary among int `tokens` of any shape (where
+  `valid`, bool of the same shape, if given)."""
   bad = (tokens < 0) | (tokens >= config.vocab_size)
   bad = bad if valid is None else bad & valid
   if bad.any():
-    row, col = np.argwhere(bad)[0]
-    raise ValueError(f"token id {int(tokens[row, col])} at tokens[{row}, {col}] is outside the vocabulary "
-                     f"[0, vocab_size={config.vocab_size})")
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"token id {int(tokens[where])} at tokens[{', '.join(map(str, where))}] is outside the "
+                     f"vocabulary [0, vocab_size={config.vocab_size})")

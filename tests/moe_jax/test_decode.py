@@ -179,6 +179,17 @@ def test_decode_step_names_a_token_batch_that_is_not_the_caches(tiny_model):
     decode.decode_step(tiny_model, cache, np.ones((2,), np.float32))
 
 
+def test_decode_step_names_a_host_token_outside_the_vocabulary(tiny_model):
+  _, cache = decode.prefill(tiny_model, np.ones((2, 3), np.int32), [3, 3], cache_len=8)
+  bad = tiny_model.config.vocab_size
+  with pytest.raises(ValueError, match=rf"token id {bad} at tokens\[1\] is outside the vocabulary"):
+    decode.decode_step(tiny_model, cache, np.array([1, bad], np.int32))  # before: NaN logits for row 1
+  with pytest.raises(ValueError, match=r"token id -1 at tokens\[0\]"):
+    decode.decode_step(tiny_model, cache, np.array([-1, 1], np.int64))
+  step, _ = decode.decode_step(tiny_model, cache, np.array([0, bad - 1], np.int32))  # the vocabulary's two ends
+  assert np.isfinite(np.asarray(step)).all()
+
+
 def test_logits_names_bad_tokens(tiny_model):
   with pytest.raises(ValueError, match=r"tokens must be an integer array \[batch, length\], got float32"):
     decode.logits(tiny_model, jnp.ones((1, 3), jnp.float32))  # before: "indices must have an integer type"
