@@ -99,8 +99,10 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
   if not isinstance(max_tokens, int) or max_tokens < 1:  # the default of every line without its own: refuse it once
     raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-  with open(input_path) as f:
-    lines = f.read().splitlines()
+  with open(input_path, encoding="utf-8") as f:  # lines end at "\n" only: JSON strings may hold U+2028 and the like
+    lines = f.read().split("\n")
+  if lines and not lines[-1]:
+    lines.pop()
   torn = truncate_torn_tail(output_path)
   if torn:
     log(f"{output_path}: removed a torn last line ({torn} bytes) left by an interrupted run; its request is redone")

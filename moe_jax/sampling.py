@@ -10,6 +10,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+_F32_MAX = float(np.finfo(np.float32).max)  # the per-row arrays are float32 / int32
+_I32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,10 +31,10 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and self.temperature < float("inf")):
-      raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
+    if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= _F32_MAX):
+      raise ValueError(f"temperature={self.temperature!r} must be a number in [0, {_F32_MAX:.3g}] (float32)")
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= _I32_MAX:
+      raise ValueError(f"top_k={self.top_k!r} must be an int in [0, {_I32_MAX}] (0 disables it)")
     if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
       raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
 

@@ -7,10 +7,10 @@ against each request decoded alone (exact in float32, near-ties only in bf16).
 """
 
 from moe_jax.serving.engine import Engine, EngineConfig, EngineStats
-from moe_jax.serving.request import (InvalidRequest, NonFiniteLogits, QueueFull, Request, RequestFailed,
-                                     RequestHandle, ServingError)
+from moe_jax.serving.request import (AutoId, CallbackFailed, InvalidRequest, NonFiniteLogits, QueueFull, Request,
+                                     RequestFailed, RequestHandle, ServingError)
 
 __all__ = [
-    "Engine", "EngineConfig", "EngineStats", "InvalidRequest", "NonFiniteLogits", "QueueFull", "Request",
-    "RequestFailed", "RequestHandle", "ServingError",
+    "AutoId", "CallbackFailed", "Engine", "EngineConfig", "EngineStats", "InvalidRequest", "NonFiniteLogits",
+    "QueueFull", "Request", "RequestFailed", "RequestHandle", "ServingError",
 ]

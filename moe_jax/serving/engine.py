@@ -18,6 +18,11 @@ One `step()`:
   3. runs the decode step over all B slots (inactive slots masked: they compute but keep their length), streams each
      active slot's token, and ends requests on a stop token, at max_tokens, on cancellation, or on non-finite logits.
 
+Failures stay with the requests they concern: a client callback that raises ends its own request (`CallbackFailed`);
+an exception in a prefill ends that group's requests and one in the decode step the running requests (`RequestFailed`,
+logged), and the engine goes on with the rest of the queue. `step()` holds a lock, so threads that step a
+caller-driven engine take turns.
+
 Compiled shapes: prefill [P, T] for P in prefill_batches and T in prefill_lengths, extend [P, max T], insert and
 first-token sampling per P, and one decode step [B]. `warmup()` compiles them all.
 
@@ -34,11 +39,12 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 
 from moe_jax.kv_cache import DenseMode, get_kv_cache_mode
 from moe_jax.serving import steps
-from moe_jax.serving.request import (CANCELLED, FAILED, FINISHED, RUNNING, InvalidRequest, NonFiniteLogits,
-                                     QueueFull, RequestHandle, validate_request)
+from moe_jax.serving.request import (CANCELLED, FAILED, FINISHED, RUNNING, CallbackFailed, InvalidRequest,
+                                     NonFiniteLogits, QueueFull, RequestFailed, RequestHandle, validate_request)
 from moe_jax.tokenizer import PAD_ID
 
 
@@ -152,6 +158,7 @@ class Engine:
     self._ids: set = set()
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
+    self._step_lock = threading.RLock()
     self.stats = EngineStats()
 
   # ---------------------------------------------------------------- client side
@@ -220,11 +227,15 @@ class Engine:
 
   def step(self) -> bool:
     """One scheduler iteration (cancel, admit + prefill, one decode step). Returns whether work remains."""
-    self._reap_cancelled()
-    self._admit()
-    if self._active.any():
-      self._decode()
-    return self.has_work()
+    with self._step_lock:
+      self._reap_cancelled()
+      self._admit()
+      if self._active.any():
+        try:
+          self._decode()
+        except Exception as e:  # pylint: disable=broad-exception-caught
+          self._fail_running(e)
+      return self.has_work()
 
   def run_until_idle(self, max_steps: int | None = None) -> int:
     """Steps until no request is queued or running; returns the steps taken."""
@@ -296,12 +307,38 @@ class Engine:
       self.stats.failed += 1
     else:
       self.stats.cancelled += 1
-    handle._end(status, reason, error)  # pylint: disable=protected-access
+    try:
+      handle._end(status, reason, error)  # pylint: disable=protected-access
+    except Exception:  # pylint: disable=broad-exception-caught
+      logging.exception("request %r: its on_finish callback raised (the request ended %s)", handle.request_id, status)
+
+  def _deliver(self, handle: RequestHandle, token: int, now: float) -> bool:
+    """Streams `token` to `handle`; if its on_token callback raises, ends that request alone. Returns whether it is
+    still running."""
+    try:
+      handle._emit(token, now)  # pylint: disable=protected-access
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      error = CallbackFailed(f"request {handle.request_id!r}: its on_token callback raised {e!r}; request stopped")
+      error.__cause__ = e
+      self._end(handle, FAILED, "error", error)
+      return False
+    return True
 
   def _free_slot(self, slot: int) -> None:
     self._active[slot] = False
     self._slot_handle[slot] = None
+    self._temperature[slot], self._top_k[slot], self._top_p[slot] = 0, 0, 1  # greedy steps skip the sort
     self._free.append(slot)
+
+  def _fail_running(self, e: Exception) -> None:
+    """Ends every running request with `e` (the decode step raised) and frees the slots."""
+    logging.exception("the decode step raised; failing the %d running requests", int(self._active.sum()))
+    for slot in np.flatnonzero(self._active):
+      h = self._slot_handle[slot]
+      self._free_slot(slot)
+      error = RequestFailed(f"request {h.request_id!r}: the decode step raised {e!r}")
+      error.__cause__ = e
+      self._end(h, FAILED, "error", error)
 
   def _reap_cancelled(self) -> None:
     for slot in np.flatnonzero(self._active):
@@ -338,6 +375,42 @@ class Engine:
         self._prefill_group(hs[i:i + max_p], t)
 
   def _prefill_group(self, hs: list[RequestHandle], t: int) -> None:
+    """Prefills `hs` (prompts of at most bucket `t`, or chunked beyond the largest) into free slots and streams each
+    request's first token; if the device work raises, the group's requests fail and their slots are returned."""
+    slots = [self._free.popleft() for _ in hs]
+    try:
+      tok, finite, n, (temp, top_k, top_p) = self._prefill_rows(hs, t, slots)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      logging.exception("a prefill of %d requests raised; failing them", len(hs))
+      self._free.extend(slots)
+      for h in hs:
+        error = RequestFailed(f"request {h.request_id!r}: its prefill raised {e!r}")
+        error.__cause__ = e
+        self._end(h, FAILED, "error", error)
+      return
+    now = time.perf_counter()
+    for i, (h, slot) in enumerate(zip(hs, slots)):
+      if not finite[i]:
+        self._free.append(slot)
+        self._end(h, FAILED, "error", NonFiniteLogits(
+            f"request {h.request_id!r}: non-finite logits after the prompt; no token was sampled"))
+        continue
+      h.status, h.slot = RUNNING, slot
+      if not self._deliver(h, int(tok[i]), now) or self._finished(h, int(tok[i])):
+        self._free.append(slot)
+        continue
+      self._slot_handle[slot] = h
+      self._active[slot] = True
+      self._tokens[slot] = tok[i]
+      self._lengths[slot] = n[i]
+      self._temperature[slot], self._top_k[slot], self._top_p[slot] = temp[i], top_k[i], top_p[i]
+
+  def _prefill_rows(self, hs: list[RequestHandle], t: int, slots: list[int]):
+    """The device side of `_prefill_group`: prefill (+ extend), first-token sampling and the insert into `slots`.
+
+    Returns:
+      (first tokens int32 [P], finite bool [P], prompt lengths int32 [P], per-row sampling arrays of the group).
+    """
     c = self.config
     p = next(q for q in c.prefill_batches if q >= len(hs))
     n = np.ones((p,), np.int32)  # padding rows: one token, dropped at insert
@@ -345,9 +418,8 @@ class Engine:
     prompts = np.full((p, int(n.max())), PAD_ID % self.vocab_size, np.int32)
     for i, h in enumerate(hs):
       prompts[i, :n[i]] = h.request.prompt
-    slots = np.full((p,), c.num_slots, np.int32)
-    for i, h in enumerate(hs):
-      slots[i] = self._free.popleft()
+    rows_slots = np.full((p,), c.num_slots, np.int32)
+    rows_slots[:len(hs)] = slots
     first = np.minimum(n, t)
     chunk0 = np.full((p, t), PAD_ID % self.vocab_size, np.int32)
     chunk0[:, :min(t, prompts.shape[1])] = prompts[:, :t]
@@ -365,26 +437,8 @@ class Engine:
       s = h.request.sampling
       temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
     tok, finite = steps.sample_rows(last, self._key, self._next_key_step(), temp, top_k, top_p)
-    self.cache = steps.insert(self.cache, rows, slots)
-    tok, finite = np.asarray(tok), np.asarray(finite)
-    now = time.perf_counter()
-    for i, h in enumerate(hs):
-      slot = int(slots[i])
-      if not finite[i]:
-        self._free.append(slot)
-        self._end(h, FAILED, "error", NonFiniteLogits(
-            f"request {h.request_id!r}: non-finite logits after the prompt; no token was sampled"))
-        continue
-      h.status, h.slot = RUNNING, slot
-      h._emit(int(tok[i]), now)  # pylint: disable=protected-access
-      if self._finished(h, int(tok[i])):
-        self._free.append(slot)
-        continue
-      self._slot_handle[slot] = h
-      self._active[slot] = True
-      self._tokens[slot] = tok[i]
-      self._lengths[slot] = n[i]
-      self._temperature[slot], self._top_k[slot], self._top_p[slot] = temp[i], top_k[i], top_p[i]
+    self.cache = steps.insert(self.cache, rows, rows_slots)
+    return np.asarray(tok), np.asarray(finite), n, (temp, top_k, top_p)
 
   def _finished(self, h: RequestHandle, token: int) -> bool:
     """Ends `h` if `token` stops it or it reached max_tokens."""
@@ -419,8 +473,7 @@ class Engine:
             f"request {h.request_id!r}: non-finite logits at generated token {len(h.tokens)}; request stopped"))
       else:
         tok = int(nxt[slot])
-        h._emit(tok, now)  # pylint: disable=protected-access
-        if self._finished(h, tok):
+        if not self._deliver(h, tok, now) or self._finished(h, tok):
           self._free_slot(slot)
         else:
           self._tokens[slot] = tok

@@ -40,6 +40,20 @@ class NonFiniteLogits(RequestFailed):
   """The model produced NaN/inf logits for this request; no token was sampled from them."""
 
 
+class CallbackFailed(RequestFailed):
+  """The request's `on_token` callback raised; the request was stopped (other requests are unaffected)."""
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class AutoId:
+  """An engine-assigned request id: never equal to an id a caller chooses (an int, a string, ...)."""
+
+  n: int
+
+  def __repr__(self) -> str:
+    return f"auto-{self.n}"
+
+
 _ids = itertools.count()
 
 # Statuses and finish reasons.
@@ -56,7 +70,7 @@ class Request:
     max_tokens: tokens to generate at most (>= 1).
     sampling: per-request sampling settings.
     stop_tokens: generation stops after emitting any of these (the stop token is returned).
-    request_id: the caller's id (unique per engine), or an engine-assigned int.
+    request_id: the caller's id (unique per engine), or an engine-assigned `AutoId`.
   """
 
   prompt: np.ndarray
@@ -115,7 +129,7 @@ def validate_request(prompt, *, max_tokens: int, sampling, stop_tokens: Sequence
       raise InvalidRequest(f"stop token {s!r} must be an int in [0, vocab_size={vocab_size})")
     stops.append(int(s))
   return Request(prompt=arr.astype(np.int32), max_tokens=int(max_tokens), sampling=sampling,
-                 stop_tokens=frozenset(stops), request_id=next(_ids) if request_id is None else request_id)
+                 stop_tokens=frozenset(stops), request_id=AutoId(next(_ids)) if request_id is None else request_id)
 
 
 class RequestHandle:

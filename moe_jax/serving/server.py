@@ -143,11 +143,24 @@ def make_handler(engine: Engine, tokenizer, model_name: str):
         self._error(404, "not_found", f"no route {self.path}")
 
     def do_POST(self):  # noqa: N802
+      try:  # the body is read first, whatever the route: a keep-alive connection's next request starts after it
+        size = int(self.headers.get("Content-Length", 0))
+        if size < 0:
+          raise ValueError
+      except ValueError:
+        self.close_connection = True  # where the body ends is unknown
+        self._error(400, "invalid_request_error", f"Content-Length={self.headers.get('Content-Length')!r} must be "
+                    "an int >= 0")
+        return
+      data = self.rfile.read(size)
       if self.path.rstrip("/") != "/v1/completions":
         self._error(404, "not_found", f"no route {self.path}")
         return
       try:
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+        try:
+          body = json.loads(data or b"null")
+        except RecursionError as e:
+          raise InvalidRequest("the JSON body is nested too deeply") from e
         req = _parse(body, tokenizer)
         handle = engine.submit(req["prompt"], max_tokens=req["max_tokens"], sampling=req["sampling"],
                                stop_tokens=[eos] if eos is not None else [])

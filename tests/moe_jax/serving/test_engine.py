@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 from moe_jax import decode, generate
-from moe_jax.serving import Engine, EngineConfig, InvalidRequest, NonFiniteLogits, QueueFull, steps
+from moe_jax.serving import (AutoId, CallbackFailed, Engine, EngineConfig, InvalidRequest, NonFiniteLogits, QueueFull,
+                             RequestFailed, steps)
 
 CACHE_LEN = 32
 MAX_NEW = 8
@@ -131,6 +132,8 @@ def test_1000_requests_at_concurrency_312_complete_once_and_match_alone(engine, 
     (dict(prompt=[1, 2], max_tokens=2, sampling={"temperature": -1.0}), "temperature=-1.0"),
     (dict(prompt=[1, 2], max_tokens=2, sampling={"top_p": 0.0}), "top_p=0.0"),
     (dict(prompt=[1, 2], max_tokens=2, sampling={"top_k": 2.5}), "top_k=2.5"),
+    (dict(prompt=[1, 2], max_tokens=2, sampling={"top_k": 2**31}), "top_k=2147483648"),  # before: the engine crashed
+    (dict(prompt=[1, 2], max_tokens=2, sampling={"temperature": 1e39}), "temperature=1e"),  # before: inf in float32
     (dict(prompt=[1, 2], max_tokens=2, sampling={"beam": 4}), "invalid sampling parameters"),
     (dict(prompt=[1, 2], max_tokens=2, stop_tokens=[999]), "stop token 999"),
 ])
@@ -151,6 +154,77 @@ def test_duplicate_request_id_is_rejected(engine):
   engine.run_until_idle()
   assert h.status == "finished"
   engine.submit([1, 2], max_tokens=1, request_id="dup").result()  # free again once it ended
+
+
+def test_engine_assigned_ids_never_clash_with_the_callers(engine):
+  mine = engine.submit([1, 2], max_tokens=1, request_id=1)
+  auto = [engine.submit([1, 2], max_tokens=1) for _ in range(3)]  # before: one got the int 1 and was refused
+  assert all(isinstance(h.request_id, AutoId) for h in auto) and len({h.request_id for h in auto}) == 3
+  engine.run_until_idle()
+  assert all(h.status == "finished" for h in [mine, *auto])
+
+
+def test_a_raising_callback_fails_its_own_request_only(engine, tiny_model):
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, 256, rng.integers(1, MAX_PROMPT + 1)).tolist() for _ in range(12)]
+  ref = reference(tiny_model, prompts)
+
+  def third_token_raises(token, seen=[]):  # noqa: B006  pylint: disable=dangerous-default-value
+    seen.append(token)
+    if len(seen) == 3:
+      raise KeyError("client bug")
+
+  def on_finish_raises(handle):
+    raise RuntimeError(f"client bug at the end of {handle.request_id}")
+
+  bad = engine.submit(prompts[0], max_tokens=MAX_NEW, on_token=third_token_raises)
+  bad_end = engine.submit(prompts[1], max_tokens=MAX_NEW, on_finish=on_finish_raises)
+  others = [engine.submit(p, max_tokens=MAX_NEW) for p in prompts[2:]]
+  engine.run_until_idle()  # before: the step raised part-way, and the other slots were fed stale tokens
+  assert bad.status == "failed" and isinstance(bad.error, CallbackFailed) and bad.tokens == ref[0, :3].tolist()
+  assert isinstance(bad.error.__cause__, KeyError)
+  assert bad_end.status == "finished" and bad_end.tokens == ref[1].tolist()  # on_finish raising is only logged
+  assert [h.result() for h in others] == ref[2:].tolist()
+  assert engine.num_active == 0 and len(engine._free) == CONFIG.num_slots  # pylint: disable=protected-access
+
+
+def test_a_raising_device_step_fails_its_requests_and_the_engine_goes_on(engine, tiny_model, monkeypatch):
+  ref = reference(tiny_model, [[5, 6, 7], [8, 9]])
+  real = {"prefill": steps.prefill, "decode_slots": steps.decode_slots}
+  fail = {"prefill": 0, "decode_slots": 0}
+
+  def flaky(name):
+    def call(*args, **kwargs):
+      if fail[name]:
+        fail[name] -= 1
+        raise RuntimeError(f"injected {name} failure")
+      return real[name](*args, **kwargs)
+    return call
+
+  for name in real:
+    monkeypatch.setattr(steps, name, flaky(name))
+  fail["prefill"] = 1
+  lost = engine.submit([5, 6, 7], max_tokens=MAX_NEW)
+  engine.run_until_idle()
+  assert lost.status == "failed" and isinstance(lost.error, RequestFailed) and "prefill raised" in str(lost.error)
+  running = engine.submit([5, 6, 7], max_tokens=MAX_NEW)
+  engine.step()  # prefill (the first token) and one decode step
+  fail["decode_slots"] = 1
+  engine.run_until_idle()
+  assert running.status == "failed" and "decode step raised" in str(running.error)
+  assert running.tokens == ref[0, :2].tolist()
+  assert len(engine._free) == CONFIG.num_slots  # pylint: disable=protected-access
+  after = [engine.submit(p, max_tokens=MAX_NEW) for p in ([5, 6, 7], [8, 9])]
+  engine.run_until_idle()
+  assert [h.result() for h in after] == ref.tolist()
+
+
+def test_a_freed_slot_forgets_its_sampling_parameters(engine):
+  h = engine.submit([1, 2, 3], max_tokens=3, sampling={"temperature": 0.9, "top_k": 5, "top_p": 0.5})
+  engine.run_until_idle()
+  assert h.status == "finished"
+  # pylint: disable=protected-access
+  assert not engine._temperature.any() and not engine._top_k.any() and (engine._top_p == 1).all()
 
 
 def test_full_queue_gives_back_pressure(tiny_model):

@@ -71,6 +71,19 @@ def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
     assert lines[r["line"] - 1] == good[i]
 
 
+def test_batch_decode_keeps_json_lines_whose_strings_hold_unicode_line_separators(tmp_path, tiny_model):
+  prompts = {"a": "plain", "b": "x\u2028y", "c": "p\u0085q\u2029", "d": "last"}
+  src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  src.write_text("".join(json.dumps({"id": k, "prompt": v, "max_tokens": 2}, ensure_ascii=False) + "\n"
+                         for k, v in prompts.items()), encoding="utf-8")
+  counts = batch_decode.run(tiny_model, ByteTokenizer(), input_path=str(src), output_path=str(out),
+                            engine_config=ENGINE, max_tokens=8, progress=False, log=lambda msg: None)
+  assert counts == {"lines": 4, "skipped": 0, "bad": 0, "finished": 4, "failed": 0}  # before: 4 "invalid JSON"
+  records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+  assert {k: r["line"] for k, r in records.items()} == {"a": 1, "b": 2, "c": 3, "d": 4}
+  assert records["b"]["tokens"] == _greedy_alone(tiny_model, prompts["b"], 2)
+
+
 def test_batch_decode_refuses_a_bad_default_max_tokens_before_writing(tmp_path, tiny_model):
   src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
   _write(src, [_good(0)])

@@ -1,5 +1,6 @@
 """The OpenAI-shaped HTTP endpoint on 127.0.0.1: completion, streaming, stop strings, errors, back-pressure."""
 
+import http.client
 import json
 import time
 import urllib.error
@@ -82,6 +83,29 @@ def test_bad_requests_get_400(server, body, message):
     assert status == 200
   else:
     assert status == 400 and message in out["error"]["message"], out
+
+
+def test_a_keep_alive_connection_survives_error_responses(server):
+  _, url = server
+  conn = http.client.HTTPConnection(*url.removeprefix("http://").split(":"), timeout=60)
+  body = json.dumps({"prompt": "hi", "max_tokens": 2})
+  conn.request("POST", "/v1/chat/completions", body=body)  # 404: its body must still be read
+  r = conn.getresponse()
+  assert r.status == 404 and "no route" in json.loads(r.read())["error"]["message"]
+  conn.request("POST", "/v1/completions", body="[" * 100_000 + "]" * 100_000)  # before: RecursionError, no reply
+  r = conn.getresponse()
+  assert r.status == 400 and "nested too deeply" in json.loads(r.read())["error"]["message"]
+  conn.request("POST", "/v1/completions", body=body)  # before: 400, the 404's body read as a request line
+  r = conn.getresponse()
+  assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
+  conn.close()
+  conn = http.client.HTTPConnection(*url.removeprefix("http://").split(":"), timeout=60)
+  conn.putrequest("POST", "/v1/completions")
+  conn.putheader("Content-Length", "lots")
+  conn.endheaders()
+  r = conn.getresponse()
+  assert r.status == 400 and "Content-Length='lots'" in json.loads(r.read())["error"]["message"]
+  conn.close()
 
 
 def test_text_stream_holds_partial_utf8_and_cuts_at_stop():
