@@ -30,14 +30,20 @@ def _logits(model: Transformer, tokens: jax.Array) -> jax.Array:
 
 def logits(model: Transformer, tokens) -> jax.Array:
   """int32 [B, T] -> float32 logits [B, T, V] of a full causal pass (jitted; concrete token ids are checked first)."""
+  check_logits_tokens(model.config, tokens)
+  return _logits(model, jnp.asarray(tokens))
+
+
+def check_logits_tokens(config: ModelConfig, tokens) -> None:
+  """Raises ValueError naming what is wrong with `tokens` for a full pass: not int [B, T], longer than max_seq_len,
+  or (when concrete) ids outside the vocabulary."""
   shape, dtype = np.shape(tokens), jnp.result_type(tokens)
   if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"tokens must be an integer array [batch, length], got {dtype} {shape}")
-  if shape[1] > model.config.max_seq_len:
-    raise ValueError(f"tokens has length {shape[1]} > max_seq_len={model.config.max_seq_len} of the model")
+  if shape[1] > config.max_seq_len:
+    raise ValueError(f"tokens has length {shape[1]} > max_seq_len={config.max_seq_len} of the model")
   if not isinstance(tokens, jax.core.Tracer):
-    check_token_ids(model.config, np.asarray(tokens))
-  return _logits(model, jnp.asarray(tokens))
+    check_token_ids(config, np.asarray(tokens))
 
 
 @functools.partial(jax.jit, static_argnames=("kv_cache", "cache_len"))

@@ -61,7 +61,7 @@ class LCVCConfig:
       raise ValueError(f"surrogate_scope={self.surrogate_scope!r} must be 'decode' or 'all'")
     if not isinstance(self.n_nodes, int) or self.n_nodes < 1:
       raise ValueError(f"n_nodes={self.n_nodes!r} must be a positive int")
-    if self.penalty < 0:
+    if not self.penalty >= 0:  # also refuses NaN; inf is a hard constraint (see lcvc_select)
       raise ValueError(f"penalty={self.penalty} must be >= 0")
     if not 0.0 <= self.threshold <= 1.0:
       raise ValueError(f"threshold={self.threshold} must be in [0, 1]")
@@ -127,6 +127,9 @@ def lcvc_select(logits: jax.Array, *, k: int, router: str, norm_topk_prob: bool,
     weights float32 [T, X] (from the unpenalised affinities), ids int32 [T, X], remote bool [T, X].
   """
   probs = routing.affinities(logits, router)
+  # Affinities lie in [0, 1]: a λ beyond 1 + the bias's spread already ranks every penalised expert below every other
+  # one, so larger λ (up to inf) are capped there, where float32 still orders the penalised experts by their scores.
+  penalty = jnp.minimum(jnp.asarray(penalty, jnp.float32), 2.0 + jnp.max(bias) - jnp.min(bias))
   selection = bias[None, :] + locality_penalty(probs, token_node, expert_node, penalty, threshold)
   weights, ids = routing.select_experts(logits, k=k, router=router, norm_topk_prob=norm_topk_prob,
                                         selection_bias=selection)
@@ -216,6 +219,10 @@ def with_lcvc(model, lcvc: LCVCConfig, surrogates: list[LowRankExperts] | None =
 
 def set_penalty(model, penalty: float, threshold: float | None = None):
   """Sets λ (and optionally τ) of every LCVC layer in place; returns the model."""
+  if not penalty >= 0:
+    raise ValueError(f"penalty={penalty} must be >= 0")
+  if threshold is not None and not 0.0 <= threshold <= 1.0:
+    raise ValueError(f"threshold={threshold} must be in [0, 1]")
   for layer in moe_layers(model):
     layer.penalty[...] = jnp.asarray(penalty, jnp.float32)
     if threshold is not None:

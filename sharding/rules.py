@@ -132,5 +132,25 @@ def cache_specs(cache, layout: str):
   return jax.tree_util.tree_map(lambda x: P(batch, *(None,) * (x.ndim - 1)), cache)
 
 
+def check_divisible(tree, specs, mesh, layout: str) -> None:
+  """Raises ValueError naming the first leaf of `tree` whose sharded axis the mesh axes it maps to do not divide
+  (before `device_put` fails with a bare IndivisibleError)."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  for (path, x), s in zip(leaves, jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+    names = _path_names(path)
+    logical = param_logical_axes(names, x.ndim)
+    for dim, (size, axes) in enumerate(zip(x.shape, s)):
+      if axes is None:
+        continue
+      axes = axes if isinstance(axes, tuple) else (axes,)
+      devices = 1
+      for a in axes:
+        devices *= mesh.shape[a]
+      if size % devices:
+        raise ValueError(f"layout={layout!r} splits axis {logical[dim]!r} (size {size}) of {'/'.join(names)} over "
+                         f"mesh axes {axes} = {devices} devices, which does not divide it: choose a mesh whose "
+                         f"{' x '.join(axes)} divides {size}, or another layout")
+
+
 def named(mesh, specs):
   return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))

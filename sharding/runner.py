@@ -16,9 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from moe_jax import decode
 from moe_jax.dispatch import LocalDispatch
 from moe_jax.kv_cache import get_kv_cache_mode
 from moe_jax.moe import MoE
@@ -42,7 +44,18 @@ def _set_surrogates(model, on: bool):
       if on and getattr(block.ffn, "surrogate", None) is None:
         raise ValueError("surrogate_decode=True needs an LCVC model with surrogates (moe_jax.locality.make_lcvc)")
       block.ffn.use_surrogates = on
+    elif on and isinstance(block.ffn, MoE):  # a node-local dispatch would drop its remote experts
+      raise ValueError("surrogate_decode=True needs an LCVC model with surrogates (moe_jax.locality.make_lcvc); "
+                       "this model's MoE layers route exactly")
   return model
+
+
+def _check_lcvc_nodes(model, n_nodes: int) -> None:
+  for block in model.blocks:
+    lcvc = getattr(block.ffn, "lcvc", None)
+    if lcvc is not None and lcvc.n_nodes != n_nodes:
+      raise ValueError(f"the model's LCVC n_nodes={lcvc.n_nodes} differs from the mesh's node axis "
+                       f"({n_nodes}): build the LCVC model for this mesh or a mesh with {lcvc.n_nodes} nodes")
 
 
 # shard_map bodies: the model arrives as (graphdef, this device's block of its state).
@@ -69,6 +82,7 @@ class ShardedModel:
     layout: a key of `rules.RULES`.
     state: the model's parameters, placed by the rules table.
     prefill_def, decode_def: graph definitions of the prefill (exact dispatch) and decode step models.
+    config: the model's `ModelConfig`.
   """
 
   mesh: Mesh
@@ -77,6 +91,7 @@ class ShardedModel:
   state_specs: Any
   prefill_def: Any
   decode_def: Any
+  config: Any  # the model's ModelConfig, for the input checks
   _cache: dict = dataclasses.field(default_factory=dict)
 
   def _batch(self):
@@ -92,10 +107,21 @@ class ShardedModel:
     return self._cache[name]
 
   def put(self, x, spec: P):
+    """`x` placed on the mesh by `spec`; its batch (leading) axis must divide over the devices that split it."""
+    x = jnp.asarray(x)
+    axes = spec[0] if len(spec) else None
+    axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+    devices = 1
+    for a in axes:
+      devices *= self.mesh.shape[a]
+    if x.ndim and x.shape[0] % devices:
+      raise ValueError(f"the batch ({x.shape[0]} sequences) must be divisible by the {devices} devices of mesh axes "
+                       f"{axes} that split it under layout={self.layout!r}")
     return jax.device_put(x, NamedSharding(self.mesh, spec))
 
   def logits(self, tokens) -> jax.Array:
-    """int32 [B, T] -> float32 [B, T, V]."""
+    """int32 [B, T] -> float32 [B, T, V] (concrete token ids are checked as by `moe_jax.decode.logits`)."""
+    decode.check_logits_tokens(self.config, tokens)
     b = self._batch()
     fn = self._shard_map("logits", functools.partial(_logits_body, self.prefill_def),
                          (self.state_specs, P(b, None)), P(b, None, None))
@@ -103,6 +129,8 @@ class ShardedModel:
 
   def prefill(self, tokens, lengths, *, kv_cache: str = "fp32", cache_len: int):
     """As `moe_jax.decode.prefill`: (logits [B, T, V], KVCache with batch-sharded leaves)."""
+    get_kv_cache_mode(kv_cache)
+    decode.validate_prompts(self.config, tokens, lengths, cache_len=cache_len)
     b = self._batch()
     key = ("prefill", kv_cache, cache_len)
     if key not in self._cache:
@@ -118,16 +146,24 @@ class ShardedModel:
   def decode_fn(self, cache):
     """The jitted decode step (cache, tokens [B]) -> (logits [B, V], cache), for timing and HLO inspection."""
     b = self._batch()
-    if "decode" not in self._cache:
+    key = ("decode", jax.tree_util.tree_structure(cache))  # one step per cache mode (its pytree structure)
+    if key not in self._cache:
       body = functools.partial(_decode_body, self.decode_def)
       if self.layout == "ep":
         cs = rules.cache_specs(cache, self.layout)
         body = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs, cs, P(b)), out_specs=(P(b, None), cs),
                              check_vma=False)
-      self._cache["decode"] = jax.jit(body, donate_argnums=())
-    return self._cache["decode"]
+      self._cache[key] = jax.jit(body, donate_argnums=())
+    return self._cache[key]
 
   def decode_step(self, cache, tokens):
+    """As `moe_jax.decode.decode_step`: tokens int32 [B] -> (logits [B, V], KVCache with lengths + 1)."""
+    shape, dtype = jnp.shape(tokens), jnp.result_type(tokens)
+    if shape != cache.lengths.shape or not jnp.issubdtype(dtype, jnp.integer):
+      raise ValueError(f"tokens must be an integer array of shape {cache.lengths.shape} (one per sequence of the "
+                       f"cache), got {dtype} {shape}")
+    if isinstance(tokens, np.ndarray):
+      decode.check_token_ids(self.config, tokens)
     b = self._batch()
     return self.decode_fn(cache)(self.state, cache, self.put(jnp.asarray(tokens, jnp.int32), P(b)))
 
@@ -163,6 +199,7 @@ def shard(model, mesh: Mesh, *, layout: str = "ep", surrogate_decode: bool = Fal
   """
   rules.spec((), layout)  # validates the layout name
   n, l = mesh.shape[NODE], mesh.shape[LOCAL]
+  _check_lcvc_nodes(model, n)
   if layout == "ep":
     prefill_model = _set_surrogates(with_dispatch(model, ExpertParallelDispatch(n, l, False, transport, capacity)),
                                     False)
@@ -175,6 +212,7 @@ def shard(model, mesh: Mesh, *, layout: str = "ep", surrogate_decode: bool = Fal
   prefill_def, state = nnx.split(prefill_model)
   decode_def, _ = nnx.split(decode_model)
   specs = rules.tree_specs(state, layout)
+  rules.check_divisible(state, specs, mesh, layout)
   state = jax.device_put(state, rules.named(mesh, specs))
   return ShardedModel(mesh=mesh, layout=layout, state=state, state_specs=specs, prefill_def=prefill_def,
-                      decode_def=decode_def)
+                      decode_def=decode_def, config=model.config)

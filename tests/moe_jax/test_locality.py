@@ -24,8 +24,8 @@ def test_placement():
     locality.expert_nodes(8, 3)
 
 
-@pytest.mark.parametrize("field,value", [("penalty", -1.0), ("threshold", 1.5), ("n_nodes", 0),
-                                         ("threshold_step", 0.0), ("target_remote_rate", 2.0)])
+@pytest.mark.parametrize("field,value", [("penalty", -1.0), ("penalty", float("nan")), ("threshold", 1.5),
+                                         ("n_nodes", 0), ("threshold_step", 0.0), ("target_remote_rate", 2.0)])
 def test_config_errors_name_the_field(field, value):
   with pytest.raises(ValueError, match=field):
     locality.LCVCConfig(**{field: value})
@@ -61,6 +61,22 @@ def test_penalty_keeps_tokens_local_below_threshold_and_weights_unpenalised():
   _, ids_t, remote_t = _select(logits, 10.0, 0.4)
   p_remote = jnp.take_along_axis(probs, ids_t, axis=1)[remote_t]
   assert bool(remote_t.any()) and float(p_remote.min()) > 0.4
+
+
+@pytest.mark.parametrize("penalty", [1e8, float("inf")])
+def test_a_huge_penalty_is_a_hard_constraint_that_still_ranks_remote_experts(penalty):
+  """8 nodes of 1 expert, k = 2: every token must take one remote expert, which must be its best remote one (before:
+  in float32 p − 1e8 rounds to one value for every remote expert, and top-k picked by index)."""
+  logits = _logits()
+  probs = jax.nn.softmax(logits, -1)
+  w, ids, remote = _select(logits, penalty, 1.0, n_nodes=8)
+  w10, ids10, _ = _select(logits, 10.0, 1.0, n_nodes=8)  # 10 > 1 + the (zero) bias spread: already hard
+  np.testing.assert_array_equal(ids, ids10)
+  np.testing.assert_array_equal(w, w10)
+  own = locality.simulated_token_nodes(64, 8)
+  best_remote = jnp.argmax(jnp.where(jnp.arange(8)[None, :] == own[:, None], -1.0, probs), -1)
+  np.testing.assert_array_equal(remote.sum(-1), 1)  # its own node's expert and one remote one
+  np.testing.assert_array_equal(jnp.where(remote, ids, -1).max(-1), best_remote)
 
 
 def test_threshold_sign_update_moves_toward_target():

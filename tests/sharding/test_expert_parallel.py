@@ -68,6 +68,48 @@ def test_surrogate_decode_has_no_cross_node_collective(model, tokens):
   assert local["n_cross_node"] == 0 and local["cross_node_bytes"] == 0
 
 
+def test_one_sharded_model_decodes_caches_of_two_modes(model, tokens):
+  """The decode step is cached per cache structure (before: the second mode hit the first one's pytree specs)."""
+  sm = runner.shard(model, meshes.make_mesh(layout="2x4"))
+  lengths = jnp.array([12, 5, 9, 12, 1, 7, 12, 3], jnp.int32)
+  nxt = np.asarray(jax.random.randint(jax.random.key(13), (8,), 0, 256), np.int32)
+  for mode, tol in (("fp32", TOL), ("int8", dict(rtol=1e-5, atol=1e-5))):
+    _, ref_cache = decode.prefill(model, tokens, lengths, kv_cache=mode, cache_len=16)
+    ref_step, _ = decode.decode_step(model, ref_cache, nxt)
+    _, cache = sm.prefill(tokens, lengths, kv_cache=mode, cache_len=16)
+    step, _ = sm.decode_step(cache, nxt)
+    np.testing.assert_allclose(step, ref_step, **tol, err_msg=mode)
+
+
+def test_sharded_entry_points_name_bad_input_and_impossible_layouts(model, tokens, tiny_config):
+  mesh = meshes.make_mesh(layout="2x4")
+  sm = runner.shard(model, mesh)
+  lengths = np.full((8,), 12, np.int32)
+  bad = np.asarray(tokens).copy()
+  bad[0, 3] = model.config.vocab_size
+  with pytest.raises(ValueError, match=r"token id 264 at tokens\[0, 3\] is outside the vocabulary"):
+    sm.prefill(bad, lengths, cache_len=16)  # before: NaN logits for row 0
+  with pytest.raises(ValueError, match=r"token id 264 at tokens\[0, 3\]"):
+    sm.logits(bad)
+  with pytest.raises(ValueError, match=r"lengths=\[13.*exceed the token array's length 12"):
+    sm.prefill(tokens, lengths + 1, cache_len=16)  # before: accepted
+  _, cache = sm.prefill(tokens, lengths, cache_len=16)
+  with pytest.raises(ValueError, match=r"tokens must be an integer array of shape \(8,\).*int32 \(16,\)"):
+    sm.decode_step(cache, np.zeros((16,), np.int32))  # before: logits [16, V] and a cache with lengths + 1
+  with pytest.raises(ValueError, match=r"the batch \(6 sequences\) must be divisible by the 8 devices"):
+    sm.logits(np.asarray(tokens)[:6])  # before: IndivisibleError from device_put
+  six = decode.init_model(tiny_config.replace(n_layers=1, max_seq_len=32, n_experts=6))
+  with pytest.raises(ValueError, match=r"splits axis 'experts' \(size 6\) of blocks/0/ffn/w_\w+ over mesh axes"):
+    runner.shard(six, mesh)
+  with pytest.raises(ValueError, match=r"layout='ep_tp' splits axis '(kv_)?heads' \(size \d\) of blocks/0/attn"):
+    runner.shard(model, mesh, layout="ep_tp")  # 2 kv heads over local = 4
+  with pytest.raises(ValueError, match="surrogate_decode=True needs an LCVC model"):
+    runner.shard(model, mesh, surrogate_decode=True)  # before: remote experts silently dropped at decode
+  lcvc = locality.with_lcvc(model, locality.LCVCConfig(n_nodes=2, penalty=1.0))
+  with pytest.raises(ValueError, match=r"LCVC n_nodes=2 differs from the mesh's node axis \(4\)"):
+    runner.shard(lcvc, meshes.make_mesh(layout="4x2"))  # before: tokens and experts placed on different nodes
+
+
 def _dispatch_body(x, w, ids, w_gate, w_up, w_down, *, dispatcher, n_experts):
   fn = functools.partial(experts.swiglu_experts, w_gate=w_gate, w_up=w_up, w_down=w_down)
   return dispatcher(x, w, ids, lambda xs, gs: fn(xs, gs), n_experts)
