@@ -40,6 +40,9 @@ FP8_MAX = 448.0
 # Scale headroom for the fp8 outlier channels: tokens decoded after prefill may exceed the prefill's amax. e4m3 is a
 # float format, so 2x headroom costs no relative precision (only the rarely used subnormal range).
 HEADROOM = 2.0
+# With too few prefill rows to fit (the short-prompt fallback), the outlier channels' fp8 range reaches at least this
+# many times the rows' root-mean-square magnitude (outlier channels run several times the others).
+FALLBACK_OUTLIER_RANGE = 16.0
 DEFAULT_LLOYD_ITERS = 16
 # Gaussian-optimal (Lloyd-Max, Max 1960) reconstruction levels for a unit normal.
 GAUSSIAN_LEVELS = {
@@ -274,6 +277,11 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   mean_r = mean @ u
   var_r = wn @ ((xr - mean_r) ** 2 * (w > 0)[:, None])
   std_r = jnp.sqrt(jnp.maximum(var_r, 1e-6 * jnp.mean(var_r) + 1e-20))
+  # Too few rows (a prompt of a few tokens) say little about the spread of later tokens: the fallback
+  # gives every channel at least the rows' overall root-mean-square magnitude (before: a spread of ~0, so every later
+  # token was coded to one value per channel).
+  rms = jnp.sqrt(jnp.mean(wn @ (xr * xr)) + 1e-30)
+  std_r = jnp.where(enough, std_r, jnp.maximum(std_r, rms))
   # The starting levels, also the short-prompt fallback: the Gaussian optimum of the codebook's family (equally
   # spaced for uniform, so that a fallback codebook keeps the form the Mosaic GPU core relies on).
   g = jnp.asarray(GAUSSIAN_LEVELS[n_levels], jnp.float32)
@@ -293,6 +301,7 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
 
   amax = jnp.max(jnp.abs(xr[:, :n_outlier]) * (w > 0)[:, None], axis=0, initial=0.0)  # [O]
   floor = 1e-6 * jnp.max(amax, initial=0.0) + 1e-30
+  floor = jnp.where(enough, floor, jnp.maximum(floor, FALLBACK_OUTLIER_RANGE * rms))
   scale = jnp.maximum(amax * HEADROOM, floor) / FP8_MAX
   return OSKVPParams(u=u, scale=scale, codebook=codebook)
 

@@ -209,6 +209,17 @@ def test_degenerate_fewer_samples_than_channels_falls_back_to_permutation():
   assert np.isfinite(np.asarray(xh)).all()
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_fallback_fitted_on_one_or_two_rows_still_codes_later_rows(rows):
+  """The fallback's levels span the rows' overall magnitude: later rows of the same distribution come back with
+  a relative error below 0.6 (before: 1.33 and 0.86, worse than storing zeros, the levels collapsed onto the seen
+  values; 256 rows give 0.26)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (256, 32))
+  p = oskvp.calibrate(x[:rows])
+  xh = oskvp.dequantize(oskvp.quantize(x, p), p)
+  assert float(jnp.linalg.norm(xh - x) / jnp.linalg.norm(x)) < 0.6
+
+
 def test_degenerate_non_finite():
   x = planted(jax.random.PRNGKey(8), 256, 32)
   with pytest.raises(ValueError, match="non-finite"):
