@@ -30,13 +30,15 @@ from moe_jax.kv_quant.oskvp import pack2, unpack2
 from moe_jax.kv_quant.oskvp_cache import prefill_split
 
 GROUP = 32
+F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 def _asym(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """2-bit asymmetric quantization along `axis` -> (codes uint8 like x, scale f16, zero f16 with axis removed)."""
   lo, hi = jnp.min(x, axis=axis), jnp.max(x, axis=axis)
-  scale = (jnp.maximum(hi - lo, 1e-6 * jnp.maximum(jnp.abs(lo), jnp.abs(hi)) + 1e-30) / 3).astype(jnp.float16)
-  zero = lo.astype(jnp.float16)
+  # Clipped to float16's range: beyond it (|x| > 65504) values saturate instead of turning into inf and NaN.
+  scale = jnp.minimum(jnp.maximum(hi - lo, 1e-6 * jnp.maximum(jnp.abs(lo), jnp.abs(hi)) + 1e-30) / 3, F16_MAX)
+  scale, zero = scale.astype(jnp.float16), jnp.clip(lo, -F16_MAX, F16_MAX).astype(jnp.float16)
   s, z = jnp.expand_dims(scale.astype(jnp.float32), axis), jnp.expand_dims(zero.astype(jnp.float32), axis)
   codes = jnp.clip(jnp.round((x - z) / s), 0, 3).astype(jnp.uint8)
   return codes, scale, zero
@@ -182,8 +184,9 @@ class KIVIMode:
     """k, v: [B, T, K, H] -> KIVILayerCache with S = cache_len rounded up to a multiple of 32."""
     del layer
     b, t, kh, h = k.shape
-    if h % 4:
-      raise ValueError(f"head_dim={h} must be a multiple of 4 for 2-bit packing")
+    if h % 4 or (h > GROUP and h % GROUP):
+      raise ValueError(f"head_dim={h} must be a multiple of 4 for 2-bit packing and, above {GROUP}, of the value "
+                       f"group size {GROUP}")
     if cache_len < t:
       raise ValueError(f"cache_len={cache_len} is shorter than the prefill length {t}")
     s = -(-cache_len // GROUP) * GROUP

@@ -280,6 +280,8 @@ class OSKVPMode:
                        f"symmetric={self.symmetric}): uniform codebooks are already symmetric")
     if self.window < 1:
       raise ValueError(f"window={self.window} must be >= 1")
+    if not 0 <= self.outlier_fraction < 1:
+      raise ValueError(f"outlier_fraction={self.outlier_fraction} must be in [0, 1)")
     if self.max_fit_tokens < 1:
       raise ValueError(f"max_fit_tokens={self.max_fit_tokens} must be >= 1")
     if self.rope_shifts < 1:
@@ -345,6 +347,12 @@ class StaticOSKVPMode:
   params_v: oskvp.OSKVPParams | None = None
   window: int = 128
   implementation: str = "auto"
+
+  def __post_init__(self):
+    if not isinstance(self.window, int) or self.window < 1:
+      raise ValueError(f"window={self.window!r} must be an int >= 1")
+    if self.implementation not in ("auto", "pallas", "xla"):
+      raise ValueError(f"implementation={self.implementation!r} must be 'auto', 'pallas' or 'xla'")
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
     if self.params_k is None:

@@ -56,8 +56,15 @@ def calibrate_layers(kvs, lengths, *, outlier_fraction: float = 0.08, bits: int 
 def calibrate_model(model, tokens, lengths=None, *, outlier_fraction: float = 0.08, bits: int = 2,
                     window: int = 128, implementation: str = "auto") -> StaticOSKVPMode:
   """Runs `model.forward(tokens)` (int32 [B, T], right-padded; lengths int32 [B], default all T) and calibrates."""
-  tokens = jnp.asarray(tokens, jnp.int32)
-  lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if lengths is None else jnp.asarray(lengths)
+  from moe_jax import decode  # pylint: disable=g-import-not-at-top  (decode imports the cache modes)
+
+  tokens = np.asarray(tokens)
+  lengths = np.full((tokens.shape[0],), tokens.shape[1], np.int32) if lengths is None else np.asarray(lengths)
+  decode.validate_prompts(model.config, tokens, lengths, cache_len=model.config.max_seq_len)
+  h = model.config.head_dim
+  if int(lengths.sum()) < h:  # fewer samples than channels: no basis to fit, the codebooks would be guesses
+    raise ValueError(f"static calibration needs at least head_dim={h} tokens, got {int(lengths.sum())}")
+  tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
   _, _, kvs = jax.jit(lambda m, t: m.forward(t))(model, tokens)
   params_k, params_v = calibrate_layers(kvs, lengths, outlier_fraction=outlier_fraction, bits=bits)
   return StaticOSKVPMode(params_k=params_k, params_v=params_v, window=window, implementation=implementation)

@@ -62,8 +62,8 @@ class EngineConfig:
     max_prefill_rows: requests admitted per step at most (bounds the pause prefill puts on running streams);
       0 means max(prefill_batches).
     chunked_prefill: prompts longer than the largest bucket are prefilled chunk by chunk. None: on for dense cache
-      modes, off for compressed modes (whose `extend` may only take one token), where the longest prompt is then
-      the largest bucket.
+      modes, off for compressed modes (whose `extend` appends every token it is given, padding included), where the
+      longest prompt is then the largest bucket; True with a compressed mode is refused.
     seed: sampling PRNG seed.
   """
 
@@ -92,7 +92,10 @@ class EngineConfig:
       raise ValueError(f"prefill_lengths={self.prefill_lengths} must all be <= cache_len={self.cache_len}")
     if not isinstance(self.max_prefill_rows, int) or self.max_prefill_rows < 0:
       raise ValueError(f"max_prefill_rows={self.max_prefill_rows!r} must be an int >= 0")
-    get_kv_cache_mode(self.kv_cache)  # Clear error for an unknown mode.
+    mode = get_kv_cache_mode(self.kv_cache)  # Clear error for an unknown mode.
+    if self.chunked_prefill and not isinstance(mode, DenseMode):  # their extend appends padding as tokens
+      raise ValueError(f"chunked_prefill=True needs a dense kv_cache (bf16, fp32), not kv_cache={self.kv_cache!r}: "
+                       "a compressed cache is prefilled in one shot, up to the largest of prefill_lengths")
 
   @property
   def chunked(self) -> bool:

@@ -105,3 +105,20 @@ def test_per_token_pallas_decode_tracks_the_xla_path(dtype):
   np.testing.assert_array_equal(np.asarray(caches["pallas"].k, np.float32), np.asarray(caches["xla"].k, np.float32))
   with pytest.raises(ValueError, match="implementation"):
     per_token.PerTokenMode(dtype, implementation="cuda")
+
+
+def test_kivi_saturates_beyond_the_float16_range_instead_of_nan():
+  x = jax.random.normal(jax.random.key(3), (64, 32)) * 1e5  # |x| up to ~4e5 > 65504
+  for quantize, dequantize in ((kivi.quantize_keys, kivi.dequantize_keys),
+                               (kivi.quantize_values, kivi.dequantize_values)):
+    x_hat = dequantize(*quantize(x))  # before: inf scales, NaN keys and values
+    assert np.isfinite(np.asarray(x_hat)).all()
+  small = jnp.clip(x, -6e4, 6e4) / 4  # within range: unchanged behaviour, the usual 2-bit error bound
+  k_hat = kivi.dequantize_keys(*kivi.quantize_keys(small))
+  assert float(jnp.max(jnp.abs(k_hat - small))) <= float(jnp.max(small) - jnp.min(small)) / 6 * 1.01
+
+
+def test_kivi_names_a_head_dim_its_value_groups_do_not_divide():
+  k = jnp.zeros((1, 4, 1, 48))
+  with pytest.raises(ValueError, match="head_dim=48 must be a multiple of 4 .* of the value group size 32"):
+    KIVIMode(window=32).from_prefill(k, k, jnp.array([4]), 32, layer=0)  # before: a reshape TypeError

@@ -155,6 +155,8 @@ def test_implementation_switch():
     OSKVPMode(bits=3, uniform=True)
   with pytest.raises(ValueError, match="uniform"):
     OSKVPMode(uniform=True, symmetric=True)
+  with pytest.raises(ValueError, match=r"outlier_fraction=1.5 must be in \[0, 1\)"):
+    OSKVPMode(outlier_fraction=1.5)  # before: only at the first prefill
 
 
 def test_symmetric_mode_reaches_the_bitplane_kernel():

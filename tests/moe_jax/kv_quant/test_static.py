@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moe_jax import decode
 from moe_jax.kv_quant import static
@@ -38,3 +39,14 @@ def test_calibrate_save_load_install_and_decode(tiny_model, tiny_config, tmp_pat
   # Row 1 (5 tokens, all in the window) is exact up to bf16; row 0 reads 16 compressed tokens.
   np.testing.assert_allclose(logits[1], ref_logits[1], atol=0.05 * float(jnp.abs(ref_logits[1]).max()))
   assert float(jnp.linalg.norm(logits[0] - ref_logits[0]) / jnp.linalg.norm(ref_logits[0])) < 0.25
+
+
+def test_calibrate_model_names_bad_tokens_and_too_few_samples(tiny_model, tiny_config):
+  bad = np.ones((1, 40), np.int32)
+  bad[0, 7] = tiny_config.vocab_size
+  with pytest.raises(ValueError, match=r"token id 264 at tokens\[0, 7\] is outside the vocabulary"):
+    static.calibrate_model(tiny_model, bad)  # before: "layer 0 calibration keys contain non-finite values"
+  with pytest.raises(ValueError, match="needs at least head_dim=32 tokens, got 1"):
+    static.calibrate_model(tiny_model, np.ones((1, 1), np.int32))  # before: collapsed codebooks, no warning
+  with pytest.raises(ValueError, match="window=0"):
+    static.calibrate_model(tiny_model, np.ones((1, 40), np.int32), window=0)  # before: NaN logits at decode

@@ -317,6 +317,8 @@ def test_streaming_iterator_callback_and_background_thread(engine, tiny_model):
     (dict(prefill_lengths=(8, 64)), "must all be <= cache_len=32"),
     (dict(kv_cache="nope"), "kv_cache='nope'"),
     (dict(max_prefill_rows=-1), "max_prefill_rows=-1"),
+    (dict(kv_cache="oskvp", chunked_prefill=True), "chunked_prefill=True needs a dense kv_cache"),  # before: padding
+    (dict(kv_cache="kivi2", chunked_prefill=True), "not kv_cache='kivi2'"),  # stored as tokens, wrong outputs
 ])
 def test_engine_config_errors_name_the_field(change, message):
   with pytest.raises(ValueError, match=message):
