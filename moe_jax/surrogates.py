@@ -174,5 +174,14 @@ def build_surrogates(model, rank: int, calibration_tokens: jax.Array | None = No
 
   layers = [b.ffn for b in model.blocks if isinstance(b.ffn, MoE)]
   inputs = moe_layer_inputs(model, calibration_tokens) if calibration_tokens is not None else [None] * len(layers)
-  return [LowRankExperts(m.w_gate[...], m.w_up[...], m.w_down[...], rank=rank, calibration=x, dtype=dtype)
-          for m, x in zip(layers, inputs)]
+  return [LowRankExperts(*_expert_arrays(m), rank=rank, calibration=x, dtype=dtype) for m, x in zip(layers, inputs)]
+
+
+def _expert_arrays(moe) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(w_gate, w_up, w_down) of a MoE layer as arrays: quantized experts (`moe_jax.quant`) dequantized to float32,
+  the weights the layer computes with, so their surrogates approximate the quantized layer."""
+  gate, up, down = moe.w_gate[...], moe.w_up[...], moe.w_down[...]
+  if getattr(gate, "kind", None) == "int4_mgpu_gate_up":
+    gate, up = gate.dequantize_gate_up()
+  dense = lambda w: w.dequantize() if hasattr(w, "dequantize") else w  # noqa: E731
+  return dense(gate), dense(up), dense(down)

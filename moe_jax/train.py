@@ -88,6 +88,10 @@ class TrainConfig:
         raise ValueError(f"{f}={v!r} must be a positive int")
     if self.warmup < 0 or self.eval_every < 0:
       raise ValueError(f"warmup={self.warmup} and eval_every={self.eval_every} must be >= 0")
+    if not self.clip_norm > 0:  # a negative clip would flip the gradient's sign
+      raise ValueError(f"clip_norm={self.clip_norm} must be > 0")
+    if not self.weight_decay >= 0:
+      raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
     if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
       raise ValueError(f"lr={self.lr} must be > 0 and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
     if self.compute_dtype not in ("float32", "bfloat16"):
@@ -103,10 +107,10 @@ def learning_rate(tc: TrainConfig, step: jax.Array, total_steps: jax.Array) -> j
   recompile.
   """
   step = step.astype(jnp.float32)
-  warmup = max(tc.warmup, 1)
+  warmup = tc.warmup  # 0: no warmup, the first step at the peak rate
   progress = jnp.clip((step - warmup) / jnp.maximum(total_steps - warmup, 1), 0.0, 1.0)
   cosine = tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
-  return tc.lr * jnp.where(step < warmup, step / warmup, cosine)
+  return tc.lr * jnp.where(step < warmup, step / max(warmup, 1), cosine)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -170,6 +174,35 @@ def load_workdir(workdir: str, *, step: int | None = None) -> tuple[ModelConfig,
   state = checkpoints.restore_train_state(manager, like, step)
   manager.close()
   return config, model_from_state(graphdef, state)
+
+
+# TrainConfig fields a resumed run may change: bookkeeping, not the trajectory.
+RESUME_FREE_FIELDS = ("save_every", "keep", "log_every", "eval_every", "eval_windows")
+
+
+def resume_config(saved: dict, config: ModelConfig, tc: TrainConfig, *, auto_steps: bool) -> tuple[TrainConfig, bool]:
+  """The TrainConfig to resume a run with, from its checkpoint's "meta" (`saved`); raises ValueError naming the
+  flags when this call would train another model or follow another trajectory.
+
+  Returns:
+    (tc with the run's total steps where --auto_steps fixed it, whether the total is fixed).
+  """
+  norm = lambda d: json.loads(json.dumps(d))  # noqa: E731  tuples as the JSON item stores them
+  ours = norm(dataclasses.asdict(config))
+  if ours != saved["model_config"]:
+    diff = sorted(k for k in set(ours) | set(saved["model_config"]) if ours.get(k) != saved["model_config"].get(k))
+    raise ValueError(f"the workdir holds a run of another model (config fields {diff} differ, e.g. name "
+                     f"{saved['model_config'].get('name')!r}): resume with its --config, or use a new --workdir")
+  run, ours = saved["train_config"], norm(dataclasses.asdict(tc))
+  steps_fixed = bool(saved.get("steps_fixed")) and auto_steps
+  if steps_fixed:
+    ours["steps"] = run["steps"]
+  diff = [k for k in ours if k not in RESUME_FREE_FIELDS and run.get(k) != ours[k]]
+  if diff:
+    raise ValueError("the workdir's run was started with " + ", ".join(f"--{k}={run.get(k)!r}" for k in diff) +
+                     "; this call passes " + ", ".join(f"--{k}={ours[k]!r}" for k in diff) +
+                     ": resume with the run's flags, or use a new --workdir")
+  return dataclasses.replace(tc, steps=ours["steps"]), steps_fixed
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -285,14 +318,20 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
 
   if tc.seq_len > config.max_seq_len:  # the model would be trained at positions it is not built to decode
     raise ValueError(f"seq_len={tc.seq_len} exceeds max_seq_len={config.max_seq_len} of config {config.name!r}")
+  if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 1):
+    raise ValueError(f"stop_at={stop_at!r} must be an int >= 1 (None: run the whole schedule)")
   corpus = corpus or data_lib.load_corpus()
   train_tokens, val_tokens = corpus["train"].tokens, corpus["validation"].tokens
   print(f"corpus: {data_lib.describe(corpus)}", flush=True)
   os.makedirs(workdir, exist_ok=True)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
 
-  graphdef, state = init_state(config, tc)
   manager = checkpoints.train_manager(os.path.join(workdir, "checkpoints"), save_every=tc.save_every, keep=tc.keep)
+  steps_fixed = False
+  if manager.latest_step() is not None:  # resuming: the same run, or a clear error before orbax's structure mismatch
+    saved = checkpoints.restore_train_meta(manager, manager.latest_step())
+    tc, steps_fixed = resume_config(saved, config, tc, auto_steps=auto_steps)
+  graphdef, state = init_state(config, tc)
   restored = checkpoints.restore_train_state(manager, state)
   if restored is not None:
     state = restored
@@ -306,7 +345,8 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
   step_fn = make_train_step(graphdef, tc)
   eval_fn = make_eval_fn(graphdef)
   val_windows = jnp.asarray(data_lib.eval_windows(val_tokens, n_windows=tc.eval_windows, seq_len=tc.seq_len))
-  meta = {"model_config": dataclasses.asdict(config), "train_config": dataclasses.asdict(tc)}
+  meta = {"model_config": dataclasses.asdict(config), "train_config": dataclasses.asdict(tc), "steps_fixed": steps_fixed}
+  auto_steps = auto_steps and not steps_fixed  # a resumed --auto_steps run keeps the total it fixed
 
   last, t0, t_log, tokens_since = None, time.time(), time.time(), 0
   total_steps, t_probe = tc.steps, None
@@ -329,7 +369,7 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
         fit = done + int((max_seconds - (time.time() - t0)) / per_step)
         total_steps = max(done + tc.log_every, fit // 100 * 100)
         tc = dataclasses.replace(tc, steps=total_steps)
-        meta["train_config"] = dataclasses.asdict(tc)
+        meta["train_config"], meta["steps_fixed"] = dataclasses.asdict(tc), True
         bar.total = total_steps
         print(f"\nauto_steps: {per_step * 1e3:.2f} ms/step -> steps={total_steps}", flush=True)
       if done % tc.log_every == 0 or done == total_steps:

@@ -176,6 +176,12 @@ def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = Non
   """
   spec = mode if isinstance(mode, QuantSpec) else spec_for(mode, sparsity)
   layers = moe_layers(model)
+  for moe in layers:
+    for name in ("w_gate", "w_up", "w_down"):
+      w = None if moe is None else getattr(moe, name)[...]
+      if w is not None and not isinstance(w, jax.Array):
+        raise ValueError(f"{name} of a MoE layer is already quantized ({getattr(w, 'kind', type(w).__name__)}): "
+                         "quantize the unquantized checkpoint (e.g. no --expert_quant on a quant.convert directory)")
   acts: list = [None] * len(layers)
   if spec.needs_calibration and not (isinstance(calib, str) and calib == "structure"):
     acts = collect_expert_inputs(model, default_calibration_tokens() if calib is None else calib)

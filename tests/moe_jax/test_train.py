@@ -91,6 +91,44 @@ def test_resume_after_interruption_continues_identically(config, tmp_path):
   straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
   assert [s for s, _ in resumed] == list(range(1, 13))
   assert straight == resumed  # bitwise-equal losses, step by step
+  # A resume with other settings is refused, naming them (before: --lr and --seed were taken silently and another
+  # --config ended in orbax's structure mismatch); bookkeeping flags may change.
+  with pytest.raises(ValueError, match=r"started with --lr=0.003, --seed=0; this call passes --lr=1.0, --seed=5"):
+    train.train(config, dataclasses.replace(TC, lr=1.0, seed=5), str(tmp_path / "resumed"), progress=False,
+                corpus=corpus)
+  with pytest.raises(ValueError, match=r"another model \(config fields \['n_layers'\]"):
+    train.train(config.replace(n_layers=2), TC, str(tmp_path / "resumed"), progress=False, corpus=corpus)
+  assert train.train(config, dataclasses.replace(TC, log_every=3), str(tmp_path / "resumed"), progress=False,
+                     corpus=corpus)["step"] == 12
+
+
+def test_a_resumed_auto_steps_run_keeps_the_total_it_fixed(config):
+  saved = {"model_config": json.loads(json.dumps(dataclasses.asdict(config))),
+           "train_config": dataclasses.asdict(dataclasses.replace(TC, steps=200)), "steps_fixed": True}
+  tc, fixed = train.resume_config(saved, config, dataclasses.replace(TC, steps=100000), auto_steps=True)
+  assert fixed and tc.steps == 200  # before: the run went on with --steps=100000's schedule and timed itself again
+  with pytest.raises(ValueError, match="--steps=200.*--steps=100000"):
+    train.resume_config(saved, config, dataclasses.replace(TC, steps=100000), auto_steps=False)
+  saved["steps_fixed"] = False  # stopped before the timing fixed it: timed again
+  assert train.resume_config(saved, config, dataclasses.replace(TC, steps=200), auto_steps=True) == (
+      dataclasses.replace(TC, steps=200), False)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(clip_norm=-1.0), "clip_norm=-1.0 must be > 0"),  # before: trained uphill (optax scaled by max_norm < 0)
+    (dict(weight_decay=-0.1), "weight_decay=-0.1 must be >= 0"),
+])
+def test_train_config_names_bad_optimizer_settings(change, message):
+  with pytest.raises(ValueError, match=message):
+    dataclasses.replace(TC, **change)
+
+
+def test_zero_warmup_starts_at_the_peak_rate_and_stop_at_is_checked(config, tmp_path):
+  tc = train.TrainConfig(steps=100, warmup=0, lr=1.0)
+  assert float(train.learning_rate(tc, jnp.int32(0), jnp.float32(100))) == 1.0  # before: 0 at step 0
+  for bad in (0, -5):  # before: 0 meant "no limit", -5 ran no step and still saved and exported
+    with pytest.raises(ValueError, match=f"stop_at={bad} must be an int >= 1"):
+      train.train(config, TC, str(tmp_path), progress=False, stop_at=bad)
 
 
 _DP_SCRIPT = """

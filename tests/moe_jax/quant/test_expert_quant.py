@@ -160,6 +160,19 @@ def test_quantized_model_pallas_fused_matches_xla(tiny_model):
   assert float(jnp.linalg.norm(want - base) / jnp.linalg.norm(base)) < 0.25
 
 
+def test_quantizing_twice_is_refused_and_surrogates_read_quantized_experts(tiny_model):
+  q = quant.quantize_experts(nnx.clone(tiny_model), "int4")
+  with pytest.raises(ValueError, match=r"w_gate of a MoE layer is already quantized \(int4\)"):
+    quant.quantize_experts(q, "int4")  # before: AttributeError 'QuantizedExperts' object has no attribute 'astype'
+  from moe_jax import surrogates  # pylint: disable=g-import-not-at-top
+  built = surrogates.build_surrogates(q, rank=8)  # before: AttributeError (no 'dtype'): --routing=lcvc failed
+  layer = q.blocks[0].ffn
+  deq = [getattr(layer, n)[...].dequantize() for n in ("w_gate", "w_up", "w_down")]
+  ref = surrogates.LowRankExperts(*deq, rank=8)  # the surrogates approximate what the quantized layer computes
+  for a, b in zip(jax.tree_util.tree_leaves(nnx.state(built[0])), jax.tree_util.tree_leaves(nnx.state(ref))):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_orbax_roundtrip_awq(tiny_model, tiny_config, tmp_path):
   tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, tiny_config.vocab_size)
   q = quant.quantize_experts(nnx.clone(tiny_model), "int4_awq_sp24", calib=tokens)
