@@ -184,7 +184,15 @@ def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = Non
                          "quantize the unquantized checkpoint (e.g. no --expert_quant on a quant.convert directory)")
   acts: list = [None] * len(layers)
   if spec.needs_calibration and not (isinstance(calib, str) and calib == "structure"):
-    acts = collect_expert_inputs(model, default_calibration_tokens() if calib is None else calib)
+    from moe_jax import decode  # pylint: disable=g-import-not-at-top
+
+    tokens = default_calibration_tokens() if calib is None else calib
+    try:
+      decode.check_logits_tokens(model.config, np.asarray(tokens))
+    except ValueError as e:
+      default = " (the default, stdlib bytes: pass calib= tokens of this model)" if calib is None else ""
+      raise ValueError(f"calib{default}: {e}") from e
+    acts = collect_expert_inputs(model, tokens)
   for moe, act in zip(layers, acts):
     if moe is None:
       continue

@@ -30,6 +30,16 @@ def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, 
     if getattr(w, "kind", None) in MGPU_KINDS:
       raise ValueError(f"{name}: save_quantized stores the int4 / vq2 layout that load_quantized rebuilds, not "
                        f"quant.to_mgpu_layout's {w.kind!r}; save before to_mgpu_layout and convert after loading")
+  # What load_quantized will rebuild from `spec`: the model must have that structure, or the directory is unreadable.
+  from moe_jax.model import Transformer  # pylint: disable=g-import-not-at-top
+  want = nnx.eval_shape(lambda: quantize_experts(Transformer(config, rngs=nnx.Rngs(0)), spec, calib="structure"))
+  have_w, want_w = expert_weights(model), expert_weights(want)
+  for name in sorted(set(have_w) | set(want_w)):
+    a, b = have_w.get(name), want_w.get(name)
+    if getattr(a, "kind", "unquantized") != getattr(b, "kind", "unquantized") or \
+        jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+      raise ValueError(f"{name} is {getattr(a, 'kind', 'unquantized')!r} but spec={spec} rebuilds "
+                       f"{getattr(b, 'kind', 'unquantized')!r}: save the model with the spec it was quantized with")
 
   directory = os.path.abspath(directory)
   os.makedirs(directory, exist_ok=True)

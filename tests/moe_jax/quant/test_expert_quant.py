@@ -173,6 +173,28 @@ def test_quantizing_twice_is_refused_and_surrogates_read_quantized_experts(tiny_
     np.testing.assert_array_equal(a, b)
 
 
+def test_unreadable_quantized_checkpoints_are_refused_before_writing(tiny_model, tiny_config, tmp_path):
+  from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
+  q = quant.quantize_experts(nnx.clone(tiny_model), "int4")
+  with pytest.raises(ValueError, match=r"w_down is 'int4' but spec=.*rebuilds 'vq2'"):  # before: written, then
+    quant.save_quantized(q, tiny_config, quant.spec_for("vq2"), str(tmp_path / "a"))  # orbax's structure mismatch
+  with pytest.raises(ValueError, match=r"w_down is 'unquantized' but spec=.*rebuilds 'int4'"):
+    quant.save_quantized(tiny_model, tiny_config, quant.spec_for("int4"), str(tmp_path / "b"))
+  with pytest.raises(ValueError, match="export writes plain models; save a quantized one with"):
+    checkpoints.export(q, tiny_config, str(tmp_path / "c"))  # before: written, then "missing blocks.*.ffn.w_*"
+  assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_awq_calibration_tokens_are_checked_against_the_model(tiny_model, tiny_config):
+  bad = np.ones((1, 16), np.int32)
+  bad[0, 3] = tiny_config.vocab_size
+  with pytest.raises(ValueError, match=r"calib: token id 264 at tokens\[0, 3\] is outside the vocabulary"):
+    quant.quantize_experts(nnx.clone(tiny_model), "int4_awq", calib=bad)  # before: calibrated on NaN activations
+  short = decode.init_model(tiny_config.replace(max_seq_len=64), seed=0)
+  with pytest.raises(ValueError, match=r"calib \(the default, stdlib bytes: pass calib= tokens of this model\)"):
+    quant.quantize_experts(short, "int4_awq")  # the default windows are longer than this model's max_seq_len
+
+
 def test_orbax_roundtrip_awq(tiny_model, tiny_config, tmp_path):
   tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, tiny_config.vocab_size)
   q = quant.quantize_experts(nnx.clone(tiny_model), "int4_awq_sp24", calib=tokens)
