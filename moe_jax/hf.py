@@ -62,6 +62,9 @@ class Checkpoint:
       for file in files:
         with safe_open(file, framework="np") as f:
           for name in f.keys():
+            if name in self.weight_map:  # which copy is meant is unknowable without an index
+              raise ValueError(f"tensor {name!r} is in both {self.weight_map[name]!r} and "
+                               f"{os.path.basename(file)!r} of {path!r} (and there is no {INDEX})")
             self.weight_map[name] = os.path.basename(file)
     self._handles = {}
     self.used: set[str] = set()

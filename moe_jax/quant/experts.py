@@ -58,6 +58,10 @@ class QuantSpec:
       raise ValueError(f"sparsity={self.sparsity!r} must be None or '2:4'")
     if self.group_size not in (32, 64, 128, 256, 512):
       raise ValueError(f"group_size={self.group_size} must be a power of two in [32, 512]")
+    lo = 128 if self.sparsity else (64 if self.fmt == "vq2" else 32)  # the formats' smallest groups (`group_for`)
+    if self.group_size < lo:
+      raise ValueError(f"group_size={self.group_size} must be >= {lo} for fmt={self.fmt!r}"
+                       f"{' with 2:4 sparsity' if self.sparsity else ''}")
     if self.codebook not in ("expert", "layer"):
       raise ValueError(f"codebook={self.codebook!r} must be 'expert' or 'layer'")
     if not isinstance(self.kmeans_iters, int) or self.kmeans_iters < 1:

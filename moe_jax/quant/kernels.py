@@ -62,6 +62,8 @@ def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Ar
   """lhs [M, K] sorted by expert, rhs [E, K, N] (QuantizedExperts), group_sizes int32 [E] -> float32 [M, N]."""
   if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
     return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
+  if lhs.shape[0] == 0:  # no rows (as ragged_dot allows): no kernel to launch
+    return jnp.zeros((0, rhs.shape[-1]), jnp.float32)
   if rhs.kind in ("int4_mgpu", "vq2_mgpu"):
     return _ws_call(lhs, rhs, group_sizes)
   x = _pad_lhs(lhs, rhs.kp)

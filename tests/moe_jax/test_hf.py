@@ -237,3 +237,11 @@ def test_tokenizer():
 def test_tokenizer_missing(tmp_path):
   with pytest.raises(ValueError, match="no tokenizer.json"):
     hf.load_tokenizer(fixture("qwen3_moe"))
+
+
+def test_a_tensor_in_two_unindexed_files_is_refused(tmp_path):
+  save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "a.safetensors"))
+  save_file({"model.embed_tokens.weight": np.ones((2, 2), np.float32)}, str(tmp_path / "b.safetensors"))
+  with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' is in both 'a.safetensors' and "
+                                       r"'b.safetensors'"):
+    hf.Checkpoint(str(tmp_path))  # before: the last file's copy, silently

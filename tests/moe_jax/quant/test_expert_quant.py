@@ -134,6 +134,13 @@ def test_quantizers_name_bad_shapes_and_group_sizes():
         fn(w, calib_x=bad, awq=True)
   with pytest.raises(ValueError, match="group_size=32 must be a positive multiple of 64"):
     quant.quantize_vq2(w, group_size=32)
+  with pytest.raises(ValueError, match="group_size=32 must be >= 64 for fmt='vq2'"):
+    quant.QuantSpec("vq2", group_size=32)  # before: 64 used silently, 32 recorded in quant.json
+  with pytest.raises(ValueError, match="group_size=64 must be >= 128 for fmt='int4' with 2:4 sparsity"):
+    quant.QuantSpec("int4", sparsity="2:4", group_size=64)
+  q = quant.quantize_weight(jnp.ones((3, 128, 64)), quant.spec_for("int4"))
+  out = kernels.pallas_grouped_matmul(jnp.zeros((0, 128)), q, jnp.zeros((3,), jnp.int32))
+  assert out.shape == (0, 64)  # no rows, as ragged_dot allows (before: ZeroDivisionError)
   with pytest.raises(ValueError, match="iters=0 must be a positive int"):  # before: silently no k-means step
     quant.quantize_vq2(w, iters=0)
 
