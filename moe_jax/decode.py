@@ -99,6 +99,11 @@ def _decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple
   if len(cache.layers) != len(model.blocks):
     raise ValueError(f"cache has {len(cache.layers)} layers but the model has {len(model.blocks)}: pass the cache "
                      "that prefill built for this model")
+  want = (model.config.n_kv_heads, model.config.head_dim)
+  for i, layer in enumerate(cache.layers):
+    if layer.kv_shape != want:
+      raise ValueError(f"cache layer {i} holds {layer.kv_shape[0]} kv heads of dim {layer.kv_shape[1]} but the model "
+                       f"has {want[0]} of dim {want[1]}: pass the cache that prefill built for this model")
   out, cache = model.decode(cache, tokens[:, None])
   return out[:, 0], cache
 

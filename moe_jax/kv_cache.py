@@ -2,8 +2,9 @@
 
 A mode (`kv_cache="bf16"`, `"fp32"`, and the compressed modes of `moe_jax.kv_quant`) is a small frozen object whose
 `from_prefill` builds one layer's cache from the prefill keys/values; the layer cache then serves decode attention
-itself (`extend`), so `decode_step` needs no mode argument. Every leaf of a layer cache has the batch as its leading
-axis, so the serving engine can move a sequence between caches with one `tree_map`.
+itself (`extend`), so `decode_step` needs no mode argument; it also reports `max_len` (S) and `kv_shape` (K, H),
+which `decode_step` checks against the model. Every leaf of a layer cache has the batch as its leading axis, so the
+serving engine can move a sequence between caches with one `tree_map`.
 
 Keys are stored after RoPE: q·k is then exact for any storage basis, and decode needs no re-rotation.
 Shape letters: B batch, T new tokens, S cache length, N query heads, K kv heads, G = N / K, H head dim.
@@ -85,6 +86,11 @@ class DenseKV:
   def max_len(self) -> int:
     """S, the positions this cache holds."""
     return int(self.k.shape[1])
+
+  @property
+  def kv_shape(self) -> tuple[int, int]:
+    """(K, H): kv heads and head dim the cache holds."""
+    return int(self.k.shape[2]), int(self.k.shape[3])
 
   def nbytes(self) -> int:
     return self.k.nbytes + self.v.nbytes

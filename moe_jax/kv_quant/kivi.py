@@ -97,6 +97,11 @@ class KIVILayerCache:
     return self.codes_k.shape[2]
 
   @property
+  def kv_shape(self) -> tuple[int, int]:
+    """(K, H): kv heads and head dim the cache holds."""
+    return int(self.res_k.shape[1]), int(self.res_k.shape[3])
+
+  @property
   def window(self) -> int:
     return self.res_k.shape[2]
 

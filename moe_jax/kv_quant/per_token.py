@@ -53,6 +53,11 @@ class PerTokenKV:
   def max_len(self) -> int:
     return self.k.shape[1]
 
+  @property
+  def kv_shape(self) -> tuple[int, int]:
+    """(K, H): kv heads and head dim the cache holds."""
+    return int(self.k.shape[2]), int(self.k.shape[3])
+
   def nbytes(self) -> int:
     return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self))
 

@@ -216,6 +216,11 @@ def test_decode_step_names_a_cache_of_another_model(tiny_model, tiny_config):
     decode.decode_step(other, cache, np.ones((2,), np.int32))
   with pytest.raises(TypeError, match=r"tokens must be an integer array \[B\], got a list"):  # before: AttributeError
     decode.decode_step(tiny_model, cache, [1, 2])
+  for mode in ("bf16", "int8", "kivi2", "oskvp"):  # before: an einsum or broadcasting error inside XLA
+    wide = decode.init_model(dataclasses.replace(tiny_config, n_kv_heads=4))
+    _, cache = decode.prefill(wide, np.ones((2, 3), np.int32), [3, 3], kv_cache=mode, cache_len=8)
+    with pytest.raises(ValueError, match="cache layer 0 holds 4 kv heads of dim 32 but the model has 2 of dim 32"):
+      decode.decode_step(tiny_model, cache, np.ones((2,), np.int32))
 
 
 def test_generate_takes_a_numpy_integer_max_new_tokens(tiny_model):
