@@ -58,6 +58,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("checkpoint", "tiny-trained", "Shipped checkpoint name or directory (config.json + safetensors).")
   flags.DEFINE_string("expert_quant", "int4", "int4 | int4_awq | vq2 | vq2_awq (or a full mode name such as "
                       "int4_sp24).")
-  flags.DEFINE_string("sparsity", "", "'2:4' for micro-sparsity, empty for dense.")
+  flags.DEFINE_string("sparsity", "", "'2:4' adds micro-sparsity to the mode; empty keeps the mode's own (dense, "
+                      "except the *_sp24 modes).")
   flags.DEFINE_string("out", None, "Output directory.", required=True)
   app.run(main)
