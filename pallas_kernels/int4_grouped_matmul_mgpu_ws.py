@@ -597,7 +597,8 @@ def int4_grouped_matmul_mgpu_ws_form_reference(lhs: jax.Array, weights: MgpuInt4
     c, s, z = mg.mgpu_groups(weights)
     bias = float(_FORM_BIAS[dequant_form] + 8)
     # exact before the rounding to bf16
-    w = mg.ungroup((c + bias) * s + (-(z + bias) * s).astype(jnp.bfloat16).astype(jnp.float32))
+    # reduce_precision, not a bf16 round trip: under jit XLA may drop the round trip (excess precision allowed)
+    w = mg.ungroup((c + bias) * s + jax.lax.reduce_precision(-(z + bias) * s, exponent_bits=8, mantissa_bits=7))
   w = w.astype(dtype)  # [E, Kp, N]
   return jax.lax.ragged_dot(lhs.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
                             precision=jax.lax.Precision.HIGHEST)
