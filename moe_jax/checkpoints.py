@@ -123,15 +123,16 @@ def export(model: nnx.Module, config: ModelConfig, directory: str, *, storage_dt
   from moe_jax.model import Transformer  # pylint: disable=g-import-not-at-top
 
   want = set(named_variables(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))))
-  extra = sorted(set(named_variables(model)) - want)
-  if extra or len(want) != len(named_variables(model)):  # e.g. quantized experts: `load` could not rebuild them
+  variables = named_variables(model)
+  extra = sorted(set(variables) - want)
+  if extra or len(want) != len(variables):  # e.g. quantized experts: `load` could not rebuild them
     raise ValueError(f"the model's variables are not those of config {config.name!r} (e.g. {extra[:3]}): export "
                      "writes plain models; save a quantized one with moe_jax.quant.save_quantized (or `python -m "
                      "moe_jax.quant.convert`)")
   os.makedirs(directory, exist_ok=True)
   dt = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[storage_dtype]
   tensors = {}
-  for name, value in named_variables(model).items():
+  for name, value in variables.items():
     arr = np.asarray(jax.device_get(value))
     tensors[name] = arr.astype(dt) if np.issubdtype(arr.dtype, np.floating) or arr.dtype == ml_dtypes.bfloat16 else arr
   # safetensors.numpy has no bfloat16: store raw uint16 bit patterns and record the real dtype.

@@ -84,18 +84,24 @@ def decode_step(model: Transformer, cache: KVCache, tokens) -> tuple[jax.Array, 
   Returns:
     (float32 logits [B, V] for the following position, KVCache with lengths + 1).
   """
+  check_step_tokens(model.config, cache, tokens)
+  return _decode_step(model, cache, tokens)
+
+
+def check_step_tokens(config: ModelConfig, cache: KVCache, tokens) -> None:
+  """Raises naming what is wrong with a decode step's `tokens`: not an integer array of the cache's batch shape, or
+  (numpy ids, on the host) ids outside the vocabulary."""
   if not hasattr(tokens, "shape"):
     raise TypeError(f"tokens must be an integer array [B], got a {type(tokens).__name__}: pass jnp.asarray(tokens)")
-  if isinstance(tokens, np.ndarray) and np.issubdtype(tokens.dtype, np.integer) and tokens.ndim == 1:
-    check_token_ids(model.config, tokens)
-  return _decode_step(model, cache, tokens)
+  if tokens.shape != cache.lengths.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be an integer array of shape {cache.lengths.shape} (one per sequence of the "
+                     f"cache), got {tokens.dtype} {tokens.shape}")
+  if isinstance(tokens, np.ndarray):
+    check_token_ids(config, tokens)
 
 
 @jax.jit
 def _decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
-  if tokens.shape != cache.lengths.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):  # checked when traced
-    raise ValueError(f"tokens must be an integer array of shape {cache.lengths.shape} (one per sequence of the "
-                     f"cache), got {tokens.dtype} {tokens.shape}")
   if len(cache.layers) != len(model.blocks):
     raise ValueError(f"cache has {len(cache.layers)} layers but the model has {len(model.blocks)}: pass the cache "
                      "that prefill built for this model")

@@ -132,6 +132,15 @@ def cache_specs(cache, layout: str):
   return jax.tree_util.tree_map(lambda x: P(batch, *(None,) * (x.ndim - 1)), cache)
 
 
+def devices_along(mesh, axes) -> tuple[tuple[str, ...], int]:
+  """A PartitionSpec entry (None, a mesh axis or a tuple of them) -> (its axes as a tuple, the devices they span)."""
+  axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+  devices = 1
+  for a in axes:
+    devices *= mesh.shape[a]
+  return axes, devices
+
+
 def check_divisible(tree, specs, mesh, layout: str) -> None:
   """Raises ValueError naming the first leaf of `tree` whose sharded axis the mesh axes it maps to do not divide
   (before `device_put` fails with a bare IndivisibleError)."""
@@ -140,12 +149,7 @@ def check_divisible(tree, specs, mesh, layout: str) -> None:
     names = _path_names(path)
     logical = param_logical_axes(names, x.ndim)
     for dim, (size, axes) in enumerate(zip(x.shape, s)):
-      if axes is None:
-        continue
-      axes = axes if isinstance(axes, tuple) else (axes,)
-      devices = 1
-      for a in axes:
-        devices *= mesh.shape[a]
+      axes, devices = devices_along(mesh, axes)
       if size % devices:
         raise ValueError(f"layout={layout!r} splits axis {logical[dim]!r} (size {size}) of {'/'.join(names)} over "
                          f"mesh axes {axes} = {devices} devices, which does not divide it: choose a mesh whose "

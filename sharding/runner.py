@@ -109,11 +109,7 @@ class ShardedModel:
   def put(self, x, spec: P):
     """`x` placed on the mesh by `spec`; its batch (leading) axis must divide over the devices that split it."""
     x = jnp.asarray(x)
-    axes = spec[0] if len(spec) else None
-    axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-    devices = 1
-    for a in axes:
-      devices *= self.mesh.shape[a]
+    axes, devices = rules.devices_along(self.mesh, spec[0] if len(spec) else None)
     if x.ndim and x.shape[0] % devices:
       raise ValueError(f"the batch ({x.shape[0]} sequences) must be divisible by the {devices} devices of mesh axes "
                        f"{axes} that split it under layout={self.layout!r}")
@@ -158,12 +154,8 @@ class ShardedModel:
 
   def decode_step(self, cache, tokens):
     """As `moe_jax.decode.decode_step`: tokens int32 [B] -> (logits [B, V], KVCache with lengths + 1)."""
-    shape, dtype = jnp.shape(tokens), jnp.result_type(tokens)
-    if shape != cache.lengths.shape or not jnp.issubdtype(dtype, jnp.integer):
-      raise ValueError(f"tokens must be an integer array of shape {cache.lengths.shape} (one per sequence of the "
-                       f"cache), got {dtype} {shape}")
-    if isinstance(tokens, np.ndarray):
-      decode.check_token_ids(self.config, tokens)
+    tokens = tokens if hasattr(tokens, "shape") else np.asarray(tokens)  # lists too, as before
+    decode.check_step_tokens(self.config, cache, tokens)
     b = self._batch()
     return self.decode_fn(cache)(self.state, cache, self.put(jnp.asarray(tokens, jnp.int32), P(b)))
 
