@@ -166,6 +166,15 @@ def quantize_weight(w: jax.Array, spec: QuantSpec, calib_x: jax.Array | None = N
                       iters=spec.kmeans_iters)
 
 
+def check_kernel_shape(where: str, implementation: str, kind: str, n: int) -> None:
+  """Refuses a Pallas route for a quantized weight of N its Triton kernel cannot tile (`ragged_tiles.pick_block_n`:
+  N a multiple of 16), naming the weight; before this the first forward failed inside the kernel's call."""
+  if implementation in ("pallas", "pallas_fused") and kind in ("int4", "int4_sp24", "vq2") and n % 16:
+    raise ValueError(f"{where}: implementation={implementation!r} runs {kind} experts through a Pallas kernel that "
+                     f"needs N (the weight's output size) a multiple of 16, got N={n}; keep implementation='xla' "
+                     "for this model")
+
+
 def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = None, calib=None,
                      implementation: str | None = None):
   """Replaces the routed experts' weights of `model` (in place) by quantized values and returns it.
@@ -186,6 +195,11 @@ def quantize_experts(model, mode: str | QuantSpec, *, sparsity: str | None = Non
       if w is not None and not isinstance(w, jax.Array):
         raise ValueError(f"{name} of a MoE layer is already quantized ({getattr(w, 'kind', type(w).__name__)}): "
                          "quantize the unquantized checkpoint (e.g. no --expert_quant on a quant.convert directory)")
+  kind = spec.fmt + ("_sp24" if spec.sparsity else "")
+  for i, moe in enumerate(layers):
+    for name in ("w_gate", "w_up", "w_down") if moe is not None else ():
+      check_kernel_shape(f"blocks.{i}.ffn.{name}", implementation or moe.implementation, kind,
+                         getattr(moe, name)[...].shape[2])
   acts: list = [None] * len(layers)
   if spec.needs_calibration and not (isinstance(calib, str) and calib == "structure"):
     from moe_jax import decode  # pylint: disable=g-import-not-at-top
@@ -325,10 +339,14 @@ def to_mgpu_layout(model, *, fuse_gate_up: bool = False, **kernel_options):
 
 
 def set_implementation(model, implementation: str):
-  """Switches every MoE layer's grouped matmul implementation (in place)."""
+  """Switches every MoE layer's grouped matmul implementation (in place); refuses a kernel route whose kernel cannot
+  take a layer's quantized weight shape (named by layer and weight)."""
   if implementation not in GROUPED_MATMULS:
     raise ValueError(f"implementation={implementation!r} is not a grouped matmul; choose one of "
                      f"{sorted(GROUPED_MATMULS)}")
+  for where, w in expert_weights(model).items():
+    if isinstance(w, QuantizedExperts):
+      check_kernel_shape(where, implementation, w.kind, w.shape[2])
   for moe in moe_layers(model):
     if moe is not None:
       moe.implementation = implementation

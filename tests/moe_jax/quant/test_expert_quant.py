@@ -485,3 +485,20 @@ def test_unknown_implementation_and_missing_directory_are_named(tiny_model, tmp_
   assert all(m is None or m.implementation == "xla" for m in moe_layers(tiny_model))  # nothing switched
   with pytest.raises(ValueError, match="is not a directory written by save_quantized"):
     quant.load_quantized(str(tmp_path))
+
+
+def test_kernel_route_refuses_n_the_triton_kernels_cannot_tile(tiny_config):
+  """Expert hidden 40: the Triton kernels tile N by multiples of 16. set_implementation and quantize_experts name the
+  weight before anything runs (before: accepted, then the first forward failed inside the kernel call)."""
+  model = decode.init_model(dataclasses.replace(tiny_config, expert_hidden=40))
+  quant.quantize_experts(model, "int4")
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: implementation='pallas' runs int4 .* got N=40"):
+    quant.set_implementation(model, "pallas")
+  from moe_jax.quant.experts import moe_layers  # pylint: disable=g-import-not-at-top
+  assert all(m is None or m.implementation == "xla" for m in moe_layers(model))  # nothing switched
+  fresh = decode.init_model(dataclasses.replace(tiny_config, expert_hidden=40))
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate: implementation='pallas_fused' runs vq2 .* N=40"):
+    quant.quantize_experts(fresh, "vq2", implementation="pallas_fused")
+  assert all(isinstance(w, jax.Array) for w in quant.expert_weights(fresh).values())  # refused before quantizing
+  quant.set_implementation(model, "xla")  # the XLA route takes any N
+  assert np.isfinite(np.asarray(decode.logits(model, jnp.ones((1, 4), jnp.int32)))).all()
