@@ -1,8 +1,8 @@
 """The LCVC router: locality-constrained expert choice, with low-rank surrogates for the remote experts left over.
 
 Experts are placed on nodes in contiguous blocks (expert e on node e // (E / n_nodes)), as `sharding/` places them
-when the expert axis is split over ("node", "local"); tokens too (token t of T on node t · n_nodes // T, the batch
-split over nodes). Selection then scores every expert by its affinity p, minus a penalty λ when the expert is on
+when the expert axis is split over ("node", "local"); tokens by their batch row (row b of B on node b · n_nodes // B,
+the batch split over nodes, so that a token's node does not depend on the sequence's length). Selection then scores every expert by its affinity p, minus a penalty λ when the expert is on
 another node and p <= τ:
 
     score[t, e] = p[t, e] + bias[e] − λ · [node(e) != node(t)] · [p[t, e] <= τ]
@@ -44,8 +44,9 @@ class LCVCConfig:
     target_remote_rate: remote fraction of chosen (token, expert) pairs that τ is tuned toward.
     threshold_step: γ > 0 of the sign update.
     surrogates: compute chosen remote experts with their low-rank surrogates (no cross-node traffic).
-    surrogate_scope: "decode" uses surrogates only in single-token steps (prefill stays exact: its all-to-all is
-      amortised over the prompt), "all" in every call (e.g. to score a full causal pass as if decoded).
+    surrogate_scope: "decode" uses surrogates only in single-token decode steps (`Transformer.decode` of one token;
+      a prefill of any length and a multi-token extend stay exact: their all-to-all is amortised over the prompt),
+      "all" in every call (e.g. to score a full causal pass as if decoded).
   """
 
   n_nodes: int = 2
@@ -67,7 +68,7 @@ class LCVCConfig:
       raise ValueError(f"threshold={self.threshold} must be in [0, 1]")
     if not 0.0 <= self.target_remote_rate <= 1.0:
       raise ValueError(f"target_remote_rate={self.target_remote_rate} must be in [0, 1]")
-    if self.threshold_step <= 0:
+    if not self.threshold_step > 0:  # also refuses NaN (a NaN τ would switch the penalty off)
       raise ValueError(f"threshold_step={self.threshold_step} must be > 0")
 
 
@@ -86,16 +87,18 @@ def expert_nodes(n_experts: int, n_nodes: int) -> jax.Array:
   return jnp.arange(n_experts, dtype=jnp.int32) // (n_experts // n_nodes)
 
 
-def simulated_token_nodes(n_tokens: int, n_nodes: int) -> jax.Array:
-  """int32 [T]: token t's node when the T tokens are split over nodes in contiguous blocks."""
-  return (jnp.arange(n_tokens, dtype=jnp.int32) * n_nodes) // n_tokens
+def simulated_token_nodes(batch: int, length: int, n_nodes: int) -> jax.Array:
+  """int32 [B · T] (row-major): the node of each token when the B batch rows are split over nodes in contiguous
+  blocks (row b on node b · n_nodes // B), as a batch-sharded mesh places them; one node per sequence, whatever T."""
+  rows = (jnp.arange(batch, dtype=jnp.int32) * n_nodes) // batch
+  return jnp.repeat(rows, length)
 
 
-def token_nodes(dispatch, n_tokens: int, n_nodes: int) -> jax.Array:
-  """int32 [T]: the node of each token. An expert-parallel dispatch knows it (inside its mesh); else simulated."""
+def token_nodes(dispatch, batch: int, length: int, n_nodes: int) -> jax.Array:
+  """int32 [B · T]: the node of each token. An expert-parallel dispatch knows it (inside its mesh); else simulated."""
   if hasattr(dispatch, "token_nodes"):
-    return dispatch.token_nodes(n_tokens)
-  return simulated_token_nodes(n_tokens, n_nodes)
+    return dispatch.token_nodes(batch * length)
+  return simulated_token_nodes(batch, length, n_nodes)
 
 
 def locality_penalty(probs: jax.Array, token_node: jax.Array, expert_node: jax.Array, penalty,
@@ -166,17 +169,18 @@ class LCVCMoE(MoE):
     self.surrogate = surrogate
     self.use_surrogates = lcvc.surrogates
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """x: [B, T, D] -> ([B, T, D], aux) with MoE's aux plus remote_rate and surrogate_rate."""
+  def __call__(self, x: jax.Array, *, decoding: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x: [B, T, D] -> ([B, T, D], aux) with MoE's aux plus remote_rate and surrogate_rate; decoding: called by a
+    decode step (`Block.decode`), where scope "decode" uses the surrogates for one-token steps."""
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)
     logits = routing.router_logits(tokens, self.w_router[...])  # [BT, E]
-    t_node = token_nodes(self.dispatch, b * t, self.lcvc.n_nodes)
+    t_node = token_nodes(self.dispatch, b, t, self.lcvc.n_nodes)
     e_node = expert_nodes(self.n_experts, self.lcvc.n_nodes)
     weights, ids, remote = lcvc_select(
         logits, k=self.k, router=self.router, norm_topk_prob=self.norm_topk_prob, bias=self.router_bias[...],
         token_node=t_node, expert_node=e_node, penalty=self.penalty[...], threshold=self.threshold[...])
-    surrogates = self.use_surrogates and (self.lcvc.surrogate_scope == "all" or t == 1)
+    surrogates = self.use_surrogates and (self.lcvc.surrogate_scope == "all" or (decoding and t == 1))
     if surrogates:
       y = self.dispatch(tokens, jnp.where(remote, 0.0, weights), ids, self.expert_fn, self.n_experts)
       y = y + LocalDispatch()(tokens, jnp.where(remote, weights, 0.0), ids, self.surrogate, self.n_experts)
@@ -257,6 +261,10 @@ def tune_thresholds(model, token_batches, *, target: float | None = None, step: 
     token_batches: iterable of int32 [B, T].
     target, step: override the config's target_remote_rate and threshold_step.
   """
+  if step is not None and not step > 0:
+    raise ValueError(f"step={step} must be > 0 (a NaN τ would switch the penalty off)")
+  if target is not None and not 0.0 <= target <= 1.0:
+    raise ValueError(f"target={target} must be in [0, 1]")
   layers = moe_layers(model)
   history = []
   for tokens in token_batches:

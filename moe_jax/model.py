@@ -30,10 +30,11 @@ class Block(nnx.Module):
     else:
       self.ffn = DenseMLP(config.d_model, config.dense_hidden, dtype=config.dtype, rngs=rngs)
 
-  def feed_forward(self, x: jax.Array) -> tuple[jax.Array, dict]:
+  def feed_forward(self, x: jax.Array, *, decoding: bool = False) -> tuple[jax.Array, dict]:
+    """x: [B, T, D] -> (x + ffn(norm(x)), router aux); decoding: the call comes from `decode` (see `MoE.__call__`)."""
     h = self.ffn_norm(x)
     if isinstance(self.ffn, MoE):
-      y, aux = self.ffn(h)
+      y, aux = self.ffn(h, decoding=decoding)
     else:
       y, aux = self.ffn(h), {}
     return x + y, aux
@@ -46,7 +47,7 @@ class Block(nnx.Module):
 
   def decode(self, x: jax.Array, positions: jax.Array, layer_cache):
     a, layer_cache = self.attn.decode(self.attn_norm(x), positions, layer_cache)
-    x, _ = self.feed_forward(x + a)
+    x, _ = self.feed_forward(x + a, decoding=True)
     return x, layer_cache
 
 

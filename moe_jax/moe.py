@@ -48,8 +48,10 @@ class MoE(nnx.Module):
     return experts_lib.swiglu_experts(x_sorted, group_sizes, self.w_gate[...], self.w_up[...], self.w_down[...],
                                       implementation=self.implementation)
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """x: [B, T, D] -> ([B, T, D], aux) where aux holds router statistics for the training losses."""
+  def __call__(self, x: jax.Array, *, decoding: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x: [B, T, D] -> ([B, T, D], aux) where aux holds router statistics for the training losses. decoding: called
+    by a decode step (`Block.decode`); the same computation here (routing variants such as LCVC use it)."""
+    del decoding
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)
     logits = routing.router_logits(tokens, self.w_router[...])  # [BT, E]

@@ -80,7 +80,7 @@ def _rtn(wg: jax.Array, keep: jax.Array | None, ratio: jax.Array | float = 1.0):
   lo = jnp.min(wg if keep is None else jnp.where(keep, wg, big), axis=-2, keepdims=True)
   hi = jnp.max(wg if keep is None else jnp.where(keep, wg, -big), axis=-2, keepdims=True)
   lo, hi = jnp.minimum(lo, 0.0) * ratio, jnp.maximum(hi, 0.0) * ratio
-  scale = jnp.maximum((hi - lo) / 15.0, 1e-8).astype(jnp.bfloat16)
+  scale = jnp.maximum((hi - lo) / 15.0, jnp.finfo(jnp.bfloat16).tiny).astype(jnp.bfloat16)  # 0 only for 0 groups
   s = scale.astype(jnp.float32)
   zero = jnp.clip(jnp.round(-lo / s), 0, 15).astype(jnp.int32)
   q = jnp.clip(jnp.round(wg / s) + zero, 0, 15).astype(jnp.int32)

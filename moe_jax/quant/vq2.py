@@ -91,6 +91,15 @@ def _refit_scale(w: jax.Array, w_unit: jax.Array, h: jax.Array | None = None) ->
   return s.astype(jnp.bfloat16)
 
 
+def _rms(x: jax.Array, axis) -> jax.Array:
+  """RMS over `axis` (kept), 1 where all zero: computed on x / max|x| so that it neither overflows (|x| > ~1e19,
+  where x² is inf in float32) nor vanishes beside an absolute epsilon (|x| < ~1e-12 quantized to zero before)."""
+  amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+  amax = jnp.where(amax > 0, amax, 1.0)
+  rms = amax * jnp.sqrt(jnp.mean((x / amax) ** 2, axis=axis, keepdims=True))  # >= max|x| / sqrt(size)
+  return jnp.where(rms > 0, rms, 1.0)
+
+
 @functools.partial(jax.jit, static_argnames=("group_size", "codebook", "sparsity", "iters", "awq"))
 def quantize_vq2(w: jax.Array, *, group_size: int = 128, codebook: str = "expert", sparsity: str | None = None,
                  calib_x: jax.Array | None = None, iters: int = 20, awq: bool = False) -> QuantizedExperts:
@@ -116,7 +125,7 @@ def quantize_vq2(w: jax.Array, *, group_size: int = 128, codebook: str = "expert
   w = pad_k(w.astype(jnp.float32), kp)
   wq = quads(w, group_size)  # [E, Kg, 4, G/4, N]
   if sparsity is None:
-    rms = jnp.sqrt(jnp.mean(wq ** 2, axis=(2, 3), keepdims=True)) + 1e-12  # [E, Kg, 1, 1, N]
+    rms = _rms(wq, axis=(2, 3))  # [E, Kg, 1, 1, N]
     vecs = jnp.moveaxis(wq / rms, 2, -1)  # [E, Kg, G/4, N, 4]
     h = channel_weights(calib_x, kp) if awq else None  # [E, Kp]
     hw = None
@@ -137,7 +146,7 @@ def quantize_vq2(w: jax.Array, *, group_size: int = 128, codebook: str = "expert
   rank = jnp.cumsum(keep, axis=2)
   vals = jnp.stack([jnp.sum(jnp.where(keep & (rank == i), wq, 0.0), axis=2) for i in (1, 2)], -1)  # [E,Kg,G/4,N,2]
   mask = jnp.sum(keep.astype(jnp.int32) << jnp.arange(4)[None, None, :, None, None], axis=2)  # [E, Kg, G/4, N]
-  rms = jnp.sqrt(jnp.mean(vals ** 2, axis=(2, 4), keepdims=True)) + 1e-12  # [E, Kg, 1, N, 1]
+  rms = _rms(vals, axis=(2, 4))  # [E, Kg, 1, N, 1]
   vecs = jnp.concatenate([vals[:, :, :eighth], vals[:, :, eighth:]], axis=-1) / rms  # [E, Kg, G/8, N, 4]
   packed, idx = _fit(vecs.reshape(e, -1, 4), codebook, iters)
   cb = jnp.broadcast_to(unpack_codebook(packed), (e, CODEBOOK_SIZE, 4))

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax import locality, routing
+from moe_jax import decode, locality, routing
+from moe_jax.config import ModelConfig
 from moe_jax.dispatch import LocalDispatch
 
 
@@ -19,13 +20,16 @@ def _logits(t=64, e=8, seed=0):
 
 def test_placement():
   np.testing.assert_array_equal(locality.expert_nodes(8, 4), [0, 0, 1, 1, 2, 2, 3, 3])
-  np.testing.assert_array_equal(locality.simulated_token_nodes(6, 2), [0, 0, 0, 1, 1, 1])
+  np.testing.assert_array_equal(locality.simulated_token_nodes(6, 1, 2), [0, 0, 0, 1, 1, 1])
+  np.testing.assert_array_equal(locality.simulated_token_nodes(3, 2, 2), [0, 0, 0, 0, 1, 1])  # by batch row
+  np.testing.assert_array_equal(locality.simulated_token_nodes(1, 6, 2), [0] * 6)  # one sequence: one node
   with pytest.raises(ValueError, match="n_nodes=3 must divide n_experts=8"):
     locality.expert_nodes(8, 3)
 
 
 @pytest.mark.parametrize("field,value", [("penalty", -1.0), ("penalty", float("nan")), ("threshold", 1.5),
-                                         ("n_nodes", 0), ("threshold_step", 0.0), ("target_remote_rate", 2.0)])
+                                         ("n_nodes", 0), ("threshold_step", 0.0), ("threshold_step", float("nan")),
+                                         ("target_remote_rate", 2.0)])
 def test_config_errors_name_the_field(field, value):
   with pytest.raises(ValueError, match=field):
     locality.LCVCConfig(**{field: value})
@@ -34,7 +38,7 @@ def test_config_errors_name_the_field(field, value):
 def _select(logits, penalty, threshold, n_nodes=2, k=2, router="softmax"):
   t, e = logits.shape
   return locality.lcvc_select(logits, k=k, router=router, norm_topk_prob=True, bias=jnp.zeros((e,)),
-                              token_node=locality.simulated_token_nodes(t, n_nodes),
+                              token_node=locality.simulated_token_nodes(t, 1, n_nodes),
                               expert_node=locality.expert_nodes(e, n_nodes), penalty=penalty,
                               threshold=jnp.float32(threshold))
 
@@ -73,7 +77,7 @@ def test_a_huge_penalty_is_a_hard_constraint_that_still_ranks_remote_experts(pen
   w10, ids10, _ = _select(logits, 10.0, 1.0, n_nodes=8)  # 10 > 1 + the (zero) bias spread: already hard
   np.testing.assert_array_equal(ids, ids10)
   np.testing.assert_array_equal(w, w10)
-  own = locality.simulated_token_nodes(64, 8)
+  own = locality.simulated_token_nodes(64, 1, 8)
   best_remote = jnp.argmax(jnp.where(jnp.arange(8)[None, :] == own[:, None], -1.0, probs), -1)
   np.testing.assert_array_equal(remote.sum(-1), 1)  # its own node's expert and one remote one
   np.testing.assert_array_equal(jnp.where(remote, ids, -1).max(-1), best_remote)
@@ -106,7 +110,7 @@ def test_lcvc_layer_splits_local_and_surrogate_pairs(tiny_model):
   tokens = x.reshape(16, -1)
   logits = routing.router_logits(tokens, moe.w_router[...])
   w, ids, remote = locality.lcvc_select(logits, k=moe.k, router=moe.router, norm_topk_prob=moe.norm_topk_prob,
-                                        bias=moe.router_bias[...], token_node=locality.simulated_token_nodes(16, 2),
+                                        bias=moe.router_bias[...], token_node=locality.simulated_token_nodes(2, 8, 2),
                                         expert_node=locality.expert_nodes(8, 2), penalty=0.3,
                                         threshold=jnp.float32(0.2))
 
@@ -135,3 +139,43 @@ def test_online_threshold_tuning_reduces_remote_rate(tiny_model):
   assert history[0] > 0.3  # τ = 0: every remote expert is an exception, as with exact routing
   assert history[-1] < history[0] / 2 and all(t > 0 for t in taus)
   assert not any(isinstance(b.ffn, locality.LCVCMoE) for b in tiny_model.blocks)
+
+
+_TOY = ModelConfig(vocab_size=19, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, n_experts=4,
+                   n_experts_per_tok=2, expert_hidden=6, max_seq_len=16)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_lcvc_token_nodes_follow_the_batch_row_so_decoding_equals_the_full_pass(batch):
+  """Batch 1 and 3 over 2 nodes, remote experts exact: a prefix's logits are the full pass's, and prefill + decode
+  steps give the full pass's logits to 1e-5 (before: tokens were placed by position within the flattened batch, so
+  one sequence straddled the nodes and a decode step put every token on node 0: errors 0.17-1.5)."""
+  model = locality.make_lcvc(decode.init_model(_TOY, seed=0),
+                             locality.LCVCConfig(n_nodes=2, penalty=1.0, threshold=0.5))
+  toks = np.random.default_rng(1).integers(0, 19, size=(batch, 6)).astype(np.int32)
+  full = np.asarray(decode.logits(model, toks))
+  np.testing.assert_allclose(np.asarray(decode.logits(model, toks[:, :3])), full[:, :3], atol=1e-5)
+  _, cache = decode.prefill(model, toks[:, :3], np.full((batch,), 3, np.int32), kv_cache="fp32", cache_len=8)
+  for s in range(3, 6):
+    step, cache = decode.decode_step(model, cache, toks[:, s])
+    np.testing.assert_allclose(np.asarray(step), full[:, s], atol=1e-5)
+
+
+def test_surrogate_scope_decode_keeps_a_one_token_prefill_exact():
+  """Scope "decode": a prefill of one-token prompts is exact (before: decided by T == 1, so it went through the
+  surrogates, 0.54 off); its decode steps use the surrogates (they differ from the exact model's)."""
+  sur = locality.make_lcvc(decode.init_model(_TOY, seed=0),
+                           locality.LCVCConfig(n_nodes=2, penalty=0.0, surrogates=True), rank=1)
+  exact = locality.set_surrogates(sur, False)  # the same routing, remote experts exact
+  toks, lengths = np.array([[3], [5]], np.int32), np.array([1, 1], np.int32)
+  (a, ca), (b, cb) = (decode.prefill(m, toks, lengths, kv_cache="fp32", cache_len=8) for m in (sur, exact))
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  step_a, _ = decode.decode_step(sur, ca, np.array([7, 2], np.int32))
+  step_b, _ = decode.decode_step(exact, cb, np.array([7, 2], np.int32))
+  assert float(np.abs(np.asarray(step_a) - np.asarray(step_b)).max()) > 1e-3
+
+
+def test_tune_thresholds_refuses_a_nan_step():
+  model = locality.make_lcvc(decode.init_model(_TOY, seed=0), locality.LCVCConfig(n_nodes=2))
+  with pytest.raises(ValueError, match="step=nan must be > 0"):
+    locality.tune_thresholds(model, [np.zeros((2, 4), np.int32)], step=float("nan"))

@@ -138,7 +138,7 @@ def test_dispatch_transports_agree_with_local_dispatch(node_local):
   mesh = meshes.make_mesh(layout="2x4")
   expect_w = w
   if node_local:  # token t is on node t // (T / 2); expert e on node e // (E / 2)
-    expect_w = jnp.where(locality.expert_nodes(e, 2)[ids] == locality.simulated_token_nodes(t, 2)[:, None], w, 0.0)
+    expect_w = jnp.where(locality.expert_nodes(e, 2)[ids] == locality.simulated_token_nodes(t, 1, 2)[:, None], w, 0.0)
   expect = jax.jit(lambda x, w, ids, wg, wu, wd: dispatch.LocalDispatch()(
       x, w, ids, functools.partial(experts.swiglu_experts, w_gate=wg, w_up=wu, w_down=wd), e))(x, expect_w, ids,
                                                                                                 *weights)

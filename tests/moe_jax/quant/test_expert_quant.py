@@ -502,3 +502,23 @@ def test_kernel_route_refuses_n_the_triton_kernels_cannot_tile(tiny_config):
   assert all(isinstance(w, jax.Array) for w in quant.expert_weights(fresh).values())  # refused before quantizing
   quant.set_implementation(model, "xla")  # the XLA route takes any N
   assert np.isfinite(np.asarray(decode.logits(model, jnp.ones((1, 4), jnp.int32)))).all()
+
+
+@pytest.mark.parametrize("mode", ["int4", "vq2", "int4_sp24", "vq2_sp24"])
+def test_quantizers_are_scale_invariant_over_float32s_range(mode):
+  """The same weight times 1e-30 ... 1e30 keeps its relative error within 1% of the unit scale's, and a zero weight
+  comes back zero (before: int4's scale floor 1e-8 sent weights under ~1e-9 to zero, and vq2's RMS, w² in float32,
+  overflowed above ~1e19 and vanished beside its 1e-12 epsilon under ~1e-12: relative error 1.0)."""
+  spec = quant.spec_for(mode)
+  w = _w(3)
+  calib = jax.random.normal(jax.random.key(4), (E, 8, K), jnp.float32) if spec.needs_calibration else None
+  def rel(scale):
+    q = quant.quantize_weight(w * scale, spec, calib)
+    d = np.asarray(q.dequantize(), np.float64) / scale  # back to unit scale before any norm (1e30² overflows)
+    return np.linalg.norm(d - np.asarray(w, np.float64)) / np.linalg.norm(np.asarray(w, np.float64))
+  unit = rel(1.0)
+  assert 0.0 < unit < 0.5
+  for scale in (1e-30, 1e-12, 1e-9, 1e19, 1e30):
+    assert abs(rel(scale) - unit) <= 0.01 * unit, (scale, rel(scale), unit)
+  zero = quant.quantize_weight(jnp.zeros_like(w), spec, calib)
+  assert np.array_equal(np.asarray(zero.dequantize()), np.zeros(w.shape, np.float32))
