@@ -82,8 +82,10 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates channel pairs)")
     if self.n_experts_per_tok > self.n_experts:
       raise ValueError(f"n_experts_per_tok={self.n_experts_per_tok} must be <= n_experts={self.n_experts}")
-    if self.shared_expert_hidden < 0:
-      raise ValueError(f"shared_expert_hidden={self.shared_expert_hidden} must be >= 0")
+    for field in ("shared_expert_hidden", "dense_hidden"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{field}={value!r} must be an int >= 0")
     if self.shared_expert_gate and not self.shared_expert_hidden:
       raise ValueError("shared_expert_gate=True needs shared_expert_hidden > 0")
     if not isinstance(self.dense_layers, tuple):
@@ -95,9 +97,9 @@ class ModelConfig:
       raise ValueError(f"dense_hidden={self.dense_hidden} must be > 0 when dense_layers is set")
     if self.router not in ("softmax", "sigmoid"):
       raise ValueError(f"router={self.router!r} must be 'softmax' or 'sigmoid'")
-    if self.rope_theta <= 0:
+    if not 0 < self.rope_theta < float("inf"):  # also refuses NaN
       raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
-    if not 0 < self.rms_eps < 1:
+    if not 0 < self.rms_eps < 1:  # also refuses NaN
       raise ValueError(f"rms_eps={self.rms_eps} must be in (0, 1)")
     if self.param_dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"param_dtype={self.param_dtype!r} must be float32, bfloat16 or float16")

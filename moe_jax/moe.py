@@ -72,6 +72,8 @@ class MoE(nnx.Module):
   def router_aux(self, logits: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
     """Router statistics for the training losses, from logits [T, E] and chosen ids [T, X]."""
     probs = routing.affinities(logits, self.router)
+    if self.router == "sigmoid":  # independent gates: normalised over the experts (DeepSeek-V3's balance loss), so
+      probs = probs / jnp.sum(probs, axis=-1, keepdims=True)  # the loss is 1.0 when balanced, not lowered by p -> 0
     return {
         "load_balance": routing.load_balancing_loss(probs, ids, self.n_experts),
         "z_loss": routing.z_loss(logits),

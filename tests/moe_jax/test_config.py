@@ -17,6 +17,11 @@ from moe_jax.config import ModelConfig, analytical_report, param_counts
     (dict(shared_expert_gate=True, shared_expert_hidden=0), "shared_expert_gate"),
     (dict(param_dtype="int8"), "param_dtype"),
     (dict(dense_layers=[0]), "dense_layers"),
+    (dict(rope_theta=float("nan")), "rope_theta"),  # before: accepted, NaN logits
+    (dict(rope_theta=float("inf")), "rope_theta"),
+    (dict(rms_eps=float("nan")), "rms_eps"),
+    (dict(shared_expert_hidden=8.0), "shared_expert_hidden"),  # before: a shape error inside jax.random
+    (dict(dense_layers=(0,), dense_hidden=4.5), "dense_hidden"),
 ])
 def test_invalid_config_names_the_field(changes, field):
   with pytest.raises(ValueError, match=field):

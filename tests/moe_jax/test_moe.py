@@ -109,3 +109,16 @@ def test_load_balancing_loss_is_one_when_balanced():
   ids = jnp.arange(8).reshape(8, 1) % e
   probs = jnp.full((8, e), 1 / e)
   assert abs(float(routing.load_balancing_loss(probs, ids, e)) - 1.0) < 1e-6
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_layer_balance_loss_is_one_when_balanced_for_both_routers(tiny_config, router):
+  """Equal affinities, every expert chosen equally often: the layer's load_balance is 1.0 for either router, and a
+  uniform shift of the logits (all sigmoid gates toward 0) does not lower it (before: the sigmoid router's raw gates
+  gave E/2 = 4.0, and pushing every logit down lowered the loss without balancing anything)."""
+  moe = MoE(tiny_config.replace(router=router), rngs=nnx.Rngs(0))
+  e = moe.n_experts
+  ids = (jnp.arange(4 * e).reshape(2 * e, 2) % e).astype(jnp.int32)
+  for shift in (0.0, -5.0):
+    aux = moe.router_aux(jnp.full((2 * e, e), shift, jnp.float32), ids)
+    assert abs(float(aux["load_balance"]) - 1.0) < 1e-5, (router, shift, float(aux["load_balance"]))
