@@ -27,6 +27,7 @@ from flax import nnx
 from moe_jax.config import ModelConfig
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+STORAGE_DTYPES = ("bfloat16", "float32", "float16")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -101,10 +102,16 @@ def config_to_json(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_json(d: dict[str, Any]) -> ModelConfig:
+  """The "model" dict of config.json / quant.json -> ModelConfig; every field must be there (a missing one would
+  silently take a default that may not be the checkpoint's, e.g. norm_topk_prob or rope_theta)."""
+  if not isinstance(d, dict):
+    raise ValueError(f"the checkpoint's \"model\" entry must be a dict of ModelConfig fields, got {type(d).__name__}")
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = set(d) - fields
+  unknown, missing = set(d) - fields, fields - set(d)
   if unknown:
     raise ValueError(f"config.json has unknown ModelConfig fields {sorted(unknown)}")
+  if missing:
+    raise ValueError(f"config.json lacks ModelConfig fields {sorted(missing)} (written by another version?)")
   d = dict(d)
   d["dense_layers"] = tuple(d.get("dense_layers", ()))
   return ModelConfig(**d)
@@ -122,11 +129,15 @@ def export(model: nnx.Module, config: ModelConfig, directory: str, *, storage_dt
 
   from moe_jax.model import Transformer  # pylint: disable=g-import-not-at-top
 
+  if storage_dtype not in STORAGE_DTYPES:
+    raise ValueError(f"storage_dtype={storage_dtype!r} must be one of {STORAGE_DTYPES}")
+  if os.path.isfile(os.path.join(directory, "quant.json")):
+    raise ValueError(f"{directory!r} holds a quantized checkpoint (quant.json): export to another directory")
   want = set(named_variables(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))))
   variables = named_variables(model)
-  extra = sorted(set(variables) - want)
-  if extra or len(want) != len(variables):  # e.g. quantized experts: `load` could not rebuild them
-    raise ValueError(f"the model's variables are not those of config {config.name!r} (e.g. {extra[:3]}): export "
+  unexpected = sorted(set(variables) - want)
+  if unexpected or len(want) != len(variables):  # e.g. quantized experts: `load` could not rebuild them
+    raise ValueError(f"the model's variables are not those of config {config.name!r} (e.g. {unexpected[:3]}): export "
                      "writes plain models; save a quantized one with moe_jax.quant.save_quantized (or `python -m "
                      "moe_jax.quant.convert`)")
   os.makedirs(directory, exist_ok=True)
@@ -169,14 +180,25 @@ def load(name_or_dir: str, *, param_dtype: str | None = None,
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   from moe_jax.model import Transformer  # pylint: disable=g-import-not-at-top
 
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
   directory = resolve(name_or_dir)
-  with open(os.path.join(directory, "config.json")) as f:
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
     meta = json.load(f)
+  if not isinstance(meta, dict) or "model" not in meta:
+    hint = (" (a Hugging Face checkpoint: load it with --hf / moe_jax.hf)" if isinstance(meta, dict)
+            and "model_type" in meta else "")
+    raise ValueError(f"{path} has no \"model\" entry: not a directory written by checkpoints.export{hint}")
   config = config_from_json(meta["model"])
   if param_dtype is not None:
     config = config.replace(param_dtype=param_dtype)
-  storage = meta.get("storage_dtype", "float32")
-  tensors = load_file(os.path.join(directory, "model.safetensors"))
+  weights = os.path.join(directory, "model.safetensors")
+  with safe_open(weights, framework="numpy") as f:  # export records the dtype in the file too: it wins
+    storage = (f.metadata() or {}).get("storage_dtype", meta.get("storage_dtype", "float32"))
+  if storage not in STORAGE_DTYPES:
+    raise ValueError(f"{weights}: storage_dtype={storage!r} must be one of {STORAGE_DTYPES}")
+  tensors = load_file(weights)
   # Abstract init (shapes only, no random draws), then every variable is filled from the file.
   model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), moe_implementation=moe_implementation))
   state = nnx.state(model)
@@ -192,6 +214,9 @@ def load(name_or_dir: str, *, param_dtype: str | None = None,
     arr = tensors[name]
     if storage == "bfloat16" and arr.dtype == np.uint16:
       arr = arr.view(ml_dtypes.bfloat16)
+    elif not np.issubdtype(arr.dtype, np.floating) and jnp.issubdtype(leaf.dtype, jnp.floating):
+      raise ValueError(f"{name}: stored as {arr.dtype} under storage_dtype={storage!r}, but the model's variable is "
+                       f"{leaf.dtype} (bfloat16 bit patterns need storage_dtype='bfloat16')")
     if arr.shape != leaf.shape:
       raise ValueError(f"{name}: checkpoint shape {arr.shape} != model shape {leaf.shape}")
     new_leaves.append(jnp.asarray(arr.astype(np.float32)).astype(leaf.dtype)

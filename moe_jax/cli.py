@@ -35,7 +35,11 @@ def checkpoint_kind(name_or_dir: str) -> str:
   from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
 
   if os.path.isdir(name_or_dir):
-    if os.path.isfile(os.path.join(name_or_dir, "config.json")):
+    both = [f for f in ("config.json", "quant.json") if os.path.isfile(os.path.join(name_or_dir, f))]
+    if len(both) == 2:
+      raise ValueError(f"--checkpoint={name_or_dir!r} holds both config.json (an exported model) and quant.json (a "
+                       "quantized one): which to load is ambiguous; keep them in separate directories")
+    if both == ["config.json"]:
       return "shipped"
     if os.path.isfile(os.path.join(name_or_dir, "quant.json")):
       return "quantized"

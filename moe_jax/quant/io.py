@@ -42,6 +42,9 @@ def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, 
                        f"{getattr(b, 'kind', 'unquantized')!r}: save the model with the spec it was quantized with")
 
   directory = os.path.abspath(directory)
+  if os.path.isfile(os.path.join(directory, "config.json")):  # --checkpoint would then load that model instead
+    raise ValueError(f"{directory!r} holds an exported checkpoint (config.json): save the quantized one in another "
+                     "directory")
   os.makedirs(directory, exist_ok=True)
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(os.path.join(directory, "params"), nnx.to_pure_dict(nnx.state(model)), force=True)

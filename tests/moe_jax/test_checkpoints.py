@@ -60,6 +60,45 @@ def test_load_errors(tmp_path):
     checkpoints.load(str(tmp_path))
 
 
+def test_export_keeps_extra_and_load_trusts_the_file_not_a_partial_config(tiny_model, tiny_config, tmp_path):
+  """`extra` reaches config.json (train --export's train_config / train_summary were dropped); the storage dtype is
+  read from the safetensors file (a config.json without it loaded bf16 bit patterns as numbers: 16256.0 for 1.0);
+  a config.json missing a field, a Hugging Face directory and a bad storage dtype are named."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  d = str(tmp_path / "bf16")
+  checkpoints.export(tiny_model, tiny_config, d, extra={"train_summary": {"steps": 3}})
+  path = os.path.join(d, "config.json")
+  with open(path) as f:
+    meta = json.load(f)
+  assert meta["train_summary"] == {"steps": 3} and meta["storage_dtype"] == "bfloat16"
+  del meta["storage_dtype"]
+  with open(path, "w") as f:
+    json.dump(meta, f)
+  _, model = checkpoints.load(d)
+  want = np.asarray(tiny_model.final_norm.scale[...].astype(jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(model.final_norm.scale[...]), want)
+  del meta["model"]["rope_theta"]
+  with open(path, "w") as f:
+    json.dump(meta, f)
+  with pytest.raises(ValueError, match=r"config.json lacks ModelConfig fields \['rope_theta'\]"):
+    checkpoints.load(d)
+  with open(path, "w") as f:
+    json.dump({"model_type": "qwen3_moe", "hidden_size": 64}, f)
+  with pytest.raises(ValueError, match=r"no \"model\" entry.*Hugging Face checkpoint: load it with --hf"):
+    checkpoints.load(d)
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  weights = os.path.join(d, "model.safetensors")
+  save_file(load_file(weights), weights, metadata={"storage_dtype": "float32"})  # bf16 bit patterns called float32
+  with open(path, "w") as f:
+    json.dump({**meta, "model": checkpoints.config_to_json(tiny_config)}, f)
+  with pytest.raises(ValueError, match=r"stored as uint16 under storage_dtype='float32'"):
+    checkpoints.load(d)
+  with pytest.raises(ValueError, match="storage_dtype='int8' must be one of"):
+    checkpoints.export(tiny_model, tiny_config, str(tmp_path / "int8"), storage_dtype="int8")
+  assert not os.path.exists(tmp_path / "int8")  # refused before creating the directory
+
+
 def test_shipped_checkpoint_loads_and_is_small():
   import os  # pylint: disable=g-import-not-at-top
   directory = checkpoints.resolve("tiny-trained")

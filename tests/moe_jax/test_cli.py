@@ -26,6 +26,15 @@ def test_a_converted_quantized_checkpoint_loads_through_the_cli_loader(tiny_mode
   probe = jnp.asarray([[257, 5, 17, 99, 3, 42]], jnp.int32)
   # Tolerance 0: the restored arrays are the in-memory quantization's, through the same program.
   np.testing.assert_array_equal(np.asarray(decode.logits(model, probe)), np.asarray(decode.logits(in_memory, probe)))
+  # Converting into the exported directory itself is refused (before: it succeeded, and --checkpoint=DIR then loaded
+  # the unquantized model from config.json); a directory that holds both files anyway is named as ambiguous.
+  with pytest.raises(ValueError, match="holds an exported checkpoint"):
+    convert.convert(str(tmp_path / "f32"), "int4", str(tmp_path / "f32"))
+  with pytest.raises(ValueError, match="holds a quantized checkpoint"):
+    checkpoints.export(tiny_model, tiny_config, str(tmp_path / "int4"))
+  (tmp_path / "int4" / "config.json").write_text((tmp_path / "f32" / "config.json").read_text())
+  with pytest.raises(ValueError, match="holds both config.json .* and quant.json"):
+    cli.load_checkpoint(str(tmp_path / "int4"))
 
 
 def test_a_training_workdir_loads_its_latest_step(tiny_config, tmp_path):
