@@ -104,12 +104,13 @@ def load_model(*, checkpoint: str | None = None, hf: str | None = None, config: 
 
 
 def setup_kv_cache(model, kv_cache: str, *, calib_windows: int = CALIB_WINDOWS, calib_seq_len: int = CALIB_SEQ_LEN,
-                   log: Callable[[str], None] = print):
+                   tokenizer=None, log: Callable[[str], None] = print):
   """Makes `--kv_cache=kv_cache` usable with `model`; returns the mode it installed, or None when none was needed.
 
   An unknown name raises ValueError naming kv_cache. `oskvp_static` without a calibration is calibrated here
   (`moe_jax.kv_quant.static.calibrate_on_training_split`: `calib_windows` training-split windows of
-  min(calib_seq_len, max_seq_len) tokens, one line logged) and installed under its name.
+  min(calib_seq_len, max_seq_len) tokens, one line logged) and installed under its name. `tokenizer`: the model's
+  (`load_model`'s third value); a Hugging Face one tokenizes the split's text (byte ids would be other tokens).
   """
   from moe_jax.kv_cache import get_kv_cache_mode  # pylint: disable=g-import-not-at-top
 
@@ -125,7 +126,8 @@ def setup_kv_cache(model, kv_cache: str, *, calib_windows: int = CALIB_WINDOWS, 
   log(f"kv_cache={kv_cache}: calibrating per-(layer, kv head) OS-KVP on {calib_windows} training-split windows of "
       f"{seq_len} tokens (--kv_calib_windows)")
   calibrated = static.calibrate_on_training_split(model, n_windows=calib_windows, seq_len=seq_len,
-                                                  window=mode.window, implementation=mode.implementation)
+                                                  window=mode.window, implementation=mode.implementation,
+                                                  tokenizer=tokenizer)
   static.install(calibrated, name=kv_cache)
   return calibrated
 
@@ -145,5 +147,6 @@ def from_flags(flags_) -> tuple[ModelConfig, Any, Any]:
                                         config=getattr(flags_, "config", "tiny"), seed=getattr(flags_, "seed", 0))
   kv_cache = getattr(flags_, "kv_cache", None)
   if kv_cache:
-    setup_kv_cache(model, kv_cache, calib_windows=getattr(flags_, "kv_calib_windows", CALIB_WINDOWS))
+    setup_kv_cache(model, kv_cache, calib_windows=getattr(flags_, "kv_calib_windows", CALIB_WINDOWS),
+                   tokenizer=tokenizer)
   return config, model, tokenizer

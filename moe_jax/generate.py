@@ -176,7 +176,7 @@ def main(argv):
   tokens, lengths = pad_batch([prompt] * f.batch)
   cache_len = prompt_cache_len(config, len(prompt), max_new_tokens=f.max_new_tokens, cache_len=f.cache_len)
   decode.validate_prompts(config, tokens, lengths, cache_len=cache_len, max_new_tokens=f.max_new_tokens)
-  cli.setup_kv_cache(model, f.kv_cache, calib_windows=f.kv_calib_windows)  # after the cheap checks
+  cli.setup_kv_cache(model, f.kv_cache, calib_windows=f.kv_calib_windows, tokenizer=tok)  # after the cheap checks
   key = jax.random.key(f.seed)
   eos = getattr(tok, "eos_id", None)
 

@@ -70,8 +70,29 @@ def calibrate_model(model, tokens, lengths=None, *, outlier_fraction: float = 0.
   return StaticOSKVPMode(params_k=params_k, params_v=params_v, window=window, implementation=implementation)
 
 
+BYTES_PER_TOKEN = 8  # text read per window for a subword tokenizer: seq_len tokens of code take ~3-4 bytes each
+
+
+def _text_windows(byte_tokens: np.ndarray, tokenizer, n_windows: int, seq_len: int) -> np.ndarray:
+  """int32 [n_windows, seq_len]: evenly spaced stretches of the byte-token stream, decoded to text (file boundaries
+  as newlines) and re-tokenized by `tokenizer` (its encode: text -> ids), cut to seq_len tokens."""
+  from moe_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from moe_jax.tokenizer import BOS_ID  # pylint: disable=g-import-not-at-top
+
+  span = min(BYTES_PER_TOKEN * seq_len, byte_tokens.size - 2)
+  rows = []
+  for row in data_lib.eval_windows(byte_tokens, n_windows=n_windows, seq_len=span - 1):
+    text = np.where(row == BOS_ID, ord("\n"), row).astype(np.uint8).tobytes().decode("utf-8", "replace")
+    ids = list(tokenizer.encode(text))
+    if len(ids) < seq_len:
+      raise ValueError(f"seq_len={seq_len}: {span} bytes of the training split give only {len(ids)} tokens of this "
+                       "tokenizer; pass a smaller seq_len or tokens=")
+    rows.append(ids[:seq_len])
+  return np.asarray(rows, np.int32)
+
+
 def calibrate_on_training_split(model, *, n_windows: int = 16, seq_len: int = 1024, tokens: np.ndarray | None = None,
-                                **kwargs) -> StaticOSKVPMode:
+                                tokenizer=None, **kwargs) -> StaticOSKVPMode:
   """`calibrate_model` on the default calibration data: `n_windows` evenly spaced windows of `seq_len` tokens of the
   training split of `moe_jax.data` (never validation), or of `tokens` (a 1-D token stream) when given.
 
@@ -79,17 +100,25 @@ def calibrate_on_training_split(model, *, n_windows: int = 16, seq_len: int = 10
     model: the Transformer.
     n_windows: windows (the calibration batch), >= 1.
     seq_len: tokens per window (at most the model's max_seq_len).
-    tokens: the stream to cut the windows from (default: the training split).
+    tokens: the stream to cut the windows from (default: the training split, byte tokens).
+    tokenizer: the model's tokenizer when it is not the byte tokenizer (e.g. `hf.load_tokenizer`): the split's text
+      is tokenized by it, so that a Hugging Face model is calibrated on its own token ids, not on byte ids.
     **kwargs: passed to `calibrate_model` (outlier_fraction, bits, window, implementation).
   """
   from moe_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from moe_jax.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
 
   if not isinstance(n_windows, int) or n_windows < 1:
     raise ValueError(f"n_windows={n_windows!r} must be an int >= 1")
   if not 2 <= seq_len <= model.config.max_seq_len:
     raise ValueError(f"seq_len={seq_len} must be in [2, max_seq_len={model.config.max_seq_len}]")
-  tokens = data_lib.load_corpus()["train"].tokens if tokens is None else tokens
-  windows = data_lib.eval_windows(tokens, n_windows=n_windows, seq_len=seq_len - 1)  # [n_windows, seq_len]
+  if tokens is not None and tokenizer is not None:
+    raise ValueError("pass tokens (already token ids) or tokenizer (to tokenize the training split), not both")
+  if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer):
+    windows = _text_windows(data_lib.load_corpus()["train"].tokens, tokenizer, n_windows, seq_len)
+  else:
+    tokens = data_lib.load_corpus()["train"].tokens if tokens is None else tokens
+    windows = data_lib.eval_windows(tokens, n_windows=n_windows, seq_len=seq_len - 1)  # [n_windows, seq_len]
   return calibrate_model(model, windows, **kwargs)
 
 

@@ -99,3 +99,23 @@ def test_cli_setup_calibrates_oskvp_static(tiny_config, static_mode_restored, ca
   assert cli.setup_kv_cache(model, "int8", log=pytest.fail) is None
   with pytest.raises(ValueError, match="kv_cache='int3'"):
     cli.setup_kv_cache(model, "int3")
+
+
+def test_oskvp_static_calibrates_an_hf_model_on_its_own_token_ids(static_mode_restored, monkeypatch):
+  """--hf with --kv_cache=oskvp_static: the training split's text tokenized by the model's tokenizer (before: byte
+  ids, which a 128-token vocabulary refused and a larger one took as other tokens)."""
+  from moe_jax import data  # pylint: disable=g-import-not-at-top
+  from moe_jax.kv_quant import static  # pylint: disable=g-import-not-at-top
+  seen = {}
+  calibrate = static.calibrate_model
+  monkeypatch.setattr(static, "calibrate_model", lambda m, tokens, **kw: calibrate(m, seen.setdefault("t", tokens),
+                                                                                    **kw))
+  config, model, tok = cli.load_model(checkpoint=None, hf="tests/fixtures/hf/mixtral")
+  assert cli.setup_kv_cache(model, "oskvp_static", calib_windows=2, calib_seq_len=48, tokenizer=tok,
+                            log=lambda s: None).params_k is not None
+  tokens = np.asarray(seen["t"])
+  assert tokens.shape == (2, 48) and tokens.max() < config.vocab_size
+  # Window 0 starts the split: its first 8 · 48 bytes (file starts as newlines) through the tokenizer.
+  split = data.load_corpus()["train"].tokens[:static.BYTES_PER_TOKEN * 48]
+  text = np.where(split == 257, 10, split).astype(np.uint8).tobytes().decode("utf-8", "replace")
+  np.testing.assert_array_equal(tokens[0], tok.encode(text)[:48])
