@@ -50,7 +50,10 @@ class Checkpoint:
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):
       with open(index) as f:
-        self.weight_map: dict[str, str] = dict(json.load(f)["weight_map"])
+        meta = json.load(f)
+      if not isinstance(meta, dict) or not isinstance(meta.get("weight_map"), dict):
+        raise ValueError(f"{INDEX} in {path!r} has no \"weight_map\" dict (tensor name -> shard file)")
+      self.weight_map: dict[str, str] = dict(meta["weight_map"])
       for file in sorted(set(self.weight_map.values())):
         if not os.path.isfile(os.path.join(path, file)):
           raise ValueError(f"{INDEX} in {path!r} lists shard {file!r}, which is not in the directory")

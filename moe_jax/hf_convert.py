@@ -51,10 +51,11 @@ def rope_theta(hf: dict, default: float) -> float:
   """RoPE base from `rope_parameters` (transformers 5) or `rope_theta` (4.x); only plain RoPE is supported."""
   params = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or {}
-  kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-  if kind != "default":
-    raise ValueError(f"config.json rope_scaling/rope_parameters rope_type={kind!r} is not supported "
-                     "(only plain RoPE, rope_type='default')")
+  for field, d in (("rope_parameters", params), ("rope_scaling", scaling)):  # each on its own: either may scale
+    kind = d.get("rope_type") or d.get("type") or "default"
+    if kind != "default":
+      raise ValueError(f"config.json {field} rope_type={kind!r} is not supported (only plain RoPE, "
+                       "rope_type='default')")
   return float(params.get("rope_theta") or hf.get("rope_theta") or default)
 
 
@@ -90,7 +91,9 @@ def base_config(hf: dict, *, name: str, dtype: str, rope_default: float) -> dict
 def qwen_dense_layers(hf: dict, n_layers: int) -> tuple[int, ...]:
   """Qwen's rule: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
   only = set(_get(hf, "mlp_only_layers", []) or [])
-  step = int(_get(hf, "decoder_sparse_step", 1))
+  step = _get(hf, "decoder_sparse_step", 1)
+  if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    raise ValueError(f"config.json decoder_sparse_step={step!r} must be an int >= 1")
   return tuple(i for i in range(n_layers) if i in only or (i + 1) % step != 0)
 
 

@@ -156,8 +156,19 @@ def test_unsupported_options(tmp_path):
   edit_json(os.path.join(path, "config.json"), rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4})
   with pytest.raises(ValueError, match="rope_type='yarn'"):
     hf.load(path)
-  edit_json(os.path.join(path, "config.json"), rope_parameters=None, hidden_act="gelu")
+  # Qwen's documented YaRN switch (rope_scaling) beside a default rope_parameters (before: loaded as plain RoPE).
+  edit_json(os.path.join(path, "config.json"), rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            rope_scaling={"rope_type": "yarn", "factor": 4.0})
+  with pytest.raises(ValueError, match="rope_scaling rope_type='yarn'"):
+    hf.load(path)
+  edit_json(os.path.join(path, "config.json"), rope_scaling={"type": "linear", "factor": 2.0})
+  with pytest.raises(ValueError, match="rope_scaling rope_type='linear'"):
+    hf.load(path)
+  edit_json(os.path.join(path, "config.json"), rope_parameters=None, rope_scaling=None, hidden_act="gelu")
   with pytest.raises(ValueError, match="hidden_act='gelu'"):
+    hf.load(path)
+  edit_json(os.path.join(path, "config.json"), hidden_act="silu", decoder_sparse_step=0)  # was a ZeroDivisionError
+  with pytest.raises(ValueError, match="decoder_sparse_step=0 must be an int >= 1"):
     hf.load(path)
 
 
@@ -192,6 +203,10 @@ def test_missing_expert_and_shard(tmp_path):
     hf.load(path)
   os.remove(os.path.join(path, "model-00007-of-00007.safetensors"))
   with pytest.raises(ValueError, match="shard 'model-00007-of-00007.safetensors'"):
+    hf.load(path)
+  with open(index, "w") as f:
+    json.dump({"metadata": {}}, f)  # was a bare KeyError
+  with pytest.raises(ValueError, match=r"has no \"weight_map\" dict"):
     hf.load(path)
 
 
