@@ -98,8 +98,10 @@ def train_batch(tokens: np.ndarray, step: int, *, batch_size: int, seq_len: int,
 
   Inputs are `batch[:, :-1]`, targets `batch[:, 1:]`.
   """
+  if tokens.size < seq_len + 1:
+    raise ValueError(f"seq_len={seq_len}: a window needs seq_len + 1 tokens, the stream has {tokens.size}")
   rng = np.random.default_rng([seed, step])
-  starts = rng.integers(0, tokens.size - seq_len - 1, size=batch_size)
+  starts = rng.integers(0, tokens.size - seq_len, size=batch_size)  # every start whose window fits: 0..size - L - 1
   idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
   return tokens[idx].astype(np.int32)
 

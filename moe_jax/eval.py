@@ -143,9 +143,16 @@ def evaluate(model: nnx.Module, config: ModelConfig, *, kv_cache: str = "bf16", 
   if windows is None:
     val = data_lib.load_corpus()["validation"].tokens
     windows = data_lib.eval_windows(val, n_windows=n_windows, seq_len=context)
-  windows = np.asarray(windows, np.int32)
-  if windows.shape[1] != context + 1:
-    raise ValueError(f"windows must be [W, context + 1 = {context + 1}], got {windows.shape}")
+  windows = np.asarray(windows)
+  if windows.ndim != 2 or windows.shape[0] < 1 or windows.shape[1] != context + 1:
+    raise ValueError(f"windows must be [W >= 1, context + 1 = {context + 1}], got {windows.shape}")
+  if not np.issubdtype(windows.dtype, np.integer):
+    raise ValueError(f"windows must hold integer token ids, got dtype {windows.dtype}")
+  try:  # -1 would score the last vocabulary entry (numpy indexing), an id past it fail after the model ran
+    decode.check_token_ids(config, windows)
+  except ValueError as e:
+    raise ValueError(f"windows: {e}") from e
+  windows = windows.astype(np.int32)
   targets = windows[:, prefix:]
   cache_len = context + 1
 

@@ -51,6 +51,17 @@ def test_batches_depend_only_on_seed_and_step():
   np.testing.assert_array_equal(tokens[start:start + 33], a[0])
 
 
+def test_batches_reach_the_last_window_and_a_stream_of_one_window():
+  """Every start whose window fits is drawn, the last included (before: the upper bound excluded it, and a stream of
+  exactly seq_len + 1 tokens raised numpy's 'high <= 0')."""
+  tokens = np.arange(36, dtype=np.uint16)  # seq_len 32: starts 0..3
+  starts = {int(data.train_batch(tokens, s, batch_size=8, seq_len=32)[i, 0]) for s in range(20) for i in range(8)}
+  assert starts == {0, 1, 2, 3}
+  np.testing.assert_array_equal(data.train_batch(tokens[:33], 0, batch_size=2, seq_len=32), np.stack([tokens[:33]] * 2))
+  with pytest.raises(ValueError, match="seq_len=32: a window needs seq_len \\+ 1 tokens, the stream has 32"):
+    data.train_batch(tokens[:32], 0, batch_size=2, seq_len=32)
+
+
 def test_eval_windows_are_evenly_spaced_and_bounded():
   tokens = np.arange(1000, dtype=np.uint16)
   w = data.eval_windows(tokens, n_windows=5, seq_len=99)

@@ -62,6 +62,23 @@ def test_no_windows_is_refused_not_a_nan_table(tiny_model, tiny_config):
     eval_lib.evaluate(tiny_model, tiny_config, n_windows=0)
 
 
+def test_given_windows_are_checked_before_the_model_runs(tiny_model, tiny_config, windows):
+  """Before: -1 was scored as the last vocabulary entry, 300 failed inside numpy after the model ran, no rows gave a
+  NaN table and float windows were truncated."""
+  bad = np.array(windows)
+  bad[1, 5] = -1
+  with pytest.raises(ValueError, match=r"windows: token id -1 at tokens\[1, 5\] is outside the vocabulary"):
+    eval_lib.evaluate(tiny_model, tiny_config, windows=bad, context=CONTEXT, prefix=PREFIX)
+  bad[1, 5] = tiny_config.vocab_size + 36
+  with pytest.raises(ValueError, match=f"token id {tiny_config.vocab_size + 36} at"):
+    eval_lib.evaluate(tiny_model, tiny_config, windows=bad, context=CONTEXT, prefix=PREFIX)
+  with pytest.raises(ValueError, match=r"windows must be \[W >= 1"):
+    eval_lib.evaluate(tiny_model, tiny_config, windows=np.zeros((0, CONTEXT + 1), np.int32), context=CONTEXT,
+                      prefix=PREFIX)
+  with pytest.raises(ValueError, match="integer token ids, got dtype float64"):
+    eval_lib.evaluate(tiny_model, tiny_config, windows=np.asarray(windows) + 0.5, context=CONTEXT, prefix=PREFIX)
+
+
 def test_shipped_checkpoint_reproduces_its_recorded_bpb():
   recorded = checkpoints.recorded_metrics("tiny-trained")
   config, model = checkpoints.load("tiny-trained")
