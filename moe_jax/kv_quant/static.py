@@ -41,7 +41,7 @@ def calibrate_layers(kvs, lengths, *, outlier_fraction: float = 0.08, bits: int 
 
   @jax.jit
   def per_layer(x):  # [B, T, K, H] -> params with leading [K]
-    xs = jnp.swapaxes(x, 0, 2).reshape(x.shape[2], b * t, h)  # [K, B·T, H]
+    xs = jnp.transpose(x, (2, 0, 1, 3)).reshape(x.shape[2], b * t, h)  # [K, B·T, H], rows batch-major like w
     return jax.vmap(lambda xk: oskvp.fit(xk, w, n_outlier=n_out, bits=bits, n_iters=n_iters))(xs)
 
   for i, (k, v) in enumerate(kvs):

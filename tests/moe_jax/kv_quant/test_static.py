@@ -50,3 +50,19 @@ def test_calibrate_model_names_bad_tokens_and_too_few_samples(tiny_model, tiny_c
     static.calibrate_model(tiny_model, np.ones((1, 1), np.int32))  # before: collapsed codebooks, no warning
   with pytest.raises(ValueError, match="window=0"):
     static.calibrate_model(tiny_model, np.ones((1, 40), np.int32), window=0)  # before: NaN logits at decode
+
+
+def test_calibrate_layers_ignores_padding_of_ragged_rows():
+  """Lengths [40, 10], padding set to 100: the parameters equal those fitted on the 50 valid rows alone (one row, no
+  padding). Before, the samples were flattened time-major and the mask batch-major, so padding entered the fit (its
+  fp8 scale ~90x the valid data's) and valid tokens were dropped."""
+  rng = np.random.default_rng(0)
+  b, t, k, h = 2, 40, 2, 16
+  x = rng.normal(size=(b, t, k, h)).astype(np.float32) * np.linspace(0.2, 2.0, h).astype(np.float32)
+  lengths = np.array([40, 10], np.int32)
+  x[1, 10:] = 100.0
+  valid = np.concatenate([x[0], x[1, :10]])[None]  # [1, 50, K, H]
+  got = static.calibrate_layers([(jnp.asarray(x), jnp.asarray(x))], jnp.asarray(lengths))[0]
+  want = static.calibrate_layers([(jnp.asarray(valid), jnp.asarray(valid))], jnp.asarray([50]))[0]
+  for a, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-5)
