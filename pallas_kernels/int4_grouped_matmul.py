@@ -204,7 +204,7 @@ def is_nk(ws: Int4Weights) -> bool:
   return ws.packed.dtype == jnp.uint16
 
 
-def _check(lhs, ws: Int4Weights, group_size: int):
+def _check(lhs, ws: Int4Weights, group_size: int, what: str = "weights"):
   if lhs.ndim != 2:
     raise ValueError(f"lhs must be [M, Kp] (rows sorted by expert), got shape {lhs.shape}")
   if is_nk(ws):
@@ -221,7 +221,7 @@ def _check(lhs, ws: Int4Weights, group_size: int):
   if group_size % (128 if ws.meta is not None else 32) or kp % group_size:
     raise ValueError(f"group_size={group_size} must be a multiple of 32 (128 for 2:4) dividing Kp={kp}")
   if ws.scale.shape != (e, kp // group_size, n):
-    raise ValueError(f"weights.scale has shape {ws.scale.shape} but group_size={group_size} needs "
+    raise ValueError(f"{what}.scale has shape {ws.scale.shape} but group_size={group_size} needs "
                      f"{(e, kp // group_size, n)}: pass the group_size the weights were quantized with")
   return e, kp, n
 
@@ -232,10 +232,12 @@ def _plan(lhs, weight_sets, group_sizes, group_size, block_m, block_n, split_k, 
   if len(layouts) > 1:
     raise ValueError("fused weights must share one layout (all uint16 [E, N, Kp/4] or all uint8)")
   nk = layouts.pop()
-  e, kp, n = _check(lhs, weight_sets[0], group_size)
-  if group_sizes.shape != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-    raise ValueError(f"group_sizes must be an integer array of shape ({e},) (rows per expert), got "
-                     f"{group_sizes.dtype} {group_sizes.shape}")
+  names = ("weights",) if len(weight_sets) == 1 else ("gate", "up")
+  e, kp, n = _check(lhs, weight_sets[0], group_size, names[0])
+  for w, what in zip(weight_sets, names):
+    ragged_tiles.check_grouped_args(group_sizes, w.in_scale, e, kp, what)
+    if what == "up":
+      ragged_tiles.check_same_shape((e, kp, n), _check(lhs, w, group_size, what))
   bn = ragged_tiles.pick_block_n(n, block_n)
   m, n_groups = lhs.shape[0], kp // group_size
   bm = block_m or ragged_tiles.pick_block_m(m, e, smallest=8 if nk else 16)

@@ -155,9 +155,17 @@ def check_triton_offsets(**arrays) -> None:
                        "call.")
 
 
-def default_config(head_dim: int) -> DecodeBlockConfig:
-  """The measured-fastest form for the head dim: bit planes where each plane spans >= 32 channels, else "mma"."""
-  return BITPLANE if head_dim // 4 >= 32 else DecodeBlockConfig()
+# Compact rows hold both query digits of G heads in one 16-row tile: G <= 8. Past that (e.g. qwen3_235b_a22b's
+# G = 16) the bit-plane form runs its two digits as two dots (not measured on a GPU).
+TWO_DOT_BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=2)
+
+
+def default_config(head_dim: int, g: int = 4) -> DecodeBlockConfig:
+  """The measured-fastest form for the head dim and G query heads per kv head: bit planes where each plane spans
+  >= 32 channels (compact rows while 2 G fits a 16-row tile), else "mma"."""
+  if head_dim // 4 < 32:
+    return DecodeBlockConfig()
+  return BITPLANE if 2 * g <= 16 else TWO_DOT_BITPLANE
 
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:
@@ -490,6 +498,9 @@ def check_layout(*args) -> None:
   """Raises ValueError naming the argument (in `oskvp_decode_attention`'s order) whose shape or dtype does not fit
   q [B, N, H] and codes_k [B, K, S, H/4], the layout of its docstring (checked at trace time, free at run time)."""
   a = dict(zip(_ARGS, args))
+  for name, rank in (("q", 3), ("codes_k", 4), ("outl_k", 4), ("res_k", 4)):  # the shapes the others are read from
+    if a[name].ndim != rank:
+      raise ValueError(f"{name} must have rank {rank} (see oskvp_decode_attention), got shape {a[name].shape}")
   b, n, h = a["q"].shape
   _, kh, s, _ = a["codes_k"].shape
   if n % kh:
@@ -525,6 +536,8 @@ def check_kernel_shapes(q, codes_k, outl_k) -> None:
 def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
                   n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False,
                   symmetric_codebooks: bool = False):
+  # Lengths past the store / window read as all of it (as the reference does); unclipped they index other rows.
+  n_comp, n_res = jnp.clip(n_comp, 0, codes_k.shape[2]), jnp.clip(n_res, 0, res_k.shape[2])
   if config.form == "bitplane":
     from pallas_kernels.oskvp_decode_attention_bitplane import oskvp_bitplane_pallas  # pylint: disable=g-import-not-at-top
     return oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k,
@@ -604,7 +617,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     n_comp, n_res: int32 [B] valid tokens in the store and in the window (n_comp + n_res >= 1).
     implementation: "pallas" (the fused kernel; on CPU pass interpret=True) or "xla" (the jnp reference).
     interpret: run the Pallas kernel in interpret mode (CPU).
-    config: form and tiling; None uses `default_config(H)` (the bit-plane form for H >= 128).
+    config: form and tiling; None uses `default_config(H, G)` (the bit-plane form for H >= 128).
     symmetric_codebooks: every codebook row satisfies cb0 + cb3 = cb1 + cb2 (`OSKVPMode(symmetric=True)`); the
       bit-plane form then skips the b0 & b1 plane (a third less work). Results are wrong if the rows are not.
 
@@ -619,7 +632,8 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
   check_kernel_shapes(q, codes_k, outl_k)
   check_triton_offsets(codes_k=codes_k, codes_v=codes_v, outl_k=outl_k, outl_v=outl_v)
-  return _oskvp_pallas(*args, interpret=interpret, config=config or default_config(q.shape[-1]),
+  g = q.shape[1] // codes_k.shape[1]
+  return _oskvp_pallas(*args, interpret=interpret, config=config or default_config(q.shape[-1], g),
                        symmetric_codebooks=symmetric_codebooks)
 
 

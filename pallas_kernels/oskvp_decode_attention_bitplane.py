@@ -515,6 +515,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
   g, o_dim, r = n // kh, outl_k.shape[-1], res_k.shape[2]
+  n_comp, n_res = jnp.clip(n_comp, 0, s), jnp.clip(n_res, 0, r)  # past the store / window: all of it
   if qd < 32:
     raise ValueError(f"form='bitplane' needs head dim >= 128 (got {h}): int8 tensor-core dots over H/4 = {qd} "
                      "channels gave wrong results under XLA's Triton on the H200; use form='mma'")

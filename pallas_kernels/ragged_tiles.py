@@ -30,6 +30,21 @@ from jax.experimental.pallas import triton as plgpu
 StepFn = Callable[..., jax.Array]
 
 
+def check_grouped_args(group_sizes: jax.Array, in_scale: jax.Array | None, e: int, kp: int, what: str) -> None:
+  """Raises ValueError naming `group_sizes` unless it is integer [E], or `what`.in_scale unless None or [E, Kp]."""
+  if group_sizes.shape != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be an integer array of shape ({e},) (rows per expert), got "
+                     f"{group_sizes.dtype} {group_sizes.shape}")
+  if in_scale is not None and in_scale.shape != (e, kp):
+    raise ValueError(f"{what}.in_scale has shape {in_scale.shape}, expected (E, Kp) = {(e, kp)}")
+
+
+def check_same_shape(gate: tuple[int, int, int], up: tuple[int, int, int]) -> None:
+  """The fused gate/up kernels read both weights with the gate's tiling: (E, Kp, N) must match."""
+  if gate != up:
+    raise ValueError(f"gate and up weights must have one (E, Kp, N), got {gate} and {up}")
+
+
 def pow2_at_least(x: int, lo: int) -> int:
   p = lo
   while p < x:

@@ -85,7 +85,9 @@ def _step(load_x, ws: VQ2Weights, e, g, n0, acc, *, group_size: int, bn: int, ab
   return acc + ws.scale[e, g, nt].astype(jnp.float32)[None, :] * d
 
 
-def _check(lhs, ws: VQ2Weights, group_size: int):
+def _check(lhs, ws: VQ2Weights, group_size: int, group_sizes: jax.Array, what: str = "weights"):
+  if lhs.ndim != 2:
+    raise ValueError(f"lhs must be [M, Kp] (rows sorted by expert), got shape {lhs.shape}")
   e, rows, n = ws.idx.shape
   kp = rows * 4
   if lhs.shape[1] != kp:
@@ -95,6 +97,10 @@ def _check(lhs, ws: VQ2Weights, group_size: int):
   if ws.codebook.shape[1:] != (2, 256) or ws.codebook.shape[0] not in (1, e) or ws.codebook.dtype != jnp.uint32:
     raise ValueError(f"codebook {ws.codebook.dtype}{ws.codebook.shape} must be uint32 (1 or E={e}, 2, 256); "
                      "see pack_codebook")
+  if ws.scale.shape != (e, kp // group_size, n):
+    raise ValueError(f"{what}.scale has shape {ws.scale.shape} but group_size={group_size} needs "
+                     f"{(e, kp // group_size, n)}: pass the group_size the weights were quantized with")
+  ragged_tiles.check_grouped_args(group_sizes, ws.in_scale, e, kp, what)
   return e, kp, n
 
 
@@ -108,7 +114,7 @@ def vq2_grouped_matmul(lhs: jax.Array, weights: VQ2Weights, group_sizes: jax.Arr
   `ablate` is for timing experiments only (the results are wrong): "gather_only" runs the codebook look-ups and
   skips the dots and scales, "no_gather" runs everything but the look-ups (the index bits stand in for the word).
   """
-  _, kp, n = _check(lhs, weights, group_size)
+  _, kp, n = _check(lhs, weights, group_size, group_sizes)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
   bn = ragged_tiles.pick_block_n(n, block_n)
@@ -124,7 +130,9 @@ def vq2_grouped_swiglu(lhs: jax.Array, gate: VQ2Weights, up: VQ2Weights, group_s
                        group_size: int = 128, block_m: int | None = None, block_n: int = 128, num_warps: int = 4,
                        num_stages: int = 3, interpret: bool = False, poison: float | None = None) -> jax.Array:
   """Fused gate/up + SwiGLU: silu(lhs @ W_gate) * (lhs @ W_up) -> lhs.dtype [M, F]."""
-  _, kp, n = _check(lhs, gate, group_size)
+  shape = _check(lhs, gate, group_size, group_sizes, "gate")
+  ragged_tiles.check_same_shape(shape, _check(lhs, up, group_size, group_sizes, "up"))
+  _, kp, n = shape
   bn = ragged_tiles.pick_block_n(n, block_n)
   step = functools.partial(_step, group_size=group_size, bn=bn)
   return ragged_tiles.ragged_call(lhs, group_sizes, [gate, up], step, n=n, n_groups=kp // group_size,

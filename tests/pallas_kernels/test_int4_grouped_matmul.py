@@ -155,3 +155,16 @@ def test_group_sizes_lhs_rank_and_group_size_mismatch_are_named():
     i4.int4_grouped_matmul(x, ws, gs, group_size=64, interpret=True)
   with pytest.raises(ValueError, match=r"lhs must be \[M, Kp\]"):
     i4.int4_grouped_matmul(x[None], ws, gs, interpret=True)
+
+
+def test_fused_up_weight_and_in_scale_shapes_are_named():
+  """Before: an up weight of another N ran with the gate's tiling (wrong columns), a wrong in_scale shape ran."""
+  ws, x, gs = _weights(jax.random.key(0)), jnp.zeros((4, K)), jnp.asarray([4, 0, 0, 0])
+  wide = ws._replace(packed=jnp.concatenate([ws.packed] * 2, -1), scale=jnp.concatenate([ws.scale] * 2, -1),
+                     zero=jnp.concatenate([ws.zero] * 2, -1))
+  with pytest.raises(ValueError, match=r"gate and up weights must have one \(E, Kp, N\)"):
+    i4.int4_grouped_swiglu(x, ws, wide, gs, interpret=True)
+  with pytest.raises(ValueError, match=r"up.in_scale has shape \(4, 128\), expected"):
+    i4.int4_grouped_swiglu(x, ws, ws._replace(in_scale=jnp.ones((E, K // 2))), gs, interpret=True)
+  with pytest.raises(ValueError, match=r"weights.in_scale has shape \(4, 128\), expected"):
+    i4.int4_grouped_matmul(x, ws._replace(in_scale=jnp.ones((E, K // 2))), gs, interpret=True)

@@ -155,7 +155,8 @@ def test_bitplane_form_rejects_small_heads_and_default_picks_by_head_dim():
   args = random_oskvp_inputs(14, batch=1, heads=4, kv_heads=1, head_dim=64, capacity=32, window=16)
   with pytest.raises(ValueError, match="head dim >= 128"):
     _oskvp_pallas(*args, interpret=True, config=BITPLANE)
-  assert default_config(64).form == "mma" and default_config(128) == BITPLANE
+  assert default_config(64).form == "mma" and default_config(128) == BITPLANE == default_config(128, 8)
+  assert default_config(128, 16).form == "bitplane" and not default_config(128, 16).compact_rows
   with pytest.raises(ValueError, match="query_digits"):
     DecodeBlockConfig(form="bitplane", query_digits=3)
   with pytest.raises(ValueError, match="compact_rows"):
@@ -272,3 +273,22 @@ def test_refuses_caches_the_triton_offsets_cannot_index():
   with pytest.raises(ValueError, match=r"^codes_k \(64, 8, 131072, 32\) uint8 has 2147483648 >= 2\^31 elements"):
     jax.eval_shape(oskvp_decode_attention, *args)
   assert jax.eval_shape(functools.partial(oskvp_decode_attention, implementation="xla"), *args).shape == (b, 32, h)
+
+
+def test_default_form_at_g16_and_lengths_past_the_buffers():
+  """G = 16 (qwen3_235b_a22b: 64 query heads over 4 kv heads) through the default form (before: compact rows refused
+  it: 2 G > 16 rows), and n_comp > S / n_res > R read as the whole store / window as in the reference (before: the
+  kernel indexed past the row, NaN here, another row's memory on a GPU)."""
+  args = random_oskvp_inputs(21, batch=2, heads=32, kv_heads=2, head_dim=128, capacity=64, window=16,
+                             n_comp=[40, 64], n_res=[3, 16])
+  out = oskvp_decode_attention(*args, implementation="pallas", interpret=True)
+  assert rel_err(out, oskvp_decode_attention_reference(*args)) < TOL["bitplane"]
+  over = list(args)
+  over[13], over[14] = np.array([72, 64], np.int32), np.array([3, 20], np.int32)  # n_comp > S, n_res > R
+  want = oskvp_decode_attention_reference(*args[:13], np.array([64, 64], np.int32), np.array([3, 16], np.int32))
+  two_dot = dataclasses.replace(default_config(128, 16), block_s=32, num_splits=2)
+  for config in (DecodeBlockConfig(num_splits=2), two_dot):
+    got = oskvp_decode_attention(*over, implementation="pallas", interpret=True, config=config)
+    assert rel_err(got, want) < TOL[config.form], config.form
+  with pytest.raises(ValueError, match=r"q must have rank 3"):
+    oskvp_decode_attention(args[0][:, 0], *args[1:], implementation="xla")

@@ -62,3 +62,20 @@ def test_timing_ablations_do_what_they_say():
   np.testing.assert_allclose(got, np.repeat(sums, np.asarray(gs), axis=0), rtol=1e-5, atol=1e-3)
   with pytest.raises(ValueError, match="ablate"):
     v2.vq2_grouped_matmul(x, ws, gs, interpret=True, ablate="no_dots")
+
+
+def test_inconsistent_arguments_are_named():
+  """Before: each ran and returned wrong numbers (a scale of another group size: off by up to 83; group sizes for a
+  third expert read out of bounds; an up weight of another N fused by the gate's columns)."""
+  ws, x, gs = _weights(jax.random.key(0), E), jnp.zeros((4, K)), jnp.asarray([4, 0, 0, 0])
+  with pytest.raises(ValueError, match="pass the group_size the weights were quantized with"):
+    v2.vq2_grouped_matmul(x, ws, gs, group_size=64, interpret=True)
+  with pytest.raises(ValueError, match=r"group_sizes must be an integer array of shape \(4,\)"):
+    v2.vq2_grouped_matmul(x, ws, jnp.asarray([4, 0, 0, 0, 0]), interpret=True)
+  with pytest.raises(ValueError, match=r"weights.in_scale has shape \(4, 128\), expected"):
+    v2.vq2_grouped_matmul(x, ws._replace(in_scale=jnp.ones((E, K // 2))), gs, interpret=True)
+  with pytest.raises(ValueError, match=r"lhs must be \[M, Kp\]"):
+    v2.vq2_grouped_matmul(x[0], ws, gs, interpret=True)
+  wide = ws._replace(idx=jnp.concatenate([ws.idx, ws.idx], -1), scale=jnp.concatenate([ws.scale, ws.scale], -1))
+  with pytest.raises(ValueError, match=r"gate and up weights must have one \(E, Kp, N\)"):
+    v2.vq2_grouped_swiglu(x, ws, wide, gs, interpret=True)
