@@ -79,7 +79,8 @@ def decode_step(model: Transformer, cache: KVCache, tokens) -> tuple[jax.Array, 
   Args:
     tokens: int32 [B], the next token of each sequence. Host (numpy) ids are checked against the vocabulary first;
       ids already on the device are not (that check would wait for the device each step), and an id outside the
-      vocabulary there gives NaN logits.
+      vocabulary there gives NaN logits. So does a step on a row whose cache is full (lengths = cache_len): its
+      token has no position to go to (the dense caches dropped it silently before, and the logits were wrong).
 
   Returns:
     (float32 logits [B, V] for the following position, KVCache with lengths + 1).
@@ -110,8 +111,9 @@ def _decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple
     if layer.kv_shape != want:
       raise ValueError(f"cache layer {i} holds {layer.kv_shape[0]} kv heads of dim {layer.kv_shape[1]} but the model "
                        f"has {want[0]} of dim {want[1]}: pass the cache that prefill built for this model")
+  full = cache.lengths >= cache.max_len  # [B]: no position left for this token
   out, cache = model.decode(cache, tokens[:, None])
-  return out[:, 0], cache
+  return jnp.where(full[:, None], jnp.nan, out[:, 0]), cache
 
 
 def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, max_new_tokens: int = 0) -> None:

@@ -73,12 +73,13 @@ def decode_loop(model, cache: KVCache, first_logits: jax.Array, key: jax.Array, 
     logits, cache = model.decode(cache, tok[:, None])
     key, sub = jax.random.split(key)
     nxt = sample(logits[:, 0], sub, temperature, top_k, top_p)
+    feed = jnp.where(done, 0, nxt)  # a finished row is fed token 0, not pad_id (maybe outside the vocabulary: NaN)
     nxt = jnp.where(done, pad_id, nxt)
     out = out.at[:, i].set(nxt)
     n = n + (~done).astype(jnp.int32)
     if eos_id is not None:
       done = done | (nxt == eos_id)
-    return i + 1, cache, nxt, done, out, n, key
+    return i + 1, cache, feed, done, out, n, key
 
   _, cache, _, _, out, n, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, done, out, n, key))
   return out, n, cache

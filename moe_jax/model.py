@@ -100,6 +100,9 @@ class Transformer(nnx.Module):
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array, *, mode, cache_len: int, mode_name: str):
     """tokens: int32 [B, T] right-padded; lengths: int32 [B] -> (logits [B, T, V], KVCache)."""
+    # Padding is read as token 0: whatever id pads a row (one outside the vocabulary embeds as NaN, and NaN keys and
+    # values reach the row's valid outputs through attention's 0 · NaN), the valid positions are unaffected.
+    tokens = jnp.where(jnp.arange(tokens.shape[1])[None, :] < lengths[:, None], tokens, 0)
     logits, _, kvs = self.forward(tokens)
     layers = tuple(mode.from_prefill(k, v, lengths, cache_len, layer=i) for i, (k, v) in enumerate(kvs))
     return logits, KVCache(layers=layers, lengths=lengths.astype(jnp.int32), mode=mode_name)

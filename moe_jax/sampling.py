@@ -7,6 +7,7 @@ engine relies on that). Validate parameters on the host with `SamplingParams` be
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +32,15 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= _F32_MAX):
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))  # numpy scalars too
+    if not (real(self.temperature) and 0 <= self.temperature <= _F32_MAX):
       raise ValueError(f"temperature={self.temperature!r} must be a number in [0, {_F32_MAX:.3g}] (float32)")
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= _I32_MAX:
+    if not (isinstance(self.top_k, numbers.Integral) and real(self.top_k) and 0 <= self.top_k <= _I32_MAX):
       raise ValueError(f"top_k={self.top_k!r} must be an int in [0, {_I32_MAX}] (0 disables it)")
-    if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+    if not (real(self.top_p) and 0 < self.top_p <= 1):
       raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+    for name, cast in (("temperature", float), ("top_k", int), ("top_p", float)):  # plain Python values
+      object.__setattr__(self, name, cast(getattr(self, name)))
 
   def arrays(self, batch: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Broadcasts to per-row arrays: temperature f32 [B], top_k int32 [B], top_p f32 [B]."""
@@ -60,16 +64,25 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
   """
   logits = logits.astype(jnp.float32)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  order, candidates = sorted_candidates(logits, temperature, top_k, top_p)
+  choice = jax.random.categorical(key, candidates, axis=-1)
+  sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)
+
+
+def sorted_candidates(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                      top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """What `sample` draws from: (order int32 [B, V], most likely first; the temperature-scaled logits in that order,
+  -inf where top-k or top-p drops the token)."""
   v = logits.shape[-1]
-  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
   order = jnp.argsort(-scaled, axis=-1)  # [B, V] most likely first
   sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
   rank = jnp.arange(v)[None, :]
   keep = (top_k[:, None] == 0) | (rank < top_k[:, None])
   probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-  # Keep a token while the mass before it is below top_p: the most likely token always stays.
+  # Keep a token while the mass before it is below top_p: the most likely token always stays. top_p = 1 keeps all
+  # (in float32 the running sum reaches 1.0 before the tail, which would drop tokens of mass < ~1e-7).
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep &= mass_before < top_p[:, None]
-  choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-  sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-  return jnp.where(temperature > 0, sampled, greedy)
+  keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+  return order, jnp.where(keep, sorted_logits, -jnp.inf)

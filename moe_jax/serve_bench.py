@@ -93,7 +93,7 @@ def main(argv):
   if f.out:
     os.makedirs(f.out, exist_ok=True)
     with open(os.path.join(f.out, "serve_bench.json"), "w") as fh:
-      json.dump(summary, fh, indent=2)
+      json.dump(metrics_lib.json_safe(summary), fh, indent=2)  # strict JSON: NaN (no decode steps) as null
     with open(os.path.join(f.out, "serve_bench.md"), "w") as fh:
       fh.write(text)
 

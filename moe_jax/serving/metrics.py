@@ -57,6 +57,17 @@ def summarize(handles, engine, wall_s: float) -> dict:
   }
 
 
+def json_safe(obj):
+  """`obj` with every non-finite float (NaN percentiles of an empty sample) as None, for strict JSON."""
+  if isinstance(obj, dict):
+    return {k: json_safe(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [json_safe(v) for v in obj]
+  if isinstance(obj, (float, np.floating)) and not np.isfinite(obj):
+    return None
+  return obj
+
+
 def markdown(summary: dict, title: str = "Serving benchmark") -> str:
   """A short report of `summarize`'s output."""
   s = summary

@@ -10,7 +10,7 @@ import pytest
 
 from moe_jax import decode
 from moe_jax.generate import generate, pad_batch, prompt_cache_len, stream
-from moe_jax.sampling import SamplingParams, sample
+from moe_jax.sampling import SamplingParams, sample, sorted_candidates
 from moe_jax.tokenizer import EOS_ID
 
 
@@ -45,8 +45,12 @@ def test_bf16_cache_tracks_fp32(tiny_model):
 
 
 def test_ragged_batch_equals_per_sequence_runs(tiny_model):
+  """Padded with an id outside the vocabulary (before: its NaN embedding reached the short rows' valid logits
+  through attention, and they generated all zeros)."""
   prompts = [list(_rand_tokens((n,), seed=n)) for n in (3, 11, 1, 7)]
-  tokens, lengths = pad_batch(prompts)
+  tokens, lengths = pad_batch(prompts, pad_id=1000)
+  logits, _ = decode.prefill(tiny_model, tokens, lengths, kv_cache="fp32", cache_len=32)
+  assert np.isfinite(np.asarray(logits)).all()
   key = jax.random.key(0)
   batched = generate(tiny_model, tokens, lengths, key=key, max_new_tokens=12, kv_cache="fp32", cache_len=32)
   for i, p in enumerate(prompts):
@@ -92,6 +96,20 @@ def test_sampling_top_k_one_and_tiny_top_p_are_greedy():
   for top_k, top_p in ((1, 1.0), (0, 1e-6)):
     tok = sample(logits, jax.random.key(1), ones, jnp.full(64, top_k, jnp.int32), jnp.full(64, top_p))
     np.testing.assert_array_equal(np.asarray(tok), greedy)
+
+
+def test_sampling_params_take_numpy_scalars_and_top_p_one_keeps_every_token():
+  """np.float32 / np.int64 settings (a notebook sweep over np.linspace) were refused; a bool temperature passed.
+  top_p = 1 dropped tail tokens once float32's running sum reached 1.0."""
+  p = SamplingParams(temperature=np.float32(0.7), top_k=np.int64(5), top_p=np.float32(0.9))
+  assert (type(p.temperature), type(p.top_k), type(p.top_p)) == (float, int, float) and p.top_k == 5
+  with pytest.raises(ValueError, match="temperature=True"):
+    SamplingParams(temperature=True)
+  logits = jnp.concatenate([jnp.full((1, 1), 30.0), jnp.zeros((1, 63))], axis=1)  # tail mass ~1e-13 per token
+  _, cand = sorted_candidates(logits, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+  assert np.isfinite(np.asarray(cand)).all()
+  _, cand = sorted_candidates(logits, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.full(1, 0.5))
+  assert np.isfinite(np.asarray(cand)).sum() == 1
 
 
 def test_sampling_follows_the_distribution():
@@ -160,6 +178,20 @@ def test_cache_len_beyond_model_limit(tiny_model, tiny_config):
 def test_bad_lengths_are_named(tiny_config, kwargs, message):
   with pytest.raises(ValueError, match=message):
     decode.validate_prompts(tiny_config, np.ones((1, 2), np.int32), [2], **kwargs)
+
+
+@pytest.mark.parametrize("kv_cache", ["fp32", "int8"])
+def test_a_decode_step_past_a_full_cache_is_nan_not_wrong(tiny_model, kv_cache):
+  """cache_len = 6 for prompts of 6 and 4: the first row's step has no position (its logits are NaN: before, the dense
+  caches dropped the token and the logits were 7.3 off), the second row's steps stay exact."""
+  tokens = np.asarray(_rand_tokens((2, 6), seed=3))
+  lengths = np.array([6, 4], np.int32)
+  _, cache = decode.prefill(tiny_model, tokens, lengths, kv_cache=kv_cache, cache_len=6)
+  step, _ = decode.decode_step(tiny_model, cache, np.array([5, 7], np.int32))
+  step = np.asarray(step)
+  assert np.isnan(step[0]).all() and np.isfinite(step[1]).all()
+  full = np.asarray(decode.logits(tiny_model, np.concatenate([tokens[1:, :4], [[7]]], axis=1)))[0, -1]
+  np.testing.assert_allclose(step[1], full, atol=0.05 if kv_cache == "int8" else 1e-4)
 
 
 def test_prefill_checks_concrete_prompts_by_name(tiny_model):

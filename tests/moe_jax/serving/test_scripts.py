@@ -151,6 +151,15 @@ def test_serve_bench_metrics(tiny_model):
   assert "TTFT p50 / p90 / p99" in text and "slot occupancy" in text
 
 
+def test_serve_bench_json_writes_null_for_non_finite_metrics():
+  """gen_len 1 runs no decode step: NaN percentiles, which serve_bench --out now writes as null (bare NaN before, which strict
+  parsers reject)."""
+  import json  # pylint: disable=g-import-not-at-top
+  summary = {"decode_step_ms": {"p50": float("nan"), "p90": np.float32("nan")}, "n": [1.5, float("inf")], "k": 3}
+  text = json.dumps(serve_bench.metrics_lib.json_safe(summary), allow_nan=False)
+  assert json.loads(text) == {"decode_step_ms": {"p50": None, "p90": None}, "n": [1.5, None], "k": 3}
+
+
 @pytest.mark.parametrize("kwargs, message", [(dict(requests=0), "requests=0"), (dict(gen_len=0), "gen_len=0")])
 def test_serve_bench_rejects_bad_settings(tiny_model, kwargs, message):
   args = dict(requests=4, concurrency=2, prompt_len=8, gen_len=2)
