@@ -123,7 +123,8 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
     tokens: int [B, T] right-padded prompts.
     lengths: int [B].
     cache_len: positions the cache will hold.
-    max_new_tokens: tokens to be generated after the prompt.
+    max_new_tokens: tokens to be generated after the prompt; all but the last are fed back, so the cache needs
+      lengths + max_new_tokens - 1 positions.
   """
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
@@ -145,8 +146,8 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
     raise ValueError(f"lengths={lengths.tolist()} exceed the token array's length {tokens.shape[1]}")
   if cache_len > config.max_seq_len:
     raise ValueError(f"cache_len={cache_len} exceeds max_seq_len={config.max_seq_len} of config {config.name!r}")
-  if np.any(lengths + max_new_tokens > cache_len):
-    raise ValueError(f"prompt too long: lengths={lengths.max()} + max_new_tokens={max_new_tokens} exceeds "
+  if np.any(lengths + max(max_new_tokens - 1, 0) > cache_len):  # the last new token is never fed back
+    raise ValueError(f"prompt too long: lengths={lengths.max()} + max_new_tokens={max_new_tokens} - 1 exceeds "
                      f"cache_len={cache_len}")
   check_token_ids(config, tokens, np.arange(tokens.shape[1])[None, :] < lengths[:, None])
 

@@ -98,7 +98,7 @@ def generate(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
     sampling: greedy by default.
     eos_id: stop token.
     kv_cache: cache mode name.
-    cache_len: cache positions; default prompt length + max_new_tokens.
+    cache_len: cache positions; default prompt length + max_new_tokens - 1 (the last new token is not fed back).
   """
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
@@ -106,7 +106,7 @@ def generate(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
   if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < model.config.vocab_size):
     raise ValueError(f"eos_id={eos_id!r} must be None or a token id in [0, vocab_size={model.config.vocab_size})")
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  cache_len = int(tokens.shape[1]) + max_new_tokens if cache_len is None else cache_len
+  cache_len = int(tokens.shape[1]) + max_new_tokens - 1 if cache_len is None else cache_len
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
   logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
   out, n, cache = decode_loop(model, cache, last_logits(logits, jnp.asarray(lengths)), key,
@@ -119,17 +119,18 @@ def stream(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
            cache_len: int | None = None) -> Iterator[np.ndarray]:
   """Python-driven decode for debugging: yields the int32 [B] tokens of each step as they are produced."""
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  cache_len = int(tokens.shape[1]) + max_new_tokens if cache_len is None else cache_len
+  cache_len = int(tokens.shape[1]) + max_new_tokens - 1 if cache_len is None else cache_len
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
   logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
   params = sampling.arrays(tokens.shape[0])
   step_logits = last_logits(logits, jnp.asarray(lengths))
   sample_jit = jax.jit(sample)
-  for _ in range(max_new_tokens):
+  for i in range(max_new_tokens):
     key, sub = jax.random.split(key)
     tok = sample_jit(step_logits, sub, *params)
     yield np.asarray(tok)
-    step_logits, cache = decode.decode_step(model, cache, tok)
+    if i + 1 < max_new_tokens:  # the last token is not fed back (the cache has no position for it)
+      step_logits, cache = decode.decode_step(model, cache, tok)
 
 
 def pad_batch(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
@@ -142,7 +143,8 @@ def pad_batch(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[np.ndarra
 
 
 def prompt_cache_len(config, prompt_tokens: int, *, max_new_tokens: int, cache_len: int = 0) -> int:
-  """The CLI's cache length (`--cache_len`, or 0: the prompt + `--max_new_tokens`), checked against the model.
+  """The CLI's cache length (`--cache_len`, or 0: the prompt + `--max_new_tokens` - 1, the last new token not fed
+  back), checked against the model.
 
   Raises ValueError naming --prompt (its token count, the limit, and --max_new_tokens' share of it) when the prompt
   and the tokens to generate do not fit in max_seq_len (or in an explicit --cache_len), and naming --cache_len when
@@ -153,12 +155,13 @@ def prompt_cache_len(config, prompt_tokens: int, *, max_new_tokens: int, cache_l
     raise ValueError(f"--cache_len={cache_len} exceeds {where}")
   if cache_len:
     limit, where = cache_len, f"--cache_len={cache_len}"
-  if prompt_tokens + max_new_tokens > limit:
-    room = (f"shorten the prompt to at most {limit - max_new_tokens} tokens or lower --max_new_tokens"
-            if max_new_tokens < limit else f"--max_new_tokens must be below {limit}")
+  need = prompt_tokens + max_new_tokens - 1  # every new token but the last is fed back
+  if need > limit:
+    room = (f"shorten the prompt to at most {limit - max_new_tokens + 1} tokens or lower --max_new_tokens"
+            if max_new_tokens <= limit else f"--max_new_tokens must be at most {limit}")
     raise ValueError(f"--prompt is {prompt_tokens} tokens; with --max_new_tokens={max_new_tokens} that needs "
-                     f"{prompt_tokens + max_new_tokens} positions, more than {where}: {room}")
-  return cache_len or prompt_tokens + max_new_tokens
+                     f"{need} positions, more than {where}: {room}")
+  return cache_len or need
 
 
 def main(argv):
@@ -221,5 +224,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("kv_cache", "bf16", "KV cache mode: bf16, fp32, fp8, int8, kivi2, oskvp, oskvp3, oskvp_static "
                       "(calibrated at start on --kv_calib_windows training windows), ...")
   cli.define_kv_calib_windows()
-  flags.DEFINE_integer("cache_len", 0, "KV cache positions (0: prompt + max_new_tokens).")
+  flags.DEFINE_integer("cache_len", 0, "KV cache positions (0: prompt + max_new_tokens - 1, the last new token is not "
+                       "fed back).")
   app.run(main)

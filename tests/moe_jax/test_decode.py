@@ -126,7 +126,7 @@ def test_sampling_follows_the_distribution():
 
 
 @pytest.mark.parametrize("tokens, lengths, cache_len, max_new, match", [
-    ([[1, 2, 3]], [3], 4, 2, "prompt too long"),
+    ([[1, 2, 3]], [3], 4, 3, "prompt too long"),  # 3 + 3 - 1 = 5 positions (2 new tokens fit: the last is not fed)
     ([[1, 2, 3]], [0], 8, 1, "empty prompt"),
     ([[1, 999, 3]], [3], 8, 1, "outside the vocabulary"),
     ([[1, -1, 3]], [3], 8, 1, "outside the vocabulary"),
@@ -152,10 +152,10 @@ def test_unknown_kv_cache_mode(tiny_model):
 
 
 @pytest.mark.parametrize("prompt, max_new, cache_len, match", [
-    (3005, 32, 0, r"^--prompt is 3005 tokens; with --max_new_tokens=32 that needs 3037 positions, more than "
-                  r"max_seq_len=1024 of config 'tiny': shorten the prompt to at most 992 tokens"),
-    (1000, 32, 0, r"^--prompt is 1000 tokens; .* 1032 positions, more than max_seq_len=1024"),
-    (10, 2000, 0, r"^--prompt is 10 tokens; .* --max_new_tokens must be below 1024"),
+    (3005, 32, 0, r"^--prompt is 3005 tokens; with --max_new_tokens=32 that needs 3036 positions, more than "
+                  r"max_seq_len=1024 of config 'tiny': shorten the prompt to at most 993 tokens"),
+    (1000, 32, 0, r"^--prompt is 1000 tokens; .* 1031 positions, more than max_seq_len=1024"),
+    (10, 2000, 0, r"^--prompt is 10 tokens; .* --max_new_tokens must be at most 1024"),
     (10, 32, 20, r"^--prompt is 10 tokens; .* more than --cache_len=20"),
     (10, 32, 2000, r"^--cache_len=2000 exceeds max_seq_len=1024"),
 ])
@@ -163,8 +163,24 @@ def test_the_generate_cli_names_a_prompt_that_does_not_fit(tiny_config, prompt, 
   # The CLI checks the prompt before deriving a cache length the user never gave (it used to report cache_len=3037).
   with pytest.raises(ValueError, match=match):
     prompt_cache_len(tiny_config, prompt, max_new_tokens=max_new, cache_len=cache_len)
-  assert prompt_cache_len(tiny_config, 992, max_new_tokens=32) == 1024
+  assert prompt_cache_len(tiny_config, 993, max_new_tokens=32) == 1024
+  assert prompt_cache_len(tiny_config, 1024, max_new_tokens=1) == 1024  # a full-length prompt gets its next token
   assert prompt_cache_len(tiny_config, 10, max_new_tokens=32, cache_len=64) == 64
+
+
+def test_the_last_new_token_needs_no_cache_position(tiny_model):
+  """prompt + max_new_tokens - 1 positions suffice (before, one more was required: a prompt of max_seq_len tokens could
+  not get even one token); generate and stream agree there."""
+  tokens, lengths = np.asarray(_rand_tokens((2, 6), seed=5)), np.array([6, 6], np.int32)
+  logits, _ = decode.prefill(tiny_model, tokens, lengths, kv_cache="fp32", cache_len=6)
+  one = generate(tiny_model, tokens, lengths, key=jax.random.key(0), max_new_tokens=1, kv_cache="fp32", cache_len=6)
+  np.testing.assert_array_equal(np.asarray(one.tokens[:, 0]), np.argmax(np.asarray(logits)[:, -1], -1))
+  out = generate(tiny_model, tokens, lengths, key=jax.random.key(0), max_new_tokens=4, kv_cache="fp32", cache_len=9)
+  streamed = np.stack(list(stream(tiny_model, tokens, lengths, key=jax.random.key(0), max_new_tokens=4,
+                                  kv_cache="fp32", cache_len=9)), axis=1)
+  np.testing.assert_array_equal(np.asarray(out.tokens), streamed)
+  with pytest.raises(ValueError, match="prompt too long"):
+    generate(tiny_model, tokens, lengths, key=jax.random.key(0), max_new_tokens=5, kv_cache="fp32", cache_len=9)
 
 
 def test_cache_len_beyond_model_limit(tiny_model, tiny_config):
