@@ -49,7 +49,7 @@ class TrainConfig:
     batch_size: B sequences per step (global, split over devices).
     seq_len: T tokens per sequence.
     lr: peak learning rate; warmup linearly over `warmup` steps, cosine down to `lr * min_lr_ratio` at `steps`.
-    weight_decay: AdamW decoupled weight decay (not applied to norms' scales or 1-D vectors).
+    weight_decay: AdamW decoupled weight decay (not applied to norms' scales, 1-D vectors or the q/k/v biases).
     clip_norm: global gradient-norm clip.
     lb_coef: weight of the switch load-balancing loss (mean over MoE layers; 1.0 is perfectly balanced).
     z_coef: weight of the router z-loss.
@@ -113,9 +113,21 @@ def learning_rate(tc: TrainConfig, step: jax.Array, total_steps: jax.Array) -> j
   return tc.lr * jnp.where(step < warmup, step / max(warmup, 1), cosine)
 
 
+BIASES = ("bq", "bk", "bv")  # attention biases: [N, H] / [K, H] arrays, vectors per head
+
+
+AUTO_PROBE_END = 30  # --auto_steps times steps 10..30 of a run
+
+
+def _decayed(path, x) -> bool:
+  """Weight decay on matrices only: not on norms' scales, 1-D vectors, or the q/k/v biases (2-D, per head)."""
+  keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]  # nnx.State paths end in .value
+  return x.ndim >= 2 and not (keys and keys[-1] in BIASES)
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   """Clip, then AdamW's direction (Adam + decoupled weight decay); the step multiplies by the learning rate."""
-  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # no decay on norms and vectors
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(_decayed, params)
   return optax.chain(
       optax.clip_by_global_norm(tc.clip_norm),
       optax.scale_by_adam(b1=0.9, b2=0.95),
@@ -312,7 +324,8 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
     corpus: `moe_jax.data.load_corpus()` result (loaded if None).
     stop_at: end this run after this step (saving and exporting as at the end), whatever the schedule's total.
     auto_steps: with `max_seconds`, time steps 10..30 (after compilation) and set the total (hence the cosine
-      schedule's end) to what fits in `max_seconds`; the summary records the total, which `--steps` reproduces.
+      schedule's end) to what fits in `max_seconds`; the summary records the total, which `--steps` reproduces
+      (needs warmup >= 30, so that the timed steps' learning rates do not depend on the total).
   """
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
@@ -347,6 +360,11 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
   val_windows = jnp.asarray(data_lib.eval_windows(val_tokens, n_windows=tc.eval_windows, seq_len=tc.seq_len))
   meta = {"model_config": dataclasses.asdict(config), "train_config": dataclasses.asdict(tc), "steps_fixed": steps_fixed}
   auto_steps = auto_steps and not steps_fixed  # a resumed --auto_steps run keeps the total it fixed
+  if auto_steps and max_seconds and tc.warmup < start + AUTO_PROBE_END:
+    # The steps before the total is known must not depend on it: the warmup's do not, the cosine's do.
+    raise ValueError(f"--auto_steps times steps {start + 10}..{start + AUTO_PROBE_END} before it fixes the schedule's "
+                     f"total; --warmup={tc.warmup} must be >= {start + AUTO_PROBE_END} so that those steps' learning "
+                     "rates do not depend on it (and --steps=<the total> replays the run)")
 
   last, t0, t_log, tokens_since = None, time.time(), time.time(), 0
   total_steps, t_probe = tc.steps, None
@@ -363,7 +381,7 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
       if auto_steps and max_seconds and done == start + 10:
         jax.block_until_ready(state)
         t_probe = time.time()
-      if auto_steps and max_seconds and done == start + 30:
+      if auto_steps and max_seconds and done == start + AUTO_PROBE_END:
         jax.block_until_ready(state)
         per_step = (time.time() - t_probe) / 20
         fit = done + int((max_seconds - (time.time() - t0)) / per_step)
@@ -372,17 +390,22 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
         meta["train_config"], meta["steps_fixed"] = dataclasses.asdict(tc), True
         bar.total = total_steps
         print(f"\nauto_steps: {per_step * 1e3:.2f} ms/step -> steps={total_steps}", flush=True)
-      if done % tc.log_every == 0 or done == total_steps:
+      validate = bool(tc.eval_every) and done % tc.eval_every == 0  # a line of its own if not a logging step
+      if done % tc.log_every == 0 or done == total_steps or validate:
         m = {k: float(v) for k, v in m.items()}
         now = time.time()
         m.update(step=done, tokens_per_s=tokens_since / max(now - t_log, 1e-9), time=now - t0)
         t_log, tokens_since = now, 0
-        if tc.eval_every and done % tc.eval_every == 0:
+        if validate:
           m["val_bpb"] = float(eval_fn(state["params"], state["rest"], val_windows)) / LN2
+          t_log = time.time()  # the validation's time is not the next interval's training time
         mf.write(json.dumps(m) + "\n")
         mf.flush()
         bar.set_postfix(loss=f"{m['loss']:.3f}", bpb=f"{m['bpb']:.3f}", tok_s=f"{m['tokens_per_s']:.3g}")
         last = m
+      if done == start + 1:  # later lines' tokens_per_s without the first step's compilation
+        jax.block_until_ready(state)
+        t_log, tokens_since = time.time(), 0
       if stop_after is not None and done >= stop_after:
         manager.wait_until_finished()
         return {"step": done, "stopped": True}

@@ -155,3 +155,34 @@ def test_data_parallel_matches_one_device(config, tmp_path):
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
   assert [s for s, _ in one] == [1, 2]
   np.testing.assert_allclose([l for _, l in two], [l for _, l in one], rtol=1e-4)
+
+
+def test_weight_decay_spares_norms_and_the_qkv_biases(config):
+  """The q/k/v biases are [N, H] / [K, H] arrays: decayed before by the ndim rule (an update of lr·wd·p from zero
+  gradients); matrices are decayed, norm scales and biases not."""
+  from moe_jax import decode  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  model = decode.init_model(config.replace(qkv_bias=True))
+  _, params, _ = nnx.split(model, nnx.Param, ...)  # the train state's params (an nnx.State, as init_state has)
+  params = jax.tree.map(jnp.ones_like, params)
+  tc = train.TrainConfig(steps=10, warmup=0, lr=1.0, weight_decay=0.1)
+  opt = train.make_optimizer(tc)
+  updates, _ = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params)
+  updates = nnx.to_pure_dict(updates)
+  attn = updates["blocks"][0]["attn"]
+  for name in ("bq", "bk", "bv"):
+    assert float(jnp.abs(attn[name]).max()) == 0.0, name
+  assert float(jnp.abs(updates["blocks"][0]["attn_norm"]["scale"]).max()) == 0.0
+  assert float(jnp.abs(attn["wq"]).min()) > 0.0  # lr · wd · 1 at step 0 (no warmup)
+
+
+def test_validation_runs_at_eval_every_even_off_the_logging_steps(config, tmp_path):
+  """log_every 2, eval_every 3: val_bpb at step 3 and at 6 (before: only where both divide, step 6); --auto_steps
+  with a warmup shorter than its timed steps is refused (their rates would depend on the total it then fixes)."""
+  tc = dataclasses.replace(TC, steps=6, log_every=2, eval_every=3)
+  train.train(config, tc, str(tmp_path / "run"), progress=False)
+  lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in lines] == [2, 3, 4, 6]
+  assert [m["step"] for m in lines if "val_bpb" in m] == [3, 6]
+  with pytest.raises(ValueError, match="--warmup=2 must be >= 30"):
+    train.train(config, TC, str(tmp_path / "auto"), progress=False, max_seconds=60, auto_steps=True)
