@@ -19,7 +19,7 @@ numbers are deterministic on a given Python's stdlib):
 
 Modes: `kv_cache` names come from `moe_jax.kv_cache.get_kv_cache_mode`. `EXPERT_QUANT_MODES` and `ROUTING_MODES`
 map a name to `fn(model) -> model` (the function gets a clone and may modify it); `moe_jax.quant` and
-`moe_jax.locality` fill them on import, which `evaluate` attempts lazily. Unknown names raise ValueError naming the
+`moe_jax.routing_modes` fill them on import, which `evaluate` attempts lazily. Unknown names raise ValueError naming the
 flag.
 """
 
