@@ -12,9 +12,9 @@ def test_ffn_inputs_are_what_the_moe_layers_see(tiny_model, monkeypatch):
   seen = []
   original = MoE.__call__
 
-  def recording(self, x):
+  def recording(self, x, **kwargs):
     seen.append(np.asarray(x))
-    return original(self, x)
+    return original(self, x, **kwargs)
 
   monkeypatch.setattr(MoE, "__call__", recording)
   tokens = np.random.default_rng(0).integers(0, 256, (2, 9)).astype(np.int32)
