@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import masked_softmax
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, check_triton_offsets, default_num_splits,
                                                    merge_split_partials, online_softmax_update, run_blocks,
                                                    split_range, unpack_codes, window_attention)
@@ -61,8 +62,9 @@ def kivi_decode_attention_reference(q, codes_k, k_scale, k_zero, codes_v, v_scal
   k, v, live = dequantized_tokens(codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, res_v, n_comp, n_res)
   qg = q.astype(jnp.float32).reshape(b, kh, n // kh, h) * h**-0.5
   sc = jnp.einsum("BKGH,BKSH->BKGS", qg, k, precision=jax.lax.Precision.HIGHEST)
-  sc = jnp.where(live[:, None, None, :], sc, -jnp.inf)
-  o = jnp.einsum("BKGS,BKSH->BKGH", jax.nn.softmax(sc, axis=-1), v, precision=jax.lax.Precision.HIGHEST)
+  v = jnp.where(live[:, None, :, None], v, 0.0)  # an invisible slot's value never reaches the output
+  p = masked_softmax.masked_probs(sc, live[:, None, None, :])
+  o = jnp.einsum("BKGS,BKSH->BKGH", p, v, precision=jax.lax.Precision.HIGHEST)
   return o.reshape(b, n, h).astype(q.dtype)
 
 

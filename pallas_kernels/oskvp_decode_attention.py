@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import masked_softmax
+
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - m) is 0 and never NaN.
 MMA_ROWS = 16  # smallest M of a Triton dot.
 
@@ -227,8 +229,8 @@ def _reference_jit(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, 
   pos = jnp.arange(s + r)
   visible = jnp.where(pos[None] < s, pos[None] < n_comp[:, None], pos[None] - s < n_res[:, None])  # [B, S + R]
   scores = jnp.einsum("BKGJ,BKSJ->BKGS", qr, keys, precision=hi) * h**-0.5
-  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
+  vals = jnp.where(visible[:, None, :, None], vals, 0.0)  # an invisible slot's value never reaches the output
+  probs = masked_softmax.masked_probs(scores, visible[:, None, None])
   o_rot = jnp.einsum("BKGS,BKSJ->BKGJ", probs, vals, precision=hi)
   o = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=hi)
   return o.reshape(b, n, h).astype(q.dtype)

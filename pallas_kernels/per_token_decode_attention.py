@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import masked_softmax
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, check_triton_offsets, default_num_splits,
                                                    fp8_rows, merge_split_partials, online_softmax_update,
                                                    run_blocks, split_range)
@@ -44,8 +45,10 @@ def per_token_decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Arra
   vf = v.astype(jnp.float32) * v_scale[..., None]
   qg = q.astype(jnp.float32).reshape(b, kh, n // kh, h) * h**-0.5
   s = jnp.einsum("BKGH,BSKH->BKGS", qg, kf, precision=jax.lax.Precision.HIGHEST)
-  s = jnp.where((jnp.arange(k.shape[1]) < lengths[:, None])[:, None, None, :], s, -jnp.inf)
-  o = jnp.einsum("BKGS,BSKH->BKGH", jax.nn.softmax(s, axis=-1), vf, precision=jax.lax.Precision.HIGHEST)
+  visible = jnp.arange(k.shape[1]) < lengths[:, None]  # [B, S]
+  vf = jnp.where(visible[:, :, None, None], vf, 0.0)  # an invisible slot's value never reaches the output
+  p = masked_softmax.masked_probs(s, visible[:, None, None, :])
+  o = jnp.einsum("BKGS,BSKH->BKGH", p, vf, precision=jax.lax.Precision.HIGHEST)
   return o.reshape(b, n, h).astype(q.dtype)
 
 
