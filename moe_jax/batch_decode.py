@@ -64,8 +64,17 @@ def truncate_torn_tail(path: str, block: int = 1 << 16) -> int:
     return size - end
 
 
+class BadLine(ValueError):
+  """A line `parse_line` refuses; `request_id` is its id when the line has a valid one (else None)."""
+
+  def __init__(self, message: str, request_id=None):
+    super().__init__(message)
+    self.request_id = request_id
+
+
 def parse_line(text: str, tokenizer, default_max_tokens: int) -> dict:
-  """One input line -> {"id", "prompt" (token ids), "max_tokens", "sampling", "stop"}; ValueError if bad."""
+  """One input line -> {"id", "prompt" (token ids), "max_tokens", "sampling", "stop"}; BadLine (a ValueError, with
+  the line's id when it has one) if bad."""
   try:
     obj = json.loads(text)
   except ValueError as e:
@@ -74,17 +83,18 @@ def parse_line(text: str, tokenizer, default_max_tokens: int) -> dict:
     raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
   if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
     raise ValueError("missing \"id\" (a string or an int)")
+  rid = obj["id"]
   if ("prompt" in obj) == ("tokens" in obj):
-    raise ValueError("give exactly one of \"prompt\" (text) or \"tokens\" (ids)")
+    raise BadLine("give exactly one of \"prompt\" (text) or \"tokens\" (ids)", rid)
   if "prompt" in obj:
     if not isinstance(obj["prompt"], str):
-      raise ValueError("\"prompt\" must be a string")
+      raise BadLine("\"prompt\" must be a string", rid)
     prompt = tokenizer.encode(obj["prompt"])
   else:
     prompt = obj["tokens"]
   stop = obj.get("stop", [])
   if not isinstance(stop, list):
-    raise ValueError("\"stop\" must be a list of token ids")
+    raise BadLine("\"stop\" must be a list of token ids", rid)
   return {"id": obj["id"], "prompt": prompt, "max_tokens": obj.get("max_tokens", default_max_tokens),
           "sampling": {k: obj[k] for k in _SAMPLING if k in obj}, "stop": stop}
 
@@ -141,6 +151,10 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
       except ValueError as e:
         counts["bad"] += 1
         log(f"{input_path}:{line_no}: bad line: {e}")
+        rid = getattr(e, "request_id", None)
+        if rid is not None and rid not in done and rid not in seen:  # in the output too, as the engine's refusals
+          seen.add(rid)
+          write({"id": rid, "line": line_no, "error": str(e)})
         if bar is not None:
           bar.update(1)
         continue

@@ -40,6 +40,8 @@ def run(model, *, requests: int, concurrency: int, prompt_len: int, gen_len: int
       raise ValueError(f"{name}={v} must be >= 1")
   cache_len = cache_len or prompt_len + gen_len
   bucket = min(1 << (prompt_len - 1).bit_length(), cache_len)
+  if not prefill_batches:
+    raise ValueError("prefill_batches must name at least one prefill group size")
   batches = tuple(sorted({min(b, concurrency) for b in prefill_batches}))
   config = EngineConfig(num_slots=slots or concurrency, cache_len=cache_len, kv_cache=kv_cache,
                         prefill_lengths=(bucket,), prefill_batches=batches, max_queue=max(requests, 1),

@@ -47,6 +47,7 @@ from moe_jax import eval as eval_lib
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import surrogates as surrogates_lib
+from moe_jax.serving.metrics import json_safe
 from sharding import experiment_flags, hlo_collectives, meshes, rules, runner
 
 ROW_KEYS = ["layout", "routing", "transport", "step_ms", "node_axis_bytes_per_step", "node_axis_payload_bytes_per_step",
@@ -300,7 +301,7 @@ def main(argv):
   res = run(f)
   os.makedirs(f.out, exist_ok=True)
   with open(os.path.join(f.out, "experiments.json"), "w") as fh:
-    json.dump(res, fh, indent=2)
+    json.dump(json_safe(res), fh, indent=2)  # strict JSON: a row that did not run has null, not NaN
   with open(os.path.join(f.out, "experiments.md"), "w") as fh:
     fh.write(markdown(res))
   plot(res, os.path.join(f.out, "experiments.png"))

@@ -90,6 +90,8 @@ def main(argv):
   del argv
   f = flags.FLAGS
   modes = [m for m in f.modes.split(",") if m]
+  if not modes:  # an empty report (baseline nan) otherwise
+    raise ValueError(f"--modes is empty; choose from {sorted(MODES)}")
   for m in modes:
     if m not in MODES:
       raise ValueError(f"--modes contains {m!r}; choose from {sorted(MODES)}")

@@ -36,7 +36,7 @@ def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
   good = [_good(i) for i in range(10)]
   bad = {3: "not json", 5: json.dumps({"prompt": "no id"}), 7: json.dumps({"id": "x", "tokens": [1, 999]}),
          9: json.dumps({"id": "y", "prompt": "a", "top_p": 2.0}), 11: json.dumps({"id": "r0", "prompt": "dup"}),
-         13: json.dumps({"id": "z", "prompt": "p" * 40})}
+         13: json.dumps({"id": "z", "prompt": "p" * 40}), 15: json.dumps({"id": "w", "prompt": 5})}
   lines, g = [], iter(good)
   for n in range(1, len(good) + len(bad) + 1):
     lines.append(bad[n] if n in bad else next(g))
@@ -64,6 +64,7 @@ def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
   by_id = {r["id"]: r for r in records}
   assert "outside the vocabulary" in by_id["x"]["error"] and "top_p" in by_id["y"]["error"]
   assert "prompt too long" in by_id["z"]["error"]
+  assert "\"prompt\" must be a string" in by_id["w"]["error"]  # a line refused while parsing, with an id (was missing)
   for i in (0, 7):
     r = by_id[f"r{i}"]
     assert r["tokens"] == _greedy_alone(tiny_model, f"print({i})", 3 + i % 4)
@@ -160,7 +161,8 @@ def test_serve_bench_json_writes_null_for_non_finite_metrics():
   assert json.loads(text) == {"decode_step_ms": {"p50": None, "p90": None}, "n": [1.5, None], "k": 3}
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(requests=0), "requests=0"), (dict(gen_len=0), "gen_len=0")])
+@pytest.mark.parametrize("kwargs, message", [(dict(requests=0), "requests=0"), (dict(gen_len=0), "gen_len=0"),
+                                             (dict(prefill_batches=()), "prefill_batches must name")])
 def test_serve_bench_rejects_bad_settings(tiny_model, kwargs, message):
   args = dict(requests=4, concurrency=2, prompt_len=8, gen_len=2)
   args.update(kwargs)
