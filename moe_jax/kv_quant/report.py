@@ -231,6 +231,7 @@ def verdicts(results: dict) -> list[str]:
 def run(*, quick: bool = False, out_dir: str = "benchmarks/results", model_level: bool = True) -> dict:
   from moe_jax import checkpoints, data as data_lib, eval as eval_lib  # pylint: disable=g-import-not-at-top
 
+  os.makedirs(out_dir, exist_ok=True)  # an unusable out_dir fails now, not after the whole run
   t0 = time.time()
   results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jax": jax.__version__, "quick": quick,
              "device": f"CPU ({platform.processor() or platform.machine()}), {jax.devices()[0].platform}"}
@@ -272,7 +273,6 @@ def run(*, quick: bool = False, out_dir: str = "benchmarks/results", model_level
 
   results["verdicts"] = verdicts(results)
   results["seconds"] = time.time() - t0
-  os.makedirs(out_dir, exist_ok=True)
   plot(results, os.path.join(out_dir, "kv_cache_fidelity.png"))
   with open(os.path.join(out_dir, "kv_cache.json"), "w") as f:
     json.dump(results, f, indent=1, default=float)
