@@ -176,11 +176,10 @@ def load(name_or_dir: str, *, param_dtype: str | None = None,
     param_dtype: override the config's parameter dtype (default: as recorded, float32 for tiny-trained).
     moe_implementation: grouped-matmul implementation for the MoE layers.
   """
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   from moe_jax.model import Transformer  # pylint: disable=g-import-not-at-top
-
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 
   directory = resolve(name_or_dir)
   path = os.path.join(directory, "config.json")

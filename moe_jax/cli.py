@@ -35,14 +35,12 @@ def checkpoint_kind(name_or_dir: str) -> str:
   from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
 
   if os.path.isdir(name_or_dir):
-    both = [f for f in ("config.json", "quant.json") if os.path.isfile(os.path.join(name_or_dir, f))]
-    if len(both) == 2:
+    found = [f for f in ("config.json", "quant.json") if os.path.isfile(os.path.join(name_or_dir, f))]
+    if len(found) == 2:
       raise ValueError(f"--checkpoint={name_or_dir!r} holds both config.json (an exported model) and quant.json (a "
                        "quantized one): which to load is ambiguous; keep them in separate directories")
-    if both == ["config.json"]:
-      return "shipped"
-    if os.path.isfile(os.path.join(name_or_dir, "quant.json")):
-      return "quantized"
+    if found:
+      return {"config.json": "shipped", "quant.json": "quantized"}[found[0]]
     if os.path.isdir(os.path.join(name_or_dir, "checkpoints")):
       return "workdir"
   elif os.path.isfile(os.path.join(checkpoints.ASSETS, name_or_dir, "config.json")):

@@ -111,7 +111,13 @@ def _decode_step(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple
     if layer.kv_shape != want:
       raise ValueError(f"cache layer {i} holds {layer.kv_shape[0]} kv heads of dim {layer.kv_shape[1]} but the model "
                        f"has {want[0]} of dim {want[1]}: pass the cache that prefill built for this model")
-  full = cache.lengths >= cache.max_len  # [B]: no position left for this token
+  return step_logits(model, cache, tokens)
+
+
+def step_logits(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
+  """`model.decode` of one token per sequence -> (float32 logits [B, V], cache); NaN logits for a row whose cache
+  was full (its token had no position). The body of the single-device and the sharded decode steps."""
+  full = cache.lengths >= cache.max_len  # [B]
   out, cache = model.decode(cache, tokens[:, None])
   return jnp.where(full[:, None], jnp.nan, out[:, 0]), cache
 

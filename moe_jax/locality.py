@@ -2,8 +2,8 @@
 
 Experts are placed on nodes in contiguous blocks (expert e on node e // (E / n_nodes)), as `sharding/` places them
 when the expert axis is split over ("node", "local"); tokens by their batch row (row b of B on node b · n_nodes // B,
-the batch split over nodes, so that a token's node does not depend on the sequence's length). Selection then scores every expert by its affinity p, minus a penalty λ when the expert is on
-another node and p <= τ:
+the batch split over nodes, so that a token's node does not depend on the sequence's length). Selection then scores
+every expert by its affinity p, minus a penalty λ when the expert is on another node and p <= τ:
 
     score[t, e] = p[t, e] + bias[e] − λ · [node(e) != node(t)] · [p[t, e] <= τ]
 
@@ -66,10 +66,16 @@ class LCVCConfig:
       raise ValueError(f"penalty={self.penalty} must be >= 0")
     if not 0.0 <= self.threshold <= 1.0:
       raise ValueError(f"threshold={self.threshold} must be in [0, 1]")
-    if not 0.0 <= self.target_remote_rate <= 1.0:
-      raise ValueError(f"target_remote_rate={self.target_remote_rate} must be in [0, 1]")
-    if not self.threshold_step > 0:  # also refuses NaN (a NaN τ would switch the penalty off)
-      raise ValueError(f"threshold_step={self.threshold_step} must be > 0")
+    check_threshold_update(self.target_remote_rate, self.threshold_step, "target_remote_rate", "threshold_step")
+
+
+def check_threshold_update(target: float, step: float, target_name: str = "target", step_name: str = "step") -> None:
+  """Raises ValueError naming a target remote rate outside [0, 1] or a step not > 0 (NaN too: a NaN τ would switch
+  the penalty off)."""
+  if not 0.0 <= target <= 1.0:
+    raise ValueError(f"{target_name}={target} must be in [0, 1]")
+  if not step > 0:
+    raise ValueError(f"{step_name}={step} must be > 0")
 
 
 class LCVCThreshold(nnx.Variable):
@@ -261,10 +267,7 @@ def tune_thresholds(model, token_batches, *, target: float | None = None, step: 
     token_batches: iterable of int32 [B, T].
     target, step: override the config's target_remote_rate and threshold_step.
   """
-  if step is not None and not step > 0:
-    raise ValueError(f"step={step} must be > 0 (a NaN τ would switch the penalty off)")
-  if target is not None and not 0.0 <= target <= 1.0:
-    raise ValueError(f"target={target} must be in [0, 1]")
+  check_threshold_update(0.0 if target is None else target, 1.0 if step is None else step)  # the overrides
   layers = moe_layers(model)
   history = []
   for tokens in token_batches:

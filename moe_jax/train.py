@@ -114,9 +114,7 @@ def learning_rate(tc: TrainConfig, step: jax.Array, total_steps: jax.Array) -> j
 
 
 BIASES = ("bq", "bk", "bv")  # attention biases: [N, H] / [K, H] arrays, vectors per head
-
-
-AUTO_PROBE_END = 30  # --auto_steps times steps 10..30 of a run
+AUTO_PROBE = (10, 30)  # --auto_steps times a run's steps 10..30 (after compilation), then fixes the total
 
 
 def _decayed(path, x) -> bool:
@@ -360,10 +358,11 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
   val_windows = jnp.asarray(data_lib.eval_windows(val_tokens, n_windows=tc.eval_windows, seq_len=tc.seq_len))
   meta = {"model_config": dataclasses.asdict(config), "train_config": dataclasses.asdict(tc), "steps_fixed": steps_fixed}
   auto_steps = auto_steps and not steps_fixed  # a resumed --auto_steps run keeps the total it fixed
-  if auto_steps and max_seconds and tc.warmup < start + AUTO_PROBE_END:
+  probe_start, probe_end = (start + i for i in AUTO_PROBE)
+  if auto_steps and max_seconds and tc.warmup < probe_end:
     # The steps before the total is known must not depend on it: the warmup's do not, the cosine's do.
-    raise ValueError(f"--auto_steps times steps {start + 10}..{start + AUTO_PROBE_END} before it fixes the schedule's "
-                     f"total; --warmup={tc.warmup} must be >= {start + AUTO_PROBE_END} so that those steps' learning "
+    raise ValueError(f"--auto_steps times steps {probe_start}..{probe_end} before it fixes the schedule's total; "
+                     f"--warmup={tc.warmup} must be >= {probe_end} so that those steps' learning "
                      "rates do not depend on it (and --steps=<the total> replays the run)")
 
   last, t0, t_log, tokens_since = None, time.time(), time.time(), 0
@@ -378,12 +377,12 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
       tokens_since += tc.batch_size * tc.seq_len
       done = step + 1
       bar.update(1)
-      if auto_steps and max_seconds and done == start + 10:
+      if auto_steps and max_seconds and done == probe_start:
         jax.block_until_ready(state)
         t_probe = time.time()
-      if auto_steps and max_seconds and done == start + AUTO_PROBE_END:
+      if auto_steps and max_seconds and done == probe_end:
         jax.block_until_ready(state)
-        per_step = (time.time() - t_probe) / 20
+        per_step = (time.time() - t_probe) / (probe_end - probe_start)
         fit = done + int((max_seconds - (time.time() - t0)) / per_step)
         total_steps = max(done + tc.log_every, fit // 100 * 100)
         tc = dataclasses.replace(tc, steps=total_steps)

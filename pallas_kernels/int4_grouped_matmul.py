@@ -233,11 +233,11 @@ def _plan(lhs, weight_sets, group_sizes, group_size, block_m, block_n, split_k, 
     raise ValueError("fused weights must share one layout (all uint16 [E, N, Kp/4] or all uint8)")
   nk = layouts.pop()
   names = ("weights",) if len(weight_sets) == 1 else ("gate", "up")
-  e, kp, n = _check(lhs, weight_sets[0], group_size, names[0])
-  for w, what in zip(weight_sets, names):
+  shapes = [_check(lhs, w, group_size, what) for w, what in zip(weight_sets, names)]
+  e, kp, n = shapes[0]
+  for w, what, shape in zip(weight_sets, names, shapes):
+    ragged_tiles.check_same_shape(shapes[0], shape)
     ragged_tiles.check_grouped_args(group_sizes, w.in_scale, e, kp, what)
-    if what == "up":
-      ragged_tiles.check_same_shape((e, kp, n), _check(lhs, w, group_size, what))
   bn = ragged_tiles.pick_block_n(n, block_n)
   m, n_groups = lhs.shape[0], kp // group_size
   bm = block_m or ragged_tiles.pick_block_m(m, e, smallest=8 if nk else 16)

@@ -507,7 +507,8 @@ def merge_rotated_partials(o, m, l, u_v, dtype):
 def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
                           n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False,
                           symmetric_codebooks: bool = False):
-  """The bit-plane kernel (arguments as `oskvp_decode_attention`; partials poisoned with NaN if `poison`).
+  """The bit-plane kernel (arguments as `oskvp_decode_attention`, lengths already clipped to S and R by
+  `_oskvp_pallas`, its one caller; partials poisoned with NaN if `poison`).
 
   symmetric_codebooks: every 4-level row has cb0 + cb3 = cb1 + cb2 (d3 = 0, `oskvp.fit(symmetric=True)`), so the
   b0 & b1 plane is skipped on both sides: a third fewer dots and accumulators. Wrong results if the rows are not.
@@ -515,7 +516,6 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
   g, o_dim, r = n // kh, outl_k.shape[-1], res_k.shape[2]
-  n_comp, n_res = jnp.clip(n_comp, 0, s), jnp.clip(n_res, 0, r)  # past the store / window: all of it
   if qd < 32:
     raise ValueError(f"form='bitplane' needs head dim >= 128 (got {h}): int8 tensor-core dots over H/4 = {qd} "
                      "channels gave wrong results under XLA's Triton on the H200; use form='mma'")

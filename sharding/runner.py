@@ -69,9 +69,7 @@ def _prefill_body(graphdef, state, tokens, lengths, *, kv_cache: str, cache_len:
 
 
 def _decode_body(graphdef, state, cache, tokens):
-  full = cache.lengths >= cache.max_len  # as moe_jax.decode's step: a row with no position left gets NaN logits
-  out, cache = nnx.merge(graphdef, state).decode(cache, tokens[:, None])
-  return jnp.where(full[:, None], jnp.nan, out[:, 0]), cache
+  return decode.step_logits(nnx.merge(graphdef, state), cache, tokens)
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ from moe_jax import dispatch, routing
 from moe_jax.experts import GROUPED_MATMULS, FusedIntoGate, grouped_matmul
 from moe_jax.moe import MoE
 from moe_jax.quant.formats import QuantizedExperts
+from moe_jax.quant.kernels import TRITON_KINDS
 from moe_jax.quant.int4 import quantize_int4
 from moe_jax.quant.vq2 import quantize_vq2
 
@@ -169,7 +170,7 @@ def quantize_weight(w: jax.Array, spec: QuantSpec, calib_x: jax.Array | None = N
 def check_kernel_shape(where: str, implementation: str, kind: str, n: int) -> None:
   """Refuses a Pallas route for a quantized weight of N its Triton kernel cannot tile (`ragged_tiles.pick_block_n`:
   N a multiple of 16), naming the weight; before this the first forward failed inside the kernel's call."""
-  if implementation in ("pallas", "pallas_fused") and kind in ("int4", "int4_sp24", "vq2") and n % 16:
+  if implementation in ("pallas", "pallas_fused") and kind in TRITON_KINDS and n % 16:
     raise ValueError(f"{where}: implementation={implementation!r} runs {kind} experts through a Pallas kernel that "
                      f"needs N (the weight's output size) a multiple of 16, got N={n}; keep implementation='xla' "
                      "for this model")

@@ -30,7 +30,8 @@ from pallas_kernels import int4_grouped_matmul_mgpu_ws as mws
 from pallas_kernels import vq2_grouped_matmul as v2
 from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vmws
 
-KERNEL_KINDS = ("int4", "int4_sp24", "vq2", "int4_mgpu", "vq2_mgpu")
+TRITON_KINDS = ("int4", "int4_sp24", "vq2")  # through the Triton kernels: N a multiple of 16 (pick_block_n)
+KERNEL_KINDS = TRITON_KINDS + ("int4_mgpu", "vq2_mgpu")
 FUSED_KINDS = ("int4", "int4_sp24", "vq2")  # formats with a fused gate/up + SwiGLU kernel
 
 

@@ -153,8 +153,8 @@ def test_serve_bench_metrics(tiny_model):
 
 
 def test_serve_bench_json_writes_null_for_non_finite_metrics():
-  """gen_len 1 runs no decode step: NaN percentiles, which serve_bench --out now writes as null (bare NaN before, which strict
-  parsers reject)."""
+  """gen_len 1 runs no decode step: NaN percentiles, which serve_bench --out now writes as null (bare NaN before,
+  which strict parsers reject)."""
   import json  # pylint: disable=g-import-not-at-top
   summary = {"decode_step_ms": {"p50": float("nan"), "p90": np.float32("nan")}, "n": [1.5, float("inf")], "k": 3}
   text = json.dumps(serve_bench.metrics_lib.json_safe(summary), allow_nan=False)
