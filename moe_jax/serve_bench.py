@@ -39,8 +39,9 @@ def run(model, *, requests: int, concurrency: int, prompt_len: int, gen_len: int
     if v < 1:
       raise ValueError(f"{name}={v} must be >= 1")
   cache_len = cache_len or prompt_len + gen_len
-  if prompt_len + gen_len > cache_len:  # the engine would refuse every request, after compiling and warming up
-    raise ValueError(f"cache_len={cache_len} is below prompt_len + gen_len = {prompt_len + gen_len}")
+  if prompt_len + gen_len - 1 > cache_len:  # the engine would refuse every request, after compiling and warming up
+    raise ValueError(f"cache_len={cache_len} is below prompt_len + gen_len - 1 = {prompt_len + gen_len - 1} (every "
+                     "generated token but the last is written to the cache)")
   bucket = min(1 << (prompt_len - 1).bit_length(), cache_len)
   if not prefill_batches:
     raise ValueError("prefill_batches must name at least one prefill group size")

@@ -54,7 +54,7 @@ class EngineConfig:
 
   Attributes:
     num_slots: B, sequences decoded together by the one compiled step.
-    cache_len: S, positions per slot (prompt + generated tokens must fit).
+    cache_len: S, positions per slot (the prompt and every generated token but the last must fit).
     kv_cache: cache mode name ("bf16", "fp32", or a compressed mode).
     prefill_lengths: bucket lengths T prompts are padded to (each <= cache_len).
     prefill_batches: bucket sizes P a prefill group is padded to.
@@ -105,7 +105,7 @@ class EngineConfig:
 
   @property
   def max_prompt_len(self) -> int:
-    return self.cache_len - 1 if self.chunked else self.prefill_lengths[-1]
+    return self.cache_len if self.chunked else self.prefill_lengths[-1]
 
   @property
   def admit_per_step(self) -> int:
@@ -173,7 +173,7 @@ class Engine:
     """Queues a request.
 
     Args:
-      prompt: token ids (1 <= len <= the engine's longest prompt; len + max_tokens <= cache_len).
+      prompt: token ids (1 <= len <= the engine's longest prompt; len + max_tokens - 1 <= cache_len).
       max_tokens: new tokens at most.
       sampling: `SamplingParams`, a dict of its fields, or None for greedy.
       stop_tokens: ids that end the request (emitted, then the request finishes with reason "stop").

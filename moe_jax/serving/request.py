@@ -90,7 +90,7 @@ def validate_request(prompt, *, max_tokens: int, sampling, stop_tokens: Sequence
     sampling: `SamplingParams` or a dict of its fields.
     stop_tokens: ids that end the request.
     vocab_size: V of the model.
-    cache_len: positions one slot holds; prompt + max_tokens must fit.
+    cache_len: positions one slot holds; prompt + max_tokens - 1 must fit (the last new token is never fed back).
     max_prompt_len: longest prompt the engine's prefill accepts.
   """
   try:
@@ -111,8 +111,8 @@ def validate_request(prompt, *, max_tokens: int, sampling, stop_tokens: Sequence
     raise InvalidRequest(f"max_tokens={max_tokens!r} must be an int >= 1")
   if arr.size > max_prompt_len:
     raise InvalidRequest(f"prompt too long: {arr.size} tokens > the engine's longest prompt {max_prompt_len}")
-  if arr.size + int(max_tokens) > cache_len:
-    raise InvalidRequest(f"prompt too long for the context: prompt {arr.size} + max_tokens {int(max_tokens)} "
+  if arr.size + int(max_tokens) - 1 > cache_len:  # every new token but the last is fed back
+    raise InvalidRequest(f"prompt too long for the context: prompt {arr.size} + max_tokens {int(max_tokens)} - 1 "
                          f"> cache_len={cache_len}")
   if isinstance(sampling, dict):
     try:

@@ -120,6 +120,23 @@ def test_1000_requests_at_concurrency_312_complete_once_and_match_alone(engine, 
   assert engine.num_active == 0 and engine.num_queued == 0
 
 
+def test_requests_that_fill_the_cache_exactly_run_and_match_generate(engine, tiny_model):
+  """The last new token is never fed back, so a request needs prompt + max_tokens - 1 positions, as `generate` does
+  (before, the engine asked one more: a 32-token prompt could not get a token from a 32-position slot)."""
+  rng = np.random.default_rng(7)
+  for n, max_tokens in [(CACHE_LEN, 1), (CACHE_LEN - 3, 4), (9, CACHE_LEN - 8)]:
+    prompt = rng.integers(0, 256, n).tolist()
+    assert n + max_tokens - 1 == CACHE_LEN
+    h = engine.submit(prompt, max_tokens=max_tokens)
+    engine.run_until_idle()
+    ref = generate.generate(tiny_model, np.array([prompt], np.int32), np.array([n], np.int32), key=jax.random.key(0),
+                            max_new_tokens=max_tokens, kv_cache="fp32", cache_len=CACHE_LEN)
+    assert h.status == "finished" and h.finish_reason == "length", (n, h.status, h.error)
+    assert h.tokens == np.asarray(ref.tokens)[0].tolist(), n
+  with pytest.raises(InvalidRequest, match=r"prompt 30 \+ max_tokens 4 - 1 > cache_len=32"):
+    engine.submit([1] * 30, max_tokens=4)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt=[], max_tokens=2), "empty prompt"),
     (dict(prompt=[1] * 40, max_tokens=2), "prompt too long"),

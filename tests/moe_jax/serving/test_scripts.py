@@ -163,7 +163,7 @@ def test_serve_bench_json_writes_null_for_non_finite_metrics():
 
 @pytest.mark.parametrize("kwargs, message", [(dict(requests=0), "requests=0"), (dict(gen_len=0), "gen_len=0"),
                                              (dict(prefill_batches=()), "prefill_batches must name"),
-                                             (dict(cache_len=6), r"cache_len=6 is below prompt_len \+ gen_len = 10")])
+                                             (dict(cache_len=8), r"cache_len=8 is below prompt_len \+ gen_len - 1 = 9")])
 def test_serve_bench_rejects_bad_settings(tiny_model, kwargs, message):
   args = dict(requests=4, concurrency=2, prompt_len=8, gen_len=2)
   args.update(kwargs)
