@@ -99,6 +99,18 @@ def parse_line(text: str, tokenizer, default_max_tokens: int) -> dict:
           "sampling": {k: obj[k] for k in _SAMPLING if k in obj}, "stop": stop}
 
 
+def check_paths(input_path: str, output_path: str) -> None:
+  """Raises ValueError naming --input or --output when the input cannot be read or the output cannot be appended to
+  (the CLI checks this before building the model)."""
+  if not os.path.isfile(input_path) or not os.access(input_path, os.R_OK):
+    raise ValueError(f"--input={input_path!r} is not a readable file")
+  if os.path.isdir(output_path):
+    raise ValueError(f"--output={output_path!r} is a directory, not a JSONL file")
+  parent = os.path.dirname(os.path.abspath(output_path))
+  if (os.path.exists(output_path) and not os.access(output_path, os.W_OK)) or not os.access(parent, os.W_OK | os.X_OK):
+    raise ValueError(f"--output={output_path!r} cannot be written (its directory must exist and be writable)")
+
+
 def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: EngineConfig,
         max_tokens: int = 64, progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
   """Decodes every line of `input_path` not yet in `output_path`; returns counts.
@@ -199,6 +211,7 @@ def main(argv):
   from moe_jax import cli  # pylint: disable=g-import-not-at-top
 
   f = flags.FLAGS
+  check_paths(f.input, f.output)
   config, model, tokenizer = cli.from_flags(f)
   cache_len = f.cache_len or config.max_seq_len
   lengths = tuple(sorted({min(int(x), cache_len) for x in f.prefill_lengths}))

@@ -84,6 +84,11 @@ def main(argv):
   from moe_jax import cli  # pylint: disable=g-import-not-at-top
 
   f = flags.FLAGS
+  if f.out:  # an unusable --out fails now, not after building and benchmarking the model
+    try:
+      os.makedirs(f.out, exist_ok=True)
+    except OSError as e:
+      raise ValueError(f"--out={f.out!r} cannot be created: {e}") from e
   _, model, _ = cli.from_flags(f)
   summary = run(model, requests=f.requests, concurrency=f.concurrency, prompt_len=f.prompt_len, gen_len=f.gen_len,
                 slots=f.slots, kv_cache=f.kv_cache, cache_len=f.cache_len,
@@ -96,7 +101,6 @@ def main(argv):
   text = metrics_lib.markdown(summary, title)
   print(text)
   if f.out:
-    os.makedirs(f.out, exist_ok=True)
     with open(os.path.join(f.out, "serve_bench.json"), "w") as fh:
       json.dump(metrics_lib.json_safe(summary), fh, indent=2)  # strict JSON: NaN (no decode steps) as null
     with open(os.path.join(f.out, "serve_bench.md"), "w") as fh:

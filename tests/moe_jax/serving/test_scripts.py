@@ -176,3 +176,28 @@ def test_percentiles():
   p = metrics.percentiles(np.arange(101))
   assert (p["p50"], p["p90"], p["p99"], p["mean"]) == (50, 90, 99, 50)
   assert np.isnan(metrics.percentiles([])["p50"])
+
+
+def test_batch_decode_checks_its_paths_first(tmp_path):
+  """The CLI calls `check_paths` before building the model; before, a bad --input or --output failed only after it."""
+  src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  src.write_text('{"id": 1, "tokens": [1]}\n')
+  batch_decode.check_paths(str(src), str(out))  # a new output file in a writable directory
+  with pytest.raises(ValueError, match=r"--input='.*nope.jsonl' is not a readable file"):
+    batch_decode.check_paths(str(tmp_path / "nope.jsonl"), str(out))
+  with pytest.raises(ValueError, match="is a directory"):
+    batch_decode.check_paths(str(src), str(tmp_path))
+  with pytest.raises(ValueError, match=r"--output='.*missing/out.jsonl' cannot be written"):
+    batch_decode.check_paths(str(src), str(tmp_path / "missing" / "out.jsonl"))
+
+
+def test_serve_bench_names_an_unusable_out_before_building_the_model(tmp_path):
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu")
+  (tmp_path / "file").write_text("")
+  r = subprocess.run([sys.executable, "-m", "moe_jax.serve_bench", "--config=tiny", f"--out={tmp_path}/file/sub"],
+                     cwd=root, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode != 0
+  assert "ValueError: --out=" in r.stderr and "cannot be created" in r.stderr, r.stderr[-2000:]
+  assert "Serving benchmark" not in r.stdout  # nothing ran
