@@ -13,9 +13,11 @@ def check_flags(f) -> list[tuple[int, int]]:
   bad = [t for t in f.transports.split(",") if t not in expert_parallel.TRANSPORTS]
   if bad:
     raise ValueError(f"transports={f.transports!r}: {bad} not among {expert_parallel.TRANSPORTS}")
-  for name in ("batch", "prompt_len", "steps"):
+  for name in ("batch", "prompt_len", "steps", "windows", "context"):
     if getattr(f, name) < 1:
       raise ValueError(f"{name}={getattr(f, name)} must be >= 1")
+  if not 1 <= f.prefix <= f.context:  # the quality windows prefill `prefix` tokens, then decode to `context`
+    raise ValueError(f"prefix={f.prefix} must be in [1, context={f.context}]")
   for n, l in layouts:
     if f.batch % (n * l):
       raise ValueError(f"batch={f.batch} must be divisible by the {n * l} devices of layout {n}x{l}")

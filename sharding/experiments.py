@@ -298,8 +298,8 @@ def main(argv):
   del argv
   f = flags.FLAGS
   jax.config.update("jax_default_matmul_precision", "highest")
+  os.makedirs(f.out, exist_ok=True)  # an unusable --out fails now, not after the sweep
   res = run(f)
-  os.makedirs(f.out, exist_ok=True)
   with open(os.path.join(f.out, "experiments.json"), "w") as fh:
     json.dump(json_safe(res), fh, indent=2)  # strict JSON: a row that did not run has null, not NaN
   with open(os.path.join(f.out, "experiments.md"), "w") as fh:

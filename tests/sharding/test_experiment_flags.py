@@ -7,7 +7,7 @@ import pytest
 from sharding import experiment_flags as experiments
 
 GOOD = dict(layouts="1x8,2x4", transports="padded,ragged_emulated", batch=16, prompt_len=32, steps=20,
-            lambdas="0,0.05", ranks="0,8")
+            lambdas="0,0.05", ranks="0,8", windows=4, context=128, prefix=32)
 
 
 def test_good_flags_give_the_layouts():
@@ -21,6 +21,9 @@ def test_good_flags_give_the_layouts():
     (dict(lambdas="0,a"), "lambdas='0,a' must be comma-separated floats"),
     (dict(ranks="8,1.5"), "ranks='8,1.5' must be comma-separated ints"),
     (dict(layouts="2by4"), "layout='2by4'"),
+    (dict(prefix=129), r"prefix=129 must be in \[1, context=128\]"),
+    (dict(prefix=0), r"prefix=0 must be in \[1, context=128\]"),
+    (dict(windows=0), "windows=0 must be >= 1"),
 ])
 def test_bad_flags_are_named(change, message):
   with pytest.raises(ValueError, match=message):
