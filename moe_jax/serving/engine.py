@@ -141,10 +141,7 @@ class Engine:
     self._step_counter = 0
     # The initial cache: one real prefilled row copied into every slot (real values, so compressed modes hold no
     # degenerate zeros); all slots start free.
-    p0, t0 = config.prefill_batches[0], config.prefill_lengths[0]
-    _, rows = steps.prefill(self._flat, np.full((p0, t0), PAD_ID % self.vocab_size, np.int32),
-                            np.ones((p0,), np.int32), kv_cache=config.kv_cache, cache_len=config.cache_len)
-    self.cache = steps.tile(rows, num_slots=b)
+    self.cache = self._initial_cache()
     self.kv_bytes_total = self.cache.nbytes()
     self._bytes_per_position = self.kv_bytes_total / (b * config.cache_len)
     # Host-side slot state.
@@ -162,7 +159,15 @@ class Engine:
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
     self._step_lock = threading.RLock()
+    self._stepping: int | None = None  # the thread inside `step`, whose callbacks must not step or wait
     self.stats = EngineStats()
+
+  def _initial_cache(self):
+    c = self.config
+    p0, t0 = c.prefill_batches[0], c.prefill_lengths[0]
+    _, rows = steps.prefill(self._flat, np.full((p0, t0), PAD_ID % self.vocab_size, np.int32),
+                            np.ones((p0,), np.int32), kv_cache=c.kv_cache, cache_len=c.cache_len)
+    return steps.tile(rows, num_slots=c.num_slots)
 
   # ---------------------------------------------------------------- client side
 
@@ -229,16 +234,33 @@ class Engine:
   # ---------------------------------------------------------------- driving
 
   def step(self) -> bool:
-    """One scheduler iteration (cancel, admit + prefill, one decode step). Returns whether work remains."""
+    """One scheduler iteration (cancel, admit + prefill, one decode step). Returns whether work remains.
+
+    Raises:
+      RuntimeError: called from an `on_token` / `on_finish` callback, i.e. from inside a step (directly, or through a
+        handle's `wait`, `result` or iteration).
+    """
+    self.check_not_in_callback()
     with self._step_lock:
-      self._reap_cancelled()
-      self._admit()
-      if self._active.any():
-        try:
-          self._decode()
-        except Exception as e:  # pylint: disable=broad-exception-caught
-          self._fail_running(e)
-      return self.has_work()
+      self._stepping = threading.get_ident()
+      try:
+        self._reap_cancelled()
+        self._admit()
+        if self._active.any():
+          try:
+            self._decode()
+          except Exception as e:  # pylint: disable=broad-exception-caught
+            self._fail_running(e)
+        return self.has_work()
+      finally:
+        self._stepping = None
+
+  def check_not_in_callback(self) -> None:
+    """Raises RuntimeError on the thread inside `step` (a request's callback): stepping there would run a step inside
+    a step, and waiting there would wait on the thread that must produce the tokens."""
+    if self._stepping == threading.get_ident():
+      raise RuntimeError("an on_token / on_finish callback may not step the engine or wait for a request (it runs "
+                         "inside the engine's step); hand the work to another thread")
 
   def run_until_idle(self, max_steps: int | None = None) -> int:
     """Steps until no request is queued or running; returns the steps taken."""
@@ -333,22 +355,36 @@ class Engine:
     self._temperature[slot], self._top_k[slot], self._top_p[slot] = 0, 0, 1  # greedy steps skip the sort
     self._free.append(slot)
 
-  def _fail_running(self, e: Exception) -> None:
-    """Ends every running request with `e` (the decode step raised) and frees the slots."""
-    logging.exception("the decode step raised; failing the %d running requests", int(self._active.sum()))
+  def _fail_running(self, e: Exception, what: str = "the decode step") -> None:
+    """Ends every running request with `e` (`what` raised) and frees the slots; rebuilds the slot cache if the failed
+    call had consumed it (the steps donate it: an error inside the compiled call leaves its buffers deleted)."""
+    logging.exception("%s raised; failing the %d running requests", what, int(self._active.sum()))
     for slot in np.flatnonzero(self._active):
       h = self._slot_handle[slot]
       self._free_slot(slot)
-      error = RequestFailed(f"request {h.request_id!r}: the decode step raised {e!r}")
+      error = RequestFailed(f"request {h.request_id!r}: {what} raised {e!r}")
       error.__cause__ = e
       self._end(h, FAILED, "error", error)
+    if self._cache_lost():
+      self.cache = self._initial_cache()
+
+  def _cache_lost(self) -> bool:
+    return any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.cache))
 
   def _reap_cancelled(self) -> None:
+    """Ends the cancelled requests, running or queued (a queued one leaves the queue at once, free slots or not)."""
     for slot in np.flatnonzero(self._active):
       h = self._slot_handle[slot]
       if h.cancelled:
         self._free_slot(slot)
         self._end(h, CANCELLED, "cancelled")
+    with self._cv:
+      gone = [h for h in self._queue if h.cancelled]
+      if gone:
+        self._queue = collections.deque(h for h in self._queue if not h.cancelled)
+        self._cv.notify_all()  # room in the queue for blocked submitters
+    for h in gone:
+      self._end(h, CANCELLED, "cancelled")
 
   def _take(self) -> list[RequestHandle]:
     """Pops up to min(free slots, admit_per_step) live requests from the queue."""
@@ -390,6 +426,8 @@ class Engine:
         error = RequestFailed(f"request {h.request_id!r}: its prefill raised {e!r}")
         error.__cause__ = e
         self._end(h, FAILED, "error", error)
+      if self._cache_lost():  # the insert had consumed the slot cache: the running rows are gone with it
+        self._fail_running(e, "a prefill's insert into the slot cache")
       return
     now = time.perf_counter()
     for i, (h, slot) in enumerate(zip(hs, slots)):

@@ -8,6 +8,7 @@ callback, or all at once (`handle.result()`).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import itertools
 import queue
@@ -123,11 +124,18 @@ def validate_request(prompt, *, max_tokens: int, sampling, stop_tokens: Sequence
     sampling = SamplingParams()
   elif not isinstance(sampling, SamplingParams):
     raise InvalidRequest(f"sampling must be a SamplingParams or a dict, got {type(sampling).__name__}")
+  if stop_tokens is not None and (isinstance(stop_tokens, (str, bytes, int, np.integer))
+                                  or not isinstance(stop_tokens, collections.abc.Iterable)):
+    raise InvalidRequest(f"stop_tokens={stop_tokens!r} must be a list of token ids")
   stops = []
   for s in stop_tokens or ():
     if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or not 0 <= s < vocab_size:
       raise InvalidRequest(f"stop token {s!r} must be an int in [0, vocab_size={vocab_size})")
     stops.append(int(s))
+  try:
+    hash(request_id)
+  except TypeError:
+    raise InvalidRequest(f"request_id={request_id!r} must be hashable (a str or an int)") from None
   return Request(prompt=arr.astype(np.int32), max_tokens=int(max_tokens), sampling=sampling,
                  stop_tokens=frozenset(stops), request_id=AutoId(next(_ids)) if request_id is None else request_id)
 
@@ -203,6 +211,8 @@ class RequestHandle:
   def wait(self, timeout: float | None = None) -> bool:
     """Blocks until the request ends (stepping a caller-driven engine); returns whether it ended."""
     deadline = None if timeout is None else time.perf_counter() + timeout
+    if not self._done.is_set() and self._engine is not None:
+      self._engine.check_not_in_callback()
     while not self._done.is_set():
       if self._engine is not None and not self._engine.running:
         if not self._engine.step() and not self._done.is_set():
@@ -225,11 +235,18 @@ class RequestHandle:
     return list(self.tokens)
 
   def __iter__(self):
+    if not self._done.is_set() and self._engine is not None:
+      self._engine.check_not_in_callback()
     while True:
-      while self._stream.empty() and not self._done.is_set() and self._engine is not None \
-          and not self._engine.running:
-        self._engine.step()
-      item = self._stream.get()
+      if self._stream.empty() and not self._done.is_set() and self._engine is not None \
+          and not self._engine.running:  # caller-driven (or stopped mid-request): this caller steps it
+        if not self._engine.step() and self._stream.empty() and not self._done.is_set():
+          raise RuntimeError("engine is idle but the request has not ended")
+        continue
+      try:  # a background engine: re-check every 50 ms that it still runs
+        item = self._stream.get(timeout=0.05)
+      except queue.Empty:
+        continue
       if item is _END:
         if self.error is not None:
           raise self.error

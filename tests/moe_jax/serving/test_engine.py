@@ -7,7 +7,9 @@ independent, so a ragged batch equals per-request runs), run in fixed-size chunk
 """
 
 import dataclasses
+import functools
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +155,8 @@ def test_requests_that_fill_the_cache_exactly_run_and_match_generate(engine, tin
     (dict(prompt=[1, 2], max_tokens=2, sampling={"temperature": 1e39}), "temperature=1e"),  # before: inf in float32
     (dict(prompt=[1, 2], max_tokens=2, sampling={"beam": 4}), "invalid sampling parameters"),
     (dict(prompt=[1, 2], max_tokens=2, stop_tokens=[999]), "stop token 999"),
+    (dict(prompt=[1, 2], max_tokens=2, stop_tokens=5), "stop_tokens=5 must be a list"),  # before: a bare TypeError
+    (dict(prompt=[1, 2], max_tokens=2, request_id=["a"]), "request_id=['a'] must be hashable"),  # before: TypeError
 ])
 def test_bad_request_is_rejected_and_others_continue(engine, good_reference, kwargs, message):
   good, ref = good_reference
@@ -234,6 +238,96 @@ def test_a_raising_device_step_fails_its_requests_and_the_engine_goes_on(engine,
   after = [engine.submit(p, max_tokens=MAX_NEW) for p in ([5, 6, 7], [8, 9])]
   engine.run_until_idle()
   assert [h.result() for h in after] == ref.tolist()
+
+
+def test_a_device_error_after_donation_rebuilds_the_slot_cache(engine, tiny_model, monkeypatch):
+  """An error raised inside the compiled decode step (here a host callback, as an asynchronous device error would
+  surface) comes after the step consumed the donated slot cache; before, every later request then failed with
+  "Array has been deleted"."""
+  ref = reference(tiny_model, [[5, 6, 7], [8, 9]])
+  fail = {"n": 0}
+
+  def boom(x):
+    if fail["n"]:
+      fail["n"] -= 1
+      raise RuntimeError("injected device failure")
+    return x
+
+  inner = steps.decode_slots.__wrapped__
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def flaky_decode(model, cache, *args):
+    nxt, finite, new = inner(model, cache, *args)
+    return jax.pure_callback(boom, jax.ShapeDtypeStruct(nxt.shape, nxt.dtype), nxt), finite, new
+
+  monkeypatch.setattr(steps, "decode_slots", flaky_decode)
+  running = engine.submit([5, 6, 7], max_tokens=MAX_NEW)
+  engine.step()
+  fail["n"] = 1
+  engine.run_until_idle()
+  assert running.status == "failed" and "decode step raised" in str(running.error)
+  after = [engine.submit(p, max_tokens=MAX_NEW) for p in ([5, 6, 7], [8, 9])]
+  engine.run_until_idle()
+  assert [h.result() for h in after] == ref.tolist()
+  assert len(engine._free) == CONFIG.num_slots  # pylint: disable=protected-access
+
+
+def test_callbacks_may_not_step_or_wait(engine, tiny_model):
+  """A callback runs inside the step: stepping there (directly, or through another request's `result()`) re-entered
+  `step` and fed the other slots stale tokens; it now raises, which fails or is logged like any raising callback."""
+  ref = reference(tiny_model, [[9, 8, 7], [1, 2, 3]])
+  waited = []
+
+  def on_finish(_):
+    follow = engine.submit([4, 4, 4], max_tokens=3)
+    try:
+      follow.result()
+    except RuntimeError as e:
+      waited.append(e)
+
+  def on_token(_):
+    engine.step()
+
+  a = engine.submit([1, 2, 3], max_tokens=2, on_finish=on_finish)
+  b = engine.submit([9, 8, 7], max_tokens=MAX_NEW)
+  c = engine.submit([1, 2, 3], max_tokens=MAX_NEW, on_token=on_token)
+  engine.run_until_idle()
+  assert b.result() == ref[0].tolist() and a.result() == ref[1, :2].tolist()
+  assert len(waited) == 1 and "may not step the engine or wait" in str(waited[0])
+  assert c.status == "failed" and isinstance(c.error.__cause__, RuntimeError) and c.tokens == ref[1, :1].tolist()
+
+
+def test_a_cancelled_queued_request_leaves_at_the_next_step_with_every_slot_busy(tiny_model):
+  eng = Engine(tiny_model, dataclasses.replace(CONFIG, num_slots=1, max_queue=1))
+  busy = eng.submit([1, 2, 3], max_tokens=MAX_NEW)
+  eng.step()
+  queued = eng.submit([4, 5], max_tokens=2)
+  queued.cancel()
+  eng.step()  # before: it stayed queued (and held the queue's one place) until the slot came free
+  assert queued.status == "cancelled" and queued.done
+  late = eng.submit([4, 5], max_tokens=2)  # before: QueueFull
+  eng.run_until_idle()
+  assert busy.status == "finished" and late.status == "finished"
+
+
+def test_iterating_a_request_survives_stopping_the_engine(tiny_model):
+  """After `stop()` the engine is caller-driven: `result()` stepped it, but an iterator blocked forever."""
+  eng = Engine(tiny_model, dataclasses.replace(CONFIG, num_slots=2, cache_len=64))
+  eng.start()
+  h = eng.submit([1, 2, 3], max_tokens=40)
+  got, done = [], threading.Event()
+
+  def reader():
+    got.extend(h)
+    done.set()
+
+  threading.Thread(target=reader, daemon=True).start()
+  deadline = time.monotonic() + 60
+  while len(h.tokens) < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  eng.stop()
+  assert done.wait(60), "the iterator hung after stop()"
+  assert h.status == "finished" and got == h.tokens and len(got) == 40
 
 
 def test_a_freed_slot_forgets_its_sampling_parameters(engine):
