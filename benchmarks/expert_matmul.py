@@ -387,9 +387,31 @@ def positive_ints(ap: argparse.ArgumentParser, flag: str, text: str, count: int 
   return [int(t) for t in items]
 
 
+def out_dir(out: str | None, smoke: bool, name: str) -> str:
+  """The results folder: `out`, else benchmarks/results, or under --smoke a fresh temporary folder (printed)."""
+  if out:
+    return out
+  if not smoke:
+    return "benchmarks/results"
+  import tempfile  # pylint: disable=g-import-not-at-top
+  out = tempfile.mkdtemp(prefix=f"{name}_smoke_")
+  print(f"--smoke without --out: writing to {out}", flush=True)
+  return out
+
+
+def subset(ap, flag: str, text: str, known) -> list[str]:
+  """The comma-separated names of --flag, each one of `known` (else `ap.error` naming the unknown ones)."""
+  names = [t for t in text.split(",") if t]
+  bad = [t for t in names if t not in known]
+  if bad:
+    ap.error(f"--{flag}={text!r}: {bad} not among {list(known)}")
+  return names
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="benchmarks/results")
+  ap.add_argument("--out", default=None, help="folder of the result files (default benchmarks/results; with --smoke a "
+                  "fresh temporary folder, so a CPU check never overwrites the H200 results)")
   ap.add_argument("--quick", action="store_true", help="one shape, three row counts, for a first look")
   ap.add_argument("--iters", type=int, default=15)
   ap.add_argument("--explore", action="store_true", help="time every kernel config on one shape, then stop")
@@ -406,11 +428,13 @@ def main(argv=None):
   ap.add_argument("--vq2_ablate", action="store_true",
                   help="also time vq2's best config with each timing ablation (`vq2_grouped_matmul(ablate=)`)")
   args = ap.parse_args(argv)
+  args.out = out_dir(args.out, args.smoke, "expert_matmul")
   rows_arg = positive_ints(ap, "rows", args.rows) if args.rows else []
-  formats_all = [f for f in CONFIGS if not args.formats or f in args.formats.split(",")]
+  formats_all = [f for f in CONFIGS if not args.formats or f in subset(ap, "formats", args.formats, CONFIGS)]
   experts = positive_ints(ap, "experts", args.experts) if args.experts else [e for e, _, _ in SHAPES]
   if args.merge:
     merged = merge_runs(args.merge.split(","))
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "expert_matmul" + args.tag)
     with open(path + ".json", "w") as fh:
       json.dump(merged, fh, indent=1)

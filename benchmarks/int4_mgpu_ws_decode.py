@@ -41,6 +41,7 @@ from benchmarks import int4_mgpu_decode as base
 from pallas_kernels import int4_grouped_matmul as i4
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws
+from pallas_kernels import ws_pipeline as wp
 
 SHAPES = [(64, 4096, 2048, [64, 512, 1024]), (128, 2048, 768, [128, 2048]), (8, 4096, 14336, [16, 128])]
 # Warp-specialized configs: compute warpgroups (N tile 64·C), block_k; ring depth automatic (largest of 8/6/4/3/2
@@ -238,6 +239,13 @@ def analyze_dump(path, ptxas="ptxas", nvdisasm=None):
   return out
 
 
+def default_c(cfg: dict, rows: int, e: int, n: int) -> int:
+  """The C the kernel picks itself for `cfg` at this shape (`ws.default_compute_wgs` with the config's tiles)."""
+  block_r = cfg.get("block_r") or ws.default_block_r(rows, e, cfg.get("aligned_tiles", True))
+  num_ctas = 4 if SMOKE["interpret"] else wp.num_sms()
+  return ws.default_compute_wgs(rows, e, n, block_r, num_ctas)
+
+
 def passed(check_res, name):
   rs = [r for r in check_res.values() if r["impl"] == f"ws_{name}"]
   return bool(rs) and all("error" not in r and r["max_rel_err"] < 1e-3 and not r["nan"] and r["tail_max"] == 0
@@ -246,7 +254,8 @@ def passed(check_res, name):
 
 def main(argv=None):
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="benchmarks/results")
+  ap.add_argument("--out", default=None, help="folder of the result files (default benchmarks/results; with --smoke a "
+                  "fresh temporary folder)")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--check_only", action="store_true")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes: checks the script only")
@@ -267,9 +276,11 @@ def main(argv=None):
   ap.add_argument("--default_c_only", action="store_true",
                   help="time each WS config only where its num_compute_wgs is the kernel's default C for that N")
   args = ap.parse_args(argv)
+  args.out = em.out_dir(args.out, args.smoke, "int4_mgpu_ws")
   if args.ws:
+    keep = em.subset(ap, "ws", args.ws, WS)
     for name in list(WS):
-      if name not in args.ws.split(","):
+      if name not in keep:
         del WS[name]
   if args.dump:
     return dump(*map(int, args.dump.split(",")), with_mgpu=not args.ws)
@@ -289,6 +300,7 @@ def main(argv=None):
   tags = {seed: args.tag + (f"_s{seed}" if len(seeds) > 1 else "") for seed in seeds}
   if args.smoke:
     SMOKE["interpret"], shapes = True, [(4, 512, 256, [8, 64])]
+    em.INTERPRET["on"] = True  # shared helpers (the copy probe's array size) follow it
   os.makedirs(args.out, exist_ok=True)
   check_path = os.path.join(args.out, f"int4_mgpu_ws{args.tag}_check.json")
   if args.check_only:
@@ -302,7 +314,7 @@ def main(argv=None):
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "group_size": em.G,
           "routing": args.routing, "l2_flush": "256 MiB write before every timed call", "ws_configs": WS}
   meta["correctness"] = {}
-  if os.path.exists(check_path):  # from a --check_only run; configs it does not hold are checked here
+  if os.path.exists(check_path) and not args.smoke:  # from a --check_only run; configs it lacks are checked here
     with open(check_path) as fh:
       meta["correctness"] = json.load(fh)
   have = {r["impl"] for r in meta["correctness"].values()}
@@ -334,7 +346,7 @@ def main(argv=None):
       for name, cfg in todo.items():
         if k % cfg.get("block_k", 128):
           continue
-        if args.default_c_only and cfg.get("num_compute_wgs", 0) not in (0, 3 if n % 192 == 0 else 2):
+        if args.default_c_only and cfg.get("num_compute_wgs", 0) not in (0, default_c(cfg, rows, e, n)):
           continue
         try:
           kw, order = _split(cfg)

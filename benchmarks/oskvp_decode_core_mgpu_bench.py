@@ -277,7 +277,7 @@ def main(argv=None) -> int:
   with open(os.path.join(args.out, "oskvp_decode_core_mgpu.md")) as fh:
     print(fh.read())
   print(f"total {time.perf_counter() - start:.0f} s", flush=True)
-  return 0
+  return 0 if all(c["ok"] for c in checks) else 1  # the glue check comes after the timings: fail the run on it too
 
 
 if __name__ == "__main__":

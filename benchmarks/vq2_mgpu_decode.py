@@ -137,8 +137,9 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   check_path = os.path.join(args.out, "vq2_mgpu_check.json")
   if args.check_configs:
+    keep = em.subset(ap, "check_configs", args.check_configs, CHECK_CONFIGS)
     for name in list(CHECK_CONFIGS):
-      if name not in args.check_configs.split(","):
+      if name not in keep:
         del CHECK_CONFIGS[name]
   if args.check_only or not os.path.exists(check_path):  # a timing run without an earlier check runs it first
     res = {}

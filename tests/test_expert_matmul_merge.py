@@ -46,3 +46,23 @@ def test_runs_that_time_the_same_shape_are_refused(tmp_path):
   b = _run(tmp_path / "b.json", "2026-12-02T04:47", 5.0, 8, 14336, 0.3, 0.1)
   with pytest.raises(ValueError, match="shape"):
     em.merge_runs([a, b])
+
+
+def test_merge_creates_the_out_folder(tmp_path):
+  a = _run(tmp_path / "a.json", "2026-12-02T04:34", 4.0, 8, 14336, 0.2, 0.1)
+  b = _run(tmp_path / "b.json", "2026-12-02T04:47", 5.0, 128, 768, 0.3, 0.1)
+  out = tmp_path / "new" / "dir"  # before: FileNotFoundError after the merge
+  assert em.main([f"--merge={a},{b}", f"--out={out}"]) == 0
+  assert (out / "expert_matmul.json").exists() and (out / "expert_matmul.md").exists()
+
+
+def test_an_unknown_format_is_named(tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_info:  # before: the run checked nothing, timed the peers and exited 0
+    em.main(["--formats=int4_mgpu_wss", f"--out={tmp_path}"])
+  assert exit_info.value.code == 2 and "['int4_mgpu_wss'] not among" in capsys.readouterr().err
+
+
+def test_smoke_without_out_writes_to_a_temporary_folder():
+  assert em.out_dir(None, False, "x") == "benchmarks/results" and em.out_dir("d", True, "x") == "d"
+  tmp = em.out_dir(None, True, "expert_matmul")  # before: --smoke overwrote the committed H200 results
+  assert "expert_matmul_smoke_" in tmp and not tmp.startswith("benchmarks")

@@ -23,7 +23,8 @@ print("traces (compiles) during warm-up:", engine.warmup())
 
 # %% [markdown]
 # Submit requests with their own sampling parameters and stop tokens. One streams through an iterator (which steps
-# the caller-driven engine), the others through callbacks; all share every decode step.
+# the caller-driven engine), one through an `on_token` callback, and the third is read from its handle at the end;
+# all share every decode step.
 
 # %%
 streamed = []
@@ -44,7 +45,8 @@ print("new compiles after warm-up:", steps.total_traces() - before)
 
 # %% [markdown]
 # Bad input is rejected at `submit` with a clear error for that request only; a full queue raises `QueueFull`
-# (back-pressure) instead of crashing; a running request can be cancelled.
+# (back-pressure) instead of crashing; a request can be cancelled, queued (as here) or running, and ends at the
+# engine's next step.
 
 # %%
 for bad in ([], [1, 2, 999], [1] * 80):
