@@ -23,7 +23,7 @@ OPS = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-sc
        "collective-broadcast")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "c64": 8, "c128": 16}
-_LINE = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(OPS) + r")(?:-start)?\(")
+_LINE = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(OPS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 
 
@@ -45,6 +45,33 @@ def _shape_bytes(shape: str) -> int:
       n *= int(d)
     total += n * _DTYPE_BYTES[dtype]
   return total
+
+
+def _tuple_elements(shape: str) -> list[str] | None:
+  """The top-level elements of a tuple shape "(a, (b, c), d)", or None when `shape` is not a tuple."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return None
+  out, depth, begin = [], 0, 1
+  for i, ch in enumerate(shape):
+    depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+    if (ch == "," and depth == 1) or depth == 0:
+      out.append(shape[begin:i].strip())
+      begin = i + 1
+      if depth == 0:
+        break
+  return out
+
+
+def result_shape(shape: str, op: str, start: bool) -> str:
+  """The result part of a collective's HLO shape. An async `-start` op's shape also holds its operands: a wrapped
+  async op (all-to-all, ragged-all-to-all, reduce-scatter on GPU) is `((operands), result, context...)`, and
+  all-gather-start / collective-permute-start are `(operand(s), result(s), ...)`; all-reduce-start is its result.
+  Counting the whole tuple (as before) doubled the GPU's cross-node bytes."""
+  parts = _tuple_elements(shape) if start else None
+  if parts and len(parts) > 1 and (parts[0].startswith("(") or op in ("all-gather", "collective-permute")):
+    return parts[1]
+  return shape
 
 
 def _braced(text: str, start: int) -> str:
@@ -100,7 +127,8 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
     if not m:
       continue
     out.append(Collective(op=m.group("op"), groups=parse_groups(line, n_devices),
-                          bytes_out=_shape_bytes(m.group("shape")), line=line.strip()))
+                          bytes_out=_shape_bytes(result_shape(m.group("shape"), m.group("op"), bool(m.group("start")))),
+                          line=line.strip()))
   return out
 
 

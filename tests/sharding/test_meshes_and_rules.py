@@ -91,6 +91,23 @@ def test_cross_node_bytes_of_an_all_to_all():
   assert hc.spans_nodes(c, NODE_OF) and hc.cross_node_bytes(c, NODE_OF) == 2 * 8
 
 
+@pytest.mark.parametrize("line, result_bytes", [
+    # GPU's async forms hold their operands too; only the result counts (before: the whole tuple, 2x on the GPU).
+    ("%a = ((f32[2,16,256]{2,1,0}), f32[2,16,256]{2,1,0}) all-to-all-start(f32[2,16,256]{2,1,0} %x)", 32768),
+    ("%r = ((f32[64]{0}, f32[64]{0}, s64[2]{0}, s64[2]{0}, s64[2]{0}, s64[2]{0}), f32[64]{0}, u32[]) "
+     "ragged-all-to-all-start(%i, %o, %a, %b, %c, %d)", 256),
+    ("%g = (f32[4]{0}, f32[8]{0}) all-gather-start(f32[4]{0} %x)", 32),
+    ("%g = ((f32[4]{0}, bf16[4]{0}), (f32[8]{0}, bf16[8]{0})) all-gather-start(%x, %y)", 48),
+    ("%p = (bf16[4]{0}, bf16[4]{0}, u32[], u32[]) collective-permute-start(bf16[4]{0} %x)", 8),
+    ("%s = f32[8]{0} all-reduce-start(f32[8]{0} %x)", 32),
+    ("%t = (f32[8]{0}, f32[8]{0}) all-reduce-start(%x, %y)", 64),  # variadic: both results
+    ("%u = (f32[2,8]{1,0}, f32[2,8]{1,0}) all-to-all(%p, %q)", 128),  # synchronous variadic: both results
+])
+def test_async_start_forms_count_their_result_only(line, result_bytes):
+  (c,) = hc.collectives(line + ", replica_groups={{0,1,2,3,4,5,6,7}}", 8)
+  assert c.bytes_out == result_bytes
+
+
 @pytest.mark.needs_8_devices
 def test_one_codebook_for_all_experts_is_replicated(tiny_config):
   """Leaves of a quantized expert weight shard on the experts axis, except a leading axis of size 1 (vq2's per-layer
