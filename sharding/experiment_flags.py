@@ -6,10 +6,16 @@ from __future__ import annotations
 from sharding import expert_parallel, meshes
 
 
-def check_flags(f) -> list[tuple[int, int]]:
+def check_flags(f, n_devices: int | None = None, n_experts: int | None = None) -> list[tuple[int, int]]:
   """The flags' layouts [(nodes, local)], after refusing, by name, settings that would fail (or time nothing) in
-  every row of the sweep instead of before it."""
+  every row of the sweep instead of before it; with `n_devices` / `n_experts`, also layouts larger than the devices
+  present or whose node count does not divide the experts."""
   layouts = [meshes.parse_layout(s) for s in f.layouts.split(",")]
+  for n, l in layouts:
+    if n_devices is not None and n * l > n_devices:
+      raise ValueError(f"layouts={f.layouts!r}: {n}x{l} needs {n * l} devices, {n_devices} present")
+    if n_experts is not None and n_experts % n:
+      raise ValueError(f"layouts={f.layouts!r}: {n} nodes do not divide the model's {n_experts} experts")
   bad = [t for t in f.transports.split(",") if t not in expert_parallel.TRANSPORTS]
   if bad:
     raise ValueError(f"transports={f.transports!r}: {bad} not among {expert_parallel.TRANSPORTS}")
@@ -26,4 +32,8 @@ def check_flags(f) -> list[tuple[int, int]]:
       [kind(v) for v in getattr(f, name).split(",")]
     except ValueError:
       raise ValueError(f"{name}={getattr(f, name)!r} must be comma-separated {kind.__name__}s") from None
+  if f.rank < 1:  # the layout rows' LCVC serves remote experts by surrogates (the sweep's ranks may be 0: exact)
+    raise ValueError(f"rank={f.rank} must be >= 1 (the layout rows decode remote experts by rank-`rank` surrogates)")
+  if any(int(v) < 0 for v in f.ranks.split(",")):
+    raise ValueError(f"ranks={f.ranks!r} must be >= 0")
   return layouts

@@ -7,7 +7,7 @@ import pytest
 from sharding import experiment_flags as experiments
 
 GOOD = dict(layouts="1x8,2x4", transports="padded,ragged_emulated", batch=16, prompt_len=32, steps=20,
-            lambdas="0,0.05", ranks="0,8", windows=4, context=128, prefix=32)
+            lambdas="0,0.05", ranks="0,8", windows=4, context=128, prefix=32, rank=16)
 
 
 def test_good_flags_give_the_layouts():
@@ -28,3 +28,15 @@ def test_good_flags_give_the_layouts():
 def test_bad_flags_are_named(change, message):
   with pytest.raises(ValueError, match=message):
     experiments.check_flags(types.SimpleNamespace(**{**GOOD, **change}))
+
+
+@pytest.mark.parametrize("change, sizes, message", [
+    # Before, each was found only after the model load and the baseline quality pass, and killed the whole run.
+    (dict(layouts="1x8,4x4", batch=16), dict(n_devices=8), r"4x4 needs 16 devices, 8 present"),
+    (dict(layouts="2x4,8x1"), dict(n_experts=4), r"8 nodes do not divide the model's 4 experts"),
+    (dict(rank=0), {}, r"rank=0 must be >= 1"),  # before: every lcvc row failed, its JSON said surrogates served
+    (dict(ranks="0,-8"), {}, r"ranks='0,-8' must be >= 0"),
+])
+def test_layouts_that_cannot_run_and_ranks_are_named(change, sizes, message):
+  with pytest.raises(ValueError, match=message):
+    experiments.check_flags(types.SimpleNamespace(**{**GOOD, **change}), **sizes)
