@@ -22,6 +22,7 @@ import sys
 from typing import Callable
 
 from moe_jax.serving import Engine, EngineConfig, InvalidRequest, QueueFull
+from moe_jax.tokenizer import decode_continuation
 
 _SAMPLING = ("temperature", "top_k", "top_p")
 
@@ -89,7 +90,10 @@ def parse_line(text: str, tokenizer, default_max_tokens: int) -> dict:
   if "prompt" in obj:
     if not isinstance(obj["prompt"], str):
       raise BadLine("\"prompt\" must be a string", rid)
-    prompt = tokenizer.encode(obj["prompt"])
+    try:
+      prompt = tokenizer.encode(obj["prompt"])
+    except UnicodeError as e:  # e.g. a lone surrogate ("\ud800"), which JSON allows and UTF-8 cannot hold
+      raise BadLine(f"\"prompt\" is not encodable text: {e}", rid) from e
   else:
     prompt = obj["tokens"]
   stop = obj.get("stop", [])
@@ -149,8 +153,8 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
         write({"id": h.request_id, "line": line_no, "error": str(h.error)})
       else:
         counts["finished"] += 1
-        write({"id": h.request_id, "line": line_no, "text": tokenizer.decode(h.tokens), "tokens": h.tokens,
-               "finish_reason": h.finish_reason})
+        text = decode_continuation(tokenizer, h.request.prompt, h.tokens)
+        write({"id": h.request_id, "line": line_no, "text": text, "tokens": h.tokens, "finish_reason": h.finish_reason})
       if bar is not None:
         bar.update(1)
 

@@ -21,7 +21,7 @@ import numpy as np
 from moe_jax import decode
 from moe_jax.kv_cache import KVCache
 from moe_jax.sampling import SamplingParams, sample
-from moe_jax.tokenizer import PAD_ID
+from moe_jax.tokenizer import PAD_ID, decode_continuation
 
 
 @dataclasses.dataclass
@@ -176,7 +176,10 @@ def main(argv):
     raise ValueError(f"--cache_len={f.cache_len} must be >= 0 (0: prompt + max_new_tokens)")
   config, model, tok = cli.load_model(checkpoint=f.checkpoint, hf=f.hf, config=f.config, seed=f.seed)
   sampling = SamplingParams(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p)
-  prompt = tok.encode(f.prompt)
+  try:
+    prompt = tok.encode(f.prompt)
+  except UnicodeError as e:  # bytes of the command line that are not UTF-8
+    raise ValueError(f"--prompt is not UTF-8 text: {e}") from e
   tokens, lengths = pad_batch([prompt] * f.batch)
   cache_len = prompt_cache_len(config, len(prompt), max_new_tokens=f.max_new_tokens, cache_len=f.cache_len)
   decode.validate_prompts(config, tokens, lengths, cache_len=cache_len, max_new_tokens=f.max_new_tokens)
@@ -198,7 +201,7 @@ def main(argv):
   out, n, cache, t_prefill, t_decode = run()
   out, n = np.asarray(out), np.asarray(n)
   for b in range(f.batch):
-    print(f"[{b}] {f.prompt}{tok.decode(out[b, : n[b]])}")
+    print(f"[{b}] {f.prompt}{decode_continuation(tok, prompt, out[b, : n[b]])}")
   steps = int(n.max())
   print(f"config={config.name} batch={f.batch} prompt_tokens={len(prompt)} new_tokens={steps} "
         f"kv_cache={f.kv_cache} | prefill {t_prefill * 1e3:.2f} ms | decode {t_decode * 1e3 / steps:.3f} ms/token | "

@@ -24,6 +24,9 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from absl import logging
+
+from moe_jax import tokenizer as tokenizer_lib
 from moe_jax.serving.engine import Engine
 from moe_jax.serving.request import InvalidRequest, QueueFull, RequestFailed, RequestHandle
 
@@ -33,26 +36,30 @@ _ONE_CHOICE = ("n", "best_of")
 
 class TextStream:
   """Turns a growing token list into text deltas, holding back a trailing incomplete UTF-8 character or a tail that
-  may begin a stop string, and cuts the text at a stop string."""
+  may begin a stop string, and cuts the text at a stop string. The tokens are decoded as a continuation of the
+  prompt (`tokenizer.decode_continuation`), so a leading space the decoder would strip from a text's start stays."""
 
-  def __init__(self, tokenizer, stops: list[str]):
-    self.tokenizer, self.stops = tokenizer, stops
+  def __init__(self, tokenizer, stops: list[str], prompt=()):
+    self.tokenizer, self.stops, self.prompt = tokenizer, stops, list(prompt)
     self.sent = ""
 
   def delta(self, tokens: list[int], final: bool) -> tuple[str, bool]:
     """(new text to send, whether a stop string was reached)."""
-    text = self.tokenizer.decode(tokens)
+    text = tokenizer_lib.decode_continuation(self.tokenizer, self.prompt, tokens)
     hit = min((text.find(s) for s in self.stops if s and s in text), default=-1)
     if hit >= 0:
       text, final = text[:hit], True
     if not final:
-      if text.endswith("\ufffd"):
-        text = text[:-1]
+      # An incomplete character: one U+FFFD from a UTF-8 decoder, one per byte from a byte-fallback decoder.
+      text = text.rstrip("\ufffd")
       # Hold back a tail that may be the start of a stop string.
       held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
       text = text[:len(text) - held]
-    new = text[len(self.sent):] if text.startswith(self.sent) else ""
-    self.sent = text if text.startswith(self.sent) else self.sent
+    if not text.startswith(self.sent):  # sent text cannot be taken back: say so instead of dropping the rest quietly
+      logging.warning("text stream: the decoded text no longer extends what was sent (%r, now %r); the rest is "
+                      "not streamed", self.sent[-40:], text[-40:])
+      return "", hit >= 0
+    new, self.sent = text[len(self.sent):], text
     return new, hit >= 0
 
 
@@ -171,7 +178,7 @@ def make_handler(engine: Engine, tokenizer, model_name: str):
         self._error(429, "queue_full", str(e))
         return
       cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-      text = TextStream(tokenizer, req["stop"])
+      text = TextStream(tokenizer, req["stop"], prompt=handle.request.prompt)
       n_prompt = len(handle.request.prompt)
 
       def chunk(delta: str, finish: str | None) -> dict:

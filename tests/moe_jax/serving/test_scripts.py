@@ -201,3 +201,10 @@ def test_serve_bench_names_an_unusable_out_before_building_the_model(tmp_path):
   assert r.returncode != 0
   assert "ValueError: --out=" in r.stderr and "cannot be created" in r.stderr, r.stderr[-2000:]
   assert "Serving benchmark" not in r.stdout  # nothing ran
+
+
+def test_batch_decode_names_a_prompt_utf8_cannot_hold():
+  """JSON allows a lone surrogate; encoding it raised a bare UnicodeEncodeError, so the line's id got no record."""
+  with pytest.raises(batch_decode.BadLine, match="\"prompt\" is not encodable text") as info:
+    batch_decode.parse_line('{"id": "a", "prompt": "x\\ud800y"}', ByteTokenizer(), 4)
+  assert info.value.request_id == "a"

@@ -2,6 +2,7 @@
 
 import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -189,3 +190,56 @@ def test_read_until_stop_cancels_the_request_at_the_completing_token(tiny_model)
   assert handle.status == "cancelled" and engine.num_active == 0 and not engine.has_work()
   assert handle.tokens[:n] == tokens and len(handle.tokens) <= n + 1  # the engine stopped at the stop string
   assert engine.stats.decode_steps - steps_before <= n and engine.stats.cancelled == 1
+
+
+class _Tokens:
+  """A handle stand-in for `read_until_stop`: yields fixed tokens."""
+
+  def __init__(self, tokens):
+    self.tokens, self.cancelled = tokens, False
+
+  def __iter__(self):
+    return iter(self.tokens)
+
+  def cancel(self):
+    self.cancelled = True
+
+
+def test_completions_keep_the_leading_space_a_metaspace_decoder_strips():
+  """Decoded alone, Mixtral's completion " world again" lost its leading space: the text read "world again" and a stop
+  string " world" was never found. The stream now decodes the tokens as a continuation of the prompt."""
+  from moe_jax import hf, tokenizer  # pylint: disable=g-import-not-at-top
+  tok = hf.load_tokenizer(os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "hf", "mixtral"))
+  prompt, full = tok.encode("hello"), tok.encode("hello world again")
+  completion = full[len(prompt):]
+  assert tok.decode(completion) == "world again"  # the decoder's own behaviour, which misled every caller
+  assert tokenizer.decode_continuation(tok, prompt, completion) == " world again"
+  for stops, sent, stopped, n_read in (([], " world again", False, len(completion)), ([" again"], " world", True, None),
+                                       ([" world"], "", True, len(tok.encode("hello world")) - len(prompt))):
+    stream = TextStream(tok, stops, prompt=prompt)
+    read, _, hit = read_until_stop(_Tokens(completion), stream)
+    assert (stream.sent, hit) == (sent, stopped), stops
+    assert n_read is None or len(read) == n_read, stops  # " world" ends the request at the token completing it
+
+
+def test_a_byte_fallback_character_streams_whole(tmp_path):
+  """A Llama-style byte-fallback decoder gives one U+FFFD per byte of an unfinished character: holding back only one
+  sent "a\ufffd", and every later delta was then dropped (the text no longer extended what was sent)."""
+  from tokenizers import Tokenizer, decoders, models, normalizers  # pylint: disable=g-import-not-at-top
+  from moe_jax import hf  # pylint: disable=g-import-not-at-top
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+  for t in ["▁", "a", "b", "c", "▁a", "h", "i", "!"]:
+    vocab.setdefault(t, len(vocab))
+  raw = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
+  raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+  raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+  raw.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+  tok = hf.load_tokenizer(str(tmp_path))
+  ids = tok.encode("a中b😀c hi!")
+  assert tok.decode(ids[:3]).count("\ufffd") == 2  # 中 spelled as three byte tokens
+  deltas = []
+  stream = TextStream(tok, [])
+  _, rest, _ = read_until_stop(_Tokens(ids), stream, on_delta=deltas.append)
+  assert "".join(deltas) + rest == stream.sent == tok.decode(ids) == "a中b😀c hi!"
