@@ -105,9 +105,9 @@ def setup_kv_cache(model, kv_cache: str, *, calib_windows: int = CALIB_WINDOWS, 
                    tokenizer=None, log: Callable[[str], None] = print):
   """Makes `--kv_cache=kv_cache` usable with `model`; returns the mode it installed, or None when none was needed.
 
-  An unknown name raises ValueError naming kv_cache. `oskvp_static` without a calibration is calibrated here
-  (`moe_jax.kv_quant.static.calibrate_on_training_split`: `calib_windows` training-split windows of
-  min(calib_seq_len, max_seq_len) tokens, one line logged) and installed under its name. `tokenizer`: the model's
+  An unknown name raises ValueError naming kv_cache. `oskvp_static` without a calibration for this model's shapes
+  is calibrated here (`moe_jax.kv_quant.static.calibrate_on_training_split`: `calib_windows` training-split windows
+  of min(calib_seq_len, max_seq_len) tokens, one line logged) and installed under its name. `tokenizer`: the model's
   (`load_model`'s third value); a Hugging Face one tokenizes the split's text (byte ids would be other tokens).
   """
   from moe_jax.kv_cache import get_kv_cache_mode  # pylint: disable=g-import-not-at-top
@@ -116,8 +116,8 @@ def setup_kv_cache(model, kv_cache: str, *, calib_windows: int = CALIB_WINDOWS, 
   from moe_jax.kv_quant import static  # pylint: disable=g-import-not-at-top
   from moe_jax.kv_quant.oskvp_cache import StaticOSKVPMode  # pylint: disable=g-import-not-at-top
 
-  if not isinstance(mode, StaticOSKVPMode) or mode.params_k is not None:
-    return None
+  if not isinstance(mode, StaticOSKVPMode) or (mode.params_k is not None and mode.matches(model.config)):
+    return None  # (a calibration installed for another model is replaced)
   if not isinstance(calib_windows, int) or calib_windows < 1:
     raise ValueError(f"--kv_calib_windows={calib_windows!r} must be an int >= 1")
   seq_len = min(calib_seq_len, model.config.max_seq_len)

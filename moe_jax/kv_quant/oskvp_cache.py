@@ -142,7 +142,8 @@ class OSKVPLayerCache:
     return oskvp_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, codes_v, outl_v,
                                   self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k, self.res_v, self.n_comp,
                                   self.n_res, hi_k=self.hi_k, hi_v=self.hi_v, implementation=impl,
-                                  symmetric_codebooks=self.symmetric)
+                                  symmetric_codebooks=self.symmetric,
+                                  interpret=jax.default_backend() != "gpu")  # "pallas" off the GPU: interpret mode
 
   def extend(self, q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array) -> tuple[jax.Array, "OSKVPLayerCache"]:
     """Appends T tokens one at a time (T is static; decode uses T=1) and attends causally.
@@ -358,6 +359,23 @@ class StaticOSKVPMode:
       raise ValueError(f"window={self.window!r} must be an int >= 1")
     if self.implementation not in ("auto", "pallas", "xla"):
       raise ValueError(f"implementation={self.implementation!r} must be 'auto', 'pallas' or 'xla'")
+
+  def matches(self, config) -> bool:
+    """Whether the calibration's [layers, kv heads, head dim] are the model's (True before calibration)."""
+    if self.params_k is None:
+      return True
+    n_layers, k, h = self.params_k.u.shape[0], self.params_k.u.shape[1], self.params_k.u.shape[-1]
+    return (n_layers, k, h) == (config.n_layers, config.n_kv_heads, config.head_dim)
+
+  def for_config(self, config) -> "StaticOSKVPMode":
+    """This mode, after checking that its calibration is for `config`'s attention shapes (ValueError if not; before,
+    another model's calibration crashed inside a dot or, at equal head dims, was used silently)."""
+    if not self.matches(config):
+      u = self.params_k.u
+      raise ValueError(f"kv_cache='oskvp_static' is calibrated for {u.shape[0]} layers x {u.shape[1]} kv heads x "
+                       f"head_dim {u.shape[-1]}, the model has {config.n_layers} x {config.n_kv_heads} x "
+                       f"{config.head_dim}: calibrate it for this model (moe_jax.cli.setup_kv_cache does)")
+    return self
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
     if self.params_k is None:

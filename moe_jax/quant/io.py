@@ -40,6 +40,12 @@ def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, 
         jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
       raise ValueError(f"{name} is {getattr(a, 'kind', 'unquantized')!r} but spec={spec} rebuilds "
                        f"{getattr(b, 'kind', 'unquantized')!r}: save the model with the spec it was quantized with")
+  paths = lambda m: {jax.tree_util.keystr(p) for p, _ in  # noqa: E731
+                     jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(m)))[0]}
+  extra, missing = sorted(paths(model) - paths(want)), sorted(paths(want) - paths(model))
+  if extra or missing:  # e.g. an LCVC-routed model's penalty, threshold and surrogates (before: saved, then unloadable)
+    raise ValueError(f"the model's state differs from what load_quantized rebuilds (extra {extra[:3]}, missing "
+                     f"{missing[:3]}): save the plain quantized model, before locality.make_lcvc / with_lcvc")
 
   directory = os.path.abspath(directory)
   if os.path.isfile(os.path.join(directory, "config.json")):  # --checkpoint would then load that model instead

@@ -66,3 +66,22 @@ def test_calibrate_layers_ignores_padding_of_ragged_rows():
   want = static.calibrate_layers([(jnp.asarray(valid), jnp.asarray(valid))], jnp.asarray([50]))[0]
   for a, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-5)
+
+
+def test_a_calibration_for_other_attention_shapes_is_refused_and_the_cli_recalibrates(tiny_model, tiny_config):
+  """Before, another model's calibration crashed inside a dot (other head_dim) or ran silently (fewer layers), and
+  `setup_kv_cache` kept it."""
+  from moe_jax import cli  # pylint: disable=g-import-not-at-top
+  from moe_jax.kv_cache import get_kv_cache_mode  # pylint: disable=g-import-not-at-top
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 40), 0, 256)
+  static.install(static.calibrate_model(tiny_model, tokens, window=16), name="oskvp_static_other")
+  fewer = tiny_config.replace(n_layers=tiny_config.n_layers - 1)
+  other = decode.init_model(fewer, seed=0)
+  with pytest.raises(ValueError, match=rf"calibrated for {tiny_config.n_layers} layers x {tiny_config.n_kv_heads} kv "
+                                       rf"heads x head_dim {tiny_config.head_dim}, the model has {fewer.n_layers} x"):
+    decode.prefill(other, tokens[:, :8], jnp.array([8, 8]), kv_cache="oskvp_static_other", cache_len=16)
+  mode = cli.setup_kv_cache(other, "oskvp_static_other", calib_windows=1, calib_seq_len=32, log=lambda _: None)
+  assert mode is not None and mode.params_k.u.shape[0] == fewer.n_layers
+  assert get_kv_cache_mode("oskvp_static_other", fewer) is mode
+  logits, _ = decode.prefill(other, tokens[:, :8], jnp.array([8, 8]), kv_cache="oskvp_static_other", cache_len=16)
+  assert np.isfinite(np.asarray(logits)).all()

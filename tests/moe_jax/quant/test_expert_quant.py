@@ -189,7 +189,11 @@ def test_unreadable_quantized_checkpoints_are_refused_before_writing(tiny_model,
     quant.save_quantized(tiny_model, tiny_config, quant.spec_for("int4"), str(tmp_path / "b"))
   with pytest.raises(ValueError, match="export writes plain models; save a quantized one with"):
     checkpoints.export(q, tiny_config, str(tmp_path / "c"))  # before: written, then "missing blocks.*.ffn.w_*"
-  assert not any((tmp_path / d).exists() for d in "abc")
+  from moe_jax import locality  # pylint: disable=g-import-not-at-top
+  routed = locality.with_lcvc(nnx.clone(q), locality.LCVCConfig(n_nodes=2, penalty=1.0))
+  with pytest.raises(ValueError, match=r"extra \[\"\['blocks'\]\[0\]\['ffn'\]\['penalty'\]"):
+    quant.save_quantized(routed, tiny_config, quant.spec_for("int4"), str(tmp_path / "d"))  # before: unloadable
+  assert not any((tmp_path / d).exists() for d in "abcd")
 
 
 def test_awq_calibration_tokens_are_checked_against_the_model(tiny_model, tiny_config):
