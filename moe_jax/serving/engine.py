@@ -160,6 +160,7 @@ class Engine:
     self._stop = threading.Event()
     self._step_lock = threading.RLock()
     self._stepping: int | None = None  # the thread inside `step`, whose callbacks must not step or wait
+    self._cancel_pending = False  # set by RequestHandle.cancel: the next step scans the queue for cancelled requests
     self.stats = EngineStats()
 
   def _initial_cache(self):
@@ -378,6 +379,9 @@ class Engine:
       if h.cancelled:
         self._free_slot(slot)
         self._end(h, CANCELLED, "cancelled")
+    if not self._cancel_pending:  # the queue is scanned only after some handle's cancel()
+      return
+    self._cancel_pending = False
     with self._cv:
       gone = [h for h in self._queue if h.cancelled]
       if gone:

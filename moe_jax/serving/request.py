@@ -188,6 +188,8 @@ class RequestHandle:
   def cancel(self) -> None:
     """Asks the engine to stop this request; it ends with status "cancelled" at the engine's next step."""
     self._cancel.set()
+    if self._engine is not None:
+      self._engine._cancel_pending = True  # pylint: disable=protected-access
 
   # Called by the engine only.
   def _emit(self, token: int, now: float) -> None:
