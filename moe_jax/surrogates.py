@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moe_jax import experts as experts_lib
@@ -110,6 +111,11 @@ class LowRankExperts(nnx.Module):
     e, d, f = w_gate.shape
     if not 1 <= rank <= min(d, f):
       raise ValueError(f"rank={rank} must be in [1, min(D={d}, F={f})]")
+    if calibration is not None:  # before: an empty one gave 0/0 second moments and NaN factors, with no error
+      if calibration.ndim != 2 or calibration.shape[0] < 1 or calibration.shape[1] != d:
+        raise ValueError(f"calibration must be [n >= 1, D={d}] layer inputs, got shape {tuple(calibration.shape)}")
+      if not bool(jnp.isfinite(calibration).all()):
+        raise ValueError("calibration holds non-finite values (e.g. token ids outside the vocabulary upstream)")
     ga, gb, ua, ub, da, db = _factors(w_gate, w_up, w_down, calibration, rank=rank, dtype=dtype or w_gate.dtype)
     self.rank = rank
     self.gate_a, self.gate_b = Surrogate(ga), Surrogate(gb)
@@ -173,6 +179,12 @@ def build_surrogates(model, rank: int, calibration_tokens: jax.Array | None = No
   from moe_jax.moe import MoE  # pylint: disable=g-import-not-at-top
 
   layers = [b.ffn for b in model.blocks if isinstance(b.ffn, MoE)]
+  if calibration_tokens is not None:  # checked on the host: an id past the vocabulary embeds as NaN
+    from moe_jax import decode  # pylint: disable=g-import-not-at-top
+    ids = np.asarray(calibration_tokens)
+    if ids.ndim != 2 or 0 in ids.shape or not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"calibration_tokens must be a non-empty int [B, T] array, got {ids.dtype} {ids.shape}")
+    decode.check_token_ids(model.config, ids)
   inputs = moe_layer_inputs(model, calibration_tokens) if calibration_tokens is not None else [None] * len(layers)
   return [LowRankExperts(*_expert_arrays(m), rank=rank, calibration=x, dtype=dtype) for m, x in zip(layers, inputs)]
 

@@ -91,3 +91,22 @@ def test_memory_accounting_and_budget(tiny_config):
     surrogates.rank_for_budget(c.n_experts, c.d_model, c.expert_hidden, 2, budget_bytes=10)
   with pytest.raises(ValueError, match="rank=0"):
     surrogates.LowRankExperts(w, w, jnp.swapaxes(w, 1, 2), rank=0)
+
+
+def test_bad_calibration_is_named_not_turned_into_nan_factors(tiny_model):
+  """Before, an empty calibration (0/0 second moments) or one id past the vocabulary (a NaN embedding) gave NaN
+  factors in every layer, and NaN logits wherever a surrogate served, with no error."""
+  moe = next(b.ffn for b in tiny_model.blocks if hasattr(b.ffn, "w_gate"))
+  w = (moe.w_gate[...], moe.w_up[...], moe.w_down[...])
+  d = w[0].shape[1]
+  with pytest.raises(ValueError, match=rf"calibration must be \[n >= 1, D={d}\] layer inputs, got shape \(0, {d}\)"):
+    surrogates.LowRankExperts(*w, rank=4, calibration=jnp.zeros((0, d)))
+  with pytest.raises(ValueError, match="calibration holds non-finite values"):
+    surrogates.LowRankExperts(*w, rank=4, calibration=jnp.full((3, d), jnp.nan))
+  vocab = tiny_model.config.vocab_size
+  bad = np.zeros((2, 8), np.int32)
+  bad[0, 5] = vocab
+  with pytest.raises(ValueError, match=rf"token id {vocab} at tokens\[0, 5\] is outside the vocabulary"):
+    surrogates.build_surrogates(tiny_model, 4, bad)
+  with pytest.raises(ValueError, match=r"calibration_tokens must be a non-empty int \[B, T\] array"):
+    surrogates.build_surrogates(tiny_model, 4, np.zeros((2, 0), np.int32))
