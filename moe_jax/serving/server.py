@@ -56,8 +56,8 @@ class TextStream:
       held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
       text = text[:len(text) - held]
     if not text.startswith(self.sent):  # sent text cannot be taken back: say so instead of dropping the rest quietly
-      logging.warning("text stream: the decoded text no longer extends what was sent (%r, now %r); the rest is "
-                      "not streamed", self.sent[-40:], text[-40:])
+      logging.log_first_n(logging.WARNING, "text stream: the decoded text no longer extends what was sent (%r, now "
+                          "%r); the rest is not streamed", 10, self.sent[-40:], text[-40:])
       return "", hit >= 0
     new, self.sent = text[len(self.sent):], text
     return new, hit >= 0
