@@ -132,8 +132,12 @@ def _moe_index(model) -> dict[int, int]:
 
 def check_unbiased_router(model) -> None:
   """The router near-tie rule compares router logits, which rank experts as the selection does only without a
-  selection bias."""
+  selection bias, and the trace routes as `MoE` does (an LCVC layer's penalty and surrogates it would ignore)."""
+  from moe_jax.locality import LCVCMoE  # pylint: disable=g-import-not-at-top
   for i, b in enumerate(model.blocks):
+    if isinstance(b.ffn, LCVCMoE):
+      raise ValueError(f"block {i} is LCVC-routed; the near-tie trace re-routes with plain routing and would compare "
+                       "the engine against another model")
     if isinstance(b.ffn, MoE) and bool(jnp.any(b.ffn.router_bias[...] != 0)):
       raise ValueError(f"block {i} has a non-zero router selection bias; the near-tie rule assumes none")
 

@@ -92,3 +92,13 @@ def test_checker_rejects_divergences_away_from_ties(engine_run, alone, workload,
   assert [d["position"] for d in report["divergences"]] == [0, 2, 0]
   assert [d["kind"] for d in report["divergences"]] == [eq.UNEXPLAINED] * 3, report["divergences"]
   assert all(not f["reproduces"] for d in report["divergences"] for f in d["router_flips"])
+
+
+def test_models_the_trace_cannot_route_are_refused(tiny_model):
+  """The trace writes plain `MoE` routing out; an LCVC model was traced as if unrouted (its penalty and surrogates
+  ignored), so the 'alone' reference was another model."""
+  from moe_jax import locality  # pylint: disable=g-import-not-at-top
+  eq.check_unbiased_router(tiny_model)
+  routed = locality.with_lcvc(tiny_model, locality.LCVCConfig(n_nodes=2, penalty=1.0))
+  with pytest.raises(ValueError, match="block 0 is LCVC-routed"):
+    eq.check_unbiased_router(routed)
