@@ -15,9 +15,13 @@
                                    kernel; any other value through the "xla" route.
 
 On a backend other than GPU the kernels run in Pallas interpret mode (slow, exact): what the CPU tests exercise.
+Gradients through any of them are their XLA references' (`with_reference_gradient`).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -95,8 +99,39 @@ def pallas_gate_up_swiglu(x_sorted: jax.Array, w_gate_up, group_sizes: jax.Array
   return _ws_call(x_sorted, w_gate_up, group_sizes, swiglu=True)
 
 
-experts_lib.GROUPED_MATMULS["pallas"] = pallas_grouped_matmul
-experts_lib.GROUPED_MATMULS["pallas_fused"] = pallas_grouped_matmul
-experts_lib.FUSED_SWIGLU["pallas_fused"] = pallas_fused_swiglu
-experts_lib.GATE_UP_SWIGLU["pallas"] = pallas_gate_up_swiglu
-experts_lib.GATE_UP_SWIGLU["pallas_fused"] = pallas_gate_up_swiglu
+def with_reference_gradient(kernel: Callable[..., jax.Array], reference: Callable[..., jax.Array]):
+  """`kernel` forward, `reference`'s vector-Jacobian product backward (recomputed from the same arguments).
+
+  Pallas calls have no autodiff rule of their own (grad through one stopped in an AssertionError inside jax); the
+  kernels compute what their XLA references compute, so the references' gradients are theirs (for the lhs and any
+  float leaves of the weights; integer codes get float0). A forward-only call costs nothing extra.
+  """
+  @jax.custom_vjp
+  def call(*args):
+    return kernel(*args)
+
+  def fwd(*args):
+    return kernel(*args), args
+
+  def bwd(args, g):
+    out, vjp = jax.vjp(reference, *args)
+    return vjp(g.astype(out.dtype))
+
+  call.defvjp(fwd, bwd)
+  return functools.wraps(kernel)(call)
+
+
+def _swiglu_reference(x_sorted: jax.Array, w_gate, w_up, group_sizes: jax.Array) -> jax.Array:
+  g = experts_lib.GROUPED_MATMULS["xla"](x_sorted, w_gate, group_sizes)
+  u = experts_lib.GROUPED_MATMULS["xla"](x_sorted, w_up, group_sizes)
+  return (jax.nn.silu(g) * u).astype(x_sorted.dtype)
+
+
+grouped_matmul_kernel = with_reference_gradient(pallas_grouped_matmul, experts_lib.GROUPED_MATMULS["xla"])
+fused_swiglu_kernel = with_reference_gradient(pallas_fused_swiglu, _swiglu_reference)
+gate_up_swiglu_kernel = with_reference_gradient(pallas_gate_up_swiglu, experts_lib.GATE_UP_SWIGLU["xla"])
+experts_lib.GROUPED_MATMULS["pallas"] = grouped_matmul_kernel
+experts_lib.GROUPED_MATMULS["pallas_fused"] = grouped_matmul_kernel
+experts_lib.FUSED_SWIGLU["pallas_fused"] = fused_swiglu_kernel
+experts_lib.GATE_UP_SWIGLU["pallas"] = gate_up_swiglu_kernel
+experts_lib.GATE_UP_SWIGLU["pallas_fused"] = gate_up_swiglu_kernel

@@ -526,3 +526,23 @@ def test_quantizers_are_scale_invariant_over_float32s_range(mode):
     assert abs(rel(scale) - unit) <= 0.01 * unit, (scale, rel(scale), unit)
   zero = quant.quantize_weight(jnp.zeros_like(w), spec, calib)
   assert np.array_equal(np.asarray(zero.dequantize()), np.zeros(w.shape, np.float32))
+
+
+def test_gradients_through_the_pallas_routes_are_the_xla_routes():
+  """Before: an AssertionError inside jax's Pallas JVP rule (so no fine-tuning of the dense weights of a model whose
+  quantized experts ran through "pallas"). Now the kernels' backward is their XLA reference's."""
+  from moe_jax.quant import kernels  # pylint: disable=g-import-not-at-top
+  rs = np.random.RandomState(0)
+  e, k, n, m = 2, 128, 16, 8
+  wg, wu = (quant.quantize_int4(jnp.asarray(rs.randn(e, k, n) * 0.1, jnp.float32), group_size=128) for _ in "gu")
+  x = jnp.asarray(rs.randn(m, k), jnp.float32)
+  gs = jnp.array([5, 3], jnp.int32)
+  ct = jnp.asarray(rs.randn(m, n), jnp.float32)
+  loss = lambda f: lambda x: jnp.sum(f(x) * ct)  # noqa: E731
+  for f_kernel, f_xla in (
+      (lambda x: experts.grouped_matmul(x, wg, gs, implementation="pallas"),
+       lambda x: experts.grouped_matmul(x, wg, gs, implementation="xla")),
+      (lambda x: kernels.fused_swiglu_kernel(x, wg, wu, gs), lambda x: kernels._swiglu_reference(x, wg, wu, gs))):  # pylint: disable=protected-access
+    g_kernel, g_xla = jax.grad(loss(f_kernel))(x), jax.grad(loss(f_xla))(x)
+    np.testing.assert_allclose(g_kernel, g_xla, rtol=1e-5, atol=1e-6)
+    assert float(jnp.linalg.norm(g_xla)) > 1.0
