@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import ModelConfig
+from moe_jax.kv_cache import DenseKV, inference_only
 from moe_jax.layers import RMSNorm, normal_init, rope
 
 
@@ -58,5 +59,7 @@ class Attention(nnx.Module):
   def decode(self, x: jax.Array, positions: jax.Array, layer_cache):
     """x: [B, T, D] new tokens at positions [B, T] (contiguous, starting at the cached length)."""
     q, k, v = self.qkv(x, positions)
+    if not isinstance(layer_cache, DenseKV):  # a compressed cache: inference-only (kv_cache.inference_only)
+      q, k, v = inference_only(q), inference_only(k), inference_only(v)
     o, layer_cache = layer_cache.extend(q, k, v, positions[:, 0])
     return self.out(o), layer_cache

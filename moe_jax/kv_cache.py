@@ -8,6 +8,10 @@ serving engine can move a sequence between caches with one `tree_map`.
 
 Keys are stored after RoPE: q·k is then exact for any storage basis, and decode needs no re-rotation.
 Shape letters: B batch, T new tokens, S cache length, N query heads, K kv heads, G = N / K, H head dim.
+
+The compressed modes are for inference: what goes into them passes `inference_only`, whose gradient is an error
+naming the way out (differentiate with a dense cache). Before, a gradient through them was silently unrelated to
+the dense one (rounding has zero derivative, fp8 casts flushed the cotangents, OS-KVP's fit was differentiated).
 """
 
 from __future__ import annotations
@@ -18,6 +22,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+
+@jax.custom_vjp
+def inference_only(x: jax.Array) -> jax.Array:
+  """x unchanged; differentiating through it raises (see the module docstring)."""
+  return x
+
+
+def _inference_only_fwd(x):
+  return x, None
+
+
+def _inference_only_bwd(_, g):
+  del g
+  raise ValueError("a gradient reached a compressed KV cache (kv_cache= a mode of moe_jax.kv_quant): they are "
+                   "inference-only. Differentiate with kv_cache='fp32' or 'bf16', or stop_gradient what you store")
+
+
+inference_only.defvjp(_inference_only_fwd, _inference_only_bwd)
 
 
 @jax.jit

@@ -13,7 +13,7 @@ from flax import nnx
 
 from moe_jax.attention import Attention
 from moe_jax.config import ModelConfig
-from moe_jax.kv_cache import KVCache
+from moe_jax.kv_cache import DenseMode, KVCache, inference_only
 from moe_jax.layers import DenseMLP, RMSNorm, normal_init
 from moe_jax.moe import MoE
 
@@ -104,6 +104,8 @@ class Transformer(nnx.Module):
     # values reach the row's valid outputs through attention's 0 · NaN), the valid positions are unaffected.
     tokens = jnp.where(jnp.arange(tokens.shape[1])[None, :] < lengths[:, None], tokens, 0)
     logits, _, kvs = self.forward(tokens)
+    if not isinstance(mode, DenseMode):
+      kvs = [(inference_only(k), inference_only(v)) for k, v in kvs]
     layers = tuple(mode.from_prefill(k, v, lengths, cache_len, layer=i) for i, (k, v) in enumerate(kvs))
     return logits, KVCache(layers=layers, lengths=lengths.astype(jnp.int32), mode=mode_name)
 
