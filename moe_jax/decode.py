@@ -30,6 +30,8 @@ def _logits(model: Transformer, tokens: jax.Array) -> jax.Array:
 
 def logits(model: Transformer, tokens) -> jax.Array:
   """int32 [B, T] -> float32 logits [B, T, V] of a full causal pass (jitted; concrete token ids are checked first)."""
+  if not isinstance(tokens, jax.Array):  # nested lists as prefill takes them
+    tokens = np.asarray(tokens)
   check_logits_tokens(model.config, tokens)
   return _logits(model, jnp.asarray(tokens))
 

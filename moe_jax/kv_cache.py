@@ -129,6 +129,8 @@ class DenseMode:
     """k, v: [B, T, K, H] prefill keys/values (T <= cache_len) -> DenseKV with S = cache_len."""
     del lengths, layer  # positions >= lengths hold padding; attention masks them by length.
     b, t, kh, h = k.shape
+    if cache_len < t:  # (the compressed modes say the same; before, a jnp.pad error under jit)
+      raise ValueError(f"cache_len={cache_len} is shorter than the prefill length {t}")
     pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
     return DenseKV(k=jnp.pad(k.astype(self.dtype), pad), v=jnp.pad(v.astype(self.dtype), pad))
 

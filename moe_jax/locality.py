@@ -228,10 +228,11 @@ def with_lcvc(model, lcvc: LCVCConfig, surrogates: list[LowRankExperts] | None =
 
 
 def set_penalty(model, penalty: float, threshold: float | None = None):
-  """Sets λ (and optionally τ) of every LCVC layer in place; returns the model."""
-  if not penalty >= 0:
+  """Sets λ (and optionally τ) of every LCVC layer in place; returns the model. Under jit (a traced λ or τ, e.g. a
+  sweep that does not recompile) the range checks are left to the caller."""
+  if not isinstance(penalty, jax.core.Tracer) and not penalty >= 0:
     raise ValueError(f"penalty={penalty} must be >= 0")
-  if threshold is not None and not 0.0 <= threshold <= 1.0:
+  if threshold is not None and not isinstance(threshold, jax.core.Tracer) and not 0.0 <= threshold <= 1.0:
     raise ValueError(f"threshold={threshold} must be in [0, 1]")
   for layer in moe_layers(model):
     layer.penalty[...] = jnp.asarray(penalty, jnp.float32)

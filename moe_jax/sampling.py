@@ -58,11 +58,15 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
     temperature: f32 [B]; rows with 0 take the argmax.
     top_k: int32 [B]; 0 keeps all.
     top_p: f32 [B] in (0, 1].
+    (A scalar stands for every row.)
 
   Returns:
     int32 [B].
   """
   logits = logits.astype(jnp.float32)
+  b = logits.shape[0]
+  temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(a, t), (b,)) for a, t in
+                               ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32)))
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   order, candidates = sorted_candidates(logits, temperature, top_k, top_p)
   choice = jax.random.categorical(key, candidates, axis=-1)

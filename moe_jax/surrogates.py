@@ -114,7 +114,7 @@ class LowRankExperts(nnx.Module):
     if calibration is not None:  # before: an empty one gave 0/0 second moments and NaN factors, with no error
       if calibration.ndim != 2 or calibration.shape[0] < 1 or calibration.shape[1] != d:
         raise ValueError(f"calibration must be [n >= 1, D={d}] layer inputs, got shape {tuple(calibration.shape)}")
-      if not bool(jnp.isfinite(calibration).all()):
+      if not isinstance(calibration, jax.core.Tracer) and not bool(jnp.isfinite(calibration).all()):
         raise ValueError("calibration holds non-finite values (e.g. token ids outside the vocabulary upstream)")
     ga, gb, ua, ub, da, db = _factors(w_gate, w_up, w_down, calibration, rank=rank, dtype=dtype or w_gate.dtype)
     self.rank = rank

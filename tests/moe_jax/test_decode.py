@@ -300,3 +300,21 @@ def test_gradients_through_compressed_caches_are_refused_by_name(tiny_model):
   for mode in ("int8", "kivi2"):
     with pytest.raises(ValueError, match="a gradient reached a compressed KV cache .* inference-only"):
       nnx.grad(loss)(tiny_model, mode)
+
+
+def test_convenience_inputs_and_checks_under_jit(tiny_model):
+  """Lists for `logits` (as `prefill` takes them), scalar sampling parameters, and the dense cache's length check
+  under jit (before: a TypeError, an IndexError, and a jnp.pad error)."""
+  tokens = [[5, 6, 7, 8], [9, 10, 11, 12]]
+  np.testing.assert_array_equal(decode.logits(tiny_model, tokens), decode.logits(tiny_model, np.asarray(tokens)))
+  logits = jax.random.normal(jax.random.key(0), (3, 264))
+  key = jax.random.key(1)
+  want = sample(logits, key, jnp.full((3,), 0.7), jnp.full((3,), 5, jnp.int32), jnp.full((3,), 0.9))
+  np.testing.assert_array_equal(sample(logits, key, 0.7, 5, 0.9), want)
+
+  @jax.jit
+  def short(tokens):
+    return decode.prefill(tiny_model, tokens, jnp.array([4, 4]), kv_cache="bf16", cache_len=3)
+
+  with pytest.raises(ValueError, match="cache_len=3 is shorter than the prefill length 4"):
+    short(jnp.asarray(tokens, jnp.int32))

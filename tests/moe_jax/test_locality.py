@@ -179,3 +179,20 @@ def test_tune_thresholds_refuses_a_nan_step():
   model = locality.make_lcvc(decode.init_model(_TOY, seed=0), locality.LCVCConfig(n_nodes=2))
   with pytest.raises(ValueError, match="step=nan must be > 0"):
     locality.tune_thresholds(model, [np.zeros((2, 4), np.int32)], step=float("nan"))
+
+
+def test_set_penalty_takes_a_traced_value_under_jit(tiny_model):
+  """A λ sweep under nnx.jit (LCVCPenalty is a value so that it does not recompile): the range check needed a
+  concrete λ and raised TracerBoolConversionError."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  model = locality.with_lcvc(tiny_model, locality.LCVCConfig(n_nodes=2, penalty=0.0))
+
+  @nnx.jit
+  def set_and_read(model, lam):
+    locality.set_penalty(model, lam)
+    return model.blocks[0].ffn.penalty[...]
+
+  assert float(set_and_read(model, jnp.float32(0.25))) == 0.25
+  assert float(model.blocks[0].ffn.penalty[...]) == 0.25  # the update reached the model
+  with pytest.raises(ValueError, match="penalty=-1.0 must be >= 0"):
+    locality.set_penalty(model, -1.0)
