@@ -58,6 +58,27 @@ def _check_lcvc_nodes(model, n_nodes: int) -> None:
                        f"({n_nodes}): build the LCVC model for this mesh or a mesh with {lcvc.n_nodes} nodes")
 
 
+MOSAIC_KINDS = ("int4_mgpu", "int4_mgpu_gate_up", "vq2_mgpu")  # quantized experts read by Mosaic GPU kernels
+
+
+def _check_interpreted_mosaic(model, mesh: Mesh, layout: str) -> None:
+  """Refuses Mosaic GPU expert kernels in interpret mode inside a multi-device shard_map (off the GPU): the
+  interpreter's per-device barriers crash ("Barrier remains allocated") or hang with every device thread waiting."""
+  if layout != "ep" or mesh.size < 2 or mesh.devices.flat[0].platform == "gpu":
+    return
+  for i, block in enumerate(model.blocks):
+    ffn = block.ffn
+    if getattr(ffn, "implementation", "xla") not in ("pallas", "pallas_fused"):
+      continue
+    for name in ("w_gate", "w_up", "w_down"):
+      kind = getattr(getattr(ffn, name)[...], "kind", None) if hasattr(ffn, name) else None
+      if kind in MOSAIC_KINDS:
+        raise ValueError(f"blocks.{i}.ffn.{name} is {kind!r}, run by a Mosaic GPU kernel, which off the GPU runs in "
+                         f"interpret mode and cannot run on {mesh.size} {mesh.devices.flat[0].platform} devices "
+                         "inside shard_map: quant.set_implementation(model, 'xla'), keep the int4 / vq2 layout, or "
+                         "use layout='ep_tp'")
+
+
 # shard_map bodies: the model arrives as (graphdef, this device's block of its state).
 def _logits_body(graphdef, state, tokens):
   return nnx.merge(graphdef, state).forward(tokens)[0]
@@ -191,6 +212,7 @@ def shard(model, mesh: Mesh, *, layout: str = "ep", surrogate_decode: bool = Fal
   rules.spec((), layout)  # validates the layout name
   n, l = mesh.shape[NODE], mesh.shape[LOCAL]
   _check_lcvc_nodes(model, n)
+  _check_interpreted_mosaic(model, mesh, layout)
   if layout == "ep":
     prefill_model = _set_surrogates(with_dispatch(model, ExpertParallelDispatch(n, l, False, transport, capacity)),
                                     False)

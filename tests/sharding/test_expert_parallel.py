@@ -183,3 +183,16 @@ def test_ragged_transport_lowers_to_ragged_all_to_all():
     f_ = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(both),) * 6, out_specs=P(both), check_vma=False))
     text = f_.lower(*args).as_text()
     assert text.count("ragged_all_to_all") >= 3  # dispatch rows, their expert ids, and the combine
+
+
+def test_interpreted_mosaic_experts_are_refused_inside_a_multi_device_shard_map(model):
+  """Mosaic GPU expert kernels run in interpret mode off the GPU, whose per-device barriers crashed ("Barrier remains
+  allocated", 1x2) or hung with every device thread waiting (2x4) inside shard_map; now named at shard()."""
+  from moe_jax import quant  # pylint: disable=g-import-not-at-top
+  wide = decode.init_model(model.config.replace(d_model=128, expert_hidden=128), seed=0)  # the kernel's K, N tiles
+  mgpu = quant.to_mgpu_layout(quant.quantize_experts(wide, "int4"))
+  quant.set_implementation(mgpu, "pallas")
+  with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.w_gate is 'int4_mgpu', run by a Mosaic GPU kernel"):
+    runner.shard(mgpu, meshes.make_mesh(layout="1x2"))
+  quant.set_implementation(mgpu, "xla")
+  runner.shard(mgpu, meshes.make_mesh(layout="1x2"))  # the XLA route shards as before
