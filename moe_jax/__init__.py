@@ -32,3 +32,7 @@ def __getattr__(name):
   if name in _EXPORTS:
     return getattr(importlib.import_module(_EXPORTS[name]), name)
   raise AttributeError(f"module 'moe_jax' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))  # tab completion lists the lazy exports too
