@@ -6,6 +6,13 @@ from __future__ import annotations
 from sharding import expert_parallel, meshes
 
 
+def check_expert_nodes(f, layouts: list[tuple[int, int]], n_experts: int) -> None:
+  """Refuses, naming --layouts, a layout whose node count does not divide the model's experts."""
+  for n, _ in layouts:
+    if n_experts % n:
+      raise ValueError(f"layouts={f.layouts!r}: {n} nodes do not divide the model's {n_experts} experts")
+
+
 def check_flags(f, n_devices: int | None = None, n_experts: int | None = None) -> list[tuple[int, int]]:
   """The flags' layouts [(nodes, local)], after refusing, by name, settings that would fail (or time nothing) in
   every row of the sweep instead of before it; with `n_devices` / `n_experts`, also layouts larger than the devices
@@ -14,8 +21,8 @@ def check_flags(f, n_devices: int | None = None, n_experts: int | None = None) -
   for n, l in layouts:
     if n_devices is not None and n * l > n_devices:
       raise ValueError(f"layouts={f.layouts!r}: {n}x{l} needs {n * l} devices, {n_devices} present")
-    if n_experts is not None and n_experts % n:
-      raise ValueError(f"layouts={f.layouts!r}: {n} nodes do not divide the model's {n_experts} experts")
+  if n_experts is not None:
+    check_expert_nodes(f, layouts, n_experts)
   bad = [t for t in f.transports.split(",") if t not in expert_parallel.TRANSPORTS]
   if bad:
     raise ValueError(f"transports={f.transports!r}: {bad} not among {expert_parallel.TRANSPORTS}")

@@ -163,9 +163,9 @@ def payload_bytes(config, rate: float, batch: int) -> float:
 
 
 def run(f) -> dict:
-  experiment_flags.check_flags(f, n_devices=jax.device_count())
+  layouts = experiment_flags.check_flags(f, n_devices=jax.device_count())
   config, model, trained = load_model(f.config)
-  layouts = experiment_flags.check_flags(f, n_devices=jax.device_count(), n_experts=config.n_experts)
+  experiment_flags.check_expert_nodes(f, layouts, config.n_experts)
   windows, calib = token_data(config, n_windows=f.windows, context=f.context, n_calib=4, calib_len=f.context)
   quality = Quality(model, windows, f.prefix)
   rows, sweep = [], []

@@ -58,9 +58,6 @@ def _check_lcvc_nodes(model, n_nodes: int) -> None:
                        f"({n_nodes}): build the LCVC model for this mesh or a mesh with {lcvc.n_nodes} nodes")
 
 
-MOSAIC_KINDS = ("int4_mgpu", "int4_mgpu_gate_up", "vq2_mgpu")  # quantized experts read by Mosaic GPU kernels
-
-
 def _check_interpreted_mosaic(model, mesh: Mesh, layout: str) -> None:
   """Refuses Mosaic GPU expert kernels in interpret mode inside a multi-device shard_map (off the GPU): the
   interpreter's per-device barriers crash ("Barrier remains allocated") or hang with every device thread waiting."""
@@ -68,11 +65,12 @@ def _check_interpreted_mosaic(model, mesh: Mesh, layout: str) -> None:
     return
   for i, block in enumerate(model.blocks):
     ffn = block.ffn
-    if getattr(ffn, "implementation", "xla") not in ("pallas", "pallas_fused"):
+    if getattr(ffn, "implementation", "xla") not in ("pallas", "pallas_fused"):  # (only MoE layers have one)
       continue
+    from moe_jax.quant.formats import MGPU_KINDS  # pylint: disable=g-import-not-at-top
     for name in ("w_gate", "w_up", "w_down"):
-      kind = getattr(getattr(ffn, name)[...], "kind", None) if hasattr(ffn, name) else None
-      if kind in MOSAIC_KINDS:
+      kind = getattr(getattr(ffn, name)[...], "kind", None)
+      if kind in MGPU_KINDS:
         raise ValueError(f"blocks.{i}.ffn.{name} is {kind!r}, run by a Mosaic GPU kernel, which off the GPU runs in "
                          f"interpret mode and cannot run on {mesh.size} {mesh.devices.flat[0].platform} devices "
                          "inside shard_map: quant.set_implementation(model, 'xla'), keep the int4 / vq2 layout, or "
