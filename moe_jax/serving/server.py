@@ -12,12 +12,16 @@ request, streamed or not, at the token that completes it (the engine frees the s
 the stop string (as in OpenAI's API) and `usage.completion_tokens` counts the tokens generated up to and including
 that token. GET /v1/models lists the model. Errors: 400 invalid request (the engine's message), 429 queue full
 (back-pressure), 500 a request that failed (e.g. non-finite logits). The engine runs on its own thread; each HTTP
-request is served on its own thread and reads its request handle (`read_until_stop`).
+request is served on its own thread and reads its request handle (`read_until_stop`). A client that closes the
+connection before its completion ends, streamed or not, cancels the request (`DisconnectWatch`): the engine frees
+its slot at its next step instead of decoding on to max_tokens for nobody.
 """
 
 from __future__ import annotations
 
 import json
+import selectors
+import socket
 import threading
 import time
 import uuid
@@ -96,6 +100,77 @@ def read_until_stop(handle: RequestHandle, text: TextStream,
       break
   rest, stopped = text.delta(tokens, final=True)
   return tokens, rest, stopped
+
+
+class DisconnectWatch:
+  """Cancels a request when its HTTP client closes the connection before the request ends.
+
+  A thread waits for the connection's socket to turn readable while the request is served. The request's body has
+  been read by then, so a readable socket holds either the end of the stream or bytes the client sent after the body.
+  The thread peeks at one byte without consuming it: none (EOF) or a reset means the client closed the connection,
+  and the request is cancelled (the engine frees its slot at its next step; a queued request leaves the queue).
+  Bytes there are a pipelined next request on the keep-alive connection: an EOF behind them cannot be seen without
+  reading them, so the watch ends and the request runs to its end as before, its reply read by the handler's next
+  request. A client that only shuts down its write side after sending the request (a half-close, as `nc -N` does)
+  cannot be told from one that left: its request is cancelled too. HTTP clients keep their side open while they wait
+  for the reply.
+
+  Use as a context manager around the reading of the request; afterwards `disconnected` says whether the watch
+  cancelled it. The thread is not joined at the end of the `with` block (that would hold the reply back): it may
+  outlive the block by up to `poll_s`, only ever peeks at the socket, and cancels nothing once the block has ended.
+
+  Args:
+    sock: the connection's socket, the request's body already read from it.
+    handle: the request's handle.
+    poll_s: how often the thread looks whether the watch has ended; readiness of the socket wakes it at once.
+
+  Attributes:
+    disconnected: whether the client closed the connection and the request was cancelled.
+  """
+
+  def __init__(self, sock: socket.socket, handle: RequestHandle, poll_s: float = 1.0):
+    self.sock, self.handle, self.poll_s = sock, handle, poll_s
+    self.disconnected = False
+    self._ended = threading.Event()
+    self._lock = threading.Lock()  # the end of the block and a cancel do not interleave
+    self._thread = threading.Thread(target=self._watch, name="moe-jax-http-watch", daemon=True)
+
+  def __enter__(self) -> DisconnectWatch:
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    with self._lock:
+      self._ended.set()
+
+  def _peer_closed(self) -> bool | None:
+    """True: EOF or reset; False: bytes are waiting; None: nothing to read after all."""
+    try:
+      return not self.sock.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+    except BlockingIOError:
+      return None
+    except ConnectionError:
+      return True
+
+  def _watch(self) -> None:
+    try:
+      with selectors.DefaultSelector() as sel:  # not select.select: it refuses descriptors >= FD_SETSIZE (1024)
+        sel.register(self.sock, selectors.EVENT_READ)
+        while not self._ended.is_set() and not self.handle.done:
+          if not sel.select(self.poll_s) or self._ended.is_set():
+            continue
+          closed = self._peer_closed()
+          if closed is None:
+            continue
+          with self._lock:
+            if closed and not self._ended.is_set() and not self.handle.done:
+              self.disconnected = True
+              logging.info("request %r: the client closed the connection; cancelling the request after %d of %d "
+                           "tokens", self.handle.request_id, len(self.handle.tokens), self.handle.request.max_tokens)
+              self.handle.cancel()
+          return
+    except (OSError, ValueError):  # the socket was closed under the watch: the request has been answered
+      return
 
 
 def _parse(body: dict, tokenizer) -> dict:
@@ -190,9 +265,13 @@ def make_handler(engine: Engine, tokenizer, model_name: str):
 
       if not req["stream"]:
         try:
-          tokens, _, stopped = read_until_stop(handle, text)
+          with DisconnectWatch(self.connection, handle) as watch:
+            tokens, _, stopped = read_until_stop(handle, text)
         except RequestFailed as e:
           self._error(500, "request_failed", str(e))
+          return
+        if watch.disconnected:  # nobody to answer
+          self.close_connection = True
           return
         body = chunk(text.sent, "stop" if stopped else reason())
         body["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
@@ -211,7 +290,11 @@ def make_handler(engine: Engine, tokenizer, model_name: str):
 
       try:
         try:
-          _, rest, stopped = read_until_stop(handle, text, on_delta=send)
+          with DisconnectWatch(self.connection, handle) as watch:
+            _, rest, stopped = read_until_stop(handle, text, on_delta=send)
+          if watch.disconnected:
+            self.close_connection = True
+            return
           final = chunk(rest, "stop" if stopped or handle.cancelled else reason())
           self.wfile.write(f"data: {json.dumps(final)}\n\n".encode())
         except RequestFailed as e:
@@ -220,7 +303,10 @@ def make_handler(engine: Engine, tokenizer, model_name: str):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
       except (BrokenPipeError, ConnectionResetError):
-        handle.cancel()  # the client went away: free the slot
+        if not (handle.done or handle.cancelled):  # the client went away: free the slot
+          logging.info("request %r: the client closed the stream; cancelling the request after %d of %d tokens",
+                       handle.request_id, len(handle.tokens), handle.request.max_tokens)
+          handle.cancel()
       self.close_connection = True
 
   return Handler

@@ -3,6 +3,8 @@
 import http.client
 import json
 import os
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -190,6 +192,98 @@ def test_read_until_stop_cancels_the_request_at_the_completing_token(tiny_model)
   assert handle.status == "cancelled" and engine.num_active == 0 and not engine.has_work()
   assert handle.tokens[:n] == tokens and len(handle.tokens) <= n + 1  # the engine stopped at the stop string
   assert engine.stats.decode_steps - steps_before <= n and engine.stats.cancelled == 1
+
+
+def _send_completion(sock, body):
+  """Writes one completion request on a raw socket; its reply is left unread."""
+  data = json.dumps(body).encode()
+  sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+
+
+def _poll(condition, timeout=30.0) -> bool:
+  """Whether `condition()` became true within `timeout` seconds (checked every 10 ms)."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.01)
+  return True
+
+
+def _hold_engine(engine, monkeypatch, held):
+  """Records the handles the server submits; the engine's thread skips its steps while `held(first handle)`."""
+  handles, submit, step = [], engine.submit, engine.step
+
+  def recording_submit(*args, **kwargs):
+    handles.append(submit(*args, **kwargs))
+    return handles[-1]
+
+  def held_step():
+    if handles and held(handles[0]):
+      time.sleep(0.01)
+      return True
+    return step()
+
+  monkeypatch.setattr(engine, "submit", recording_submit)
+  monkeypatch.setattr(engine, "step", held_step)
+  return handles
+
+
+@pytest.mark.parametrize("stream, leave", [(False, "close"), (True, "close"), (False, "half-close")])
+def test_a_client_that_leaves_cancels_its_request(server, monkeypatch, stream, leave):
+  """Before, a non-streamed request whose client had closed the connection decoded on to max_tokens in its slot, and
+  a streamed one was cancelled only when a write of its text failed, never while no text came (queued, or held as
+  here). The engine is held once the request has `pause` tokens until the request is cancelled, so it can only end
+  by the cancellation, at exactly `pause` of max_tokens=24 tokens ("print(" runs to 24 without EOS). A half-close
+  (the client shuts down only its write side) cannot be told from a close: it cancels too (see `DisconnectWatch`)."""
+  engine, url = server
+  pause, max_tokens = 4, 24
+  handles = _hold_engine(engine, monkeypatch, lambda h: len(h.tokens) >= pause and not h.cancelled)
+  sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60)
+  _send_completion(sock, {"prompt": "print(", "max_tokens": max_tokens, "stream": stream})
+  assert _poll(lambda: handles and len(handles[0].tokens) >= pause), "the request did not start"
+  if leave == "close":
+    sock.close()  # streamed: the reply's headers lie unread, so the close sends a reset; non-streamed: an EOF
+  else:
+    sock.shutdown(socket.SHUT_WR)
+  h = handles[0]
+  assert _poll(lambda: h.done), f"the request went on after its client left ({len(h.tokens)} tokens, {h.status})"
+  assert (h.status, h.finish_reason, len(h.tokens)) == ("cancelled", "cancelled", pause)
+  assert _poll(lambda: engine.num_active == 0 and engine.num_queued == 0)
+  sock.close()
+  monkeypatch.undo()
+  assert post(url, {"prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+def test_a_pipelined_request_is_not_taken_for_a_disconnect(server, monkeypatch):
+  """Bytes of a next request arriving on the keep-alive connection while a request runs wake the disconnect watch:
+  it peeks at them without consuming them and ends; the running request finishes and both are answered in order."""
+  engine, url = server
+  watching = lambda: any(t.name == "moe-jax-http-watch" and t.is_alive() for t in threading.enumerate())  # noqa: E731
+  assert _poll(lambda: not watching()), "earlier requests' watches did not end"  # within their poll_s
+  release = threading.Event()
+  handles = _hold_engine(engine, monkeypatch, lambda h: len(h.tokens) >= 2 and not release.is_set())
+  sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60)
+  body = {"prompt": "print(", "max_tokens": 8}
+  _send_completion(sock, body)
+  assert _poll(lambda: handles and len(handles[0].tokens) >= 2 and watching()), "the request did not start"
+  _send_completion(sock, body)  # pipelined: read by the server only after the first reply
+  assert _poll(lambda: not watching()), "the watch did not end on the pipelined bytes"
+  assert not handles[0].cancelled
+  release.set()
+  replies = sock.makefile("rb")
+  for _ in range(2):
+    status = replies.readline()
+    headers = {}
+    while (line := replies.readline()) != b"\r\n":
+      name, value = line.decode().split(":", 1)
+      headers[name.strip().lower()] = value.strip()
+    out = json.loads(replies.read(int(headers["content-length"])))
+    assert status.startswith(b"HTTP/1.1 200"), (status, out)
+    assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["finish_reason"] == "length"
+  assert len(handles) == 2 and [h.status for h in handles] == ["finished", "finished"]
+  sock.close()
 
 
 class _Tokens:
