@@ -4,7 +4,9 @@ in the paper) with group size 32, and a full-precision residual window of the mo
 
 Keys: for each channel, each group of 32 consecutive tokens shares (scale, zero) = ((max - min)/3, min);
 values: for each token, each group of 32 consecutive channels shares them. code = round((x - zero)/scale) in [0, 3],
-x_hat = code·scale + zero. Codes are packed 4 per byte with `oskvp.pack2`. The window is flushed in blocks of R
+x_hat = code·scale + zero; a group holding a non-finite value gets a NaN scale, so NaN written into the cache comes
+back NaN as from the bf16 cache (XLA's CPU min/max drop NaN and the codes are clipped: before, it came back finite).
+Codes are packed 4 per byte with `oskvp.pack2`. The window is flushed in blocks of R
 tokens (R a multiple of 32, so key groups never straddle a flush), with the same prefill split as OS-KVP:
 n_comp = R·floor((len - 1)/R).
 
@@ -34,10 +36,12 @@ F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 def _asym(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """2-bit asymmetric quantization along `axis` -> (codes uint8 like x, scale f16, zero f16 with axis removed)."""
+  """2-bit asymmetric quantization along `axis` -> (codes uint8 like x, scale f16, zero f16 with axis removed); scale
+  is NaN for a group with a non-finite value."""
   lo, hi = jnp.min(x, axis=axis), jnp.max(x, axis=axis)
-  # Clipped to float16's range: beyond it (|x| > 65504) values saturate instead of turning into inf and NaN.
+  # Clipped to float16's range: beyond it (|x| > 65504) finite values saturate instead of turning into inf and NaN.
   scale = jnp.minimum(jnp.maximum(hi - lo, 1e-6 * jnp.maximum(jnp.abs(lo), jnp.abs(hi)) + 1e-30) / 3, F16_MAX)
+  scale = jnp.where(jnp.all(jnp.isfinite(x), axis=axis), scale, jnp.nan)
   scale, zero = scale.astype(jnp.float16), jnp.clip(lo, -F16_MAX, F16_MAX).astype(jnp.float16)
   s, z = jnp.expand_dims(scale.astype(jnp.float32), axis), jnp.expand_dims(zero.astype(jnp.float32), axis)
   codes = jnp.clip(jnp.round((x - z) / s), 0, 3).astype(jnp.uint8)

@@ -1,7 +1,9 @@
 """Per-token scaled 8-bit KV caches: `kv_cache="fp8"` (float8 e4m3) and `kv_cache="int8"` (symmetric int8).
 
 Each token and kv head stores its H channels in 8 bits and one f32 scale: scale = amax_h |x_h| / qmax with
-qmax = 448 (e4m3) or 127 (int8), floored so an all-zero token stays zero. Decode dequantizes the cache and runs the
+qmax = 448 (e4m3) or 127 (int8), floored so an all-zero token stays zero; a token with a non-finite channel gets a
+NaN scale, so NaN written into the cache comes back NaN as from the bf16 cache (XLA's CPU max drops NaN, and int8
+rounding maps it to 0: before, such a token came back finite and hid the NaN). Decode dequantizes the cache and runs the
 dense masked attention of `moe_jax.kv_cache`, or, with implementation="pallas" and one new token per step, the
 split-K kernel `pallas_kernels/per_token_decode_attention.py` on the 8-bit cache itself (interpret mode off the GPU;
 not the default: slower than this XLA path on the H200, `benchmarks/results/quantized_cache_decode.md`).
@@ -24,10 +26,11 @@ _QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def quantize_per_token(x: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
-  """x [..., H] -> (q [..., H] in dtype, scale f32 [...])."""
+  """x [..., H] -> (q [..., H] in dtype, scale f32 [...]); scale is NaN where a token has a non-finite entry."""
   qmax = _QMAX[dtype]
   x = x.astype(jnp.float32)
   scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), 1e-30) / qmax
+  scale = jnp.where(jnp.all(jnp.isfinite(x), axis=-1), scale, jnp.nan)
   y = jnp.clip(x / scale[..., None], -qmax, qmax)
   if dtype == "int8":
     y = jnp.round(y)

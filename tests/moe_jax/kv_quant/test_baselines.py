@@ -122,3 +122,22 @@ def test_kivi_names_a_head_dim_its_value_groups_do_not_divide():
   k = jnp.zeros((1, 4, 1, 48))
   with pytest.raises(ValueError, match="head_dim=48 must be a multiple of 4 .* of the value group size 32"):
     KIVIMode(window=32).from_prefill(k, k, jnp.array([4]), 32, layer=0)  # before: a reshape TypeError
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("name", ["fp8", "int8", "kivi2"])
+def test_prefill_nan_comes_back_nan_like_the_bf16_cache(name, impl):
+  """A NaN key or value written at prefill (row 0, kv head 0, token 3, in KIVI's compressed part) makes that kv
+  head's decode output NaN, as the bf16 cache's does, and leaves the other heads and rows finite. Before, the int8
+  and KIVI quantizers turned it into finite numbers (XLA's CPU max/min drop NaN, rounding and clipping do the rest)
+  and a NaN-producing model looked fine under them."""
+  k, v, new, q = _normals(7, ((B, 40, K, H),) * 2 + ((B, 1, K, H), (B, 1, 2 * K, H)))
+  lengths = jnp.array([40, 40])
+  mode = (KIVIMode(window=32, implementation=impl) if name == "kivi2"
+          else per_token.PerTokenMode(get_kv_cache_mode(name).dtype, implementation=impl))
+  prefill = jax.jit(lambda k, v: mode.from_prefill(k, v, lengths, 64, layer=0))
+  step = jax.jit(lambda c, q, kk, vv: c.extend(q, kk, vv, lengths))
+  for kk, vv in ((k.at[0, 3, 0, 5].set(jnp.nan), v), (k, v.at[0, 3, 0, 5].set(jnp.nan))):
+    o, _ = step(prefill(kk, vv), q, new, new)
+    nan = np.isnan(np.asarray(o, np.float32)).any(-1)[:, 0]  # [B, N]
+    np.testing.assert_array_equal(nan, [[True, True, False, False], [False] * 4])
