@@ -22,7 +22,8 @@ Degenerate calibration data (see `fit`): non-finite rows are left out of the sta
 ValueError for them); with fewer than `min_samples` (default H) usable rows U falls back to the permutation that sorts
 the channels by variance (still orthogonal, no eigenvectors estimated from a rank-deficient covariance) and the
 codebooks stay at the Gaussian-optimal levels of the (floored) channel std, without Lloyd iterations; constant
-channels get a std floor so no level collapses to a NaN. All of it is traceable (per-sequence fitting at prefill).
+channels get a std floor so no level collapses to a NaN; a flat head (all rows equal, e.g. all zero) takes the same
+fallback with equally spaced levels that include its value and a spread borrowed from `ref_rms`. All of it is traceable (per-sequence fitting at prefill).
 Shapes: T tokens, N calibration rows, H head dim, O outlier channels, L levels.
 """
 
@@ -233,7 +234,7 @@ def _sign_fix(u: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric", "uniform"))
 def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int = 2,
         n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None, symmetric: bool = False,
-        uniform: bool = False) -> OSKVPParams:
+        uniform: bool = False, ref_rms: jax.Array | None = None) -> OSKVPParams:
   """Traceable calibration of one head (used per sequence at prefill, through vmap).
 
   Args:
@@ -246,9 +247,17 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
     uniform: fit equally spaced 2-bit codebooks, levels centre + step·(-1.5, -0.5, 0.5, 1.5) (`uniform_lloyd`):
       cb[c] = cb0 + step·c, so a decode kernel can use the codes themselves as the int8 tensor-core operand (one
       plane type). Uniform codebooks are also symmetric. Within 1.1% of Lloyd-Max's error on Gaussian channels.
+    ref_rms: f32 scalar, the magnitude to assume for a flat x (two or more usable rows, all equal: constant tokens,
+      or any number of all-zero rows: a head of a zero-initialised or pruned projection), whose rows give no
+      spread; default 1. The caller
+      passes the root-mean-square magnitude of the layer's other heads (`OSKVPMode.fit`).
 
   Returns:
-    OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics.
+    OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics. A flat x gets
+    the permutation U and equally spaced levels mean + d·(1 - L/2, ..., L/2) (so the rows themselves are coded
+    exactly; 0 is a level for an all-zero head) with d = max(rms of the rows, ref_rms) times the Gaussian levels'
+    spacing, and the short-prompt fp8 range (before: levels ~1e-10 apart and fp8 scales ~1e-33, so every later,
+    non-zero token was stored as ~0).
   """
   n, h = x.shape
   n_levels = 2**bits
@@ -270,7 +279,11 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   u_eig = _sign_fix(evecs[:, ::-1])
   perm = jnp.argsort(-jnp.diag(cov), stable=True)
   u_perm = jnp.eye(h, dtype=jnp.float32)[:, perm]
-  enough = count >= min_samples
+  # No spread at all (to float rounding of the mean): nothing to fit a basis or levels to, however many rows. A single
+  # non-zero row keeps the short-prompt fallback below (Gaussian levels of its magnitude code later rows better).
+  sq_mean = jnp.sum(mean * mean)
+  flat = (jnp.trace(cov) <= 1e-10 * sq_mean) & ((count > 1.5) | (sq_mean == 0))
+  enough = (count >= min_samples) & ~flat
   u = jnp.where(enough & jnp.all(jnp.isfinite(u_eig)), u_eig, u_perm)
 
   xr = x @ u  # [N, H]
@@ -296,12 +309,17 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   else:
     levels, _ = lloyd_max(xr, w, init, n_iters)
   levels = jnp.where(enough, levels, init)
+  ref = jnp.maximum(rms, 0.0 if ref_rms is None else jnp.asarray(ref_rms, jnp.float32))
+  ref = jnp.where(ref > 1e-30, ref, 1.0)
+  spacing = ref * (g[-1] - g[0]) / (n_levels - 1)
+  grid = mean_r[:, None] + spacing * (jnp.arange(n_levels, dtype=jnp.float32) + 1 - n_levels // 2)[None, :]
+  levels = jnp.where(flat, grid, levels)
   is_outlier = jnp.arange(h) < n_outlier
   codebook = jnp.where(is_outlier[:, None], 0.0, levels)
 
   amax = jnp.max(jnp.abs(xr[:, :n_outlier]) * (w > 0)[:, None], axis=0, initial=0.0)  # [O]
   floor = 1e-6 * jnp.max(amax, initial=0.0) + 1e-30
-  floor = jnp.where(enough, floor, jnp.maximum(floor, FALLBACK_OUTLIER_RANGE * rms))
+  floor = jnp.where(enough, floor, jnp.maximum(floor, FALLBACK_OUTLIER_RANGE * jnp.where(flat, ref, rms)))
   scale = jnp.maximum(amax * HEADROOM, floor) / FP8_MAX
   return OSKVPParams(u=u, scale=scale, codebook=codebook)
 

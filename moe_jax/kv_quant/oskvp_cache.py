@@ -305,6 +305,8 @@ class OSKVPMode:
     """x [B, T, K, H], lengths [B] -> OSKVPParams with leading [B, K] (padding positions masked).
 
     rope_span > 0 (keys): fit on RoPE-shifted copies covering shifts [0, rope_span) (see the class docstring).
+    A head whose prefill tokens are all equal (all zero: a zero-initialised or pruned projection) is fitted with the
+    sequence's root-mean-square magnitude over all heads as its spread (`oskvp.fit`'s ref_rms).
     """
     b, t, kh, h = x.shape
     oskvp.check_head_dim(h, self.bits, self.outlier_fraction)
@@ -321,11 +323,16 @@ class OSKVPMode:
       deltas = [m * rope_span // shifts for m in range(shifts)]
       x = jnp.concatenate([rope(x, jnp.full((b, t), d, jnp.int32), self.rope_theta) for d in deltas], axis=1)
       w = jnp.tile(w, (1, shifts))
+    # A flat head (e.g. all zero at prefill) borrows the magnitude of the sequence's other heads for the tokens
+    # decoded later (`oskvp.fit`'s ref_rms): root mean square over the valid, finite values of all heads.
+    xf = x.astype(jnp.float32)
+    ok = jnp.isfinite(xf) & (w[:, :, None, None] > 0)
+    ref_rms = jnp.sqrt(jnp.sum(jnp.where(ok, xf * xf, 0.0), axis=(1, 2, 3)) / jnp.maximum(jnp.sum(ok, (1, 2, 3)), 1))
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
-    fit = lambda xs, ws: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits,
-                                   n_iters=self.n_iters, min_samples=h * shifts, symmetric=self.symmetric,
-                                   uniform=self.uniform)
-    return jax.vmap(jax.vmap(fit, in_axes=(0, None)))(jnp.swapaxes(x, 1, 2), w)
+    fit = lambda xs, ws, ref: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction),
+                                        bits=self.bits, n_iters=self.n_iters, min_samples=h * shifts,
+                                        symmetric=self.symmetric, uniform=self.uniform, ref_rms=ref)
+    return jax.vmap(jax.vmap(fit, in_axes=(0, None, None)))(jnp.swapaxes(x, 1, 2), w, ref_rms)
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
     """k, v: [B, T, K, H] prefill keys (post-RoPE) / values -> OSKVPLayerCache with S = cache_len."""

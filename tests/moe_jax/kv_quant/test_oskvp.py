@@ -220,6 +220,25 @@ def test_a_fallback_fitted_on_one_or_two_rows_still_codes_later_rows(rows):
   assert float(jnp.linalg.norm(xh - x) / jnp.linalg.norm(x)) < 0.6
 
 
+@pytest.mark.parametrize("rows,value", [(256, 0.0), (1, 0.0), (256, 0.7), (3, -1.2)])
+def test_a_flat_head_codes_its_rows_exactly_and_later_rows_at_the_borrowed_spread(rows, value):
+  """Rows all equal (an all-zero head of a zero-initialised or pruned projection, or constant tokens): finite params,
+  the rows themselves come back (zeros exactly, others to fp8 precision, 2^-4 of the value, in the outlier channels),
+  and later rows of magnitude ref_rms = 3 come back with
+  a relative error below 0.6, the short-prompt fallback's bound (before: 1.0, levels ~1e-10 apart and fp8 scales
+  ~1e-33 coded every later row to the seen value)."""
+  x = jnp.full((rows, 32), value)
+  later = 3.0 * jax.random.normal(jax.random.PRNGKey(1), (256, 32))
+  for bits, kw in ((2, {}), (3, {}), (2, {"symmetric": True}), (2, {"uniform": True})):
+    p = oskvp.fit(x, None, n_outlier=8, bits=bits, ref_rms=jnp.float32(3.0), **kw)
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(p))
+    np.testing.assert_allclose(oskvp.dequantize(oskvp.quantize(x, p), p), x, atol=2**-4 * abs(value) + 1e-6)
+    xh = oskvp.dequantize(oskvp.quantize(later, p), p)
+    assert float(jnp.linalg.norm(xh - later) / jnp.linalg.norm(later)) < 0.6, (bits, kw)
+    if bits == 2 and kw:  # the symmetric and uniform families keep their form
+      assert oskvp.symmetric_codebooks(p.codebook)
+
+
 def test_degenerate_non_finite():
   x = planted(jax.random.PRNGKey(8), 256, 32)
   with pytest.raises(ValueError, match="non-finite"):
