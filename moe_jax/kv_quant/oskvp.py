@@ -23,7 +23,8 @@ ValueError for them); with fewer than `min_samples` (default H) usable rows U fa
 the channels by variance (still orthogonal, no eigenvectors estimated from a rank-deficient covariance) and the
 codebooks stay at the Gaussian-optimal levels of the (floored) channel std, without Lloyd iterations; constant
 channels get a std floor so no level collapses to a NaN; a flat head (all rows equal, e.g. all zero) takes the same
-fallback with equally spaced levels that include its value and a spread borrowed from `ref_rms`. All of it is traceable (per-sequence fitting at prefill).
+fallback with equally spaced levels that include its value and a spread borrowed from `ref_rms`. All of it is
+traceable (per-sequence fitting at prefill).
 Shapes: T tokens, N calibration rows, H head dim, O outlier channels, L levels.
 """
 
