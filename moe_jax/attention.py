@@ -14,6 +14,33 @@ from moe_jax.kv_cache import DenseKV, inference_only
 from moe_jax.layers import RMSNorm, normal_init, rope
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """`jax.nn.dot_product_attention(q, k, v, is_causal=True)`, float16 included on the CPU.
+
+  For float16, jax's XLA path asks dot_general for the `F16_F16_F32` algorithm, which the XLA CPU backend refuses at
+  lowering ("not supported by dot_general on CPU"; jax's fallback only catches errors at trace time). On the CPU,
+  and for float16 alone, the attention therefore runs in float32 and the result is cast back. float32 and bfloat16
+  lower exactly the call they did before; float16 on other platforms lowers that call inside a `case` of constant
+  index (`lax.platform_dependent`, resolved at lowering), which XLA's conditional simplifier inlines.
+
+  Args:
+    q: [B, T, N, H].
+    k, v: [B, T, K, H], same dtype as q.
+
+  Returns:
+    [B, T, N, H] in q's dtype.
+  """
+  if q.dtype != jnp.float16:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+  def in_float32(q, k, v):
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    return jax.nn.dot_product_attention(*f32, is_causal=True).astype(q.dtype)
+
+  return jax.lax.platform_dependent(q, k, v, cpu=in_float32,
+                                    default=lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+
 class Attention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -53,8 +80,7 @@ class Attention(nnx.Module):
     Right padding needs no extra mask: a valid query t < length only sees keys <= t, all of them valid.
     """
     q, k, v = self.qkv(x, positions)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return self.out(o), (k, v)
+    return self.out(causal_attention(q, k, v)), (k, v)
 
   def decode(self, x: jax.Array, positions: jax.Array, layer_cache):
     """x: [B, T, D] new tokens at positions [B, T] (contiguous, starting at the cached length)."""

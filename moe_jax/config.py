@@ -42,7 +42,8 @@ class ModelConfig:
     rope_theta: RoPE base.
     rms_eps: RMSNorm epsilon.
     max_seq_len: longest sequence the model supports (prompt + generation).
-    param_dtype: dtype the weights are stored in.
+    param_dtype: dtype the weights are stored in: float32, bfloat16 or float16 (on the CPU, float16 attention
+      computes in float32: `attention.causal_attention`).
   """
 
   name: str = "custom"
