@@ -77,6 +77,22 @@ def _check_interpreted_mosaic(model, mesh: Mesh, layout: str) -> None:
                          "use layout='ep_tp'")
 
 
+def _check_interpreted_mosaic_cache(cache, mesh: Mesh, layout: str, n_heads: int) -> None:
+  """Refuses a KV cache whose decode attention runs the Mosaic GPU core (`kv_cache="oskvp_uniform"` with
+  implementation="pallas", `OSKVPLayerCache.runs_mosaic_core`) in interpret mode inside a multi-device shard_map
+  (off the GPU): the interpreter crashed there as with the experts ("Barrier remains allocated", 2x4). `cache`: a
+  `KVCache`, concrete or abstract."""
+  if layout != "ep" or mesh.size < 2 or mesh.devices.flat[0].platform == "gpu":
+    return
+  for i, layer in enumerate(cache.layers):
+    runs_mosaic_core = getattr(layer, "runs_mosaic_core", None)
+    if runs_mosaic_core is not None and runs_mosaic_core(n_heads):
+      raise ValueError(f"kv_cache={cache.mode!r} decodes layer {i} through the Mosaic GPU core "
+                       f"(implementation={layer.implementation!r}), which off the GPU runs in interpret mode and "
+                       f"cannot run on {mesh.size} {mesh.devices.flat[0].platform} devices inside shard_map: use "
+                       "the mode with implementation='xla' (or 'auto'), or layout='ep_tp'")
+
+
 # shard_map bodies: the model arrives as (graphdef, this device's block of its state).
 def _logits_body(graphdef, state, tokens):
   return nnx.merge(graphdef, state).forward(tokens)[0]
@@ -150,7 +166,7 @@ class ShardedModel:
     if key not in self._cache:
       body = functools.partial(_prefill_body, self.prefill_def, kv_cache=kv_cache, cache_len=cache_len)
       if self.layout == "ep":
-        cache_spec = _cache_spec_like(self, tokens, lengths, kv_cache, cache_len)
+        cache_spec = _cache_spec_like(self, tokens, lengths, kv_cache, cache_len)  # (checks the cache's kernels)
         body = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs, P(b, None), P(b)),
                              out_specs=(P(b, None, None), cache_spec), check_vma=False)
       self._cache[key] = jax.jit(body)
@@ -164,6 +180,7 @@ class ShardedModel:
     if key not in self._cache:
       body = functools.partial(_decode_body, self.decode_def)
       if self.layout == "ep":
+        _check_interpreted_mosaic_cache(cache, self.mesh, self.layout, self.config.n_heads)
         cs = rules.cache_specs(cache, self.layout)
         body = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs, cs, P(b)), out_specs=(P(b, None), cs),
                              check_vma=False)
@@ -185,12 +202,14 @@ class ShardedModel:
 
 
 def _cache_spec_like(sm: ShardedModel, tokens, lengths, kv_cache, cache_len):
-  """Cache PartitionSpecs from the abstract shape of a local (unsharded) prefill."""
+  """Cache PartitionSpecs from the abstract shape of a local (unsharded) prefill, after checking that the cache's
+  decode attention can run inside shard_map (`_check_interpreted_mosaic_cache`: refused before any prefill)."""
   del lengths
   model = nnx.merge(sm.prefill_def, sm.state)
   tokens = jnp.asarray(tokens, jnp.int32)
   shape = jax.eval_shape(lambda m, t, l: _prefill_body(*nnx.split(m), t, l, kv_cache=kv_cache, cache_len=cache_len)[1],
                          with_dispatch(model, LocalDispatch()), tokens, jnp.ones(tokens.shape[:1], jnp.int32))
+  _check_interpreted_mosaic_cache(shape, sm.mesh, sm.layout, sm.config.n_heads)
   return rules.cache_specs(shape, sm.layout)
 
 

@@ -122,22 +122,35 @@ class OSKVPLayerCache:
                           n_res=cache.n_res + 1)
     return cache._attend(q), cache
 
+  def _implementation(self) -> str:
+    """The decode-attention implementation: "auto" is "pallas" on the GPU, "xla" elsewhere."""
+    if self.implementation == "auto":
+      return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return self.implementation
+
+  def runs_mosaic_core(self, n_heads: int) -> bool:
+    """Whether decode attention with `n_heads` query heads runs the fused Mosaic GPU core (`_attend`): a
+    values_contiguous cache decoded by "pallas" on a Hopper GPU, or off the GPU in Mosaic GPU's interpreter, at
+    shapes `oskvp_uniform_codes.mosaic_tiling` takes. Reads static shapes only (abstract caches too)."""
+    if not (self.values_contiguous and self._implementation() == "pallas" and self.hi_v is None):
+      return False
+    # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
+    from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
+    from pallas_kernels import hopper  # pylint: disable=g-import-not-at-top
+    k_heads, head_dim = self.kv_shape
+    return hopper.mosaic_gpu_runs() and uc.mosaic_tiling(self.max_len, head_dim, n_heads // k_heads,
+                                                         self.outl_k.shape[-1]) is not None
+
   def _attend(self, q: jax.Array) -> jax.Array:
-    """q [B, N, H] -> o [B, N, H] over the stored tokens: the Mosaic GPU core for a values_contiguous cache on a
-    Hopper GPU (or the CPU interpreter) where it applies (`oskvp_uniform_codes.mosaic_tiling`), else
+    """q [B, N, H] -> o [B, N, H] over the stored tokens: the Mosaic GPU core where `runs_mosaic_core`, else
     `oskvp_decode_attention`."""
-    impl = self.implementation
-    if impl == "auto":
-      impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if self.values_contiguous and impl == "pallas" and self.hi_v is None:
-      # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
+    impl = self._implementation()
+    if self.runs_mosaic_core(q.shape[1]):
       from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
-      from pallas_kernels import hopper  # pylint: disable=g-import-not-at-top
-      if hopper.mosaic_gpu_runs() and uc.mosaic_tiling(self.max_len, q.shape[-1], q.shape[1] // self.codes_k.shape[1],
-                                                       self.outl_k.shape[-1]) is not None:
-        return uc.uniform_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, self.codes_v,
-                                           self.outl_v, self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k,
-                                           self.res_v, self.n_comp, self.n_res)
+      return uc.uniform_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, self.codes_v,
+                                         self.outl_v, self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k,
+                                         self.res_v, self.n_comp, self.n_res,
+                                         interpret=jax.default_backend() != "gpu")  # the CPU: Mosaic's interpreter
     codes_v, outl_v = self.value_store()
     return oskvp_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, codes_v, outl_v,
                                   self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k, self.res_v, self.n_comp,

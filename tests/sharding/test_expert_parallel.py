@@ -196,3 +196,30 @@ def test_interpreted_mosaic_experts_are_refused_inside_a_multi_device_shard_map(
     runner.shard(mgpu, meshes.make_mesh(layout="1x2"))
   quant.set_implementation(mgpu, "xla")
   runner.shard(mgpu, meshes.make_mesh(layout="1x2"))  # the XLA route shards as before
+
+
+def test_interpreted_mosaic_kv_cache_is_refused_inside_a_multi_device_shard_map(model, tokens):
+  """kv_cache="oskvp_uniform" with implementation="pallas" decodes through the Mosaic GPU OS-KVP core, in interpret
+  mode off the GPU. Inside the "ep" shard_map on 2x4 its decode step crashed deep in the interpreter ("Barrier remains
+  allocated", 27 s in) while the XLA implementation matched the unsharded model (1.4e-6) and layout="ep_tp" ran the
+  interpreted core (1.3e-6); now sharded prefill and decode_step name the cache mode before anything compiles."""
+  from moe_jax.kv_cache import register_kv_cache_mode  # pylint: disable=g-import-not-at-top
+  from moe_jax.kv_quant import OSKVPMode  # pylint: disable=g-import-not-at-top
+  wide = decode.init_model(model.config.replace(head_dim=128, max_seq_len=64), seed=0)  # the core's head dim
+  lengths = np.array([12, 5, 9, 12, 1, 7, 12, 3], np.int32)
+  for impl in ("pallas", "xla"):
+    register_kv_cache_mode(f"oskvp_uniform_{impl}_test", OSKVPMode(uniform=True, window=8, implementation=impl))
+  mesh = meshes.make_mesh(layout="2x4")
+  sm = runner.shard(wide, mesh)
+  match = (r"kv_cache='oskvp_uniform_pallas_test' decodes layer 0 through the Mosaic GPU core "
+           r"\(implementation='pallas'\), which off the GPU runs in interpret mode and cannot run on 8 cpu devices")
+  with pytest.raises(ValueError, match=match):
+    sm.prefill(tokens, lengths, kv_cache="oskvp_uniform_pallas_test", cache_len=64)
+  cache = jax.eval_shape(lambda: decode.prefill(wide, tokens, lengths, kv_cache="oskvp_uniform_pallas_test",
+                                                cache_len=64)[1])  # a cache built elsewhere, abstract
+  with pytest.raises(ValueError, match=match):
+    sm.decode_fn(cache)
+  runner._check_interpreted_mosaic_cache(cache, mesh, "ep_tp", wide.config.n_heads)  # pylint: disable=protected-access
+  xla = jax.eval_shape(lambda: decode.prefill(wide, tokens, lengths, kv_cache="oskvp_uniform_xla_test",
+                                              cache_len=64)[1])
+  runner._check_interpreted_mosaic_cache(xla, mesh, "ep", wide.config.n_heads)  # pylint: disable=protected-access

@@ -271,19 +271,23 @@ def test_rope_shift_augmentation_fits_later_positions():
   assert errs[0] < 0.9 * errs[1], errs
 
 
-def test_pallas_implementation_runs_in_interpret_mode_off_the_gpu():
+@pytest.mark.parametrize("uniform, head_dim", [(False, 64), (True, 128)])
+def test_pallas_implementation_runs_in_interpret_mode_off_the_gpu(uniform, head_dim):
   """OSKVPMode(implementation="pallas") failed on the CPU ("Only interpret mode is supported"); the per-token and
-  KIVI caches already ran their kernels in interpret mode there."""
+  KIVI caches already ran their kernels in interpret mode there. uniform=True at H=128 takes the Mosaic GPU core
+  (`OSKVPLayerCache.runs_mosaic_core`), which the cache called with interpret=False and failed the same way."""
   import configs  # pylint: disable=g-import-not-at-top
   from moe_jax.generate import pad_batch  # pylint: disable=g-import-not-at-top
-  cfg = configs.get("tiny").replace(max_seq_len=64, head_dim=64, n_layers=1)
+  cfg = configs.get("tiny").replace(max_seq_len=64, head_dim=head_dim, n_layers=1)
   model = decode.init_model(cfg, seed=1)
   rng = np.random.default_rng(0)
   tokens, lengths = pad_batch([list(rng.integers(0, 256, 40)), list(rng.integers(0, 256, 20))])
   out = {}
   for impl in ("xla", "pallas"):
-    register_kv_cache_mode(f"oskvp_interp_{impl}", OSKVPMode(bits=2, window=32, implementation=impl))
-    _, cache = decode.prefill(model, tokens, lengths, kv_cache=f"oskvp_interp_{impl}", cache_len=48)
+    name = f"oskvp_interp_{impl}_{'uniform' if uniform else 'free'}"
+    register_kv_cache_mode(name, OSKVPMode(bits=2, window=32, implementation=impl, uniform=uniform))
+    _, cache = decode.prefill(model, tokens, lengths, kv_cache=name, cache_len=64 if uniform else 48)
+    assert cache.layers[0].runs_mosaic_core(cfg.n_heads) == (uniform and impl == "pallas")
     out[impl] = np.asarray(decode.decode_step(model, cache, np.array([5, 6], np.int32))[0])
   scale = np.abs(out["xla"]).max()
   np.testing.assert_allclose(out["pallas"], out["xla"], atol=0.01 * scale)  # bf16 operands in the kernel

@@ -206,17 +206,18 @@ def test_merge_handles_empty_sides():
 
 
 def test_layer_cache_dispatches_to_the_core(monkeypatch):
-  """`implementation="pallas"` on a values_contiguous cache runs `uniform_decode_attention` inside `extend` (here
-  with the core in interpret mode): the same arguments in the same order as the XLA path gets, so decode steps
-  agree with the XLA cache's to 3%; a call counter shows the core path ran (in each of the two steps of the jitted
-  `extend`)."""
+  """`implementation="pallas"` on a values_contiguous cache runs `uniform_decode_attention` inside `extend`, off the
+  GPU in interpret mode (before, the cache called it with interpret=False and the model's decode step failed on the
+  CPU: "Only interpret mode is supported on CPU backend"; this test added interpret=True itself): the same arguments
+  in the same order as the XLA path gets, so decode steps agree with the XLA cache's to 3%; a call counter shows the
+  core path ran (in each of the two steps of the jitted `extend`)."""
   c = _cache(zero_outliers=False)
   calls = []
   orig = uc.uniform_decode_attention
 
   def interpreted(*args, **kw):
-    calls.append(args[0].shape)
-    return orig(*args, interpret=True, **kw)
+    calls.append((args[0].shape, kw.get("interpret")))
+    return orig(*args, **kw)
 
   monkeypatch.setattr(uc, "uniform_decode_attention", interpreted)
   q = jax.random.normal(jax.random.PRNGKey(10), (B, 2, K * G, H))
@@ -224,7 +225,7 @@ def test_layer_cache_dispatches_to_the_core(monkeypatch):
   extend = jax.jit(lambda c, q, k, v: c.extend(q, k, v, None))  # traced here, with the patch in place
   o_p, _ = extend(dataclasses.replace(c, implementation="pallas"), q, kv[0], kv[1])
   o_x, _ = extend(dataclasses.replace(c, implementation="xla"), q, kv[0], kv[1])
-  assert calls == [(B, K * G, H)] * 2
+  assert calls == [((B, K * G, H), True)] * 2
   assert _rel(np.asarray(o_p), np.asarray(o_x)) < 0.03
 
 
