@@ -11,7 +11,9 @@ Resumable: ids already present in the output are skipped, so rerunning after an 
 torn last line (a record the interruption cut short) is first truncated away, so the output stays valid JSONL, and
 its request is redone.
 A bad line (invalid JSON, no id, a duplicate id, a prompt the engine rejects) is reported on stderr with its line
-number (and in the output when it has an id); the other lines continue.
+number (and in the output when it has an id); the other lines continue. The output holds one record per id: a later
+line repeating an earlier line's id is a duplicate, reported (naming both lines) and counted bad on every run, a
+resume included, and never written.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
   """Decodes every line of `input_path` not yet in `output_path`; returns counts.
 
   Returns:
-    {"lines", "skipped" (already done), "bad" (rejected lines), "finished", "failed"}.
+    {"lines", "skipped" (already done), "bad" (rejected lines, duplicate ids included), "finished", "failed"}.
   """
   if not isinstance(max_tokens, int) or max_tokens < 1:  # the default of every line without its own: refuse it once
     raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
@@ -140,11 +142,15 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
   if progress:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
     bar = tqdm(total=sum(1 for line in lines if line.strip()), desc="batch_decode", unit="req")
-  seen = set()
+  first_line = {}  # id -> the input line that claimed it (the first with that id)
   with open(output_path, "a") as out:
     def write(record: dict) -> None:
       out.write(json.dumps(record) + "\n")
       out.flush()  # every finished request is on disk: an interrupted run resumes after it
+
+    def tick() -> None:
+      if bar is not None:
+        bar.update(1)
 
     def finish(h, line_no: int):
       if h.error is not None:
@@ -155,37 +161,37 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
         counts["finished"] += 1
         text = decode_continuation(tokenizer, h.request.prompt, h.tokens)
         write({"id": h.request_id, "line": line_no, "text": text, "tokens": h.tokens, "finish_reason": h.finish_reason})
-      if bar is not None:
-        bar.update(1)
+      tick()
 
     for line_no, text in enumerate(lines, start=1):
       if not text.strip():
         continue
       counts["lines"] += 1
       try:
-        req = parse_line(text, tokenizer, max_tokens)
+        req, error = parse_line(text, tokenizer, max_tokens), None
+        rid = req["id"]
       except ValueError as e:
+        req, error, rid = None, e, getattr(e, "request_id", None)
+      if rid is not None and rid in first_line:
+        # Decided from the input alone, before `done`, so a run and its resume count and report it alike; the id's
+        # one output record stays its first line's.
         counts["bad"] += 1
-        log(f"{input_path}:{line_no}: bad line: {e}")
-        rid = getattr(e, "request_id", None)
-        if rid is not None and rid not in done and rid not in seen:  # in the output too, as the engine's refusals
-          seen.add(rid)
-          write({"id": rid, "line": line_no, "error": str(e)})
-        if bar is not None:
-          bar.update(1)
+        log(f"{input_path}:{line_no}: bad line: duplicate id {rid!r} (first on line {first_line[rid]})")
+        tick()
         continue
-      if req["id"] in done:
+      if rid is not None:
+        first_line[rid] = line_no
+      if error is not None:
+        counts["bad"] += 1
+        log(f"{input_path}:{line_no}: bad line: {error}")
+        if rid is not None and rid not in done:  # in the output too, as the engine's refusals
+          write({"id": rid, "line": line_no, "error": str(error)})
+        tick()
+        continue
+      if rid in done:
         counts["skipped"] += 1
-        if bar is not None:
-          bar.update(1)
+        tick()
         continue
-      if req["id"] in seen:
-        counts["bad"] += 1
-        log(f"{input_path}:{line_no}: bad line: duplicate id {req['id']!r}")
-        if bar is not None:
-          bar.update(1)
-        continue
-      seen.add(req["id"])
       stops = list(req["stop"]) + ([eos] if eos is not None else [])
       while True:
         try:
@@ -196,8 +202,7 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
           counts["bad"] += 1
           log(f"{input_path}:{line_no}: id {req['id']!r} rejected: {e}")
           write({"id": req["id"], "line": line_no, "error": str(e)})
-          if bar is not None:
-            bar.update(1)
+          tick()
           break
         except QueueFull:  # let the engine drain, then retry
           engine.step()

@@ -53,9 +53,9 @@ def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
   logs.clear()
   second = batch_decode.run(tiny_model, ByteTokenizer(), input_path=str(src), output_path=str(out),
                             engine_config=ENGINE, max_tokens=8, progress=False, log=logs.append)
-  assert second["skipped"] == 5 and second["finished"] == 6 and second["failed"] == 0
-  assert second["bad"] == len(bad) - 1  # the duplicate "r0" (line 11) is skipped as already done
-  for n in (3, 5, 7, 9, 13):
+  assert second["skipped"] == 4 and second["finished"] == 6 and second["failed"] == 0
+  assert second["bad"] == len(bad)  # the duplicate "r0" (line 11) too, though "r0" was done by the first run
+  for n in (3, 5, 7, 9, 11, 13):
     assert any(msg.startswith(f"{src}:{n}: ") for msg in logs), (n, logs)
   assert any(msg.startswith(f"{out}: removed a torn last line") for msg in logs), logs
   records = [json.loads(x) for x in out.read_text().splitlines()]  # valid JSONL: the torn line is gone
@@ -70,6 +70,33 @@ def test_batch_decode_bad_lines_and_resume(tmp_path, tiny_model):
     assert r["tokens"] == _greedy_alone(tiny_model, f"print({i})", 3 + i % 4)
     assert r["text"] == ByteTokenizer().decode(r["tokens"])
     assert lines[r["line"] - 1] == good[i]
+
+
+def test_batch_decode_counts_and_reports_a_duplicate_id_alike_on_a_run_and_its_resume(tmp_path, tiny_model):
+  """A later line repeating an id is bad on every run, whether or not its first line was done by an earlier run (the
+  resume used to count it "skipped", silently); the output keeps one record per id, the first line's."""
+  lines = [json.dumps({"id": "a", "prompt": "x", "max_tokens": 2}), json.dumps({"id": "b", "prompt": "y"}),
+           json.dumps({"id": "a", "prompt": "dup"}), json.dumps({"id": "c", "prompt": 5}),
+           json.dumps({"id": "c", "prompt": "dup of a bad line"}), json.dumps({"id": 7, "tokens": [1, 2]}),
+           json.dumps({"id": 7, "tokens": "dup of a done line, itself bad"})]
+  src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  _write(src, lines)
+  kwargs = dict(input_path=str(src), output_path=str(out), engine_config=ENGINE, max_tokens=3, progress=False)
+  runs = []
+  for _ in range(2):  # the run, then its resume with nothing left to do
+    logs = []
+    counts = batch_decode.run(tiny_model, ByteTokenizer(), log=logs.append, **kwargs)
+    runs.append((counts, [m for m in logs if "duplicate" in m], out.read_text()))
+  (first, first_dups, first_out), (second, second_dups, second_out) = runs
+  assert first == {"lines": 7, "skipped": 0, "bad": 4, "finished": 3, "failed": 0}
+  assert second == {"lines": 7, "skipped": 3, "bad": 4, "finished": 0, "failed": 0}
+  assert first_dups == second_dups == [f"{src}:3: bad line: duplicate id 'a' (first on line 1)",
+                                       f"{src}:5: bad line: duplicate id 'c' (first on line 4)",
+                                       f"{src}:7: bad line: duplicate id 7 (first on line 6)"]
+  assert second_out == first_out  # the resume writes nothing
+  records = [json.loads(x) for x in first_out.splitlines()]
+  assert sorted((str(r["id"]), r["line"], "error" in r) for r in records) == [
+      ("7", 6, False), ("a", 1, False), ("b", 2, False), ("c", 4, True)]
 
 
 def test_batch_decode_keeps_json_lines_whose_strings_hold_unicode_line_separators(tmp_path, tiny_model):
