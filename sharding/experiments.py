@@ -17,6 +17,9 @@ For each layout N×L (nodes × devices per node) and routing ("exact", "lcvc"):
   * bpb_delta, kl: bits per byte minus exact routing's, and KL(exact ‖ variant) in nats per position, through
     prefill + teacher-forced decode as `moe_jax.eval` measures them (surrogates serve decode steps only);
   * max_abs_err: |sharded decode step − the same model's single-device decode step| (correctness check).
+For each layout and routing, bytes_per_device: the most and the fewest bytes a device holds of the sharded model's
+state, all of it and its routed experts alone (`sharding/memory.py`, read from the placed arrays); beside the totals
+expert_bytes_total and surrogate_bytes_per_device.
 Then a sweep over nodes × λ × rank on one device (routing and surrogates do not depend on the device count).
 Writes DIR/experiments.{md,json,png}.
 """
@@ -48,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import surrogates as surrogates_lib
 from moe_jax.serving.metrics import json_safe
-from sharding import experiment_flags, hlo_collectives, meshes, rules, runner
+from sharding import experiment_flags, hlo_collectives, memory, meshes, rules, runner
 
 ROW_KEYS = ["layout", "routing", "transport", "step_ms", "node_axis_bytes_per_step", "node_axis_payload_bytes_per_step",
             "remote_rate", "surrogate_rate", "bpb_delta", "kl", "max_abs_err"]
@@ -157,6 +160,12 @@ def decode_benchmark(model, mesh, *, surrogate: bool, transport: str, batch: int
           "max_abs_err": float(jnp.max(jnp.abs(jnp.asarray(got) - ref_step)))}
 
 
+def device_bytes(model, mesh) -> dict[str, int]:
+  """`memory.summary` of `model` placed on `mesh` by `runner.shard` (layout "ep"): the most and fewest bytes a device
+  holds, of the whole state and of the routed experts alone."""
+  return memory.summary(runner.shard(model, mesh).state)
+
+
 def payload_bytes(config, rate: float, batch: int) -> float:
   n_moe = sum(config.is_moe_layer(i) for i in range(config.n_layers))
   return rate * batch * config.n_experts_per_tok * config.d_model * 4 * 2 * n_moe
@@ -168,7 +177,7 @@ def run(f) -> dict:
   experiment_flags.check_expert_nodes(f, layouts, config.n_experts)
   windows, calib = token_data(config, n_windows=f.windows, context=f.context, n_calib=4, calib_len=f.context)
   quality = Quality(model, windows, f.prefix)
-  rows, sweep = [], []
+  rows, sweep, bytes_rows = [], [], []
   t_start = time.time()
   for n, l in layouts:
     mesh = meshes.simulated_mesh(n, l)
@@ -178,6 +187,11 @@ def run(f) -> dict:
                       whiten=f.whiten, tune_rounds=f.tune_rounds)
     lcvc_rate = remote_rate(lcvc, windows)
     q_lcvc = quality(lcvc)
+    for routing, m in (("exact", model), ("lcvc", lcvc)):
+      try:
+        bytes_rows.append({"layout": layout, "routing": routing, **device_bytes(m, mesh)})
+      except Exception as e:  # pylint: disable=broad-except
+        bytes_rows.append({"layout": layout, "routing": routing, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     for transport in f.transports.split(","):
       for routing, m, surrogate, rate, q in (("exact", model, False, exact_rate, None),
                                              ("lcvc", lcvc, True, lcvc_rate, q_lcvc)):
@@ -226,6 +240,7 @@ def run(f) -> dict:
       "surrogate_bytes_per_device": sur_bytes,
       "expert_bytes_total": sum(int(v.nbytes) for layer in locality.moe_layers(model)
                                 for v in (layer.w_gate[...], layer.w_up[...], layer.w_down[...])),
+      "bytes_per_device": bytes_rows,
       "rows": rows, "sweep": sweep, "seconds": time.time() - t_start,
   }
 
@@ -249,8 +264,19 @@ def markdown(res: dict) -> str:
     lines += ["", "Rows that did not run:", *errors]
   lines += ["", "Surrogate memory per device (replicated on every device, so per node = devices per node × this): "
             + ", ".join(f"rank {r}: {b / 1e6:.3f} MB" for r, b in res["surrogate_bytes_per_device"].items())
-            + f"; all routed experts: {res['expert_bytes_total'] / 1e6:.3f} MB.", "",
-            "## Quality sweep (one device): nodes × surrogate rank (0 = remote experts exact) × λ", "",
+            + f"; all routed experts: {res['expert_bytes_total'] / 1e6:.3f} MB.", ""]
+  if res.get("bytes_per_device"):  # (results written before it was measured have none)
+    lines += ["Bytes each device holds of the sharded model, max / min over devices (experts: the routed experts "
+              "alone; `sharding/memory.py`):", "",
+              "| layout | routing | state max | state min | experts max | experts min |", "|---|---|---|---|---|---|"]
+    for r in res["bytes_per_device"]:
+      if "error" in r:
+        lines.append(f"| {r['layout']} | {r['routing']} | {r['error']} | | | |")
+        continue
+      mb = [f"{r[f'{k}_bytes_per_device_{m}'] / 1e6:.3f} MB" for k in ("state", "expert") for m in ("max", "min")]
+      lines.append(f"| {r['layout']} | {r['routing']} | " + " | ".join(mb) + " |")
+    lines.append("")
+  lines += ["## Quality sweep (one device): nodes × surrogate rank (0 = remote experts exact) × λ", "",
             "| nodes | rank | λ | remote_rate | surrogate_rate | bpb_delta | kl | agreement | τ per layer |",
             "|---|---|---|---|---|---|---|---|---|"]
   for r in res["sweep"]:

@@ -90,7 +90,8 @@ def activation_spec(name: str, layout: str) -> P:
   return spec(ACTIVATION_AXES[name], layout)
 
 
-def _path_names(path) -> list[str]:
+def leaf_path_names(path) -> list[str]:
+  """A pytree key path -> its names, e.g. ['blocks', '0', 'ffn', 'w_gate'] (nnx's "value" entries dropped)."""
   names = []
   for entry in path:
     key = getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", None)))
@@ -119,7 +120,7 @@ def tree_specs(tree, layout: str):
   """PartitionSpec for every leaf of a parameter tree (an `nnx.State`), in the same structure. A leaf below an expert
   weight whose experts axis has size 1 (vq2's per-layer codebook: one for every expert) is replicated."""
   def leaf_spec(path, x):
-    logical = param_logical_axes(_path_names(path), x.ndim)
+    logical = param_logical_axes(leaf_path_names(path), x.ndim)
     if x.ndim and logical[0] == "experts" and x.shape[0] == 1:
       logical = (None,) + logical[1:]
     return spec(logical, layout)
@@ -146,7 +147,7 @@ def check_divisible(tree, specs, mesh, layout: str) -> None:
   (before `device_put` fails with a bare IndivisibleError)."""
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   for (path, x), s in zip(leaves, jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))):
-    names = _path_names(path)
+    names = leaf_path_names(path)
     logical = param_logical_axes(names, x.ndim)
     for dim, (size, axes) in enumerate(zip(x.shape, s)):
       axes, devices = devices_along(mesh, axes)
