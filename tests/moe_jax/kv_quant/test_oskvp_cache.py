@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moe_jax import decode
-from moe_jax.kv_cache import masked_gqa_attention, register_kv_cache_mode
+from moe_jax.kv_cache import get_kv_cache_mode, masked_gqa_attention, register_kv_cache_mode
 from moe_jax.kv_quant import OSKVPMode, oskvp
 from moe_jax.kv_quant import oskvp_attention as attn
 from moe_jax.layers import rope
@@ -329,3 +329,23 @@ def test_an_all_zero_head_at_prefill_decodes_later_tokens(implementation, unifor
   ref = _visible_attention(qs[:, -1:], *dense, jnp.array(ns) + steps)
   got, ref = np.asarray(o, np.float32)[:, 0, :G], np.asarray(ref)[:, 0, :G]  # the query heads of kv head 0
   assert float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) < 0.7
+
+
+@pytest.mark.parametrize("name", ["oskvp", "oskvp_uniform"])
+def test_prefill_nan_in_the_compressed_store_comes_back_nan(name):
+  """A NaN key or value written at prefill into the compressed store (token 3 of 300: window 128, so n_comp = 256)
+  makes that kv head's decode output NaN, as the bf16 cache's does, and leaves the other heads and rows finite: the
+  fit leaves the row out of its statistics, and its fp8 outlier channels carry the NaN (the int8 / KIVI quantizers
+  used to hide such a NaN, test_baselines)."""
+  k, v = kv(jax.random.key(11), 300)
+  new, q = kv(jax.random.key(12), 1)[0], jax.random.normal(jax.random.key(13), (B, 1, K * G, H))
+  lengths = jnp.array([300, 300])
+  mode = get_kv_cache_mode(name)
+  prefill = jax.jit(lambda k, v: mode.from_prefill(k, v, lengths, 512, layer=0))
+  step = jax.jit(lambda c, q, kk, vv: c.extend(q, kk, vv, lengths))
+  for kk, vv in ((k.at[0, 3, 0, 5].set(jnp.nan), v), (k, v.at[0, 3, 0, 5].set(jnp.nan))):
+    cache = prefill(kk, vv)
+    assert int(cache.n_comp[0]) == 256
+    o, _ = step(cache, q, new, new)
+    nan = np.isnan(np.asarray(o, np.float32)).any(-1)[:, 0]  # [B, N]
+    np.testing.assert_array_equal(nan, [[True] * G + [False] * G, [False] * (K * G)])
