@@ -108,8 +108,8 @@ def generate(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   cache_len = int(tokens.shape[1]) + max_new_tokens - 1 if cache_len is None else cache_len
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
-  logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
-  out, n, cache = decode_loop(model, cache, last_logits(logits, jnp.asarray(lengths)), key,
+  logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len, last_only=True)
+  out, n, cache = decode_loop(model, cache, logits, key,
                               *sampling.arrays(tokens.shape[0]), max_new_tokens=max_new_tokens, eos_id=eos_id)
   return GenerateOutput(tokens=out, lengths=n, cache=cache)
 
@@ -121,16 +121,15 @@ def stream(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   cache_len = int(tokens.shape[1]) + max_new_tokens - 1 if cache_len is None else cache_len
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
-  logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len)
+  step_logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len, last_only=True)
   params = sampling.arrays(tokens.shape[0])
-  step_logits = last_logits(logits, jnp.asarray(lengths))
   sample_jit = jax.jit(sample)
   for i in range(max_new_tokens):
     key, sub = jax.random.split(key)
     tok = sample_jit(step_logits, sub, *params)
     yield np.asarray(tok)
     if i + 1 < max_new_tokens:  # the last token is not fed back (the cache has no position for it)
-      step_logits, cache = decode.decode_step(model, cache, tok)
+      step_logits, cache = decode.decode_step(model, cache, tok, donate=True)  # the old cache is dropped
 
 
 def pad_batch(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
@@ -189,10 +188,10 @@ def main(argv):
 
   def run():
     t0 = time.perf_counter()
-    logits, cache = decode.prefill(model, tokens, lengths, kv_cache=f.kv_cache, cache_len=cache_len)
+    logits, cache = decode.prefill(model, tokens, lengths, kv_cache=f.kv_cache, cache_len=cache_len, last_only=True)
     jax.block_until_ready(logits)
     t1 = time.perf_counter()
-    out, n, cache = decode_loop(model, cache, last_logits(logits, jnp.asarray(lengths)), key,
+    out, n, cache = decode_loop(model, cache, logits, key,
                                 *sampling.arrays(f.batch), max_new_tokens=f.max_new_tokens, eos_id=eos)
     jax.block_until_ready(out)
     return out, n, cache, t1 - t0, time.perf_counter() - t1

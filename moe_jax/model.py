@@ -73,10 +73,16 @@ class Transformer(nnx.Module):
     w = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
     return jnp.einsum("BTD,DV->BTV", x, w, preferred_element_type=jnp.float32)
 
-  def forward(self, tokens: jax.Array, positions: jax.Array | None = None):
-    """Full causal pass (training, scoring). Returns (logits f32 [B, T, V], per-MoE-layer aux list, per-layer kv)."""
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  def logits_at(self, x: jax.Array, at: jax.Array | None) -> jax.Array:
+    """x [B, T, D] -> float32 logits [B, T, V], or with `at` (int32 [B], one position per row) [B, V] at those
+    positions only: the LM head then runs on B rows, not B·T (serving needs each row's last; at a real vocabulary
+    the [B, T, V] logits of a prefill bucket are gigabytes)."""
+    if at is None:
+      return self.unembed(x)
+    return self.unembed(jnp.take_along_axis(x, at[:, None, None], axis=1))[:, 0]
+
+  def _blocks(self, tokens: jax.Array, positions: jax.Array):
+    """The full causal pass up to the final norm: ([B, T, D], per-MoE-layer aux list, per-layer kv)."""
     x = self.embed(tokens)
     auxes, kvs = [], []
     for block in self.blocks:
@@ -84,6 +90,13 @@ class Transformer(nnx.Module):
       kvs.append(kv)
       if aux:
         auxes.append(aux)
+    return x, auxes, kvs
+
+  def forward(self, tokens: jax.Array, positions: jax.Array | None = None):
+    """Full causal pass (training, scoring). Returns (logits f32 [B, T, V], per-MoE-layer aux list, per-layer kv)."""
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x, auxes, kvs = self._blocks(tokens, positions)
     return self.unembed(x), auxes, kvs
 
   def ffn_inputs(self, tokens: jax.Array) -> list[jax.Array]:
@@ -98,19 +111,23 @@ class Transformer(nnx.Module):
       x, _ = block.feed_forward(x)
     return out
 
-  def prefill(self, tokens: jax.Array, lengths: jax.Array, *, mode, cache_len: int, mode_name: str):
-    """tokens: int32 [B, T] right-padded; lengths: int32 [B] -> (logits [B, T, V], KVCache)."""
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, *, mode, cache_len: int, mode_name: str,
+              logits_at: jax.Array | None = None):
+    """tokens: int32 [B, T] right-padded; lengths: int32 [B] -> (logits [B, T, V], KVCache); with `logits_at`
+    (int32 [B]) the logits are [B, V] at those positions (`logits_at`)."""
     # Padding is read as token 0: whatever id pads a row (one outside the vocabulary embeds as NaN, and NaN keys and
     # values reach the row's valid outputs through attention's 0 · NaN), the valid positions are unaffected.
     tokens = jnp.where(jnp.arange(tokens.shape[1])[None, :] < lengths[:, None], tokens, 0)
-    logits, _, kvs = self.forward(tokens)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x, _, kvs = self._blocks(tokens, positions)
     if not isinstance(mode, DenseMode):
       kvs = [(inference_only(k), inference_only(v)) for k, v in kvs]
     layers = tuple(mode.from_prefill(k, v, lengths, cache_len, layer=i) for i, (k, v) in enumerate(kvs))
-    return logits, KVCache(layers=layers, lengths=lengths.astype(jnp.int32), mode=mode_name)
+    return self.logits_at(x, logits_at), KVCache(layers=layers, lengths=lengths.astype(jnp.int32), mode=mode_name)
 
-  def decode(self, cache: KVCache, tokens: jax.Array):
-    """tokens: int32 [B, T] appended after each sequence's cached tokens -> (logits [B, T, V], KVCache)."""
+  def decode(self, cache: KVCache, tokens: jax.Array, *, logits_at: jax.Array | None = None):
+    """tokens: int32 [B, T] appended after each sequence's cached tokens -> (logits [B, T, V], KVCache); with
+    `logits_at` (int32 [B], positions in the T new tokens) the logits are [B, V] there (`logits_at`)."""
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     x = self.embed(tokens)
     layers = []
@@ -118,4 +135,4 @@ class Transformer(nnx.Module):
       x, layer_cache = block.decode(x, positions, layer_cache)
       layers.append(layer_cache)
     cache = cache.replace(layers=tuple(layers), lengths=cache.lengths + tokens.shape[1])
-    return self.unembed(x), cache
+    return self.logits_at(x, logits_at), cache

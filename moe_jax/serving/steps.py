@@ -92,10 +92,8 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, *, kv_cache: str, cach
     (float32 [P, V], KVCache of P rows, S = cache_len).
   """
   module = _module(model)
-  logits, cache = module.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache, module.config), cache_len=cache_len,
-                                 mode_name=kv_cache)
-  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  return last, cache
+  return module.prefill(tokens, lengths, mode=get_kv_cache_mode(kv_cache, module.config), cache_len=cache_len,
+                        mode_name=kv_cache, logits_at=lengths - 1)  # the LM head on P rows, not P·T
 
 
 @jax.jit
@@ -114,8 +112,7 @@ def extend(model, cache: KVCache, tokens: jax.Array, valid: jax.Array, last: jax
     length; they are never visible (attention shows positions <= the query's) and the next token overwrites them.
   """
   starts = cache.lengths
-  logits, cache = _module(model).decode(cache, tokens)
-  chunk_last = jnp.take_along_axis(logits, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
+  chunk_last, cache = _module(model).decode(cache, tokens, logits_at=jnp.maximum(valid - 1, 0))
   last = jnp.where((valid > 0)[:, None], chunk_last, last)
   return last, cache.replace(lengths=starts + valid)
 

@@ -348,3 +348,52 @@ def test_float16_model_runs_on_the_cpu_and_tracks_float32(tiny_model, tiny_confi
   tokens = generate(model16, toks[:, :8], lengths, key=jax.random.key(0), max_new_tokens=3, kv_cache="fp32",
                     cache_len=12).tokens
   assert tokens.shape == (2, 3)
+
+
+def test_last_only_prefill_and_the_serving_steps_run_the_lm_head_on_one_row_each(tiny_model, tiny_config):
+  """`decode.prefill(last_only=True)` and the engine's prefill / extend steps give the logits at each row's last
+  token (equal to the full [B, T, V] logits there, 1e-5) and their compiled programs hold no [B, T, V] array: before,
+  the LM head ran on every position and the rows but one were thrown away (at qwen3's vocabulary and the engine's
+  16 × 512 bucket, 5 GB of logits per prefill)."""
+  from moe_jax.serving import steps  # pylint: disable=g-import-not-at-top
+  b, t, v = 3, 24, tiny_config.vocab_size
+  toks, lengths = _rand_tokens((b, t), seed=3), np.array([24, 1, 13], np.int32)
+  full, ref_cache = decode.prefill(tiny_model, toks, lengths, kv_cache="fp32", cache_len=40)
+  want = np.asarray(full)[np.arange(b), lengths - 1]
+  last, cache = decode.prefill(tiny_model, toks, lengths, kv_cache="fp32", cache_len=40, last_only=True)
+  np.testing.assert_allclose(np.asarray(last), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(cache.layers[0].k), np.asarray(ref_cache.layers[0].k), rtol=0, atol=0)
+  flat = steps.FlatModel.of(tiny_model)
+  last, cache = steps.prefill(flat, toks, lengths, kv_cache="fp32", cache_len=40)
+  np.testing.assert_allclose(np.asarray(last), want, rtol=1e-5, atol=1e-5)
+  chunk, valid = _rand_tokens((b, 8), seed=4), np.array([8, 3, 0], np.int32)
+  ext_last, _ = steps.extend(flat, cache, chunk, valid, last)
+  ref_logits, _ = jax.jit(lambda m, c, x: m.decode(c, x))(tiny_model, cache, chunk)
+  want_ext = np.where((valid > 0)[:, None], np.asarray(ref_logits)[np.arange(b), np.maximum(valid - 1, 0)],
+                      np.asarray(last))
+  np.testing.assert_allclose(np.asarray(ext_last), want_ext, rtol=1e-5, atol=1e-5)
+  full_text = decode._prefill.lower(tiny_model, jnp.asarray(toks), jnp.asarray(lengths), kv_cache="fp32",
+                                    cache_len=40).as_text()
+  assert f"{b}x{t}x{v}xf32" in full_text  # the check below can see such an array
+  for text in (steps.prefill.lower(flat, toks, lengths, kv_cache="fp32", cache_len=40).as_text(),
+               steps.extend.lower(flat, cache, chunk, valid, last).as_text(),
+               decode._prefill.lower(tiny_model, jnp.asarray(toks), jnp.asarray(lengths), kv_cache="fp32",
+                                     cache_len=40, last_only=True).as_text()):
+    for rows in (f"{b}x{t}x{v}xf32", f"{b}x8x{v}xf32"):
+      assert rows not in text
+
+
+def test_a_donating_decode_step_reuses_the_cache_and_equals_the_copying_one(tiny_model):
+  """`decode_step(donate=True)` (what `stream` uses) gives the same logits and cache as the default, and the cache it
+  was given is deleted (its buffers became the new cache's), so a loop does not copy the cache every step."""
+  toks, lengths = _rand_tokens((2, 6), seed=5), np.array([6, 2], np.int32)
+  _, c0 = decode.prefill(tiny_model, toks, lengths, kv_cache="bf16", cache_len=16)
+  _, c1 = decode.prefill(tiny_model, toks, lengths, kv_cache="bf16", cache_len=16)
+  tok = jnp.array([3, 4], jnp.int32)
+  want, want_cache = decode.decode_step(tiny_model, c0, tok)
+  got, got_cache = decode.decode_step(tiny_model, c1, tok, donate=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(c0))
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(c1.layers))
