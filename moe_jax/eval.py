@@ -93,7 +93,8 @@ def teacher_forced_logprobs(model, windows: jax.Array, *, prefix: int, kv_cache:
   """
   b = windows.shape[0]
   lengths = jnp.full((b,), prefix, jnp.int32)
-  logits0, cache = decode.prefill(model, windows[:, :prefix], lengths, kv_cache=kv_cache, cache_len=cache_len)
+  logits0, cache = decode.prefill(model, windows[:, :prefix], lengths, kv_cache=kv_cache, cache_len=cache_len,
+                                  last_only=True)  # [B, V] at position prefix - 1
   inputs = windows[:, prefix:-1].T  # [L - prefix, B], token fed at each step
 
   def body(cache, tok):
@@ -101,7 +102,7 @@ def teacher_forced_logprobs(model, windows: jax.Array, *, prefix: int, kv_cache:
     return cache, jax.nn.log_softmax(out.astype(jnp.float32), axis=-1)
 
   cache, steps = jax.lax.scan(body, cache, inputs)  # [L - prefix, B, V]
-  first = jax.nn.log_softmax(logits0[:, prefix - 1].astype(jnp.float32), axis=-1)  # [B, V]
+  first = jax.nn.log_softmax(logits0.astype(jnp.float32), axis=-1)  # [B, V]
   logp = jnp.concatenate([first[:, None], jnp.swapaxes(steps, 0, 1)], axis=1)
   return logp, cache
 
