@@ -310,8 +310,8 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   else:
     levels, _ = lloyd_max(xr, w, init, n_iters)
   levels = jnp.where(enough, levels, init)
-  ref = jnp.maximum(rms, 0.0 if ref_rms is None else jnp.asarray(ref_rms, jnp.float32))
-  ref = jnp.where(ref > 1e-30, ref, 1.0)
+  ref = jnp.maximum(jnp.sqrt(jnp.mean(wn @ (xr * xr))), 0.0 if ref_rms is None else jnp.asarray(ref_rms, jnp.float32))
+  ref = jnp.where(ref > 0, ref, 1.0)  # an all-zero head with no reference: magnitude 1
   spacing = ref * (g[-1] - g[0]) / (n_levels - 1)
   grid = mean_r[:, None] + spacing * (jnp.arange(n_levels, dtype=jnp.float32) + 1 - n_levels // 2)[None, :]
   levels = jnp.where(flat, grid, levels)

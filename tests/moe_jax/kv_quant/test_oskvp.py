@@ -237,6 +237,10 @@ def test_a_flat_head_codes_its_rows_exactly_and_later_rows_at_the_borrowed_sprea
     assert float(jnp.linalg.norm(xh - later) / jnp.linalg.norm(later)) < 0.6, (bits, kw)
     if bits == 2 and kw:  # the symmetric and uniform families keep their form
       assert oskvp.symmetric_codebooks(p.codebook)
+  if value == 0:  # without ref_rms (static calibration) magnitude 1 is assumed (before: the spread came out 1e-15)
+    p = oskvp.fit(x, None, n_outlier=8)
+    xh = oskvp.dequantize(oskvp.quantize(later / 3.0, p), p)
+    assert float(jnp.linalg.norm(xh - later / 3.0) / jnp.linalg.norm(later / 3.0)) < 0.6
 
 
 def test_degenerate_non_finite():
