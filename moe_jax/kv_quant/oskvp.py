@@ -248,10 +248,10 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
     uniform: fit equally spaced 2-bit codebooks, levels centre + step·(-1.5, -0.5, 0.5, 1.5) (`uniform_lloyd`):
       cb[c] = cb0 + step·c, so a decode kernel can use the codes themselves as the int8 tensor-core operand (one
       plane type). Uniform codebooks are also symmetric. Within 1.1% of Lloyd-Max's error on Gaussian channels.
-    ref_rms: f32 scalar, the magnitude to assume for a flat x (two or more usable rows, all equal: constant tokens,
-      or any number of all-zero rows: a head of a zero-initialised or pruned projection), whose rows give no
-      spread; default 1. The caller
-      passes the root-mean-square magnitude of the layer's other heads (`OSKVPMode.fit`).
+    ref_rms: f32 scalar, the least magnitude to assume for a flat x (two or more usable rows, all equal: constant
+      tokens, or any number of all-zero rows: a head of a zero-initialised or pruned projection), whose rows give
+      no spread. `OSKVPMode.fit` passes the root-mean-square magnitude of the sequence's heads; without it a flat x
+      takes its rows' own rms, or 1 for an all-zero x (static calibration).
 
   Returns:
     OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics. A flat x gets
