@@ -144,12 +144,13 @@ class DisconnectWatch:
       self._ended.set()
 
   def _peer_closed(self) -> bool | None:
-    """True: EOF or reset; False: bytes are waiting; None: nothing to read after all."""
+    """True: EOF, a reset or another socket error (e.g. a keepalive timeout); False: bytes are waiting; None:
+    nothing to read after all."""
     try:
       return not self.sock.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
     except BlockingIOError:
       return None
-    except ConnectionError:
+    except OSError:  # ConnectionError, TimeoutError, ...: the connection is gone (after the block: nothing cancelled)
       return True
 
   def _watch(self) -> None:
