@@ -81,8 +81,11 @@ class Transformer(nnx.Module):
       return self.unembed(x)
     return self.unembed(jnp.take_along_axis(x, at[:, None, None], axis=1))[:, 0]
 
-  def _blocks(self, tokens: jax.Array, positions: jax.Array):
-    """The full causal pass up to the final norm: ([B, T, D], per-MoE-layer aux list, per-layer kv)."""
+  def _blocks(self, tokens: jax.Array, positions: jax.Array | None = None):
+    """The full causal pass up to the final norm (positions default 0..T-1): ([B, T, D], per-MoE-layer aux list,
+    per-layer kv)."""
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = self.embed(tokens)
     auxes, kvs = [], []
     for block in self.blocks:
@@ -94,8 +97,6 @@ class Transformer(nnx.Module):
 
   def forward(self, tokens: jax.Array, positions: jax.Array | None = None):
     """Full causal pass (training, scoring). Returns (logits f32 [B, T, V], per-MoE-layer aux list, per-layer kv)."""
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x, auxes, kvs = self._blocks(tokens, positions)
     return self.unembed(x), auxes, kvs
 
@@ -118,8 +119,7 @@ class Transformer(nnx.Module):
     # Padding is read as token 0: whatever id pads a row (one outside the vocabulary embeds as NaN, and NaN keys and
     # values reach the row's valid outputs through attention's 0 · NaN), the valid positions are unaffected.
     tokens = jnp.where(jnp.arange(tokens.shape[1])[None, :] < lengths[:, None], tokens, 0)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x, _, kvs = self._blocks(tokens, positions)
+    x, _, kvs = self._blocks(tokens)
     if not isinstance(mode, DenseMode):
       kvs = [(inference_only(k), inference_only(v)) for k, v in kvs]
     layers = tuple(mode.from_prefill(k, v, lengths, cache_len, layer=i) for i, (k, v) in enumerate(kvs))

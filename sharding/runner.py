@@ -58,10 +58,16 @@ def _check_lcvc_nodes(model, n_nodes: int) -> None:
                        f"({n_nodes}): build the LCVC model for this mesh or a mesh with {lcvc.n_nodes} nodes")
 
 
+def _interpreted_shard_map(mesh: Mesh, layout: str) -> bool:
+  """Whether `layout` runs its steps inside a multi-device shard_map off the GPU, where Mosaic GPU kernels would run
+  in their interpreter (which cannot run there)."""
+  return layout == "ep" and mesh.size >= 2 and mesh.devices.flat[0].platform != "gpu"
+
+
 def _check_interpreted_mosaic(model, mesh: Mesh, layout: str) -> None:
   """Refuses Mosaic GPU expert kernels in interpret mode inside a multi-device shard_map (off the GPU): the
   interpreter's per-device barriers crash ("Barrier remains allocated") or hang with every device thread waiting."""
-  if layout != "ep" or mesh.size < 2 or mesh.devices.flat[0].platform == "gpu":
+  if not _interpreted_shard_map(mesh, layout):
     return
   for i, block in enumerate(model.blocks):
     ffn = block.ffn
@@ -82,7 +88,7 @@ def _check_interpreted_mosaic_cache(cache, mesh: Mesh, layout: str, n_heads: int
   implementation="pallas", `OSKVPLayerCache.runs_mosaic_core`) in interpret mode inside a multi-device shard_map
   (off the GPU): the interpreter crashed there as with the experts ("Barrier remains allocated", 2x4). `cache`: a
   `KVCache`, concrete or abstract."""
-  if layout != "ep" or mesh.size < 2 or mesh.devices.flat[0].platform == "gpu":
+  if not _interpreted_shard_map(mesh, layout):
     return
   for i, layer in enumerate(cache.layers):
     runs_mosaic_core = getattr(layer, "runs_mosaic_core", None)
