@@ -4,7 +4,7 @@ The cache (per batch row b and kv head k; O = 8 outlier channels, Q = H / 4, R r
   U_k, U_v      f32 [H, H] orthogonal; the cache stores x' = x @ U (rotated basis).
   codes         uint8 [S, Q], 2-bit codes of ALL H rotated channels, planar: byte i holds channels
                 i, i+Q, i+2Q, i+3Q at bit offsets 0, 2, 4, 6.
-  cb            f32 [H, 4] per-channel codebooks (rows of the outlier channels are zero).
+  cb            f32 [H, 4] per-channel codebooks (the outlier channels' rows constant: their centres).
   outl          float8_e4m3fn [S, O]; scale f32 [O].
                 x'_hat[s, j] = cb[j, code[s, j]] + (j < O ? outl[s, j] * scale[j] : 0).
   res           bf16 [R, H], the most recent tokens, already rotated.
@@ -158,8 +158,10 @@ def check_triton_offsets(**arrays) -> None:
 
 
 # Compact rows hold both query digits of G heads in one 16-row tile: G <= 8. Past that (e.g. qwen3_235b_a22b's
-# G = 16) the bit-plane form runs its two digits as two dots (not measured on a GPU).
-TWO_DOT_BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=2)
+# G = 16) the bit-plane form runs its two digits as two dots. At G = 16, head dim 128, batch 8 on the H100
+# (benchmarks/results/oskvp_g16_decode_h100_s33.md) blocks of 128 tokens beat 256 (0.172 against 0.185 ms at 16k,
+# 0.403 against 0.415 at 64k) and every other form; none beats cuDNN on a bf16 cache there (0.134 / 0.398 ms).
+TWO_DOT_BITPLANE = DecodeBlockConfig(form="bitplane", block_s=128, num_stages=1, query_digits=2)
 
 
 def default_config(head_dim: int, g: int = 4) -> DecodeBlockConfig:

@@ -1,7 +1,8 @@
 """Random valid OS-KVP caches for tests and benchmarks (no quantizer needed).
 
 Builds every argument of `oskvp_decode_attention` from a key: random orthogonal rotations (QR), uniform random
-2-bit codes, sorted random codebooks (zero rows for the outlier channels), fp8 outliers with positive scales,
+2-bit codes, sorted random codebooks (for the outlier channels constant rows, all four levels equal: the channel's
+centre, as `oskvp.fit` stores it), fp8 outliers with positive scales,
 and a bf16 residual window. `symmetric=True` draws codebook rows symmetric about a random centre, c -+ (a, b), as
 `oskvp.fit(symmetric=True)` makes them (cb0 + cb3 = cb1 + cb2); `uniform_codebooks` draws equally spaced rows.
 """
@@ -29,11 +30,13 @@ def random_oskvp_inputs(key, *, batch: int, heads: int, kv_heads: int, head_dim:
 
 def uniform_codebooks(key, shape: tuple[int, ...], outliers: int = 0) -> jax.Array:
   """Random uniform codebooks f32 [*shape, 4], cb[c] = c0 + d·c (c0 ~ N(-1.5, 1), d ~ U(0.3, 1.2)), as
-  `oskvp.fit(uniform=True)` makes them; the first `outliers` rows of the last axis of shape (the channels) zero."""
+  `oskvp.fit(uniform=True)` makes them; the first `outliers` rows of the last axis of shape (the channels) constant,
+  d = 0 (an outlier channel's centre)."""
   k0, k1 = jax.random.split(key)
   c0 = jax.random.normal(k0, shape) - 1.5
   d = jax.random.uniform(k1, shape, minval=0.3, maxval=1.2)
-  return (c0[..., None] + d[..., None] * jnp.arange(4.0)).at[..., :outliers, :].set(0.0)
+  d = jnp.where(jnp.arange(shape[-1]) < outliers, 0.0, d)
+  return c0[..., None] + d[..., None] * jnp.arange(4.0)
 
 
 def symmetrize(cb):
@@ -58,7 +61,7 @@ def _random_cache(key, b, heads, k, h, s, r, o, q_dtype, symmetric):
   def codebook(kk):
     cb = jnp.sort(jax.random.normal(kk, (b, k, h, 4), jnp.float32), axis=-1)
     cb = symmetrize(cb) if symmetric else cb
-    return cb.at[:, :, :o].set(0.0)
+    return cb.at[:, :, :o].set(cb[:, :, :o, :1])  # outlier channels: constant rows (their centres)
 
   def codes(kk):
     return jax.random.randint(kk, (b, k, s, h // 4), 0, 256, jnp.int32).astype(jnp.uint8)
@@ -89,7 +92,7 @@ def random_oskvp_inputs_host(seed: int, *, batch: int, heads: int, kv_heads: int
   def codebook():
     cb = np.sort(f32(b, k, h, 4), axis=-1)
     cb = symmetrize(cb) if symmetric else cb
-    cb[:, :, :o] = 0.0
+    cb[:, :, :o] = cb[:, :, :o, :1]  # outlier channels: constant rows (their centres)
     return cb
 
   codes = lambda: rng.integers(0, 256, (b, k, s, h // 4), dtype=np.uint8)

