@@ -171,7 +171,7 @@ def kernel_fn(cfg, symmetric=False):
 
 
 def uniform_args(key, b, s):
-  """The 15 arguments with uniform codebooks (c0 + d·c, outlier rows 0) and the values tokens contiguous, as an
+  """The 15 arguments with uniform codebooks (c0 + d·c, outlier rows constant) and the values tokens contiguous, as an
   `OSKVPMode(uniform=True)` cache stores them: `uniform_decode_attention`'s inputs."""
   a = list(oskvp_args(key, b, s))
   for i, kk in ((4, 1), (8, 2)):  # cb_k, cb_v

@@ -73,7 +73,7 @@ def compare(name, model32, model16, vocab, steps, t, cache_len, modes=MODES) -> 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--steps", type=int, default=8)
-  ap.add_argument("--limit", type=float, default=0.05, help="largest relative logit difference allowed")
+  ap.add_argument("--limit", type=float, default=0.05, help="largest median step (relative logit difference) allowed")
   ap.add_argument("--out", default=None)
   ap.add_argument("--modes", default=",".join(MODES), help="comma-separated KV cache modes")
   ap.add_argument("--models", default="tiny-trained,random", help="tiny-trained and/or random (head dim 128)")

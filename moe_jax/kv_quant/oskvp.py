@@ -5,7 +5,8 @@ re-rotation) or of values:
   1. U [H, H] = eigenvectors of the channel covariance of x, columns sorted by DESCENDING variance; x' = x @ U.
   2. The first O rotated channels (the highest-variance, "outlier" subspace), O = max(8, round(f·H/8)·8), are kept in
      float8 e4m3 about their centre m_j (the prefill mean) with a per-channel scale
-     s_j = HEADROOM·max(amax|x'_j - m_j|, amax|x'_j|) / 448 (floored, see `fit`): outl = (x'[:, :O] - m) / s.
+     s_j = max(HEADROOM·amax|x'_j - m_j|, HEADROOM·amax|x'_j| + |m_j|) / 448 (floored, see `fit`; the range
+     m ± 448·s holds the uncentred ±HEADROOM·amax|x'_j|): outl = (x'[:, :O] - m) / s.
   3. Every channel gets a code into its own L = 2**bits level codebook cb [H, L] (sorted ascending), fitted by
      Lloyd-Max iterations initialised at the Gaussian-optimal levels mean_j + std_j·g. An outlier channel's codebook
      row is constant, all levels m_j, and its codes are 0: the code path adds its centre whatever the code, so every
@@ -236,10 +237,11 @@ def _sign_fix(u: jax.Array) -> jax.Array:
   return u * jnp.where(sign == 0, 1.0, sign)[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric", "uniform"))
+@functools.partial(jax.jit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric", "uniform",
+                                             "centred"))
 def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int = 2,
         n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None, symmetric: bool = False,
-        uniform: bool = False, ref_rms: jax.Array | None = None) -> OSKVPParams:
+        uniform: bool = False, ref_rms: jax.Array | None = None, centred: bool = True) -> OSKVPParams:
   """Traceable calibration of one head (used per sequence at prefill, through vmap).
 
   Args:
@@ -256,6 +258,8 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
       tokens, or any number of all-zero rows: a head of a zero-initialised or pruned projection), whose rows give
       no spread. `OSKVPMode.fit` passes the root-mean-square magnitude of the sequence's heads; without it a flat x
       takes its rows' own rms, or 1 for an all-zero x (static calibration).
+    centred: store the outlier channels about their means (the codebook's outlier rows hold them); False keeps
+      them uncentred, as calibrations before the centre were (for comparisons).
 
   Returns:
     OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics. A flat x gets
@@ -322,14 +326,19 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   grid = mean_r[:, None] + spacing * (jnp.arange(n_levels, dtype=jnp.float32) + 1 - n_levels // 2)[None, :]
   levels = jnp.where(flat, grid, levels)
   is_outlier = jnp.arange(h) < n_outlier
-  codebook = jnp.where(is_outlier[:, None], mean_r[:, None], levels)  # outlier rows: the centre at every level
+  centre_row = mean_r if centred else jnp.zeros_like(mean_r)
+  codebook = jnp.where(is_outlier[:, None], centre_row[:, None], levels)  # outlier rows: the centre at every level
 
-  # fp8 holds deviations from the centre, but its range covers the values themselves too: later tokens that drift
-  # from the prefill's centre are not clipped (the deviations' range alone: +1.35% bits per byte at 64-token prompts
-  # on tiny-trained, against +1.28%), and e4m3 being a float format, the wider range costs no relative precision
-  # above its subnormals (2^-6 of the scale).
-  dev = (xr[:, :n_outlier] - mean_r[:n_outlier]) * (w > 0)[:, None]
-  amax = jnp.max(jnp.maximum(jnp.abs(dev), jnp.abs(xr[:, :n_outlier]) * (w > 0)[:, None]), axis=0, initial=0.0)
+  # fp8 holds deviations from the centre m, over m ± HEADROOM·amax, and that range still holds the uncentred
+  # one, ±HEADROOM·amax|x'|: amax ≥ amax|x'| + |m| / HEADROOM, so tokens that drift from the prefill's centre (keys
+  # on a RoPE pair that turns during decode) are clipped no sooner than before. Such a token gets fp8's 2^-4 of its
+  # deviation, which on the far side of zero is more than its magnitude (up to 2x the uncentred error there).
+  # e4m3 being a float format, the wide range costs no relative precision above its subnormals (2^-6 of the scale).
+  valid = (w > 0)[:, None]
+  centre = mean_r[:n_outlier] if centred else jnp.zeros((n_outlier,), jnp.float32)
+  dev_max = jnp.max(jnp.abs(xr[:, :n_outlier] - centre) * valid, axis=0, initial=0.0)  # [O]
+  abs_max = jnp.max(jnp.abs(xr[:, :n_outlier]) * valid, axis=0, initial=0.0)
+  amax = jnp.maximum(dev_max, abs_max + jnp.abs(centre) / HEADROOM)
   floor = 1e-6 * jnp.max(amax, initial=0.0) + 1e-30
   floor = jnp.where(enough, floor, jnp.maximum(floor, FALLBACK_OUTLIER_RANGE * jnp.where(flat, ref, rms)))
   scale = jnp.maximum(amax * HEADROOM, floor) / FP8_MAX

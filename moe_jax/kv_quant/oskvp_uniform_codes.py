@@ -47,8 +47,8 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
     cb_k, cb_v: f32 [BK, H, 4] uniform codebooks (`oskvp.fit(uniform=True)`).
     lengths: int32 [BK], stored tokens per row.
     outliers: None (codes only), or (outl_k fp8 [BK, S, 8], scale_k f32 [BK, 8], outl_v_t fp8 [BK, 8, S],
-      scale_v f32 [BK, 8]): the cache's fp8 channels 0..7 (rotated channel j = outl_j · scale_j; the codebook rows
-      of those channels are 0), the value channels tokens contiguous like vcodes_t.
+      scale_v f32 [BK, 8]): the cache's fp8 channels 0..7 (rotated channel j = c0_j + outl_j · scale_j; the codebook
+      rows of those channels are their centres c0_j, d_j = 0), the value channels tokens contiguous like vcodes_t.
     scale: the softmax scale (1/√H).
     implementation: "pallas" (the Mosaic GPU core; `interpret=True` on the CPU) or "xla" (exact: dense softmax over
       the dequantized codes, no digit or p quantization).

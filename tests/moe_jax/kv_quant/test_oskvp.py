@@ -131,6 +131,21 @@ def test_outlier_channels_are_stored_about_their_centre(offset):
   np.testing.assert_allclose(errs[1][o:].mean(), errs[0][o:].mean(), rtol=0.02)
 
 
+def test_the_centred_fp8_range_still_holds_the_uncentred_one():
+  """Rows 100 +- 10 in every channel: tokens anywhere in the uncentred range +-HEADROOM * amax|x'| (the range before
+  the centre), also on the far side of zero from the centre, come back within fp8's 2^-4 of their deviation from the
+  centre. Before (a range of HEADROOM * max(amax|x' - m|, amax|x'|) about m), x' = -200 in a channel centred at
+  +100 came back as -166 (clipped)."""
+  x = 100.0 + 10.0 * jax.random.normal(jax.random.PRNGKey(4), (512, 8))
+  p = oskvp.calibrate(x)
+  amax = np.abs(np.asarray(x @ p.u)).max(axis=0)
+  xr = np.stack([f * oskvp.HEADROOM * amax for f in (-0.99, -0.5, 0.5, 0.99)]).astype(np.float32)  # [4, 8]
+  got = np.asarray(oskvp.dequantize_rotated(oskvp.quantize_rotated(jnp.asarray(xr), p.codebook, p.scale), p.codebook,
+                                            p.scale))
+  dev = np.abs(xr - np.asarray(p.codebook[:, 0]))
+  assert np.all(np.abs(got - xr) <= 2.0**-4 * dev + 2.0**-9 * np.asarray(p.scale)), np.abs(got - xr) / dev
+
+
 def test_symmetric_codebooks():
   """symmetric=True: every row is c -+ (a, b) about the channel mean (cb0 + cb3 = cb1 + cb2, what the two-plane-type
   kernel needs). On Gaussian channels the optimal quantizer is symmetric anyway: MSE within 3% of the free fit; on
