@@ -325,9 +325,9 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   spacing = ref * (g[-1] - g[0]) / (n_levels - 1)
   grid = mean_r[:, None] + spacing * (jnp.arange(n_levels, dtype=jnp.float32) + 1 - n_levels // 2)[None, :]
   levels = jnp.where(flat, grid, levels)
-  is_outlier = jnp.arange(h) < n_outlier
   centre_row = mean_r if centred else jnp.zeros_like(mean_r)
-  codebook = jnp.where(is_outlier[:, None], centre_row[:, None], levels)  # outlier rows: the centre at every level
+  codebook = jnp.where((jnp.arange(h) < n_outlier)[:, None], centre_row[:, None], levels)  # outlier rows: the centre
+  centre = centre_row[:n_outlier]  # [O]
 
   # fp8 holds deviations from the centre m, over m ± HEADROOM·amax, and that range still holds the uncentred
   # one, ±HEADROOM·amax|x'|: amax ≥ amax|x'| + |m| / HEADROOM, so tokens that drift from the prefill's centre (keys
@@ -335,7 +335,6 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   # deviation, which on the far side of zero is more than its magnitude (up to 2x the uncentred error there).
   # e4m3 being a float format, the wide range costs no relative precision above its subnormals (2^-6 of the scale).
   valid = (w > 0)[:, None]
-  centre = mean_r[:n_outlier] if centred else jnp.zeros((n_outlier,), jnp.float32)
   dev_max = jnp.max(jnp.abs(xr[:, :n_outlier] - centre) * valid, axis=0, initial=0.0)  # [O]
   abs_max = jnp.max(jnp.abs(xr[:, :n_outlier]) * valid, axis=0, initial=0.0)
   amax = jnp.maximum(dev_max, abs_max + jnp.abs(centre) / HEADROOM)
