@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.chained_timing import copy_bandwidth, timeit
+from benchmarks.decode_attention import cudnn_bf16
 from pallas_kernels.oskvp_decode_attention import (DecodeBlockConfig, _oskvp_pallas, attention_bytes,
                                                    default_config, oskvp_decode_attention_reference)
 from pallas_kernels.oskvp_random import random_oskvp_inputs
@@ -87,9 +88,8 @@ def time_grid(log, contexts, batches, lut_max_context: int) -> list[dict]:
       return (jax.random.normal(k3, (b, HEADS, HEAD_DIM), jnp.bfloat16),
               jax.random.normal(k1, shape, jnp.bfloat16), jax.random.normal(k2, shape, jnp.bfloat16))
 
-    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")[:, 0]
     try:
-      ms = timeit(cudnn, make_bf16, kv_bytes)
+      ms = timeit(cudnn_bf16, make_bf16, kv_bytes)
       rows.append(dict(impl="cudnn bf16", batch=b, context=s, ms=ms, bytes_read=kv_bytes,
                        tb_per_s=kv_bytes / ms / 1e9, frac_copy_bw=kv_bytes / ms / 1e9 / copy_tbs))
     except Exception as e:  # pylint: disable=broad-except
