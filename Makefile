@@ -19,7 +19,7 @@ demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m moe_jax.generate --checkpoint=tiny-trained --prompt="def fibonacci(n):" --max_new_tokens=48
 
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist loadfile tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist loadfile --max-worker-restart=0 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,83 @@
+"""When an xdist worker dies (a segfault in a C extension), name the test and print where each thread was.
+
+pytest's own faulthandler writes every thread's stack to the worker's stderr, interleaved with the progress dots;
+a CI log that keeps only its head and tail cuts the middle of that dump, and with `--dist loadfile` pytest-xdist 3.8
+can then hang after replacing the crashed worker (pytest-dev/pytest-xdist#784, #1323) until the CI's limit. So:
+- each worker sends its fatal-error dump to a file of its own (`crash_dir/gwN.txt`) instead of stderr;
+- the controller, told that a worker went down, prints the test it was running, the crashing thread's whole stack
+  and every other thread's innermost frame, a few dozen lines at the end of the log;
+- `make test` passes `--max-worker-restart=0`, so the run stops there rather than hanging.
+
+Registered from tests/conftest.py (`pytest_plugins`); inert without xdist.
+"""
+
+import atexit
+import faulthandler
+import os
+import pathlib
+import shutil
+import tempfile
+
+import pytest
+
+_DIR_ENV = "MOE_JAX_TEST_CRASH_DIR"
+_dump_file = None  # kept open for the worker's lifetime: faulthandler writes to its descriptor
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin points the dump at stderr
+def pytest_configure(config):
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if worker is None:  # the controller (or a run without xdist): workers inherit the directory through the env
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) and \
+        _DIR_ENV not in os.environ:
+      os.environ[_DIR_ENV] = tempfile.mkdtemp(prefix="moe_jax_tests_crashes_")
+      atexit.register(shutil.rmtree, os.environ[_DIR_ENV], ignore_errors=True)
+    return
+  crash_dir = os.environ.get(_DIR_ENV)
+  if crash_dir:
+    global _dump_file
+    _dump_file = open(os.path.join(crash_dir, f"{worker}.txt"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    faulthandler.enable(file=_dump_file, all_threads=True)
+
+
+_RUNNER_FRAMES = ("/pluggy/", "/_pytest/", "/xdist/", "/execnet/")
+
+
+def summarize_dump(text: str, *, max_frames: int = 25) -> list[str]:
+  """The lines to print of a faulthandler dump: its header, the crashing thread's stack (innermost first, up to
+  `max_frames` frames, pytest's and xdist's own frames left out) and each other thread's innermost frame."""
+  out, section, frames = [], None, 0
+  for line in text.splitlines():
+    if line.startswith("Current thread"):
+      section, frames = "current", 0
+      out.append(line)
+    elif line.startswith("Thread 0x"):
+      section, frames = "other", 0
+      out.append(line)
+    elif line.lstrip().startswith("File "):
+      if section == "current" and any(part in line for part in _RUNNER_FRAMES):
+        continue
+      if (section == "current" and frames < max_frames) or (section == "other" and frames < 1):
+        out.append(line)
+      frames += 1
+    elif line.strip() and section is None:
+      out.append(line)  # "Fatal Python error: Segmentation fault" and the like
+    elif line.startswith("Extension modules"):
+      section = "done"
+  return out
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+  """xdist's hook in the controller: a worker finished (`error` None) or died."""
+  if error is None:
+    return
+  crash_dir = os.environ.get(_DIR_ENV)
+  worker = node.gateway.id
+  path = pathlib.Path(crash_dir, f"{worker}.txt") if crash_dir else None
+  text = path.read_text(encoding="utf-8", errors="replace") if path and path.exists() else ""
+  reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+  write = reporter.write_line if reporter else print
+  write(f"[{worker}] worker down ({error}); its fatal-error dump:")
+  for line in summarize_dump(text) or ["(empty: the worker died without a Python fatal error, e.g. SIGKILL)"]:
+    write(f"  {line}")
