@@ -1,43 +1,69 @@
-"""tests/worker_crash_report.py: a worker that segfaults ends the run at once (no xdist hang), and the log's tail
-names the test and the crashing frame."""
+"""`make test`'s worker settings (Makefile, PYTEST_WORKERS) with tests/worker_crash_report.py: a test whose worker
+segfaults once is run again and passes, one that segfaults every time fails without hanging the run, an assertion
+failure is not rerun, and the log names the crashing frame each time."""
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
-def test_a_segfaulting_worker_is_named_with_its_stack_and_the_run_stops(tmp_path):
+def _makefile_worker_flags() -> list[str]:
+  with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
+    line = re.search(r"^PYTEST_WORKERS := (.*)$", f.read(), re.M)
+  assert line, "the Makefile defines PYTEST_WORKERS"
+  return shlex.split(line.group(1))
+
+
+def test_a_crashed_test_is_rerun_once_and_the_dump_names_its_frame(tmp_path):
   (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
       import sys
       sys.path.insert(0, {TESTS!r})
       from worker_crash_report import pytest_configure, pytest_testnodedown
       """))
-  (tmp_path / "test_a_crash.py").write_text(textwrap.dedent("""
-      import ctypes
+  (tmp_path / "test_crashes.py").write_text(textwrap.dedent(f"""
+      import ctypes, os
 
       def test_before():
         pass
 
-      def test_reads_address_zero():
+      def test_crashes_once():
+        marker = {str(tmp_path / "crashed_once")!r}
+        if not os.path.exists(marker):
+          open(marker, "w").close()
+          ctypes.string_at(0)
+
+      def test_crashes_every_time():
         ctypes.string_at(0)
+
+      def test_fails():
+        assert 1 == 2
 
       def test_after():
         pass
       """))
-  (tmp_path / "test_b_more.py").write_text("def test_more():\n  pass\n")
   env = {k: v for k, v in os.environ.items() if k not in ("MOE_JAX_TEST_CRASH_DIR", "PYTEST_XDIST_WORKER")}
-  r = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "--dist", "loadfile", "--max-worker-restart=0",
-                      "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)], cwd=tmp_path, env=env,
-                     capture_output=True, text=True, timeout=120)
+  r = subprocess.run([sys.executable, "-m", "pytest", *_makefile_worker_flags(), "-p", "no:cacheprovider", "-o",
+                      "addopts=", "-rA", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                     timeout=180)
   out = r.stdout + r.stderr
-  assert r.returncode == 1, out[-3000:]
-  assert "crashed while running 'test_a_crash.py::test_reads_address_zero'" in out, out[-3000:]
-  dump = out[out.index("its fatal-error dump:"):]
-  assert "Fatal Python error: Segmentation fault" in dump
-  current = dump[dump.index("Current thread"):]
-  assert "in string_at" in current and "in test_reads_address_zero" in current, dump
-  assert "/pluggy/" not in current.split("Thread 0x")[0], dump  # the runner's frames are left out
-  assert out.count("Fatal Python error") == 1, out[-3000:]  # the dump went to the file, not also to stderr
+  assert r.returncode == 1, out[-4000:]
+  got = {name: kind for kind, name in re.findall(r"^(PASSED|FAILED) test_crashes\.py::(\w+)", out, re.M)}
+  assert got == {"test_before": "PASSED", "test_crashes_once": "PASSED", "test_crashes_every_time": "FAILED",
+                 "test_fails": "FAILED", "test_after": "PASSED"}, out[-4000:]
+  assert "crashed while running 'test_crashes.py::test_crashes_every_time'" in out, out[-4000:]
+  # one rerun per crashing test (the assertion failure is not rerun)
+  assert re.search(r"^=+ 2 failed, 3 passed, 2 rerun in ", out, re.M), out[-4000:]
+  dumps = out.split("its fatal-error dump:")[1:]
+  assert len(dumps) == 3, out[-4000:]  # once for the first crash, twice for the one that always crashes
+  for dump in dumps:
+    assert "Fatal Python error: Segmentation fault" in dump
+    current = dump[dump.index("Current thread"):].split("Thread 0x")[0]
+    assert "in string_at" in current and re.search(r"in test_crashes_(once|every_time)", current), dump
+    assert "/pluggy/" not in current, dump  # the runner's frames are left out
+  assert out.count("Fatal Python error") == 3, out[-4000:]  # the dumps went to the files, not also to stderr

@@ -1,14 +1,13 @@
-"""When an xdist worker dies (a segfault in a C extension), name the test and print where each thread was.
+"""When an xdist worker dies (a segfault in a C extension), print which test it was running and where each thread was.
 
-pytest's own faulthandler writes every thread's stack to the worker's stderr, interleaved with the progress dots;
-a CI log that keeps only its head and tail cuts the middle of that dump, and with `--dist loadfile` pytest-xdist 3.8
-can then hang after replacing the crashed worker (pytest-dev/pytest-xdist#784, #1323) until the CI's limit. So:
+pytest's own faulthandler writes every thread's stack to the worker's stderr, interleaved with the progress dots; a
+CI log that keeps only its head and tail cut the middle of that dump out, so the crash was anonymous. So:
 - each worker sends its fatal-error dump to a file of its own (`crash_dir/gwN.txt`) instead of stderr;
-- the controller, told that a worker went down, prints the test it was running, the crashing thread's whole stack
-  and every other thread's innermost frame, a few dozen lines at the end of the log;
-- `make test` passes `--max-worker-restart=0`, so the run stops there rather than hanging.
+- the controller, told that a worker went down, prints the crashing thread's stack (innermost first, the test
+  runner's frames left out; the test's own frame is among them) and every other thread's innermost frame.
+`make test` (Makefile, PYTEST_WORKERS) then replaces the worker and runs the crashed test once more.
 
-Registered from tests/conftest.py (`pytest_plugins`); inert without xdist.
+Registered from tests/conftest.py; inert without xdist.
 """
 
 import atexit
