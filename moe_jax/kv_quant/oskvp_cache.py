@@ -58,9 +58,11 @@ class OSKVPLayerCache:
   n_res: jax.Array
   hi_k: jax.Array | None = None
   hi_v: jax.Array | None = None
+  refit: jax.Array | None = None  # bool [B]: refit the row at its first flush (`OSKVPMode.refit_at_first_flush`)
   implementation: str = struct.field(pytree_node=False, default="auto")
   symmetric: bool = struct.field(pytree_node=False, default=False)  # codebooks from `OSKVPMode(symmetric=True)`
   values_contiguous: bool = struct.field(pytree_node=False, default=False)  # codes_v, outl_v [B, K, X, S]
+  refit_mode: OSKVPMode | None = struct.field(pytree_node=False, default=None)  # whose `fit` refits (with refit)
 
   @property
   def max_len(self) -> int:
@@ -85,8 +87,37 @@ class OSKVPLayerCache:
       return self.codes_v, self.outl_v
     return jnp.swapaxes(self.codes_v, -1, -2), jnp.swapaxes(self.outl_v, -1, -2)
 
+  def _refit_row(self, i: jax.Array) -> "OSKVPLayerCache":
+    """Row i's U, codebooks and fp8 scales fitted again, by `refit_mode`, on the R tokens of its window (which it
+    holds in the new basis after); its compressed store must be empty, as it is at the first flush."""
+    r = self.window
+
+    def one(res, u, rope_span):  # res [B, K, R, H] rotated by u [B, K, H, H]
+      x = jnp.einsum("KRJ,KHJ->RKH", res[i].astype(jnp.float32), u[i])  # the window's tokens, original basis
+      p = self.refit_mode.fit(x[None], jnp.full((1,), r, jnp.int32), rope_span=rope_span)  # leading [1, K]
+      return p, jnp.einsum("RKH,KHJ->KRJ", x, p.u[0])
+
+    pk, rk = one(self.res_k, self.u_k, self.max_len)  # keys: RoPE-shift augmented as at prefill
+    pv, rv = one(self.res_v, self.u_v, 0)
+    put = lambda a, x: a.at[i].set(x.astype(a.dtype))
+    return self.replace(u_k=put(self.u_k, pk.u[0]), cb_k=put(self.cb_k, pk.codebook[0]),
+                        scale_k=put(self.scale_k, pk.scale[0]), res_k=put(self.res_k, rk),
+                        u_v=put(self.u_v, pv.u[0]), cb_v=put(self.cb_v, pv.codebook[0]),
+                        scale_v=put(self.scale_v, pv.scale[0]), res_v=put(self.res_v, rv))
+
+  def _refit_first_flushes(self, full: jax.Array) -> "OSKVPLayerCache":
+    """Refits the rows flushing now whose `refit` flag is set (one `_refit_row` each, so the cost follows their
+    count, not the batch's) and clears the flag of every flushing row."""
+    todo = full & self.refit
+    order = jnp.nonzero(todo, size=todo.shape[0], fill_value=0)[0]  # the rows to refit first
+    cache = jax.lax.fori_loop(0, jnp.sum(todo), lambda j, c: c._refit_row(order[j]), self)
+    return cache.replace(refit=self.refit & ~full)
+
   def _flush(self) -> "OSKVPLayerCache":
-    """Moves each full window (n_res == R) into the compressed store at n_comp, as one block of R tokens."""
+    """Moves each full window (n_res == R) into the compressed store at n_comp, as one block of R tokens (after
+    refitting the rows flagged `refit`, see `OSKVPMode.refit_at_first_flush`)."""
+    if self.refit is not None:
+      self = self._refit_first_flushes(self.n_res == self.window)  # pylint: disable=self-cls-assignment
     b, r = self.n_res.shape[0], self.window
     full = self.n_res == r
     quant = jax.vmap(jax.vmap(oskvp.quantize_rotated))  # over B, K
@@ -275,6 +306,11 @@ class OSKVPMode:
       attention uses on the GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`; the cache then stores its
       values tokens contiguous); elsewhere the Triton kernel (two plane types: uniform codebooks are symmetric) or
       the XLA reference over the token-major view. Fidelity in benchmarks/results/kv_cache.md.
+    refit_at_first_flush: a sequence whose whole prompt sits in the window after prefill (length <= R: nothing
+      coded yet) is fitted again on the window's R tokens when they are first coded, so its codes come from a fit
+      on at least R tokens, the coded ones among them, instead of one on the prompt alone (a prompt shorter than
+      H falls back to a permutation basis and levels as wide as its magnitude). Costs one fit of the row per layer,
+      inside that decode step; measured in the README's OS-KVP section.
   """
 
   bits: int = 2
@@ -287,6 +323,7 @@ class OSKVPMode:
   implementation: str = "auto"
   symmetric: bool = False
   uniform: bool = False
+  refit_at_first_flush: bool = True
 
   def __post_init__(self):
     if self.bits not in (2, 3):
@@ -351,9 +388,12 @@ class OSKVPMode:
     """k, v: [B, T, K, H] prefill keys (post-RoPE) / values -> OSKVPLayerCache with S = cache_len."""
     del layer
     params_k = self.fit(k, lengths, rope_span=cache_len)
-    return build_layer_cache(k, v, lengths, cache_len, params_k, self.fit(v, lengths), window=self.window,
-                             implementation=self.implementation, symmetric=self.symmetric or self.uniform,
-                             values_contiguous=self.uniform)
+    cache = build_layer_cache(k, v, lengths, cache_len, params_k, self.fit(v, lengths), window=self.window,
+                              implementation=self.implementation, symmetric=self.symmetric or self.uniform,
+                              values_contiguous=self.uniform)
+    if not self.refit_at_first_flush:
+      return cache
+    return cache.replace(refit=cache.n_comp == 0, refit_mode=self)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

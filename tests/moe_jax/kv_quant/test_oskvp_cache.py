@@ -369,8 +369,8 @@ def test_biased_keys_and_values_decode_as_well_as_unbiased_ones(implementation, 
   channel, prompts of 140 and 130 tokens (more than head_dim: fitted, not the short-prompt fallback), 3 tokens
   decoded: the decode output's error against dense attention over the bf16 tokens is within 1.05x of the unbiased
   cache's (measured 0.97-1.03x). Before the fp8 outlier channels were stored about their centres, 1.20-1.25x. (With
-  prompts shorter than head_dim the fallback still takes the biased rows' magnitude for their spread: 8.7-10.5x,
-  README's known weakness.) Pallas runs in interpret mode (uniform at H=128: the Mosaic GPU core through its
+  prompts shorter than head_dim the fallback takes the biased rows' magnitude for their spread, 8.7-10.5x, until
+  the first flush refits them: `test_a_prompt_inside_the_window_is_refitted_at_its_first_flush`.) Pallas runs in interpret mode (uniform at H=128: the Mosaic GPU core through its
   interpreter)."""
   if implementation == "pallas":
     pytest.importorskip("pallas_kernels.oskvp_decode_attention")
@@ -396,3 +396,46 @@ def test_biased_keys_and_values_decode_as_well_as_unbiased_ones(implementation, 
     assert np.isfinite(got).all()
     errs.append(float(np.linalg.norm(got - ref)))  # the bias moves the output, not its spread: absolute error
   assert errs[1] < 1.05 * errs[0], errs
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_a_prompt_inside_the_window_is_refitted_at_its_first_flush(uniform):
+  """Window R = 40 >= H, prompts of 3 and 50 tokens, keys and values biased by 30 sds (`_biased_kv`). The 3-token
+  row's whole prompt sits in the window (nothing coded at prefill), so at its first flush (decode step 37) U,
+  codebooks and fp8 scales are fitted again on the window's 40 tokens; the 50-token row had 40 tokens coded at
+  prefill and keeps its prefill fit through its flush (step 30). Every step's output equals attention over the
+  cache's own dequantized tokens (the refitted row's window re-rotated consistently), and over the 9 steps after the
+  refit the 3-token row's error against dense attention is < 0.1x the unrefitted cache's (measured 0.045x, 0.040x
+  uniform: the short-prompt fallback had levels as wide as the bias)."""
+  ns, steps, s = [3, 50], 46, 128
+  t = ns[1] + steps
+  k, v = _biased_kv(t, H, 150.0, 30.0)
+  qs = jax.random.normal(jax.random.PRNGKey(3), (B, steps, K * G, H))
+  step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
+  errs = {}
+  for refit in (True, False):
+    mode = OSKVPMode(window=40, uniform=uniform, refit_at_first_flush=refit)
+    cache = jax.jit(lambda k, v, m=mode: m.from_prefill(k, v, jnp.array(ns), s, layer=0))(k[:, :ns[1]], v[:, :ns[1]])
+    if refit:
+      np.testing.assert_array_equal(cache.refit, [True, False])
+    u0 = np.asarray(cache.u_k)
+    errs[refit] = []
+    for i in range(steps):
+      idx = (jnp.array(ns) + i)[:, None, None, None]
+      o, cache = step(cache, qs[:, i:i + 1], jnp.take_along_axis(k, idx, 1), jnp.take_along_axis(v, idx, 1))
+      total = jnp.array(ns) + i + 1
+      if refit:
+        np.testing.assert_allclose(o, _visible_attention(qs[:, i:i + 1], *cache.dequantized(), total), rtol=1e-4,
+                                   atol=1e-4)
+      if i >= 37:
+        dense = [jnp.where((jnp.arange(t) < total[:, None])[:, :, None, None], x, 0.0)
+                 .astype(jnp.bfloat16).astype(jnp.float32) for x in (k, v)]
+        errs[refit].append(float(jnp.linalg.norm(o[0] - _visible_attention(qs[:, i:i + 1], *dense, total)[0])))
+    np.testing.assert_array_equal(cache.n_comp, [40, 80])
+    if refit:
+      np.testing.assert_array_equal(cache.refit, [False, False])
+      assert not np.allclose(cache.u_k[0], u0[0])  # refitted
+      np.testing.assert_array_equal(cache.u_k[1], u0[1])  # prefill fit kept
+      u = np.asarray(cache.u_k[0], np.float64)
+      np.testing.assert_allclose(np.einsum("khi,khj->kij", u, u), np.broadcast_to(np.eye(H), (K, H, H)), atol=1e-4)
+  assert np.mean(errs[True]) < 0.1 * np.mean(errs[False]), errs
