@@ -1,10 +1,10 @@
 """What the OS-KVP refit at the first flush (`OSKVPMode.refit_at_first_flush`) costs a decode step, per layer.
 
-Run:  PYTHONPATH=$PWD python3 benchmarks/oskvp_refit_cost.py [--out=DIR] [--batch=8] [--kv_heads=8] [--head_dim=128]
+Run:  PYTHONPATH=$PWD python3 -m benchmarks.oskvp_refit_cost [--out=DIR] [--batch=8] [--kv_heads=8] [--head_dim=128]
 One layer's cache (`OSKVPMode.from_prefill` on random keys and values, window R = 128, S = --cache_len) and one
-decode step (`extend`, T = 1, the cache's default implementation) timed at four points: a step that flushes nothing,
-a step where every row flushes with its prefill fit (no refit), and steps where 1 and all rows flush with a refit
-(prompts inside the window). Each timed call starts from the same cache (not donated, so each copies it: the copy is
+decode step (`extend`, T = 1, the cache's default implementation) timed at five points: a step that flushes nothing,
+steps where every row flushes with its prefill fit (a longer prompt; refit off), and steps where 1 and all rows flush
+with a refit (prompts shorter than the window). Each timed call starts from the same cache (not donated, so each copies it: the copy is
 in every row alike). Writes `oskvp_refit_cost_<device>.{json,md}` under --out.
 """
 
@@ -19,23 +19,25 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import median_ms  # noqa: E402  # pylint: disable=wrong-import-position,import-error
-
-from moe_jax.kv_quant import OSKVPMode  # noqa: E402
+from benchmarks.timing import median_ms
+from moe_jax.kv_quant import OSKVPMode
 
 
 def step_ms(mode: OSKVPMode, lengths: list[int], *, b: int, kh: int, g: int, h: int, cache_len: int,
-            repeats: int) -> float:
-  """Median ms of one decode step on a cache prefilled to `lengths` (T = max(lengths))."""
+            repeats: int, pre_steps: int = 0) -> tuple[float, int]:
+  """(median ms, rows it refits) of one decode step on a cache prefilled to `lengths` (T = max(lengths)), after
+  `pre_steps` untimed ones."""
   t = max(lengths)
   keys = jax.random.split(jax.random.key(0), 5)
   k, v = (jax.random.normal(kk, (b, t, kh, h), jnp.float32) for kk in keys[:2])
   cache = jax.jit(lambda k, v: mode.from_prefill(k, v, jnp.asarray(lengths), cache_len, layer=0))(k, v)
   q = jax.random.normal(keys[2], (b, 1, kh * g, h), jnp.float32)
   nk, nv = (jax.random.normal(kk, (b, 1, kh, h), jnp.float32) for kk in keys[3:])
-  step = jax.jit(lambda c: c.extend(q, nk, nv, jnp.zeros(b, jnp.int32)))
-  return median_ms(lambda: step(cache), repeats)
+  step = jax.jit(lambda c: c.extend(q, nk, nv, jnp.zeros(b, jnp.int32)))  # (attention output, cache)
+  for _ in range(pre_steps):
+    cache = step(cache)[1]
+  refits = 0 if cache.refit is None else int(jnp.sum(cache.refit & (cache.n_res == cache.window)))
+  return median_ms(lambda: step(cache), repeats), refits
 
 
 def main(argv=None) -> int:
@@ -53,14 +55,19 @@ def main(argv=None) -> int:
   shape = dict(b=b, kh=a.kv_heads, g=a.group, h=a.head_dim, cache_len=a.cache_len, repeats=a.repeats)
   mode = OSKVPMode(window=r)
   long = r + r  # prefill n_comp = R: coded tokens already, so no refit flag; the window holds R tokens (flushes)
+  # (name, mode, prompt lengths, untimed steps first): prompts shorter than R are flagged to refit; one untimed step
+  # fills a window of R - 1 tokens, so the timed step flushes it (with its refit)
   cases = [
-      ("no flush", mode, [r + 1] * b),  # window holds 1 token after prefill
-      ("all rows flush, prefill fit", mode, [long] * b),
-      ("all rows flush, refit off", dataclasses.replace(mode, refit_at_first_flush=False), [r] * b),
-      ("1 row flushes with a refit", mode, [r] + [r - 1] * (b - 1)),
-      (f"all {b} rows flush with a refit", mode, [r] * b),
+      ("no flush", mode, [r + 1] * b, 0),  # window holds 1 token after prefill
+      ("all rows flush, prefill fit", mode, [long] * b, 0),
+      ("all rows flush, refit off", dataclasses.replace(mode, refit_at_first_flush=False), [r - 1] * b, 1),
+      ("1 row flushes with a refit", mode, [r - 1] + [r - 2] * (b - 1), 1),
+      (f"all {b} rows flush with a refit", mode, [r - 1] * b, 1),
   ]
-  rows = [{"case": name, "ms": step_ms(m, lengths, **shape)} for name, m, lengths in cases]
+  rows = []
+  for name, m, lengths, pre in cases:
+    ms, refits = step_ms(m, lengths, pre_steps=pre, **shape)
+    rows.append({"case": name, "ms": ms, "rows_refitted": refits})
   device = jax.devices()[0].device_kind
   result = {"device": device, "jax": jax.__version__, "shape": {k: v for k, v in shape.items() if k != "repeats"} |
             {"window": r}, "rows": rows}
@@ -70,7 +77,8 @@ def main(argv=None) -> int:
     json.dump(result, f, indent=2)
   lines = [f"# OS-KVP refit at the first flush: one layer's decode step ({device}, jax {jax.__version__})", "",
            f"B={b}, K={a.kv_heads}, G={a.group}, H={a.head_dim}, R={r}, S={a.cache_len}; median of {a.repeats}.", "",
-           "| case | ms |", "|---|---|"] + [f"| {x['case']} | {x['ms']:.3f} |" for x in rows]
+           "| case | rows refitted | ms |", "|---|---|---|"] + [f"| {x['case']} | {x['rows_refitted']} | {x['ms']:.3f} |"
+                                                             for x in rows]
   with open(stem + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))

@@ -344,6 +344,16 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   return OSKVPParams(u=u, scale=scale, codebook=codebook)
 
 
+def placeholder(head_dim: int, n_outlier: int, *, bits: int = 2, uniform: bool = False) -> OSKVPParams:
+  """Parameters that code nothing yet: identity U, unit fp8 scales, unit-Gaussian levels (equally spaced for
+  uniform) about 0 and zero outlier centres. For a cache whose stored tokens are all in its exact window until a
+  later fit replaces them (`OSKVPMode.refit_at_first_flush`); any kernel reads them as a valid calibration."""
+  g = GAUSSIAN_UNIFORM_STEP * np.asarray(_UNIFORM_Z) if uniform else np.asarray(GAUSSIAN_LEVELS[2**bits])
+  codebook = np.where((np.arange(head_dim) < n_outlier)[:, None], 0.0, g[None, :])
+  return OSKVPParams(u=jnp.eye(head_dim, dtype=jnp.float32), scale=jnp.ones((n_outlier,), jnp.float32),
+                     codebook=jnp.asarray(codebook, jnp.float32))
+
+
 def symmetric_codebooks(codebook: jax.Array, rtol: float = 1e-5) -> bool:
   """True if every 4-level row [..., H, 4] has cb0 + cb3 = cb1 + cb2 (to rtol of its range): two plane types."""
   cb = np.asarray(codebook, np.float64)

@@ -12,12 +12,14 @@ Layout per layer (every leaf batch-leading, shared with `pallas_kernels/oskvp_de
   u_k, u_v          f32 [B, K, H, H]
   res_k, res_v      bf16 [B, K, R, H]        the most recent tokens, already rotated
   n_comp, n_res     int32 [B]                tokens in the compressed store / in the window
+  refit             bool [B]                 refit the row at its first flush (dynamic modes, else None)
 A sequence's tokens are compressed [0, n_comp) followed by residual [0, n_res); S = cache_len, enough for any
 sequence the cache can hold (n_comp + n_res <= cache_len).
 
 Prefill split: n_comp = R·floor((len - 1) / R) and n_res = len - n_comp, so the window holds 1..R tokens and the
 compressed store is block-aligned. Decode (`extend`, T=1 at a time): if the window is full, its R tokens are quantized
-with the prefill's U and codebooks and written as one block at n_comp (skipped entirely by `lax.cond` when no sequence
+with the prefill's U and codebooks (or, for a row flagged `refit`, with ones fitted now on those R tokens; see
+`OSKVPMode.refit_at_first_flush`) and written as one block at n_comp (skipped entirely by `lax.cond` when no sequence
 of the batch is full); the new token, rotated, goes into the window; then attention runs over both parts.
 Keys are post-RoPE (q·k = (qU)·(kU) is exact); values use their own U_v and the output is rotated back once.
 Dynamic modes fit U and codebooks per sequence and kv head on the valid prefill tokens (padding masked by length;
@@ -306,11 +308,13 @@ class OSKVPMode:
       attention uses on the GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`; the cache then stores its
       values tokens contiguous); elsewhere the Triton kernel (two plane types: uniform codebooks are symmetric) or
       the XLA reference over the token-major view. Fidelity in benchmarks/results/kv_cache.md.
-    refit_at_first_flush: a sequence whose whole prompt sits in the window after prefill (length <= R: nothing
-      coded yet) is fitted again on the window's R tokens when they are first coded, so its codes come from a fit
-      on at least R tokens, the coded ones among them, instead of one on the prompt alone (a prompt shorter than
-      H falls back to a permutation basis and levels as wide as its magnitude). Costs one fit of the row per layer,
-      inside that decode step; measured in the README's OS-KVP section.
+    refit_at_first_flush: a sequence whose prompt is shorter than the window (nothing coded at prefill) is fitted
+      when its window is first full, on those R tokens, so its codes come from a fit on R tokens, the coded ones
+      among them, instead of one on the prompt alone (a prompt shorter than H falls back to a permutation basis and
+      levels as wide as its magnitude). A prefill whose prompts are all shorter than R fits nothing then
+      (`oskvp.placeholder`), so each such row is fitted once. Costs one fit of the row per layer inside that decode
+      step; measured in the README's OS-KVP section. A serving engine clears the flag of its free slots
+      (`moe_jax.serving.steps.decode_slots`), which step too.
   """
 
   bits: int = 2
@@ -387,13 +391,21 @@ class OSKVPMode:
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
     """k, v: [B, T, K, H] prefill keys (post-RoPE) / values -> OSKVPLayerCache with S = cache_len."""
     del layer
-    params_k = self.fit(k, lengths, rope_span=cache_len)
-    cache = build_layer_cache(k, v, lengths, cache_len, params_k, self.fit(v, lengths), window=self.window,
+    fitted = lambda: (self.fit(k, lengths, rope_span=cache_len), self.fit(v, lengths))  # noqa: E731
+    if not self.refit_at_first_flush:
+      params_k, params_v = fitted()
+    else:  # prompts shorter than the window are fitted at their first flush; a batch of only those, only then
+      short = lengths < self.window  # n_comp == 0 and n_res < R: the first flush will hold more than the prompt
+      b, _, kh, h = k.shape
+      p = oskvp.placeholder(h, oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits, uniform=self.uniform)
+      p = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (b, kh, *a.shape)), p)
+      params_k, params_v = jax.lax.cond(jnp.all(short), lambda: (p, p), fitted)
+    cache = build_layer_cache(k, v, lengths, cache_len, params_k, params_v, window=self.window,
                               implementation=self.implementation, symmetric=self.symmetric or self.uniform,
                               values_contiguous=self.uniform)
     if not self.refit_at_first_flush:
       return cache
-    return cache.replace(refit=cache.n_comp == 0, refit_mode=self)
+    return cache.replace(refit=short, refit_mode=self)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

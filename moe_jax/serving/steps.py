@@ -158,11 +158,21 @@ def decode_slots(model, cache: KVCache, tokens: jax.Array, active: jax.Array, ke
   Returns:
     (next tokens int32 [B], bool [B] logits all finite, cache with active lengths + 1).
   """
+  cache = cache.replace(layers=tuple(_idle_slots_skip_refit(layer, active) for layer in cache.layers))
   logits, new = _module(model).decode(cache, tokens[:, None])
   logits = logits[:, 0]
   finite = jnp.all(jnp.isfinite(logits), axis=-1)
   nxt = _sample_or_argmax(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
   return nxt, finite, new.replace(lengths=jnp.where(active, new.lengths, cache.lengths))
+
+
+def _idle_slots_skip_refit(layer, active: jax.Array):
+  """An OS-KVP layer cache whose free slots no longer wait to refit at their first flush (`OSKVPMode.
+  refit_at_first_flush`): they step too and would all refit, on idle tokens, at one step. `insert` sets the flag
+  again for a request."""
+  if getattr(layer, "refit", None) is None:
+    return layer
+  return layer.replace(refit=layer.refit & active)
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots",))

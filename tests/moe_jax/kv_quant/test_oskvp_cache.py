@@ -398,26 +398,33 @@ def test_biased_keys_and_values_decode_as_well_as_unbiased_ones(implementation, 
   assert errs[1] < 1.05 * errs[0], errs
 
 
-@pytest.mark.parametrize("uniform", [False, True])
-def test_a_prompt_inside_the_window_is_refitted_at_its_first_flush(uniform):
-  """Window R = 40 >= H, prompts of 3 and 50 tokens, keys and values biased by 30 sds (`_biased_kv`). The 3-token
-  row's whole prompt sits in the window (nothing coded at prefill), so at its first flush (decode step 37) U,
-  codebooks and fp8 scales are fitted again on the window's 40 tokens; the 50-token row had 40 tokens coded at
-  prefill and keeps its prefill fit through its flush (step 30). Every step's output equals attention over the
-  cache's own dequantized tokens (the refitted row's window re-rotated consistently), and over the 9 steps after the
-  refit the 3-token row's error against dense attention is < 0.1x the unrefitted cache's (measured 0.045x, 0.040x
-  uniform: the short-prompt fallback had levels as wide as the bias)."""
-  ns, steps, s = [3, 50], 46, 128
-  t = ns[1] + steps
+@pytest.mark.parametrize("uniform,ns", [(False, (3, 50)), (True, (3, 50)), (False, (3, 30))])
+def test_a_prompt_inside_the_window_is_refitted_at_its_first_flush(uniform, ns):
+  """Window R = 40 >= H, keys and values biased by 30 sds (`_biased_kv`). The 3-token row's whole prompt sits in the
+  window (nothing coded at prefill), so at its first flush (decode step 37) U, codebooks and fp8 scales are fitted
+  again on the window's 40 tokens. With a 50-token row beside it, that row had 40 tokens coded at prefill and keeps
+  its prefill fit through its flush (step 30); with a 30-token row instead, no row is fitted at prefill (identity U,
+  the window holds the bf16 tokens themselves, `oskvp.placeholder`) and each is fitted at its own first flush (steps
+  37 and 10). Every step's output equals attention over the cache's own dequantized tokens (a refitted row's window
+  re-rotated consistently), and over the 9 steps after the refit the 3-token row's error against dense attention is
+  < 0.1x the unrefitted cache's (measured 0.045x, 0.040x uniform, 0.045x deferred: the short-prompt fallback had
+  levels as wide as the bias)."""
+  steps, s, r = 46, 128, 40
+  deferred = max(ns) <= r
+  t = max(ns) + steps
   k, v = _biased_kv(t, H, 150.0, 30.0)
   qs = jax.random.normal(jax.random.PRNGKey(3), (B, steps, K * G, H))
   step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
   errs = {}
   for refit in (True, False):
-    mode = OSKVPMode(window=40, uniform=uniform, refit_at_first_flush=refit)
-    cache = jax.jit(lambda k, v, m=mode: m.from_prefill(k, v, jnp.array(ns), s, layer=0))(k[:, :ns[1]], v[:, :ns[1]])
+    mode = OSKVPMode(window=r, uniform=uniform, refit_at_first_flush=refit)
+    cache = jax.jit(lambda k, v, m=mode: m.from_prefill(k, v, jnp.array(ns), s, layer=0))(k[:, :max(ns)],
+                                                                                          v[:, :max(ns)])
     if refit:
-      np.testing.assert_array_equal(cache.refit, [True, False])
+      np.testing.assert_array_equal(cache.refit, [True, deferred])
+      if deferred:  # no fit at prefill: the window holds the tokens themselves
+        np.testing.assert_array_equal(cache.u_k, np.broadcast_to(np.eye(H), cache.u_k.shape))
+        np.testing.assert_array_equal(cache.res_k[1, :, :30], jnp.swapaxes(k[1, :30], 0, 1).astype(jnp.bfloat16))
     u0 = np.asarray(cache.u_k)
     errs[refit] = []
     for i in range(steps):
@@ -431,11 +438,15 @@ def test_a_prompt_inside_the_window_is_refitted_at_its_first_flush(uniform):
         dense = [jnp.where((jnp.arange(t) < total[:, None])[:, :, None, None], x, 0.0)
                  .astype(jnp.bfloat16).astype(jnp.float32) for x in (k, v)]
         errs[refit].append(float(jnp.linalg.norm(o[0] - _visible_attention(qs[:, i:i + 1], *dense, total)[0])))
-    np.testing.assert_array_equal(cache.n_comp, [40, 80])
+    np.testing.assert_array_equal(cache.n_comp, [40, 40 if deferred else 80])
     if refit:
       np.testing.assert_array_equal(cache.refit, [False, False])
-      assert not np.allclose(cache.u_k[0], u0[0])  # refitted
-      np.testing.assert_array_equal(cache.u_k[1], u0[1])  # prefill fit kept
-      u = np.asarray(cache.u_k[0], np.float64)
-      np.testing.assert_allclose(np.einsum("khi,khj->kij", u, u), np.broadcast_to(np.eye(H), (K, H, H)), atol=1e-4)
+      for row in range(B):
+        u = np.asarray(cache.u_k[row], np.float64)
+        np.testing.assert_allclose(np.einsum("khi,khj->kij", u, u), np.broadcast_to(np.eye(H), (K, H, H)),
+                                   atol=1e-4)
+        if row == 0 or deferred:
+          assert not np.allclose(u, u0[row])  # refitted
+        else:
+          np.testing.assert_array_equal(u, u0[row])  # the prefill's fit kept
   assert np.mean(errs[True]) < 0.1 * np.mean(errs[False]), errs

@@ -474,3 +474,45 @@ def test_compressed_cache_mode_matches_alone(tiny_model):
     assert h.result() == ref[i % 4, :max_tokens[i % 4]].tolist(), i
   with pytest.raises(InvalidRequest, match="longest prompt 16"):
     eng.submit(list(range(17)), max_tokens=2)
+
+
+def test_oskvp_short_prompts_refit_in_their_slot_and_free_slots_never_do(tiny_model):
+  """OS-KVP with a window of 8 (`refit_at_first_flush`): every slot of the initial cache is a copy of a 1-token
+  prefill, flagged to refit, and a decode step clears the flags of free slots (warm-up's, every slot free, clears
+  them all; before, the free slots all refitted at one step on idle tokens, 35-500 ms against ~1 ms); a request with
+  a 3-token prompt keeps its flag until its window is first full, is refitted then and only then, and its tokens
+  equal the same request decoded alone."""
+  from moe_jax.kv_cache import KV_CACHE_MODES, register_kv_cache_mode  # pylint: disable=g-import-not-at-top
+  from moe_jax.kv_quant import OSKVPMode  # pylint: disable=g-import-not-at-top
+  if "oskvp_window8" not in KV_CACHE_MODES:
+    register_kv_cache_mode("oskvp_window8", OSKVPMode(window=8, implementation="xla"))
+  eng = Engine(tiny_model, EngineConfig(num_slots=4, cache_len=CACHE_LEN, kv_cache="oskvp_window8",
+                                        prefill_lengths=(16,), prefill_batches=(1,), max_queue=4))
+  eng.warmup()
+  assert not np.asarray(eng.cache.layers[0].refit).any()
+  prompt, max_tokens = [5, 17, 42], 12
+  before = steps.total_traces()
+  h = eng.submit(prompt, max_tokens=max_tokens)
+  eng.step()
+  slot = int(np.flatnonzero(eng._active)[0])  # pylint: disable=protected-access
+  free = [s for s in range(4) if s != slot]
+  layer = eng.cache.layers[0]
+  np.testing.assert_array_equal(np.asarray(layer.refit), np.arange(4) == slot)
+  u_free = np.asarray(layer.u_k)[free]
+  flags = []
+  while not h.done:
+    eng.step()
+    flags.append(bool(eng.cache.layers[0].refit[slot]))
+  assert steps.total_traces() == before
+  # 3 + 1 tokens after the first step; the window is full after 4 more and flushed (refitted) at the step after
+  assert flags[:4] == [True] * 4 and not any(flags[5:]), flags
+  layer = eng.cache.layers[0]
+  np.testing.assert_array_equal(np.asarray(layer.u_k)[free], u_free)  # no idle refit
+  assert not np.allclose(np.asarray(layer.u_k)[slot], np.eye(layer.u_k.shape[-1]))  # the request's was fitted
+  logits, cache = decode.prefill(tiny_model, np.asarray([prompt]), np.asarray([3]), kv_cache="oskvp_window8",
+                                 cache_len=CACHE_LEN, last_only=True)
+  ref = [int(jnp.argmax(logits[0]))]
+  for _ in range(max_tokens - 1):
+    lg, cache = decode.decode_step(tiny_model, cache, np.asarray([ref[-1]], np.int32))
+    ref.append(int(jnp.argmax(lg[0])))
+  assert h.result() == ref

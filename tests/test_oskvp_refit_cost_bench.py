@@ -1,0 +1,18 @@
+"""benchmarks/oskvp_refit_cost.py at a tiny shape on the CPU: five timed cases, the report files."""
+
+import json
+import os
+
+from benchmarks import oskvp_refit_cost as bench
+
+
+def test_tiny_run_writes_every_case(tmp_path):
+  assert bench.main([f"--out={tmp_path}", "--batch=2", "--kv_heads=1", "--group=2", "--head_dim=32", "--window=8",
+                     "--cache_len=32", "--repeats=1"]) == 0
+  with open(os.path.join(tmp_path, "oskvp_refit_cost_cpu.json"), encoding="utf-8") as f:
+    res = json.load(f)
+  assert [r["case"] for r in res["rows"]] == ["no flush", "all rows flush, prefill fit", "all rows flush, refit off",
+                                               "1 row flushes with a refit", "all 2 rows flush with a refit"]
+  assert [r["rows_refitted"] for r in res["rows"]] == [0, 0, 0, 1, 2]
+  assert all(r["ms"] > 0 for r in res["rows"]) and res["shape"]["window"] == 8
+  assert "| 1 row flushes with a refit | 1 |" in open(os.path.join(tmp_path, "oskvp_refit_cost_cpu.md")).read()
