@@ -13,6 +13,7 @@ import importlib
 _EXPORTS = {
     "ModelConfig": "moe_jax.config",
     "Transformer": "moe_jax.model",
+    "FlatModel": "moe_jax.flat_model",
     "KVCache": "moe_jax.kv_cache",
     "get_kv_cache_mode": "moe_jax.kv_cache",
     "register_kv_cache_mode": "moe_jax.kv_cache",

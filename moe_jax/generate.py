@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import decode
+from moe_jax.flat_model import FlatModel
 from moe_jax.kv_cache import KVCache
 from moe_jax.sampling import SamplingParams, sample
 from moe_jax.tokenizer import PAD_ID, decode_continuation
@@ -121,6 +122,7 @@ def stream(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   cache_len = int(tokens.shape[1]) + max_new_tokens - 1 if cache_len is None else cache_len
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
+  model = FlatModel.of(model)  # one walk of the parameters, not one per step
   step_logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len, last_only=True)
   params = sampling.arrays(tokens.shape[0])
   sample_jit = jax.jit(sample)

@@ -2,8 +2,8 @@
 insert prefilled rows into slots, and the one decode step over all slots.
 
 Each is jitted once at module level, so every engine over the same model structure shares the compiled code, and
-each traces only for a new shape (pass the model as a `FlatModel`, as the engine does, to keep the per-call cost
-of a deep model's parameters low) (`TRACES` counts the traces per function: the "no recompilation after warm-up"
+each traces only for a new shape (pass the model as a `FlatModel` (`moe_jax.flat_model`), as the engine does, to keep
+the per-call cost of a deep model's parameters low) (`TRACES` counts the traces per function: the "no recompilation after warm-up"
 check of the tests reads it). The slot cache is donated to `insert` and `decode_slots`, so on an accelerator the
 cache is updated in place rather than copied every step.
 
@@ -19,6 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moe_jax.flat_model import FlatModel  # noqa: F401  (re-exported: `steps.FlatModel`)
+from moe_jax.flat_model import module as _module
 from moe_jax.kv_cache import KVCache, get_kv_cache_mode
 from moe_jax.sampling import sample
 
@@ -33,40 +35,6 @@ def _count(name):
       return fn(*args, **kwargs)
     return traced
   return wrap
-
-
-@jax.tree_util.register_pytree_node_class
-class FlatModel:
-  """A model pre-flattened once: passing it to a jitted step costs a flat tuple of arrays, not a walk of the NNX
-  module graph (which takes milliseconds per call for a 48-layer model). `unflatten()` rebuilds the module inside
-  the trace. It snapshots the weights: later in-place changes to the module are not seen."""
-
-  def __init__(self, leaves, treedef):
-    self.leaves, self.treedef = tuple(leaves), treedef
-
-  @classmethod
-  def of(cls, model) -> "FlatModel":
-    if isinstance(model, FlatModel):
-      return model
-    return cls(*jax.tree_util.tree_flatten(model))
-
-  def unflatten(self):
-    return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
-
-  @property
-  def config(self):
-    return self.unflatten().config
-
-  def tree_flatten(self):
-    return self.leaves, self.treedef
-
-  @classmethod
-  def tree_unflatten(cls, treedef, leaves):
-    return cls(leaves, treedef)
-
-
-def _module(model):
-  return model.unflatten() if isinstance(model, FlatModel) else model
 
 
 def _sample_or_argmax(logits, key, temperature, top_k, top_p):

@@ -397,3 +397,29 @@ def test_a_donating_decode_step_reuses_the_cache_and_equals_the_copying_one(tiny
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(c0))
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(c1.layers))
+
+
+def test_a_flat_model_gives_the_modules_results_and_checks_without_rebuilding_it(tiny_model, monkeypatch):
+  """`FlatModel.of(model)` through logits, prefill and decode_step (fp32 and oskvp caches) equals the module bit for
+  bit; its checks read the config kept at `of` (no unflatten on the host per call), so a bad token is still named;
+  and a later in-place change to the module is not seen (a snapshot, as documented)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from moe_jax.flat_model import FlatModel  # pylint: disable=g-import-not-at-top
+  flat = FlatModel.of(tiny_model)
+  assert FlatModel.of(flat) is flat and flat.config is tiny_model.config
+  toks, lengths = _rand_tokens((2, 12), seed=5), np.array([12, 7], np.int32)
+  np.testing.assert_array_equal(decode.logits(flat, toks), decode.logits(tiny_model, toks))
+  for kv_cache in ("fp32", "oskvp"):
+    la, ca = decode.prefill(tiny_model, toks, lengths, kv_cache=kv_cache, cache_len=24, last_only=True)
+    lb, cb = decode.prefill(flat, toks, lengths, kv_cache=kv_cache, cache_len=24, last_only=True)
+    np.testing.assert_array_equal(la, lb)
+    nxt = np.asarray(jnp.argmax(la, -1), np.int32)
+    np.testing.assert_array_equal(decode.decode_step(tiny_model, ca, nxt)[0], decode.decode_step(flat, cb, nxt)[0])
+  monkeypatch.setattr(FlatModel, "unflatten", lambda self: pytest.fail("unflattened on the host"))
+  with pytest.raises(ValueError, match="vocab"):
+    decode.decode_step(flat, cb, np.array([1, 10**6], np.int32))
+  monkeypatch.undo()
+  changed = nnx.clone(tiny_model)
+  flat_before = FlatModel.of(changed)
+  changed.embedding[...] = changed.embedding[...] * 2.0
+  assert not np.allclose(decode.logits(changed, toks), decode.logits(flat_before, toks))
