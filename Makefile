@@ -18,7 +18,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m moe_jax.generate --checkpoint=tiny-trained --prompt="def fibonacci(n):" --max_new_tokens=48
 
-# Two workers. One that dies in C code (XLA's CPU backend segfaulted in 3 of 8 full runs, at different tests) is
+# Two workers. One that dies in C code (XLA's CPU backend segfaulted in 4 of 9 full runs, at different tests) is
 # replaced and its test run once more; assertion failures are never rerun (pytest-rerunfailures; the crash and the
 # rerun are in the log, with where it died: tests/worker_crash_report.py). --dist load: xdist 3.8 reschedules a
 # crashed test only under load/worksteal, and under loadfile it hung after replacing a crashed worker.
