@@ -4,8 +4,8 @@ Run:  PYTHONPATH=$PWD python3 -m benchmarks.oskvp_refit_cost [--out=DIR] [--batc
 One layer's cache (`OSKVPMode.from_prefill` on random keys and values, window R = 128, S = --cache_len) and one
 decode step (`extend`, T = 1, the cache's default implementation) timed at five points: a step that flushes nothing,
 steps where every row flushes with its prefill fit (a longer prompt; refit off), and steps where 1 and all rows flush
-with a refit (prompts shorter than the window). Each timed call starts from the same cache (not donated, so each copies it: the copy is
-in every row alike). Writes `oskvp_refit_cost_<device>.{json,md}` under --out.
+with a refit (prompts shorter than the window). Each timed call starts from the same cache (not donated, so each
+copies it: the copy is in every row alike). Writes `oskvp_refit_cost_<device>.{json,md}` under --out.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     json.dump(result, f, indent=2)
   lines = [f"# OS-KVP refit at the first flush: one layer's decode step ({device}, jax {jax.__version__})", "",
            f"B={b}, K={a.kv_heads}, G={a.group}, H={a.head_dim}, R={r}, S={a.cache_len}; median of {a.repeats}.", "",
-           "| case | rows refitted | ms |", "|---|---|---|"] + [f"| {x['case']} | {x['rows_refitted']} | {x['ms']:.3f} |"
-                                                             for x in rows]
+           "| case | rows refitted | ms |", "|---|---|---|"]
+  lines += [f"| {x['case']} | {x['rows_refitted']} | {x['ms']:.3f} |" for x in rows]
   with open(stem + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))

@@ -20,7 +20,7 @@ def _makefile_worker_flags() -> list[str]:
   return shlex.split(line.group(1))
 
 
-def test_a_crashed_test_is_rerun_once_and_the_dump_names_its_frame(tmp_path):
+def test_a_crashed_test_is_rerun_and_the_dump_names_its_frame(tmp_path):
   (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
       import sys
       sys.path.insert(0, {TESTS!r})

@@ -1,11 +1,11 @@
-"""When an xdist worker dies (a segfault in a C extension), print which test it was running and where each thread was.
+"""When an xdist worker dies (a segfault in a C extension), print where each of its threads was.
 
 pytest's own faulthandler writes every thread's stack to the worker's stderr, interleaved with the progress dots; a
 CI log that keeps only its head and tail cut the middle of that dump out, so the crash was anonymous. So:
 - each worker sends its fatal-error dump to a file of its own (`crash_dir/gwN.txt`) instead of stderr;
 - the controller, told that a worker went down, prints the crashing thread's stack (innermost first, the test
   runner's frames left out; the test's own frame is among them) and every other thread's innermost frame.
-`make test` (Makefile, PYTEST_WORKERS) then replaces the worker and runs the crashed test once more.
+`make test` (Makefile, PYTEST_WORKERS) then replaces the worker and runs the crashed test again, up to twice.
 
 Registered from tests/conftest.py; inert without xdist.
 """
@@ -35,7 +35,8 @@ def pytest_configure(config):
   crash_dir = os.environ.get(_DIR_ENV)
   if crash_dir:
     global _dump_file
-    _dump_file = open(os.path.join(crash_dir, f"{worker}.txt"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    path = os.path.join(crash_dir, f"{worker}.txt")
+    _dump_file = open(path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
     faulthandler.enable(file=_dump_file, all_threads=True)
 
 

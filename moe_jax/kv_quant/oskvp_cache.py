@@ -118,10 +118,10 @@ class OSKVPLayerCache:
   def _flush(self) -> "OSKVPLayerCache":
     """Moves each full window (n_res == R) into the compressed store at n_comp, as one block of R tokens (after
     refitting the rows flagged `refit`, see `OSKVPMode.refit_at_first_flush`)."""
-    if self.refit is not None:
-      self = self._refit_first_flushes(self.n_res == self.window)  # pylint: disable=self-cls-assignment
     b, r = self.n_res.shape[0], self.window
     full = self.n_res == r
+    if self.refit is not None:
+      self = self._refit_first_flushes(full)  # pylint: disable=self-cls-assignment
     quant = jax.vmap(jax.vmap(oskvp.quantize_rotated))  # over B, K
     ck = quant(self.res_k.astype(jnp.float32), self.cb_k, self.scale_k)
     cv = quant(self.res_v.astype(jnp.float32), self.cb_v, self.scale_v)
@@ -393,18 +393,18 @@ class OSKVPMode:
     del layer
     fitted = lambda: (self.fit(k, lengths, rope_span=cache_len), self.fit(v, lengths))  # noqa: E731
     if not self.refit_at_first_flush:
-      params_k, params_v = fitted()
-    else:  # prompts shorter than the window are fitted at their first flush; a batch of only those, only then
-      short = lengths < self.window  # n_comp == 0 and n_res < R: the first flush will hold more than the prompt
-      b, _, kh, h = k.shape
-      p = oskvp.placeholder(h, oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits, uniform=self.uniform)
-      p = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (b, kh, *a.shape)), p)
-      params_k, params_v = jax.lax.cond(jnp.all(short), lambda: (p, p), fitted)
+      return build_layer_cache(k, v, lengths, cache_len, *fitted(), window=self.window,
+                               implementation=self.implementation, symmetric=self.symmetric or self.uniform,
+                               values_contiguous=self.uniform)
+    # Prompts shorter than the window are fitted at their first flush; a batch of only those is fitted only then.
+    short = lengths < self.window  # n_comp == 0 and n_res < R: the first flush will hold more than the prompt
+    b, _, kh, h = k.shape
+    p = oskvp.placeholder(h, oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits, uniform=self.uniform)
+    p = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (b, kh, *a.shape)), p)
+    params_k, params_v = jax.lax.cond(jnp.all(short), lambda: (p, p), fitted)
     cache = build_layer_cache(k, v, lengths, cache_len, params_k, params_v, window=self.window,
                               implementation=self.implementation, symmetric=self.symmetric or self.uniform,
                               values_contiguous=self.uniform)
-    if not self.refit_at_first_flush:
-      return cache
     return cache.replace(refit=short, refit_mode=self)
 
 

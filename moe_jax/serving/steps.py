@@ -2,10 +2,10 @@
 insert prefilled rows into slots, and the one decode step over all slots.
 
 Each is jitted once at module level, so every engine over the same model structure shares the compiled code, and
-each traces only for a new shape (pass the model as a `FlatModel` (`moe_jax.flat_model`), as the engine does, to keep
-the per-call cost of a deep model's parameters low) (`TRACES` counts the traces per function: the "no recompilation after warm-up"
-check of the tests reads it). The slot cache is donated to `insert` and `decode_slots`, so on an accelerator the
-cache is updated in place rather than copied every step.
+each traces only for a new shape (pass the model as a `FlatModel` (`moe_jax.flat_model`), as the engine does, to
+keep the per-call cost of a deep model's parameters low) (`TRACES` counts the traces per function: the "no
+recompilation after warm-up" check of the tests reads it). The slot cache is donated to `insert` and
+`decode_slots`, so on an accelerator the cache is updated in place rather than copied every step.
 
 Shapes: B slots (the engine's `num_slots`), P rows of a prefill bucket, T bucket length, C chunk length, S cache
 length, V vocab.

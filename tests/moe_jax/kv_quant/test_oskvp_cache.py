@@ -365,13 +365,13 @@ def _biased_kv(t, h, key_bias, value_bias):
 @pytest.mark.parametrize("implementation,uniform,head_dim", [("xla", False, 64), ("pallas", False, 64),
                                                               ("pallas", True, 128)])
 def test_biased_keys_and_values_decode_as_well_as_unbiased_ones(implementation, uniform, head_dim):
-  """Keys biased by 30 standard deviations of their outlier channel (150, before RoPE) and values by 30 on a
-  channel, prompts of 140 and 130 tokens (more than head_dim: fitted, not the short-prompt fallback), 3 tokens
-  decoded: the decode output's error against dense attention over the bf16 tokens is within 1.05x of the unbiased
-  cache's (measured 0.97-1.03x). Before the fp8 outlier channels were stored about their centres, 1.20-1.25x. (With
+  """Keys biased by 30 standard deviations of their outlier channel (150, before RoPE) and values by 30 on a channel,
+  prompts of 140 and 130 tokens (more than head_dim: fitted, not the short-prompt fallback), 3 tokens decoded: the
+  decode output's error against dense attention over the bf16 tokens is within 1.05x of the unbiased cache's
+  (measured 0.97-1.03x). Before the fp8 outlier channels were stored about their centres, 1.20-1.25x. (With
   prompts shorter than head_dim the fallback takes the biased rows' magnitude for their spread, 8.7-10.5x, until
-  the first flush refits them: `test_a_prompt_inside_the_window_is_refitted_at_its_first_flush`.) Pallas runs in interpret mode (uniform at H=128: the Mosaic GPU core through its
-  interpreter)."""
+  the first flush refits them: `test_a_prompt_inside_the_window_is_refitted_at_its_first_flush`.) Pallas runs in
+  interpret mode (uniform at H=128: the Mosaic GPU core through its interpreter)."""
   if implementation == "pallas":
     pytest.importorskip("pallas_kernels.oskvp_decode_attention")
   steps, ns, s = 3, [140, 130], 256
