@@ -35,7 +35,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from interpreter_watchdog import run_with_watchdog  # noqa: E402  # pylint: disable=import-error
-from worker_crash_report import pytest_configure, pytest_testnodedown  # noqa: E402,F401  # pylint: disable=import-error,unused-import
+from worker_crash_report import (  # noqa: E402,F401  # pylint: disable=import-error,unused-import
+    pytest_configure, pytest_runtest_logstart, pytest_testnodedown)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 gc.freeze()

@@ -13,11 +13,13 @@ interpreter's scheduling, not the kernel's: a kernel whose barriers really deadl
 state and tries again, up to `attempts` times; then the test fails, naming both causes.
 """
 
+import os
 import threading
 
 import jax
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 import pytest
+import worker_crash_report  # pylint: disable=import-error
 
 
 class InterpreterStarved(TimeoutError):
@@ -42,6 +44,8 @@ def run_with_watchdog(fn, *, timeout_s: float = 60.0, attempts: int = 4):
       if "err" in box:
         raise box["err"]
       return box["out"]
+    worker_crash_report.note(f"watchdog: no progress in {timeout_s} s on try {attempt} of "
+                             f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}")
     try:
       gpu_callbacks._get_shared_memory().set_failed(  # pylint: disable=protected-access
           InterpreterStarved(f"no progress in {timeout_s} s (try {attempt})"), None, top_level=False)

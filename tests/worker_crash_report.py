@@ -3,8 +3,12 @@
 pytest's own faulthandler writes every thread's stack to the worker's stderr, interleaved with the progress dots; a
 CI log that keeps only its head and tail cut the middle of that dump out, so the crash was anonymous. So:
 - each worker sends its fatal-error dump to a file of its own (`crash_dir/gwN.txt`) instead of stderr;
-- the controller, told that a worker went down, prints the crashing thread's stack (innermost first, the test
-  runner's frames left out; the test's own frame is among them) and every other thread's innermost frame.
+- each worker also writes there the id of every test it starts (`running:`) and the events worth knowing at a
+  crash (`note`: the interpret-mode watchdog giving up on a try), so the test is named even when the crashing
+  thread is one of XLA's own, which has no Python stack;
+- the controller, told that a worker went down, prints the last test started, the events, the crashing thread's
+  stack (innermost first, the test runner's frames left out; the test's own frame is among them) and every other
+  thread's innermost frame.
 `make test` (Makefile, PYTEST_WORKERS) then replaces the worker and runs the crashed test again, up to twice.
 
 Registered from tests/conftest.py; inert without xdist.
@@ -40,15 +44,36 @@ def pytest_configure(config):
     faulthandler.enable(file=_dump_file, all_threads=True)
 
 
+def _write(line: str) -> None:
+  if _dump_file is not None:
+    _dump_file.write(line + "\n")
+    _dump_file.flush()  # on disk before any crash: faulthandler writes after it, at the descriptor's offset
+
+
+def pytest_runtest_logstart(nodeid, location):
+  del location
+  _write(f"running: {nodeid}")
+
+
+def note(event: str) -> None:
+  """Records `event` in this worker's dump file (printed with the dump if the worker dies; nothing otherwise)."""
+  _write(f"event: {event}")
+
+
 _RUNNER_FRAMES = ("/pluggy/", "/_pytest/", "/xdist/", "/execnet/")
 
 
 def summarize_dump(text: str, *, max_frames: int = 25) -> list[str]:
-  """The lines to print of a faulthandler dump: its header, the crashing thread's stack (innermost first, up to
-  `max_frames` frames, pytest's and xdist's own frames left out) and each other thread's innermost frame."""
-  out, section, frames = [], None, 0
+  """The lines to print of a worker's dump file: the last test it started, its events, the fatal error's header,
+  the crashing thread's stack (innermost first, up to `max_frames` frames, pytest's and xdist's own frames left out)
+  and each other thread's innermost frame."""
+  out, section, frames, running = [], None, 0, []
   for line in text.splitlines():
-    if line.startswith("Current thread"):
+    if section is None and line.startswith("running: "):
+      running = [line]
+    elif section is None and line.startswith("event: "):
+      out.append(line)
+    elif line.startswith("Current thread"):
       section, frames = "current", 0
       out.append(line)
     elif line.startswith("Thread 0x"):
@@ -64,7 +89,7 @@ def summarize_dump(text: str, *, max_frames: int = 25) -> list[str]:
       out.append(line)  # "Fatal Python error: Segmentation fault" and the like
     elif line.startswith("Extension modules"):
       section = "done"
-  return out
+  return running + out
 
 
 @pytest.hookimpl(optionalhook=True)
