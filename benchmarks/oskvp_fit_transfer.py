@@ -37,11 +37,12 @@ COLUMNS = ("in-sample", "later, prefill fit", "later, U kept + codebooks refitte
 def _store(x: jax.Array, p: oskvp.OSKVPParams, shift: jax.Array) -> jax.Array:
   """x [N, H] through the codes of p with the levels moved by shift [N, H] (rotated basis) -> x_hat [N, H]."""
   xr = x @ p.u - shift
-  return (oskvp.dequantize_rotated(oskvp.quantize_rotated(xr, p.codebook, p.scale), p.codebook, p.scale) + shift) @ p.u.T
+  code = oskvp.quantize_rotated(xr, p.codebook, p.scale)
+  return (oskvp.dequantize_rotated(code, p.codebook, p.scale) + shift) @ p.u.T
 
 
 def _variants(pre: jax.Array, later: jax.Array, p: oskvp.OSKVPParams, block: int = 32) -> tuple[jax.Array, ...]:
-  """One head: pre [P, H], later [N, H] -> x_hat of each column of COLUMNS (in-sample over pre, the others over later)."""
+  """One head: pre [P, H], later [N, H] -> x_hat of each column of COLUMNS (in-sample: over pre; the others: later)."""
   o = p.scale.shape[0]
   xp, xl = pre @ p.u, later @ p.u
   mp = jnp.mean(xp, 0)

@@ -7,6 +7,7 @@
 | kivi2 | KIVI 2-bit: keys per channel, values per token, group 32, residual 128 | kivi |
 | oskvp | OS-KVP 2-bit, per-sequence U and Lloyd-Max codebooks, 8% fp8 outlier subspace, residual 128 | oskvp_cache |
 | oskvp3 | as oskvp with 3-bit codes | oskvp_cache |
+| oskvp_k3v2 | as oskvp with 3-bit key codes, 2-bit value codes | oskvp_cache |
 | oskvp_sym | as oskvp with codebooks symmetric about each channel's mean (a third less kernel work) | oskvp_cache |
 | oskvp_uniform | as oskvp with equally spaced codebooks (the codes are the tensor-core operand), values stored tokens contiguous; decode attention through the Mosaic GPU core on the GPU | oskvp_cache |
 | oskvp_static | OS-KVP 2-bit with per-(layer, head) calibration; `static.calibrate_model` + `static.install` first (the CLIs do it: `moe_jax.cli.setup_kv_cache`) | static |
@@ -25,6 +26,7 @@ register_kv_cache_mode("int8", PerTokenMode("int8"))
 register_kv_cache_mode("kivi2", KIVIMode(window=128))
 register_kv_cache_mode("oskvp", OSKVPMode(bits=2))
 register_kv_cache_mode("oskvp3", OSKVPMode(bits=3))
+register_kv_cache_mode("oskvp_k3v2", OSKVPMode(bits=2, key_bits=3))
 register_kv_cache_mode("oskvp_sym", OSKVPMode(bits=2, symmetric=True))
 register_kv_cache_mode("oskvp_uniform", OSKVPMode(bits=2, uniform=True))
 register_kv_cache_mode("oskvp_static", StaticOSKVPMode())

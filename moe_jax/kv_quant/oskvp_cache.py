@@ -94,13 +94,13 @@ class OSKVPLayerCache:
     holds in the new basis after); its compressed store must be empty, as it is at the first flush."""
     r = self.window
 
-    def one(res, u, rope_span):  # res [B, K, R, H] rotated by u [B, K, H, H]
+    def one(res, u, rope_span, bits):  # res [B, K, R, H] rotated by u [B, K, H, H]
       x = jnp.einsum("KRJ,KHJ->RKH", res[i].astype(jnp.float32), u[i])  # the window's tokens, original basis
-      p = self.refit_mode.fit(x[None], jnp.full((1,), r, jnp.int32), rope_span=rope_span)  # leading [1, K]
+      p = self.refit_mode.fit(x[None], jnp.full((1,), r, jnp.int32), rope_span=rope_span, bits=bits)  # [1, K]
       return p, jnp.einsum("RKH,KHJ->KRJ", x, p.u[0])
 
-    pk, rk = one(self.res_k, self.u_k, self.max_len)  # keys: RoPE-shift augmented as at prefill
-    pv, rv = one(self.res_v, self.u_v, 0)
+    pk, rk = one(self.res_k, self.u_k, self.max_len, self.refit_mode.k_bits)  # keys: RoPE-shift augmented
+    pv, rv = one(self.res_v, self.u_v, 0, self.refit_mode.bits)
     put = lambda a, x: a.at[i].set(x.astype(a.dtype))
     return self.replace(u_k=put(self.u_k, pk.u[0]), cb_k=put(self.cb_k, pk.codebook[0]),
                         scale_k=put(self.scale_k, pk.scale[0]), res_k=put(self.res_k, rk),
@@ -287,7 +287,10 @@ class OSKVPMode:
   """Dynamic OS-KVP: U and codebooks fitted per sequence and kv head on the prefill.
 
   Attributes:
-    bits: 2 or 3 code bits per channel.
+    bits: 2 or 3 code bits per channel (the values', and the keys' unless key_bits says otherwise).
+    key_bits: the keys' code bits, 2 or 3, where they differ from `bits` (None: `bits`). Keys carry most of the
+      2-bit cost (`benchmarks/oskvp_bits_split.py`), so `key_bits=3` with 2-bit values ("oskvp_k3v2") spends the
+      third bit where it pays. A cache with 3-bit codes on either side decodes through the XLA reference.
     outlier_fraction: fraction of the rotated channels kept in fp8 (rounded by `oskvp.n_outliers`).
     window: R, tokens kept in the bf16 residual window.
     n_iters: Lloyd-Max iterations.
@@ -318,6 +321,7 @@ class OSKVPMode:
   """
 
   bits: int = 2
+  key_bits: int | None = None
   outlier_fraction: float = 0.08
   window: int = 128
   n_iters: int = oskvp.DEFAULT_LLOYD_ITERS
@@ -332,12 +336,16 @@ class OSKVPMode:
   def __post_init__(self):
     if self.bits not in (2, 3):
       raise ValueError(f"bits={self.bits} must be 2 or 3")
+    if self.key_bits not in (None, 2, 3):
+      raise ValueError(f"key_bits={self.key_bits} must be None, 2 or 3")
     if self.symmetric and self.bits != 2:
       raise ValueError(f"symmetric=True needs bits=2 (got bits={self.bits}): only 4-level codebooks have a "
                        "two-plane-type form")
     if self.uniform and (self.bits != 2 or self.symmetric):
       raise ValueError(f"uniform=True needs bits=2 and symmetric=False (got bits={self.bits}, "
                        f"symmetric={self.symmetric}): uniform codebooks are already symmetric")
+    if (self.symmetric or self.uniform) and self.k_bits != 2:
+      raise ValueError(f"symmetric / uniform codebooks need 2-bit keys (got key_bits={self.key_bits})")
     if self.window < 1:
       raise ValueError(f"window={self.window} must be >= 1")
     if not 0 <= self.outlier_fraction < 1:
@@ -349,21 +357,29 @@ class OSKVPMode:
     if self.implementation not in ("auto", "pallas", "xla"):
       raise ValueError(f"implementation={self.implementation!r} must be 'auto', 'pallas' or 'xla'")
 
+  @property
+  def k_bits(self) -> int:
+    """The keys' code bits."""
+    return self.bits if self.key_bits is None else self.key_bits
+
   def for_config(self, config) -> "OSKVPMode":
     """The same mode fitting keys at `config.rope_theta` (a no-op when augmentation is disabled)."""
     if self.rope_theta is None or self.rope_theta == config.rope_theta:
       return self
     return dataclasses.replace(self, rope_theta=float(config.rope_theta))
 
-  def fit(self, x: jax.Array, lengths: jax.Array, *, rope_span: int = 0) -> oskvp.OSKVPParams:
-    """x [B, T, K, H], lengths [B] -> OSKVPParams with leading [B, K] (padding positions masked).
+  def fit(self, x: jax.Array, lengths: jax.Array, *, rope_span: int = 0,
+          bits: int | None = None) -> oskvp.OSKVPParams:
+    """x [B, T, K, H], lengths [B] -> OSKVPParams with leading [B, K] (padding positions masked), `bits` code bits
+    (default `self.bits`; keys are fitted with `k_bits`).
 
     rope_span > 0 (keys): fit on RoPE-shifted copies covering shifts [0, rope_span) (see the class docstring).
     A head whose prefill tokens are all equal (all zero: a zero-initialised or pruned projection) is fitted with the
     sequence's root-mean-square magnitude over all heads as its spread (`oskvp.fit`'s ref_rms).
     """
     b, t, kh, h = x.shape
-    oskvp.check_head_dim(h, self.bits, self.outlier_fraction)
+    bits = self.bits if bits is None else bits
+    oskvp.check_head_dim(h, bits, self.outlier_fraction)
     shifts = self.rope_shifts if (rope_span > 0 and self.rope_theta is not None and self.rope_shifts > 1) else 1
     budget = max(1, self.max_fit_tokens // shifts)
     if t > budget:  # evenly spaced over each sequence's own length (ragged batches stay fitted)
@@ -384,14 +400,14 @@ class OSKVPMode:
     ref_rms = jnp.sqrt(jnp.sum(jnp.where(ok, xf * xf, 0.0), axis=(1, 2, 3)) / jnp.maximum(jnp.sum(ok, (1, 2, 3)), 1))
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
     fit = lambda xs, ws, ref: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction),
-                                        bits=self.bits, n_iters=self.n_iters, min_samples=h * shifts,
+                                        bits=bits, n_iters=self.n_iters, min_samples=h * shifts,
                                         symmetric=self.symmetric, uniform=self.uniform, ref_rms=ref)
     return jax.vmap(jax.vmap(fit, in_axes=(0, None, None)))(jnp.swapaxes(x, 1, 2), w, ref_rms)
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
     """k, v: [B, T, K, H] prefill keys (post-RoPE) / values -> OSKVPLayerCache with S = cache_len."""
     del layer
-    fitted = lambda: (self.fit(k, lengths, rope_span=cache_len), self.fit(v, lengths))  # noqa: E731
+    fitted = lambda: (self.fit(k, lengths, rope_span=cache_len, bits=self.k_bits), self.fit(v, lengths))  # noqa: E731
     if not self.refit_at_first_flush:
       return build_layer_cache(k, v, lengths, cache_len, *fitted(), window=self.window,
                                implementation=self.implementation, symmetric=self.symmetric or self.uniform,
@@ -399,9 +415,11 @@ class OSKVPMode:
     # Prompts shorter than the window are fitted at their first flush; a batch of only those is fitted only then.
     short = lengths < self.window  # n_comp == 0 and n_res < R: the first flush will hold more than the prompt
     b, _, kh, h = k.shape
-    p = oskvp.placeholder(h, oskvp.n_outliers(h, self.outlier_fraction), bits=self.bits, uniform=self.uniform)
-    p = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (b, kh, *a.shape)), p)
-    params_k, params_v = jax.lax.cond(jnp.all(short), lambda: (p, p), fitted)
+    o = oskvp.n_outliers(h, self.outlier_fraction)
+    p_k, p_v = (jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (b, kh, *a.shape)),
+                                       oskvp.placeholder(h, o, bits=bits, uniform=self.uniform))
+                for bits in (self.k_bits, self.bits))
+    params_k, params_v = jax.lax.cond(jnp.all(short), lambda: (p_k, p_v), fitted)
     cache = build_layer_cache(k, v, lengths, cache_len, params_k, params_v, window=self.window,
                               implementation=self.implementation, symmetric=self.symmetric or self.uniform,
                               values_contiguous=self.uniform)

@@ -114,13 +114,17 @@ def _visible_attention(q, k_hat, v_hat, total):
   return masked_gqa_attention(q, k_hat, v_hat, visible)
 
 
-@pytest.mark.parametrize("bits", [2, 3])
-def test_extend_flushes_and_attends_over_what_it_stores(bits):
+@pytest.mark.parametrize("bits,key_bits", [(2, None), (3, None), (2, 3)])
+def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
   """Decode crossing flushes: every step's output equals dense attention over the cache's own dequantized tokens,
-  both attention forms agree, and flushed blocks equal the quantizer applied to the (bf16) window."""
+  both attention forms agree, and flushed blocks equal the quantizer applied to the (bf16) window. (2, 3): 3-bit
+  keys with 2-bit values ("oskvp_k3v2")."""
   k, v = kv(jax.random.PRNGKey(1), 40)
   lengths = jnp.array([40, 29])
-  cache = jax.jit(lambda k, v: OSKVPMode(window=R, bits=bits).from_prefill(k, v, lengths, 64, layer=0))(k, v)
+  mode = OSKVPMode(window=R, bits=bits, key_bits=key_bits)
+  cache = jax.jit(lambda k, v: mode.from_prefill(k, v, lengths, 64, layer=0))(k, v)
+  assert cache.cb_k.shape[-1] == 2**mode.k_bits and cache.cb_v.shape[-1] == 2**bits
+  assert (cache.hi_k is not None) == (mode.k_bits == 3) and (cache.hi_v is not None) == (bits == 3)
   new_k, new_v = kv(jax.random.PRNGKey(2), 9)
   qs = jax.random.normal(jax.random.PRNGKey(3), (B, 9, K * G, H))
   step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
@@ -144,7 +148,30 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits):
     np.testing.assert_allclose(k_hat[1, 24:32, h], ref, atol=1e-4)
 
 
+def test_3_bit_keys_with_2_bit_values_are_refitted_at_the_first_flush_with_their_own_bits():
+  """Prompts shorter than the window: the refit at the first flush keeps 8-level key and 4-level value codebooks, and
+  the step after it attends over what the cache stores."""
+  k, v = kv(jax.random.PRNGKey(7), R + 5)
+  lengths = jnp.array([3, 5])
+  mode = dataclasses.replace(get_kv_cache_mode("oskvp_k3v2"), window=R)  # the registered mode, a window of R
+  cache = jax.jit(lambda k, v: mode.from_prefill(k[:, :5], v[:, :5], lengths, 64, layer=0))(k, v)
+  step = jax.jit(lambda c, q, kk, vv: c.extend(q, kk, vv, jnp.zeros(B, jnp.int32)))
+  q = jax.random.normal(jax.random.PRNGKey(8), (B, 1, K * G, H))
+  for t in range(R):
+    o, cache = step(cache, q, k[:, 5 + t:6 + t], v[:, 5 + t:6 + t])
+  assert not bool(jnp.any(cache.refit)) and int(cache.n_comp[0]) == R  # row 0 flushed (and refitted)
+  assert cache.cb_k.shape[-1] == 8 and cache.cb_v.shape[-1] == 4 and cache.hi_k is not None and cache.hi_v is None
+  assert not np.allclose(np.asarray(cache.u_k[0, 0]), np.eye(H), atol=1e-3)  # fitted, not the placeholder
+  k_hat, v_hat = cache.dequantized()
+  ref = _visible_attention(q, k_hat, v_hat, cache.n_comp + cache.n_res)
+  np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_implementation_switch():
+  with pytest.raises(ValueError, match="key_bits=4 must be None, 2 or 3"):
+    OSKVPMode(key_bits=4)
+  with pytest.raises(ValueError, match="2-bit keys"):
+    OSKVPMode(key_bits=3, symmetric=True)
   with pytest.raises(ValueError, match="implementation"):
     OSKVPMode(implementation="cuda")
   with pytest.raises(ValueError, match="bits"):
