@@ -125,6 +125,23 @@ def test_sampling_follows_the_distribution():
   np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.015)
 
 
+def test_sampling_rows_that_filter_and_rows_that_do_not_share_a_batch():
+  """A row without top-k / top-p (drawn over the whole row, no sort, when no row of the batch filters) keeps its
+  distribution when it shares a batch with a filtering row (the batch then takes the sorted draw); top_k >= V and
+  greedy rows filter nothing."""
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 3))
+  n = 20000
+  keys = jax.random.split(jax.random.key(8), n)
+  for top_k in ([0, 2, 0], [4, 0, 0]):  # row 1 filters (top_k 2) or none does (top_k 4 = V; row 2 greedy)
+    temp, k = jnp.array([1.0, 1.0, 0.0]), jnp.array(top_k, jnp.int32)
+    draw = np.asarray(jax.vmap(lambda key, t=temp, k=k: sample(logits, key, t, k, jnp.ones(3)))(keys))
+    freq = [np.bincount(draw[:, i], minlength=4) / n for i in range(3)]
+    np.testing.assert_allclose(freq[0], [0.5, 0.3, 0.15, 0.05], atol=0.015)
+    np.testing.assert_allclose(freq[1], [0.625, 0.375, 0, 0] if top_k[1] == 2 else [0.5, 0.3, 0.15, 0.05],
+                               atol=0.015)
+    np.testing.assert_array_equal(freq[2], [1, 0, 0, 0])
+
+
 @pytest.mark.parametrize("tokens, lengths, cache_len, max_new, match", [
     ([[1, 2, 3]], [3], 4, 3, "prompt too long"),  # 3 + 3 - 1 = 5 positions (2 new tokens fit: the last is not fed)
     ([[1, 2, 3]], [0], 8, 1, "empty prompt"),
