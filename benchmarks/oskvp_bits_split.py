@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import report_files
 from moe_jax import cli
 from moe_jax import data as data_lib
 from moe_jax.kv_quant import oskvp
@@ -118,19 +117,13 @@ def main(argv=None) -> int:
   config, model = cli.load_checkpoint(a.checkpoint)
   windows = data_lib.eval_windows(data_lib.load_corpus()["validation"].tokens, n_windows=a.windows, seq_len=CONTEXT)
   rows = run(model, config, windows, pairs)
-  device = jax.devices()[0].device_kind
-  os.makedirs(a.out, exist_ok=True)
-  stem = os.path.join(a.out, f"oskvp_bits_split_{device.replace(' ', '_').lower()}")
-  with open(stem + ".json", "w", encoding="utf-8") as f:
-    json.dump({"checkpoint": a.checkpoint, "windows": a.windows, "context": CONTEXT, "prefix": PREFIX,
-               "window": WINDOW, "device": device, "jax": jax.__version__, "rows": rows}, f, indent=2)
+  result = {"checkpoint": a.checkpoint, "windows": a.windows, "context": CONTEXT, "prefix": PREFIX, "window": WINDOW,
+            "rows": rows}
   lines = [f"# OS-KVP: keys against values ({a.checkpoint}, {a.windows} windows of {CONTEXT}, prefill {PREFIX})", "",
            f"`python -m benchmarks.oskvp_bits_split`; exact pass {rows[0]['exact_bpb']:.4f} bits per byte.", "",
            "| keys | values | bits per byte | vs exact |", "|---|---|---|---|"]
   lines += [f"| {r['keys']} | {r['values']} | {r['bpb']:.4f} | {100 * r['rel']:+.2f}% |" for r in rows]
-  with open(stem + ".md", "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  report_files.write(a.out, "oskvp_bits_split", result, lines)
   return 0
 
 

@@ -17,13 +17,12 @@ Writes `oskvp_fit_transfer_<device>.{json,md}` under --out. Shapes: N tokens, H 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import report_files
 from moe_jax import cli
 from moe_jax import data as data_lib
 from moe_jax.kv_quant import fidelity, oskvp
@@ -92,20 +91,13 @@ def main(argv=None) -> int:
   val = data_lib.load_corpus()["validation"].tokens
   windows = data_lib.eval_windows(val, n_windows=a.windows, seq_len=CONTEXT - 1)
   rows = run(model, config, windows, tuple(int(x) for x in a.prefixes.split(",")))
-  device = jax.devices()[0].device_kind
-  os.makedirs(a.out, exist_ok=True)
-  stem = os.path.join(a.out, f"oskvp_fit_transfer_{device.replace(' ', '_').lower()}")
-  with open(stem + ".json", "w", encoding="utf-8") as f:
-    json.dump({"checkpoint": a.checkpoint, "windows": a.windows, "context": CONTEXT, "device": device,
-               "jax": jax.__version__, "rows": rows}, f, indent=2)
+  result = {"checkpoint": a.checkpoint, "windows": a.windows, "context": CONTEXT, "rows": rows}
   lines = [f"# OS-KVP fit at prefill, on the tokens after it ({a.checkpoint}, {a.windows} windows of {CONTEXT})", "",
            "Relative error of the stored tokens (`python -m benchmarks.oskvp_fit_transfer`).", "",
            "| layer | P | kind | " + " | ".join(COLUMNS) + " |", "|---|---|---|" + "---|" * len(COLUMNS)]
   lines += [f"| {r['layer']} | {r['prefix']} | {r['kind']} | " + " | ".join(f"{r[c]:.3f}" for c in COLUMNS) + " |"
             for r in rows]
-  with open(stem + ".md", "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  report_files.write(a.out, "oskvp_fit_transfer", result, lines)
   return 0
 
 

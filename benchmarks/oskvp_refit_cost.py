@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import report_files
 from benchmarks.timing import median_ms
 from moe_jax.kv_quant import OSKVPMode
 
@@ -69,19 +68,12 @@ def main(argv=None) -> int:
     ms, refits = step_ms(m, lengths, pre_steps=pre, **shape)
     rows.append({"case": name, "ms": ms, "rows_refitted": refits})
   device = jax.devices()[0].device_kind
-  result = {"device": device, "jax": jax.__version__, "shape": {k: v for k, v in shape.items() if k != "repeats"} |
-            {"window": r}, "rows": rows}
-  os.makedirs(a.out, exist_ok=True)
-  stem = os.path.join(a.out, f"oskvp_refit_cost_{device.replace(' ', '_').lower()}")
-  with open(stem + ".json", "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=2)
+  result = {"shape": {k: v for k, v in shape.items() if k != "repeats"} | {"window": r}, "rows": rows}
   lines = [f"# OS-KVP refit at the first flush: one layer's decode step ({device}, jax {jax.__version__})", "",
            f"B={b}, K={a.kv_heads}, G={a.group}, H={a.head_dim}, R={r}, S={a.cache_len}; median of {a.repeats}.", "",
            "| case | rows refitted | ms |", "|---|---|---|"]
   lines += [f"| {x['case']} | {x['rows_refitted']} | {x['ms']:.3f} |" for x in rows]
-  with open(stem + ".md", "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  report_files.write(a.out, "oskvp_refit_cost", result, lines)
   return 0
 
 

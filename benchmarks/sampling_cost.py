@@ -13,13 +13,12 @@ Writes `sampling_cost_<device>.{json,md}`.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import report_files
 from benchmarks.timing import median_ms
 from moe_jax.sampling import sample
 
@@ -53,11 +52,6 @@ def main(argv=None) -> int:
       rows.append({"batch": b, "case": name, "ms": median_ms(lambda f=f: f(logits, key), a.repeats)})
       print(rows[-1], flush=True)
   device = jax.devices()[0].device_kind
-  result = {"device": device, "jax": jax.__version__, "vocab": a.vocab, "rows": rows}
-  os.makedirs(a.out, exist_ok=True)
-  stem = os.path.join(a.out, f"sampling_cost_{device.replace(' ', '_').lower()}")
-  with open(stem + ".json", "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=2)
   batches = sorted({r["batch"] for r in rows})
   names = list(dict.fromkeys(r["case"] for r in rows))
   ms = {(r["case"], r["batch"]): r["ms"] for r in rows}
@@ -65,9 +59,7 @@ def main(argv=None) -> int:
            f"Median ms of {a.repeats} synced calls.", "", "| case | " + " | ".join(f"B = {b}" for b in batches) + " |",
            "|---|" + "---|" * len(batches)]
   lines += [f"| {n} | " + " | ".join(f"{ms[(n, b)]:.3f}" for b in batches) + " |" for n in names]
-  with open(stem + ".md", "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  report_files.write(a.out, "sampling_cost", {"vocab": a.vocab, "rows": rows}, lines)
   return 0
 
 
