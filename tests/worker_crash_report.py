@@ -104,5 +104,8 @@ def pytest_testnodedown(node, error):
   reporter = node.config.pluginmanager.get_plugin("terminalreporter")
   write = reporter.write_line if reporter else print
   write(f"[{worker}] worker down ({error}); its fatal-error dump:")
-  for line in summarize_dump(text) or ["(empty: the worker died without a Python fatal error, e.g. SIGKILL)"]:
+  lines = summarize_dump(text)
+  if not any(line.startswith("Fatal Python error") for line in lines):
+    lines.append("(no fatal-error dump: the worker died without a Python fatal error, e.g. SIGKILL)")
+  for line in lines:
     write(f"  {line}")

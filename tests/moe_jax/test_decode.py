@@ -140,6 +140,12 @@ def test_sampling_rows_that_filter_and_rows_that_do_not_share_a_batch():
     np.testing.assert_allclose(freq[1], [0.625, 0.375, 0, 0] if top_k[1] == 2 else [0.5, 0.3, 0.15, 0.05],
                                atol=0.015)
     np.testing.assert_array_equal(freq[2], [1, 0, 0, 0])
+  # With one key, a row that filters nothing draws the same token whether or not another row of its batch filters.
+  alone = jax.vmap(lambda key: sample(logits, key, jnp.array([1.0, 1.0, 0.0]), jnp.zeros(3, jnp.int32),
+                                      jnp.ones(3)))(keys[:500])
+  beside = jax.vmap(lambda key: sample(logits, key, jnp.array([1.0, 1.0, 0.0]), jnp.array([0, 2, 0], jnp.int32),
+                                       jnp.ones(3)))(keys[:500])
+  np.testing.assert_array_equal(np.asarray(alone)[:, 0], np.asarray(beside)[:, 0])
 
 
 @pytest.mark.parametrize("tokens, lengths, cache_len, max_new, match", [
