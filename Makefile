@@ -19,9 +19,10 @@ demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m moe_jax.generate --checkpoint=tiny-trained --prompt="def fibonacci(n):" --max_new_tokens=48
 
 # Two workers. One that dies in C code is replaced and its test run again, up to twice; assertion failures are never
-# rerun (pytest-rerunfailures; the crash, the last test the worker started and the rerun are in the log:
-# tests/worker_crash_report.py). XLA's CPU backend segfaulted in 5 of 10 full runs on 2026-12-05: the cause found was
-# the watchdog test's deliberate interpreter deadlock, now run in its own process (README "Set-up"). --dist load:
+# rerun (pytest-rerunfailures; the crash, the last tests the worker started and the rerun are in the log:
+# tests/worker_crash_report.py). XLA's CPU backend segfaulted in 5 of 10 full runs on 2026-12-05; on 2026-12-06 the
+# watchdog test's deliberate interpreter deadlock (now in its own process) preceded two crashes in the same worker,
+# and 1 of the next 4 runs still crashed (README "Set-up"). --dist load:
 # xdist 3.8 reschedules a crashed test only under load/worksteal, and under loadfile it hung after replacing a worker.
 PYTEST_WORKERS := -n 2 --dist load --max-worker-restart=6 --reruns=2 --only-rerun="crashed while running"
 

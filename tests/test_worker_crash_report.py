@@ -65,15 +65,16 @@ def test_a_crashed_test_is_rerun_and_the_dump_names_its_frame(tmp_path):
   assert len(dumps) == 2 + reruns, out[-4000:]  # once for the first crash, 1 + reruns for the one that always does
   for dump in dumps:
     assert "Fatal Python error: Segmentation fault" in dump
-    assert re.search(r"running: test_crashes\.py::test_crashes_(once|every_time)\n", dump), dump  # the last test only
-    assert dump.count("running: ") == 1, dump
+    started = re.findall(r"running: (\S+)", dump)
+    assert started and re.fullmatch(r"test_crashes\.py::test_crashes_(once|every_time)", started[-1]), dump
+    assert 1 <= len(started) <= 4, dump  # the crashing test last, after at most three before it
     current = dump[dump.index("Current thread"):].split("Thread 0x")[0]
     assert "in string_at" in current and re.search(r"in test_crashes_(once|every_time)", current), dump
     assert "/pluggy/" not in current, dump  # the runner's frames are left out
   assert out.count("Fatal Python error") == 2 + reruns, out[-4000:]  # the dumps went to the files, not to stderr
 
 
-def test_the_summary_names_the_last_test_and_the_events_when_no_python_thread_crashed():
+def test_the_summary_names_the_last_tests_and_the_events_when_no_python_thread_crashed():
   """A crash in one of XLA's own threads leaves no "Current thread" section: the last test started names it."""
   from worker_crash_report import summarize_dump  # pylint: disable=import-error,g-import-not-at-top
   text = "\n".join([
@@ -82,6 +83,6 @@ def test_the_summary_names_the_last_test_and_the_events_when_no_python_thread_cr
       "Thread 0x00007f01 (most recent call first):", '  File "/x/jax/_src/compiler.py", line 395 in compile',
       '  File "/x/tests/b.py", line 9 in test_two', "", "Extension modules: numpy"])
   assert summarize_dump(text) == [
-      "running: tests/b.py::test_two", "event: watchdog: no progress in 60.0 s on try 1 of tests/a.py::test_one",
+      "running: tests/a.py::test_one", "running: tests/b.py::test_two", "event: watchdog: no progress in 60.0 s on try 1 of tests/a.py::test_one",
       "Fatal Python error: Segmentation fault", "Thread 0x00007f01 (most recent call first):",
       '  File "/x/jax/_src/compiler.py", line 395 in compile']

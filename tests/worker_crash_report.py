@@ -6,7 +6,7 @@ CI log that keeps only its head and tail cut the middle of that dump out, so the
 - each worker also writes there the id of every test it starts (`running:`) and the events worth knowing at a
   crash (`note`: the interpret-mode watchdog giving up on a try), so the test is named even when the crashing
   thread is one of XLA's own, which has no Python stack;
-- the controller, told that a worker went down, prints the last test started, the events, the crashing thread's
+- the controller, told that a worker went down, prints the last few tests started, the events, the crashing thread's
   stack (innermost first, the test runner's frames left out; the test's own frame is among them) and every other
   thread's innermost frame.
 `make test` (Makefile, PYTEST_WORKERS) then replaces the worker and runs the crashed test again, up to twice.
@@ -63,14 +63,15 @@ def note(event: str) -> None:
 _RUNNER_FRAMES = ("/pluggy/", "/_pytest/", "/xdist/", "/execnet/")
 
 
-def summarize_dump(text: str, *, max_frames: int = 25) -> list[str]:
-  """The lines to print of a worker's dump file: the last test it started, its events, the fatal error's header,
+def summarize_dump(text: str, *, max_frames: int = 25, last_tests: int = 4) -> list[str]:
+  """The lines to print of a worker's dump file: the last `last_tests` tests it started (the crashing one last; what
+  ran before it in that process may be what left it unsafe), its events, the fatal error's header,
   the crashing thread's stack (innermost first, up to `max_frames` frames, pytest's and xdist's own frames left out)
   and each other thread's innermost frame."""
   out, section, frames, running = [], None, 0, []
   for line in text.splitlines():
     if section is None and line.startswith("running: "):
-      running = [line]
+      running = (running + [line])[-last_tests:]
     elif section is None and line.startswith("event: "):
       out.append(line)
     elif line.startswith("Current thread"):
