@@ -34,11 +34,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from interpreter_watchdog import run_with_watchdog  # noqa: E402  # pylint: disable=import-error
+from interpreter_watchdog import (  # noqa: E402  # pylint: disable=import-error
+    run_with_watchdog, serialize_interpreter_compiles)
 from worker_crash_report import (  # noqa: E402,F401  # pylint: disable=import-error,unused-import
     pytest_configure, pytest_runtest_logstart, pytest_testnodedown)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+serialize_interpreter_compiles()  # XLA's CPU compiles from several threads at once crashed workers (see there)
 gc.freeze()
 gc.set_threshold(700, 10, 100)  # a full collection after 100 generation-1 collections instead of 10
 
