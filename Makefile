@@ -22,7 +22,7 @@ demo: $(STAMP)
 # rerun (pytest-rerunfailures; the crash, the last tests the worker started and the rerun are in the log:
 # tests/worker_crash_report.py). XLA's CPU backend segfaulted in 5 of 10 full runs on 2026-12-05; on 2026-12-06 the
 # watchdog test's deliberate interpreter deadlock (now in its own process) preceded two crashes in the same worker,
-# and 3 of the next 6 still crashed; the interpreter's concurrent compiles now take turns (README "Set-up").
+# and 3 of the next 6 still crashed, as did the next after the interpreter's compiles took turns (README "Set-up").
 # --dist load: xdist 3.8 reschedules a crashed test only under load/worksteal, and under loadfile it hung after
 # replacing a worker.
 PYTEST_WORKERS := -n 2 --dist load --max-worker-restart=6 --reruns=2 --only-rerun="crashed while running"
