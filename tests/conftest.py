@@ -40,7 +40,7 @@ from worker_crash_report import (  # noqa: E402,F401  # pylint: disable=import-e
     pytest_configure, pytest_runtest_logstart, pytest_testnodedown)
 
 jax.config.update("jax_default_matmul_precision", "highest")
-serialize_interpreter_compiles()  # XLA's CPU compiles from several threads at once crashed workers (see there)
+serialize_interpreter_compiles()  # the interpreter's warpgroup threads compile one at a time (see there)
 gc.freeze()
 gc.set_threshold(700, 10, 100)  # a full collection after 100 generation-1 collections instead of 10
 

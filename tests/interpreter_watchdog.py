@@ -79,9 +79,8 @@ def serialize_interpreter_compiles() -> None:
 
   Its `thread_map` runs each warpgroup of a CTA on a thread of its own, and each thread compiles the warpgroup's
   program: several XLA CPU compiles at once in one process. A crashed worker's dump on 2026-12-06 had the crashing
-  thread in such a compile (`thread_map._run_jaxpr`) with two more threads compiling beside it, and the suite's other
-  segfaults were in later compiles or cache writes of the same processes, as heap damage done earlier would be. The
-  programs are identical but for their arguments, so the threads after the first mostly read the first's result
-  from the compilation cache.
+  thread in such a compile (`thread_map._run_jaxpr`) with two more threads compiling beside it. Taking turns did not
+  stop the suite's crashes (the next full run crashed too, README "Set-up"); it stays because the programs are
+  identical but for their arguments, so the threads after the first read the first's result from the cache.
   """
   thread_map._run_jaxpr = _run_jaxpr_compiled_one_at_a_time  # pylint: disable=protected-access
