@@ -20,9 +20,9 @@ demo: $(STAMP)
 
 # Two workers. One that dies in C code is replaced and its test run again, up to twice; assertion failures are never
 # rerun (pytest-rerunfailures; the crash, the last tests the worker started and the rerun are in the log:
-# tests/worker_crash_report.py). XLA's CPU backend segfaulted in 5 of 10 full runs on 2026-12-05; on 2026-12-06 the
-# watchdog test's deliberate interpreter deadlock (now in its own process) preceded two crashes in the same worker,
-# and 3 of the next 6 still crashed, as did the next after the interpreter's compiles took turns (README "Set-up").
+# tests/worker_crash_report.py). Workers crashed in about half the full runs until 2026-12-06, when the cause was
+# found: a worker's memory mappings (one set per compiled executable) reached the kernel's limit; tests/conftest.py
+# now clears jax's caches before that (tests/map_budget.py, README "Set-up"). The rerun stays as a safety net.
 # --dist load: xdist 3.8 reschedules a crashed test only under load/worksteal, and under loadfile it hung after
 # replacing a worker.
 PYTEST_WORKERS := -n 2 --dist load --max-worker-restart=6 --reruns=2 --only-rerun="crashed while running"

@@ -13,6 +13,9 @@ kernels, the 8-device and multi-process children):
 And in each pytest process, Python's full (generation 2) garbage collections made ten times rarer, with the objects
 alive after the imports left out of them (`gc.freeze`): a full collection walks every live object, the heap grows
 with jax's caches over a worker's files, and the full collections took ~20 s of each worker's run (25-30 of them).
+After each test, jax's caches are cleared once the process holds half the kernel's limit on memory mappings
+(`map_budget.py`): every compiled executable is mapped into the process, and workers that ran into that limit
+crashed.
 """
 
 import atexit
@@ -34,15 +37,24 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from interpreter_watchdog import (  # noqa: E402  # pylint: disable=import-error
-    run_with_watchdog, serialize_interpreter_compiles)
+from interpreter_watchdog import run_with_watchdog  # noqa: E402  # pylint: disable=import-error
+from map_budget import release_if_over  # noqa: E402  # pylint: disable=import-error
 from worker_crash_report import (  # noqa: E402,F401  # pylint: disable=import-error,unused-import
-    pytest_configure, pytest_runtest_logstart, pytest_testnodedown)
+    note, pytest_configure, pytest_runtest_logstart, pytest_testnodedown)
 
 jax.config.update("jax_default_matmul_precision", "highest")
-serialize_interpreter_compiles()  # the interpreter's warpgroup threads compile one at a time (see there)
 gc.freeze()
 gc.set_threshold(700, 10, 100)  # a full collection after 100 generation-1 collections instead of 10
+
+
+@pytest.fixture(autouse=True)
+def _mappings_under_the_limit():
+  """After each test: jax's caches cleared once the process holds half the kernel's limit on memory mappings
+  (`map_budget.py`: running into that limit crashed workers)."""
+  yield
+  released = release_if_over()
+  if released:
+    note(f"cleared jax's caches at {released[0]} memory mappings ({released[1]} after)")
 
 
 @pytest.fixture

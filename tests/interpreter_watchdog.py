@@ -17,7 +17,6 @@ import os
 import threading
 
 import jax
-from jax._src.pallas.mosaic.interpret import thread_map
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 import pytest
 import worker_crash_report  # pylint: disable=import-error
@@ -60,27 +59,3 @@ def run_with_watchdog(fn, *, timeout_s: float = 60.0, attempts: int = 4):
     gpu_callbacks.reset_gpu_interpret_mode_state()
   pytest.fail(f"the Mosaic GPU interpreter made no progress in {attempts} tries of {timeout_s} s: thread-pool "
               "starvation every time, or a real barrier deadlock in the kernel")
-
-
-_COMPILE_LOCK = threading.Lock()
-
-
-def _run_jaxpr_compiled_one_at_a_time(jaxpr, consts, *args):
-  """`thread_map._run_jaxpr` with its compile under a process-wide lock; the run itself is not serialized."""
-  with _COMPILE_LOCK:
-    run = thread_map._run  # pylint: disable=protected-access
-    traced = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args)
-    compiled = traced.lower().compile()
-  compiled(consts, *args)
-
-
-def serialize_interpreter_compiles() -> None:
-  """Makes the Mosaic GPU interpreter compile its warpgroups' programs one at a time.
-
-  Its `thread_map` runs each warpgroup of a CTA on a thread of its own, and each thread compiles the warpgroup's
-  program: several XLA CPU compiles at once in one process. A crashed worker's dump on 2026-12-06 had the crashing
-  thread in such a compile (`thread_map._run_jaxpr`) with two more threads compiling beside it. Taking turns did not
-  stop the suite's crashes (the next full run crashed too, README "Set-up"); it stays because the programs are
-  identical but for their arguments, so the threads after the first read the first's result from the cache.
-  """
-  thread_map._run_jaxpr = _run_jaxpr_compiled_one_at_a_time  # pylint: disable=protected-access

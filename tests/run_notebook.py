@@ -1,8 +1,7 @@
 """Executes one notebook with nbclient: `python tests/run_notebook.py NOTEBOOK WORKDIR`.
 
 `test_notebooks.py` runs this in a process of its own, so that the Jupyter client's threads (zmq sockets, an asyncio
-loop) never share a pytest worker with XLA's compiles: four of the workers' segfaults came within two tests after the
-notebook tests when the client ran in the worker (README, "Set-up").
+loop) and its environment changes stay out of the pytest worker.
 """
 
 import os

@@ -4,26 +4,13 @@ decode path reads (bits per byte within 0.3% of `moe_jax.eval`'s teacher-forced 
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from benchmarks import oskvp_bits_split as bench
 from moe_jax import cli
 from moe_jax import data as data_lib
 from moe_jax import eval as eval_lib
-
-
-@pytest.fixture(autouse=True)
-def _no_cache_writes():
-  """These programs (the model with every layer's fits, unrolled) are not written to the persistent compilation
-  cache: three full runs on 2026-12-06 crashed in a worker at their `executable.serialize()` (each passed on its
-  rerun in a fresh worker)."""
-  before = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-  yield
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def test_the_simulation_matches_the_real_cache_on_one_window():

@@ -1,0 +1,26 @@
+"""map_budget: the count of memory mappings grows with each executable jax keeps, and `release_if_over` brings it
+back down by clearing jax's caches (only when over its threshold)."""
+
+import jax.numpy as jnp
+
+import map_budget  # pylint: disable=import-error
+
+
+def _compile_many(n: int) -> None:
+  for i in range(1, n + 1):  # eager ops at new shapes: each compiles and keeps an executable
+    (jnp.sin(jnp.ones((i, 5))) * 3 + 1).sum(0).block_until_ready()
+
+
+def test_the_count_grows_with_compiled_programs_and_a_release_returns_it():
+  map_budget.release_if_over(fraction=0.0)  # start from empty caches
+  start = map_budget.mapping_count()
+  _compile_many(60)
+  grown = map_budget.mapping_count()
+  assert grown >= start + 100  # ~3 mappings per executable, 4 ops x 60 shapes
+  assert map_budget.release_if_over(fraction=1.0) is None  # under the limit: nothing cleared
+  before, after = map_budget.release_if_over(fraction=0.0)
+  assert before >= grown and after < start + (grown - start) / 4
+
+
+def test_the_limit_is_read_from_the_kernel():
+  assert 1000 <= map_budget.map_limit() <= 2**31
