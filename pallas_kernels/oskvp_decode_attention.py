@@ -172,6 +172,12 @@ def default_config(head_dim: int, g: int = 4) -> DecodeBlockConfig:
   return BITPLANE if 2 * g <= 16 else TWO_DOT_BITPLANE
 
 
+def supports_key_high_bits(head_dim: int, g: int) -> bool:
+  """Whether `default_config(head_dim, g)` reads 3-bit keys (`hi_k`): only the compact bit-plane kernel does."""
+  config = default_config(head_dim, g)
+  return config.form == "bitplane" and config.compact_rows
+
+
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:
   """Enough programs to fill a large GPU (~4 per SM on 132 SMs), without splits shorter than 2 blocks."""
   return max(1, min(pl.cdiv(target_programs, batch * kv_heads), pl.cdiv(capacity, 2 * block_s)))
@@ -187,44 +193,54 @@ def unpack_codes(codes: jax.Array) -> jax.Array:
   return planes.reshape(*codes.shape[:-1], 4 * codes.shape[-1])
 
 
-def dequantize_rotated(codes: jax.Array, outl: jax.Array, scale: jax.Array, cb: jax.Array) -> jax.Array:
+def unpack_high_bits(hi: jax.Array) -> jax.Array:
+  """uint8 [..., H/8] -> int32 [..., H] third code bits in channel order (channel m*H/8 + i = byte i, bit m)."""
+  bits = (hi[..., None, :].astype(jnp.int32) >> jnp.arange(8)[:, None]) & 1  # [..., 8, H/8]
+  return bits.reshape(*hi.shape[:-1], 8 * hi.shape[-1])
+
+
+def dequantize_rotated(codes: jax.Array, outl: jax.Array, scale: jax.Array, cb: jax.Array,
+                       hi: jax.Array | None = None) -> jax.Array:
   """Rotated keys/values of the compressed store.
 
   Args:
-    codes: uint8 [B, K, S, H/4]; outl: float8 [B, K, S, O]; scale: f32 [B, K, O]; cb: f32 [B, K, H, 4].
+    codes: uint8 [B, K, S, H/4]; outl: float8 [B, K, S, O]; scale: f32 [B, K, O]; cb: f32 [B, K, H, L] (L = 4, or 8
+      with `hi`); hi: uint8 [B, K, S, H/8] the third code bit of 3-bit codes, or None.
 
   Returns:
     f32 [B, K, S, H] = cb[j, code_j] + (j < O ? outl_j * scale_j : 0).
   """
   c = unpack_codes(codes)  # [B, K, S, H]
+  if hi is not None:
+    c = c | (unpack_high_bits(hi) << 2)
   x = jnp.take_along_axis(cb[:, :, None].astype(jnp.float32), c[..., None], axis=-1)[..., 0]  # [B, K, S, H]
   o = outl.shape[-1]
   return x.at[..., :o].add(outl.astype(jnp.float32) * scale[:, :, None, :].astype(jnp.float32))
 
 
 def oskvp_decode_attention_reference(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v,
-                                     res_k, res_v, n_comp, n_res, **unused) -> jax.Array:
-  """Plain-jnp decode attention over the OS-KVP cache (same arguments as `oskvp_decode_attention`).
+                                     res_k, res_v, n_comp, n_res, *, hi_k=None, **unused) -> jax.Array:
+  """Plain-jnp decode attention over the OS-KVP cache (same arguments as `oskvp_decode_attention`, `hi_k` included).
 
-  Jitted (one program per shape); the keyword arguments of `oskvp_decode_attention` in `unused` are ignored.
+  Jitted (one program per shape); the other keyword arguments of `oskvp_decode_attention` in `unused` are ignored.
 
   Returns:
     [B, N, H] in q's dtype. Needs n_comp + n_res >= 1 for every row.
   """
   del unused
   return _reference_jit(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
-                        n_comp, n_res)
+                        n_comp, n_res, hi_k)
 
 
 @jax.jit
 def _reference_jit(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp,
-                   n_res) -> jax.Array:
+                   n_res, hi_k=None) -> jax.Array:
   """`oskvp_decode_attention_reference` without its ignored keyword arguments (jitted)."""
   b, n, h = q.shape
   kh, s, r = codes_k.shape[1], codes_k.shape[2], res_k.shape[2]
   hi = lax.Precision.HIGHEST
   qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, n // kh, h), u_k, precision=hi)
-  k_hat = dequantize_rotated(codes_k, outl_k, scale_k, cb_k)  # [B, K, S, H]
+  k_hat = dequantize_rotated(codes_k, outl_k, scale_k, cb_k, hi_k)  # [B, K, S, H]
   v_hat = dequantize_rotated(codes_v, outl_v, scale_v, cb_v)
   keys = jnp.concatenate([k_hat, res_k.astype(jnp.float32)], axis=2)  # [B, K, S + R, H]
   vals = jnp.concatenate([v_hat, res_v.astype(jnp.float32)], axis=2)
@@ -498,7 +514,7 @@ _ARGS = ("q", "codes_k", "outl_k", "scale_k", "cb_k", "codes_v", "outl_v", "scal
          "res_v", "n_comp", "n_res")
 
 
-def check_layout(*args) -> None:
+def check_layout(*args, hi_k=None) -> None:
   """Raises ValueError naming the argument (in `oskvp_decode_attention`'s order) whose shape or dtype does not fit
   q [B, N, H] and codes_k [B, K, S, H/4], the layout of its docstring (checked at trace time, free at run time)."""
   a = dict(zip(_ARGS, args))
@@ -511,8 +527,14 @@ def check_layout(*args) -> None:
     raise ValueError(f"{kh=} kv heads must divide {n=} query heads")
   o_k, o_v, r = a["outl_k"].shape[-1], a["outl_v"].shape[-1], a["res_k"].shape[2]
   want = dict(codes_k=(b, kh, s, h // 4), codes_v=(b, kh, s, h // 4), outl_k=(b, kh, s, o_k), outl_v=(b, kh, s, o_v),
-              scale_k=(b, kh, o_k), scale_v=(b, kh, o_v), cb_k=(b, kh, h, 4), cb_v=(b, kh, h, 4), u_k=(b, kh, h, h),
-              u_v=(b, kh, h, h), res_k=(b, kh, r, h), res_v=(b, kh, r, h), n_comp=(b,), n_res=(b,))
+              scale_k=(b, kh, o_k), scale_v=(b, kh, o_v), cb_k=(b, kh, h, 4 if hi_k is None else 8),
+              cb_v=(b, kh, h, 4), u_k=(b, kh, h, h), u_v=(b, kh, h, h), res_k=(b, kh, r, h), res_v=(b, kh, r, h),
+              n_comp=(b,), n_res=(b,))
+  if hi_k is not None:
+    a["hi_k"] = hi_k
+    want["hi_k"] = (b, kh, s, h // 8)
+    if hi_k.dtype != jnp.uint8:
+      raise ValueError(f"hi_k must be uint8 (the keys' third code bits, 8 channels a byte), got dtype {hi_k.dtype}")
   for name, shape in want.items():
     if tuple(a[name].shape) != shape:
       raise ValueError(f"{name} must have shape {shape} for q {tuple(a['q'].shape)} and codes_k "
@@ -538,15 +560,18 @@ def check_kernel_shapes(q, codes_k, outl_k) -> None:
 
 @functools.partial(jax.jit, static_argnames=["interpret", "config", "poison", "symmetric_codebooks"])
 def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
-                  n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False,
+                  n_comp, n_res, hi_k=None, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False,
                   symmetric_codebooks: bool = False):
   # Lengths past the store / window read as all of it (as the reference does); unclipped they index other rows.
   n_comp, n_res = jnp.clip(n_comp, 0, codes_k.shape[2]), jnp.clip(n_res, 0, res_k.shape[2])
   if config.form == "bitplane":
     from pallas_kernels.oskvp_decode_attention_bitplane import oskvp_bitplane_pallas  # pylint: disable=g-import-not-at-top
     return oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k,
-                                 res_v, n_comp, n_res, interpret=interpret, config=config, poison=poison,
+                                 res_v, n_comp, n_res, hi_k, interpret=interpret, config=config, poison=poison,
                                  symmetric_codebooks=symmetric_codebooks)
+  if hi_k is not None:
+    raise ValueError(f"hi_k (3-bit keys) needs the compact bit-plane form, not form={config.form!r} "
+                     "(`supports_key_high_bits`)")
   b, n, h = q.shape
   _, kh, s, qd = codes_k.shape
   g, o_dim, r = n // kh, outl_k.shape[-1], res_k.shape[2]
@@ -607,7 +632,7 @@ def _oskvp_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, c
 
 
 def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
-                           n_comp, n_res, *, implementation: str = "pallas", interpret: bool = False,
+                           n_comp, n_res, *, hi_k=None, implementation: str = "pallas", interpret: bool = False,
                            config: DecodeBlockConfig | None = None, symmetric_codebooks: bool = False) -> jax.Array:
   """Decode attention (one query token per sequence) over the OS-KVP cache.
 
@@ -615,10 +640,13 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     q: [B, N, H] queries, unrotated (N = K * G, query head n reads kv head n // G).
     codes_k, codes_v: uint8 [B, K, S, H/4] planar-packed 2-bit codes.
     outl_k, outl_v: float8_e4m3fn [B, K, S, O]; scale_k, scale_v: f32 [B, K, O].
-    cb_k, cb_v: f32 [B, K, H, 4] per-channel codebooks.
+    cb_k, cb_v: f32 [B, K, H, 4] per-channel codebooks (cb_k [B, K, H, 8] with `hi_k`).
     u_k, u_v: f32 [B, K, H, H] orthogonal rotations.
     res_k, res_v: bf16 [B, K, R, H] residual window, rotated.
     n_comp, n_res: int32 [B] valid tokens in the store and in the window (n_comp + n_res >= 1).
+    hi_k: uint8 [B, K, S, H/8] the keys' third code bits (3-bit keys, `OSKVPMode(key_bits=3)`; code = 2-bit code +
+      4 * bit, `pack1`'s layout: channel m * H/8 + i in byte i, bit m), or None. Only the compact bit-plane form
+      reads them (`supports_key_high_bits`): seven key plane types instead of three.
     implementation: "pallas" (the fused kernel; on CPU pass interpret=True) or "xla" (the jnp reference).
     interpret: run the Pallas kernel in interpret mode (CPU).
     config: form and tiling; None uses `default_config(H, G)` (the bit-plane form for H >= 128).
@@ -629,15 +657,17 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     [B, N, H] in q's dtype.
   """
   args = (q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp, n_res)
-  check_layout(*args)
+  check_layout(*args, hi_k=hi_k)
   if implementation == "xla":
-    return oskvp_decode_attention_reference(*args)
+    return oskvp_decode_attention_reference(*args, hi_k=hi_k)
   if implementation != "pallas":
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
   check_kernel_shapes(q, codes_k, outl_k)
   check_triton_offsets(codes_k=codes_k, codes_v=codes_v, outl_k=outl_k, outl_v=outl_v)
   g = q.shape[1] // codes_k.shape[1]
-  return _oskvp_pallas(*args, interpret=interpret, config=config or default_config(q.shape[-1], g),
+  if hi_k is not None and symmetric_codebooks:
+    raise ValueError("symmetric_codebooks=True needs 4-level key codebooks; hi_k (3-bit keys) has 8 levels")
+  return _oskvp_pallas(*args, hi_k, interpret=interpret, config=config or default_config(q.shape[-1], g),
                        symmetric_codebooks=symmetric_codebooks)
 
 

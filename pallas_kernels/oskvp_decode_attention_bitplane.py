@@ -67,6 +67,16 @@ def codebook_deltas(cb: jax.Array) -> jax.Array:
   return jnp.stack([c0, c1 - c0, c2 - c0, c3 - c2 - c1 + c0], axis=-2)
 
 
+def multilinear_coefficients(cb: jax.Array) -> jax.Array:
+  """cb f32 [..., H, L], L = 4 or 8 levels -> a [..., L, H] with cb[c] = sum_m a_m prod_{i in m} b_i over the bit sets
+  m (as integers 0..L-1) of code c = b0 + 2 b1 (+ 4 b2); a_0 = cb[0]. For L = 4 these are `codebook_deltas`."""
+  a = cb.astype(jnp.float32)
+  idx = jnp.arange(a.shape[-1])
+  for i in range(a.shape[-1].bit_length() - 1):  # Moebius inversion over the subsets, one bit at a time
+    a = jnp.where(idx & (1 << i) != 0, a - a[..., idx ^ (1 << i)], a)
+  return jnp.swapaxes(a, -1, -2)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Planes: 0/1 int8 matrices from the packed code bytes.
 
@@ -119,6 +129,26 @@ def planes(x: jax.Array, plane: int, extract: str, types: int = PLANE_TYPES, mas
   b0 = (x >> 2 * plane) & 1
   b1 = (x >> (2 * plane + 1)) & 1
   return [b.astype(jnp.int8) for b in (b0, b1, b0 & b1)[:types]]
+
+
+KEY_TYPES_3BIT = 7  # b0, b1, b0 b1, b2, b0 b2, b1 b2, b0 b1 b2: type t is the bit set t + 1
+
+
+def high_bit_tile(ref, rows, valid, q_dim: int) -> jax.Array:
+  """The third code bits of `rows` as uint8 [bs, Q], column i holding byte i mod Q/2 (a gathered load: each byte
+  serves two columns of every plane). `pack1` puts channel p Q + i at bit 2 p + (i >= Q/2) of byte i mod Q/2."""
+  cols = jnp.arange(q_dim) % (q_dim // 2)
+  return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=0)
+
+
+def key_planes_3bit(codes: jax.Array, high: jax.Array, plane: int, extract: str) -> list[jax.Array]:
+  """codes uint8 [bs, Q] (2-bit, packed), high uint8 [bs, Q] (`high_bit_tile`) -> the 7 int8 0/1 planes of `plane`
+  in `KEY_TYPES_3BIT`'s order."""
+  b0, b1, b01 = planes(codes, plane, extract)
+  q_dim = codes.shape[-1]
+  shift = (2 * plane + (jnp.arange(q_dim) >= q_dim // 2)).astype(jnp.uint8)[None, :]  # [1, Q]
+  b2 = ((high >> shift) & 1).astype(jnp.int8)
+  return [b0, b1, b01, b2, b0 & b2, b1 & b2, b01 & b2]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,7 +262,7 @@ def _bitplane_kernel(qhi_ref, qlo_ref, qs_ref, qc_ref, qp_ref, qo_ref, ck_ref, o
 
 def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_ref, ov_ref, rk_ref, rv_ref, *refs,
                     num_splits: int, block_s: int, block_r: int, o_dim: int, groups: int, extract: str, types: int,
-                    prefetch: bool, masked_values: bool, values_in_kernel: bool):
+                    prefetch: bool, masked_values: bool, values_in_kernel: bool, key_high_bits: bool):
   # `compact_rows`: one kv head per program; the R = 16 tensor-core rows hold the G query rows (0..G-1) and their
   # second int8 digit (G..2G-1), so each plane's key dot yields both query digits and each value dot both
   # probability digits; the softmax runs on the G real rows only.
@@ -245,6 +275,11 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
   # values_in_kernel: refs are (cbv_ref [H, 4] value codebook rows, sv_ref [O] f32 value outlier scales, nc_ref,
   # nr_ref, o_ref [4, G, Q] f32 the program's rotated output, not yet divided by l, m_ref, l_ref [R]): the value
   # codebooks, the digits' weights and the outliers are applied here, and the merge only weighs and rotates back.
+  # key_high_bits (3-bit keys): refs start with hk_ref [S, Q/2] uint8, the keys' third code bits; qd_ref then holds
+  # the seven key plane types of `KEY_TYPES_3BIT` ([7, 4, R, Q]), the values keep `types`.
+  hk_ref = None
+  if key_high_bits:
+    hk_ref, *refs = refs
   if values_in_kernel:
     cbv_ref, sv_ref, nc_ref, nr_ref, o_ref, m_ref, l_ref = refs
   else:
@@ -310,17 +345,18 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
       rows = pl.ds(s0, block_s)
       codes = lambda ref: plgpu.load(ref.at[rows, :], mask=valid[:, None], other=0)
       odt = qo_ref.dtype  # float16 (outliers converted straight from e4m3) or bfloat16
+      high = high_bit_tile(hk_ref, s0 + jnp.arange(block_s), valid, q_dim) if key_high_bits else None
       return (codes(ck_ref), codes(cv_ref), fp8_rows(ok_ref, rows, valid, o_dim, op, dtype=odt),
-              fp8_rows(ov_ref, rows, valid, o_dim, op, dtype=odt))
+              fp8_rows(ov_ref, rows, valid, o_dim, op, dtype=odt), high)
 
     def compute(i, tiles, acc, acco, m, l):
-      ck, cv, ok, ov = tiles
+      ck, cv, ok, ov, high = tiles
       valid = start + i * block_s + jnp.arange(block_s) < end  # [bs]
       idot = 0
       for p in range(4):
-        kplanes = planes(ck, p, extract, types)
-        for t in range(types):
-          idot += plgpu.dot(qd_ref[t, p], kplanes[t], trans_b=True)  # [R, bs] int32, both digits
+        kplanes = key_planes_3bit(ck, high, p, extract) if key_high_bits else planes(ck, p, extract, types)
+        for t, kplane in enumerate(kplanes):
+          idot += plgpu.dot(qd_ref[t, p], kplane, trans_b=True)  # [R, bs] int32, both digits
       sr = idot.astype(jnp.float32) * qw[:, None] + plgpu.dot(qo_ref[...], ok, trans_b=True)
       scores = jnp.where(valid[None, :], fold(sr) + qc[:, None], NEG_INF)  # [G, bs]
       m_blk = scores.max(axis=1)
@@ -427,7 +463,7 @@ def prepare_bitplane_query(q, u_k, cb_k, scale_k, kv_heads: int, hp: int, rows: 
   g = n // kv_heads
   hi = lax.Precision.HIGHEST
   qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kv_heads, g, h), u_k, precision=hi) * h**-0.5
-  deltas = codebook_deltas(cb_k)  # [B, K, 4, H]
+  deltas = multilinear_coefficients(cb_k)  # [B, K, L, H]
   qc = jnp.einsum("BKGH,BKH->BKG", qr, deltas[:, :, 0], precision=hi)
   qd = qr[:, :, None] * deltas[:, :, 1:1 + types, None, :]  # [B, K, T, G, H]
   # One scale per row for all three types, so the kernel sums every key dot in int32 and converts once.
@@ -505,10 +541,14 @@ def merge_rotated_partials(o, m, l, u_v, dtype):
 
 @functools.partial(jax.jit, static_argnames=["interpret", "config", "poison", "symmetric_codebooks"])
 def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v,
-                          n_comp, n_res, *, interpret: bool, config: DecodeBlockConfig, poison: bool = False,
-                          symmetric_codebooks: bool = False):
+                          n_comp, n_res, hi_k=None, *, interpret: bool, config: DecodeBlockConfig,
+                          poison: bool = False, symmetric_codebooks: bool = False):
   """The bit-plane kernel (arguments as `oskvp_decode_attention`, lengths already clipped to S and R by
   `_oskvp_pallas`, its one caller; partials poisoned with NaN if `poison`).
+
+  hi_k: the keys' third code bits (3-bit keys, cb_k [B, K, H, 8]) or None; needs compact rows. The keys then take
+  seven plane types (`KEY_TYPES_3BIT`) from the 2-bit codes and a gathered tile of these bits, and the query's
+  inputs come from XLA (`prepare_bitplane_query`), not the Pallas prologue.
 
   symmetric_codebooks: every 4-level row has cb0 + cb3 = cb1 + cb2 (d3 = 0, `oskvp.fit(symmetric=True)`), so the
   b0 & b1 plane is skipped on both sides: a third fewer dots and accumulators. Wrong results if the rows are not.
@@ -527,12 +567,17 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   rows = max(pl.next_power_of_2(hp * g), MMA_ROWS)
   o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS)
   types = PLANE_TYPES - 1 if symmetric_codebooks else PLANE_TYPES
+  key_high_bits = hi_k is not None
+  if key_high_bits and (not config.compact_rows or symmetric_codebooks):
+    raise ValueError("hi_k (3-bit keys) needs compact_rows=True and symmetric_codebooks=False")
+  key_types = KEY_TYPES_3BIT if key_high_bits else types
   values_in_kernel = (not symmetric_codebooks) if config.values_in_kernel is None else config.values_in_kernel
-  if config.compact_rows and config.pallas_prologue:  # the query inputs come from the Pallas prologue below
+  prologue = config.compact_rows and config.pallas_prologue and not key_high_bits
+  if prologue:  # the query inputs come from the Pallas prologue below
     qhi = qlo = qs = qc = q_planes = q_outl = None
   else:
     qhi, qlo, qs, qc, q_planes, q_outl = prepare_bitplane_query(q, u_k, cb_k, scale_k, kh, hp, rows, o_cols,
-                                                                config.query_digits, types)
+                                                                config.query_digits, key_types)
   kernel = functools.partial(_bitplane_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
                              groups=g, extract=extract, two_digits=config.query_digits == 2,
                              prefetch=config.prefetch, types=types)
@@ -564,7 +609,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
     if 2 * g > rows:
       raise ValueError(f"compact_rows needs 2 G <= {rows} rows (got G = {g})")
     odt = jnp.float16 if config.outlier_f16 else jnp.bfloat16
-    if config.pallas_prologue:
+    if prologue:
       qdig, qw, qc, qp, qo = compact_query_pallas(q, u_k, cb_k, scale_k, rows=rows, o_cols=o_cols, types=types,
                                                   digits=config.query_digits, outlier_dtype=odt,
                                                   interpret=interpret)
@@ -573,14 +618,19 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
       qp, qo = q_planes[:, :, :, 0], q_outl[:, :, 0].astype(odt)
     kernel = functools.partial(_compact_kernel, num_splits=ns, block_s=config.block_s, block_r=block_r, o_dim=o_dim,
                                groups=g, extract=extract, types=types, prefetch=config.prefetch,
-                               masked_values=config.masked_value_planes, values_in_kernel=values_in_kernel)
-    in_specs = [per_head(types, 4, rows, qd), per_head(rows), per_head(g), per_head(4, rows, qd),
+                               masked_values=config.masked_value_planes, values_in_kernel=values_in_kernel,
+                               key_high_bits=key_high_bits)
+    in_specs = [per_head(key_types, 4, rows, qd), per_head(rows), per_head(g), per_head(4, rows, qd),
                 per_head(rows, o_cols), per_head(s, qd), per_head(s, o_dim), per_head(s, qd), per_head(s, o_dim),
                 per_head(r, h), per_head(r, h)] + in_specs[12:]
     inputs = [qdig, qw, qc, qp, qo] + inputs[6:]
+    if key_high_bits:  # hk_ref right after rv_ref
+      in_specs = in_specs[:11] + [per_head(s, qd // 2)] + in_specs[11:]
+      inputs = inputs[:11] + [hi_k] + inputs[11:]
     if values_in_kernel:
-      in_specs = in_specs[:11] + [per_head(h, 4), per_head(o_dim)] + in_specs[11:]
-      inputs = inputs[:11] + [cb_v, scale_v.astype(jnp.float32)] + inputs[11:]
+      n_in = 12 if key_high_bits else 11
+      in_specs = in_specs[:n_in] + [per_head(h, 4), per_head(o_dim)] + in_specs[n_in:]
+      inputs = inputs[:n_in] + [cb_v, scale_v.astype(jnp.float32)] + inputs[n_in:]
       out_shape = [jax.ShapeDtypeStruct((b, kh, ns + 1, 4, g, qd), jnp.float32)] + out_shape[2:]
       out_specs = [per_prog(4, g, qd)] + out_specs[2:]
   aliases = {}

@@ -18,14 +18,18 @@ import numpy as np
 
 def random_oskvp_inputs(key, *, batch: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
                         window: int = 128, outliers: int = 8, n_comp=None, n_res=None, q_dtype=jnp.bfloat16,
-                        symmetric: bool = False):
+                        symmetric: bool = False, key_bits: int = 2):
   """Returns the 15 positional arguments of `oskvp_decode_attention` as a tuple.
 
   n_comp / n_res: int or sequence of length `batch` (default: full store, full window).
+  key_bits=3: 8-level key codebooks, and hi_k uint8 [B, K, S, H/8] appended as a 16th element.
   """
+  if key_bits not in (2, 3):
+    raise ValueError(f"{key_bits=} must be 2 or 3")
   lens = lambda v, full: jnp.asarray(np.broadcast_to(np.asarray(full if v is None else v, np.int32), (batch,)))
-  return _random_cache(key, batch, heads, kv_heads, head_dim, capacity, window, outliers,
-                       jnp.dtype(q_dtype), symmetric) + (lens(n_comp, capacity), lens(n_res, window))
+  out = _random_cache(key, batch, heads, kv_heads, head_dim, capacity, window, outliers, jnp.dtype(q_dtype),
+                      symmetric, key_bits)
+  return out[:13] + (lens(n_comp, capacity), lens(n_res, window)) + out[13:]
 
 
 def uniform_codebooks(key, shape: tuple[int, ...], outliers: int = 0) -> jax.Array:
@@ -48,8 +52,8 @@ def symmetrize(cb):
   return c + xp.concatenate([-a, -b, b, a], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=range(1, 10))
-def _random_cache(key, b, heads, k, h, s, r, o, q_dtype, symmetric):
+@functools.partial(jax.jit, static_argnums=range(1, 11))
+def _random_cache(key, b, heads, k, h, s, r, o, q_dtype, symmetric, key_bits):
   """One compiled program (eager op-by-op generation costs seconds of compiles on CPU)."""
   ks = jax.random.split(key, 12)
   q = jax.random.normal(ks[0], (b, heads, h), jnp.float32).astype(q_dtype)
@@ -58,8 +62,8 @@ def _random_cache(key, b, heads, k, h, s, r, o, q_dtype, symmetric):
     a = jax.random.normal(kk, (b, k, h, h), jnp.float32)
     return jnp.linalg.qr(a)[0]
 
-  def codebook(kk):
-    cb = jnp.sort(jax.random.normal(kk, (b, k, h, 4), jnp.float32), axis=-1)
+  def codebook(kk, levels=4):
+    cb = jnp.sort(jax.random.normal(kk, (b, k, h, levels), jnp.float32), axis=-1)
     cb = symmetrize(cb) if symmetric else cb
     return cb.at[:, :, :o].set(cb[:, :, :o, :1])  # outlier channels: constant rows (their centres)
 
@@ -75,22 +79,32 @@ def _random_cache(key, b, heads, k, h, s, r, o, q_dtype, symmetric):
   def res(kk):
     return jax.random.normal(kk, (b, k, r, h), jnp.float32).astype(jnp.bfloat16)
 
-  return (q, codes(ks[1]), outl(ks[2]), scale(ks[3]), codebook(ks[4]), codes(ks[5]), outl(ks[6]), scale(ks[7]),
-          codebook(ks[8]), orth(ks[9]), orth(ks[10]), res(ks[11]), res(jax.random.fold_in(ks[11], 1)))
+  out = (q, codes(ks[1]), outl(ks[2]), scale(ks[3]), codebook(ks[4], 1 << key_bits), codes(ks[5]), outl(ks[6]),
+         scale(ks[7]), codebook(ks[8]), orth(ks[9]), orth(ks[10]), res(ks[11]), res(jax.random.fold_in(ks[11], 1)))
+  if key_bits == 3:
+    hi = jax.random.randint(jax.random.fold_in(ks[1], 3), (b, k, s, h // 8), 0, 256, jnp.int32).astype(jnp.uint8)
+    out += (hi,)
+  return out
 
 
 def random_oskvp_inputs_host(seed: int, *, batch: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
                              window: int = 128, outliers: int = 8, n_comp=None, n_res=None, q_dtype=jnp.bfloat16,
-                             symmetric: bool = False):
+                             symmetric: bool = False, key_bits: int = 2):
   """Same distribution as `random_oskvp_inputs`, drawn with numpy on the host: no XLA compile at all, which is
-  what small CPU tests want (compiling the jitted generator costs ~15 s of CPU per shape)."""
+  what small CPU tests want (compiling the jitted generator costs ~15 s of CPU per shape).
+
+  key_bits=3: 3-bit keys (`OSKVPMode(key_bits=3)`): cb_k has 8 sorted levels, and a 16th element, hi_k uint8
+  [B, K, S, H/8] (uniform random third code bits), follows the 15 arguments.
+  """
+  if key_bits not in (2, 3):
+    raise ValueError(f"{key_bits=} must be 2 or 3")
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
   b, k, h, s, r, o = batch, kv_heads, head_dim, capacity, window, outliers
   f32 = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
 
-  def codebook():
-    cb = np.sort(f32(b, k, h, 4), axis=-1)
+  def codebook(levels=4):
+    cb = np.sort(f32(b, k, h, levels), axis=-1)
     cb = symmetrize(cb) if symmetric else cb
     cb[:, :, :o] = cb[:, :, :o, :1]  # outlier channels: constant rows (their centres)
     return cb
@@ -101,6 +115,8 @@ def random_oskvp_inputs_host(seed: int, *, batch: int, heads: int, kv_heads: int
   orth = lambda: np.linalg.qr(f32(b, k, h, h))[0].astype(np.float32)
   res = lambda: f32(b, k, r, h).astype(ml_dtypes.bfloat16)
   lens = lambda v, full: np.broadcast_to(np.asarray(full if v is None else v, np.int32), (b,)).copy()
-  arrays = (f32(b, heads, h).astype(q_dtype), codes(), outl(), scale(), codebook(), codes(), outl(), scale(),
-            codebook(), orth(), orth(), res(), res(), lens(n_comp, s), lens(n_res, r))
+  arrays = (f32(b, heads, h).astype(q_dtype), codes(), outl(), scale(), codebook(1 << key_bits), codes(), outl(),
+            scale(), codebook(), orth(), orth(), res(), res(), lens(n_comp, s), lens(n_res, r))
+  if key_bits == 3:
+    arrays += (rng.integers(0, 256, (b, k, s, h // 8), dtype=np.uint8),)
   return tuple(jnp.asarray(x) for x in arrays)
