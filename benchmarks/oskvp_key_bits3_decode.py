@@ -17,6 +17,7 @@ Writes DIR/oskvp_key_bits3_decode_<device>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import warnings
 
@@ -43,8 +44,12 @@ def cache(i: int, b: int, s: int, key_bits: int):
                              capacity=s, window=WINDOW, key_bits=key_bits)
 
 
-def kernel(*a):
-  return _oskvp_pallas(*a[:15], a[15] if len(a) > 15 else None, interpret=False, config=BITPLANE)
+def kernel(*a, config=BITPLANE):
+  return _oskvp_pallas(*a[:15], a[15] if len(a) > 15 else None, interpret=False, config=config)
+
+
+# Tilings tried for 3-bit keys at 64k x 8 (seven key plane types hold more of the query in registers than three).
+SWEEP = {"block_s=128": dict(block_s=128), "num_warps=8": dict(num_warps=8), "num_stages=2": dict(num_stages=2)}
 
 
 def check(log) -> list[dict]:
@@ -93,6 +98,11 @@ def main():
     log(f"{impl:22s} B={b:3d} S={s:7d} {ms:8.4f} ms {nbytes / ms / 1e9:6.2f} TB/s")
 
   ok = all(c["rel_err"] < 1.5e-2 and not c["nan"] for c in checks)
+  if ok and "65536" in args.contexts.split(","):
+    for name, change in SWEEP.items():
+      cfg = dataclasses.replace(BITPLANE, **change)
+      attempt(f"oskvp_k3_pallas_{name}", 8, 65536, lambda *a, cfg=cfg: kernel(*a, config=cfg),
+              lambda i: cache(i, 8, 65536, 3), k3_bytes(8, 65536))
   for s in [int(x) for x in args.contexts.split(",")]:
     for b in [int(x) for x in args.batches.split(",")]:
       if ok:
