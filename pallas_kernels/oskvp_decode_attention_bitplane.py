@@ -547,8 +547,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   `_oskvp_pallas`, its one caller; partials poisoned with NaN if `poison`).
 
   hi_k: the keys' third code bits (3-bit keys, cb_k [B, K, H, 8]) or None; needs compact rows. The keys then take
-  seven plane types (`KEY_TYPES_3BIT`) from the 2-bit codes and a gathered tile of these bits, and the query's
-  inputs come from XLA (`prepare_bitplane_query`), not the Pallas prologue.
+  seven plane types (`KEY_TYPES_3BIT`) from the 2-bit codes and a gathered tile of these bits.
 
   symmetric_codebooks: every 4-level row has cb0 + cb3 = cb1 + cb2 (d3 = 0, `oskvp.fit(symmetric=True)`), so the
   b0 & b1 plane is skipped on both sides: a third fewer dots and accumulators. Wrong results if the rows are not.
@@ -572,7 +571,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
     raise ValueError("hi_k (3-bit keys) needs compact_rows=True and symmetric_codebooks=False")
   key_types = KEY_TYPES_3BIT if key_high_bits else types
   values_in_kernel = (not symmetric_codebooks) if config.values_in_kernel is None else config.values_in_kernel
-  prologue = config.compact_rows and config.pallas_prologue and not key_high_bits
+  prologue = config.compact_rows and config.pallas_prologue
   if prologue:  # the query inputs come from the Pallas prologue below
     qhi = qlo = qs = qc = q_planes = q_outl = None
   else:
@@ -610,7 +609,7 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
       raise ValueError(f"compact_rows needs 2 G <= {rows} rows (got G = {g})")
     odt = jnp.float16 if config.outlier_f16 else jnp.bfloat16
     if prologue:
-      qdig, qw, qc, qp, qo = compact_query_pallas(q, u_k, cb_k, scale_k, rows=rows, o_cols=o_cols, types=types,
+      qdig, qw, qc, qp, qo = compact_query_pallas(q, u_k, cb_k, scale_k, rows=rows, o_cols=o_cols, types=key_types,
                                                   digits=config.query_digits, outlier_dtype=odt,
                                                   interpret=interpret)
     else:

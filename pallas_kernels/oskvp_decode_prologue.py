@@ -6,8 +6,9 @@ concatenations...). On the H200 each costs a launch and a gap in a decode step: 
 and gaps took longer than the attention kernel itself (`benchmarks/results/decode_attention_breakdown.md`). This
 kernel replaces them with one launch.
 
-Per program (batch row b, kv head k), with qr = (q U_k) / sqrt(H) the rotated query [G, H] and (c0, d1, d2, d3) the key
-codebook deltas (`codebook_deltas`), channel j = p Q + i of plane p:
+Per program (batch row b, kv head k), with qr = (q U_k) / sqrt(H) the rotated query [G, H] and (c0, d1, ...) the key
+codebooks' multilinear coefficients (`multilinear_coefficients`: c0, d1, d2, d3 for 4 levels; 8 for 3-bit keys, whose
+seven plane types the kernel reads), channel j = p Q + i of plane p:
   qc [G] = sum_j qr_j c0_j;   the folded query q'·d_type [G, H] per plane type, scaled by qs = max |q'·d| / 127 per
   row and split into int8 digits hi = round(x), lo = round(256 (x - hi)) (x = q'·d / qs);
   qd [T, 4, R, Q] int8: hi in rows < G, lo in rows G..2G-1, zero below;  qw [R]: qs in rows < G, qs / 256 in G..2G-1;
@@ -44,7 +45,7 @@ def _round(x):
 
 def _prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, *, o_dim: int,
                      types: int, two_digits: bool):
-  # q_ref [G, H] (query dtype); u_ref [H, H] f32; cb_ref [H, 4] (codebook rows); sk_ref [O] f32 outlier scales.
+  # q_ref [G, H] (query dtype); u_ref [H, H] f32; cb_ref [H, L] (codebook rows, L = 4 or 8); sk_ref [O] f32.
   # qd_ref [T, 4, R, Q] int8; qw_ref [R] f32; qc_ref [G] f32; qp_ref [4, R, Q] bf16; qo_ref [R, OP] f16 / bf16.
   g, h = q_ref.shape
   r, q_dim = qp_ref.shape[1], qp_ref.shape[2]
@@ -60,8 +61,11 @@ def _prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, qd_ref, qw_ref, qc_ref, qp_re
     qr = rotate(pl.ds(p * q_dim, q_dim))  # [G, Q]
     qp_ref[p] = unfold_rows([qr], r, qp_ref.dtype)
     rows = pl.ds(p * q_dim, q_dim)
-    cb = [cb_ref[rows, c].astype(jnp.float32) for c in range(4)]  # [Q] each
-    deltas = [cb[1] - cb[0], cb[2] - cb[0], cb[3] - cb[2] - cb[1] + cb[0]][:types]
+    levels = cb_ref.shape[1]
+    cb = [cb_ref[rows, c].astype(jnp.float32) for c in range(levels)]  # [Q] each
+    for bit in range(levels.bit_length() - 1):  # Moebius inversion, as `multilinear_coefficients`
+      cb = [x - cb[m ^ (1 << bit)] if m & (1 << bit) else x for m, x in enumerate(cb)]
+    deltas = cb[1:1 + types]
     qc += (qr * cb[0][None]).sum(axis=1)
     folded.append([qr * d[None] for d in deltas])
     for x in folded[-1]:
@@ -89,17 +93,20 @@ def compact_query_pallas(q, u_k, cb_k, scale_k, *, rows: int, o_cols: int, types
   """The compact bit-plane kernel's query inputs in one Pallas kernel.
 
   Args:
-    q [B, N, H]; u_k [B, K, H, H] f32; cb_k [B, K, H, 4]; scale_k [B, K, O].
+    q [B, N, H]; u_k [B, K, H, H] f32; cb_k [B, K, H, L], L = 4 or 8 levels; scale_k [B, K, O].
     rows: R, the tensor-core tile's rows (>= 2 G with two digits); o_cols: OP >= O, a power of two.
-    types: plane types (3, or 2 with symmetric codebooks); digits: 1 or 2 int8 digits of the folded query.
+    types: plane types (3, or 2 with symmetric codebooks; 7 for 8 levels); digits: 1 or 2 int8 digits of the folded
+      query.
 
   Returns:
     qd int8 [B, K, T, 4, R, Q], qw f32 [B, K, R], qc f32 [B, K, G], qp bf16 [B, K, 4, R, Q], qo [B, K, R, OP] in
     outlier_dtype: what `prepare_bitplane_query` + `compact_query` return for the compact kernel.
   """
   b, n, h = q.shape
-  kh, o_dim = u_k.shape[1], scale_k.shape[-1]
+  kh, o_dim, levels = u_k.shape[1], scale_k.shape[-1], cb_k.shape[-1]
   g, qd = n // kh, h // 4
+  if levels not in (4, 8) or types >= levels:
+    raise ValueError(f"cb_k has {levels} levels: needs 4 or 8, and more than {types=}")
   if digits == 2 and 2 * g > rows:
     raise ValueError(f"two query digits need 2 G <= rows (got G = {g}, {rows=})")
 
@@ -115,7 +122,7 @@ def compact_query_pallas(q, u_k, cb_k, scale_k, *, rows: int, o_cols: int, types
   return pl.pallas_call(
       kernel,
       grid=(b, kh),
-      in_specs=[spec(g, h), spec(h, h), spec(h, 4), spec(o_dim)],
+      in_specs=[spec(g, h), spec(h, h), spec(h, levels), spec(o_dim)],
       out_specs=[spec(types, 4, rows, qd), spec(rows), spec(g), spec(4, rows, qd), spec(rows, o_cols)],
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
