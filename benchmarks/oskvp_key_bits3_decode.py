@@ -71,6 +71,25 @@ def check(log) -> list[dict]:
   return rows
 
 
+def render_md(device: str, copy_tbs: float, checks: list[dict], rows: list[dict]) -> list[str]:
+  """The results table: each row with its ratios to cuDNN and to the 2-bit kernel at the same shape."""
+  by = {(r["impl"], r["batch"], r["context"]): r["ms"] for r in rows}
+  md = [f"# Decode attention with 3-bit keys ({device}, jax {jax.__version__}, "
+        f"{datetime.datetime.now(datetime.UTC).isoformat()[:16]} UTC)", "",
+        f"N={N_HEADS} query / K={KV_HEADS} kv heads, H={HEAD_DIM}, 8 fp8 outliers, window {WINDOW}; random caches. "
+        f"Wall-clock ms per call (`chained_timing.timeit`). Copy bandwidth in this run: {copy_tbs:.2f} TB/s.", "",
+        "Checks (3-bit keys, kernel vs reference, poisoned partials): " +
+        ", ".join(f"G={c['g']} rel err {c['rel_err']:.1e}{' NaN' if c['nan'] else ''}" for c in checks), "",
+        "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN | vs oskvp_k2_pallas |",
+        "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    key = (r["batch"], r["context"])
+    ratio = lambda impl, key=key, r=r: (f"{by[(impl, *key)] / r['ms']:.2f}x" if (impl, *key) in by else "-")
+    md.append(f"| {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['bytes_read'] / 1e6:.1f} MB | "
+              f"{r['tb_per_s']:.2f} | {r['frac_copy_bw']:.0%} | {ratio('cudnn_bf16')} | {ratio('oskvp_k2_pallas')} |")
+  return md + ["", "\"vs X\" is X's ms over this row's ms (> 1: this row is faster)."]
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results")
@@ -87,6 +106,10 @@ def main():
     log("the kernel failed its check; no timings")
   rows = []
 
+  def save():  # after every row: a run cut short by its time limit keeps what it measured
+    report_files.write(args.out, "oskvp_key_bits3_decode", dict(copy_tb_per_s=copy_tbs, checks=checks, rows=rows),
+                       render_md(dev.device_kind, copy_tbs, checks, rows), echo=False)
+
   def attempt(impl, b, s, fn, make_args, nbytes):
     try:
       ms = timeit(fn, make_args, nbytes)
@@ -96,6 +119,7 @@ def main():
     rows.append(dict(impl=impl, batch=b, context=s, ms=ms, bytes_read=int(nbytes), tb_per_s=nbytes / ms / 1e9,
                      frac_copy_bw=nbytes / ms / 1e9 / copy_tbs))
     log(f"{impl:22s} B={b:3d} S={s:7d} {ms:8.4f} ms {nbytes / ms / 1e9:6.2f} TB/s")
+    save()
 
   ok = all(c["rel_err"] < 1.5e-2 and not c["nan"] for c in checks)
   if ok and "65536" in args.contexts.split(","):
@@ -117,22 +141,7 @@ def main():
                         *[x.transpose(0, 2, 1, 3) for x in bf16_cache(jax.random.key(i), b, s)])
       attempt("cudnn_bf16", b, s, cudnn_bf16, make, bf_bytes)
 
-  by = {(r["impl"], r["batch"], r["context"]): r["ms"] for r in rows}
-  md = [f"# Decode attention with 3-bit keys ({dev.device_kind}, jax {jax.__version__}, "
-        f"{datetime.datetime.now(datetime.UTC).isoformat()[:16]} UTC)", "",
-        f"N={N_HEADS} query / K={KV_HEADS} kv heads, H={HEAD_DIM}, 8 fp8 outliers, window {WINDOW}; random caches. "
-        f"Wall-clock ms per call (`chained_timing.timeit`). Copy bandwidth in this run: {copy_tbs:.2f} TB/s.", "",
-        "Checks (3-bit keys, kernel vs reference, poisoned partials): " +
-        ", ".join(f"G={c['g']} rel err {c['rel_err']:.1e}{' NaN' if c['nan'] else ''}" for c in checks), "",
-        "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN | vs oskvp_k2_pallas |",
-        "|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    key = (r["batch"], r["context"])
-    ratio = lambda impl: (f"{by[(impl, *key)] / r['ms']:.2f}x" if (impl, *key) in by else "-")
-    md.append(f"| {r['impl']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['bytes_read'] / 1e6:.1f} MB | "
-              f"{r['tb_per_s']:.2f} | {r['frac_copy_bw']:.0%} | {ratio('cudnn_bf16')} | {ratio('oskvp_k2_pallas')} |")
-  md += ["", "\"vs X\" is X's ms over this row's ms (> 1: this row is faster)."]
-  report_files.write(args.out, "oskvp_key_bits3_decode", dict(copy_tb_per_s=copy_tbs, checks=checks, rows=rows), md)
+  save()
 
 
 if __name__ == "__main__":

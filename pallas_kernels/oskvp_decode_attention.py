@@ -172,10 +172,14 @@ def default_config(head_dim: int, g: int = 4) -> DecodeBlockConfig:
   return BITPLANE if 2 * g <= 16 else TWO_DOT_BITPLANE
 
 
-def supports_key_high_bits(head_dim: int, g: int) -> bool:
-  """Whether `default_config(head_dim, g)` reads 3-bit keys (`hi_k`): only the compact bit-plane kernel does."""
+def supports_key_high_bits(head_dim: int, g: int, symmetric_codebooks: bool = False) -> bool:
+  """Whether the kernel at `default_config(head_dim, g)` takes 3-bit keys (`hi_k`): only the compact bit-plane form
+  reads them, at shapes `check_kernel_shapes` accepts with power-of-two tiles (head dim 128 or 256, G a power of two
+  <= 8), and not with symmetric codebooks (4 levels only)."""
   config = default_config(head_dim, g)
-  return config.form == "bitplane" and config.compact_rows
+  pow2 = lambda x: x > 0 and not x & (x - 1)  # noqa: E731
+  return (config.form == "bitplane" and config.compact_rows and not symmetric_codebooks and head_dim % 64 == 0
+          and pow2(head_dim // 4) and pow2(g))
 
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:

@@ -165,7 +165,8 @@ class OSKVPLayerCache:
     """Whether decode attention with `n_heads` query heads runs the fused Mosaic GPU core (`_attend`): a
     values_contiguous cache decoded by "pallas" on a Hopper GPU, or off the GPU in Mosaic GPU's interpreter, at
     shapes `oskvp_uniform_codes.mosaic_tiling` takes. Reads static shapes only (abstract caches too)."""
-    if not (self.values_contiguous and self._implementation() == "pallas" and self.hi_v is None):
+    if not (self.values_contiguous and self._implementation() == "pallas" and self.hi_k is None
+            and self.hi_v is None):
       return False
     # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
     from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
@@ -290,7 +291,9 @@ class OSKVPMode:
     bits: 2 or 3 code bits per channel (the values', and the keys' unless key_bits says otherwise).
     key_bits: the keys' code bits, 2 or 3, where they differ from `bits` (None: `bits`). Keys carry most of the
       2-bit cost (`benchmarks/oskvp_bits_split.py`), so `key_bits=3` with 2-bit values ("oskvp_k3v2") spends the
-      third bit where it pays. A cache with 3-bit codes on either side decodes through the XLA reference.
+      third bit where it pays. 3-bit keys decode through the Pallas kernel where `supports_key_high_bits` (head dim
+      128 or 256, G a power of two <= 8; 1.65x the 2-bit kernel's time at 64k x 8 on the H200), 3-bit values and
+      other shapes through the XLA reference.
     outlier_fraction: fraction of the rotated channels kept in fp8 (rounded by `oskvp.n_outliers`).
     window: R, tokens kept in the bf16 residual window.
     n_iters: Lloyd-Max iterations.

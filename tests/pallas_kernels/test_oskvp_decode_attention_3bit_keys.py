@@ -125,8 +125,19 @@ def test_entry_point_validates_hi_k_and_falls_back_where_unsupported():
   for config in (DecodeBlockConfig(), TWO_DOT_BITPLANE):  # "mma" (head dim 64's default) and G = 16's default
     with pytest.raises(ValueError, match="hi_k"):
       oskvp_decode_attention(*args, hi_k=hi_k, interpret=True, config=config)
-  assert supports_key_high_bits(128, 4) and supports_key_high_bits(128, 8)
-  assert not supports_key_high_bits(64, 4) and not supports_key_high_bits(128, 16)
+  assert supports_key_high_bits(128, 4) and supports_key_high_bits(128, 8) and supports_key_high_bits(256, 1)
+  for h, g in ((64, 4), (128, 16), (128, 6), (160, 4), (192, 4)):  # "mma", two dots, non-power-of-two G / tiles
+    assert not supports_key_high_bits(h, g), (h, g)
+  assert not supports_key_high_bits(128, 4, symmetric_codebooks=True)
+
+
+def test_kv_quant_dispatch_falls_back_to_xla_where_the_kernel_cannot_read_the_keys():
+  """G = 6 (not a power of two): `implementation="pallas"` answers through the XLA reference instead of raising."""
+  oskvp_attention = pytest.importorskip("moe_jax.kv_quant.oskvp_attention")
+  *args, hi_k = random_oskvp_inputs(6, batch=1, heads=12, kv_heads=2, head_dim=128, capacity=40, window=8,
+                                    key_bits=3)
+  out = oskvp_attention.oskvp_decode_attention(*args, hi_k=hi_k, implementation="pallas", interpret=True)
+  assert rel_err(out, oskvp_attention.oskvp_decode_attention_xla(*args, hi_k=hi_k)) < 1e-6
 
 
 def test_lowers_to_triton_ir_for_hopper():
