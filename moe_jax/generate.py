@@ -225,7 +225,7 @@ if __name__ == "__main__":
   flags.DEFINE_float("temperature", 0.0, "0 for greedy.")
   flags.DEFINE_integer("top_k", 0, "0 disables top-k.")
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
-  flags.DEFINE_string("kv_cache", "bf16", "KV cache mode: bf16, fp32, fp8, int8, kivi2, oskvp, oskvp3, oskvp_k3v2, "
+  flags.DEFINE_string("kv_cache", "bf16", "KV cache mode: bf16, fp32, fp8, int8, kivi2, oskvp, oskvp3, oskvp_k3v2(_sym), "
                       "oskvp_static (calibrated at start on --kv_calib_windows training windows), ...")
   cli.define_kv_calib_windows()
   flags.DEFINE_integer("cache_len", 0, "KV cache positions (0: prompt + max_new_tokens - 1, the last new token is not "

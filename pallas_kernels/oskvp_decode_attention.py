@@ -172,14 +172,14 @@ def default_config(head_dim: int, g: int = 4) -> DecodeBlockConfig:
   return BITPLANE if 2 * g <= 16 else TWO_DOT_BITPLANE
 
 
-def supports_key_high_bits(head_dim: int, g: int, symmetric_codebooks: bool = False) -> bool:
+def supports_key_high_bits(head_dim: int, g: int) -> bool:
   """Whether the kernel at `default_config(head_dim, g)` takes 3-bit keys (`hi_k`): only the compact bit-plane form
   reads them, at shapes `check_kernel_shapes` accepts with power-of-two tiles (head dim 128 or 256, G a power of two
-  <= 8), and not with symmetric codebooks (4 levels only)."""
+  <= 8)."""
   config = default_config(head_dim, g)
   pow2 = lambda x: x > 0 and not x & (x - 1)  # noqa: E731
-  return (config.form == "bitplane" and config.compact_rows and not symmetric_codebooks and head_dim % 64 == 0
-          and pow2(head_dim // 4) and pow2(g))
+  return (config.form == "bitplane" and config.compact_rows and head_dim % 64 == 0 and pow2(head_dim // 4)
+          and pow2(g))
 
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:
@@ -650,12 +650,15 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     n_comp, n_res: int32 [B] valid tokens in the store and in the window (n_comp + n_res >= 1).
     hi_k: uint8 [B, K, S, H/8] the keys' third code bits (3-bit keys, `OSKVPMode(key_bits=3)`; code = 2-bit code +
       4 * bit, `pack1`'s layout: channel m * H/8 + i in byte i, bit m), or None. Only the compact bit-plane form
-      reads them (`supports_key_high_bits`): seven key plane types instead of three.
+      reads them (`supports_key_high_bits`): seven key plane types instead of three (four with symmetric
+      codebooks).
     implementation: "pallas" (the fused kernel; on CPU pass interpret=True) or "xla" (the jnp reference).
     interpret: run the Pallas kernel in interpret mode (CPU).
     config: form and tiling; None uses `default_config(H, G)` (the bit-plane form for H >= 128).
-    symmetric_codebooks: every codebook row satisfies cb0 + cb3 = cb1 + cb2 (`OSKVPMode(symmetric=True)`); the
-      bit-plane form then skips the b0 & b1 plane (a third less work). Results are wrong if the rows are not.
+    symmetric_codebooks: every codebook row is symmetric about a centre, cb[c] + cb[L-1-c] the same for every c
+      (cb0 + cb3 = cb1 + cb2 at 4 levels; `OSKVPMode(symmetric=True)`); the bit-plane form then skips the b0 & b1
+      plane (a third less work), and with `hi_k` reads four key plane types instead of seven. Results are wrong if
+      the rows are not.
 
   Returns:
     [B, N, H] in q's dtype.
@@ -669,8 +672,6 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   check_kernel_shapes(q, codes_k, outl_k)
   check_triton_offsets(codes_k=codes_k, codes_v=codes_v, outl_k=outl_k, outl_v=outl_v)
   g = q.shape[1] // codes_k.shape[1]
-  if hi_k is not None and symmetric_codebooks:
-    raise ValueError("symmetric_codebooks=True needs 4-level key codebooks; hi_k (3-bit keys) has 8 levels")
   return _oskvp_pallas(*args, hi_k, interpret=interpret, config=config or default_config(q.shape[-1], g),
                        symmetric_codebooks=symmetric_codebooks)
 

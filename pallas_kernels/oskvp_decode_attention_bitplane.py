@@ -49,6 +49,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -75,6 +76,31 @@ def multilinear_coefficients(cb: jax.Array) -> jax.Array:
   for i in range(a.shape[-1].bit_length() - 1):  # Moebius inversion over the subsets, one bit at a time
     a = jnp.where(idx & (1 << i) != 0, a - a[..., idx ^ (1 << i)], a)
   return jnp.swapaxes(a, -1, -2)
+
+
+def symmetric_coefficients_3bit(cb: jax.Array) -> jax.Array:
+  """Symmetric 8-level rows cb f32 [..., H, 8] (cb[c] + cb[7 - c] the same for every c) -> [..., 5, H]:
+  (c0, d0, d1, d2, dp) with cb[c] = c0 + d0 b0 + d1 b1 + d2 b2 + dp (b0 ^ b1 ^ b2).
+
+  In the signs s_i = 2 b_i - 1 any row is w + sum_S w_S prod_{i in S} s_i (Walsh); complementing every bit maps c to
+  7 - c and flips the sign of the odd terms only, so a symmetric row has no even term but w, and
+  s0 s1 s2 = 2 (b0 ^ b1 ^ b2) - 1. Wrong results for rows that are not symmetric (`oskvp.symmetric_codebooks`).
+  """
+  cb = cb.astype(jnp.float32)
+  c = np.arange(8)
+  s = [2 * ((c >> i) & 1) - 1 for i in range(3)]
+  walsh = lambda sign: (cb * jnp.asarray(sign, jnp.float32)).mean(axis=-1)  # [..., H]  # noqa: E731
+  w0, w1, w2, w012 = walsh(s[0]), walsh(s[1]), walsh(s[2]), walsh(s[0] * s[1] * s[2])
+  return jnp.stack([cb.mean(axis=-1) - w0 - w1 - w2 - w012, 2 * w0, 2 * w1, 2 * w2, 2 * w012], axis=-2)
+
+
+def key_plane_coefficients(cb: jax.Array, types: int) -> jax.Array:
+  """Key codebooks cb [..., H, L] -> [..., 1 + types, H]: the constant and one coefficient per plane type the kernel
+  reads: 4 levels, 3 types (or 2: symmetric, d3 = 0); 8 levels, 7 types (`KEY_TYPES_3BIT`) or 4 (symmetric,
+  `KEY_TYPES_3BIT_SYMMETRIC`)."""
+  if cb.shape[-1] == 8 and types == KEY_TYPES_3BIT_SYMMETRIC:
+    return symmetric_coefficients_3bit(cb)
+  return multilinear_coefficients(cb)[..., :1 + types, :]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,6 +158,7 @@ def planes(x: jax.Array, plane: int, extract: str, types: int = PLANE_TYPES, mas
 
 
 KEY_TYPES_3BIT = 7  # b0, b1, b0 b1, b2, b0 b2, b1 b2, b0 b1 b2: type t is the bit set t + 1
+KEY_TYPES_3BIT_SYMMETRIC = 4  # b0, b1, b2, b0 ^ b1 ^ b2 (`symmetric_coefficients_3bit`)
 
 
 def high_bit_tile(ref, rows, valid, q_dim: int) -> jax.Array:
@@ -141,13 +168,17 @@ def high_bit_tile(ref, rows, valid, q_dim: int) -> jax.Array:
   return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=0)
 
 
-def key_planes_3bit(codes: jax.Array, high: jax.Array, plane: int, extract: str) -> list[jax.Array]:
-  """codes uint8 [bs, Q] (2-bit, packed), high uint8 [bs, Q] (`high_bit_tile`) -> the 7 int8 0/1 planes of `plane`
-  in `KEY_TYPES_3BIT`'s order."""
-  b0, b1, b01 = planes(codes, plane, extract)
+def key_planes_3bit(codes: jax.Array, high: jax.Array, plane: int, extract: str,
+                    symmetric: bool = False) -> list[jax.Array]:
+  """codes uint8 [bs, Q] (2-bit, packed), high uint8 [bs, Q] (`high_bit_tile`) -> the int8 0/1 planes of `plane`:
+  the 7 of `KEY_TYPES_3BIT`, or with symmetric codebooks the 4 of `KEY_TYPES_3BIT_SYMMETRIC`."""
   q_dim = codes.shape[-1]
   shift = (2 * plane + (jnp.arange(q_dim) >= q_dim // 2)).astype(jnp.uint8)[None, :]  # [1, Q]
   b2 = ((high >> shift) & 1).astype(jnp.int8)
+  if symmetric:
+    b0, b1 = planes(codes, plane, extract, types=2)
+    return [b0, b1, b2, b0 ^ b1 ^ b2]
+  b0, b1, b01 = planes(codes, plane, extract)
   return [b0, b1, b01, b2, b0 & b2, b1 & b2, b01 & b2]
 
 
@@ -276,7 +307,8 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
   # nr_ref, o_ref [4, G, Q] f32 the program's rotated output, not yet divided by l, m_ref, l_ref [R]): the value
   # codebooks, the digits' weights and the outliers are applied here, and the merge only weighs and rotates back.
   # key_high_bits (3-bit keys): refs start with hk_ref [S, Q/2] uint8, the keys' third code bits; qd_ref then holds
-  # the seven key plane types of `KEY_TYPES_3BIT` ([7, 4, R, Q]), the values keep `types`.
+  # the seven key plane types of `KEY_TYPES_3BIT` ([7, 4, R, Q]), or with symmetric codebooks (types = 2) the four of
+  # `KEY_TYPES_3BIT_SYMMETRIC`; the values keep `types`.
   hk_ref = None
   if key_high_bits:
     hk_ref, *refs = refs
@@ -354,7 +386,8 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
       valid = start + i * block_s + jnp.arange(block_s) < end  # [bs]
       idot = 0
       for p in range(4):
-        kplanes = key_planes_3bit(ck, high, p, extract) if key_high_bits else planes(ck, p, extract, types)
+        kplanes = (key_planes_3bit(ck, high, p, extract, symmetric=types == 2) if key_high_bits
+                   else planes(ck, p, extract, types))
         for t, kplane in enumerate(kplanes):
           idot += plgpu.dot(qd_ref[t, p], kplane, trans_b=True)  # [R, bs] int32, both digits
       sr = idot.astype(jnp.float32) * qw[:, None] + plgpu.dot(qo_ref[...], ok, trans_b=True)
@@ -463,7 +496,7 @@ def prepare_bitplane_query(q, u_k, cb_k, scale_k, kv_heads: int, hp: int, rows: 
   g = n // kv_heads
   hi = lax.Precision.HIGHEST
   qr = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kv_heads, g, h), u_k, precision=hi) * h**-0.5
-  deltas = multilinear_coefficients(cb_k)  # [B, K, L, H]
+  deltas = key_plane_coefficients(cb_k, types)  # [B, K, 1 + T, H]
   qc = jnp.einsum("BKGH,BKH->BKG", qr, deltas[:, :, 0], precision=hi)
   qd = qr[:, :, None] * deltas[:, :, 1:1 + types, None, :]  # [B, K, T, G, H]
   # One scale per row for all three types, so the kernel sums every key dot in int32 and converts once.
@@ -547,7 +580,8 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   `_oskvp_pallas`, its one caller; partials poisoned with NaN if `poison`).
 
   hi_k: the keys' third code bits (3-bit keys, cb_k [B, K, H, 8]) or None; needs compact rows. The keys then take
-  seven plane types (`KEY_TYPES_3BIT`) from the 2-bit codes and a gathered tile of these bits.
+  seven plane types (`KEY_TYPES_3BIT`; four with symmetric codebooks) from the 2-bit codes and a gathered tile of
+  these bits.
 
   symmetric_codebooks: every 4-level row has cb0 + cb3 = cb1 + cb2 (d3 = 0, `oskvp.fit(symmetric=True)`), so the
   b0 & b1 plane is skipped on both sides: a third fewer dots and accumulators. Wrong results if the rows are not.
@@ -567,9 +601,11 @@ def oskvp_bitplane_pallas(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, sc
   o_cols = max(pl.next_power_of_2(o_dim), MMA_ROWS)
   types = PLANE_TYPES - 1 if symmetric_codebooks else PLANE_TYPES
   key_high_bits = hi_k is not None
-  if key_high_bits and (not config.compact_rows or symmetric_codebooks):
-    raise ValueError("hi_k (3-bit keys) needs compact_rows=True and symmetric_codebooks=False")
-  key_types = KEY_TYPES_3BIT if key_high_bits else types
+  if key_high_bits and not config.compact_rows:
+    raise ValueError("hi_k (3-bit keys) needs compact_rows=True")
+  key_types = types
+  if key_high_bits:
+    key_types = KEY_TYPES_3BIT_SYMMETRIC if symmetric_codebooks else KEY_TYPES_3BIT
   values_in_kernel = (not symmetric_codebooks) if config.values_in_kernel is None else config.values_in_kernel
   prologue = config.compact_rows and config.pallas_prologue
   if prologue:  # the query inputs come from the Pallas prologue below

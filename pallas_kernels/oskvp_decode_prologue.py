@@ -63,8 +63,13 @@ def _prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, qd_ref, qw_ref, qc_ref, qp_re
     rows = pl.ds(p * q_dim, q_dim)
     levels = cb_ref.shape[1]
     cb = [cb_ref[rows, c].astype(jnp.float32) for c in range(levels)]  # [Q] each
-    for bit in range(levels.bit_length() - 1):  # Moebius inversion, as `multilinear_coefficients`
-      cb = [x - cb[m ^ (1 << bit)] if m & (1 << bit) else x for m, x in enumerate(cb)]
+    if levels == 8 and types == 4:  # symmetric 3-bit keys: as `symmetric_coefficients_3bit`
+      sign = lambda c, mask: -1.0 if bin(~c & mask).count("1") % 2 else 1.0  # prod_{i in mask} (2 b_i - 1)  # noqa: E731
+      w = [sum(sign(c, mask) * cb[c] for c in range(8)) * 0.125 for mask in (1, 2, 4, 7)]
+      cb = [sum(cb) * 0.125 - w[0] - w[1] - w[2] - w[3]] + [2.0 * x for x in w]
+    else:
+      for bit in range(levels.bit_length() - 1):  # Moebius inversion, as `multilinear_coefficients`
+        cb = [x - cb[m ^ (1 << bit)] if m & (1 << bit) else x for m, x in enumerate(cb)]
     deltas = cb[1:1 + types]
     qc += (qr * cb[0][None]).sum(axis=1)
     folded.append([qr * d[None] for d in deltas])
@@ -95,8 +100,8 @@ def compact_query_pallas(q, u_k, cb_k, scale_k, *, rows: int, o_cols: int, types
   Args:
     q [B, N, H]; u_k [B, K, H, H] f32; cb_k [B, K, H, L], L = 4 or 8 levels; scale_k [B, K, O].
     rows: R, the tensor-core tile's rows (>= 2 G with two digits); o_cols: OP >= O, a power of two.
-    types: plane types (3, or 2 with symmetric codebooks; 7 for 8 levels); digits: 1 or 2 int8 digits of the folded
-      query.
+    types: plane types (3, or 2 with symmetric codebooks; 7 for 8 levels, 4 for symmetric 8 levels); digits: 1 or 2
+      int8 digits of the folded query.
 
   Returns:
     qd int8 [B, K, T, 4, R, Q], qw f32 [B, K, R], qc f32 [B, K, G], qp bf16 [B, K, 4, R, Q], qo [B, K, R, OP] in

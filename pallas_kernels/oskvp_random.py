@@ -44,12 +44,9 @@ def uniform_codebooks(key, shape: tuple[int, ...], outliers: int = 0) -> jax.Arr
 
 
 def symmetrize(cb):
-  """Sorted rows [..., 4] -> rows symmetric about their mean, c -+ (a, b) with the rows' mean half-gaps (a, b)."""
-  xp = np if isinstance(cb, np.ndarray) else jnp
-  c = cb.mean(axis=-1, keepdims=True)
-  a = 0.5 * (cb[..., 3:] - cb[..., :1])
-  b = 0.5 * (cb[..., 2:3] - cb[..., 1:2])
-  return c + xp.concatenate([-a, -b, b, a], axis=-1)
+  """Sorted rows [..., L] -> rows symmetric about their mean, level i = mean + (cb[i] - cb[L-1-i]) / 2 (for 4 levels
+  c -+ (a, b) with the rows' mean half-gaps (a, b))."""
+  return cb.mean(axis=-1, keepdims=True) + 0.5 * (cb - cb[..., ::-1])
 
 
 @functools.partial(jax.jit, static_argnums=range(1, 11))

@@ -9,6 +9,7 @@
 | oskvp3 | as oskvp with 3-bit codes | oskvp_cache |
 | oskvp_k3v2 | as oskvp with 3-bit key codes, 2-bit value codes | oskvp_cache |
 | oskvp_sym | as oskvp with codebooks symmetric about each channel's mean (a third less kernel work) | oskvp_cache |
+| oskvp_k3v2_sym | as oskvp_k3v2 with symmetric codebooks (four key plane types in the kernel instead of seven) | oskvp_cache |
 | oskvp_uniform | as oskvp with equally spaced codebooks (the codes are the tensor-core operand), values stored tokens contiguous; decode attention through the Mosaic GPU core on the GPU | oskvp_cache |
 | oskvp_static | OS-KVP 2-bit with per-(layer, head) calibration; `static.calibrate_model` + `static.install` first (the CLIs do it: `moe_jax.cli.setup_kv_cache`) | static |
 
@@ -28,6 +29,7 @@ register_kv_cache_mode("oskvp", OSKVPMode(bits=2))
 register_kv_cache_mode("oskvp3", OSKVPMode(bits=3))
 register_kv_cache_mode("oskvp_k3v2", OSKVPMode(bits=2, key_bits=3))
 register_kv_cache_mode("oskvp_sym", OSKVPMode(bits=2, symmetric=True))
+register_kv_cache_mode("oskvp_k3v2_sym", OSKVPMode(bits=2, key_bits=3, symmetric=True))
 register_kv_cache_mode("oskvp_uniform", OSKVPMode(bits=2, uniform=True))
 register_kv_cache_mode("oskvp_static", StaticOSKVPMode())
 

@@ -248,9 +248,10 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
     x: [N, H] samples (any float dtype). w: f32 [N] row weights (1 valid, 0 padding); default all ones.
     n_outlier: O. bits: 2 or 3. n_iters: Lloyd-Max iterations.
     min_samples: fewer usable rows than this (default H) -> permutation U and Gaussian-level codebooks (no Lloyd).
-    symmetric: fit codebooks symmetric about each channel's mean, levels mean -+ (a, b): Lloyd-Max with L/2 levels
-      on |x' - mean|. For 2 bits this makes cb0 + cb3 = cb1 + cb2, so the bit-plane decode kernel needs two plane
-      types instead of three (`symmetric_codebooks`). Costs some fidelity on skewed channels.
+    symmetric: fit codebooks symmetric about each channel's mean, levels mean -+ (a, b, ...): Lloyd-Max with L/2
+      levels on |x' - mean|. For 2 bits this makes cb0 + cb3 = cb1 + cb2, so the bit-plane decode kernel needs two
+      plane types instead of three; for 3 bits four instead of seven (`symmetric_codebooks`). Costs some fidelity on
+      skewed channels.
     uniform: fit equally spaced 2-bit codebooks, levels centre + step·(-1.5, -0.5, 0.5, 1.5) (`uniform_lloyd`):
       cb[c] = cb0 + step·c, so a decode kernel can use the codes themselves as the int8 tensor-core operand (one
       plane type). Uniform codebooks are also symmetric. Within 1.1% of Lloyd-Max's error on Gaussian channels.
@@ -355,11 +356,15 @@ def placeholder(head_dim: int, n_outlier: int, *, bits: int = 2, uniform: bool =
 
 
 def symmetric_codebooks(codebook: jax.Array, rtol: float = 1e-5) -> bool:
-  """True if every 4-level row [..., H, 4] has cb0 + cb3 = cb1 + cb2 (to rtol of its range): two plane types."""
+  """True if every row [..., H, L] (L = 4 or 8) is symmetric about one centre, cb[c] + cb[L-1-c] the same for every c
+  (to rtol of its range): for 4 levels cb0 + cb3 = cb1 + cb2, two plane types in the bit-plane kernel instead of
+  three; for 8, four instead of seven."""
   cb = np.asarray(codebook, np.float64)
-  if cb.shape[-1] != 4:
+  levels = cb.shape[-1]
+  if levels not in (4, 8):
     return False
-  gap = np.abs(cb[..., 0] + cb[..., 3] - cb[..., 1] - cb[..., 2])
+  pair_sums = cb + cb[..., ::-1]  # [..., H, L]
+  gap = np.abs(pair_sums - pair_sums[..., :1]).max(axis=-1)
   return bool(np.all(gap <= rtol * (np.abs(cb).max(axis=-1) + 1e-30)))
 
 

@@ -139,8 +139,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   if implementation == "pallas" and hi_v is None:
     # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
     from pallas_kernels import oskvp_decode_attention as kernel  # pylint: disable=g-import-not-at-top
-    if hi_k is None or kernel.supports_key_high_bits(q.shape[-1], q.shape[1] // codes_k.shape[1],
-                                                     symmetric_codebooks):
+    if hi_k is None or kernel.supports_key_high_bits(q.shape[-1], q.shape[1] // codes_k.shape[1]):
       return kernel.oskvp_decode_attention(*args, hi_k=hi_k, interpret=interpret,
                                            symmetric_codebooks=symmetric_codebooks)
   return oskvp_decode_attention_xla(*args, hi_k=hi_k, hi_v=hi_v)

@@ -307,8 +307,9 @@ class OSKVPMode:
       RoPE base `rope_theta` (0.26 in-sample, 0.26 on later positions). `prefill` sets it to the model's base
       through `for_config`; a bare mode uses 1e4 (the built-in configs). None disables it.
     implementation: decode attention: "auto" (Pallas on GPU, XLA elsewhere), "pallas" or "xla".
-    symmetric: 2-bit codebooks symmetric about each channel's mean (`oskvp.fit`): the bit-plane kernel then needs
-      two plane types per side instead of three; fidelity cost in benchmarks/results/kv_cache.md.
+    symmetric: codebooks symmetric about each channel's mean (`oskvp.fit`): the bit-plane kernel then needs two
+      plane types per side instead of three (2-bit codes), four instead of seven for 3-bit keys ("oskvp_k3v2_sym");
+      fidelity cost in benchmarks/results/kv_cache.md.
     uniform: equally spaced 2-bit codebooks (`oskvp.fit(uniform=True)`): the codes themselves are the int8
       tensor-core operand of the fused Mosaic GPU core (`pallas_kernels/oskvp_decode_core_mgpu.py`), which decode
       attention uses on the GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`; the cache then stores its
@@ -342,13 +343,13 @@ class OSKVPMode:
     if self.key_bits not in (None, 2, 3):
       raise ValueError(f"key_bits={self.key_bits} must be None, 2 or 3")
     if self.symmetric and self.bits != 2:
-      raise ValueError(f"symmetric=True needs bits=2 (got bits={self.bits}): only 4-level codebooks have a "
-                       "two-plane-type form")
+      raise ValueError(f"symmetric=True needs bits=2 (got bits={self.bits}): the kernel reads 2-bit values only "
+                       "(3-bit keys: key_bits=3)")
     if self.uniform and (self.bits != 2 or self.symmetric):
       raise ValueError(f"uniform=True needs bits=2 and symmetric=False (got bits={self.bits}, "
                        f"symmetric={self.symmetric}): uniform codebooks are already symmetric")
-    if (self.symmetric or self.uniform) and self.k_bits != 2:
-      raise ValueError(f"symmetric / uniform codebooks need 2-bit keys (got key_bits={self.key_bits})")
+    if self.uniform and self.k_bits != 2:
+      raise ValueError(f"uniform codebooks need 2-bit keys (got key_bits={self.key_bits})")
     if self.window < 1:
       raise ValueError(f"window={self.window} must be >= 1")
     if not 0 <= self.outlier_fraction < 1:

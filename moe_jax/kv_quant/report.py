@@ -31,7 +31,7 @@ from moe_jax.kv_quant.oskvp_cache import StaticOSKVPMode
 
 NO_REFIT = "oskvp_no_refit"  # registered by `run` for the short-prompt rows
 MODES = ("bf16", "fp8", "int8", "kivi2", "oskvp", "oskvp_sym", "oskvp_uniform", "oskvp3", "oskvp_k3v2",
-         "oskvp_static")
+         "oskvp_k3v2_sym", "oskvp_static")
 CONTEXTS = (1024, 8192, 32768, 131072)
 PRESETS = ("qwen3_30b_a3b", "seed_480b")
 _PARAM_FIELDS = ("u_k", "u_v", "cb_k", "cb_v", "scale_k", "scale_v")

@@ -18,7 +18,8 @@ from hopper_lowering import lowers_to_triton_for_hopper  # pylint: disable=impor
 from pallas_kernels.oskvp_decode_attention import (BITPLANE, TWO_DOT_BITPLANE, DecodeBlockConfig, _oskvp_pallas,
                                                    dequantize_rotated, oskvp_decode_attention,
                                                    oskvp_decode_attention_reference, supports_key_high_bits)
-from pallas_kernels.oskvp_decode_attention_bitplane import codebook_deltas, multilinear_coefficients
+from pallas_kernels.oskvp_decode_attention_bitplane import (codebook_deltas, key_plane_coefficients,
+                                                            multilinear_coefficients)
 from pallas_kernels.oskvp_random import random_oskvp_inputs_host as random_oskvp_inputs
 
 TOL = 1.5e-2
@@ -29,10 +30,10 @@ def rel_err(out, ref):
   return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-def run_case(seed, config, **shape):
-  *args, hi_k = random_oskvp_inputs(seed, key_bits=3, **shape)
+def run_case(seed, config, symmetric=False, **shape):
+  *args, hi_k = random_oskvp_inputs(seed, key_bits=3, symmetric=symmetric, **shape)
   ref = oskvp_decode_attention_reference(*args, hi_k=hi_k)
-  out = _oskvp_pallas(*args, hi_k, interpret=True, config=config, poison=True)
+  out = _oskvp_pallas(*args, hi_k, interpret=True, config=config, poison=True, symmetric_codebooks=symmetric)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   assert not np.isnan(np.asarray(out, np.float32)).any()
   per_row = [rel_err(out[b], ref[b]) for b in range(out.shape[0])]
@@ -51,6 +52,26 @@ def test_multilinear_coefficients_rebuild_every_codebook_entry():
     subsets = [m for m in range(8) if m & c == m]
     np.testing.assert_allclose(sum(a[..., m, :] for m in subsets), cb[..., c], atol=1e-5)
   np.testing.assert_allclose(multilinear_coefficients(cb[..., :4]), codebook_deltas(cb[..., :4]), atol=1e-6)
+
+
+def test_symmetric_coefficients_rebuild_every_entry_of_a_symmetric_row():
+  """Symmetric 8-level rows (cb[c] + cb[7 - c] constant): cb[c] = c0 + d0 b0 + d1 b1 + d2 b2 + dp (b0 ^ b1 ^ b2); a
+  row that is not symmetric is not rebuilt (the form needs the symmetry)."""
+  rng = np.random.default_rng(1)
+  free = np.sort(rng.standard_normal((3, 6, 8)), axis=-1).astype(np.float32)
+  sym = free.mean(axis=-1, keepdims=True) + 0.5 * (free - free[..., ::-1])
+
+  def rebuilt(cb):
+    a = np.asarray(key_plane_coefficients(jnp.asarray(cb), 4))  # [.., 5, H]
+    out = []
+    for c in range(8):
+      b0, b1, b2 = c & 1, (c >> 1) & 1, (c >> 2) & 1
+      out.append(a[..., 0, :] + a[..., 1, :] * b0 + a[..., 2, :] * b1 + a[..., 3, :] * b2 + a[..., 4, :] * (b0 ^ b1 ^ b2))
+    return np.stack(out, axis=-1)
+
+  np.testing.assert_allclose(rebuilt(sym), sym, atol=1e-5)
+  assert np.abs(rebuilt(free) - free).max() > 1e-2
+  np.testing.assert_allclose(key_plane_coefficients(jnp.asarray(free), 7), multilinear_coefficients(free), atol=1e-6)
 
 
 def test_reference_reads_the_third_bit_in_pack1_layout():
@@ -89,9 +110,20 @@ def test_long_g1_and_g8_empty_store():
            window=16, n_comp=[300], n_res=[5])
 
 
-def test_matches_kv_quant_on_a_real_key_bits_3_cache():
+def test_symmetric_codebooks_four_key_plane_types():
+  """Symmetric 8-level key and 4-level value codebooks (`oskvp_k3v2_sym`): G = 4 mixed lengths with the default
+  tiling and the Pallas prologue; G = 8 with an empty store and the XLA prologue."""
+  run_case(35, dataclasses.replace(BITPLANE, num_splits=3), symmetric=True, batch=3, heads=8, kv_heads=2,
+           head_dim=128, capacity=700, window=48, n_comp=[1, 127, 700], n_res=[0, 17, 48])
+  run_case(36, dataclasses.replace(BITPLANE, block_s=64, num_splits=4, pallas_prologue=False), symmetric=True,
+           batch=2, heads=16, kv_heads=2, head_dim=128, capacity=300, window=16, n_comp=[0, 300], n_res=[9, 16])
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_matches_kv_quant_on_a_real_key_bits_3_cache(symmetric):
   """A cache quantized by moe_jax (`OSKVPMode(key_bits=3)`, head dim 128): the kernel, through kv_quant's own entry
-  point, matches kv_quant's XLA decode attention on it (the two packages agree on the bit layout)."""
+  point, matches kv_quant's XLA decode attention on it (the two packages agree on the bit layout); with
+  `symmetric=True` (`oskvp_k3v2_sym`) the fitted codebooks are symmetric, as the kernel's four-type form needs."""
   oskvp_cache = pytest.importorskip("moe_jax.kv_quant.oskvp_cache")
   oskvp_attention = pytest.importorskip("moe_jax.kv_quant.oskvp_attention")
   rng = np.random.default_rng(9)
@@ -100,14 +132,18 @@ def test_matches_kv_quant_on_a_real_key_bits_3_cache():
   k = jnp.asarray(rng.standard_normal((b, t, kh, h), np.float32) * chan + 0.3)
   v = jnp.asarray(rng.standard_normal((b, t, kh, h), np.float32))
   lengths = jnp.asarray([160, 61], jnp.int32)
-  mode = oskvp_cache.OSKVPMode(window=32, n_iters=4, key_bits=3)
+  mode = oskvp_cache.OSKVPMode(window=32, n_iters=4, key_bits=3, symmetric=symmetric)
   cache = jax.jit(lambda k, v, lengths: mode.from_prefill(k, v, lengths, 192, layer=0))(k, v, lengths)
   assert cache.hi_k is not None and cache.hi_v is None and cache.cb_k.shape[-1] == 8
+  if symmetric:
+    oskvp = pytest.importorskip("moe_jax.kv_quant.oskvp")
+    assert cache.symmetric and oskvp.symmetric_codebooks(cache.cb_k) and oskvp.symmetric_codebooks(cache.cb_v)
   q = jnp.asarray(rng.standard_normal((b, n, h), np.float32)).astype(jnp.bfloat16)
   args = (q, cache.codes_k, cache.outl_k, cache.scale_k, cache.cb_k, cache.codes_v, cache.outl_v, cache.scale_v,
           cache.cb_v, cache.u_k, cache.u_v, cache.res_k, cache.res_v, cache.n_comp, cache.n_res)
   theirs = oskvp_attention.oskvp_decode_attention_xla(*args, hi_k=cache.hi_k)
-  ours = oskvp_attention.oskvp_decode_attention(*args, hi_k=cache.hi_k, implementation="pallas", interpret=True)
+  ours = oskvp_attention.oskvp_decode_attention(*args, hi_k=cache.hi_k, implementation="pallas", interpret=True,
+                                                symmetric_codebooks=symmetric)
   assert rel_err(ours, theirs) < TOL
 
 
@@ -120,15 +156,12 @@ def test_entry_point_validates_hi_k_and_falls_back_where_unsupported():
     oskvp_decode_attention(*args, hi_k=hi_k.astype(jnp.int8), interpret=True)
   with pytest.raises(ValueError, match="cb_k must have shape"):  # 4-level key codebooks with third bits
     oskvp_decode_attention(*args[:4], args[4][..., :4], *args[5:], hi_k=hi_k, interpret=True)
-  with pytest.raises(ValueError, match="symmetric_codebooks"):
-    oskvp_decode_attention(*args, hi_k=hi_k, interpret=True, symmetric_codebooks=True)
   for config in (DecodeBlockConfig(), TWO_DOT_BITPLANE):  # "mma" (head dim 64's default) and G = 16's default
     with pytest.raises(ValueError, match="hi_k"):
       oskvp_decode_attention(*args, hi_k=hi_k, interpret=True, config=config)
   assert supports_key_high_bits(128, 4) and supports_key_high_bits(128, 8) and supports_key_high_bits(256, 1)
   for h, g in ((64, 4), (128, 16), (128, 6), (160, 4), (192, 4)):  # "mma", two dots, non-power-of-two G / tiles
     assert not supports_key_high_bits(h, g), (h, g)
-  assert not supports_key_high_bits(128, 4, symmetric_codebooks=True)
 
 
 def test_kv_quant_dispatch_falls_back_to_xla_where_the_kernel_cannot_read_the_keys():
@@ -140,9 +173,10 @@ def test_kv_quant_dispatch_falls_back_to_xla_where_the_kernel_cannot_read_the_ke
   assert rel_err(out, oskvp_attention.oskvp_decode_attention_xla(*args, hi_k=hi_k)) < 1e-6
 
 
-def test_lowers_to_triton_ir_for_hopper():
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_lowers_to_triton_ir_for_hopper(symmetric):
   """The real kernel, with the gathered load of the third bits, lowers to Triton IR for an H100-class GPU."""
   *args, hi_k = random_oskvp_inputs(7, batch=2, heads=8, kv_heads=2, head_dim=128, capacity=300, window=128,
-                                    key_bits=3)
-  fn = functools.partial(_oskvp_pallas, interpret=False, config=BITPLANE)
+                                    key_bits=3, symmetric=symmetric)
+  fn = functools.partial(_oskvp_pallas, interpret=False, config=BITPLANE, symmetric_codebooks=symmetric)
   assert lowers_to_triton_for_hopper(lambda *a: fn(*a[:15], a[15]), *args, hi_k)

@@ -29,14 +29,15 @@ def _reference(q, u_k, cb_k, scale_k, *, kh, groups, rows, o_cols, digits, types
 
 
 @pytest.mark.parametrize("groups,outliers,symmetric,digits,key_bits",
-                         [(4, 8, False, 2, 2), (8, 12, True, 2, 2), (1, 8, False, 1, 2), (4, 8, False, 2, 3)])
+                         [(4, 8, False, 2, 2), (8, 12, True, 2, 2), (1, 8, False, 1, 2), (4, 8, False, 2, 3),
+                          (8, 8, True, 2, 3)])
 def test_prologue_matches_reference(groups, outliers, symmetric, digits, key_bits):
-  """key_bits=3: 8-level key codebooks, seven plane types."""
+  """key_bits=3: 8-level key codebooks, seven plane types (four if symmetric)."""
   kh, rows, o_cols = 2, 16, 16
   args = random_oskvp_inputs(5 + groups, batch=2, heads=kh * groups, kv_heads=kh, head_dim=128, capacity=8, window=8,
                              outliers=outliers, symmetric=symmetric, key_bits=key_bits)
   q, _, _, scale_k, cb_k, *_, u_k = args[:10]
-  types = 7 if key_bits == 3 else 2 if symmetric else 3
+  types = {(3, False): 7, (3, True): 4, (2, False): 3, (2, True): 2}[(key_bits, symmetric)]
   qd, qw, qc, qp, qo = compact_query_pallas(q, u_k, cb_k, scale_k, rows=rows, o_cols=o_cols, types=types,
                                             digits=digits, outlier_dtype=jnp.float16, interpret=True)
   qd_r, qw_r, qc_r, qp_r, qo_r = _reference(q, u_k, cb_k, scale_k, kh=kh, groups=groups, rows=rows, o_cols=o_cols,

@@ -21,11 +21,12 @@ def _normals(seed, shapes):
 
 
 def test_modes_are_registered():
-  for name in ("fp8", "int8", "kivi2", "oskvp", "oskvp3", "oskvp_k3v2", "oskvp_static"):
+  for name in ("fp8", "int8", "kivi2", "oskvp", "oskvp3", "oskvp_k3v2", "oskvp_k3v2_sym", "oskvp_static"):
     assert get_kv_cache_mode(name) is not None
   assert get_kv_cache_mode("kivi2").window == 128
   assert get_kv_cache_mode("oskvp3").bits == 3
   assert (get_kv_cache_mode("oskvp_k3v2").k_bits, get_kv_cache_mode("oskvp_k3v2").bits) == (3, 2)
+  assert get_kv_cache_mode("oskvp_k3v2_sym").k_bits == 3 and get_kv_cache_mode("oskvp_k3v2_sym").symmetric
   with pytest.raises(ValueError, match="not calibrated"):
     get_kv_cache_mode("oskvp_static").from_prefill(jnp.zeros((1, 4, K, H)), jnp.zeros((1, 4, K, H)),
                                                    jnp.array([4]), 8, layer=0)

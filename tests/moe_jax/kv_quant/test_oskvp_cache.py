@@ -171,7 +171,7 @@ def test_implementation_switch():
   with pytest.raises(ValueError, match="key_bits=4 must be None, 2 or 3"):
     OSKVPMode(key_bits=4)
   with pytest.raises(ValueError, match="2-bit keys"):
-    OSKVPMode(key_bits=3, symmetric=True)
+    OSKVPMode(key_bits=3, uniform=True)
   with pytest.raises(ValueError, match="implementation"):
     OSKVPMode(implementation="cuda")
   with pytest.raises(ValueError, match="bits"):
@@ -477,3 +477,21 @@ def test_a_prompt_inside_the_window_is_refitted_at_its_first_flush(uniform, ns):
         else:
           np.testing.assert_array_equal(u, u0[row])  # the prefill's fit kept
   assert np.mean(errs[True]) < 0.1 * np.mean(errs[False]), errs
+
+
+def test_symmetric_3bit_keys_stay_symmetric_from_short_prompts_through_the_refit():
+  """`oskvp_k3v2_sym`: 8-level key codebooks symmetric about one centre (what the kernel's four-type form needs) for
+  a long prompt, a 2-token prompt (the fallback levels) and after the refit at the first flush."""
+  h = 64
+  k, v = _outlier_kv(300, h)
+  mode = OSKVPMode(window=R, key_bits=3, symmetric=True)
+  c = jax.jit(lambda k, v: mode.from_prefill(k, v, jnp.array([300, 2]), 320, layer=0))(k, v)
+  assert c.cb_k.shape[-1] == 8 and oskvp.symmetric_codebooks(c.cb_k) and oskvp.symmetric_codebooks(c.cb_v)
+  short = jax.jit(lambda k, v: mode.from_prefill(k, v, jnp.array([2, 2]), 320, layer=0))(k[:, :2], v[:, :2])
+  q = jax.random.normal(jax.random.PRNGKey(3), (B, 1, K * G, h))
+  step = jax.jit(lambda c, q, kk, vv: c.extend(q, kk, vv, c.n_comp + c.n_res)[1])
+  for t in range(R + 1):  # past the window: the first flush refits the short rows
+    short = step(short, q, k[:, 2 + t:3 + t], v[:, 2 + t:3 + t])
+  assert int(short.n_comp.min()) > 0
+  assert oskvp.symmetric_codebooks(short.cb_k) and oskvp.symmetric_codebooks(short.cb_v)
+  assert not oskvp.symmetric_codebooks(np.sort(np.random.default_rng(0).standard_normal((4, 8)), axis=-1))
