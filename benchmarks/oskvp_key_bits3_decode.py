@@ -2,6 +2,8 @@
 
 - `oskvp_k3_pallas`: the compact bit-plane kernel reading the keys' third bits (`hi_k`, seven key plane types);
 - `oskvp_k2_pallas`: the same kernel on the 2-bit cache (`oskvp`), the speed 3-bit keys give up;
+- `oskvp_k3sym_pallas` / `oskvp_k2sym_pallas`: both with symmetric codebooks (`oskvp_k3v2_sym`: four key plane types
+  instead of seven; `oskvp_sym`);
 - `oskvp_k3_xla_lut` / `oskvp_k3_xla_dequant`: `moe_jax.kv_quant.oskvp_attention`'s XLA forms, the path 3-bit keys
   took before the kernel read them (where their f32 intermediates fit);
 - `cudnn_bf16`: `jax.nn.dot_product_attention(implementation="cudnn")` on a bf16 cache.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
+import itertools
 import warnings
 
 import jax
@@ -39,13 +43,14 @@ def k3_bytes(b: int, s: int) -> int:
   return oskvp_bytes(b, s) + b * KV_HEADS * (s * HEAD_DIM // 8 + HEAD_DIM * 4 * 4)
 
 
-def cache(i: int, b: int, s: int, key_bits: int):
+def cache(i: int, b: int, s: int, key_bits: int, symmetric: bool = False):
   return random_oskvp_inputs(jax.random.key(i), batch=b, heads=N_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                             capacity=s, window=WINDOW, key_bits=key_bits)
+                             capacity=s, window=WINDOW, key_bits=key_bits, symmetric=symmetric)
 
 
-def kernel(*a, config=BITPLANE):
-  return _oskvp_pallas(*a[:15], a[15] if len(a) > 15 else None, interpret=False, config=config)
+def kernel(*a, config=BITPLANE, symmetric=False):
+  return _oskvp_pallas(*a[:15], a[15] if len(a) > 15 else None, interpret=False, config=config,
+                       symmetric_codebooks=symmetric)
 
 
 # Tilings tried for 3-bit keys at 64k x 8 (seven key plane types hold more of the query in registers than three).
@@ -59,13 +64,13 @@ def check(log) -> list[dict]:
                 n_res=[0, 128, 77, 5]),
            dict(batch=2, heads=8, kv_heads=8, capacity=1000, window=64, n_comp=[999, 3], n_res=[64, 1]),
            dict(batch=2, heads=16, kv_heads=2, capacity=2048, window=128, n_comp=[2048, 0], n_res=[1, 128])]
-  for i, case in enumerate(cases):
-    *args, hi_k = random_oskvp_inputs(jax.random.key(50 + i), head_dim=HEAD_DIM, key_bits=3, **case)
+  for (i, case), sym in itertools.product(enumerate(cases), (False, True)):
+    *args, hi_k = random_oskvp_inputs(jax.random.key(50 + i), head_dim=HEAD_DIM, key_bits=3, symmetric=sym, **case)
     ref = oskvp_decode_attention_reference(*args, hi_k=hi_k).astype(jnp.float32)
-    out = _oskvp_pallas(*args, hi_k, interpret=False, config=BITPLANE, poison=True).astype(jnp.float32)
-    row = dict(case=i, g=case["heads"] // case["kv_heads"], rel_err=float(jnp.linalg.norm(out - ref) /
-                                                                          jnp.linalg.norm(ref)),
-               nan=bool(jnp.isnan(out).any()))
+    out = _oskvp_pallas(*args, hi_k, interpret=False, config=BITPLANE, poison=True,
+                        symmetric_codebooks=sym).astype(jnp.float32)
+    row = dict(case=i, g=case["heads"] // case["kv_heads"], symmetric=sym,
+               rel_err=float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)), nan=bool(jnp.isnan(out).any()))
     rows.append(row)
     log(f"check {row}")
   return rows
@@ -79,7 +84,8 @@ def render_md(device: str, copy_tbs: float, checks: list[dict], rows: list[dict]
         f"N={N_HEADS} query / K={KV_HEADS} kv heads, H={HEAD_DIM}, 8 fp8 outliers, window {WINDOW}; random caches. "
         f"Wall-clock ms per call (`chained_timing.timeit`). Copy bandwidth in this run: {copy_tbs:.2f} TB/s.", "",
         "Checks (3-bit keys, kernel vs reference, poisoned partials): " +
-        ", ".join(f"G={c['g']} rel err {c['rel_err']:.1e}{' NaN' if c['nan'] else ''}" for c in checks), "",
+        ", ".join(f"G={c['g']}{' sym' if c.get('symmetric') else ''} rel err {c['rel_err']:.1e}"
+                  f"{' NaN' if c['nan'] else ''}" for c in checks), "",
         "| impl | batch | context | ms | bytes read | TB/s | of copy BW | vs cuDNN | vs oskvp_k2_pallas |",
         "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -132,6 +138,11 @@ def main():
       if ok:
         attempt("oskvp_k3_pallas", b, s, kernel, lambda i: cache(i, b, s, 3), k3_bytes(b, s))
       attempt("oskvp_k2_pallas", b, s, kernel, lambda i: cache(i, b, s, 2), oskvp_bytes(b, s))
+      if ok:
+        attempt("oskvp_k3sym_pallas", b, s, functools.partial(kernel, symmetric=True),
+                lambda i: cache(i, b, s, 3, True), k3_bytes(b, s))
+      attempt("oskvp_k2sym_pallas", b, s, functools.partial(kernel, symmetric=True),
+              lambda i: cache(i, b, s, 2, True), oskvp_bytes(b, s))
       if b * KV_HEADS * s * HEAD_DIM * 8 * 4 <= args.xla_max_gb * 1e9:
         for form in ("lut", "dequant"):
           fn = lambda *a, form=form: oskvp_decode_attention_xla(*a[:15], hi_k=a[15], form=form)

@@ -64,7 +64,8 @@ def _prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, qd_ref, qw_ref, qc_ref, qp_re
     levels = cb_ref.shape[1]
     cb = [cb_ref[rows, c].astype(jnp.float32) for c in range(levels)]  # [Q] each
     if levels == 8 and types == 4:  # symmetric 3-bit keys: as `symmetric_coefficients_3bit`
-      sign = lambda c, mask: -1.0 if bin(~c & mask).count("1") % 2 else 1.0  # prod_{i in mask} (2 b_i - 1)  # noqa: E731
+      # prod_{i in mask} (2 b_i - 1) of code c: -1 for an odd count of zero bits in the mask.
+      sign = lambda c, mask: -1.0 if bin(~c & mask).count("1") % 2 else 1.0  # noqa: E731
       w = [sum(sign(c, mask) * cb[c] for c in range(8)) * 0.125 for mask in (1, 2, 4, 7)]
       cb = [sum(cb) * 0.125 - w[0] - w[1] - w[2] - w[3]] + [2.0 * x for x in w]
     else:

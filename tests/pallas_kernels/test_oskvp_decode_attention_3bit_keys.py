@@ -66,7 +66,8 @@ def test_symmetric_coefficients_rebuild_every_entry_of_a_symmetric_row():
     out = []
     for c in range(8):
       b0, b1, b2 = c & 1, (c >> 1) & 1, (c >> 2) & 1
-      out.append(a[..., 0, :] + a[..., 1, :] * b0 + a[..., 2, :] * b1 + a[..., 3, :] * b2 + a[..., 4, :] * (b0 ^ b1 ^ b2))
+      bits = (1, b0, b1, b2, b0 ^ b1 ^ b2)
+      out.append(sum(a[..., i, :] * bit for i, bit in enumerate(bits)))
     return np.stack(out, axis=-1)
 
   np.testing.assert_allclose(rebuilt(sym), sym, atol=1e-5)
