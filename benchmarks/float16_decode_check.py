@@ -27,7 +27,8 @@ from moe_jax import checkpoints, decode
 from moe_jax.kv_cache import KV_CACHE_MODES
 import moe_jax.kv_quant  # noqa: F401  (registers the quantized modes)
 
-MODES = ("fp32", "bf16", "fp8", "int8", "kivi2", "oskvp", "oskvp3", "oskvp_k3v2", "oskvp_sym", "oskvp_uniform")
+MODES = ("fp32", "bf16", "fp8", "int8", "kivi2", "oskvp", "oskvp3", "oskvp_k3v2", "oskvp_k3v2_sym", "oskvp_sym",
+         "oskvp_uniform")
 
 
 def as_float16(model32, cfg):
