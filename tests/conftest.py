@@ -48,10 +48,13 @@ gc.set_threshold(700, 10, 100)  # a full collection after 100 generation-1 colle
 
 
 @pytest.fixture(autouse=True)
-def _mappings_under_the_limit():
+def _mappings_under_the_limit(request):
   """After each test: jax's caches cleared once the process holds half the kernel's limit on memory mappings
-  (`map_budget.py`: running into that limit crashed workers)."""
+  (`map_budget.py`: running into that limit crashed workers), except after tests marked `keep_jax_caches` (they
+  assert that jitted steps warmed by an earlier test are not traced again)."""
   yield
+  if request.node.get_closest_marker("keep_jax_caches"):
+    return
   released = release_if_over()
   if released:
     note(f"cleared jax's caches at {released[0]} memory mappings ({released[1]} after)")

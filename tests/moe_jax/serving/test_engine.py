@@ -23,6 +23,9 @@ from moe_jax.serving import (AutoId, CallbackFailed, Engine, EngineConfig, Inval
 
 CACHE_LEN = 32
 MAX_NEW = 8
+# The module's engine is warmed once, and later tests assert that new engines trace nothing new: jax's caches must
+# not be cleared between them (tests/map_budget.py).
+pytestmark = pytest.mark.keep_jax_caches
 MAX_PROMPT = 24
 REF_ROWS = 128
 CONFIG = EngineConfig(num_slots=312, cache_len=CACHE_LEN, kv_cache="fp32", prefill_lengths=(8, 16),
