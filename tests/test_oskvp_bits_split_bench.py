@@ -11,6 +11,7 @@ from benchmarks import oskvp_bits_split as bench
 from moe_jax import cli
 from moe_jax import data as data_lib
 from moe_jax import eval as eval_lib
+from moe_jax.kv_quant import kivi
 
 
 def test_the_simulation_matches_the_real_cache_on_one_window():
@@ -33,3 +34,20 @@ def test_one_window_writes_the_report(tmp_path):
   assert rows[0]["rel"] == 0 and rows[1]["rel"] != 0
   assert "| 2-bit | 2-bit, block codebooks |" in open(os.path.join(tmp_path, "oskvp_bits_split_cpu.md"),
                                                        encoding="utf-8").read()
+
+
+def test_kivi2_storage_is_the_kivi_cache_format():
+  """The "kivi2" side reads back what `kivi`'s quantizers store: keys per channel over 32-token groups, values per
+  token over 32-channel groups; a token's key error depends on its group's range, not on other groups."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((1, 64, 2, 64)).astype(np.float32))  # [B, T, K, H]
+  keys = bench._stored(x, "kivi2", None, rope_span=65)  # pylint: disable=protected-access
+  values = bench._stored(x, "kivi2", None, rope_span=0)  # pylint: disable=protected-access
+  xt = jnp.swapaxes(x, 1, 2)
+  np.testing.assert_allclose(jnp.swapaxes(keys, 1, 2), kivi.dequantize_keys(*kivi.quantize_keys(xt)), atol=1e-6)
+  np.testing.assert_allclose(jnp.swapaxes(values, 1, 2), kivi.dequantize_values(*kivi.quantize_values(xt)),
+                             atol=1e-6)
+  assert 0.05 < float(jnp.abs(keys - x).max()) < 1.5 and not np.allclose(keys, values)  # half a step: range / 6
+  big = x.at[:, 40].multiply(50.0)  # one token in the second group grows: the first group's keys keep their codes
+  grown = bench._stored(big, "kivi2", None, rope_span=65)  # pylint: disable=protected-access
+  np.testing.assert_allclose(grown[:, :32], keys[:, :32], atol=1e-6)
