@@ -51,3 +51,18 @@ def test_kivi2_storage_is_the_kivi_cache_format():
   big = x.at[:, 40].multiply(50.0)  # one token in the second group grows: the first group's keys keep their codes
   grown = bench._stored(big, "kivi2", None, rope_span=65)  # pylint: disable=protected-access
   np.testing.assert_allclose(grown[:, :32], keys[:, :32], atol=1e-6)
+
+
+def test_rotated_kivi2_is_kivi_in_the_prefill_basis():
+  """"rotated kivi2": KIVI's storage of x U (U the prefill's fit), rotated back; U orthogonal, so it is not KIVI's."""
+  from moe_jax.kv_quant.oskvp_cache import OSKVPMode  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  x = jnp.asarray((rng.standard_normal((1, 288, 2, 64)) * np.linspace(0.2, 3.0, 64)).astype(np.float32))
+  mode = OSKVPMode(window=128, rope_theta=None)
+  got = bench._stored(x, "rotated kivi2", mode, rope_span=0)  # pylint: disable=protected-access
+  u = mode.fit(x[:, :bench.PREFIX], jnp.full((1,), bench.PREFIX, jnp.int32), rope_span=0, bits=2).u  # [1, K, H, H]
+  xr = jnp.einsum("BKTH,BKHJ->BKTJ", jnp.swapaxes(x, 1, 2), u)
+  want = jnp.einsum("BKTJ,BKHJ->BKTH", kivi.dequantize_values(*kivi.quantize_values(xr)), u)
+  np.testing.assert_allclose(jnp.swapaxes(got, 1, 2), want, atol=1e-4)
+  plain = bench._stored(x, "kivi2", None, rope_span=0)  # pylint: disable=protected-access
+  assert not np.allclose(got, plain, atol=1e-3)
