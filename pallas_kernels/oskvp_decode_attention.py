@@ -178,8 +178,7 @@ def supports_key_high_bits(head_dim: int, g: int) -> bool:
   <= 8)."""
   config = default_config(head_dim, g)
   pow2 = lambda x: x > 0 and not x & (x - 1)  # noqa: E731
-  return (config.form == "bitplane" and config.compact_rows and head_dim % 64 == 0 and pow2(head_dim // 4)
-          and pow2(g))
+  return config.form == "bitplane" and config.compact_rows and pow2(head_dim // 4) and pow2(g)
 
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, block_s: int, target_programs: int = 512) -> int:

@@ -499,7 +499,7 @@ def prepare_bitplane_query(q, u_k, cb_k, scale_k, kv_heads: int, hp: int, rows: 
   deltas = key_plane_coefficients(cb_k, types)  # [B, K, 1 + T, H]
   qc = jnp.einsum("BKGH,BKH->BKG", qr, deltas[:, :, 0], precision=hi)
   qd = qr[:, :, None] * deltas[:, :, 1:1 + types, None, :]  # [B, K, T, G, H]
-  # One scale per row for all three types, so the kernel sums every key dot in int32 and converts once.
+  # One scale per row for all T types, so the kernel sums every key dot in int32 and converts once.
   qs = jnp.maximum(jnp.abs(qd).max(axis=(2, 4)), 1e-30) / 127.0  # [B, K, G]
   x = qd / qs[:, :, None, :, None]  # in [-127, 127]
   q_hi = jnp.round(x)
