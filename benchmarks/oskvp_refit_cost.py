@@ -1,11 +1,13 @@
 """What the OS-KVP refit at the first flush (`OSKVPMode.refit_at_first_flush`) costs a decode step, per layer.
 
 Run:  PYTHONPATH=$PWD python3 -m benchmarks.oskvp_refit_cost [--out=DIR] [--batch=8] [--kv_heads=8] [--head_dim=128]
+        [--refit_chunks=8] [--name=oskvp_refit_cost]
 One layer's cache (`OSKVPMode.from_prefill` on random keys and values, window R = 128, S = --cache_len) and one
-decode step (`extend`, T = 1, the cache's default implementation) timed at five points: a step that flushes nothing,
-steps where every row flushes with its prefill fit (a longer prompt; refit off), and steps where 1 and all rows flush
-with a refit (prompts shorter than the window). Each timed call starts from the same cache (not donated, so each
-copies it: the copy is in every row alike). Writes `oskvp_refit_cost_<device>.{json,md}` under --out.
+decode step (`extend`, T = 1, the cache's default implementation) timed: a step that flushes nothing, steps where every
+row flushes with its prefill fit (a longer prompt; refit off), and, for each `OSKVPMode.refit_chunk` of
+--refit_chunks, steps where 1, 3 (B > 3) and all rows flush with a refit (prompts shorter than the window). Each
+timed call starts from the same cache (not donated, so each copies it: the copy is in every row alike). Writes
+`<name>_<device>.{json,md}` under --out.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main(argv=None) -> int:
   p.add_argument("--window", type=int, default=128)
   p.add_argument("--cache_len", type=int, default=4096)
   p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--refit_chunks", default="8", help="comma-separated OSKVPMode.refit_chunk values")
+  p.add_argument("--name", default="oskvp_refit_cost", help="results file stem")
   a = p.parse_args(argv)
   b, r = a.batch, a.window
   shape = dict(b=b, kh=a.kv_heads, g=a.group, h=a.head_dim, cache_len=a.cache_len, repeats=a.repeats)
@@ -60,9 +64,13 @@ def main(argv=None) -> int:
       ("no flush", mode, [r + 1] * b, 0),  # window holds 1 token after prefill
       ("all rows flush, prefill fit", mode, [long] * b, 0),
       ("all rows flush, refit off", dataclasses.replace(mode, refit_at_first_flush=False), [r - 1] * b, 1),
-      ("1 row flushes with a refit", mode, [r - 1] + [r - 2] * (b - 1), 1),
-      (f"all {b} rows flush with a refit", mode, [r - 1] * b, 1),
   ]
+  for c in (int(x) for x in a.refit_chunks.split(",")):
+    m = dataclasses.replace(mode, refit_chunk=c)
+    cases += [(f"1 row flushes with a refit, chunk {c}", m, [r - 1] + [r - 2] * (b - 1), 1)]
+    if b > 3:
+      cases += [(f"3 rows flush with a refit, chunk {c}", m, [r - 1] * 3 + [r - 2] * (b - 3), 1)]
+    cases += [(f"all {b} rows flush with a refit, chunk {c}", m, [r - 1] * b, 1)]
   rows = []
   for name, m, lengths, pre in cases:
     ms, refits = step_ms(m, lengths, pre_steps=pre, **shape)
@@ -73,7 +81,7 @@ def main(argv=None) -> int:
            f"B={b}, K={a.kv_heads}, G={a.group}, H={a.head_dim}, R={r}, S={a.cache_len}; median of {a.repeats}.", "",
            "| case | rows refitted | ms |", "|---|---|---|"]
   lines += [f"| {x['case']} | {x['rows_refitted']} | {x['ms']:.3f} |" for x in rows]
-  report_files.write(a.out, "oskvp_refit_cost", result, lines)
+  report_files.write(a.out, a.name, result, lines)
   return 0
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/oskvp_refit_cost.py at a tiny shape on the CPU: five timed cases, the report files."""
+"""benchmarks/oskvp_refit_cost.py at a tiny shape on the CPU: the timed cases for two chunk sizes, the report files."""
 
 import json
 import os
@@ -8,11 +8,13 @@ from benchmarks import oskvp_refit_cost as bench
 
 def test_tiny_run_writes_every_case(tmp_path):
   assert bench.main([f"--out={tmp_path}", "--batch=2", "--kv_heads=1", "--group=2", "--head_dim=32", "--window=8",
-                     "--cache_len=32", "--repeats=1"]) == 0
-  with open(os.path.join(tmp_path, "oskvp_refit_cost_cpu.json"), encoding="utf-8") as f:
+                     "--cache_len=32", "--repeats=1", "--refit_chunks=1,2", "--name=refit"]) == 0
+  with open(os.path.join(tmp_path, "refit_cpu.json"), encoding="utf-8") as f:
     res = json.load(f)
-  assert [r["case"] for r in res["rows"]] == ["no flush", "all rows flush, prefill fit", "all rows flush, refit off",
-                                               "1 row flushes with a refit", "all 2 rows flush with a refit"]
-  assert [r["rows_refitted"] for r in res["rows"]] == [0, 0, 0, 1, 2]
+  assert [r["case"] for r in res["rows"]] == [
+      "no flush", "all rows flush, prefill fit", "all rows flush, refit off", "1 row flushes with a refit, chunk 1",
+      "all 2 rows flush with a refit, chunk 1", "1 row flushes with a refit, chunk 2",
+      "all 2 rows flush with a refit, chunk 2"]
+  assert [r["rows_refitted"] for r in res["rows"]] == [0, 0, 0, 1, 2, 1, 2]
   assert all(r["ms"] > 0 for r in res["rows"]) and res["shape"]["window"] == 8
-  assert "| 1 row flushes with a refit | 1 |" in open(os.path.join(tmp_path, "oskvp_refit_cost_cpu.md")).read()
+  assert "| 1 row flushes with a refit, chunk 2 | 1 |" in open(os.path.join(tmp_path, "refit_cpu.md")).read()

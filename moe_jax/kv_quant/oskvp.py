@@ -237,11 +237,35 @@ def _sign_fix(u: jax.Array) -> jax.Array:
   return u * jnp.where(sign == 0, 1.0, sign)[None, :]
 
 
+def _moments(x: jax.Array, w: jax.Array | None) -> tuple[jax.Array, ...]:
+  """x [N, H], w [N] or None -> (x f32 with non-finite rows zeroed, w with them 0, count, normalized weights,
+  mean [H], cov f32 [H, H] symmetric): the statistics `fit` starts from."""
+  x = x.astype(jnp.float32)
+  w = jnp.ones((x.shape[0],), jnp.float32) if w is None else w.astype(jnp.float32)
+  finite = jnp.all(jnp.isfinite(x), axis=-1)
+  w = jnp.where(finite, w, 0.0)
+  x = jnp.where(finite[:, None], x, 0.0)
+  count = jnp.sum(w)
+  wn = w / jnp.maximum(count, 1e-30)
+  mean = wn @ x  # [H]
+  xc = (x - mean) * (w > 0)[:, None]
+  cov = jnp.einsum("NH,NJ->HJ", xc * wn[:, None], xc)
+  return x, w, count, wn, mean, 0.5 * (cov + cov.T)
+
+
+def covariance(x: jax.Array, w: jax.Array | None = None) -> jax.Array:
+  """x [N, H] samples, w f32 [N] row weights or None -> f32 [H, H], the weighted covariance whose eigenvectors `fit`
+  takes as U (non-finite rows left out). For a caller that diagonalises many heads' covariances in one batched
+  `jnp.linalg.eigh` and passes each head's eigenvectors to `fit(evecs=...)`."""
+  return _moments(x, w)[-1]
+
+
 @functools.partial(jax.jit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric", "uniform",
                                              "centred"))
 def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int = 2,
         n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None, symmetric: bool = False,
-        uniform: bool = False, ref_rms: jax.Array | None = None, centred: bool = True) -> OSKVPParams:
+        uniform: bool = False, ref_rms: jax.Array | None = None, centred: bool = True,
+        evecs: jax.Array | None = None) -> OSKVPParams:
   """Traceable calibration of one head (used per sequence at prefill, through vmap).
 
   Args:
@@ -261,6 +285,10 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
       takes its rows' own rms, or 1 for an all-zero x (static calibration).
     centred: store the outlier channels about their means (the codebook's outlier rows hold them); False keeps
       them uncentred, as calibrations before the centre were (for comparisons).
+    evecs: f32 [H, H], the eigenvectors of `covariance(x, w)` in ascending eigenvalue order (`jnp.linalg.eigh`'s
+      second output), when the caller computed them batched with other heads'; None: computed here. On the GPU an
+      eigh call costs about the same for 8 heads as for 128 (~1 ms at H = 128; results/oskvp_refit_parts_*), so
+      `OSKVPMode.fit_keys_values` makes one call for a layer's keys and values.
 
   Returns:
     OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics. A flat x gets
@@ -269,23 +297,16 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
     spacing, and the short-prompt fp8 range (before: levels ~1e-10 apart and fp8 scales ~1e-33, so every later,
     non-zero token was stored as ~0).
   """
-  n, h = x.shape
+  h = x.shape[1]
   n_levels = 2**bits
   if uniform and n_levels != len(_UNIFORM_Z):
     raise ValueError(f"uniform=True needs bits=2 (got bits={bits})")
   min_samples = h if min_samples is None else min_samples
-  x = x.astype(jnp.float32)
-  w = jnp.ones((n,), jnp.float32) if w is None else w.astype(jnp.float32)
-  finite = jnp.all(jnp.isfinite(x), axis=-1)
-  w = jnp.where(finite, w, 0.0)
-  x = jnp.where(finite[:, None], x, 0.0)
-  count = jnp.sum(w)
-  wn = w / jnp.maximum(count, 1e-30)
-  mean = wn @ x  # [H]
-  xc = (x - mean) * (w > 0)[:, None]
-  cov = jnp.einsum("NH,NJ->HJ", xc * wn[:, None], xc)
-  cov = 0.5 * (cov + cov.T)
-  _, evecs = jnp.linalg.eigh(cov)  # ascending eigenvalues
+  x, w, count, wn, mean, cov = _moments(x, w)
+  if evecs is None:
+    _, evecs = jnp.linalg.eigh(cov)  # ascending eigenvalues
+  elif evecs.shape != (h, h):
+    raise ValueError(f"evecs has shape {evecs.shape}, expected ({h}, {h}) for x of shape {x.shape}")
   u_eig = _sign_fix(evecs[:, ::-1])
   perm = jnp.argsort(-jnp.diag(cov), stable=True)
   u_perm = jnp.eye(h, dtype=jnp.float32)[:, perm]

@@ -1,0 +1,20 @@
+"""benchmarks/oskvp_refit_parts.py at a tiny shape on the CPU: every part timed (no Jacobi eigh there), the files."""
+
+import json
+import os
+
+from benchmarks import oskvp_refit_parts as bench
+
+
+def test_tiny_run_writes_every_part(tmp_path):
+  assert bench.main([f"--out={tmp_path}", "--batch=2", "--kv_heads=1", "--head_dim=16", "--window=8",
+                     "--cache_len=32", "--repeats=1"]) == 0
+  with open(os.path.join(tmp_path, "oskvp_refit_parts_cpu.json"), encoding="utf-8") as f:
+    res = json.load(f)
+  parts = [r["part"] for r in res["rows"]]
+  assert parts[:6] == ["key + value fit, 1 row", "key + value fit, one eigh call, 1 row", "key fit, 1 row",
+                       "value fit, 1 row", "key + value fit, 2 rows at once",
+                       "key + value fit, one eigh call, 2 rows at once"]
+  assert [p for p in parts if p.startswith("eigh")] == [f"eigh {n} x 16x16, default" for n in (1, 2, 4)]
+  assert parts[-1].startswith("lloyd_max 1 heads x 64 samples") and all(r["ms"] > 0 for r in res["rows"])
+  assert "| key fit, 1 row |" in open(os.path.join(tmp_path, "oskvp_refit_parts_cpu.md")).read()
