@@ -14,7 +14,10 @@ stored as:
   * "kivi2": KIVI's 2-bit storage of that side (`moe_jax.kv_quant.kivi`: keys per channel over groups of 32 tokens,
     values per token over groups of 32 channels, f16 scale and zero), to compare the two 2-bit formats side by side;
   * "rotated kivi2": the same KIVI storage in OS-KVP's rotated basis (U fitted on the prefill as for "2-bit", no
-    codebooks, no fp8 channels), to tell the rotation's part from the per-group ranges'.
+    codebooks, no fp8 channels), to tell the rotation's part from the per-group ranges';
+  * "kivi2, groups of N": KIVI's storage with groups of N tokens (keys) or N channels (values) instead of 32, to see
+    how much of KIVI's edge is the groups' locality. Keys' groups of 128 are the flush blocks (storable); a group of
+    the whole window (512) is an oracle, each token coded with the range of tokens that come after it too.
 The first row (2-bit / 2-bit) is the `oskvp` cache: it reproduces the model-level eval's figure (README). Writes
 `oskvp_bits_split_<device>.{json,md}` under --out: bits per byte against the exact pass's, per (keys, values) pair.
 Shapes: B windows, T tokens, K kv heads, G query heads per kv head, H head dim.
@@ -62,16 +65,17 @@ def _stored(x: jax.Array, how: str, mode: OSKVPMode, rope_span: int) -> jax.Arra
   """x [B, T, K, H] -> what the cache reads back for it under `how`."""
   if how == "exact":
     return x
-  if how in ("kivi2", "rotated kivi2"):  # rope_span > 0 marks the keys (values get 0)
+  if how in ("kivi2", "rotated kivi2") or how.startswith("kivi2, groups of "):  # rope_span > 0 marks the keys
+    group = int(how.rsplit(" ", 1)[1]) if how.startswith("kivi2, groups of ") else kivi.GROUP
     xt = jnp.swapaxes(x, 1, 2)  # [B, K, T, H]: groups of 32 tokens from position 0 (prefill and blocks align)
     u = None
     if how == "rotated kivi2":
       u = mode.fit(x[:, :PREFIX], jnp.full((x.shape[0],), PREFIX, jnp.int32), rope_span=rope_span, bits=2).u
       xt = jnp.einsum("BKTH,BKHJ->BKTJ", xt, u)  # u [B, K, H, H]
     if rope_span:
-      back = kivi.dequantize_keys(*kivi.quantize_keys(xt))
+      back = kivi.dequantize_keys(*kivi.quantize_keys(xt, group))
     else:
-      back = kivi.dequantize_values(*kivi.quantize_values(xt))
+      back = kivi.dequantize_values(*kivi.quantize_values(xt, group))
     if u is not None:
       back = jnp.einsum("BKTJ,BKHJ->BKTH", back, u)
     return jnp.swapaxes(back, 1, 2)

@@ -179,10 +179,12 @@ class ShardedModel:
     return self._cache[key](self.state, self.put(jnp.asarray(tokens, jnp.int32), P(b, None)),
                             self.put(jnp.asarray(lengths, jnp.int32), P(b)))
 
-  def decode_fn(self, cache):
-    """The jitted decode step (cache, tokens [B]) -> (logits [B, V], cache), for timing and HLO inspection."""
+  def decode_fn(self, cache, *, donate: bool = False):
+    """The jitted decode step (state, cache, tokens [B]) -> (logits [B, V], cache), for timing and HLO inspection.
+    donate=True: a step that donates its cache argument (a timed loop then updates the cache in place instead of
+    copying it every step; the cache passed in is consumed)."""
     b = self._batch()
-    key = ("decode", jax.tree_util.tree_structure(cache))  # one step per cache mode (its pytree structure)
+    key = ("decode", jax.tree_util.tree_structure(cache), donate)  # one step per cache mode (its pytree structure)
     if key not in self._cache:
       body = functools.partial(_decode_body, self.decode_def)
       if self.layout == "ep":
@@ -190,7 +192,7 @@ class ShardedModel:
         cs = rules.cache_specs(cache, self.layout)
         body = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs, cs, P(b)), out_specs=(P(b, None), cs),
                              check_vma=False)
-      self._cache[key] = jax.jit(body, donate_argnums=())
+      self._cache[key] = jax.jit(body, donate_argnums=(1,) if donate else ())
     return self._cache[key]
 
   def decode_step(self, cache, tokens):

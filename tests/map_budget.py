@@ -8,7 +8,7 @@ next compile: a failed `mmap` inside XLA. That was the cause of the workers' cra
 "Set-up"); the other worker of that run stood at 37,000.
 
 `release_if_over` (called after every test by tests/conftest.py) clears jax's caches once the process holds more
-than `fraction` of the limit; `jax.clear_caches` drops the executables and their mappings go with them. Programs a
+than `fraction` of the limit (and `margin` of it more than the last clear left); `jax.clear_caches` drops the executables and their mappings go with them. Programs a
 later test needs compile again, or come back from the persistent compilation cache.
 """
 
@@ -39,15 +39,29 @@ def mapping_count() -> int:
     return 0
 
 
-def release_if_over(fraction: float = 0.5) -> tuple[int, int] | None:
-  """Clears jax's caches if this process holds more than `fraction` of `map_limit()` mappings.
+_floor = 0  # mappings left after the last clear: what clearing cannot take back
+
+
+def release_if_over(fraction: float = 0.5, margin: float = 0.1) -> tuple[int, int] | None:
+  """Clears jax's caches if this process holds more than `fraction` of `map_limit()` mappings, and more than
+  `margin` of it above what the last clear left. The second bound is the hysteresis: where a clear leaves more than
+  the threshold (mappings that are not jax's executables), the next test would otherwise clear again, and every test
+  after it would recompile what it needs.
 
   Returns:
     (mappings before, mappings after) when it cleared, else None.
   """
-  before = mapping_count()
-  if before <= fraction * map_limit():
+  global _floor  # pylint: disable=global-statement
+  limit, before = map_limit(), mapping_count()
+  if before <= max(fraction * limit, _floor + margin * limit):
     return None
   jax.clear_caches()
   gc.collect()
-  return before, mapping_count()
+  _floor = mapping_count()
+  return before, _floor
+
+
+def reset() -> None:
+  """Forgets the last clear's floor (for tests of this module)."""
+  global _floor  # pylint: disable=global-statement
+  _floor = 0

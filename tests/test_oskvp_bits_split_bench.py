@@ -6,6 +6,7 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import oskvp_bits_split as bench
 from moe_jax import cli
@@ -66,3 +67,28 @@ def test_rotated_kivi2_is_kivi_in_the_prefill_basis():
   np.testing.assert_allclose(jnp.swapaxes(got, 1, 2), want, atol=1e-4)
   plain = bench._stored(x, "kivi2", None, rope_span=0)  # pylint: disable=protected-access
   assert not np.allclose(got, plain, atol=1e-3)
+
+
+def test_kivi2_with_other_groups():
+  """"kivi2, groups of N": keys share a range over N tokens, values over N channels; N = 32 is "kivi2", and a
+  group size that does not divide the tokens or channels is refused by name."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((1, 256, 2, 64)).astype(np.float32))  # [B, T, K, H]
+  stored = lambda how, span: bench._stored(x, how, None, rope_span=span)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(stored("kivi2, groups of 32", 257), stored("kivi2", 257))
+  keys = stored("kivi2, groups of 128", 257)
+  xt = jnp.swapaxes(x, 1, 2)
+  scale = kivi.quantize_keys(xt, 128)[1]
+  assert scale.shape == (1, 2, 2, 64)  # two groups of 128 tokens
+  np.testing.assert_allclose(jnp.swapaxes(keys, 1, 2), kivi.dequantize_keys(*kivi.quantize_keys(xt, 128)), atol=1e-6)
+  values = stored("kivi2, groups of 64", 0)
+  assert kivi.quantize_values(xt, 64)[1].shape == (1, 2, 256, 1)  # one range per token
+  np.testing.assert_allclose(jnp.swapaxes(values, 1, 2), kivi.dequantize_values(*kivi.quantize_values(xt, 64)),
+                             atol=1e-6)
+  # Coarser groups span wider ranges: a larger error, on average, for the same 2 bits.
+  err = lambda y: float(jnp.mean((y - x) ** 2))
+  assert err(keys) > 1.2 * err(stored("kivi2", 257)) and err(values) > err(stored("kivi2", 0))
+  with pytest.raises(ValueError, match="group=96"):
+    kivi.quantize_keys(xt, 96)
+  with pytest.raises(ValueError, match="group=48"):
+    kivi.quantize_values(xt, 48)

@@ -22,6 +22,7 @@ mode off the GPU; not the default: slower than this XLA path on the H200 except 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,27 +49,35 @@ def _asym(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   return codes, scale, zero
 
 
-@jax.jit
-def quantize_keys(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """x f32 [..., T, H] (T a multiple of 32) -> (packed [..., T, H/4], scale, zero f16 [..., T/32, H])."""
+@functools.partial(jax.jit, static_argnames=("group",))
+def quantize_keys(x: jax.Array, group: int = GROUP) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x f32 [..., T, H] (T a multiple of `group`) -> (packed [..., T, H/4], scale, zero f16 [..., T/group, H]). The
+  cache uses group 32 (KIVI's); other sizes are for experiments (`benchmarks/oskvp_bits_split.py`)."""
   *lead, t, h = x.shape
-  codes, scale, zero = _asym(x.reshape(*lead, t // GROUP, GROUP, h), axis=-2)
+  if group < 1 or t % group:
+    raise ValueError(f"group={group} must divide the token count {t}")
+  codes, scale, zero = _asym(x.reshape(*lead, t // group, group, h), axis=-2)
   return pack2(codes.reshape(*lead, t, h)), scale, zero
 
 
-@jax.jit
-def quantize_values(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """x f32 [..., T, H] -> (packed [..., T, H/4], scale, zero f16 [..., T, H/32])."""
+@functools.partial(jax.jit, static_argnames=("group",))
+def quantize_values(x: jax.Array, group: int = GROUP) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x f32 [..., T, H] -> (packed [..., T, H/4], scale, zero f16 [..., T, H/g]), g = min(group, H) channels a group
+  (the cache: 32)."""
   *lead, t, h = x.shape
-  g = min(GROUP, h)
+  g = min(group, h)
+  if g < 1 or h % g:
+    raise ValueError(f"group={group} must divide the head dim {h}")
   codes, scale, zero = _asym(x.reshape(*lead, t, h // g, g), axis=-1)
   return pack2(codes.reshape(*lead, t, h)), scale, zero
 
 
 @jax.jit
 def dequantize_keys(packed, scale, zero) -> jax.Array:
+  """(packed [..., T, H/4], scale, zero [..., T/g, H]) -> f32 [..., T, H]; the group g from the shapes."""
   codes = unpack2(packed).astype(jnp.float32)  # [..., T, H]
-  rep = lambda a: jnp.repeat(a.astype(jnp.float32), GROUP, axis=-2)
+  g = codes.shape[-2] // scale.shape[-2]
+  rep = lambda a: jnp.repeat(a.astype(jnp.float32), g, axis=-2)
   return codes * rep(scale) + rep(zero)
 
 

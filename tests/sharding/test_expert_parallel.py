@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import decode, dispatch, experts, locality
 from sharding import expert_parallel as ep
 from sharding import hlo_collectives as hc
-from sharding import meshes, runner
+from sharding import meshes, rules, runner
 
 pytestmark = pytest.mark.needs_8_devices
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32, matmul precision "highest"
@@ -223,3 +223,22 @@ def test_interpreted_mosaic_kv_cache_is_refused_inside_a_multi_device_shard_map(
   xla = jax.eval_shape(lambda: decode.prefill(wide, tokens, lengths, kv_cache="oskvp_uniform_xla_test",
                                               cache_len=64)[1])
   runner._check_interpreted_mosaic_cache(xla, mesh, "ep", wide.config.n_heads)  # pylint: disable=protected-access
+
+
+def test_a_donating_decode_step_updates_its_cache_in_place_and_matches(model, tokens):
+  """`decode_fn(cache, donate=True)` (the timed loop of sharding.experiments) is its own jitted step that consumes
+  its cache argument; its logits and cache equal the plain step's, which leaves its cache usable."""
+  sm = runner.shard(model, meshes.make_mesh(layout="2x4"))
+  lengths = jnp.array([12, 5, 9, 12, 1, 7, 12, 3], jnp.int32)
+  nxt = sm.put(jax.random.randint(jax.random.key(14), (8,), 0, 256), P(rules.RULES["ep"]["batch"]))
+  _, cache = sm.prefill(tokens, lengths, kv_cache="fp32", cache_len=16)
+  plain, donating = sm.decode_fn(cache), sm.decode_fn(cache, donate=True)
+  assert plain is not donating and sm.decode_fn(cache, donate=True) is donating
+  want, want_cache = plain(sm.state, cache, nxt)
+  copy = jax.tree_util.tree_map(jnp.copy, cache)
+  got, got_cache = donating(sm.state, copy, nxt)
+  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(copy))  # donated: its buffers are the new cache's
+  np.testing.assert_allclose(got, want, **TOL)
+  for a, b in zip(jax.tree_util.tree_leaves(got_cache), jax.tree_util.tree_leaves(want_cache)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(plain(sm.state, cache, nxt)[0], want, **TOL)  # the plain step's input is intact
