@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed, in one device call (starts are scarce; the machine releases after 30 s idle):
 #   OUT=... bash benchmarks/gpu_owed.sh
-# 1. oskvp_k3v2_sym's attention (four key plane types) beside oskvp_k3v2, oskvp, oskvp_sym and cuDNN;
-# 2. the end-to-end step with oskvp_k3v2_sym beside oskvp and oskvp_k3v2;
-# 3. float16 on the random head-dim-128 model with the 3-bit-key modes (the kernel's float16 path).
-# Each step logs to $OUT/<name>.log; the bench writes its report after every row, so a step cut by its limit keeps
-# what it measured. Filter allocator warnings out of what you read back: they can bury the tail.
-# Used first on 2026-12-06 (then with the oskvp_k3v2 rows; results/*_h200_s36*).
-# Run again on 2026-12-06 on an H100 in three calls (results/*_h100_s37*): step 1's 16k rows were cut by its limit,
-# step 2 needs ~230 s for three cases (each first step compiles 25-55 s). The H200 rows of oskvp_k3v2_sym are owed.
+# Owed after the thirty-seventh session (2026-12-06, which ran the earlier list on an H100: results/*_h100_s37*):
+# 1. the float16 check with --trace_routing on the random head-dim-128 model: are the GPU's single-step jumps
+#    (0.23-0.28) routing flips, as every CPU jump was (results/float16_decode_check_routing_trace_cpu.md)?
+# 2. the batched refit on the H200 (rule and chunk 1, B = 8 and 32) and its parts (the shared eigh at prefill);
+# 3. oskvp_k3v2_sym's attention on the H200 beside oskvp_k3v2, oskvp and cuDNN (64k only: 16k was cut on the H100).
+# Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~9 min in all.
 set -u
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=.
@@ -19,11 +18,14 @@ run() {  # name timeout_s command...
   grep -v -E "^[WI][0-9]{4} |Warning|warn\(" "$OUT/$name.log" | tail -n 30
 }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
-run key_bits3 270 python3 benchmarks/oskvp_key_bits3_decode.py --out="$OUT" --contexts=65536,16384 --batches=8,32 \
+run float16_trace 170 python3 benchmarks/float16_decode_check.py --models=random --trace_routing \
+  --modes=oskvp,oskvp_k3v2_sym,fp32 --out="$OUT/f16trace"
+cp "$OUT"/f16trace/*.json "$OUT"/float16_decode_check_routing_trace.json 2>/dev/null
+run refit 150 python3 -m benchmarks.oskvp_refit_cost --out="$OUT" --refit_chunks=1,8
+run refit_b32 110 python3 -m benchmarks.oskvp_refit_cost --out="$OUT" --batch=32 --refit_chunks=8 --repeats=10 \
+  --name=oskvp_refit_cost_b32
+run refit_parts 80 python3 -m benchmarks.oskvp_refit_parts --out="$OUT"
+run key_bits3 150 python3 benchmarks/oskvp_key_bits3_decode.py --out="$OUT" --contexts=65536 --batches=8,32 \
   --xla_max_gb=0
-CASES=int4+oskvp:32768:32,int4+oskvp_k3v2:32768:32,int4+oskvp_k3v2_sym:32768:32
-run e2e 240 python3 benchmarks/e2e_decode.py --cases=$CASES --steps=8 --full_depth_check=false --time_budget_s=200 \
-  --out="$OUT/e2e"
-cp "$OUT"/e2e/*.md "$OUT"/e2e/*.json "$OUT"/ 2>/dev/null
-run float16 150 python3 benchmarks/float16_decode_check.py --models=random --modes=oskvp_k3v2,oskvp_k3v2_sym \
-  --out="$OUT/f16.json"
+# At most 8 files come back from a device call: everything goes back as one archive (tar xzf owed.tgz).
+(cd "$OUT" && tar czf /tmp/owed.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/owed.tgz "$OUT"/owed.tgz)
