@@ -10,7 +10,8 @@ CPU (`tests/moe_jax/test_decode.py`, fp32 and bf16 caches); this is the GPU's ru
 gives non-finite logits, or its median step exceeds `--limit`.
 --trace_routing also counts, per step, the (layer, token) expert choices in which the float16 model differs from the
 float32 one, and reruns the float16 model with the float32 model's choices (`RoutingTrace`): on the CPU every jump
-of a single step came with such flips and went away with float32's routing (README, float16).
+of a single step came with such flips and went away with float32's routing (README, float16). Make no decode call
+before it: the trace must be in place when the programs compile.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ def as_float16(model32, cfg):
 
 
 class RoutingTrace:
-  """Records the experts every MoE layer chooses (`routing.select_experts`' ids, in program order, through an ordered
-  `jax.debug.callback`) while active: `with trace: ...` then `trace.calls`, a list of int32 [T, X] arrays. With
+  """Records the experts every MoE layer chooses (`routing.select_experts`' ids, in program order, through an
+  ordered `io_callback`) while active: `with trace: ...` then `trace.calls`, a list of int32 [T, X] arrays. With
   `trace.replay(calls)`, the next active run takes those choices instead of its own (in the same order; the combine
-  weights are its own affinities at the replayed experts), so a difference that remains is not routing's."""
+  weights are its own affinities at the replayed experts), so a difference that remains is not routing's.
+  Make it before the first prefill or decode step: programs compiled earlier do not call it (`routing_flips` then
+  sees no calls and says so)."""
 
   def __init__(self):
     self.calls, self.active, self._replay = [], False, None
@@ -91,7 +94,9 @@ class RoutingTrace:
 def routing_flips(calls_a: list, calls_b: list, n_layers: int, steps: int) -> list[int]:
   """Per step (0: the prefill), how many (layer, token) choices differ between two runs' traces as sets of experts."""
   if len(calls_a) != len(calls_b) or len(calls_a) != n_layers * (steps + 1):
-    raise ValueError(f"traces of {len(calls_a)} and {len(calls_b)} calls, expected {n_layers * (steps + 1)}")
+    hint = (" (none recorded: were the programs compiled before the RoutingTrace was made?)"
+            if not calls_a or not calls_b else "")
+    raise ValueError(f"traces of {len(calls_a)} and {len(calls_b)} calls, expected {n_layers * (steps + 1)}{hint}")
   flips = []
   for s in range(steps + 1):
     pairs = zip(calls_a[s * n_layers:(s + 1) * n_layers], calls_b[s * n_layers:(s + 1) * n_layers])
@@ -139,14 +144,15 @@ def compare(name, model32, model16, vocab, steps, t, cache_len, modes=MODES, tra
       a, b = outs
       scale = np.abs(a).max(axis=(1, 2))
       rel = np.abs(b - a).max(axis=(1, 2)) / scale
-      rows.append(dict(model=name, kv_cache=mode, worst_rel=float(rel.max()), finite=bool(np.isfinite(b).all()),
-                       agreement=float((a.argmax(-1) == b.argmax(-1)).mean()),
-                       rel_by_step=[round(float(x), 5) for x in rel]))  # step 0: the prefill's logits
+      row = dict(model=name, kv_cache=mode, worst_rel=float(rel.max()), finite=bool(np.isfinite(b).all()),
+                 agreement=float((a.argmax(-1) == b.argmax(-1)).mean()),
+                 rel_by_step=[round(float(x), 5) for x in rel])  # step 0: the prefill's logits
       if trace is not None:
         n_moe = sum(model32.config.is_moe_layer(i) for i in range(model32.config.n_layers))
-        rows[-1]["routing_flips_by_step"] = routing_flips(*traces, n_moe, steps)
-        rows[-1]["rel_by_step_float32_routing"] = [
+        row["routing_flips_by_step"] = routing_flips(*traces, n_moe, steps)
+        row["rel_by_step_float32_routing"] = [
             round(float(x), 5) for x in np.abs(replayed - a).max(axis=(1, 2)) / scale]
+      rows.append(row)
     except Exception as e:  # pylint: disable=broad-except
       rows.append(dict(model=name, kv_cache=mode, error=repr(e)[:400]))
     print(rows[-1], flush=True)

@@ -42,18 +42,19 @@ def mapping_count() -> int:
 _floor = 0  # mappings left after the last clear: what clearing cannot take back
 
 
-def release_if_over(fraction: float = 0.5, margin: float = 0.1) -> tuple[int, int] | None:
+def release_if_over(fraction: float = 0.5, margin: float = 0.1, cap: float = 0.9) -> tuple[int, int] | None:
   """Clears jax's caches if this process holds more than `fraction` of `map_limit()` mappings, and more than
   `margin` of it above what the last clear left. The second bound is the hysteresis: where a clear leaves more than
   the threshold (mappings that are not jax's executables), the next test would otherwise clear again, and every test
-  after it would recompile what it needs.
+  after it would recompile what it needs. That bound never rises above `cap` of the limit, so a clear that leaves the
+  count near the limit does not switch clearing off.
 
   Returns:
     (mappings before, mappings after) when it cleared, else None.
   """
   global _floor  # pylint: disable=global-statement
   limit, before = map_limit(), mapping_count()
-  if before <= max(fraction * limit, _floor + margin * limit):
+  if before <= max(fraction * limit, min(_floor + margin * limit, cap * limit)):
     return None
   jax.clear_caches()
   gc.collect()

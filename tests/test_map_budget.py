@@ -45,3 +45,17 @@ def test_a_clear_that_leaves_the_count_high_does_not_repeat_after_every_test(mon
     assert len(cleared) == 2
   finally:
     map_budget.reset()
+
+
+def test_a_clear_that_leaves_the_count_near_the_limit_does_not_stop_clearing(monkeypatch):
+  """The hysteresis bound stops at `cap` of the limit: after a clear that leaves 950 of 1000, 960 still clears."""
+  counts = iter([990, 950, 960, 940])
+  monkeypatch.setattr(map_budget, "map_limit", lambda: 1000)
+  monkeypatch.setattr(map_budget, "mapping_count", lambda: next(counts))
+  monkeypatch.setattr(map_budget.jax, "clear_caches", lambda: None)
+  map_budget.reset()
+  try:
+    assert map_budget.release_if_over(0.5, 0.1) == (990, 950)
+    assert map_budget.release_if_over(0.5, 0.1) == (960, 940)  # over 0.9 x 1000, though within 100 of 950
+  finally:
+    map_budget.reset()

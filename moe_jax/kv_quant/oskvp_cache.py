@@ -43,7 +43,7 @@ from moe_jax.layers import rope
 def refit_chunk_min_rows(chunk: int) -> int:
   """The fewest rows left to refit for which a batched fit of `chunk` rows beats one fit per row: a third of the
   chunk, at least 2. Measured on an H100 (B = 8, K = 8, H = 128, R = 128; results/oskvp_refit_cost_*): a fit adds
-  ~1.5 ms to the step for 1 row, ~1.6 for 2, ~2.4 for 4 and ~3.9 for 8, so 8 rows break even at ~2.6 single fits."""
+  ~1.5 ms to the step for 1 row, ~1.7 for 2, ~2.4 for 4 and ~3.9 for 8, so 8 rows break even at ~2.6 single fits."""
   return max(2, -(-chunk // 3))
 
 

@@ -42,6 +42,23 @@ def test_fit_with_given_eigenvectors_is_fit():
     _assert_params_close(oskvp.fit(x, w, n_outlier=8, evecs=evecs, **kw), oskvp.fit(x, w, n_outlier=8, **kw))
   with pytest.raises(ValueError, match="evecs has shape"):
     oskvp.fit(x, w, n_outlier=8, evecs=evecs[:, :8])
+  # The basis is the one supplied: identity eigenvectors (ascending) give U = the identity's columns reversed.
+  np.testing.assert_array_equal(oskvp.fit(x, w, n_outlier=8, evecs=jnp.eye(H)).u, jnp.eye(H)[:, ::-1])
+
+
+def test_fit_keys_values_makes_one_eigh_call(monkeypatch):
+  """The point of `fit_keys_values`: one batched eigendecomposition where two `fit` calls make two."""
+  calls = []
+  eigh = jnp.linalg.eigh
+  monkeypatch.setattr(jnp.linalg, "eigh", lambda a, *args, **kw: calls.append(a.shape) or eigh(a, *args, **kw))
+  mode = OSKVPMode(window=R)
+  k, v = _kv(48)
+  lengths = jnp.full((B,), 48, jnp.int32)
+  jax.eval_shape(lambda k, v: mode.fit_keys_values(k, v, lengths, rope_span=S), k, v)
+  assert calls == [(B, 2 * K, H, H)]
+  calls.clear()
+  jax.eval_shape(lambda k, v: (mode.fit(k, lengths, rope_span=S), mode.fit(v, lengths)), k, v)
+  assert len(calls) == 2
 
 
 @pytest.mark.parametrize("name", ["oskvp", "oskvp_k3v2"])
@@ -61,7 +78,7 @@ def test_fit_keys_values_is_the_two_fits(name):
 def test_refit_in_chunks_gives_each_row_its_own_fit():
   """Four short prompts (refit at their first flush) after a long one (row 0, which a chunk's padding repeats): three
   rows flush together at step 2 and one at step 4. With refit_chunk 1 (one row at a time), 2 (a chunk of two, then
-  one row) and 8 (one chunk holding 3 rows and 5 of padding) the caches and outputs agree; a refitted
+  one row) and 8 (one chunk of min(B, 8) = 5 rows: 3 rows and 2 of padding) the caches and outputs agree; a refitted
   row's U and codebooks are those of a fit of its window alone (`OSKVPMode.fit`), the long row keeps its prefill
   fit, and each step attends as before."""
   lengths = jnp.array([100, R - 1, R - 1, R - 1, R - 3])
