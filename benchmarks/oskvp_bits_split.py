@@ -17,7 +17,12 @@ stored as:
     codebooks, no fp8 channels), to tell the rotation's part from the per-group ranges';
   * "kivi2, groups of N": KIVI's storage with groups of N tokens (keys) or N channels (values) instead of 32, to see
     how much of KIVI's edge is the groups' locality. Keys' groups of 128 are the flush blocks (storable); a group of
-    the whole window (512) is an oracle, each token coded with the range of tokens that come after it too.
+    the whole window (512) is an oracle, each token coded with the range of tokens that come after it too;
+  * "2-bit, group scales": OS-KVP's fit (U, fp8 channels, Lloyd-Max codebooks) with each codebook row stretched by
+    an f16 factor per group, KIVI's granularity on OS-KVP's levels: keys one factor per channel and 32-token group
+    (+0.5 bit per element), values one per token (+16 / H bits). Not a cache mode: it asks whether OS-KVP's levels
+    with KIVI's ranges would close the gap; "2-bit, group rms scales" matches each group's root-mean-square deviation
+    to the levels' instead of its largest to the outer levels.
 The first row (2-bit / 2-bit) is the `oskvp` cache: it reproduces the model-level eval's figure (README). Writes
 `oskvp_bits_split_<device>.{json,md}` under --out: bits per byte against the exact pass's, per (keys, values) pair.
 Shapes: B windows, T tokens, K kv heads, G query heads per kv head, H head dim.
@@ -61,6 +66,36 @@ def _stored_head(x: jax.Array, p: oskvp.OSKVPParams, block_codebooks: bool) -> j
   return jnp.concatenate(out)
 
 
+def _group_scaled_head(x: jax.Array, p: oskvp.OSKVPParams, keys: bool, rms: bool = False) -> jax.Array:
+  """One head's tokens x [T, H] (T a multiple of kivi.GROUP) as stored by "2-bit, group scales": p's U, fp8
+  channels and codebooks, each codebook row stretched about its middle by an f16 factor that maps the largest
+  deviation in a group onto the outer levels: for keys one factor per channel and 32-token group (KIVI's key groups,
+  0.5 bit per element), for values one per token (16 / H bits per element) from all its coded channels together.
+  rms: match the group's root-mean-square deviation to the levels' instead of its largest to the outer levels."""
+  xr = x.astype(jnp.float32) @ p.u
+  cb, o = p.codebook, p.n_outlier
+  mid = 0.5 * (cb[:, 0] + cb[:, -1])
+  half = jnp.maximum(0.5 * (cb[:, -1] - cb[:, 0]), 1e-30)
+  spread = jnp.mean((cb - mid[:, None]) ** 2, axis=1)  # [H], the levels' mean square about the middle
+  if keys:  # per channel: the group's largest deviation onto the outer levels, or its rms onto the levels'
+    t, h = xr.shape
+    groups = (xr - mid).reshape(t // kivi.GROUP, kivi.GROUP, h)
+    f = (jnp.sqrt(jnp.mean(groups**2, axis=1) / jnp.maximum(spread, 1e-30)) if rms
+         else jnp.max(jnp.abs(groups), axis=1) / half)
+    f = jnp.repeat(f, kivi.GROUP, axis=0)
+  else:  # per token, over the coded channels together (a channel whose levels nearly coincide must not dominate)
+    dev = (xr - mid)[:, o:]
+    f = (jnp.sqrt(jnp.sum(dev**2, axis=1, keepdims=True) / jnp.maximum(jnp.sum(spread[o:]), 1e-30)) if rms
+         else jnp.max(jnp.abs(dev), axis=1, keepdims=True) / jnp.max(half[o:]))
+  f = jnp.clip(f, 1e-6, 65504.0).astype(jnp.float16).astype(jnp.float32)  # finite f16 factors
+  y = mid + (xr - mid) / f  # within the codebook's range
+  idx = jnp.sum(y[:, :, None] > 0.5 * (cb[:, 1:] + cb[:, :-1])[None], axis=-1)
+  coded = mid + f * (jnp.take_along_axis(cb[None], idx[:, :, None], axis=-1)[..., 0] - mid)
+  exact_fp8 = oskvp.dequantize_rotated(oskvp.quantize_rotated(xr, cb, p.scale), cb, p.scale)
+  back = jnp.where(jnp.arange(xr.shape[1]) < o, exact_fp8, coded)
+  return back @ p.u.T
+
+
 def _stored(x: jax.Array, how: str, mode: OSKVPMode, rope_span: int) -> jax.Array:
   """x [B, T, K, H] -> what the cache reads back for it under `how`."""
   if how == "exact":
@@ -81,6 +116,10 @@ def _stored(x: jax.Array, how: str, mode: OSKVPMode, rope_span: int) -> jax.Arra
     return jnp.swapaxes(back, 1, 2)
   bits = 3 if how.startswith("3") else 2
   params = mode.fit(x[:, :PREFIX], jnp.full((x.shape[0],), PREFIX, jnp.int32), rope_span=rope_span, bits=bits)
+  if how in ("2-bit, group scales", "2-bit, group rms scales"):
+    per_head = jax.vmap(jax.vmap(functools.partial(_group_scaled_head, keys=rope_span > 0, rms="rms" in how),
+                                 in_axes=(1, 0), out_axes=1))
+    return per_head(x, params)
   per_head = jax.vmap(jax.vmap(functools.partial(_stored_head, block_codebooks="block" in how), in_axes=(1, 0),
                                out_axes=1))
   return per_head(x, params)

@@ -3,10 +3,11 @@
 Run:  PYTHONPATH=$PWD python3 -m benchmarks.oskvp_refit_parts [--out=DIR] [--batch=8] [--kv_heads=8] [--head_dim=128]
 A row's refit (`OSKVPLayerCache._refit_rows`; one row at a time, two eigh calls, before 2026-12-06) fits keys
 (RoPE-shifted copies, R x rope_shifts samples per head) and values (R samples) on its R window tokens. Each fit is a
-covariance, an eigendecomposition per kv head (H x H) and a Lloyd-Max scan. This times, with jitted calls on random inputs (median wall ms):
+covariance, an eigendecomposition per kv head (H x H) and a Lloyd-Max scan. This times, with jitted calls on random
+inputs (median wall ms):
 - both fits for 1 row and for all B rows at once (the fits batched), each also as `OSKVPMode.fit_keys_values` (one
   eigh call for both sides);
-- `jnp.linalg.eigh` on K and B*K matrices of H x H, the default and the Jacobi implementation;
+- `jnp.linalg.eigh` on K, B*K and 2*B*K matrices of H x H, the default and the Jacobi implementation (GPU only);
 - `oskvp.lloyd_max` over K heads of R x rope_shifts samples.
 Writes `oskvp_refit_parts_<device>.{json,md}` under --out.
 """

@@ -7,9 +7,10 @@ mappings only grow. On 2026-12-06 a worker reached 63,636 mappings against the l
 next compile: a failed `mmap` inside XLA. That was the cause of the workers' crashes at scattered tests (README,
 "Set-up"); the other worker of that run stood at 37,000.
 
-`release_if_over` (called after every test by tests/conftest.py) clears jax's caches once the process holds more
-than `fraction` of the limit (and `margin` of it more than the last clear left); `jax.clear_caches` drops the executables and their mappings go with them. Programs a
-later test needs compile again, or come back from the persistent compilation cache.
+`release_if_over` (called after every test by tests/conftest.py) clears jax's caches once the process holds more than
+`fraction` of the limit (and `margin` of it more than the last clear left); `jax.clear_caches` drops the executables
+and their mappings go with them. Programs a later test needs compile again, or come back from the persistent
+compilation cache.
 """
 
 from __future__ import annotations
