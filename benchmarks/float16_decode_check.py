@@ -60,10 +60,7 @@ class RoutingTrace:
       weights, ids = self._select(logits, k=k, router=router, norm_topk_prob=norm_topk_prob,
                                   selection_bias=selection_bias)
       ids = io_callback(self._take, jax.ShapeDtypeStruct(ids.shape, ids.dtype), ids, ordered=True)
-      weights = jnp.take_along_axis(routing.affinities(logits, router), ids, axis=-1)
-      if norm_topk_prob:
-        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
-      return weights, ids
+      return routing.combine_weights(routing.affinities(logits, router), ids, norm_topk_prob), ids
 
     routing.select_experts = select  # every trace after this records (decode steps compile once, both models)
 
@@ -113,34 +110,27 @@ def compare(name, model32, model16, vocab, steps, t, cache_len, modes=MODES, tra
   for mode in modes:
     if mode not in KV_CACHE_MODES:
       continue
+    def run(model, context):
+      """Prefill and `steps` decode steps under `context` (a trace, a replay or nothing) -> logits [steps + 1, 3, V]."""
+      with context:
+        logits, cache = decode.prefill(model, tokens[:, :t], lengths, kv_cache=mode, cache_len=cache_len,
+                                       last_only=True)
+        got = [np.asarray(logits, np.float32)]
+        pos = lengths.copy()
+        for _ in range(steps):
+          logits, cache = decode.decode_step(model, cache, tokens[np.arange(3), np.minimum(pos, t + steps - 1)])
+          got.append(np.asarray(logits, np.float32))
+          pos += 1
+        jax.effects_barrier()
+      return np.stack(got)
+
     try:
       outs, traces = [], []
       for model in (model32, model16):
-        with trace if trace is not None else contextlib.nullcontext():
-          logits, cache = decode.prefill(model, tokens[:, :t], lengths, kv_cache=mode, cache_len=cache_len,
-                                         last_only=True)
-          got = [np.asarray(logits, np.float32)]
-          pos = lengths.copy()
-          for _ in range(steps):
-            nxt = tokens[np.arange(3), np.minimum(pos, t + steps - 1)]
-            logits, cache = decode.decode_step(model, cache, nxt)
-            got.append(np.asarray(logits, np.float32))
-            pos += 1
-          jax.effects_barrier()
-        outs.append(np.stack(got))
+        outs.append(run(model, trace if trace is not None else contextlib.nullcontext()))
         traces.append(trace.calls if trace is not None else None)
       if trace is not None:  # the float16 model again, with the float32 model's expert choices
-        with trace.replay(traces[0]):
-          logits, cache = decode.prefill(model16, tokens[:, :t], lengths, kv_cache=mode, cache_len=cache_len,
-                                         last_only=True)
-          got = [np.asarray(logits, np.float32)]
-          pos = lengths.copy()
-          for _ in range(steps):
-            logits, cache = decode.decode_step(model16, cache, tokens[np.arange(3), np.minimum(pos, t + steps - 1)])
-            got.append(np.asarray(logits, np.float32))
-            pos += 1
-          jax.effects_barrier()
-        replayed = np.stack(got)
+        replayed = run(model16, trace.replay(traces[0]))
       a, b = outs
       scale = np.abs(a).max(axis=(1, 2))
       rel = np.abs(b - a).max(axis=(1, 2)) / scale

@@ -57,10 +57,16 @@ def select_experts(
   probs = affinities(logits, router)
   score = probs if selection_bias is None else probs + selection_bias
   _, ids = jax.lax.top_k(score, k)
+  return combine_weights(probs, ids, norm_topk_prob), ids.astype(jnp.int32)
+
+
+def combine_weights(probs: jax.Array, ids: jax.Array, norm_topk_prob: bool) -> jax.Array:
+  """The combine weights of chosen experts: probs f32 [T, E] (`affinities`) at ids [T, X], renormalised to sum to
+  one per token if `norm_topk_prob` -> f32 [T, X]."""
   weights = jnp.take_along_axis(probs, ids, axis=-1)
   if norm_topk_prob:
     weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
-  return weights, ids.astype(jnp.int32)
+  return weights
 
 
 def load_balancing_loss(probs: jax.Array, ids: jax.Array, n_experts: int) -> jax.Array:

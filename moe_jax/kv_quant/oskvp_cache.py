@@ -429,16 +429,20 @@ class OSKVPMode:
     ref_rms = jnp.sqrt(jnp.sum(jnp.where(ok, xf * xf, 0.0), axis=(1, 2, 3)) / jnp.maximum(jnp.sum(ok, (1, 2, 3)), 1))
     return jnp.swapaxes(x, 1, 2), w, ref_rms, shifts
 
+  @staticmethod
+  def _covariances(xs: jax.Array, w: jax.Array) -> jax.Array:
+    """`_fit_inputs`' samples [B, K, N, H] and weights [B, N] -> f32 [B, K, H, H] (`oskvp.covariance` per head)."""
+    return jax.vmap(jax.vmap(oskvp.covariance, in_axes=(0, None)))(xs, w)
+
   def _fit_heads(self, xs: jax.Array, w: jax.Array, ref_rms: jax.Array, shifts: int, bits: int,
-                 evecs: jax.Array | None) -> oskvp.OSKVPParams:
-    """`_fit_inputs`' output (and evecs f32 [B, K, H, H] or None) -> OSKVPParams with leading [B, K]."""
+                 evecs: jax.Array) -> oskvp.OSKVPParams:
+    """`_fit_inputs`' output and the eigenvectors of `_covariances` f32 [B, K, H, H] -> OSKVPParams with leading
+    [B, K]."""
     h = xs.shape[-1]
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
     fit = lambda xs, ws, ref, ev: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction),
                                             bits=bits, n_iters=self.n_iters, min_samples=h * shifts,
                                             symmetric=self.symmetric, uniform=self.uniform, ref_rms=ref, evecs=ev)
-    if evecs is None:
-      return jax.vmap(jax.vmap(lambda xs, ws, ref: fit(xs, ws, ref, None), in_axes=(0, None, None)))(xs, w, ref_rms)
     return jax.vmap(jax.vmap(fit, in_axes=(0, None, None, 0)))(xs, w, ref_rms, evecs)
 
   def fit(self, x: jax.Array, lengths: jax.Array, *, rope_span: int = 0,
@@ -452,7 +456,8 @@ class OSKVPMode:
     """
     bits = self.bits if bits is None else bits
     oskvp.check_head_dim(x.shape[-1], bits, self.outlier_fraction)
-    return self._fit_heads(*self._fit_inputs(x, lengths, rope_span), bits, None)
+    ins = self._fit_inputs(x, lengths, rope_span)
+    return self._fit_heads(*ins, bits, jnp.linalg.eigh(self._covariances(*ins[:2]))[1])
 
   def fit_keys_values(self, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                       rope_span: int) -> tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]:
@@ -464,8 +469,8 @@ class OSKVPMode:
     for bits in (self.k_bits, self.bits):
       oskvp.check_head_dim(h, bits, self.outlier_fraction)
     ins_k, ins_v = self._fit_inputs(k, lengths, rope_span), self._fit_inputs(v, lengths, 0)
-    cov = lambda xs, w: jax.vmap(jax.vmap(oskvp.covariance, in_axes=(0, None)))(xs, w)  # [B, K, H, H]
-    _, evecs = jnp.linalg.eigh(jnp.concatenate([cov(*ins_k[:2]), cov(*ins_v[:2])], axis=1))  # [B, 2K, H, H]
+    covs = jnp.concatenate([self._covariances(*ins_k[:2]), self._covariances(*ins_v[:2])], axis=1)  # [B, 2K, H, H]
+    _, evecs = jnp.linalg.eigh(covs)
     kh = k.shape[2]
     return (self._fit_heads(*ins_k, self.k_bits, evecs[:, :kh]), self._fit_heads(*ins_v, self.bits, evecs[:, kh:]))
 
