@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed, in one device call (starts are scarce; the machine releases after 30 s idle):
 #   OUT=... bash benchmarks/gpu_owed.sh
-# Owed after the thirty-seventh session (2026-12-06, which ran the earlier list on an H100: results/*_h100_s37*):
+# Owed after the thirty-eighth session (2026-12-06; the thirty-seventh and thirty-eighth ran this list on H100s:
+# results/*_h100_s37*, *_h100_s38*; item 1 is paid on the H100, keep it for an H200)
 # 1. the float16 check with --trace_routing on the random head-dim-128 model: are the GPU's single-step jumps
-#    (0.23-0.28) routing flips, as every CPU jump was (results/float16_decode_check_routing_trace_cpu.md)?
+#    (0.23-0.28) routing flips, as every CPU jump was? Yes on the H100 (results/float16_decode_check_routing_trace_h100_s38.md);
 # 2. the batched refit on the H200 (rule and chunk 1, B = 8 and 32) and its parts (the shared eigh at prefill);
 # 3. oskvp_k3v2_sym's attention on the H200 beside oskvp_k3v2, oskvp and cuDNN (64k only: 16k was cut on the H100).
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~9 min in all.
+# The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS="float16_trace refit refit_b32", then
+# STEPS="refit_parts key_bits3" (default: all).
 set -u
 OUT=${OUT:-/tmp/out}
+STEPS=${STEPS:-float16_trace refit refit_b32 refit_parts key_bits3}
 export PYTHONPATH=.
 run() {  # name timeout_s command...
   local name=$1 t=$2; shift 2
+  [[ " $STEPS " == *" $name "* ]] || return 0
   echo "=== $name ($(date -u +%T))" | tee -a "$OUT/driver.log"
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? ($(date -u +%T))" | tee -a "$OUT/driver.log"
   grep -v -E "^[WI][0-9]{4} |Warning|warn\(" "$OUT/$name.log" | tail -n 30
