@@ -158,6 +158,16 @@ class KVCache:
     return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.layers)) + int(self.lengths.nbytes)
 
 
+def before_step(layers: tuple) -> tuple:
+  """A decode step's work on its whole cache before the first layer runs: each layer type's `before_step(layers)`
+  (a static method taking and returning all layers; OS-KVP refits its first flushes there for every layer at once,
+  `moe_jax.kv_quant.oskvp_cache.refit_before_step`). Layer types without one are left as they are."""
+  for hook in dict.fromkeys(getattr(type(layer), "before_step", None) for layer in layers):
+    if hook is not None:
+      layers = hook(layers)
+  return layers
+
+
 KV_CACHE_MODES: dict[str, Any] = {"bf16": DenseMode("bfloat16"), "fp32": DenseMode("float32")}
 
 

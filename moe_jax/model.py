@@ -13,7 +13,7 @@ from flax import nnx
 
 from moe_jax.attention import Attention
 from moe_jax.config import ModelConfig
-from moe_jax.kv_cache import DenseMode, KVCache, inference_only
+from moe_jax.kv_cache import DenseMode, KVCache, before_step, inference_only
 from moe_jax.layers import DenseMLP, RMSNorm, normal_init
 from moe_jax.moe import MoE
 
@@ -131,7 +131,7 @@ class Transformer(nnx.Module):
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     x = self.embed(tokens)
     layers = []
-    for block, layer_cache in zip(self.blocks, cache.layers):
+    for block, layer_cache in zip(self.blocks, before_step(cache.layers)):
       x, layer_cache = block.decode(x, positions, layer_cache)
       layers.append(layer_cache)
     cache = cache.replace(layers=tuple(layers), lengths=cache.lengths + tokens.shape[1])

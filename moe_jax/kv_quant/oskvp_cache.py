@@ -30,6 +30,7 @@ later positions still fit, see `OSKVPMode`); the static mode uses per-(layer, kv
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,8 @@ class OSKVPLayerCache:
   symmetric: bool = struct.field(pytree_node=False, default=False)  # codebooks from `OSKVPMode(symmetric=True)`
   values_contiguous: bool = struct.field(pytree_node=False, default=False)  # codes_v, outl_v [B, K, X, S]
   refit_mode: OSKVPMode | None = struct.field(pytree_node=False, default=None)  # whose `fit` refits (with refit)
+  # Set by `refit_before_step` for the step's first token, whose refits it has done (`extend` clears it after).
+  refits_done: bool = struct.field(pytree_node=False, default=False)
 
   @property
   def max_len(self) -> int:
@@ -96,56 +99,45 @@ class OSKVPLayerCache:
       return self.codes_v, self.outl_v
     return jnp.swapaxes(self.codes_v, -1, -2), jnp.swapaxes(self.outl_v, -1, -2)
 
+  @staticmethod
+  def before_step(layers: tuple) -> tuple:
+    """`KVCache`'s hook for work before a decode step's first layer: `refit_before_step`."""
+    return refit_before_step(layers)
+
+  def _window_originals(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """rows int32 [C] -> (keys, values) f32 [C, R, K, H]: those rows' windows in the original basis."""
+    original = lambda res, u: jnp.einsum("CKRJ,CKHJ->CRKH", res[rows].astype(jnp.float32), u[rows])  # noqa: E731
+    return original(self.res_k, self.u_k), original(self.res_v, self.u_v)
+
+  def _put_refit(self, rows: jax.Array, valid: jax.Array, xk: jax.Array, xv: jax.Array, pk: oskvp.OSKVPParams,
+                 pv: oskvp.OSKVPParams) -> "OSKVPLayerCache":
+    """Writes the fits pk, pv (leading [C, K]) of rows int32 [C] whose valid bool [C] is set, with their windows xk,
+    xv f32 [C, R, K, H] (`_window_originals`) rotated into the new bases; the other rows' writes are dropped."""
+    rk, rv = (jnp.einsum("CRKH,CKHJ->CKRJ", x, p.u) for x, p in ((xk, pk), (xv, pv)))
+    dst = jnp.where(valid, rows, self.n_res.shape[0])  # out of range -> the write is dropped
+    put = lambda a, x: a.at[dst].set(x.astype(a.dtype), mode="drop")  # noqa: E731
+    return self.replace(u_k=put(self.u_k, pk.u), cb_k=put(self.cb_k, pk.codebook), scale_k=put(self.scale_k, pk.scale),
+                        res_k=put(self.res_k, rk), u_v=put(self.u_v, pv.u), cb_v=put(self.cb_v, pv.codebook),
+                        scale_v=put(self.scale_v, pv.scale), res_v=put(self.res_v, rv))
+
   def _refit_rows(self, rows: jax.Array, valid: jax.Array) -> "OSKVPLayerCache":
     """The rows `rows` int32 [C] whose `valid` bool [C] is set get U, codebooks and fp8 scales fitted again, by
     `refit_mode.fit_keys_values` (one batched fit of the C rows), on the R tokens of their windows (which they hold
     in the new basis after); their compressed stores must be empty, as they are at the first flush. Rows not valid
     (a chunk's padding) are computed and dropped."""
-    r, b = self.window, self.n_res.shape[0]
-    original = lambda res, u: jnp.einsum("CKRJ,CKHJ->CRKH", res[rows].astype(jnp.float32), u[rows])  # [C, R, K, H]
-    xk, xv = original(self.res_k, self.u_k), original(self.res_v, self.u_v)
-    pk, pv = self.refit_mode.fit_keys_values(xk, xv, jnp.full(rows.shape, r, jnp.int32),
-                                             rope_span=self.max_len)  # keys: RoPE-shift augmented
-    rk, rv = (jnp.einsum("CRKH,CKHJ->CKRJ", x, p.u) for x, p in ((xk, pk), (xv, pv)))
-    dst = jnp.where(valid, rows, b)  # out of range -> the write is dropped
-    put = lambda a, x: a.at[dst].set(x.astype(a.dtype), mode="drop")
-    return self.replace(u_k=put(self.u_k, pk.u), cb_k=put(self.cb_k, pk.codebook), scale_k=put(self.scale_k, pk.scale),
-                        res_k=put(self.res_k, rk), u_v=put(self.u_v, pv.u), cb_v=put(self.cb_v, pv.codebook),
-                        scale_v=put(self.scale_v, pv.scale), res_v=put(self.res_v, rv))
+    return _refit_layers_rows((self,), rows, valid[None])[0]
 
   def _refit_first_flushes(self, full: jax.Array) -> "OSKVPLayerCache":
-    """Refits the rows flushing now whose `refit` flag is set and clears the flag of every flushing row. While at
-    least a third of a chunk is left (`refit_chunk_min_rows`), the next `refit_mode.refit_chunk` rows are fitted in
-    one batched fit; the rest one at a time. So one row costs one single-row fit and a burst of rows a fit per
-    chunk (H100, B = 8, K = 8, H = 128: a 1-row fit adds ~1.5 ms to the step, an 8-row one ~3.9 ms)."""
-    todo = full & self.refit
-    b = todo.shape[0]
-    c = min(b, self.refit_mode.refit_chunk)
-    order = jnp.nonzero(todo, size=b + c, fill_value=0)[0]  # the rows to refit first, then padding
-    count = jnp.sum(todo)
-    single = lambda pos, cache: cache._refit_rows(order[pos][None], jnp.ones((1,), bool))  # noqa: E731
-    if c == 1:
-      return jax.lax.fori_loop(0, count, single, self).replace(refit=self.refit & ~full)
-
-    def chunk(pos, cache):
-      idx = pos + jnp.arange(c)
-      return cache._refit_rows(order[idx], idx < count)
-
-    def body(carry):
-      pos, cache = carry
-      big = count - pos >= refit_chunk_min_rows(c)
-      cache = jax.lax.cond(big, chunk, single, pos, cache)
-      return pos + jnp.where(big, c, 1), cache
-
-    _, cache = jax.lax.while_loop(lambda carry: carry[0] < count, body, (jnp.int32(0), self))
-    return cache.replace(refit=self.refit & ~full)
+    """Refits the rows flushing now whose `refit` flag is set and clears the flag of every flushing row, in chunks
+    (`_refit_in_chunks`). A step whose caches went through `refit_before_step` has no such row left here."""
+    return _refit_in_chunks((self,), full[None] & self.refit[None])[0].replace(refit=self.refit & ~full)
 
   def _flush(self) -> "OSKVPLayerCache":
     """Moves each full window (n_res == R) into the compressed store at n_comp, as one block of R tokens (after
     refitting the rows flagged `refit`, see `OSKVPMode.refit_at_first_flush`)."""
     b, r = self.n_res.shape[0], self.window
     full = self.n_res == r
-    if self.refit is not None:
+    if self.refit is not None and not self.refits_done:
       self = self._refit_first_flushes(full)  # pylint: disable=self-cls-assignment
     quant = jax.vmap(jax.vmap(oskvp.quantize_rotated))  # over B, K
     ck = quant(self.res_k.astype(jnp.float32), self.cb_k, self.scale_k)
@@ -231,6 +223,7 @@ class OSKVPLayerCache:
     cache, outs = self, []
     for t in range(q.shape[1]):
       o, cache = cache._step(q[:, t], k[:, t], v[:, t])
+      cache = cache.replace(refits_done=False)  # the next token's first flushes refit here, in this layer
       outs.append(o)
     return jnp.stack(outs, axis=1), cache
 
@@ -257,6 +250,80 @@ class OSKVPLayerCache:
     codes_v, outl_v = self.value_store()
     return (one(self.codes_k, self.outl_k, self.scale_k, self.cb_k, self.hi_k, self.res_k, self.u_k),
             one(codes_v, outl_v, self.scale_v, self.cb_v, self.hi_v, self.res_v, self.u_v))
+
+
+def _refit_layers_rows(layers: tuple[OSKVPLayerCache, ...], rows: jax.Array,
+                       valid: jax.Array) -> tuple[OSKVPLayerCache, ...]:
+  """`OSKVPLayerCache._refit_rows` of the same rows int32 [C] in L layers at once: valid bool [L, C] says which
+  (layer, row) pairs are refitted. One `fit_keys_values` call fits all L·C rows: one eigh call of [L·C, 2K, H, H]."""
+  n_layers, c = valid.shape
+  windows = [layer._window_originals(rows) for layer in layers]  # pylint: disable=protected-access
+  xk, xv = (jnp.concatenate([w[i] for w in windows]) for i in (0, 1))  # [L·C, R, K, H]
+  pk, pv = layers[0].refit_mode.fit_keys_values(xk, xv, jnp.full((n_layers * c,), layers[0].window, jnp.int32),
+                                                rope_span=layers[0].max_len)  # keys: RoPE-shift augmented
+  part = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i * c:(i + 1) * c], tree)  # noqa: E731
+  return tuple(layer._put_refit(rows, valid[i], *windows[i], part(pk, i), part(pv, i))  # pylint: disable=protected-access
+               for i, layer in enumerate(layers))
+
+
+def _refit_in_chunks(layers: tuple[OSKVPLayerCache, ...], todo: jax.Array) -> tuple[OSKVPLayerCache, ...]:
+  """Refits the (layer, row) pairs set in todo bool [L, B] (`_refit_layers_rows`), the rows of any layer taken in
+  order: while at least `refit_chunk_min_rows(c)` rows are left, the next c together, the rest one at a time, with
+  c = refit_chunk // L rows (at least 1, at most B): a fit of refit_chunk (layer, row) pairs at most. A row is
+  fitted in every layer that flags it, in the same call. One layer (H100, B = 8, K = 8, H = 128): a 1-row fit adds
+  ~1.5 ms to the step, an 8-row one ~3.9 ms, so bursts of rows go in chunks. 48 layers at once: 23 ms a row, 8 rows
+  in one fit 165 ms (results/oskvp_refit_across_layers_h100_s38.md): the fit is then bound by its work, not its
+  calls, and a padded chunk would cost its padding, so rows go one at a time. Leaves the `refit` flags as they are."""
+  b = todo.shape[1]
+  c = min(b, max(1, layers[0].refit_mode.refit_chunk // len(layers)))  # rows per fit: refit_chunk (layer, row) pairs
+  any_layer = jnp.any(todo, axis=0)  # [B]
+  order = jnp.nonzero(any_layer, size=b + c, fill_value=0)[0]  # the rows to refit first, then padding
+  count = jnp.sum(any_layer)
+
+  def fit(n, pos, layers):  # rows order[pos : pos + n]; past count: padding
+    rows = order[pos + jnp.arange(n)]
+    return _refit_layers_rows(layers, rows, todo[:, rows] & (pos + jnp.arange(n) < count)[None])
+
+  single = functools.partial(fit, 1)
+  if c == 1:
+    return jax.lax.fori_loop(0, count, single, layers)
+
+  def body(carry):
+    pos, layers = carry
+    big = count - pos >= refit_chunk_min_rows(c)
+    layers = jax.lax.cond(big, functools.partial(fit, c), single, pos, layers)
+    return pos + jnp.where(big, c, 1), layers
+
+  return jax.lax.while_loop(lambda carry: carry[0] < count, body, (jnp.int32(0), layers))[1]
+
+
+def refit_before_step(layers: tuple) -> tuple:
+  """The refits at the first flush of a decode step, for all layers at once, before the step's first layer runs.
+
+  Every OS-KVP layer cache with refit flags (`OSKVPMode.refit_at_first_flush`) whose mode has `refit_across_layers`
+  flushes at this step the rows whose window is full; their windows hold tokens of earlier steps only, so all
+  layers' refits are known before any layer runs. They are done here, grouped by mode and shape, with one batched
+  fit per chunk of rows for all layers of a group (`_refit_in_chunks`), instead of one per layer inside its flush;
+  the flags of the flushing rows are cleared and the layers marked `refits_done`, so their own flushes only quantize
+  (at the step's first token; further tokens of the same `extend` refit in their layer as before). The result is that of the
+  per-layer refits (the same fits; on the GPU the eigh call's cost is nearly flat in its batch). Other layers are
+  returned as they are. layers: a model's layer caches (`KVCache.layers`)."""
+  groups: dict[tuple, list[int]] = {}
+  for i, layer in enumerate(layers):
+    if (isinstance(layer, OSKVPLayerCache) and layer.refit is not None
+        and layer.refit_mode.refit_across_layers):
+      key = (layer.refit_mode, layer.kv_shape, layer.window, layer.max_len, layer.res_k.dtype, layer.n_res.shape)
+      groups.setdefault(key, []).append(i)
+  out = list(layers)
+  for idx in groups.values():
+    group = tuple(layers[i] for i in idx)
+    full = jnp.stack([layer.n_res == layer.window for layer in group])  # [L, B]
+    todo = full & jnp.stack([layer.refit for layer in group])
+    # (A fresh branch function each time: cond caches its trace by function, which would outlive a patched fit.)
+    group = jax.lax.cond(jnp.any(todo), lambda g, t: _refit_in_chunks(g, t), lambda g, _: g, group, todo)
+    for i, layer, f in zip(idx, group, full):
+      out[i] = layer.replace(refit=layer.refit & ~f, refits_done=True)
+  return tuple(out)
 
 
 def prefill_split(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
@@ -347,11 +414,16 @@ class OSKVPMode:
       (`oskvp.placeholder`), so each such row is fitted once. Costs one fit of the row per layer inside that decode
       step; measured in the README's OS-KVP section. A serving engine clears the flag of its free slots
       (`moe_jax.serving.steps.decode_slots`), which step too.
-    refit_chunk: the most rows one batched fit refits at a flush (`OSKVPLayerCache._refit_first_flushes`): while
-      `refit_chunk_min_rows` or more rows are left, the next refit_chunk (or fewer, padded) are fitted together,
-      the rest one at a time. A fit's eigh call costs about the same for 1 row as for 8 on the GPU, and a fit pays
-      for its padding rows too, so chunks pay off for bursts of rows (many prompts admitted at once), single fits
-      for the lone row of continuous batching. 1: always one row at a time.
+    refit_chunk: the most (layer, row) pairs one batched fit refits at a flush (`oskvp_cache._refit_in_chunks`):
+      refit_chunk rows of one layer (`OSKVPLayerCache._refit_first_flushes`), refit_chunk // L rows of L layers
+      fitted together (`refit_across_layers`). While `refit_chunk_min_rows` or more rows are left, that many
+      (or fewer, padded) are fitted together, the rest one at a time. A fit's eigh call costs about the same for 1
+      row as for 8 on the GPU, and a fit pays for its padding rows too, so chunks pay off for bursts of rows (many
+      prompts admitted at once), single fits for the lone row of continuous batching. 1: always one row at a time.
+    refit_across_layers: the model's decode step refits all its layers' flushing rows together before its first
+      layer runs (`refit_before_step`: one batched fit per chunk of rows for all layers, since an eigh call costs
+      about the same for one layer's heads as for many), instead of one fit per layer inside each layer's flush.
+      The same fits either way; False keeps the per-layer refit (for comparison).
   """
 
   bits: int = 2
@@ -367,6 +439,7 @@ class OSKVPMode:
   uniform: bool = False
   refit_at_first_flush: bool = True
   refit_chunk: int = 8
+  refit_across_layers: bool = True
 
   def __post_init__(self):
     if self.bits not in (2, 3):
