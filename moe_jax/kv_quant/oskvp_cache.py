@@ -271,9 +271,10 @@ def _refit_in_chunks(layers: tuple[OSKVPLayerCache, ...], todo: jax.Array) -> tu
   order: while at least `refit_chunk_min_rows(c)` rows are left, the next c together, the rest one at a time, with
   c = refit_chunk // L rows (at least 1, at most B): a fit of refit_chunk (layer, row) pairs at most. A row is
   fitted in every layer that flags it, in the same call. One layer (H100, B = 8, K = 8, H = 128): a 1-row fit adds
-  ~1.5 ms to the step, an 8-row one ~3.9 ms, so bursts of rows go in chunks. 48 layers at once: 23 ms a row, 8 rows
-  in one fit 165 ms (results/oskvp_refit_across_layers_h100_s38.md): the fit is then bound by its work, not its
-  calls, and a padded chunk would cost its padding, so rows go one at a time. Leaves the `refit` flags as they are."""
+  ~1.5 ms to the step, an 8-row one ~3.9 ms, so bursts of rows go in chunks. 48 layers at once: ~23 ms a row, 8
+  rows in one fit 165 ms, one at a time 172 (results/oskvp_refit_across_layers_*_h100_s38.md): the fit is then bound
+  by its work, not its calls, and a padded chunk would cost its padding (3 rows padded to 8: 181 ms, one at a time
+  79), so rows go one at a time. Leaves the `refit` flags as they are."""
   b = todo.shape[1]
   c = min(b, max(1, layers[0].refit_mode.refit_chunk // len(layers)))  # rows per fit: refit_chunk (layer, row) pairs
   any_layer = jnp.any(todo, axis=0)  # [B]

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import routing
-from moe_jax.kv_cache import KVCache, get_kv_cache_mode
+from moe_jax.kv_cache import KVCache, before_step, get_kv_cache_mode
 from moe_jax.moe import MoE
 from moe_jax.serving import steps
 from moe_jax.serving.engine import Engine, EngineConfig
@@ -277,7 +277,7 @@ def trace(flat: steps.FlatModel, tokens: jax.Array, lengths: jax.Array, forced: 
     x = model.embed(tok[:, None])
     positions = cache.lengths[:, None]
     layers, routes = [], []
-    for i, (block, layer_cache) in enumerate(zip(model.blocks, cache.layers)):
+    for i, (block, layer_cache) in enumerate(zip(model.blocks, before_step(cache.layers))):
       a, layer_cache = block.attn.decode(block.attn_norm(x), positions, layer_cache)
       routes.append(_route(block, x + a))
       x = _feed_forward(block, x + a, flips[1][:, j, moe_index[i]][:, None] if i in moe_index else None)

@@ -62,8 +62,8 @@ def _counting_fits(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("chunk", [1, 8])
 def test_refits_before_the_step_are_the_per_layer_refits(chunk, monkeypatch):
   """L = 3 layers, a long prompt (row 0) and four inside the window: three rows flush at step 2 and one at step 4.
-  Layer 1 does not flag row 2 (its flag cleared after prefill), so it must keep row 2's prefill fit there while the
-  other layers refit it. Refitting before the step (`refit_before_step`, then each layer's `extend`) gives the
+  Layer 1 does not flag row 2 and layer 0 not row 3 (their flags cleared after prefill), so those layers keep those
+  rows' prefill fits while the other layers refit them. Refitting before the step (`refit_before_step`, then each layer's `extend`) gives the
   caches and outputs of the per-layer refits, with one fit call per chunk for all layers (chunk 8: chunks of
   8 // L = 2 rows; chunk 1: one call of L rows per flushing row) instead of one per layer and chunk."""
   calls = _counting_fits(monkeypatch)
@@ -77,7 +77,9 @@ def test_refits_before_the_step_are_the_per_layer_refits(chunk, monkeypatch):
     layers = [jax.jit(lambda k, v: mode.from_prefill(k, v, lengths, S, layer=0))(k[:, :60], v[:, :60])
               for k, v in kvs]
     layers[1] = layers[1].replace(refit=layers[1].refit.at[2].set(False))
+    layers[0] = layers[0].replace(refit=layers[0].refit.at[3].set(False))  # row 3: flagged in later layers only
     u_kept, u_prefill = np.asarray(layers[1].u_k[2]), np.asarray(layers[0].u_k[2])
+    u3 = [np.asarray(layer.u_k[3]) for layer in layers]
 
     @jax.jit
     def step(layers, i):
@@ -89,6 +91,10 @@ def test_refits_before_the_step_are_the_per_layer_refits(chunk, monkeypatch):
                                  lengths + i))
       return [o for o, _ in outs], [c for _, c in outs]
 
+    # The layers' own flushes do not trace a refit when the refits come before the step (`refits_done`): eigh
+    # appears in the chunk and single-row fits once for all layers, against once per layer.
+    eighs = str(jax.make_jaxpr(step)(layers, 0)).count("name=eigh")  # calls of the jitted eigh
+    assert eighs == (1 if chunk == 1 else 2) * (1 if across else L), eighs
     calls.clear()
     outs = []
     for i in range(steps):
@@ -98,13 +104,15 @@ def test_refits_before_the_step_are_the_per_layer_refits(chunk, monkeypatch):
     fits[across] = list(calls)
     np.testing.assert_array_equal(layers[1].u_k[2], u_kept)  # not flagged in layer 1: its prefill fit stays
     assert not np.allclose(layers[0].u_k[2], u_prefill, atol=1e-3)  # flagged in layer 0: refitted
+    np.testing.assert_array_equal(layers[0].u_k[3], u3[0])  # row 3 is not flagged in layer 0 ...
+    assert not any(np.allclose(layers[i].u_k[3], u3[i], atol=1e-3) for i in (1, 2))  # ... but in layers 1 and 2
     runs[across] = (layers, outs)
   for a, b in zip(runs[True][0], runs[False][0]):
     _assert_caches_close(a, b)
   np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-3, atol=1e-3)
   c = min(B, chunk)
   if chunk == 1:  # rows 1, 2, 3 at step 2, row 4 at step 4: one call of L rows each, against L calls of 1 row each
-    assert fits[True] == [L] * 4 and fits[False] == [1] * (4 * L - 1), fits  # layer 1 refits three rows
+    assert fits[True] == [L] * 4 and fits[False] == [1] * (4 * L - 2), fits  # layers 0 and 1 refit three rows
   else:  # per layer: one chunk at step 2 (3 rows, padded to c), a single row at step 4; across layers, chunks of
     # 8 // L = 2 rows (a fit of at most refit_chunk (layer, row) pairs): rows 1 and 2, then 3 alone, then 4 alone
     assert sorted(fits[True]) == sorted([L * 2, L, L]) and sorted(fits[False]) == sorted([c] * L + [1] * L), fits
