@@ -16,7 +16,6 @@ import collections
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -31,34 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import configs  # noqa: E402
 from benchmarks import e2e_decode as e2e  # noqa: E402  (defines the shared flags)
+from benchmarks.cupti import cupti_kernels, kernel_group  # noqa: E402
 from moe_jax.serving import steps  # noqa: E402
 
 flags.DEFINE_integer("iters", 5, "Profiled steps per case (median per kernel).")
 FLAGS = flags.FLAGS
-
-
-def kernel_group(name: str) -> str:
-  """A kernel's group: its name without XLA's numeric suffixes (fusion_12 -> fusion), Triton/Pallas names kept."""
-  return re.sub(r"(_\d+)+$", "", name.split("(")[0])[:80]
-
-
-def cupti_kernels(call):
-  """(call()'s outputs, [(kernel name, ms)] of the kernels it launched), by CUPTI.
-
-  `jax.experimental.mosaic.gpu.profiler.measure` runs its function twice on the same arguments (a warm-up, then
-  the measured call), which a step that donates its cache cannot do; this is its measured half, with the same
-  extension calls, around one call of an already compiled step.
-  """
-  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # pylint: disable=g-import-not-at-top
-  if mosaic_gpu_lib is None:
-    raise RuntimeError("CUPTI profiling is not supported on this platform")
-  ext = mosaic_gpu_lib._mosaic_gpu_ext  # pylint: disable=protected-access
-  ext._cupti_init()  # pylint: disable=protected-access
-  try:
-    out = jax.block_until_ready(call())
-  finally:
-    timings = ext._cupti_get_timings(True)  # pylint: disable=protected-access
-  return out, timings or []
 
 
 def profile_case(model, config, kv: str, context: int, c: int) -> dict:

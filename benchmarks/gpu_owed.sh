@@ -36,6 +36,6 @@ run key_bits3 150 python3 benchmarks/oskvp_key_bits3_decode.py --out="$OUT" --co
   --xla_max_gb=0
 run across48 300 python3 -m benchmarks.oskvp_refit_cost --out="$OUT" --layers=48 --across=1,0 --only=refit \
   --repeats=10 --name=oskvp_refit_across_layers
-run parts48 100 python3 -m benchmarks.oskvp_refit_parts --out="$OUT/b48" --batch=48
+run parts48 100 python3 -m benchmarks.oskvp_refit_parts --out="$OUT/b48" --batch=48 --kernels
 # At most 8 files come back from a device call: everything goes back as one archive (tar xzf owed.tgz).
 (cd "$OUT" && tar czf /tmp/owed.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/owed.tgz "$OUT"/owed.tgz)

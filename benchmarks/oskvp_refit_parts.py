@@ -8,7 +8,8 @@ inputs (median wall ms):
 - both fits for 1 row and for all B rows at once (the fits batched), each also as `OSKVPMode.fit_keys_values` (one
   eigh call for both sides);
 - `jnp.linalg.eigh` on K, B*K and 2*B*K matrices of H x H, the default and the Jacobi implementation (GPU only);
-- `oskvp.lloyd_max` over K heads of R x rope_shifts samples.
+- `oskvp.lloyd_max` over K and B*K heads of R x rope_shifts samples;
+- with --kernels (GPU): the kernels of one B-row `fit_keys_values` call by CUPTI, grouped by name, the 15 longest.
 Writes `oskvp_refit_parts_<device>.{json,md}` under --out.
 """
 
@@ -40,7 +41,10 @@ def main(argv=None) -> int:
   p.add_argument("--window", type=int, default=128)
   p.add_argument("--cache_len", type=int, default=4096)
   p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--kernels", action="store_true", help="break the B-row fit down by kernel (CUPTI; GPU only)")
   a = p.parse_args(argv)
+  if a.kernels and jax.default_backend() != "gpu":
+    p.error(f"--kernels times kernels by CUPTI and needs a GPU (backend here: {jax.default_backend()})")
   b, kh, h, r = a.batch, a.kv_heads, a.head_dim, a.window
   mode = OSKVPMode(window=r)
   keys = jax.random.split(jax.random.key(0), 4)
@@ -73,10 +77,11 @@ def main(argv=None) -> int:
       add(f"eigh {n} x {h}x{h}, jacobi", jacobi, c)
     except Exception as e:  # pylint: disable=broad-except  # CPU has no Jacobi: say so and go on
       print(f"eigh jacobi: {type(e).__name__}: {str(e)[:120]}")
-  xs = jax.random.normal(keys[3], (kh, samples, h), jnp.float32)
-  init = jnp.broadcast_to(jnp.asarray(oskvp.GAUSSIAN_LEVELS[4], jnp.float32), (kh, h, 4))
   lloyd = jax.jit(jax.vmap(lambda x, i: oskvp.lloyd_max(x, jnp.ones(x.shape[0]), i, mode.n_iters)[0]))
-  add(f"lloyd_max {kh} heads x {samples} samples, {mode.n_iters} iters", lloyd, xs, init)
+  for n in (kh, b * kh):
+    xs = jax.random.normal(keys[3], (n, samples, h), jnp.float32)
+    init = jnp.broadcast_to(jnp.asarray(oskvp.GAUSSIAN_LEVELS[4], jnp.float32), (n, h, 4))
+    add(f"lloyd_max {n} heads x {samples} samples, {mode.n_iters} iters", lloyd, xs, init)
   device = jax.devices()[0].device_kind
   result = {"shape": {"b": b, "kh": kh, "h": h, "window": r, "cache_len": a.cache_len,
                       "rope_shifts": mode.rope_shifts, "n_iters": mode.n_iters}, "rows": rows}
@@ -84,6 +89,14 @@ def main(argv=None) -> int:
            f"B={b}, K={kh}, H={h}, R={r}, rope_shifts={mode.rope_shifts}, Lloyd iterations {mode.n_iters}; median "
            f"wall ms of {a.repeats} jitted calls.", "", "| part | ms |", "|---|---|"]
   lines += [f"| {x['part']} | {x['ms']:.3f} |" for x in rows]
+  if a.kernels:
+    from benchmarks import cupti  # pylint: disable=g-import-not-at-top
+    _, timings = cupti.cupti_kernels(lambda: shared(xb))  # compiled and warm: timed above
+    result["kernels"] = cupti.kernel_table(timings)
+    total = sum(ms for _, ms in timings)
+    lines += ["", f"Kernels of one {b}-row `fit_keys_values` call (CUPTI): {len(timings)} launches, {total:.3f} ms "
+              "summed; the 15 longest groups:", "", "| kernel | count | ms |", "|---|---|---|"]
+    lines += [f"| `{x['kernel']}` | {x['count']} | {x['ms']:.3f} |" for x in result["kernels"]]
   report_files.write(a.out, "oskvp_refit_parts", result, lines)
   return 0
 

@@ -257,7 +257,7 @@ def make_train_step(graphdef: nnx.GraphDef, tc: TrainConfig) -> Callable:
     imbalance = (jnp.mean(jnp.stack([jnp.max(c) / jnp.maximum(jnp.mean(c), 1e-9) for c in counts]))
                  if counts else jnp.ones(()))
     metrics = {"loss": loss, "ce": ce, "bpb": ce / LN2, "load_balance": lb, "z_loss": z,
-               "grad_norm": optax.global_norm(grads), "lr": lr,
+               "grad_norm": optax.tree.norm(grads), "lr": lr,
                "max_expert_load": imbalance}
     return {"params": params, "rest": rest, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 

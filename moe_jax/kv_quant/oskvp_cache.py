@@ -262,7 +262,7 @@ def _refit_layers_rows(layers: tuple[OSKVPLayerCache, ...], rows: jax.Array,
   pk, pv = layers[0].refit_mode.fit_keys_values(xk, xv, jnp.full((n_layers * c,), layers[0].window, jnp.int32),
                                                 rope_span=layers[0].max_len)  # keys: RoPE-shift augmented
   part = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i * c:(i + 1) * c], tree)  # noqa: E731
-  return tuple(layer._put_refit(rows, valid[i], *windows[i], part(pk, i), part(pv, i))  # pylint: disable=protected-access
+  return tuple(layer._put_refit(rows, valid[i], *windows[i], part(pk, i), part(pv, i))  # pylint: disable=W0212
                for i, layer in enumerate(layers))
 
 
@@ -306,9 +306,9 @@ def refit_before_step(layers: tuple) -> tuple:
   layers' refits are known before any layer runs. They are done here, grouped by mode and shape, with one batched
   fit per chunk of rows for all layers of a group (`_refit_in_chunks`), instead of one per layer inside its flush;
   the flags of the flushing rows are cleared and the layers marked `refits_done`, so their own flushes only quantize
-  (at the step's first token; further tokens of the same `extend` refit in their layer as before). The result is that of the
-  per-layer refits (the same fits; on the GPU the eigh call's cost is nearly flat in its batch). Other layers are
-  returned as they are. layers: a model's layer caches (`KVCache.layers`)."""
+  (at the step's first token; further tokens of the same `extend` refit in their layer as before). The result is
+  that of the per-layer refits (the same fits, batched differently). Other layers are returned as they are.
+  layers: a model's layer caches (`KVCache.layers`)."""
   groups: dict[tuple, list[int]] = {}
   for i, layer in enumerate(layers):
     if (isinstance(layer, OSKVPLayerCache) and layer.refit is not None
@@ -412,9 +412,9 @@ class OSKVPMode:
       when its window is first full, on those R tokens, so its codes come from a fit on R tokens, the coded ones
       among them, instead of one on the prompt alone (a prompt shorter than H falls back to a permutation basis and
       levels as wide as its magnitude). A prefill whose prompts are all shorter than R fits nothing then
-      (`oskvp.placeholder`), so each such row is fitted once. Costs one fit of the row per layer inside that decode
-      step; measured in the README's OS-KVP section. A serving engine clears the flag of its free slots
-      (`moe_jax.serving.steps.decode_slots`), which step too.
+      (`oskvp.placeholder`), so each such row is fitted once. Costs a fit of the row in every layer inside that
+      decode step (all layers in one fit with `refit_across_layers`); measured in the README's OS-KVP section. A
+      serving engine clears the flag of its free slots (`moe_jax.serving.steps.decode_slots`), which step too.
     refit_chunk: the most (layer, row) pairs one batched fit refits at a flush (`oskvp_cache._refit_in_chunks`):
       refit_chunk rows of one layer (`OSKVPLayerCache._refit_first_flushes`), refit_chunk // L rows of L layers
       fitted together (`refit_across_layers`). While `refit_chunk_min_rows` or more rows are left, that many

@@ -63,9 +63,10 @@ def _counting_fits(monkeypatch) -> list[int]:
 def test_refits_before_the_step_are_the_per_layer_refits(chunk, monkeypatch):
   """L = 3 layers, a long prompt (row 0) and four inside the window: three rows flush at step 2 and one at step 4.
   Layer 1 does not flag row 2 and layer 0 not row 3 (their flags cleared after prefill), so those layers keep those
-  rows' prefill fits while the other layers refit them. Refitting before the step (`refit_before_step`, then each layer's `extend`) gives the
-  caches and outputs of the per-layer refits, with one fit call per chunk for all layers (chunk 8: chunks of
-  8 // L = 2 rows; chunk 1: one call of L rows per flushing row) instead of one per layer and chunk."""
+  rows' prefill fits while the other layers refit them. Refitting before the step (`refit_before_step`, then each
+  layer's `extend`) gives the caches and outputs of the per-layer refits, with one fit call per chunk for all layers
+  (chunk 8: chunks of 8 // L = 2 rows; chunk 1: one call of L rows per flushing row) instead of one per layer and
+  chunk, and the layers' own flushes trace no refit then."""
   calls = _counting_fits(monkeypatch)
   lengths = jnp.array([60, R - 1, R - 1, R - 1, R - 3])
   steps = 5
