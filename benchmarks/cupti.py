@@ -33,12 +33,13 @@ def cupti_kernels(call):
   return out, timings or []
 
 
-def kernel_table(timings: list[tuple[str, float]], top: int = 15) -> list[dict]:
-  """[(kernel name, ms)] -> the `top` kernel groups (`kernel_group`) by summed ms: [{kernel, count, ms}]."""
+def kernel_table(timings: list[tuple[str, float]], top: int | None = 15) -> list[dict]:
+  """[(kernel name, ms)] -> the `top` (None: all) kernel groups (`kernel_group`) by summed ms, longest first:
+  [{kernel, count, ms}]."""
   groups = collections.defaultdict(lambda: [0, 0.0])
   for name, ms in timings:
     g = groups[kernel_group(name)]
     g[0] += 1
     g[1] += ms
   rows = [{"kernel": k, "count": c, "ms": t} for k, (c, t) in groups.items()]
-  return sorted(rows, key=lambda r: -r["ms"])[:top]
+  return sorted(rows, key=lambda r: -r["ms"])[:top]  # [:None]: all

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import configs  # noqa: E402
 from benchmarks import e2e_decode as e2e  # noqa: E402  (defines the shared flags)
-from benchmarks.cupti import cupti_kernels, kernel_group  # noqa: E402
+from benchmarks.cupti import cupti_kernels, kernel_table  # noqa: E402
 from moe_jax.serving import steps  # noqa: E402
 
 flags.DEFINE_integer("iters", 5, "Profiled steps per case (median per kernel).")
@@ -64,15 +64,10 @@ def profile_case(model, config, kv: str, context: int, c: int) -> dict:
       per_kernel[k].append(ms)
   del cache
   kernels = [(names[k], statistics.median(per_kernel[k])) for k in range(len(names))]
-  groups = collections.defaultdict(lambda: [0, 0.0])
-  for name, ms in kernels:
-    g = groups[kernel_group(name)]
-    g[0] += 1
-    g[1] += ms
   wall_ms = float(np.median(wall[FLAGS.warmup:]) * 1e3)
   kernel_ms = sum(ms for _, ms in kernels)
   return dict(step_ms=wall_ms, kernels=len(kernels), kernel_sum_ms=kernel_ms, gap_ms=wall_ms - kernel_ms,
-              groups=sorted(([n, cnt, ms] for n, (cnt, ms) in groups.items()), key=lambda g: -g[2]))
+              groups=[[g["kernel"], g["count"], g["ms"]] for g in kernel_table(kernels, top=None)])
 
 
 def render(meta: dict, rows: list[dict]) -> str:

@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# The GPU measurements still owed, in one device call (starts are scarce; the machine releases after 30 s idle):
+# The GPU measurements still owed, in a few device calls (starts are scarce; the machine releases after 30 s idle):
 #   OUT=... bash benchmarks/gpu_owed.sh
 # Owed after the thirty-eighth session (2026-12-06; the thirty-seventh and thirty-eighth ran this list on H100s:
 # results/*_h100_s37*, *_h100_s38*; item 1 is paid on the H100, keep it for an H200)
 # 1. the float16 check with --trace_routing on the random head-dim-128 model: are the GPU's single-step jumps
-#    (0.23-0.28) routing flips, as every CPU jump was? Yes on the H100 (results/float16_decode_check_routing_trace_h100_s38.md);
+#    (0.23-0.28) routing flips, as every CPU jump was? Yes on the H100
+#    (results/float16_decode_check_routing_trace_h100_s38.md);
 # 2. the batched refit on the H200 (rule and chunk 1, B = 8 and 32) and its parts (the shared eigh at prefill);
 # 3. oskvp_k3v2_sym's attention on the H200 beside oskvp_k3v2, oskvp and cuDNN (64k only: 16k was cut on the H100).
 # 4. the refit across 48 layers (results/oskvp_refit_across_layers_*_h100_s38.md): the per-layer 3-row case (cut
-#    on the H100) and B = 32; and where a 48-row fit's time goes besides eigh (19.9 ms, eigh 6.0: --batch=48 parts).
+#    on the H100) and B = 32; and where a 48-row fit's time goes besides eigh (19.8 ms, eigh 6.0: --batch=48 parts).
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
-# it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~9 min in all.
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~18 min in all.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS="float16_trace refit refit_b32", then
-# STEPS="refit_parts key_bits3", then STEPS="across48 parts48" (default: all).
+# STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-STEPS=${STEPS:-float16_trace refit refit_b32 refit_parts key_bits3 across48 parts48}
+ALL="float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+STEPS=${STEPS:-$ALL}
+for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
 run() {  # name timeout_s command...
   local name=$1 t=$2; shift 2
@@ -27,15 +30,17 @@ run() {  # name timeout_s command...
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 run float16_trace 170 python3 benchmarks/float16_decode_check.py --models=random --trace_routing \
   --modes=oskvp,oskvp_k3v2_sym,fp32 --out="$OUT/f16trace"
-cp "$OUT"/f16trace/*.json "$OUT"/float16_decode_check_routing_trace.json 2>/dev/null
+[[ -d "$OUT/f16trace" ]] && cp "$OUT"/f16trace/*.json "$OUT"/float16_decode_check_routing_trace.json
 run refit 150 python3 -m benchmarks.oskvp_refit_cost --out="$OUT" --refit_chunks=1,8
 run refit_b32 110 python3 -m benchmarks.oskvp_refit_cost --out="$OUT" --batch=32 --refit_chunks=8 --repeats=10 \
   --name=oskvp_refit_cost_b32
 run refit_parts 80 python3 -m benchmarks.oskvp_refit_parts --out="$OUT"
 run key_bits3 150 python3 benchmarks/oskvp_key_bits3_decode.py --out="$OUT" --contexts=65536 --batches=8,32 \
   --xla_max_gb=0
-run across48 300 python3 -m benchmarks.oskvp_refit_cost --out="$OUT" --layers=48 --across=1,0 --only=refit \
-  --repeats=10 --name=oskvp_refit_across_layers
+run across48 200 python3 -m benchmarks.oskvp_refit_cost --out="$OUT" --layers=48 --across=0,1 --rows=3 --only=refit \
+  --repeats=10 --name=oskvp_refit_across_layers_3rows
+run across48_b32 300 python3 -m benchmarks.oskvp_refit_cost --out="$OUT" --layers=48 --batch=32 --across=1,0 \
+  --rows=1,32 --only=refit --repeats=5 --name=oskvp_refit_across_layers_b32
 run parts48 100 python3 -m benchmarks.oskvp_refit_parts --out="$OUT/b48" --batch=48 --kernels
 # At most 8 files come back from a device call: everything goes back as one archive (tar xzf owed.tgz).
 (cd "$OUT" && tar czf /tmp/owed.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/owed.tgz "$OUT"/owed.tgz)

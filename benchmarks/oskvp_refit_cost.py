@@ -1,15 +1,16 @@
 """What the OS-KVP refit at the first flush (`OSKVPMode.refit_at_first_flush`) costs a decode step.
 
 Run:  PYTHONPATH=$PWD python3 -m benchmarks.oskvp_refit_cost [--out=DIR] [--batch=8] [--kv_heads=8] [--head_dim=128]
-        [--refit_chunks=8] [--layers=1] [--across=1] [--only=all|refit] [--name=oskvp_refit_cost]
+        [--refit_chunks=8] [--layers=1] [--across=1] [--rows=1,B,3] [--only=all|refit] [--name=oskvp_refit_cost]
 --layers caches (`OSKVPMode.from_prefill` on random keys and values, different per layer, window R = 128,
 S = --cache_len) and one decode step over them as the model runs it (`kv_cache.before_step`, then each layer's
 `extend`, T = 1, the cache's default implementation; no projections or experts) timed: a step that flushes nothing,
 steps where every row flushes with its prefill fit (a longer prompt; refit off), and, for each `OSKVPMode.refit_chunk`
 of --refit_chunks and each `refit_across_layers` of --across (1: all layers' refits in one fit before the step, 0:
-one per layer inside its flush), steps where 1, 3 (B > 3) and all rows flush with a refit (prompts shorter than the
-window). --only=refit skips the cases without a refit but "no flush". Each timed call starts from the same caches (not
-donated, so each copies them: the copy is in every row alike). Writes `<name>_<device>.{json,md}` under --out.
+one per layer inside its flush), steps where 1, all and 3 (B > 3) rows, or --rows, flush with a refit (prompts
+shorter than the window); each label across layers gives the rows per fit (max(1, refit_chunk // L)). --only=refit
+skips the cases without a refit but "no flush". Each timed call starts from the same caches (not donated, so each
+copies them: the copy is in every row alike). Writes `<name>_<device>.{json,md}` under --out.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
   p.add_argument("--refit_chunks", default="8", help="comma-separated OSKVPMode.refit_chunk values")
   p.add_argument("--layers", type=int, default=1, help="layer caches in the step")
   p.add_argument("--across", default="1", help="comma-separated OSKVPMode.refit_across_layers values (1 or 0)")
+  p.add_argument("--rows", default="", help="comma-separated rows flushing with a refit (default: 1, B, 3)")
   p.add_argument("--only", default="all", choices=("all", "refit"), help="refit: no prefill-fit / refit-off rows")
   p.add_argument("--name", default="oskvp_refit_cost", help="results file stem")
   a = p.parse_args(argv)
@@ -79,12 +81,16 @@ def main(argv=None) -> int:
   if a.only == "all":
     cases += [("all rows flush, prefill fit", mode, [long] * b, 0),
               ("all rows flush, refit off", dataclasses.replace(mode, refit_at_first_flush=False), [r - 1] * b, 1)]
-  flushing = [1, b] + ([3] if b > 3 else [])  # rows flushing with a refit; the pairs to compare first
+  flushing = [int(x) for x in a.rows.split(",")] if a.rows else list(dict.fromkeys([1, b] + ([3] if b > 3 else [])))
+  if not all(1 <= n <= b for n in flushing):
+    p.error(f"--rows={a.rows} must be between 1 and --batch={b}")
   for c in (int(x) for x in a.refit_chunks.split(",")):
-    for n in flushing:
+    for n in flushing:  # the pairs to compare first
       for across in (bool(int(x)) for x in a.across.split(",")):
         m = dataclasses.replace(mode, refit_chunk=c, refit_across_layers=across)
-        how = f"chunk {c}" + ("" if a.layers == 1 else (", across layers" if across else ", per layer"))
+        per_fit = min(b, max(1, c // a.layers))  # `oskvp_cache._refit_in_chunks`' c across layers
+        fits = f", across layers ({per_fit} row{'s' * (per_fit > 1)} a fit)" if across else ", per layer"
+        how = f"chunk {c}" + ("" if a.layers == 1 else fits)
         what = "1 row flushes" if n == 1 else (f"all {b} rows flush" if n == b else f"{n} rows flush")
         cases += [(f"{what} with a refit, {how}", m, [r - 1] * n + [r - 2] * (b - n), 1)]
   device = jax.devices()[0].device_kind

@@ -1,7 +1,7 @@
 """Where the OS-KVP refit's time goes: its parts timed alone, one layer (`oskvp_refit_cost.py` times the whole step).
 
 Run:  PYTHONPATH=$PWD python3 -m benchmarks.oskvp_refit_parts [--out=DIR] [--batch=8] [--kv_heads=8] [--head_dim=128]
-A row's refit (`OSKVPLayerCache._refit_rows`; one row at a time, two eigh calls, before 2026-12-06) fits keys
+A row's refit (`oskvp_cache._refit_layers_rows`; one row at a time, two eigh calls, before 2026-12-06) fits keys
 (RoPE-shifted copies, R x rope_shifts samples per head) and values (R samples) on its R window tokens. Each fit is a
 covariance, an eigendecomposition per kv head (H x H) and a Lloyd-Max scan. This times, with jitted calls on random
 inputs (median wall ms):

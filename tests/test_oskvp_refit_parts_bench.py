@@ -1,7 +1,10 @@
-"""benchmarks/oskvp_refit_parts.py at a tiny shape on the CPU: every part timed (no Jacobi eigh there), the files."""
+"""benchmarks/oskvp_refit_parts.py at a tiny shape on the CPU: every part timed (no Jacobi eigh there), the files;
+--kernels (CUPTI) refused off the GPU."""
 
 import json
 import os
+
+import pytest
 
 from benchmarks import oskvp_refit_parts as bench
 
@@ -16,5 +19,12 @@ def test_tiny_run_writes_every_part(tmp_path):
                        "value fit, 1 row", "key + value fit, 2 rows at once",
                        "key + value fit, one eigh call, 2 rows at once"]
   assert [p for p in parts if p.startswith("eigh")] == [f"eigh {n} x 16x16, default" for n in (1, 2, 4)]
-  assert parts[-1].startswith("lloyd_max 1 heads x 64 samples") and all(r["ms"] > 0 for r in res["rows"])
+  lloyd = [f"lloyd_max {n} heads x 64 samples, 16 iters" for n in (1, 2)]  # K and B*K heads
+  assert [p for p in parts if p.startswith("lloyd_max")] == lloyd
+  assert all(r["ms"] > 0 for r in res["rows"]) and "kernels" not in res
   assert "| key fit, 1 row |" in open(os.path.join(tmp_path, "oskvp_refit_parts_cpu.md")).read()
+
+
+def test_kernels_need_a_gpu(tmp_path):
+  with pytest.raises(SystemExit):
+    bench.main([f"--out={tmp_path}", "--kernels"])

@@ -120,13 +120,6 @@ class OSKVPLayerCache:
                         res_k=put(self.res_k, rk), u_v=put(self.u_v, pv.u), cb_v=put(self.cb_v, pv.codebook),
                         scale_v=put(self.scale_v, pv.scale), res_v=put(self.res_v, rv))
 
-  def _refit_rows(self, rows: jax.Array, valid: jax.Array) -> "OSKVPLayerCache":
-    """The rows `rows` int32 [C] whose `valid` bool [C] is set get U, codebooks and fp8 scales fitted again, by
-    `refit_mode.fit_keys_values` (one batched fit of the C rows), on the R tokens of their windows (which they hold
-    in the new basis after); their compressed stores must be empty, as they are at the first flush. Rows not valid
-    (a chunk's padding) are computed and dropped."""
-    return _refit_layers_rows((self,), rows, valid[None])[0]
-
   def _refit_first_flushes(self, full: jax.Array) -> "OSKVPLayerCache":
     """Refits the rows flushing now whose `refit` flag is set and clears the flag of every flushing row, in chunks
     (`_refit_in_chunks`). A step whose caches went through `refit_before_step` has no such row left here."""
@@ -254,29 +247,33 @@ class OSKVPLayerCache:
 
 def _refit_layers_rows(layers: tuple[OSKVPLayerCache, ...], rows: jax.Array,
                        valid: jax.Array) -> tuple[OSKVPLayerCache, ...]:
-  """`OSKVPLayerCache._refit_rows` of the same rows int32 [C] in L layers at once: valid bool [L, C] says which
-  (layer, row) pairs are refitted. One `fit_keys_values` call fits all L·C rows: one eigh call of [L·C, 2K, H, H]."""
+  """Fits U, codebooks and fp8 scales again for the rows int32 [C] in L layers at once, where valid bool [L, C] is
+  set, by one `refit_mode.fit_keys_values` call over all L·C rows (one eigh call of [L·C, 2K, H, H]), on the R
+  tokens of their windows, which they hold in the new basis after. Their compressed stores must be empty, as they
+  are at the first flush. Pairs not valid (a chunk's padding, a row a layer does not flag) are computed and dropped."""
   n_layers, c = valid.shape
   windows = [layer._window_originals(rows) for layer in layers]  # pylint: disable=protected-access
   xk, xv = (jnp.concatenate([w[i] for w in windows]) for i in (0, 1))  # [L·C, R, K, H]
   pk, pv = layers[0].refit_mode.fit_keys_values(xk, xv, jnp.full((n_layers * c,), layers[0].window, jnp.int32),
                                                 rope_span=layers[0].max_len)  # keys: RoPE-shift augmented
   part = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i * c:(i + 1) * c], tree)  # noqa: E731
-  return tuple(layer._put_refit(rows, valid[i], *windows[i], part(pk, i), part(pv, i))  # pylint: disable=W0212
+  # pylint: disable-next=protected-access
+  return tuple(layer._put_refit(rows, valid[i], *windows[i], part(pk, i), part(pv, i))
                for i, layer in enumerate(layers))
 
 
 def _refit_in_chunks(layers: tuple[OSKVPLayerCache, ...], todo: jax.Array) -> tuple[OSKVPLayerCache, ...]:
   """Refits the (layer, row) pairs set in todo bool [L, B] (`_refit_layers_rows`), the rows of any layer taken in
   order: while at least `refit_chunk_min_rows(c)` rows are left, the next c together, the rest one at a time, with
-  c = refit_chunk // L rows (at least 1, at most B): a fit of refit_chunk (layer, row) pairs at most. A row is
-  fitted in every layer that flags it, in the same call. One layer (H100, B = 8, K = 8, H = 128): a 1-row fit adds
-  ~1.5 ms to the step, an 8-row one ~3.9 ms, so bursts of rows go in chunks. 48 layers at once: ~23 ms a row, 8
-  rows in one fit 165 ms, one at a time 172 (results/oskvp_refit_across_layers_*_h100_s38.md): the fit is then bound
-  by its work, not its calls, and a padded chunk would cost its padding (3 rows padded to 8: 181 ms, one at a time
-  79), so rows go one at a time. Leaves the `refit` flags as they are."""
+  c = max(1, refit_chunk // L) rows (at most B). A fit thus holds at most max(refit_chunk, L) (layer, row) pairs. A
+  row is fitted in every layer that flags it, in the same call. One layer (H100, B = 8, K = 8, H = 128): a 1-row
+  fit adds ~1.5 ms to the step, an 8-row one ~3.9 ms, so bursts of rows go in chunks. 48 layers at once (added to a
+  step; results/oskvp_refit_across_layers_*_h100_s38.md): ~23 ms for a row, +165 for 8 rows in one fit, +172 one
+  at a time, and +168 for 3 rows padded to a chunk of 8 against +67 one at a time: the fit is then bound by its
+  work, not its calls, and a padded chunk costs its padding, so with L > refit_chunk / 2 rows go one at a time.
+  Leaves the `refit` flags as they are."""
   b = todo.shape[1]
-  c = min(b, max(1, layers[0].refit_mode.refit_chunk // len(layers)))  # rows per fit: refit_chunk (layer, row) pairs
+  c = min(b, max(1, layers[0].refit_mode.refit_chunk // len(layers)))  # rows per fit
   any_layer = jnp.any(todo, axis=0)  # [B]
   order = jnp.nonzero(any_layer, size=b + c, fill_value=0)[0]  # the rows to refit first, then padding
   count = jnp.sum(any_layer)
@@ -415,16 +412,16 @@ class OSKVPMode:
       (`oskvp.placeholder`), so each such row is fitted once. Costs a fit of the row in every layer inside that
       decode step (all layers in one fit with `refit_across_layers`); measured in the README's OS-KVP section. A
       serving engine clears the flag of its free slots (`moe_jax.serving.steps.decode_slots`), which step too.
-    refit_chunk: the most (layer, row) pairs one batched fit refits at a flush (`oskvp_cache._refit_in_chunks`):
-      refit_chunk rows of one layer (`OSKVPLayerCache._refit_first_flushes`), refit_chunk // L rows of L layers
-      fitted together (`refit_across_layers`). While `refit_chunk_min_rows` or more rows are left, that many
+    refit_chunk: how many rows one batched fit refits at a flush (`oskvp_cache._refit_in_chunks`): refit_chunk rows
+      of one layer (`OSKVPLayerCache._refit_first_flushes`), max(1, refit_chunk // L) rows of L layers fitted
+      together (`refit_across_layers`). While `refit_chunk_min_rows` or more rows are left, that many
       (or fewer, padded) are fitted together, the rest one at a time. A fit's eigh call costs about the same for 1
       row as for 8 on the GPU, and a fit pays for its padding rows too, so chunks pay off for bursts of rows (many
       prompts admitted at once), single fits for the lone row of continuous batching. 1: always one row at a time.
     refit_across_layers: the model's decode step refits all its layers' flushing rows together before its first
-      layer runs (`refit_before_step`: one batched fit per chunk of rows for all layers, since an eigh call costs
-      about the same for one layer's heads as for many), instead of one fit per layer inside each layer's flush.
-      The same fits either way; False keeps the per-layer refit (for comparison).
+      layer runs (`refit_before_step`: one batched fit per chunk of rows for all layers), instead of one fit per
+      layer inside each layer's flush: one fit of a row in 48 layers (~20 ms on an H100) costs far less than 48
+      one-layer fits (+71 ms a step). The same fits either way; False keeps the per-layer refit (for comparison).
   """
 
   bits: int = 2

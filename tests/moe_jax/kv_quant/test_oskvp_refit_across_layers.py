@@ -15,7 +15,6 @@ from moe_jax.kv_quant import OSKVPMode, oskvp
 from moe_jax.kv_quant.oskvp_cache import refit_before_step
 
 B, K, G, H, R, S, L = 5, 2, 2, 32, 24, 96, 3
-PARAMS = ("u", "scale", "cb")
 
 
 def _layer_kv(layer: int, t: int) -> tuple[jax.Array, jax.Array]:
@@ -23,10 +22,6 @@ def _layer_kv(layer: int, t: int) -> tuple[jax.Array, jax.Array]:
   std = jnp.ones(H).at[jnp.array([3 + layer, 17])].set(6.0)
   k = jax.random.normal(jax.random.PRNGKey(10 + layer), (B, t, K, H)) * std + 0.3 * std
   return k, jax.random.normal(jax.random.PRNGKey(20 + layer), (B, t, K, H)) * (1.0 + layer)
-
-
-def _params(cache, side: str) -> oskvp.OSKVPParams:
-  return oskvp.OSKVPParams(*(getattr(cache, f"{n}_{side}") for n in PARAMS))
 
 
 def _assert_caches_close(a, b) -> None:
