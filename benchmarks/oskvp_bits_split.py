@@ -88,11 +88,9 @@ def _group_scaled_head(x: jax.Array, p: oskvp.OSKVPParams, keys: bool, rms: bool
     f = (jnp.sqrt(jnp.sum(dev**2, axis=1, keepdims=True) / jnp.maximum(jnp.sum(spread[o:]), 1e-30)) if rms
          else jnp.max(jnp.abs(dev), axis=1, keepdims=True) / jnp.max(half[o:]))
   f = jnp.clip(f, 1e-6, 65504.0).astype(jnp.float16).astype(jnp.float32)  # finite f16 factors
-  y = mid + (xr - mid) / f  # within the codebook's range
-  idx = jnp.sum(y[:, :, None] > 0.5 * (cb[:, 1:] + cb[:, :-1])[None], axis=-1)
-  coded = mid + f * (jnp.take_along_axis(cb[None], idx[:, :, None], axis=-1)[..., 0] - mid)
-  exact_fp8 = oskvp.dequantize_rotated(oskvp.quantize_rotated(xr, cb, p.scale), cb, p.scale)
-  back = jnp.where(jnp.arange(xr.shape[1]) < o, exact_fp8, coded)
+  store = lambda z: oskvp.dequantize_rotated(oskvp.quantize_rotated(z, cb, p.scale), cb, p.scale)  # noqa: E731
+  coded = mid + f * (store(mid + (xr - mid) / f) - mid)  # the scaled tokens fall within the codebook's range
+  back = jnp.where(jnp.arange(xr.shape[1]) < o, store(xr), coded)  # fp8 channels as the cache stores them
   return back @ p.u.T
 
 
