@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from moe_jax.kv_quant.lloyd import UNIFORM_Z, fit_levels, lloyd_max, uniform_lloyd  # noqa: F401 (oskvp.lloyd_max)
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 # Scale headroom for the fp8 outlier channels: tokens decoded after prefill may exceed the prefill's amax. e4m3 is a
@@ -143,92 +145,9 @@ class OSKVPCode:
 # ---------------------------------------------------------------------------------------------- fitting
 
 
-@functools.partial(jax.jit, static_argnames=("n_iters",))
-def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int) -> tuple[jax.Array, jax.Array]:
-  """Per-channel weighted Lloyd-Max iterations.
-
-  Args:
-    x: f32 [N, H] samples; w: f32 [N] weights (0 leaves a row out); init: f32 [H, L] starting levels.
-    n_iters: iterations.
-
-  Returns:
-    (levels f32 [H, L] sorted ascending, distortion f32 [n_iters + 1]): the weighted mean squared error over all
-    channels of nearest-level quantization with the levels before each iteration and after the last. Each iteration
-    (centroid step, then nearest-level reassignment) cannot increase it; an empty cell keeps its level.
-  """
-  n_levels = init.shape[-1]
-  wsum = jnp.maximum(jnp.sum(w), 1e-30)
-
-  def assign(levels):
-    thr = 0.5 * (levels[:, 1:] + levels[:, :-1])  # [H, L-1]
-    idx = jnp.sum(x[:, :, None] > thr[None], axis=-1)  # [N, H]
-    return jax.nn.one_hot(idx, n_levels, dtype=jnp.float32)  # [N, H, L]
-
-  def distortion(levels, onehot):
-    xhat = jnp.einsum("NHL,HL->NH", onehot, levels)
-    return jnp.sum(w[:, None] * (x - xhat) ** 2) / (wsum * x.shape[1])
-
-  def step(levels, _):
-    onehot = assign(levels)
-    d = distortion(levels, onehot)
-    wo = onehot * w[:, None, None]
-    cnt = jnp.sum(wo, axis=0)  # [H, L]
-    tot = jnp.einsum("NHL,NH->HL", wo, x)
-    new = jnp.where(cnt > 0, tot / jnp.maximum(cnt, 1e-30), levels)
-    return jnp.sort(new, axis=-1), d
-
-  levels, hist = jax.lax.scan(step, jnp.sort(init, axis=-1), None, length=n_iters)
-  final = distortion(levels, assign(levels))
-  return levels, jnp.concatenate([hist, final[None]])
-
-
 # The optimal uniform 4-level quantizer of a unit Gaussian: step 0.9957 (levels ±0.498, ±1.494; MSE 0.1188 against
 # Lloyd-Max's 0.1175).
 GAUSSIAN_UNIFORM_STEP = 0.9957
-_UNIFORM_Z = (-1.5, -0.5, 0.5, 1.5)  # level offsets in steps, about the centre
-
-
-@functools.partial(jax.jit, static_argnames=("n_iters",))
-def uniform_lloyd(x: jax.Array, w: jax.Array, centre: jax.Array, step: jax.Array,
-                  n_iters: int) -> tuple[jax.Array, jax.Array]:
-  """Per-channel weighted Lloyd iterations for equally spaced 4-level codebooks (levels centre + step·z).
-
-  Alternates nearest-level assignment and the weighted least-squares fit of (centre, step) to the assigned offsets
-  z in (-1.5, -0.5, 0.5, 1.5); each half-step minimizes the same squared error, so it cannot increase. A channel
-  whose samples all fall in one cell, or whose fitted step is not positive, keeps its step.
-
-  Args:
-    x: f32 [N, H] samples; w: f32 [N] weights (0 leaves a row out); centre, step: f32 [H] starting values.
-    n_iters: iterations.
-
-  Returns:
-    (levels f32 [H, 4] ascending, distortion f32 [n_iters + 1]) as in `lloyd_max`.
-  """
-  z = jnp.asarray(_UNIFORM_Z, jnp.float32)
-  wsum = jnp.maximum(jnp.sum(w), 1e-30)
-
-  def assign(c, d):  # nearest level: thresholds at centre + step·(-1, 0, 1)
-    thr = c[:, None] + d[:, None] * jnp.asarray((-1.0, 0.0, 1.0), jnp.float32)[None, :]  # [H, 3]
-    return z[jnp.sum(x[:, :, None] > thr[None], axis=-1)]  # [N, H]
-
-  def distortion(c, d, zs):
-    return jnp.sum(w[:, None] * (x - c - d * zs) ** 2) / (wsum * x.shape[1])
-
-  def step_fn(carry, _):
-    c, d = carry
-    zs = assign(c, d)
-    err = distortion(c, d, zs)
-    mz, mx = w @ zs / wsum, w @ x / wsum  # [H]
-    vz = w @ (zs - mz) ** 2 / wsum
-    cov = w @ ((zs - mz) * (x - mx)) / wsum
-    d_new = jnp.where(vz > 1e-12, cov / jnp.maximum(vz, 1e-12), d)
-    d_new = jnp.where(d_new > 0, d_new, d)
-    return (mx - d_new * mz, d_new), err
-
-  (c, d), hist = jax.lax.scan(step_fn, (centre, step), None, length=n_iters)
-  final = distortion(c, d, assign(c, d))
-  return c[:, None] + d[:, None] * z[None, :], jnp.concatenate([hist, final[None]])
-
 
 def _sign_fix(u: jax.Array) -> jax.Array:
   """Makes each column's largest-magnitude entry positive, so the basis is deterministic."""
@@ -261,11 +180,11 @@ def covariance(x: jax.Array, w: jax.Array | None = None) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric", "uniform",
-                                             "centred"))
+                                             "centred", "lloyd_implementation"))
 def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int = 2,
         n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None, symmetric: bool = False,
         uniform: bool = False, ref_rms: jax.Array | None = None, centred: bool = True,
-        evecs: jax.Array | None = None) -> OSKVPParams:
+        evecs: jax.Array | None = None, lloyd_implementation: str = "xla") -> OSKVPParams:
   """Traceable calibration of one head (used per sequence at prefill, through vmap).
 
   Args:
@@ -289,6 +208,8 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
       second output), when the caller computed them batched with other heads'; None: computed here. On the GPU an
       eigh call costs about the same for 8 heads as for 128 (~1 ms at H = 128; results/oskvp_refit_parts_*), so
       `OSKVPMode.fit_keys_values` makes one call for a layer's keys and values.
+    lloyd_implementation: the codebook iterations, "xla" (on sorted samples, `lloyd.lloyd_max`) or "pallas" (one
+      Triton kernel, `pallas_kernels/lloyd_max.py`; interpreted off the GPU): `lloyd.fit_levels`.
 
   Returns:
     OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics. A flat x gets
@@ -299,7 +220,7 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   """
   h = x.shape[1]
   n_levels = 2**bits
-  if uniform and n_levels != len(_UNIFORM_Z):
+  if uniform and n_levels != len(UNIFORM_Z):
     raise ValueError(f"uniform=True needs bits=2 (got bits={bits})")
   min_samples = h if min_samples is None else min_samples
   x, w, count, wn, mean, cov = _moments(x, w)
@@ -332,15 +253,16 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   # spaced for uniform, so that a fallback codebook keeps the form the Mosaic GPU core relies on).
   g = jnp.asarray(GAUSSIAN_LEVELS[n_levels], jnp.float32)
   if uniform:
-    g = GAUSSIAN_UNIFORM_STEP * jnp.asarray(_UNIFORM_Z, jnp.float32)
+    g = GAUSSIAN_UNIFORM_STEP * jnp.asarray(UNIFORM_Z, jnp.float32)
   init = mean_r[:, None] + std_r[:, None] * g[None, :]  # [H, L]
+  levels_of = functools.partial(fit_levels, n_iters=n_iters, implementation=lloyd_implementation)
   if uniform:
-    levels, _ = uniform_lloyd(xr, w, mean_r, GAUSSIAN_UNIFORM_STEP * std_r, n_iters)
+    levels = levels_of(xr, w, init, uniform=True)
   elif symmetric:  # the optimal symmetric quantizer: Lloyd-Max on the folded deviations, mirrored
-    half, _ = lloyd_max(jnp.abs(xr - mean_r), w, init[:, n_levels // 2:] - mean_r[:, None], n_iters)
+    half = levels_of(jnp.abs(xr - mean_r), w, init[:, n_levels // 2:] - mean_r[:, None])
     levels = mean_r[:, None] + jnp.concatenate([-half[:, ::-1], half], axis=-1)
   else:
-    levels, _ = lloyd_max(xr, w, init, n_iters)
+    levels = levels_of(xr, w, init)
   levels = jnp.where(enough, levels, init)
   ref = jnp.maximum(jnp.sqrt(jnp.mean(wn @ (xr * xr))), 0.0 if ref_rms is None else jnp.asarray(ref_rms, jnp.float32))
   ref = jnp.where(ref > 0, ref, 1.0)  # an all-zero head with no reference: magnitude 1
@@ -370,7 +292,7 @@ def placeholder(head_dim: int, n_outlier: int, *, bits: int = 2, uniform: bool =
   """Parameters that code nothing yet: identity U, unit fp8 scales, unit-Gaussian levels (equally spaced for
   uniform) about 0 and zero outlier centres. For a cache whose stored tokens are all in its exact window until a
   later fit replaces them (`OSKVPMode.refit_at_first_flush`); any kernel reads them as a valid calibration."""
-  g = GAUSSIAN_UNIFORM_STEP * np.asarray(_UNIFORM_Z) if uniform else np.asarray(GAUSSIAN_LEVELS[2**bits])
+  g = GAUSSIAN_UNIFORM_STEP * np.asarray(UNIFORM_Z) if uniform else np.asarray(GAUSSIAN_LEVELS[2**bits])
   codebook = np.where((np.arange(head_dim) < n_outlier)[:, None], 0.0, g[None, :])
   return OSKVPParams(u=jnp.eye(head_dim, dtype=jnp.float32), scale=jnp.ones((n_outlier,), jnp.float32),
                      codebook=jnp.asarray(codebook, jnp.float32))

@@ -388,7 +388,7 @@ class OSKVPMode:
     window: R, tokens kept in the bf16 residual window.
     n_iters: Lloyd-Max iterations.
     max_fit_tokens: prompts longer than this are fitted on that many evenly spaced tokens of each sequence (bounds
-      the prefill's fitting memory, [B, K, max_fit_tokens, H, L] one-hots, at long context).
+      the prefill's fitting memory, a few [B, K, H, max_fit_tokens] float32 arrays, at long context).
     rope_theta, rope_shifts: RoPE-shift augmentation of the key calibration. Keys are post-RoPE, so a key written
       at a later position is the same pre-RoPE vector rotated further in each channel pair (j, j + H/2): a basis and
       codebooks fitted on prefill positions alone misfit decoded tokens (measured on tiny-trained: key error 0.47
@@ -422,6 +422,8 @@ class OSKVPMode:
       layer runs (`refit_before_step`: one batched fit per chunk of rows for all layers), instead of one fit per
       layer inside each layer's flush: one fit of a row in 48 layers (~20 ms on an H100) costs far less than 48
       one-layer fits (+71 ms a step). The same fits either way; False keeps the per-layer refit (for comparison).
+    fit_implementation: the codebooks' Lloyd iterations at prefill and refit (`oskvp.fit`'s lloyd_implementation):
+      "auto" (the Pallas kernel on the GPU, XLA elsewhere), "pallas" or "xla".
   """
 
   bits: int = 2
@@ -438,6 +440,7 @@ class OSKVPMode:
   refit_at_first_flush: bool = True
   refit_chunk: int = 8
   refit_across_layers: bool = True
+  fit_implementation: str = "auto"
 
   def __post_init__(self):
     if self.bits not in (2, 3):
@@ -464,6 +467,8 @@ class OSKVPMode:
       raise ValueError(f"refit_chunk={self.refit_chunk} must be >= 1")
     if self.implementation not in ("auto", "pallas", "xla"):
       raise ValueError(f"implementation={self.implementation!r} must be 'auto', 'pallas' or 'xla'")
+    if self.fit_implementation not in ("auto", "pallas", "xla"):
+      raise ValueError(f"fit_implementation={self.fit_implementation!r} must be 'auto', 'pallas' or 'xla'")
 
   @property
   def k_bits(self) -> int:
@@ -510,10 +515,14 @@ class OSKVPMode:
     """`_fit_inputs`' output and the eigenvectors of `_covariances` f32 [B, K, H, H] -> OSKVPParams with leading
     [B, K]."""
     h = xs.shape[-1]
+    impl = self.fit_implementation
+    if impl == "auto":
+      impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
     fit = lambda xs, ws, ref, ev: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction),
                                             bits=bits, n_iters=self.n_iters, min_samples=h * shifts,
-                                            symmetric=self.symmetric, uniform=self.uniform, ref_rms=ref, evecs=ev)
+                                            symmetric=self.symmetric, uniform=self.uniform, ref_rms=ref, evecs=ev,
+                                            lloyd_implementation=impl)
     return jax.vmap(jax.vmap(fit, in_axes=(0, None, None, 0)))(xs, w, ref_rms, evecs)
 
   def fit(self, x: jax.Array, lengths: jax.Array, *, rope_span: int = 0,

@@ -1,0 +1,194 @@
+"""Per-channel weighted Lloyd-Max codebooks, every iteration in one Pallas (Triton) kernel.
+
+Math, per channel j with levels c_0 <= ... <= c_{L-1} (samples x [N, H], row weights w [N]):
+  thresholds t_l = (c_{l-1} + c_l) / 2, l = 1..L-1; a sample goes to the cell of its nearest level (one on a
+  threshold to the lower cell);
+  W_l = sum_n w_n [x_nj in cell l],   S_l = sum_n w_n (x_nj - m_j) [x_nj in cell l],   m_j the weighted mean;
+  Lloyd-Max:  c_l <- m_j + S_l / W_l (an empty cell keeps its level), then sorted;
+  uniform (levels centre + step·z_l, z = (-1.5, -0.5, 0.5, 1.5)): the weighted least-squares (centre, step) of the
+  cells' offsets, step <- cov(z, x) / var(z) from the W_l and S_l (kept where var(z) ~ 0 or the fit is not
+  positive), centre <- m_j - step·mean(z).
+The same iterations as `moe_jax.kv_quant.lloyd` (which works on sorted samples and also returns the distortion).
+
+Kernel: program (head, block of BH channels). A first pass over the head's samples takes the channel means; each
+iteration then streams the samples in blocks of BN rows again and accumulates, per threshold, the weight and the
+centred sum of the samples at or below it, and the centred sum of all (2 L - 1 column sums; the cells' sums are
+their differences). The levels
+stay in registers from the first iteration to the last. One launch for all iterations, where the XLA form is one
+sort, its prefix sums and ~10 small kernels an iteration (the OS-KVP refit: 384 heads of 1024 samples per side).
+
+Shapes: N samples, H channels (a multiple of BH), L levels (2, 4 or 8). One head per call; vmap batches heads
+(pallas_call's batching adds grid axes).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+UNIFORM_Z = (-1.5, -0.5, 0.5, 1.5)
+
+
+def _sorted(cols: list[jax.Array]) -> list[jax.Array]:
+  """Odd-even transposition network over L same-shape arrays: elementwise ascending order."""
+  cols = list(cols)
+  for r in range(len(cols)):
+    for i in range(r % 2, len(cols) - 1, 2):
+      cols[i], cols[i + 1] = jnp.minimum(cols[i], cols[i + 1]), jnp.maximum(cols[i], cols[i + 1])
+  return cols
+
+
+def _update(levels: list[jax.Array], w_le: list[jax.Array], s_le: list[jax.Array], wsum, s_all, *,
+            uniform: bool) -> list[jax.Array]:
+  """One centroid step from the cumulative sums (weight and centred sum at or below each threshold, and of all
+  samples), all [BH] (levels centred). Shared by the kernel and the reference. The centred samples' own sum s_all
+  is ~0, but not to the last bit: the top cell is s_all - s_le[-1], not -s_le[-1] (few samples there would carry
+  the whole rounding of the mean)."""
+  n_levels = len(levels)
+  w_cell = [w_le[0]] + [w_le[l] - w_le[l - 1] for l in range(1, n_levels - 1)] + [wsum - w_le[-1]]
+  s_cell = [s_le[0]] + [s_le[l] - s_le[l - 1] for l in range(1, n_levels - 1)] + [s_all - s_le[-1]]
+  if not uniform:
+    return _sorted([jnp.where(wc > 0, sc / jnp.maximum(wc, 1e-30), c) for c, wc, sc in zip(levels, w_cell, s_cell)])
+  wpos = jnp.maximum(wsum, 1e-30)
+  mz = sum(z * wc for z, wc in zip(UNIFORM_Z, w_cell)) / wpos
+  vz = sum(z * z * wc for z, wc in zip(UNIFORM_Z, w_cell)) / wpos - mz * mz
+  cov = sum(z * sc for z, sc in zip(UNIFORM_Z, s_cell)) / wpos
+  step = levels[1] - levels[0]
+  new = jnp.where(vz > 1e-12, cov / jnp.maximum(vz, 1e-12), step)
+  new = jnp.where(new > 0, new, step)
+  return [new * (z - mz) for z in UNIFORM_Z]
+
+
+def _kernel(x_ref, w_ref, init_ref, o_ref, *, n: int, block_n: int, n_iters: int, uniform: bool):
+  # x_ref [N, BH] f32; w_ref [N] f32; init_ref [L, BH] f32; o_ref [L, BH] f32
+  n_levels, bh = init_ref.shape
+  n_blocks = pl.cdiv(n, block_n)
+
+  def load(i):
+    rows = i * block_n + jnp.arange(block_n)
+    ok = rows < n
+    w = plgpu.load(w_ref.at[pl.ds(i * block_n, block_n)], mask=ok, other=0.0)
+    x = plgpu.load(x_ref.at[pl.ds(i * block_n, block_n), :], mask=ok[:, None], other=0.0)
+    live = (w > 0)[:, None]
+    w = jnp.broadcast_to(jnp.where(live, w[:, None], 0.0), x.shape)
+    return jnp.where(live, x, 0.0), w  # [BN, BH] each; zero-weight rows count as 0, whatever x
+
+  def mean_pass(i, carry):
+    wsum, s = carry
+    x, w = load(i)
+    return wsum + jnp.sum(w, axis=0), s + jnp.sum(w * x, axis=0)
+
+  zero = jnp.zeros((bh,), jnp.float32)
+  wsum, s = jax.lax.fori_loop(0, n_blocks, mean_pass, (zero, zero))
+  mu = s / jnp.maximum(wsum, 1e-30)  # wsum itself unclamped: with no weight at all every cell is empty
+
+  def iteration(_, levels):
+    thr = [0.5 * (levels[l - 1] + levels[l]) for l in range(1, n_levels)]
+
+    def block(i, carry):
+      w_le, s_le, s_all = carry
+      x, w = load(i)
+      wx = w * (x - mu[None, :])
+      below = [x - mu[None, :] <= t[None, :] for t in thr]
+      w_le = [a + jnp.sum(jnp.where(b, w, 0.0), axis=0) for a, b in zip(w_le, below)]
+      s_le = [a + jnp.sum(jnp.where(b, wx, 0.0), axis=0) for a, b in zip(s_le, below)]
+      return w_le, s_le, s_all + jnp.sum(wx, axis=0)
+
+    w_le, s_le, s_all = jax.lax.fori_loop(0, n_blocks, block, ([zero] * len(thr), [zero] * len(thr), zero))
+    return tuple(_update(list(levels), w_le, s_le, wsum, s_all, uniform=uniform))
+
+  init = tuple(_sorted([init_ref[l, :] - mu for l in range(n_levels)]))
+  levels = jax.lax.fori_loop(0, n_iters, iteration, init)
+  for l in range(n_levels):
+    o_ref[l, :] = levels[l] + mu
+
+
+def _check(x, w, init, block_h: int) -> None:
+  """Raises ValueError naming the input whose shape or dtype the kernel cannot take."""
+  if x.ndim != 2:
+    raise ValueError(f"x must be [N, H] (one head; vmap batches heads), got shape {x.shape}")
+  n, h = x.shape
+  if w.shape != (n,):
+    raise ValueError(f"w must be [N] = ({n},), got shape {w.shape}")
+  if init.ndim != 2 or init.shape[0] != h or init.shape[1] not in (2, 4, 8):
+    raise ValueError(f"init must be [H, L] = ({h}, 2, 4 or 8), got shape {init.shape}")
+  if h % block_h:
+    raise ValueError(f"x's H = {h} must be a multiple of block_h = {block_h}")
+  for name, a in (("x", x), ("w", w), ("init", init)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{name} must be floating point, got {a.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("n_iters", "uniform", "block_n", "block_h", "interpret"))
+def _pallas(x, w, init, *, n_iters: int, uniform: bool, block_n: int, block_h: int, interpret: bool):
+  n, h = x.shape
+  n_levels = init.shape[1]
+  out = pl.pallas_call(
+      functools.partial(_kernel, n=n, block_n=block_n, n_iters=n_iters, uniform=uniform),
+      grid=(h // block_h,),
+      in_specs=[pl.BlockSpec((n, block_h), lambda j: (0, j)), pl.BlockSpec((n,), lambda j: (0,)),
+                pl.BlockSpec((n_levels, block_h), lambda j: (0, j))],
+      out_specs=pl.BlockSpec((n_levels, block_h), lambda j: (0, j)),
+      out_shape=jax.ShapeDtypeStruct((n_levels, h), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="lloyd_max",
+  )(x.astype(jnp.float32), w.astype(jnp.float32), init.astype(jnp.float32).T)
+  return out.T
+
+
+def lloyd_max_reference(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *,
+                        uniform: bool = False) -> jax.Array:
+  """The same iterations in plain jnp, one pass over the samples per iteration. Arguments as `lloyd_max`."""
+  x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+  live = w > 0
+  x = jnp.where(live[:, None], x, 0.0)
+  w = jnp.where(live, w, 0.0)
+  wsum = jnp.sum(w)
+  mu = w @ x / jnp.maximum(wsum, 1e-30)  # [H]
+  xc = x - mu
+
+  def iteration(levels, _):
+    levels = list(levels)
+    thr = [0.5 * (levels[l - 1] + levels[l]) for l in range(1, len(levels))]
+    below = [xc <= t[None, :] for t in thr]  # [N, H] each
+    w_le = [w @ b.astype(jnp.float32) for b in below]
+    s_le = [jnp.sum(jnp.where(b, w[:, None] * xc, 0.0), axis=0) for b in below]
+    return tuple(_update(levels, w_le, s_le, wsum, w @ xc, uniform=uniform)), None
+
+  init = tuple(_sorted([c - mu for c in init.astype(jnp.float32).T]))
+  levels, _ = jax.lax.scan(iteration, init, None, length=n_iters)
+  return jnp.stack(levels, axis=-1) + mu[:, None]
+
+
+def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *, uniform: bool = False,
+              implementation: str = "pallas", block_n: int = 64, block_h: int | None = None,
+              interpret: bool = False) -> jax.Array:
+  """Per-channel weighted Lloyd-Max (or, with `uniform`, equally spaced 4-level) codebooks of one head.
+
+  Args:
+    x: f32 [N, H] samples (H a multiple of block_h); w: f32 [N] row weights (0 leaves a row out, whatever its
+      values); init: f32 [H, L] starting levels, L 2, 4 or 8 (uniform: L = 4, equally spaced).
+    n_iters: iterations.
+    implementation: "pallas" (the kernel; `interpret=True` runs it on the CPU) or "xla" (the reference).
+    block_n, block_h: samples per streamed block and channels per program (powers of two; block_h None: the
+      largest power of two up to 32 that divides H).
+
+  Returns:
+    levels f32 [H, L], ascending.
+  """
+  if block_h is None and x.ndim == 2:
+    block_h = min(32, x.shape[1] & -x.shape[1])
+  _check(x, w, init, block_h)
+  if uniform and init.shape[1] != len(UNIFORM_Z):
+    raise ValueError(f"uniform=True needs init of {len(UNIFORM_Z)} levels, got {init.shape[1]}")
+  if implementation == "xla":
+    return lloyd_max_reference(x, w, init, n_iters, uniform=uniform)
+  if implementation != "pallas":
+    raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
+  return _pallas(x, w, init, n_iters=n_iters, uniform=uniform, block_n=block_n, block_h=block_h,
+                 interpret=interpret)
