@@ -11,7 +11,9 @@
 # 4. the refit across 48 layers (results/oskvp_refit_across_layers_*_h100_s38.md): the per-layer 3-row case (cut
 #    on the H100) and B = 32; and where a 48-row fit's time goes besides eigh (19.8 ms, eigh 6.0: --batch=48 parts).
 #    The last is paid on an H100 (results/oskvp_refit_parts_b48_kernels_onehot_h100_s39.md: the Lloyd scans, now a
-#    Pallas kernel; the 48-row fit 9.1 ms); parts48 is kept to re-time it with the kernel on an H200.
+#    Pallas kernel; with it the 48-row fit takes 9.1 ms, ..._b48_kernels_pallas_h100_s39.md), and B = 32 across
+#    layers with the kernel too (..._across_layers_b32_pallas_h100_s39.md; the per-layer rows not re-run); these
+#    steps are kept to re-time them on an H200.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~18 min in all.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS="float16_trace refit refit_b32", then

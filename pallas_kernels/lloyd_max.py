@@ -10,12 +10,12 @@ Math, per channel j with levels c_0 <= ... <= c_{L-1} (samples x [N, H], row wei
   positive), centre <- m_j - step·mean(z).
 The same iterations as `moe_jax.kv_quant.lloyd` (which works on sorted samples and also returns the distortion).
 
-Kernel: program (head, block of BH channels). A first pass over the head's samples takes the channel means; each
-iteration then streams the samples in blocks of BN rows again and accumulates, per threshold, the weight and the
-centred sum of the samples at or below it, and the centred sum of all (2 L - 1 column sums; the cells' sums are
-their differences). The levels
-stay in registers from the first iteration to the last. One launch for all iterations, where the XLA form is one
-sort, its prefix sums and ~10 small kernels an iteration (the OS-KVP refit: 384 heads of 1024 samples per side).
+Kernel: program (head, block of BH channels). Two first passes over the head's samples take the channel means and
+the centred samples' sum (~0, but what the cells' sums add up to); each iteration then streams the samples in
+blocks of BN rows again and accumulates, per threshold, the weight and the centred sum of the samples at or below
+it (2 (L - 1) column sums; the cells' sums are their differences). The levels stay in registers from the first
+iteration to the last. One launch for all iterations, where the XLA form is one sort, its prefix sums and ~10 small
+kernels an iteration (the OS-KVP refit: 384 heads of 1024 samples per side).
 
 Shapes: N samples, H channels (a multiple of BH), L levels (2, 4 or 8). One head per call; vmap batches heads
 (pallas_call's batching adds grid axes).
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+# The level offsets of an equally spaced 4-level codebook, in steps about its centre (the uniform form).
 UNIFORM_Z = (-1.5, -0.5, 0.5, 1.5)
 
 
@@ -53,10 +54,12 @@ def _update(levels: list[jax.Array], w_le: list[jax.Array], s_le: list[jax.Array
   s_cell = [s_le[0]] + [s_le[l] - s_le[l - 1] for l in range(1, n_levels - 1)] + [s_all - s_le[-1]]
   if not uniform:
     return _sorted([jnp.where(wc > 0, sc / jnp.maximum(wc, 1e-30), c) for c, wc, sc in zip(levels, w_cell, s_cell)])
-  wpos = jnp.maximum(wsum, 1e-30)
-  mz = sum(z * wc for z, wc in zip(UNIFORM_Z, w_cell)) / wpos
-  vz = sum(z * z * wc for z, wc in zip(UNIFORM_Z, w_cell)) / wpos - mz * mz
-  cov = sum(z * sc for z, sc in zip(UNIFORM_Z, s_cell)) / wpos
+  # Two-pass forms over the cells, as weighted moments about mz: all samples in one cell must give vz = 0 exactly
+  # (the step kept), not the rounding left by E[z^2] - mz^2.
+  tot = jnp.maximum(sum(w_cell), 1e-30)
+  mz = sum(z * wc for z, wc in zip(UNIFORM_Z, w_cell)) / tot
+  vz = sum((z - mz) ** 2 * wc for z, wc in zip(UNIFORM_Z, w_cell)) / tot
+  cov = sum((z - mz) * sc for z, sc in zip(UNIFORM_Z, s_cell)) / tot
   step = levels[1] - levels[0]
   new = jnp.where(vz > 1e-12, cov / jnp.maximum(vz, 1e-12), step)
   new = jnp.where(new > 0, new, step)
@@ -86,19 +89,25 @@ def _kernel(x_ref, w_ref, init_ref, o_ref, *, n: int, block_n: int, n_iters: int
   wsum, s = jax.lax.fori_loop(0, n_blocks, mean_pass, (zero, zero))
   mu = s / jnp.maximum(wsum, 1e-30)  # wsum itself unclamped: with no weight at all every cell is empty
 
+  def centred_pass(i, s_all):
+    x, w = load(i)
+    return s_all + jnp.sum(w * (x - mu[None, :]), axis=0)
+
+  s_all = jax.lax.fori_loop(0, n_blocks, centred_pass, zero)  # ~0, but what the cells' sums add up to
+
   def iteration(_, levels):
     thr = [0.5 * (levels[l - 1] + levels[l]) for l in range(1, n_levels)]
 
     def block(i, carry):
-      w_le, s_le, s_all = carry
+      w_le, s_le = carry
       x, w = load(i)
       wx = w * (x - mu[None, :])
       below = [x - mu[None, :] <= t[None, :] for t in thr]
       w_le = [a + jnp.sum(jnp.where(b, w, 0.0), axis=0) for a, b in zip(w_le, below)]
       s_le = [a + jnp.sum(jnp.where(b, wx, 0.0), axis=0) for a, b in zip(s_le, below)]
-      return w_le, s_le, s_all + jnp.sum(wx, axis=0)
+      return w_le, s_le
 
-    w_le, s_le, s_all = jax.lax.fori_loop(0, n_blocks, block, ([zero] * len(thr), [zero] * len(thr), zero))
+    w_le, s_le = jax.lax.fori_loop(0, n_blocks, block, ([zero] * len(thr), [zero] * len(thr)))
     return tuple(_update(list(levels), w_le, s_le, wsum, s_all, uniform=uniform))
 
   init = tuple(_sorted([init_ref[l, :] - mu for l in range(n_levels)]))
@@ -107,7 +116,7 @@ def _kernel(x_ref, w_ref, init_ref, o_ref, *, n: int, block_n: int, n_iters: int
     o_ref[l, :] = levels[l] + mu
 
 
-def _check(x, w, init, block_h: int) -> None:
+def _check(x, w, init, block_n: int, block_h: int) -> None:
   """Raises ValueError naming the input whose shape or dtype the kernel cannot take."""
   if x.ndim != 2:
     raise ValueError(f"x must be [N, H] (one head; vmap batches heads), got shape {x.shape}")
@@ -116,8 +125,10 @@ def _check(x, w, init, block_h: int) -> None:
     raise ValueError(f"w must be [N] = ({n},), got shape {w.shape}")
   if init.ndim != 2 or init.shape[0] != h or init.shape[1] not in (2, 4, 8):
     raise ValueError(f"init must be [H, L] = ({h}, 2, 4 or 8), got shape {init.shape}")
-  if h % block_h:
-    raise ValueError(f"x's H = {h} must be a multiple of block_h = {block_h}")
+  if block_h < 1 or block_h & (block_h - 1) or h % block_h:
+    raise ValueError(f"block_h = {block_h} must be a power of two dividing x's H = {h}")
+  if block_n < 1 or block_n & (block_n - 1):
+    raise ValueError(f"block_n = {block_n} must be a power of two")
   for name, a in (("x", x), ("w", w), ("init", init)):
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise ValueError(f"{name} must be floating point, got {a.dtype}")
@@ -125,6 +136,7 @@ def _check(x, w, init, block_h: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("n_iters", "uniform", "block_n", "block_h", "interpret"))
 def _pallas(x, w, init, *, n_iters: int, uniform: bool, block_n: int, block_h: int, interpret: bool):
+  """x [N, H], w [N], init [H, L] -> levels f32 [H, L]: one program per block_h channels (grid [H / block_h])."""
   n, h = x.shape
   n_levels = init.shape[1]
   out = pl.pallas_call(
@@ -139,6 +151,37 @@ def _pallas(x, w, init, *, n_iters: int, uniform: bool, block_n: int, block_h: i
       name="lloyd_max",
   )(x.astype(jnp.float32), w.astype(jnp.float32), init.astype(jnp.float32).T)
   return out.T
+
+
+def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *, uniform: bool = False,
+              implementation: str = "pallas", block_n: int = 64, block_h: int | None = None,
+              interpret: bool = False) -> jax.Array:
+  """Per-channel weighted Lloyd-Max (or, with `uniform`, equally spaced 4-level) codebooks of one head.
+
+  Args:
+    x: f32 [N, H] samples (H a multiple of block_h); w: f32 [N] row weights (0 or less, or NaN, leaves a row out,
+      whatever its values; a cell's weight is a difference of running sums, exact for 0/1 weights, less so for
+      weights of very different magnitudes); init: f32 [H, L] starting levels, L 2, 4 or 8 (uniform: L = 4, equally
+      spaced).
+    n_iters: iterations.
+    implementation: "pallas" (the kernel; `interpret=True` runs it on the CPU) or "xla" (the reference).
+    block_n, block_h: samples per streamed block and channels per program (powers of two; block_h None: the
+      largest power of two up to 32 that divides H).
+
+  Returns:
+    levels f32 [H, L], ascending.
+  """
+  if block_h is None and x.ndim == 2:
+    block_h = min(32, x.shape[1] & -x.shape[1])
+  _check(x, w, init, block_n, block_h)
+  if uniform and init.shape[1] != len(UNIFORM_Z):
+    raise ValueError(f"uniform=True needs init of {len(UNIFORM_Z)} levels, got {init.shape[1]}")
+  if implementation == "xla" or x.shape[0] == 0:  # no samples: the reference keeps the starting levels
+    return lloyd_max_reference(x, w, init, n_iters, uniform=uniform)
+  if implementation != "pallas":
+    raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
+  return _pallas(x, w, init, n_iters=n_iters, uniform=uniform, block_n=block_n, block_h=block_h,
+                 interpret=interpret)
 
 
 def lloyd_max_reference(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *,
@@ -163,32 +206,3 @@ def lloyd_max_reference(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: in
   init = tuple(_sorted([c - mu for c in init.astype(jnp.float32).T]))
   levels, _ = jax.lax.scan(iteration, init, None, length=n_iters)
   return jnp.stack(levels, axis=-1) + mu[:, None]
-
-
-def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *, uniform: bool = False,
-              implementation: str = "pallas", block_n: int = 64, block_h: int | None = None,
-              interpret: bool = False) -> jax.Array:
-  """Per-channel weighted Lloyd-Max (or, with `uniform`, equally spaced 4-level) codebooks of one head.
-
-  Args:
-    x: f32 [N, H] samples (H a multiple of block_h); w: f32 [N] row weights (0 leaves a row out, whatever its
-      values); init: f32 [H, L] starting levels, L 2, 4 or 8 (uniform: L = 4, equally spaced).
-    n_iters: iterations.
-    implementation: "pallas" (the kernel; `interpret=True` runs it on the CPU) or "xla" (the reference).
-    block_n, block_h: samples per streamed block and channels per program (powers of two; block_h None: the
-      largest power of two up to 32 that divides H).
-
-  Returns:
-    levels f32 [H, L], ascending.
-  """
-  if block_h is None and x.ndim == 2:
-    block_h = min(32, x.shape[1] & -x.shape[1])
-  _check(x, w, init, block_h)
-  if uniform and init.shape[1] != len(UNIFORM_Z):
-    raise ValueError(f"uniform=True needs init of {len(UNIFORM_Z)} levels, got {init.shape[1]}")
-  if implementation == "xla":
-    return lloyd_max_reference(x, w, init, n_iters, uniform=uniform)
-  if implementation != "pallas":
-    raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
-  return _pallas(x, w, init, n_iters=n_iters, uniform=uniform, block_n=block_n, block_h=block_h,
-                 interpret=interpret)

@@ -3,11 +3,17 @@
 A 1-D quantizer's cells are intervals, so on a channel's samples sorted once, a cell is a contiguous run: its
 weight, weighted sum and weighted sum of squares are differences of three prefix sums at the run's ends, and the ends
 are binary searches of the thresholds (the midpoints between adjacent levels). An iteration is then O(L log N) per
-channel instead of O(N L): the N-sample work is one sort and three cumulative sums, done once. The 48-row OS-KVP
-refit spent ~11 of its 20 ms in the per-sample iterations (H100, `results/oskvp_refit_parts_b48_h100_s38.md`).
+channel instead of O(N L): the N-sample work is one sort and three cumulative sums, done once. A 48-row OS-KVP
+fit spent ~11.5 of its ~19 ms of kernels in one-hot per-sample iterations before (H100,
+`results/oskvp_refit_parts_b48_kernels_onehot_h100_s39.md`); this form takes 6.0 ms for them, the Pallas kernel
+(`pallas_kernels/lloyd_max.py`, `fit_levels(implementation="pallas")`, the GPU's default) 1.9.
 
-Samples are centred on their channel's weighted mean before the sums, which keeps the prefix differences'
-rounding at float32's step of the spread, not of the offset.
+Samples are centred on their channel's weighted mean before the sums, so an offset common to all samples costs no
+precision. What the prefix differences do cost: a cell's sums carry the rounding of the running sums up to it, so
+levels far from the mean (a tight cluster 1e4 spreads away) come out ~1e-3 of the spread off the per-sample sums'
+(at the same error to ~3e-5), and the distortion history (a cell's c2 - 2 l c1 + l^2 c0) can be off by percent
+there; on unimodal channels both agree with per-sample sums to ~1e-6. Weights are best 0/1 (what `oskvp.fit`
+passes; exact there) or of similar magnitudes.
 Shapes: N samples, H channels, L levels.
 """
 
@@ -20,9 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pallas_kernels import lloyd_max as lloyd_max_kernel
-
-# The level offsets of an equally spaced 4-level codebook, in steps about its centre (`uniform_lloyd`).
-UNIFORM_Z = (-1.5, -0.5, 0.5, 1.5)
+from pallas_kernels.lloyd_max import UNIFORM_Z  # equally spaced levels' offsets in steps (`uniform_lloyd`)
 
 
 @struct.dataclass
@@ -44,6 +48,7 @@ def sort_samples(x: jax.Array, w: jax.Array) -> SortedSamples:
   """x f32 [N, H] samples, w f32 [N] row weights (0 leaves a row out, whatever its values) -> `SortedSamples`."""
   x = x.astype(jnp.float32)
   w = w.astype(jnp.float32)
+  w = jnp.where(w > 0, w, 0.0)  # a negative or NaN weight leaves its row out, as in the kernel
   wsum = jnp.maximum(jnp.sum(w), 1e-30)
   live = (w > 0)[:, None]
   xz = jnp.where(live, x, 0.0)
@@ -111,9 +116,9 @@ def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int) -> tupl
 
   Returns:
     (levels f32 [H, L] sorted ascending, distortion f32 [n_iters + 1]): the weighted mean squared error over all
-    channels of nearest-level quantization with the levels before each iteration and after the last. Each iteration
-    (centroid step, then nearest-level reassignment) cannot increase it (up to float32 rounding of the prefix sums);
-    an empty cell keeps its level.
+    channels of nearest-level quantization with the levels before each iteration and after the last, from the cells'
+    prefix sums (a diagnostic: see the module docstring for its accuracy). Each iteration (centroid step, then
+    nearest-level reassignment) cannot increase it, up to that rounding; an empty cell keeps its level.
   """
   s = sort_samples(x, w)
 
@@ -152,9 +157,12 @@ def uniform_lloyd(x: jax.Array, w: jax.Array, centre: jax.Array, step: jax.Array
     levels = c[:, None] + d[:, None] * z[None, :]
     sums = cell_sums(s, levels)
     c0, c1, _ = sums
-    mz = c0 @ z / s.wsum  # [H]; the samples' own mean is 0 (centred)
-    vz = c0 @ (z * z) / s.wsum - mz * mz
-    cov = c1 @ z / s.wsum
+    # Two-pass moments about mz over the cells (the samples' own mean is 0, centred): samples all in one cell give
+    # vz = 0 exactly and keep their step, not the rounding of E[z^2] - mz^2 against a separately summed total.
+    tot = jnp.maximum(jnp.sum(c0, axis=-1), 1e-30)
+    mz = c0 @ z / tot  # [H]
+    vz = jnp.sum(c0 * (z - mz[:, None]) ** 2, axis=-1) / tot
+    cov = jnp.sum(c1 * (z - mz[:, None]), axis=-1) / tot
     d_new = jnp.where(vz > 1e-12, cov / jnp.maximum(vz, 1e-12), d)
     d_new = jnp.where(d_new > 0, d_new, d)
     return (-d_new * mz, d_new), _distortion(s, levels, sums)

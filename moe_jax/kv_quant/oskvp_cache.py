@@ -268,9 +268,12 @@ def _refit_in_chunks(layers: tuple[OSKVPLayerCache, ...], todo: jax.Array) -> tu
   c = max(1, refit_chunk // L) rows (at most B). A fit thus holds at most max(refit_chunk, L) (layer, row) pairs. A
   row is fitted in every layer that flags it, in the same call. One layer (H100, B = 8, K = 8, H = 128): a 1-row
   fit adds ~1.5 ms to the step, an 8-row one ~3.9 ms, so bursts of rows go in chunks. 48 layers at once (added to a
-  step; results/oskvp_refit_across_layers_*_h100_s38.md): ~23 ms for a row, +165 for 8 rows in one fit, +172 one
-  at a time, and +168 for 3 rows padded to a chunk of 8 against +67 one at a time: the fit is then bound by its
-  work, not its calls, and a padded chunk costs its padding, so with L > refit_chunk / 2 rows go one at a time.
+  step; results/oskvp_refit_across_layers_*_h100_s38.md, Lloyd-Max by one-hot scans then): ~23 ms for a row, +165
+  for 8 rows in one fit, +172 one at a time, and +168 for 3 rows padded to a chunk of 8 against +67 one at a time:
+  the fit is then bound by its work, not its calls, and a padded chunk costs its padding, so with L > refit_chunk / 2
+  rows go one at a time. With the Lloyd kernel (`..._pallas_h100_s39.md`, `..._burst_pallas_h100_s39.md`) one at a
+  time: +12.6 ms for a row, +36.4 for 3, +91.6 for 8 (padded chunks not re-timed; eigh, ~2/3 of a fit now, grows
+  with the matrices too).
   Leaves the `refit` flags as they are."""
   b = todo.shape[1]
   c = min(b, max(1, layers[0].refit_mode.refit_chunk // len(layers)))  # rows per fit
@@ -420,8 +423,9 @@ class OSKVPMode:
       prompts admitted at once), single fits for the lone row of continuous batching. 1: always one row at a time.
     refit_across_layers: the model's decode step refits all its layers' flushing rows together before its first
       layer runs (`refit_before_step`: one batched fit per chunk of rows for all layers), instead of one fit per
-      layer inside each layer's flush: one fit of a row in 48 layers (~20 ms on an H100) costs far less than 48
-      one-layer fits (+71 ms a step). The same fits either way; False keeps the per-layer refit (for comparison).
+      layer inside each layer's flush: one fit of a row in 48 layers (+12.6 ms a step on an H100 with the Lloyd
+      kernel; +23 with one-hot Lloyd scans) costs far less than 48 one-layer fits (+71 ms a step, one-hot). The same
+      fits either way; False keeps the per-layer refit (for comparison).
     fit_implementation: the codebooks' Lloyd iterations at prefill and refit (`oskvp.fit`'s lloyd_implementation):
       "auto" (the Pallas kernel on the GPU, XLA elsewhere), "pallas" or "xla".
   """

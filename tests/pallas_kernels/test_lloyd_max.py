@@ -92,6 +92,12 @@ def test_vmapped_heads_and_no_weight():
   np.testing.assert_allclose(got[2], init[2], rtol=1e-6, atol=1e-5)
 
 
+def test_no_samples_keep_the_start():
+  init = jnp.asarray(np.random.default_rng(0).normal(size=(32, 4)), jnp.float32)
+  got = lm.lloyd_max(jnp.zeros((0, 32)), jnp.zeros((0,)), init, 4)
+  np.testing.assert_allclose(got, np.sort(np.asarray(init), axis=1), rtol=1e-6)
+
+
 def test_lowers_to_triton_under_vmap():
   x, w, init = jnp.zeros((3, 5, 1000, 128)), jnp.ones((3, 1000)), jnp.zeros((3, 5, 128, 4))
   per_head = lambda a, b, c: lm.lloyd_max(a, b, c, 16)

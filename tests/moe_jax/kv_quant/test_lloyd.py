@@ -2,6 +2,8 @@
 `pallas_kernels/lloyd_max.py` and a float64 error, its binary search against numpy's, and the Pallas kernel behind
 `fit_levels` / `OSKVPMode(fit_implementation=...)` (interpreted here) against the XLA path."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,6 +88,39 @@ def test_mode_fits_the_same_codebooks_with_the_kernel(kw):
     np.testing.assert_allclose(a.scale, b.scale, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl,backend,kernel", [("pallas", "cpu", True), ("xla", "gpu", False), ("auto", "cpu", False),
+                                                 ("auto", "gpu", True)])
+def test_fit_implementation_picks_the_kernel(impl, backend, kernel):
+  """Whether the fit's program holds the Pallas kernel: "auto" takes it on the GPU only (backend patched; traced,
+  not run)."""
+  k = jnp.zeros((1, 40, 1, 32))
+  mode = OSKVPMode(window=16, fit_implementation=impl)
+  with mock.patch.object(jax, "default_backend", lambda: backend):
+    text = str(jax.make_jaxpr(lambda k: mode.fit_keys_values(k, k, jnp.array([40]), rope_span=64))(k))
+  assert ("pallas_call" in text) == kernel
+
+
 def test_mode_names_a_bad_fit_implementation():
   with pytest.raises(ValueError, match="fit_implementation"):
     OSKVPMode(fit_implementation="cuda")
+
+
+def test_one_cell_keeps_its_step_and_bad_weights_leave_rows_out():
+  """A channel whose samples all fall in one cell (3 ± 0.03, between thresholds 2.7 and 3.7) keeps its step, with
+  fractional weights, whose running sums do not add up to the total exactly; negative and NaN weights act as 0,
+  like dropping the rows."""
+  k1, k2 = jax.random.split(jax.random.PRNGKey(11))
+  x = 3.0 + 0.01 * jax.random.normal(k1, (4096, 8))
+  w = jax.random.uniform(k2, (4096,), minval=0.1, maxval=1.0)
+  step = jnp.ones((8,))
+  for impl in ("xla", "pallas"):
+    levels = lloyd.fit_levels(x, w, 3.7 + step[:, None] * jnp.asarray(lloyd.UNIFORM_Z), 4, uniform=True,
+                              implementation=impl)
+    np.testing.assert_allclose(np.diff(np.asarray(levels), axis=1), 1.0, rtol=1e-5)
+  x, w, init, _ = _data(12)
+  bad = w.at[10:20].set(-1.0).at[20].set(jnp.nan)
+  keep = np.asarray(w) > 0
+  keep[10:21] = False
+  want, _ = lloyd.lloyd_max(x[keep], w[keep], init, 4)
+  got, _ = lloyd.lloyd_max(x, bad, init, 4)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
