@@ -116,6 +116,12 @@ def _kernel(x_ref, w_ref, init_ref, o_ref, *, n: int, block_n: int, n_iters: int
     o_ref[l, :] = levels[l] + mu
 
 
+def default_block_h(h: int) -> int:
+  """Channels per program: the largest power of two up to 32 that divides H. (8 channels a program at 4096 samples
+  was slower on an H100 at 8 heads and far slower at 64: results/oskvp_refit_parts_prefill512_block8_h100_s39.md.)"""
+  return min(32, h & -h)
+
+
 def _check(x, w, init, block_n: int, block_h: int) -> None:
   """Raises ValueError naming the input whose shape or dtype the kernel cannot take."""
   if x.ndim != 2:
@@ -165,14 +171,14 @@ def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *, unif
       spaced).
     n_iters: iterations.
     implementation: "pallas" (the kernel; `interpret=True` runs it on the CPU) or "xla" (the reference).
-    block_n, block_h: samples per streamed block and channels per program (powers of two; block_h None: the
-      largest power of two up to 32 that divides H).
+    block_n, block_h: samples per streamed block and channels per program (powers of two; block_h None:
+      `default_block_h`).
 
   Returns:
     levels f32 [H, L], ascending.
   """
   if block_h is None and x.ndim == 2:
-    block_h = min(32, x.shape[1] & -x.shape[1])
+    block_h = default_block_h(x.shape[1])
   _check(x, w, init, block_n, block_h)
   if uniform and init.shape[1] != len(UNIFORM_Z):
     raise ValueError(f"uniform=True needs init of {len(UNIFORM_Z)} levels, got {init.shape[1]}")

@@ -173,6 +173,18 @@ def uniform_lloyd(x: jax.Array, w: jax.Array, centre: jax.Array, step: jax.Array
   return levels + s.mu[:, None], jnp.concatenate([hist, final[None]])
 
 
+def auto_implementation(heads: int, n: int, h: int) -> str:
+  """The Lloyd iterations' implementation for "auto": `heads` heads of n samples and h channels at once. On the GPU
+  the Pallas kernel (a program per head and 32 channels, streaming all n samples), except where few programs would
+  each stream many samples: on an H100, 8 heads of 4096 samples took 1.11 ms in the kernel against 0.85 here, 64
+  heads 1.69 against 4.40, 8 heads of 1024 0.48 against 0.51 (results/oskvp_refit_parts_prefill512_*_h100_s39.md,
+  ..._pallas_h100_s39.md). So the kernel when there are >= 64 programs or n <= 1024; "xla" off the GPU."""
+  if jax.default_backend() != "gpu":
+    return "xla"
+  programs = heads * (h // lloyd_max_kernel.default_block_h(h))
+  return "pallas" if programs >= 64 or n <= 1024 else "xla"
+
+
 def fit_levels(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *, uniform: bool = False,
                implementation: str = "xla") -> jax.Array:
   """The levels alone (what `oskvp.fit` keeps): f32 [N, H] samples, [N] weights, [H, L] starting levels (uniform:

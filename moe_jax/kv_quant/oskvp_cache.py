@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from moe_jax.kv_quant import oskvp
+from moe_jax.kv_quant import lloyd, oskvp
 from moe_jax.kv_quant.oskvp_attention import dequantize_store, oskvp_decode_attention
 from moe_jax.layers import rope
 
@@ -427,7 +427,8 @@ class OSKVPMode:
       kernel; +23 with one-hot Lloyd scans) costs far less than 48 one-layer fits (+71 ms a step, one-hot). The same
       fits either way; False keeps the per-layer refit (for comparison).
     fit_implementation: the codebooks' Lloyd iterations at prefill and refit (`oskvp.fit`'s lloyd_implementation):
-      "auto" (the Pallas kernel on the GPU, XLA elsewhere), "pallas" or "xla".
+      "auto" (on the GPU the Pallas kernel unless few heads have many samples, `lloyd.auto_implementation`; XLA
+      elsewhere), "pallas" or "xla".
   """
 
   bits: int = 2
@@ -520,8 +521,8 @@ class OSKVPMode:
     [B, K]."""
     h = xs.shape[-1]
     impl = self.fit_implementation
-    if impl == "auto":
-      impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl == "auto":  # from the heads fitted at once (B x K here; vmap hides them from the kernel's call)
+      impl = lloyd.auto_implementation(xs.shape[0] * xs.shape[1], xs.shape[2], h)
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
     fit = lambda xs, ws, ref, ev: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction),
                                             bits=bits, n_iters=self.n_iters, min_samples=h * shifts,

@@ -100,6 +100,13 @@ def test_fit_implementation_picks_the_kernel(impl, backend, kernel):
   assert ("pallas_call" in text) == kernel
 
 
+@pytest.mark.parametrize("heads,n,backend,want", [(8, 4096, "gpu", "xla"), (64, 4096, "gpu", "pallas"),
+                                                   (8, 1024, "gpu", "pallas"), (384, 1024, "cpu", "xla")])
+def test_auto_takes_the_kernel_unless_few_heads_have_many_samples(heads, n, backend, want):
+  with mock.patch.object(jax, "default_backend", lambda: backend):
+    assert lloyd.auto_implementation(heads, n, 128) == want
+
+
 def test_mode_names_a_bad_fit_implementation():
   with pytest.raises(ValueError, match="fit_implementation"):
     OSKVPMode(fit_implementation="cuda")
