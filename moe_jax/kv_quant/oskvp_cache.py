@@ -213,6 +213,8 @@ class OSKVPLayerCache:
       ([B, T, N, H], updated cache).
     """
     del starts
+    if q.shape[1] == 0:  # nothing appended (attention returns q's dtype); before_step's mark ends with the step
+      return jnp.zeros(q.shape, q.dtype), self.replace(refits_done=False)
     cache, outs = self, []
     for t in range(q.shape[1]):
       o, cache = cache._step(q[:, t], k[:, t], v[:, t])

@@ -140,6 +140,19 @@ def test_later_tokens_of_a_multi_token_extend_refit_in_their_layer(monkeypatch):
   assert sorted(fits[True]) == sorted([L] + [B, 1] * L) and sorted(fits[False]) == sorted([1, B, 1] * L), fits
 
 
+def test_an_empty_extend_appends_nothing_and_clears_the_mark():
+  """T = 0 (before: jnp.stack of nothing raised inside the cache): [B, 0, N, H] in q's dtype, the cache's arrays as
+  they were, and the step's `before_step` mark gone (a marked layer's next flush would skip its refit)."""
+  k, v = _layer_kv(0, 30)
+  layer = OSKVPMode(window=R).from_prefill(k[:, :5], v[:, :5], jnp.full((B,), 5, jnp.int32), S, layer=0)
+  marked = layer.replace(refits_done=True)
+  q = jnp.zeros((B, 0, K * G, H), jnp.bfloat16)
+  o, out = marked.extend(q, k[:, :0], v[:, :0], jnp.full((B,), 5, jnp.int32))
+  assert o.shape == (B, 0, K * G, H) and o.dtype == jnp.bfloat16 and not out.refits_done
+  for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(layer)):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_layers_without_refit_flags_pass_through():
   """Dense layers, an OS-KVP cache built without refits, and a mode with refit_across_layers=False are returned as
   they are (the same objects), so their steps are unchanged."""
