@@ -92,7 +92,8 @@ def test_mode_fits_the_same_codebooks_with_the_kernel(kw):
                                                  ("auto", "gpu", True)])
 def test_fit_implementation_picks_the_kernel(impl, backend, kernel):
   """Whether the fit's program holds the Pallas kernel: "auto" takes it on the GPU only (backend patched; traced,
-  not run)."""
+  not run). The patched traces sit in `oskvp.fit`'s jit cache with interpret=False, so these shapes ([1, 40, 1, 32])
+  are this test's alone: no test runs a fit of them."""
   k = jnp.zeros((1, 40, 1, 32))
   mode = OSKVPMode(window=16, fit_implementation=impl)
   with mock.patch.object(jax, "default_backend", lambda: backend):
