@@ -177,6 +177,8 @@ class KIVILayerCache:
   def extend(self, q, k, v, starts):
     """q: [B, T, N, H]; k, v: [B, T, K, H]; one token at a time (T static) -> ([B, T, N, H], cache)."""
     del starts
+    if q.shape[1] == 0:  # nothing appended (as the dense caches: [B, 0, N, H]; before, jnp.stack of nothing raised)
+      return jnp.zeros(q.shape, q.dtype), self
     cache, outs = self, []
     for t in range(q.shape[1]):
       o, cache = cache._step(q[:, t], k[:, t], v[:, t])

@@ -6,7 +6,8 @@ are binary searches of the thresholds (the midpoints between adjacent levels). A
 channel instead of O(N L): the N-sample work is one sort and three cumulative sums, done once. A 48-row OS-KVP
 fit spent ~11.5 of its ~19 ms of kernels in one-hot per-sample iterations before (H100,
 `results/oskvp_refit_parts_b48_kernels_onehot_h100_s39.md`); this form takes 6.0 ms for them, the Pallas kernel
-(`pallas_kernels/lloyd_max.py`, `fit_levels(implementation="pallas")`, the GPU's default) 1.9.
+(`pallas_kernels/lloyd_max.py`, `fit_levels(implementation="pallas")`; "auto" on the GPU where
+`auto_implementation` says) 1.9.
 
 Samples are centred on their channel's weighted mean before the sums, so an offset common to all samples costs no
 precision. What the prefix differences do cost: a cell's sums carry the rounding of the running sums up to it, so
@@ -178,7 +179,8 @@ def auto_implementation(heads: int, n: int, h: int) -> str:
   the Pallas kernel (a program per head and 32 channels, streaming all n samples), except where few programs would
   each stream many samples: on an H100, 8 heads of 4096 samples took 1.11 ms in the kernel against 0.85 here, 64
   heads 1.69 against 4.40, 8 heads of 1024 0.48 against 0.51 (results/oskvp_refit_parts_prefill512_*_h100_s39.md,
-  ..._pallas_h100_s39.md). So the kernel when there are >= 64 programs or n <= 1024; "xla" off the GPU."""
+  ..._pallas_h100_s39.md). So the kernel when there are >= 64 programs or n <= 1024; "xla" off the GPU. Timed at
+  4 levels only: with 8 (3-bit codes) the kernel sums 14 columns a block instead of 6, so the crossover may move."""
   if jax.default_backend() != "gpu":
     return "xla"
   programs = heads * (h // lloyd_max_kernel.default_block_h(h))
@@ -186,16 +188,16 @@ def auto_implementation(heads: int, n: int, h: int) -> str:
 
 
 def fit_levels(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *, uniform: bool = False,
-               implementation: str = "xla") -> jax.Array:
+               implementation: str = "xla", interpret: bool | None = None) -> jax.Array:
   """The levels alone (what `oskvp.fit` keeps): f32 [N, H] samples, [N] weights, [H, L] starting levels (uniform:
   equally spaced, L = 4) -> f32 [H, L] ascending.
 
   implementation: "xla" (`lloyd_max` / `uniform_lloyd` here, on sorted samples) or "pallas" (all iterations in one
-  Triton kernel, `pallas_kernels/lloyd_max.py`; off the GPU in Pallas's interpreter).
+  Triton kernel, `pallas_kernels/lloyd_max.py`), interpreted if `interpret` (None: off the GPU).
   """
   if implementation == "pallas":
-    return lloyd_max_kernel.lloyd_max(x, w, init, n_iters, uniform=uniform,
-                                      interpret=jax.default_backend() != "gpu")
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    return lloyd_max_kernel.lloyd_max(x, w, init, n_iters, uniform=uniform, interpret=interpret)
   if implementation != "xla":
     raise ValueError(f"implementation={implementation!r} must be 'xla' or 'pallas'")
   if uniform:

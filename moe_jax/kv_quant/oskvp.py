@@ -180,11 +180,12 @@ def covariance(x: jax.Array, w: jax.Array | None = None) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("n_outlier", "bits", "n_iters", "min_samples", "symmetric", "uniform",
-                                             "centred", "lloyd_implementation"))
+                                             "centred", "lloyd_implementation", "lloyd_interpret"))
 def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int = 2,
         n_iters: int = DEFAULT_LLOYD_ITERS, min_samples: int | None = None, symmetric: bool = False,
         uniform: bool = False, ref_rms: jax.Array | None = None, centred: bool = True,
-        evecs: jax.Array | None = None, lloyd_implementation: str = "xla") -> OSKVPParams:
+        evecs: jax.Array | None = None, lloyd_implementation: str = "xla",
+        lloyd_interpret: bool | None = None) -> OSKVPParams:
   """Traceable calibration of one head (used per sequence at prefill, through vmap).
 
   Args:
@@ -209,7 +210,10 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
       eigh call costs about the same for 8 heads as for 128 (~1 ms at H = 128; results/oskvp_refit_parts_*), so
       `OSKVPMode.fit_keys_values` makes one call for a layer's keys and values.
     lloyd_implementation: the codebook iterations, "xla" (on sorted samples, `lloyd.lloyd_max`) or "pallas" (one
-      Triton kernel, `pallas_kernels/lloyd_max.py`; interpreted off the GPU): `lloyd.fit_levels`.
+      Triton kernel, `pallas_kernels/lloyd_max.py`): `lloyd.fit_levels`.
+    lloyd_interpret: run the kernel in Pallas's interpreter; None: off the GPU, decided while tracing. A caller
+      that decides it before this jitted function (as `OSKVPMode` does) keeps it in the jit cache's key, so a trace
+      under another backend (a test's patch) cannot be reused by a real call.
 
   Returns:
     OSKVPParams with finite entries for any input: non-finite rows are dropped from the statistics. A flat x gets
@@ -255,7 +259,8 @@ def fit(x: jax.Array, w: jax.Array | None = None, *, n_outlier: int, bits: int =
   if uniform:
     g = GAUSSIAN_UNIFORM_STEP * jnp.asarray(UNIFORM_Z, jnp.float32)
   init = mean_r[:, None] + std_r[:, None] * g[None, :]  # [H, L]
-  levels_of = functools.partial(fit_levels, n_iters=n_iters, implementation=lloyd_implementation)
+  levels_of = functools.partial(fit_levels, n_iters=n_iters, implementation=lloyd_implementation,
+                                interpret=lloyd_interpret)
   if uniform:
     levels = levels_of(xr, w, init, uniform=True)
   elif symmetric:  # the optimal symmetric quantizer: Lloyd-Max on the folded deviations, mirrored

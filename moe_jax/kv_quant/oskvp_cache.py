@@ -525,11 +525,13 @@ class OSKVPMode:
     impl = self.fit_implementation
     if impl == "auto":  # from the heads fitted at once (B x K here; vmap hides them from the kernel's call)
       impl = lloyd.auto_implementation(xs.shape[0] * xs.shape[1], xs.shape[2], h)
+    # Decided here, outside oskvp.fit's jit, so that it is part of that cache's key.
+    interpret = jax.default_backend() != "gpu" if impl == "pallas" else None
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
     fit = lambda xs, ws, ref, ev: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction),
                                             bits=bits, n_iters=self.n_iters, min_samples=h * shifts,
                                             symmetric=self.symmetric, uniform=self.uniform, ref_rms=ref, evecs=ev,
-                                            lloyd_implementation=impl)
+                                            lloyd_implementation=impl, lloyd_interpret=interpret)
     return jax.vmap(jax.vmap(fit, in_axes=(0, None, None, 0)))(xs, w, ref_rms, evecs)
 
   def fit(self, x: jax.Array, lengths: jax.Array, *, rope_span: int = 0,

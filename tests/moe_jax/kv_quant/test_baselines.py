@@ -86,6 +86,9 @@ def test_kivi_cache_flushes_and_attends_over_what_it_stores():
                              atol=1e-3)
   # The window (tokens 96..99) is exact up to bf16.
   np.testing.assert_allclose(k_hat[0, 96:100], seq[96:100], atol=0.02)
+  # No tokens: [B, 0, N, H] in q's dtype and the cache as it was (before, jnp.stack of nothing raised).
+  o0, same = cache.extend(qs[:, :0].astype(jnp.bfloat16), new_k[:, :0], new_v[:, :0], jnp.zeros(B, jnp.int32))
+  assert o0.shape == (B, 0, 2 * K, H) and o0.dtype == jnp.bfloat16 and same is cache
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])

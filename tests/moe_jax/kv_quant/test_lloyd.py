@@ -92,13 +92,25 @@ def test_mode_fits_the_same_codebooks_with_the_kernel(kw):
                                                  ("auto", "gpu", True)])
 def test_fit_implementation_picks_the_kernel(impl, backend, kernel):
   """Whether the fit's program holds the Pallas kernel: "auto" takes it on the GPU only (backend patched; traced,
-  not run). The patched traces sit in `oskvp.fit`'s jit cache with interpret=False, so these shapes ([1, 40, 1, 32])
-  are this test's alone: no test runs a fit of them."""
+  not run)."""
   k = jnp.zeros((1, 40, 1, 32))
   mode = OSKVPMode(window=16, fit_implementation=impl)
   with mock.patch.object(jax, "default_backend", lambda: backend):
     text = str(jax.make_jaxpr(lambda k: mode.fit_keys_values(k, k, jnp.array([40]), rope_span=64))(k))
   assert ("pallas_call" in text) == kernel
+
+
+def test_a_trace_for_the_gpu_leaves_no_kernel_for_the_cpu():
+  """A fit traced with the backend patched to "gpu" (the kernel, not interpreted) must not be what a later real call
+  on the CPU gets from `oskvp.fit`'s jit cache: OSKVPMode decides `lloyd_interpret` before that jit, in its key.
+  (Before, the real call failed: "Only interpret mode is supported on CPU backend".)"""
+  k = jax.random.normal(jax.random.PRNGKey(4), (1, 44, 1, 32))
+  fit = lambda impl: OSKVPMode(window=16, fit_implementation=impl).fit_keys_values(k, k, jnp.array([44]),
+                                                                                   rope_span=64)
+  with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+    jax.make_jaxpr(lambda: fit("auto"))()
+  for a, b in zip(fit("pallas"), fit("xla")):
+    np.testing.assert_allclose(a.codebook, b.codebook, atol=1e-4)
 
 
 @pytest.mark.parametrize("heads,n,backend,want", [(8, 4096, "gpu", "xla"), (64, 4096, "gpu", "pallas"),
