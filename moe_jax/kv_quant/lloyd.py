@@ -66,14 +66,16 @@ def count_at_most(xs: jax.Array, t: jax.Array) -> jax.Array:
   """xs f32 [H, N] ascending per row, t f32 [H, M] -> int32 [H, M]: how many of row h's values are <= t[h, m]
   (a branch-free binary search: ceil(log2(N + 1)) gathers)."""
   n = xs.shape[-1]
-  pos = jnp.zeros(t.shape, jnp.int32)
-  step = 1 << (n.bit_length() - 1) if n else 0
-  while step:
-    cand = pos + step
+  if n == 0:
+    return jnp.zeros(t.shape, jnp.int32)
+  top = n.bit_length() - 1
+
+  def halve(i, pos):  # a loop, not unrolled: a third less compile time for a small fit on the CPU
+    cand = pos + jnp.left_shift(1, top - i)
     probe = jnp.take_along_axis(xs, jnp.minimum(cand, n) - 1, axis=-1)
-    pos = jnp.where((cand <= n) & (probe <= t), cand, pos)
-    step >>= 1
-  return pos
+    return jnp.where((cand <= n) & (probe <= t), cand, pos)
+
+  return jax.lax.fori_loop(0, top + 1, halve, jnp.zeros(t.shape, jnp.int32))
 
 
 def cell_sums(s: SortedSamples, levels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
