@@ -70,12 +70,15 @@ def count_at_most(xs: jax.Array, t: jax.Array) -> jax.Array:
     return jnp.zeros(t.shape, jnp.int32)
   top = n.bit_length() - 1
 
-  def halve(i, pos):  # a loop, not unrolled: a third less compile time for a small fit on the CPU
+  def halve(i, pos):
     cand = pos + jnp.left_shift(1, top - i)
     probe = jnp.take_along_axis(xs, jnp.minimum(cand, n) - 1, axis=-1)
     return jnp.where((cand <= n) & (probe <= t), cand, pos)
 
-  return jax.lax.fori_loop(0, top + 1, halve, jnp.zeros(t.shape, jnp.int32))
+  # Unrolled on the GPU (the form its timings measured: a loop there pays a launch an iteration); a loop on the
+  # CPU, where compiling dominates a small fit (2.05 -> 1.6 s for tiny-trained's prefill fit; the eval 13.1 -> 11.1).
+  unroll = jax.default_backend() != "cpu"
+  return jax.lax.fori_loop(0, top + 1, halve, jnp.zeros(t.shape, jnp.int32), unroll=unroll)
 
 
 def cell_sums(s: SortedSamples, levels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
