@@ -34,8 +34,9 @@ from jax.experimental.pallas import triton as plgpu
 UNIFORM_Z = (-1.5, -0.5, 0.5, 1.5)
 
 
-def _sorted(cols: list[jax.Array]) -> list[jax.Array]:
-  """Odd-even transposition network over L same-shape arrays: elementwise ascending order."""
+def sort_columns(cols: list[jax.Array]) -> list[jax.Array]:
+  """Odd-even transposition network over L same-shape arrays: elementwise ascending order (min / max only, no sort
+  kernel; also `moe_jax.kv_quant.lloyd`'s)."""
   cols = list(cols)
   for r in range(len(cols)):
     for i in range(r % 2, len(cols) - 1, 2):
@@ -43,17 +44,13 @@ def _sorted(cols: list[jax.Array]) -> list[jax.Array]:
   return cols
 
 
-def _update(levels: list[jax.Array], w_le: list[jax.Array], s_le: list[jax.Array], wsum, s_all, *,
-            uniform: bool) -> list[jax.Array]:
-  """One centroid step from the cumulative sums (weight and centred sum at or below each threshold, and of all
-  samples), all [BH] (levels centred). Shared by the kernel and the reference. The centred samples' own sum s_all
-  is ~0, but not to the last bit: the top cell is s_all - s_le[-1], not -s_le[-1] (few samples there would carry
-  the whole rounding of the mean)."""
-  n_levels = len(levels)
-  w_cell = [w_le[0]] + [w_le[l] - w_le[l - 1] for l in range(1, n_levels - 1)] + [wsum - w_le[-1]]
-  s_cell = [s_le[0]] + [s_le[l] - s_le[l - 1] for l in range(1, n_levels - 1)] + [s_all - s_le[-1]]
+def centroid_step(levels: list[jax.Array], w_cell: list[jax.Array], s_cell: list[jax.Array], *,
+                  uniform: bool) -> list[jax.Array]:
+  """One centroid step from each cell's weight and centred sum, all same-shape arrays (levels centred, ascending).
+  Shared by the kernel, its reference and `moe_jax.kv_quant.lloyd`."""
   if not uniform:
-    return _sorted([jnp.where(wc > 0, sc / jnp.maximum(wc, 1e-30), c) for c, wc, sc in zip(levels, w_cell, s_cell)])
+    return sort_columns([jnp.where(wc > 0, sc / jnp.maximum(wc, 1e-30), c)
+                         for c, wc, sc in zip(levels, w_cell, s_cell)])
   # Two-pass forms over the cells, as weighted moments about mz: all samples in one cell must give vz = 0 exactly
   # (the step kept), not the rounding left by E[z^2] - mz^2.
   tot = jnp.maximum(sum(w_cell), 1e-30)
@@ -64,6 +61,18 @@ def _update(levels: list[jax.Array], w_le: list[jax.Array], s_le: list[jax.Array
   new = jnp.where(vz > 1e-12, cov / jnp.maximum(vz, 1e-12), step)
   new = jnp.where(new > 0, new, step)
   return [new * (z - mz) for z in UNIFORM_Z]
+
+
+def _update(levels: list[jax.Array], w_le: list[jax.Array], s_le: list[jax.Array], wsum, s_all, *,
+            uniform: bool) -> list[jax.Array]:
+  """`centroid_step` from the cumulative sums (weight and centred sum at or below each threshold, and of all
+  samples), all [BH]. Shared by the kernel and the reference. The centred samples' own sum s_all is ~0, but not to
+  the last bit: the top cell is s_all - s_le[-1], not -s_le[-1] (few samples there would carry the whole rounding of
+  the mean)."""
+  n_levels = len(levels)
+  w_cell = [w_le[0]] + [w_le[l] - w_le[l - 1] for l in range(1, n_levels - 1)] + [wsum - w_le[-1]]
+  s_cell = [s_le[0]] + [s_le[l] - s_le[l - 1] for l in range(1, n_levels - 1)] + [s_all - s_le[-1]]
+  return centroid_step(levels, w_cell, s_cell, uniform=uniform)
 
 
 def _kernel(x_ref, w_ref, init_ref, o_ref, *, n: int, block_n: int, n_iters: int, uniform: bool):
@@ -110,7 +119,7 @@ def _kernel(x_ref, w_ref, init_ref, o_ref, *, n: int, block_n: int, n_iters: int
     w_le, s_le = jax.lax.fori_loop(0, n_blocks, block, ([zero] * len(thr), [zero] * len(thr)))
     return tuple(_update(list(levels), w_le, s_le, wsum, s_all, uniform=uniform))
 
-  init = tuple(_sorted([init_ref[l, :] - mu for l in range(n_levels)]))
+  init = tuple(sort_columns([init_ref[l, :] - mu for l in range(n_levels)]))
   levels = jax.lax.fori_loop(0, n_iters, iteration, init)
   for l in range(n_levels):
     o_ref[l, :] = levels[l] + mu
@@ -209,6 +218,6 @@ def lloyd_max_reference(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: in
     s_le = [jnp.sum(jnp.where(b, w[:, None] * xc, 0.0), axis=0) for b in below]
     return tuple(_update(levels, w_le, s_le, wsum, w @ xc, uniform=uniform)), None
 
-  init = tuple(_sorted([c - mu for c in init.astype(jnp.float32).T]))
+  init = tuple(sort_columns([c - mu for c in init.astype(jnp.float32).T]))
   levels, _ = jax.lax.scan(iteration, init, None, length=n_iters)
   return jnp.stack(levels, axis=-1) + mu[:, None]

@@ -103,13 +103,16 @@ def _distortion(s: SortedSamples, levels: jax.Array, sums) -> jax.Array:
   return jnp.sum(err) / (s.wsum * s.xs.shape[0])
 
 
-def _sort_levels(levels: jax.Array) -> jax.Array:
-  """Sorts [H, L] rows ascending with an odd-even transposition network (elementwise min / max, no sort kernel)."""
-  cols = [levels[:, i] for i in range(levels.shape[-1])]
-  for r in range(len(cols)):
-    for i in range(r % 2, len(cols) - 1, 2):
-      cols[i], cols[i + 1] = jnp.minimum(cols[i], cols[i + 1]), jnp.maximum(cols[i], cols[i + 1])
-  return jnp.stack(cols, axis=-1)
+def _columns(a: jax.Array) -> list[jax.Array]:
+  """[H, L] -> L arrays [H] (the kernel module's per-level form)."""
+  return [a[:, i] for i in range(a.shape[-1])]
+
+
+def _step(s: SortedSamples, levels: jax.Array, uniform: bool) -> tuple[jax.Array, jax.Array]:
+  """One iteration on centred, ascending levels [H, L] -> (the next levels [H, L], the distortion of these)."""
+  sums = cell_sums(s, levels)
+  new = lloyd_max_kernel.centroid_step(_columns(levels), _columns(sums[0]), _columns(sums[1]), uniform=uniform)
+  return jnp.stack(new, axis=-1), _distortion(s, levels, sums)
 
 
 @functools.partial(jax.jit, static_argnames=("n_iters",))
@@ -127,14 +130,8 @@ def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int) -> tupl
     nearest-level reassignment) cannot increase it, up to that rounding; an empty cell keeps its level.
   """
   s = sort_samples(x, w)
-
-  def step(levels, _):
-    sums = cell_sums(s, levels)
-    c0, c1, _ = sums
-    new = jnp.where(c0 > 0, c1 / jnp.maximum(c0, 1e-30), levels)
-    return _sort_levels(new), _distortion(s, levels, sums)
-
-  levels, hist = jax.lax.scan(step, _sort_levels(init - s.mu[:, None]), None, length=n_iters)
+  start = jnp.stack(lloyd_max_kernel.sort_columns(_columns(init - s.mu[:, None])), axis=-1)
+  levels, hist = jax.lax.scan(lambda lv, _: _step(s, lv, False), start, None, length=n_iters)
   final = _distortion(s, levels, cell_sums(s, levels))
   return levels + s.mu[:, None], jnp.concatenate([hist, final[None]])
 
@@ -155,26 +152,11 @@ def uniform_lloyd(x: jax.Array, w: jax.Array, centre: jax.Array, step: jax.Array
   Returns:
     (levels f32 [H, 4] ascending, distortion f32 [n_iters + 1]) as in `lloyd_max`.
   """
-  z = jnp.asarray(UNIFORM_Z, jnp.float32)
   s = sort_samples(x, w)
-
-  def fit(carry, _):
-    c, d = carry  # centre relative to s.mu, step
-    levels = c[:, None] + d[:, None] * z[None, :]
-    sums = cell_sums(s, levels)
-    c0, c1, _ = sums
-    # Two-pass moments about mz over the cells (the samples' own mean is 0, centred): samples all in one cell give
-    # vz = 0 exactly and keep their step, not the rounding of E[z^2] - mz^2 against a separately summed total.
-    tot = jnp.maximum(jnp.sum(c0, axis=-1), 1e-30)
-    mz = c0 @ z / tot  # [H]
-    vz = jnp.sum(c0 * (z - mz[:, None]) ** 2, axis=-1) / tot
-    cov = jnp.sum(c1 * (z - mz[:, None]), axis=-1) / tot
-    d_new = jnp.where(vz > 1e-12, cov / jnp.maximum(vz, 1e-12), d)
-    d_new = jnp.where(d_new > 0, d_new, d)
-    return (-d_new * mz, d_new), _distortion(s, levels, sums)
-
-  (c, d), hist = jax.lax.scan(fit, (centre - s.mu, step), None, length=n_iters)
-  levels = c[:, None] + d[:, None] * z[None, :]
+  start = (centre - s.mu)[:, None] + step[:, None] * jnp.asarray(UNIFORM_Z, jnp.float32)[None, :]
+  # The least-squares (centre, step) of the cells is the kernel module's `centroid_step` (two-pass moments: samples
+  # all in one cell keep their step exactly).
+  levels, hist = jax.lax.scan(lambda lv, _: _step(s, lv, True), start, None, length=n_iters)
   final = _distortion(s, levels, cell_sums(s, levels))
   return levels + s.mu[:, None], jnp.concatenate([hist, final[None]])
 
