@@ -1,7 +1,8 @@
 """The KV cache: an explicit pytree passed into `decode_step` and returned, in one of several storage modes.
 
 A mode (`kv_cache="bf16"`, `"fp32"`, and the compressed modes of `moe_jax.kv_quant`) is a small frozen object whose
-`from_prefill` builds one layer's cache from the prefill keys/values; the layer cache then serves decode attention
+`from_prefill` builds one layer's cache from the prefill keys/values (`prefill_layers` builds all of a model's,
+through the mode's `from_prefill_layers` where it has one); the layer cache then serves decode attention
 itself (`extend`), so `decode_step` needs no mode argument; it also reports `max_len` (S) and `kv_shape` (K, H),
 which `decode_step` checks against the model. Every leaf of a layer cache has the batch as its leading axis, so the
 serving engine can move a sequence between caches with one `tree_map`.
@@ -156,6 +157,16 @@ class KVCache:
   def nbytes(self) -> int:
     """Bytes the cache occupies on device, every leaf counted (codes, scales, bases, residual windows)."""
     return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.layers)) + int(self.lengths.nbytes)
+
+
+def prefill_layers(mode, kvs, lengths: jax.Array, cache_len: int) -> tuple:
+  """Every layer's cache from a prefill: kvs holds one (k, v) [B, T, K, H] per layer (keys post-RoPE), lengths
+  int32 [B]. The mode's `from_prefill_layers(kvs, lengths, cache_len)` where it has one (OS-KVP fits all layers'
+  caches in a few batched fits), else its `from_prefill` layer by layer."""
+  many = getattr(mode, "from_prefill_layers", None)
+  if many is not None:
+    return tuple(many(kvs, lengths, cache_len))
+  return tuple(mode.from_prefill(k, v, lengths, cache_len, layer=i) for i, (k, v) in enumerate(kvs))
 
 
 def before_step(layers: tuple) -> tuple:

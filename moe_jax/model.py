@@ -13,7 +13,7 @@ from flax import nnx
 
 from moe_jax.attention import Attention
 from moe_jax.config import ModelConfig
-from moe_jax.kv_cache import DenseMode, KVCache, before_step, inference_only
+from moe_jax.kv_cache import DenseMode, KVCache, before_step, inference_only, prefill_layers
 from moe_jax.layers import DenseMLP, RMSNorm, normal_init
 from moe_jax.moe import MoE
 
@@ -122,7 +122,7 @@ class Transformer(nnx.Module):
     x, _, kvs = self._blocks(tokens)
     if not isinstance(mode, DenseMode):
       kvs = [(inference_only(k), inference_only(v)) for k, v in kvs]
-    layers = tuple(mode.from_prefill(k, v, lengths, cache_len, layer=i) for i, (k, v) in enumerate(kvs))
+    layers = prefill_layers(mode, kvs, lengths, cache_len)
     return self.logits_at(x, logits_at), KVCache(layers=layers, lengths=lengths.astype(jnp.int32), mode=mode_name)
 
   def decode(self, cache: KVCache, tokens: jax.Array, *, logits_at: jax.Array | None = None):

@@ -431,6 +431,13 @@ class OSKVPMode:
     fit_implementation: the codebooks' Lloyd iterations at prefill and refit (`oskvp.fit`'s lloyd_implementation):
       "auto" (on the GPU the Pallas kernel unless few heads have many samples, `lloyd.auto_implementation`; XLA
       elsewhere), "pallas" or "xla".
+    prefill_across_layers: a model's prefill fits all its layers' caches in a few batched fits
+      (`from_prefill_layers`) instead of one fit per layer: on the GPU a fit costs about the same for one sequence's
+      kv heads as for many (an eigh call, the Lloyd iterations' launches), and the layers' fits are independent (all
+      keys and values are known when the prefill's last layer has run). The same fits either way.
+    prefill_fit_chunk: (layer, sequence) pairs per batched prefill fit: max(1, prefill_fit_chunk // B) layers go
+      into one fit (so a fit holds at most max(B, prefill_fit_chunk) pairs: its temporaries, ~20 bytes per sample
+      and channel, bound the memory, see `max_fit_tokens`).
   """
 
   bits: int = 2
@@ -448,6 +455,8 @@ class OSKVPMode:
   refit_chunk: int = 8
   refit_across_layers: bool = True
   fit_implementation: str = "auto"
+  prefill_across_layers: bool = True
+  prefill_fit_chunk: int = 16
 
   def __post_init__(self):
     if self.bits not in (2, 3):
@@ -472,6 +481,8 @@ class OSKVPMode:
       raise ValueError(f"rope_shifts={self.rope_shifts} must be >= 1")
     if self.refit_chunk < 1:
       raise ValueError(f"refit_chunk={self.refit_chunk} must be >= 1")
+    if self.prefill_fit_chunk < 1:
+      raise ValueError(f"prefill_fit_chunk={self.prefill_fit_chunk} must be >= 1")
     if self.implementation not in ("auto", "pallas", "xla"):
       raise ValueError(f"implementation={self.implementation!r} must be 'auto', 'pallas' or 'xla'")
     if self.fit_implementation not in ("auto", "pallas", "xla"):
@@ -488,18 +499,28 @@ class OSKVPMode:
       return self
     return dataclasses.replace(self, rope_theta=float(config.rope_theta))
 
+  def _shifts(self, rope_span: int) -> int:
+    """The RoPE-shifted copies of each key fitted on (1: none; values have rope_span 0)."""
+    return self.rope_shifts if (rope_span > 0 and self.rope_theta is not None and self.rope_shifts > 1) else 1
+
+  def _fit_tokens(self, x: jax.Array, lengths: jax.Array, rope_span: int) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, K, H], lengths [B] -> (x [B, M, K, H], lengths [B]): the tokens fitted, all of them or, past
+    max_fit_tokens' share per RoPE shift (M), that many evenly spaced over each sequence's own length (ragged
+    batches stay fitted). Selecting again selects nothing more."""
+    budget = max(1, self.max_fit_tokens // self._shifts(rope_span))
+    if x.shape[1] <= budget:
+      return x, lengths
+    m, lengths = budget, lengths.astype(jnp.int32)
+    ar = jnp.arange(m)[None, :]
+    idx = jnp.where(lengths[:, None] <= m, ar, ar * lengths[:, None] // m)  # [B, M]
+    return jnp.take_along_axis(x, idx[:, :, None, None], axis=1), jnp.minimum(lengths, m)
+
   def _fit_inputs(self, x: jax.Array, lengths: jax.Array, rope_span: int) -> tuple[jax.Array, ...]:
     """x [B, T, K, H], lengths [B] -> (samples f32 [B, K, N, H], weights f32 [B, N], ref_rms f32 [B], shifts): what
     `fit` fits each head on (N = T, or max_fit_tokens' share of it, times the RoPE shifts)."""
+    shifts = self._shifts(rope_span)
+    x, lengths = self._fit_tokens(x, lengths, rope_span)
     b, t, _, _ = x.shape
-    shifts = self.rope_shifts if (rope_span > 0 and self.rope_theta is not None and self.rope_shifts > 1) else 1
-    budget = max(1, self.max_fit_tokens // shifts)
-    if t > budget:  # evenly spaced over each sequence's own length (ragged batches stay fitted)
-      m, lengths = budget, lengths.astype(jnp.int32)
-      ar = jnp.arange(m)[None, :]
-      idx = jnp.where(lengths[:, None] <= m, ar, ar * lengths[:, None] // m)  # [B, M]
-      x = jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
-      lengths, t = jnp.minimum(lengths, m), m
     w = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)  # [B, T]
     if shifts > 1:
       deltas = [m * rope_span // shifts for m in range(shifts)]
@@ -554,10 +575,15 @@ class OSKVPMode:
     rope_span=rope_span, bits=k_bits)` and `fit(v, lengths)`, with one batched eigendecomposition of all 2·B·K
     covariances instead of one per side. On the GPU an eigh call costs about the same for 8 heads as for 128 (H100,
     H = 128: 1.04 against 1.54 ms), and it is most of a fit's time (results/oskvp_refit_parts_*)."""
+    return self._fit_selected(k, lengths, v, lengths, rope_span)
+
+  def _fit_selected(self, k: jax.Array, k_lengths: jax.Array, v: jax.Array, v_lengths: jax.Array,
+                    rope_span: int) -> tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]:
+    """`fit_keys_values` with the keys' and values' own lengths (each side's `_fit_tokens` may have selected)."""
     h = k.shape[-1]
     for bits in (self.k_bits, self.bits):
       oskvp.check_head_dim(h, bits, self.outlier_fraction)
-    ins_k, ins_v = self._fit_inputs(k, lengths, rope_span), self._fit_inputs(v, lengths, 0)
+    ins_k, ins_v = self._fit_inputs(k, k_lengths, rope_span), self._fit_inputs(v, v_lengths, 0)
     covs = jnp.concatenate([self._covariances(*ins_k[:2]), self._covariances(*ins_v[:2])], axis=1)  # [B, 2K, H, H]
     _, evecs = jnp.linalg.eigh(covs)
     kh = k.shape[2]
@@ -566,23 +592,61 @@ class OSKVPMode:
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> OSKVPLayerCache:
     """k, v: [B, T, K, H] prefill keys (post-RoPE) / values -> OSKVPLayerCache with S = cache_len."""
     del layer
-    fitted = lambda: self.fit_keys_values(k, v, lengths, rope_span=cache_len)  # noqa: E731
-    if not self.refit_at_first_flush:
-      return build_layer_cache(k, v, lengths, cache_len, *fitted(), window=self.window,
-                               implementation=self.implementation, symmetric=self.symmetric or self.uniform,
-                               values_contiguous=self.uniform)
-    # Prompts shorter than the window are fitted at their first flush; a batch of only those is fitted only then.
-    short = lengths < self.window  # n_comp == 0 and n_res < R: the first flush will hold more than the prompt
-    b, _, kh, h = k.shape
-    o = oskvp.n_outliers(h, self.outlier_fraction)
-    p_k, p_v = (jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (b, kh, *a.shape)),
-                                       oskvp.placeholder(h, o, bits=bits, uniform=self.uniform))
-                for bits in (self.k_bits, self.bits))
-    params_k, params_v = jax.lax.cond(jnp.all(short), lambda: (p_k, p_v), fitted)
-    cache = build_layer_cache(k, v, lengths, cache_len, params_k, params_v, window=self.window,
-                              implementation=self.implementation, symmetric=self.symmetric or self.uniform,
-                              values_contiguous=self.uniform)
-    return cache.replace(refit=short, refit_mode=self)
+    return self.from_prefill_layers([(k, v)], lengths, cache_len)[0]
+
+  def from_prefill_layers(self, kvs, lengths: jax.Array, cache_len: int) -> tuple[OSKVPLayerCache, ...]:
+    """kvs: one (k, v) [B, T, K, H] per layer (keys post-RoPE), lengths int32 [B] -> one OSKVPLayerCache per layer,
+    each `from_prefill(k, v, lengths, cache_len)`, with the layers' fits batched (`prefill_across_layers`: one
+    `fit_keys_values` call per chunk of max(1, prefill_fit_chunk // B) layers). Layers of different shapes or
+    dtypes are fitted one at a time."""
+    kvs = list(kvs)
+    if not kvs:
+      return ()
+    same = len({(k.shape, k.dtype, v.shape, v.dtype) for k, v in kvs}) == 1
+    per_fit = max(1, self.prefill_fit_chunk // kvs[0][0].shape[0]) if (self.prefill_across_layers and same) else 1
+    fitted = lambda: self._fit_layers(kvs, lengths, cache_len, per_fit)  # noqa: E731
+    if self.refit_at_first_flush:
+      # Prompts shorter than the window are fitted at their first flush; a batch of only those is fitted only then.
+      short = lengths < self.window  # n_comp == 0 and n_res < R: the first flush will hold more than the prompt
+      params = jax.lax.cond(jnp.all(short), lambda: self._placeholders(kvs), fitted)
+    else:
+      params = fitted()
+    caches = tuple(build_layer_cache(k, v, lengths, cache_len, pk, pv, window=self.window,
+                                     implementation=self.implementation, symmetric=self.symmetric or self.uniform,
+                                     values_contiguous=self.uniform) for (k, v), (pk, pv) in zip(kvs, params))
+    if self.refit_at_first_flush:
+      caches = tuple(cache.replace(refit=short, refit_mode=self) for cache in caches)
+    return caches
+
+  def _fit_layers(self, kvs, lengths: jax.Array, cache_len: int,
+                  per_fit: int) -> list[tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]]:
+    """(keys', values' params) with leading [B, K] for each layer of `from_prefill_layers`, `per_fit` layers in one
+    `fit_keys_values` call (their sequences stacked on its batch axis)."""
+    b, n_layers = lengths.shape[0], len(kvs)
+    n_fits = -(-n_layers // per_fit)
+    per_fit = -(-n_layers // n_fits)  # as even as it gets; a short last group is padded with its last layer (the
+    out = []                          # fits then share one program; the padding's are computed and dropped)
+    for first in range(0, n_layers, per_fit):
+      group = kvs[first:first + per_fit]
+      group += [group[-1]] * (per_fit - len(group))
+      if len(group) == 1:
+        pk, pv = self.fit_keys_values(*group[0], lengths, rope_span=cache_len)
+      else:  # each layer's fitted tokens selected before they are stacked: [n·B, M, K, H], M <= max_fit_tokens
+        ks, vs = ([self._fit_tokens(kv[i], lengths, span) for kv in group] for i, span in ((0, cache_len), (1, 0)))
+        cat = lambda pairs, i: jnp.concatenate([p[i] for p in pairs])  # noqa: E731
+        pk, pv = self._fit_selected(cat(ks, 0), cat(ks, 1), cat(vs, 0), cat(vs, 1), cache_len)
+      part = lambda tree, j: jax.tree_util.tree_map(lambda a: a[j * b:(j + 1) * b], tree)  # noqa: E731
+      out += [(part(pk, j), part(pv, j)) for j in range(len(group))]
+    return out[:n_layers]
+
+  def _placeholders(self, kvs) -> list[tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]]:
+    """`oskvp.placeholder` params (identity U) with leading [B, K] for each layer: a prefill with nothing to fit."""
+    def one(x, bits):  # x [B, T, K, H]
+      b, _, kh, h = x.shape
+      return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (b, kh, *a.shape)),
+                                    oskvp.placeholder(h, oskvp.n_outliers(h, self.outlier_fraction), bits=bits,
+                                                      uniform=self.uniform))
+    return [(one(k, self.k_bits), one(v, self.bits)) for k, v in kvs]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import routing
-from moe_jax.kv_cache import KVCache, before_step, get_kv_cache_mode
+from moe_jax.kv_cache import KVCache, before_step, get_kv_cache_mode, prefill_layers
 from moe_jax.moe import MoE
 from moe_jax.serving import steps
 from moe_jax.serving.engine import Engine, EngineConfig
@@ -250,7 +250,7 @@ def trace(flat: steps.FlatModel, tokens: jax.Array, lengths: jax.Array, forced: 
     x = _feed_forward(block, x + a, flips[0][:, :, moe_index[i]] if i in moe_index else None)
     kvs.append(kv)
   logits = model.unembed(x)
-  layers = tuple(mode.from_prefill(k, v, lengths, cache_len, layer=i) for i, (k, v) in enumerate(kvs))
+  layers = prefill_layers(mode, kvs, lengths, cache_len)
   cache = KVCache(layers=layers, lengths=lengths.astype(jnp.int32), mode=kv_cache)
   last = lambda a: jnp.take_along_axis(a, (lengths - 1).reshape((b, 1) + (1,) * (a.ndim - 2)), axis=1)[:, 0]  # noqa
   p_ids, p_margin, p_tau = _stack_routes(routes)
