@@ -15,12 +15,13 @@
 #    layers with the kernel too (..._across_layers_b32_pallas_h100_s39.md; the per-layer rows not re-run); these
 #    steps are kept to re-time them on an H200.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
-# it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~18 min in all.
-# The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS="float16_trace refit refit_b32", then
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~35 min in all.
+# The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
+# STEPS=experts (one call each, the fortieth session's), STEPS="float16_trace refit refit_b32", then
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -32,6 +33,13 @@ run() {  # name timeout_s command...
   grep -v -E "^[WI][0-9]{4} |Warning|warn\(" "$OUT/$name.log" | tail -n 30
 }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
+# Added in the fortieth session: the batched prefill fits (new), and the two open issues' headline cells at the
+# current code (#5: the wired Mosaic GPU path against cuDNN at 64k / 128k; #6: the WS int4 and vq2 kernels against
+# both bf16 peers, the issue's grid without the SwiGLU rows), last timed on an H200 in the twenty-fourth session.
+run prefill_fit 300 python3 -m benchmarks.oskvp_prefill_fit --out="$OUT" --layers=48 --batches=1,8 --chunks=16,48
+run attention 420 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
+  --batches=8,32 --out="$OUT/attention"
+run experts 420 python3 benchmarks/expert_matmul.py --formats=int4_mgpu_ws,vq2_mgpu_ws --out="$OUT/experts"
 run float16_trace 170 python3 benchmarks/float16_decode_check.py --models=random --trace_routing \
   --modes=oskvp,oskvp_k3v2_sym,fp32 --out="$OUT/f16trace"
 [[ -d "$OUT/f16trace" ]] && cp "$OUT"/f16trace/*.json "$OUT"/float16_decode_check_routing_trace.json
