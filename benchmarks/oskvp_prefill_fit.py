@@ -2,12 +2,14 @@
 batched (`OSKVPMode.prefill_across_layers`, `prefill_fit_chunk`).
 
 Run:  PYTHONPATH=$PWD python3 -m benchmarks.oskvp_prefill_fit [--out=DIR] [--layers=48] [--batches=1,8]
-        [--prompt=4096] [--kv_heads=8] [--head_dim=128] [--chunks=8,16,48] [--repeats=10] [--name=oskvp_prefill_fit]
+        [--prompt=4096] [--kv_heads=8] [--head_dim=128] [--chunks=8,16,48] [--xla_chunks=] [--repeats=10]
+        [--name=oskvp_prefill_fit]
 For each batch B: --layers pairs of keys and values [B, --prompt, K, H] in bf16 (a decaying spectrum over the
 channels, a different random mixing per layer, as a prefill hands them over), and the jitted
 `OSKVPMode.from_prefill_layers` (`kv_cache.prefill_layers`, what `Transformer.prefill` calls after its last layer)
 timed with `prefill_across_layers=False` (one fit per layer) and with each chunk of --chunks (max(1, chunk // B)
-layers a fit). Each row gives the median ms, the fit calls, and the compiled program's temporary bytes
+layers a fit), with the mode's default `fit_implementation="auto"` (which may take the Lloyd kernel for a batched fit
+and the XLA form for one layer's), and with --xla_chunks both again with the XLA form throughout. Each row gives the median ms, the fit calls, and the compiled program's temporary bytes
 (`memory_analysis().temp_size_in_bytes`). The default mode otherwise (2 bits, 8% fp8, window 128, 4096 fitted
 samples a head: 512 prompt tokens x 8 RoPE shifts for keys). Writes `<name>_<device>.{json,md}` under --out.
 """
@@ -76,13 +78,17 @@ def main(argv=None) -> int:
   p.add_argument("--window", type=int, default=128)
   p.add_argument("--chunks", default="8,16,48", help="comma-separated OSKVPMode.prefill_fit_chunk values")
   p.add_argument("--per_layer", type=int, default=1, help="1: also time one fit per layer (the baseline)")
+  p.add_argument("--xla_chunks", default="",
+                 help="comma-separated chunks also timed with the Lloyd iterations' XLA form, and then the per-layer "
+                      "build too (fit_implementation='xla'): 'auto' may take the kernel for a batched fit only")
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--name", default="oskvp_prefill_fit", help="results file stem")
   a = p.parse_args(argv)
   batches = [int(x) for x in a.batches.split(",")]
   chunks = [int(x) for x in a.chunks.split(",")]
-  if a.layers < 1 or min(batches) < 1 or min(chunks) < 1 or a.prompt < 1:
-    p.error("--layers, --batches, --chunks and --prompt must be >= 1")
+  xla_chunks = [int(x) for x in a.xla_chunks.split(",")] if a.xla_chunks else []
+  if a.layers < 1 or min(batches) < 1 or min(chunks + xla_chunks) < 1 or a.prompt < 1:
+    p.error("--layers, --batches, --chunks, --xla_chunks and --prompt must be >= 1")
   mode = OSKVPMode(window=a.window)
   cache_len = a.prompt + a.window
   device = jax.devices()[0].device_kind
@@ -105,20 +111,29 @@ def main(argv=None) -> int:
   for b in batches:
     kvs = layer_kvs(a.layers, b, a.prompt, a.kv_heads, a.head_dim)
     lengths = jnp.full((b,), a.prompt, jnp.int32)
-    cases = [("per layer", dataclasses.replace(mode, prefill_across_layers=False), a.layers)] if a.per_layer else []
-    for c in chunks:
-      per_fit = min(a.layers, max(1, c // b))
-      calls = -(-a.layers // per_fit)
-      per_fit = -(-a.layers // calls)
-      cases.append((f"chunk {c} ({per_fit} layer{'s' * (per_fit > 1)} a fit)", dataclasses.replace(mode, prefill_fit_chunk=c),
-                    calls))
+    cases = []
+    for impl, these in (("auto", chunks), ("xla", xla_chunks)):
+      if not these:
+        continue
+      tag = "" if impl == "auto" else ", Lloyd xla"
+      m_impl = dataclasses.replace(mode, fit_implementation=impl)
+      if a.per_layer:
+        cases.append(("per layer" + tag, dataclasses.replace(m_impl, prefill_across_layers=False), a.layers))
+      for c in these:
+        per_fit = min(a.layers, max(1, c // b))
+        calls = -(-a.layers // per_fit)
+        per_fit = -(-a.layers // calls)
+        cases.append((f"chunk {c} ({per_fit} layer{'s' * (per_fit > 1)} a fit){tag}",
+                      dataclasses.replace(m_impl, prefill_fit_chunk=c), calls))
     base = None
     for name, m, calls in cases:
       ms, temp, caches = time_case(m, kvs, lengths, cache_len, a.repeats)
+      if name.startswith("per layer"):  # each Lloyd form against its own per-layer build
+        base = None
       row = {"batch": b, "case": name, "fit_calls": calls, "ms": ms, "temp_bytes": temp,
              "speedup": None if base is None else base / ms}
       row["rel_err"] = relative_error(caches, kvs)
-      base = ms if name == "per layer" else base
+      base = ms if name.startswith("per layer") else base
       del caches
       result["rows"].append(row)
       report_files.write(a.out, a.name, result, head + [line(r) for r in result["rows"]], echo=False)

@@ -1,5 +1,5 @@
-"""benchmarks/oskvp_prefill_fit.py at a tiny shape on the CPU: every case timed, the fit calls counted as the
-mode makes them, the batched builds' caches as good as the per-layer ones, the report files; bad arguments refused."""
+"""benchmarks/oskvp_prefill_fit.py at a tiny shape on the CPU: every case timed, the fit calls it reports, the
+batched builds' caches as good as the per-layer ones, the report files; bad arguments refused."""
 
 import json
 import os
@@ -11,14 +11,19 @@ from benchmarks import oskvp_prefill_fit as bench
 
 def test_tiny_run_writes_every_case(tmp_path):
   assert bench.main([f"--out={tmp_path}", "--layers=3", "--batches=1,2", "--prompt=40", "--kv_heads=1",
-                     "--head_dim=32", "--window=8", "--chunks=2,8", "--repeats=1", "--name=pf"]) == 0
+                     "--head_dim=32", "--window=8", "--chunks=2,8", "--xla_chunks=8", "--repeats=1", "--name=pf"]) == 0
   with open(os.path.join(tmp_path, "pf_cpu.json"), encoding="utf-8") as f:
     res = json.load(f)
   got = [(r["batch"], r["case"], r["fit_calls"]) for r in res["rows"]]
+  xla = ["per layer, Lloyd xla", "chunk 8 (3 layers a fit), Lloyd xla"]
   assert got == [(1, "per layer", 3), (1, "chunk 2 (2 layers a fit)", 2), (1, "chunk 8 (3 layers a fit)", 1),
-                 (2, "per layer", 3), (2, "chunk 2 (1 layer a fit)", 3), (2, "chunk 8 (3 layers a fit)", 1)]
+                 (1, xla[0], 3), (1, xla[1], 1),
+                 (2, "per layer", 3), (2, "chunk 2 (1 layer a fit)", 3), (2, "chunk 8 (3 layers a fit)", 1),
+                 (2, xla[0], 3), (2, xla[1], 1)]
   assert all(r["ms"] > 0 and r["temp_bytes"] > 0 for r in res["rows"])
-  for b in (1, 2):  # the same fits: the same reconstruction error
+  # each Lloyd form against its own per-layer build
+  assert [r["speedup"] is None for r in res["rows"]] == [True, False, False, True, False] * 2
+  for b in (1, 2):  # the same fits (the CPU's "auto" is the XLA form): the same reconstruction error
     errs = [r["rel_err"] for r in res["rows"] if r["batch"] == b]
     assert 0 < errs[0] < 0.2 and max(errs) - min(errs) < 1e-6 * errs[0], errs
   assert res["shape"]["cache_len"] == 48

@@ -435,11 +435,15 @@ class OSKVPMode:
     prefill_across_layers: a model's prefill fits all its layers' caches in a few batched fits
       (`from_prefill_layers`) instead of one fit per layer: on the GPU a fit costs about the same for one sequence's
       kv heads as for many (an eigh call, the Lloyd iterations' launches), and the layers' fits are independent (all
-      keys and values are known when the prefill's last layer has run). The same fits either way.
+      keys and values are known when the prefill's last layer has run). The same fits either way at a given
+      Lloyd implementation (bit for bit on the CPU); with `fit_implementation="auto"` on the GPU a batched fit has
+      more heads, so it may take the Pallas kernel where one layer's fit took the XLA form (`lloyd.auto_implementation`;
+      the two agree to ~1e-3 of a channel's spread, at the same error).
     prefill_fit_chunk: (layer, sequence) pairs per batched prefill fit: max(1, prefill_fit_chunk // B) layers go
-      into one fit, so a fit holds at most max(B, prefill_fit_chunk) pairs (see `max_fit_tokens`). By the CPU
-      compile's count the prefill's temporaries stay as they were (16 layers, one 4096-token prompt, K = 8,
-      H = 128: 3144 / 3136 MiB batched by 16 / 8 layers against 3110 layer by layer).
+      into one fit, so a fit holds at most max(B, prefill_fit_chunk) pairs (see `max_fit_tokens`). The CPU
+      compile keeps every layer's fit temporaries alive either way (16 layers, one 4096-token prompt, K = 8,
+      H = 128: 3144 / 3136 MiB batched by 16 / 8 layers against 3110 layer by layer); a GPU compile can reuse one
+      layer's buffers for the next, where a batched fit needs about n layers' at once.
   """
 
   bits: int = 2
@@ -599,13 +603,14 @@ class OSKVPMode:
   def from_prefill_layers(self, kvs, lengths: jax.Array, cache_len: int) -> tuple[OSKVPLayerCache, ...]:
     """kvs: one (k, v) [B, T, K, H] per layer (keys post-RoPE), lengths int32 [B] -> one OSKVPLayerCache per layer,
     each `from_prefill(k, v, lengths, cache_len)`, with the layers' fits batched (`prefill_across_layers`: one
-    `fit_keys_values` call per chunk of max(1, prefill_fit_chunk // B) layers). Layers of different shapes or
-    dtypes are fitted one at a time."""
+    fit of keys and values, `_fit_selected`, per chunk of max(1, prefill_fit_chunk // B) layers). Layers of
+    different shapes or dtypes are fitted one at a time."""
     kvs = list(kvs)
     if not kvs:
       return ()
     same = len({(k.shape, k.dtype, v.shape, v.dtype) for k, v in kvs}) == 1
-    per_fit = max(1, self.prefill_fit_chunk // kvs[0][0].shape[0]) if (self.prefill_across_layers and same) else 1
+    b = kvs[0][0].shape[0]
+    per_fit = max(1, self.prefill_fit_chunk // max(1, b)) if (self.prefill_across_layers and same) else 1
     fitted = lambda: self._fit_layers(kvs, lengths, cache_len, per_fit)  # noqa: E731
     if self.refit_at_first_flush:
       # Prompts shorter than the window are fitted at their first flush; a batch of only those is fitted only then.
@@ -623,7 +628,7 @@ class OSKVPMode:
   def _fit_layers(self, kvs, lengths: jax.Array, cache_len: int,
                   per_fit: int) -> list[tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]]:
     """(keys', values' params) with leading [B, K] for each layer of `from_prefill_layers`, `per_fit` layers in one
-    `fit_keys_values` call (their sequences stacked on its batch axis)."""
+    fit (their sequences stacked on its batch axis: `_fit_selected`; one layer: `fit_keys_values`)."""
     b, n_layers = lengths.shape[0], len(kvs)
     n_fits = -(-n_layers // per_fit)
     per_fit = -(-n_layers // n_fits)  # as even as it gets; a short last group is padded with its last layer (the

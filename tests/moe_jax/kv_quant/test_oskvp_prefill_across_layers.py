@@ -144,6 +144,13 @@ def test_the_model_prefill_fits_its_layers_together(tiny_config, monkeypatch):
       KV_CACHE_MODES.pop(name)
 
 
+def test_an_empty_batch_builds_empty_caches():
+  """B = 0 (before the batched fits, a division by the batch size): every layer's cache has no rows."""
+  kvs = [tuple(x[:0] for x in _layer_kv(i)) for i in range(2)]
+  caches = OSKVPMode(window=R).from_prefill_layers(kvs, jnp.zeros((0,), jnp.int32), S)
+  assert [c.codes_k.shape[0] for c in caches] == [0, 0] and caches[0].u_k.shape == (0, K, H, H)
+
+
 def test_prefill_fit_chunk_is_checked():
   with pytest.raises(ValueError, match="prefill_fit_chunk=0"):
     OSKVPMode(prefill_fit_chunk=0)
