@@ -35,9 +35,9 @@ run() {  # name timeout_s command...
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # Added in the fortieth session: the batched prefill fits (new), and the two open issues' headline cells at the
 # current code (#5: the wired Mosaic GPU path against cuDNN at 64k / 128k; #6: the WS int4 and vq2 kernels against
-# both bf16 peers, the issue's grid without the SwiGLU rows), last timed on an H200 in the twenty-fourth session.
-# prefill_fit and attention ran on an H100 in the fortieth (results/oskvp_prefill_fit_h100_s40.md,
-# results/decode_attention_mosaic_h100_s40.md); kept for an H200, with experts not run at all.
+# both bf16 peers and the WS kernel's fused SwiGLU, the issue's grid), last timed on an H200 in the twenty-fourth session.
+# prefill_fit, attention and (three row counts of) experts ran on an H100 in the fortieth (results/*_h100_s40.md,
+# e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
 run prefill_fit 500 python3 -m benchmarks.oskvp_prefill_fit --out="$OUT" --layers=48 --batches=1,8 --chunks=16,48 \
   --xla_chunks=16
 run attention 420 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
