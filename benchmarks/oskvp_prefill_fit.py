@@ -9,7 +9,8 @@ channels, a different random mixing per layer, as a prefill hands them over), an
 `OSKVPMode.from_prefill_layers` (`kv_cache.prefill_layers`, what `Transformer.prefill` calls after its last layer)
 timed with `prefill_across_layers=False` (one fit per layer) and with each chunk of --chunks (max(1, chunk // B)
 layers a fit), with the mode's default `fit_implementation="auto"` (which may take the Lloyd kernel for a batched fit
-and the XLA form for one layer's), and with --xla_chunks both again with the XLA form throughout. Each row gives the median ms, the fit calls, and the compiled program's temporary bytes
+and the XLA form for one layer's), and with --xla_chunks both again with the XLA form throughout. --compile_only instead compiles each case for
+abstract inputs and reports its compile time and temporaries (what the CPU can say). Each row gives the median ms, the fit calls, and the compiled program's temporary bytes
 (`memory_analysis().temp_size_in_bytes`). The default mode otherwise (2 bits, 8% fp8, window 128, 4096 fitted
 samples a head: 512 prompt tokens x 8 RoPE shifts for keys). Writes `<name>_<device>.{json,md}` under --out.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,15 @@ def time_case(mode: OSKVPMode, kvs, lengths: jax.Array, cache_len: int, repeats:
   return median_ms(lambda: compiled(kvs), repeats), temp, compiled(kvs)
 
 
+def compile_case(mode: OSKVPMode, kvs, lengths, cache_len: int) -> tuple[float, int]:
+  """(seconds to lower and compile, temporary bytes) of the build for abstract inputs (`--compile_only`)."""
+  t0 = time.perf_counter()
+  compiled = jax.jit(lambda kvs, n: prefill_layers(mode, kvs, n, cache_len)).lower(kvs, lengths).compile()
+  seconds = time.perf_counter() - t0
+  analysis = compiled.memory_analysis()
+  return seconds, int(getattr(analysis, "temp_size_in_bytes", -1)) if analysis is not None else -1
+
+
 def relative_error(caches, kvs) -> float:
   """Mean over layers and sides of |x̂ - x|² / |x|² over the prompt: how well the caches represent what they store
   (a sign flipped by an eigensolver changes U and the codes, not this)."""
@@ -82,6 +93,8 @@ def main(argv=None) -> int:
                  help="comma-separated chunks also timed with the Lloyd iterations' XLA form, and then the per-layer "
                       "build too (fit_implementation='xla'): 'auto' may take the kernel for a batched fit only")
   p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--compile_only", action="store_true",
+                 help="no run: each case's compile time and temporaries for abstract inputs (the CPU's figures)")
   p.add_argument("--name", default="oskvp_prefill_fit", help="results file stem")
   a = p.parse_args(argv)
   batches = [int(x) for x in a.batches.split(",")]
@@ -104,13 +117,25 @@ def main(argv=None) -> int:
                           window=a.window, cache_len=cache_len, repeats=a.repeats), "rows": []}
 
   def line(r):
+    if a.compile_only:
+      return f"| {r['batch']} | {r['case']} | {r['fit_calls']} | {r['compile_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} |"
     ratio = f"{r['speedup']:.2f}×" if r.get("speedup") else "–"
     return (f"| {r['batch']} | {r['case']} | {r['fit_calls']} | {r['ms']:.2f} | {r['temp_bytes'] / 2**20:.0f} | "
             f"{ratio} | {r['rel_err']:.6f} |")
 
+  if a.compile_only:
+    head[2] = (f"Prompt {a.prompt} tokens, K={a.kv_heads}, H={a.head_dim}, R={a.window}, S={cache_len}; each case "
+               "lowered and compiled once for abstract inputs; temporaries from the compiled program's memory analysis.")
+    head[4:] = ["| B | fits | calls | compile s | temporaries (MiB) |", "|---|---|---|---|---|"]
+
   for b in batches:
-    kvs = layer_kvs(a.layers, b, a.prompt, a.kv_heads, a.head_dim)
-    lengths = jnp.full((b,), a.prompt, jnp.int32)
+    if a.compile_only:
+      kvs = [tuple(jax.ShapeDtypeStruct((b, a.prompt, a.kv_heads, a.head_dim), jnp.bfloat16) for _ in (0, 1))
+             for _ in range(a.layers)]
+      lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+    else:
+      kvs = layer_kvs(a.layers, b, a.prompt, a.kv_heads, a.head_dim)
+      lengths = jnp.full((b,), a.prompt, jnp.int32)
     cases = []
     for impl, these in (("auto", chunks), ("xla", xla_chunks)):
       if not these:
@@ -127,6 +152,11 @@ def main(argv=None) -> int:
                       dataclasses.replace(m_impl, prefill_fit_chunk=c), calls))
     base = None
     for name, m, calls in cases:
+      if a.compile_only:
+        seconds, temp = compile_case(m, kvs, lengths, cache_len)
+        result["rows"].append({"batch": b, "case": name, "fit_calls": calls, "compile_s": seconds, "temp_bytes": temp})
+        print(f"B={b} {name}: compiled in {seconds:.1f} s, {temp / 2**20:.0f} MiB temporaries", flush=True)
+        continue
       ms, temp, caches = time_case(m, kvs, lengths, cache_len, a.repeats)
       if name.startswith("per layer"):  # each Lloyd form against its own per-layer build
         base = None

@@ -33,3 +33,13 @@ def test_tiny_run_writes_every_case(tmp_path):
 def test_bad_arguments_are_refused(tmp_path):
   with pytest.raises(SystemExit):
     bench.main([f"--out={tmp_path}", "--chunks=0"])
+
+
+def test_compile_only_reports_compiles_and_temporaries(tmp_path):
+  assert bench.main([f"--out={tmp_path}", "--compile_only", "--layers=3", "--batches=1", "--prompt=40",
+                     "--kv_heads=1", "--head_dim=32", "--window=8", "--chunks=8", "--name=cc"]) == 0
+  with open(os.path.join(tmp_path, "cc_cpu.json"), encoding="utf-8") as f:
+    res = json.load(f)
+  assert [(r["case"], r["fit_calls"]) for r in res["rows"]] == [("per layer", 3), ("chunk 8 (3 layers a fit)", 1)]
+  assert all(r["compile_s"] > 0 and r["temp_bytes"] > 0 and "ms" not in r for r in res["rows"])
+  assert "| 1 | chunk 8 (3 layers a fit) | 1 |" in open(os.path.join(tmp_path, "cc_cpu.md")).read()
