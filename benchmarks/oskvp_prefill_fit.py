@@ -48,22 +48,24 @@ def layer_kvs(n_layers: int, b: int, t: int, kh: int, h: int) -> list[tuple[jax.
   return [one(jax.random.key(i)) for i in range(n_layers)]
 
 
+def temp_bytes(compiled) -> int:
+  """The compiled program's temporary bytes by its memory analysis (-1 where the backend gives none)."""
+  analysis = compiled.memory_analysis()
+  return int(getattr(analysis, "temp_size_in_bytes", -1)) if analysis is not None else -1
+
+
 def time_case(mode: OSKVPMode, kvs, lengths: jax.Array, cache_len: int, repeats: int) -> tuple[float, int, tuple]:
   """(median ms, temporary bytes of the compiled program, the caches) of building every layer's cache."""
   build = jax.jit(lambda kvs: prefill_layers(mode, kvs, lengths, cache_len))
   compiled = build.lower(kvs).compile()
-  analysis = compiled.memory_analysis()
-  temp = int(getattr(analysis, "temp_size_in_bytes", -1)) if analysis is not None else -1
-  return median_ms(lambda: compiled(kvs), repeats), temp, compiled(kvs)
+  return median_ms(lambda: compiled(kvs), repeats), temp_bytes(compiled), compiled(kvs)
 
 
 def compile_case(mode: OSKVPMode, kvs, lengths, cache_len: int) -> tuple[float, int]:
   """(seconds to lower and compile, temporary bytes) of the build for abstract inputs (`--compile_only`)."""
   t0 = time.perf_counter()
   compiled = jax.jit(lambda kvs, n: prefill_layers(mode, kvs, n, cache_len)).lower(kvs, lengths).compile()
-  seconds = time.perf_counter() - t0
-  analysis = compiled.memory_analysis()
-  return seconds, int(getattr(analysis, "temp_size_in_bytes", -1)) if analysis is not None else -1
+  return time.perf_counter() - t0, temp_bytes(compiled)
 
 
 def relative_error(caches, kvs) -> float:

@@ -250,18 +250,14 @@ class OSKVPLayerCache:
 def _refit_layers_rows(layers: tuple[OSKVPLayerCache, ...], rows: jax.Array,
                        valid: jax.Array) -> tuple[OSKVPLayerCache, ...]:
   """Fits U, codebooks and fp8 scales again for the rows int32 [C] in L layers at once, where valid bool [L, C] is
-  set, by one `refit_mode.fit_keys_values` call over all L·C rows (one eigh call of [L·C, 2K, H, H]), on the R
-  tokens of their windows, which they hold in the new basis after. Their compressed stores must be empty, as they
-  are at the first flush. Pairs not valid (a chunk's padding, a row a layer does not flag) are computed and dropped."""
-  n_layers, c = valid.shape
+  set, by one `refit_mode.fit_layers` call over all L·C rows (one eigh call of [L·C, 2K, H, H]), on the R tokens of
+  their windows, which they hold in the new basis after. Their compressed stores must be empty, as they are at the
+  first flush. Pairs not valid (a chunk's padding, a row a layer does not flag) are computed and dropped."""
   windows = [layer._window_originals(rows) for layer in layers]  # pylint: disable=protected-access
-  xk, xv = (jnp.concatenate([w[i] for w in windows]) for i in (0, 1))  # [L·C, R, K, H]
-  pk, pv = layers[0].refit_mode.fit_keys_values(xk, xv, jnp.full((n_layers * c,), layers[0].window, jnp.int32),
-                                                rope_span=layers[0].max_len)  # keys: RoPE-shift augmented
-  part = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i * c:(i + 1) * c], tree)  # noqa: E731
+  fits = layers[0].refit_mode.fit_layers(windows, jnp.full(rows.shape, layers[0].window, jnp.int32),
+                                         rope_span=layers[0].max_len)  # keys: RoPE-shift augmented
   # pylint: disable-next=protected-access
-  return tuple(layer._put_refit(rows, valid[i], *windows[i], part(pk, i), part(pv, i))
-               for i, layer in enumerate(layers))
+  return tuple(layer._put_refit(rows, valid[i], *windows[i], *fits[i]) for i, layer in enumerate(layers))
 
 
 def _refit_in_chunks(layers: tuple[OSKVPLayerCache, ...], todo: jax.Array) -> tuple[OSKVPLayerCache, ...]:
@@ -604,15 +600,15 @@ class OSKVPMode:
   def from_prefill_layers(self, kvs, lengths: jax.Array, cache_len: int) -> tuple[OSKVPLayerCache, ...]:
     """kvs: one (k, v) [B, T, K, H] per layer (keys post-RoPE), lengths int32 [B] -> one OSKVPLayerCache per layer,
     each `from_prefill(k, v, lengths, cache_len)`, with the layers' fits batched (`prefill_across_layers`: one
-    fit of keys and values, `_fit_selected`, per chunk of max(1, prefill_fit_chunk // B) layers). Layers of
-    different shapes or dtypes are fitted one at a time."""
+    `fit_layers` call per chunk of max(1, prefill_fit_chunk // B) layers). Layers of different shapes or dtypes are
+    fitted one at a time."""
     kvs = list(kvs)
     if not kvs:
       return ()
     same = len({(k.shape, k.dtype, v.shape, v.dtype) for k, v in kvs}) == 1
     b = kvs[0][0].shape[0]
     per_fit = max(1, self.prefill_fit_chunk // max(1, b)) if (self.prefill_across_layers and same) else 1
-    fitted = lambda: self._fit_layers(kvs, lengths, cache_len, per_fit)  # noqa: E731
+    fitted = lambda: self._fit_in_groups(kvs, lengths, cache_len, per_fit)  # noqa: E731
     if self.refit_at_first_flush:
       # Prompts shorter than the window are fitted at their first flush; a batch of only those is fitted only then.
       short = lengths < self.window  # n_comp == 0 and n_res < R: the first flush will hold more than the prompt
@@ -626,31 +622,31 @@ class OSKVPMode:
       caches = tuple(cache.replace(refit=short, refit_mode=self) for cache in caches)
     return caches
 
-  def _fit_layers(self, kvs, lengths: jax.Array, cache_len: int,
-                  per_fit: int) -> list[tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]]:
+  def fit_layers(self, kvs, lengths: jax.Array, *,
+                 rope_span: int) -> list[tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]]:
+    """kvs: one (k, v) [B, T, K, H] per layer, lengths int32 [B] -> (keys', values' params) with leading [B, K] for
+    each layer: `fit_keys_values` of every layer, in one fit. Each layer's fitted tokens are selected (`_fit_tokens`)
+    before they are stacked, sequence-major ([B·n, M, K, H], row i·n + j = layer j of sequence i, M <=
+    max_fit_tokens), so that a batch sharded over devices stays where it is."""
+    b, n = lengths.shape[0], len(kvs)
+    ks, vs = ([self._fit_tokens(kv[i], lengths, span) for kv in kvs] for i, span in ((0, rope_span), (1, 0)))
+    stack = lambda pairs, i: jnp.stack([p[i] for p in pairs], axis=1).reshape(  # noqa: E731
+        b * n, *pairs[0][i].shape[1:])
+    pk, pv = self._fit_selected(stack(ks, 0), stack(ks, 1), stack(vs, 0), stack(vs, 1), rope_span)
+    part = lambda tree, j: jax.tree_util.tree_map(lambda a: a.reshape(b, n, *a.shape[1:])[:, j], tree)  # noqa: E731
+    return [(part(pk, j), part(pv, j)) for j in range(n)]
+
+  def _fit_in_groups(self, kvs, lengths: jax.Array, cache_len: int,
+                     per_fit: int) -> list[tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]]:
     """(keys', values' params) with leading [B, K] for each layer of `from_prefill_layers`, `per_fit` layers in one
-    fit (their sequences stacked on its batch axis: `_fit_selected`; one layer: `fit_keys_values`)."""
-    b, n_layers = lengths.shape[0], len(kvs)
-    n_fits = -(-n_layers // per_fit)
-    per_fit = -(-n_layers // n_fits)  # as even as it gets; a short last group is padded with its last layer (the
+    `fit_layers` call."""
+    n_fits = -(-len(kvs) // per_fit)
+    per_fit = -(-len(kvs) // n_fits)  # as even as it gets; a short last group is padded with its last layer (the
     out = []                          # fits then have the same shapes; the padding's are computed and dropped)
-    for first in range(0, n_layers, per_fit):
+    for first in range(0, len(kvs), per_fit):
       group = kvs[first:first + per_fit]
-      n = per_fit
-      group += [group[-1]] * (n - len(group))
-      if n == 1:
-        pk, pv = self.fit_keys_values(*group[0], lengths, rope_span=cache_len)
-        out.append((pk, pv))
-        continue
-      # Each layer's fitted tokens are selected before they are stacked, sequence-major ([B·n, M, K, H], row
-      # i·n + j = layer j of sequence i, M <= max_fit_tokens), so that a batch sharded over devices stays where it is.
-      ks, vs = ([self._fit_tokens(kv[i], lengths, span) for kv in group] for i, span in ((0, cache_len), (1, 0)))
-      stack = lambda pairs, i: jnp.stack([p[i] for p in pairs], axis=1).reshape(  # noqa: E731
-          b * n, *pairs[0][i].shape[1:])
-      pk, pv = self._fit_selected(stack(ks, 0), stack(ks, 1), stack(vs, 0), stack(vs, 1), cache_len)
-      part = lambda tree, j: jax.tree_util.tree_map(lambda a: a.reshape(b, n, *a.shape[1:])[:, j], tree)  # noqa: E731
-      out += [(part(pk, j), part(pv, j)) for j in range(n)]
-    return out[:n_layers]
+      out += self.fit_layers(group + [group[-1]] * (per_fit - len(group)), lengths, rope_span=cache_len)
+    return out[:len(kvs)]
 
   def _placeholders(self, kvs) -> list[tuple[oskvp.OSKVPParams, oskvp.OSKVPParams]]:
     """`oskvp.placeholder` params (identity U) with leading [B, K] for each layer: a prefill with nothing to fit."""

@@ -1,6 +1,36 @@
-"""Checks shared by the OS-KVP refit tests (`test_oskvp_refit_batched.py`, `test_oskvp_refit_across_layers.py`)."""
+"""Checks shared by the OS-KVP fit tests (`test_oskvp_refit_batched.py`, `test_oskvp_refit_across_layers.py`,
+`test_oskvp_prefill_across_layers.py`)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from moe_jax.kv_quant import OSKVPMode
+
+
+def layer_kv(layer: int, shape: tuple[int, int, int, int], dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """A layer's keys (two wide channels, a bias) and values of shape [B, T, K, H], different per layer."""
+  h = shape[-1]
+  std = jnp.ones(h).at[jnp.array([3 + layer, 17])].set(6.0)
+  k = jax.random.normal(jax.random.PRNGKey(10 + layer), shape) * std + 0.3 * std
+  v = jax.random.normal(jax.random.PRNGKey(20 + layer), shape) * (1.0 + layer)
+  return k.astype(dtype), v.astype(dtype)
+
+
+def counting_fits(monkeypatch) -> list[int]:
+  """Patches `OSKVPMode._fit_selected` (every fit of keys and values goes through it: `fit_keys_values`,
+  `fit_layers`) to record, when it runs (not when traced), how many rows it fits, in the order the calls ran (which
+  need not be the program's)."""
+  calls = []
+  fit = OSKVPMode._fit_selected  # pylint: disable=protected-access
+
+  def counted(self, k, *args):
+    n = k.shape[0]
+    jax.debug.callback(lambda: calls.append(n), ordered=True)
+    return fit(self, k, *args)
+
+  monkeypatch.setattr(OSKVPMode, "_fit_selected", counted)
+  return calls
 
 
 def assert_same_refits(a, b) -> None:

@@ -11,6 +11,7 @@ import pytest
 from moe_jax import decode
 from moe_jax.kv_cache import KV_CACHE_MODES, get_kv_cache_mode, prefill_layers, register_kv_cache_mode
 from moe_jax.kv_quant import OSKVPMode
+from refit_checks import counting_fits, layer_kv  # pylint: disable=import-error  (this directory)
 
 B, K, H, R, L, T = 3, 2, 32, 24, 5, 80
 S = T + R
@@ -19,26 +20,7 @@ LEAVES = ("u_k", "u_v", "cb_k", "cb_v", "scale_k", "scale_v", "codes_k", "codes_
 
 
 def _layer_kv(layer: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-  """Keys (two wide channels, a bias) and values [B, T, K, H], different per layer."""
-  std = jnp.ones(H).at[jnp.array([3 + layer, 17])].set(6.0)
-  k = jax.random.normal(jax.random.PRNGKey(10 + layer), (B, T, K, H)) * std + 0.3 * std
-  v = jax.random.normal(jax.random.PRNGKey(20 + layer), (B, T, K, H)) * (1.0 + layer)
-  return k.astype(dtype), v.astype(dtype)
-
-
-def _counting_fits(monkeypatch) -> list[int]:
-  """Patches `OSKVPMode._fit_selected` (every fit of keys and values goes through it) to record, when it runs, how
-  many rows it fits."""
-  calls = []
-  fit = OSKVPMode._fit_selected  # pylint: disable=protected-access
-
-  def counted(self, k, *args):
-    n = k.shape[0]
-    jax.debug.callback(lambda: calls.append(n), ordered=True)
-    return fit(self, k, *args)
-
-  monkeypatch.setattr(OSKVPMode, "_fit_selected", counted)
-  return calls
+  return layer_kv(layer, (B, T, K, H), dtype)
 
 
 def _assert_same_caches(a, b) -> None:
@@ -56,7 +38,7 @@ def test_batched_prefill_fits_are_the_per_layer_fits(chunk, calls, monkeypatch):
   the per-layer build's (the same fits on the CPU, batched differently), and the fits ran as counted."""
   lengths = jnp.array([T, 41, 10])
   kvs = [_layer_kv(i) for i in range(L)]
-  fits = _counting_fits(monkeypatch)
+  fits = counting_fits(monkeypatch)
   base = OSKVPMode(window=R, max_fit_tokens=512, fit_implementation="xla")
   built = {}
   for across in (True, False):
@@ -76,7 +58,7 @@ def test_a_prefill_of_short_prompts_fits_no_layer(monkeypatch):
   """Prompts all shorter than the window: no layer is fitted (identity U, the flag to refit at the first flush set),
   as layer by layer."""
   lengths = jnp.array([R - 1, 5, 1])
-  fits = _counting_fits(monkeypatch)
+  fits = counting_fits(monkeypatch)
   mode = OSKVPMode(window=R)
   caches = jax.jit(lambda kvs: mode.from_prefill_layers(kvs, lengths, S))([_layer_kv(i) for i in range(L)])
   jax.effects_barrier()
@@ -91,7 +73,7 @@ def test_layers_of_different_dtypes_are_fitted_one_at_a_time(monkeypatch):
   different dtypes), and each cache is that layer's `from_prefill`."""
   lengths = jnp.array([T, 60, 30])
   kvs = [_layer_kv(0), _layer_kv(1, jnp.bfloat16), _layer_kv(2)]
-  fits = _counting_fits(monkeypatch)
+  fits = counting_fits(monkeypatch)
   mode = OSKVPMode(window=R, fit_implementation="xla")
   caches = jax.jit(lambda kvs: mode.from_prefill_layers(kvs, lengths, S))(kvs)
   jax.effects_barrier()
@@ -116,7 +98,7 @@ def test_modes_without_a_batched_build_go_layer_by_layer():
 def test_the_model_prefill_fits_its_layers_together(tiny_config, monkeypatch):
   """A 3-layer tiny model's prefill fits its layers in one call (three calls layer by layer) and then decodes the
   same logits over 6 greedy steps (1e-5 of the largest logit: the same fits)."""
-  fits = _counting_fits(monkeypatch)
+  fits = counting_fits(monkeypatch)
   config = tiny_config.replace(n_layers=3)
   model = decode.init_model(config, seed=2)
   names = {True: "oskvp_test_prefill_across_layers", False: "oskvp_test_prefill_per_layer"}

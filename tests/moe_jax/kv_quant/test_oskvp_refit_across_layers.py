@@ -13,31 +13,13 @@ from moe_jax import decode
 from moe_jax.kv_cache import KV_CACHE_MODES, before_step, get_kv_cache_mode, register_kv_cache_mode
 from moe_jax.kv_quant import OSKVPMode
 from moe_jax.kv_quant.oskvp_cache import refit_before_step
-from refit_checks import assert_same_refits  # pylint: disable=import-error  (this directory)
+from refit_checks import assert_same_refits, counting_fits, layer_kv  # pylint: disable=import-error  (here)
 
 B, K, G, H, R, S, L = 5, 2, 2, 32, 24, 96, 3
 
 
 def _layer_kv(layer: int, t: int) -> tuple[jax.Array, jax.Array]:
-  """Each layer's keys (two wide channels, a bias) and values [B, t, K, H], different per layer."""
-  std = jnp.ones(H).at[jnp.array([3 + layer, 17])].set(6.0)
-  k = jax.random.normal(jax.random.PRNGKey(10 + layer), (B, t, K, H)) * std + 0.3 * std
-  return k, jax.random.normal(jax.random.PRNGKey(20 + layer), (B, t, K, H)) * (1.0 + layer)
-
-
-def _counting_fits(monkeypatch) -> list[int]:
-  """Patches `OSKVPMode.fit_keys_values` to record, when it runs (not when traced), how many rows it fits (in the order
-  the calls ran, which need not be the program's)."""
-  calls = []
-  fit = OSKVPMode.fit_keys_values
-
-  def counted(self, k, v, lengths, **kw):
-    n = k.shape[0]
-    jax.debug.callback(lambda: calls.append(n), ordered=True)
-    return fit(self, k, v, lengths, **kw)
-
-  monkeypatch.setattr(OSKVPMode, "fit_keys_values", counted)
-  return calls
+  return layer_kv(layer, (B, t, K, H))
 
 
 @pytest.mark.parametrize("chunk", [1, 8])
@@ -48,7 +30,7 @@ def test_refits_before_the_step_are_the_per_layer_refits(chunk, monkeypatch):
   layer's `extend`) gives the caches and outputs of the per-layer refits, with one fit call per chunk for all layers
   (chunk 8: chunks of 8 // L = 2 rows; chunk 1: one call of L rows per flushing row) instead of one per layer and
   chunk, and the layers' own flushes trace no refit then."""
-  calls = _counting_fits(monkeypatch)
+  calls = counting_fits(monkeypatch)
   lengths = jnp.array([60, R - 1, R - 1, R - 1, R - 3])
   steps = 5
   kvs = [_layer_kv(i, 60 + steps) for i in range(L)]
@@ -106,7 +88,7 @@ def test_later_tokens_of_a_multi_token_extend_refit_in_their_layer(monkeypatch):
   token). Row 0 flushes at token 0 (hoisted: one fit of L rows), rows 1 and 2 at token 1 (a chunk per layer), row 4
   at token 2 (one row per layer). Caches and outputs equal the per-layer refits', and the caches come back unmarked
   (the pytree structure the step started with)."""
-  calls = _counting_fits(monkeypatch)
+  calls = counting_fits(monkeypatch)
   lengths = jnp.array([R - 1, R - 2, R - 2, 60, R - 3])
   kvs = [_layer_kv(i, 64) for i in range(L)]
   q = jax.random.normal(jax.random.PRNGKey(5), (B, 4, K * G, H))
@@ -170,7 +152,7 @@ def test_the_model_step_refits_across_layers(tiny_config, monkeypatch):
   """A 3-layer tiny model with prompts inside a 16-token window, decoded 20 steps with greedy tokens: refitting
   before the step gives the logits of the per-layer refits (1e-3 of the largest logit) and refits all layers in
   one fit call at the first flush, where the per-layer refits take one call per layer."""
-  calls = _counting_fits(monkeypatch)
+  calls = counting_fits(monkeypatch)
   config = tiny_config.replace(n_layers=3)
   model = decode.init_model(config, seed=1)
   names = {True: "oskvp_test_refit_across_layers", False: "oskvp_test_refit_per_layer"}
