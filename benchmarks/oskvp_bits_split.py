@@ -44,7 +44,7 @@ from moe_jax import cli
 from moe_jax import data as data_lib
 from moe_jax.kv_quant import kivi
 from moe_jax.kv_quant import oskvp
-from moe_jax.kv_quant.oskvp_cache import OSKVPMode
+from moe_jax.kv_quant.oskvp_modes import OSKVPMode
 
 CONTEXT, PREFIX, WINDOW = 512, 256, 128
 PAIRS = (("2-bit", "2-bit"), ("exact", "2-bit"), ("2-bit", "exact"), ("3-bit", "2-bit"), ("2-bit", "3-bit"),

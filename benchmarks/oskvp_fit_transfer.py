@@ -26,7 +26,7 @@ from benchmarks import report_files
 from moe_jax import cli
 from moe_jax import data as data_lib
 from moe_jax.kv_quant import fidelity, oskvp
-from moe_jax.kv_quant.oskvp_cache import OSKVPMode
+from moe_jax.kv_quant.oskvp_modes import OSKVPMode
 
 CONTEXT = 512
 COLUMNS = ("in-sample", "later, prefill fit", "later, U kept + codebooks refitted", "later, + later means",

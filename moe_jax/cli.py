@@ -114,7 +114,7 @@ def setup_kv_cache(model, kv_cache: str, *, calib_windows: int = CALIB_WINDOWS, 
 
   mode = get_kv_cache_mode(kv_cache)
   from moe_jax.kv_quant import static  # pylint: disable=g-import-not-at-top
-  from moe_jax.kv_quant.oskvp_cache import StaticOSKVPMode  # pylint: disable=g-import-not-at-top
+  from moe_jax.kv_quant.oskvp_modes import StaticOSKVPMode  # pylint: disable=g-import-not-at-top
 
   if not isinstance(mode, StaticOSKVPMode) or (mode.params_k is not None and mode.matches(model.config)):
     return None  # (a calibration installed for another model is replaced)

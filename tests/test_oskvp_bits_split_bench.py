@@ -56,7 +56,7 @@ def test_kivi2_storage_is_the_kivi_cache_format():
 
 def test_rotated_kivi2_is_kivi_in_the_prefill_basis():
   """"rotated kivi2": KIVI's storage of x U (U the prefill's fit), rotated back; U orthogonal, so it is not KIVI's."""
-  from moe_jax.kv_quant.oskvp_cache import OSKVPMode  # pylint: disable=g-import-not-at-top
+  from moe_jax.kv_quant.oskvp_modes import OSKVPMode  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(1)
   x = jnp.asarray((rng.standard_normal((1, 288, 2, 64)) * np.linspace(0.2, 3.0, 64)).astype(np.float32))
   mode = OSKVPMode(window=128, rope_theta=None)
@@ -99,7 +99,7 @@ def test_group_scales_follow_each_groups_range():
   per token (values). On tokens whose spread changes from group to group, each codes the groups better relative to
   their spread, on average, than the prefill's levels alone (the rms form also in absolute error), and a token's key
   depends on its own group only."""
-  from moe_jax.kv_quant.oskvp_cache import OSKVPMode  # pylint: disable=g-import-not-at-top
+  from moe_jax.kv_quant.oskvp_modes import OSKVPMode  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(4)
   spread = np.repeat(rng.uniform(0.2, 3.0, (10, 1, 1, 1)), 32, axis=0) * np.linspace(0.5, 2.0, 64)  # [T, 1, 1, H]
   x = jnp.asarray((rng.standard_normal((320, 1, 2, 64)) * spread).transpose(1, 0, 2, 3).astype(np.float32))

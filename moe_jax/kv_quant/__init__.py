@@ -5,7 +5,7 @@
 | fp8 | float8 e4m3 + f32 scale per token and head | per_token |
 | int8 | int8 + f32 scale per token and head | per_token |
 | kivi2 | KIVI 2-bit: keys per channel, values per token, group 32, residual 128 | kivi |
-| oskvp | OS-KVP 2-bit, per-sequence U and Lloyd-Max codebooks, 8% fp8 outlier subspace, residual 128 | oskvp_cache |
+| oskvp | OS-KVP 2-bit, per-sequence U and Lloyd-Max codebooks, 8% fp8 outlier subspace, residual 128 | oskvp_modes, oskvp_cache |
 | oskvp3 | as oskvp with 3-bit codes | oskvp_cache |
 | oskvp_k3v2 | as oskvp with 3-bit key codes, 2-bit value codes | oskvp_cache |
 | oskvp_sym | as oskvp with codebooks symmetric about each channel's mean (a third less kernel work) | oskvp_cache |
@@ -19,7 +19,8 @@ The per-head quantizer API is `moe_jax.kv_quant.oskvp` (`calibrate`, `quantize`,
 from moe_jax.kv_cache import register_kv_cache_mode
 from moe_jax.kv_quant import oskvp
 from moe_jax.kv_quant.kivi import KIVILayerCache, KIVIMode
-from moe_jax.kv_quant.oskvp_cache import OSKVPLayerCache, OSKVPMode, StaticOSKVPMode
+from moe_jax.kv_quant.oskvp_cache import OSKVPLayerCache
+from moe_jax.kv_quant.oskvp_modes import OSKVPMode, StaticOSKVPMode
 from moe_jax.kv_quant.per_token import PerTokenKV, PerTokenMode
 
 register_kv_cache_mode("fp8", PerTokenMode("float8_e4m3fn"))

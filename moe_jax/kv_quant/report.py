@@ -27,7 +27,7 @@ import numpy as np
 
 from moe_jax.kv_cache import KV_CACHE_MODES, get_kv_cache_mode, register_kv_cache_mode
 from moe_jax.kv_quant import fidelity, oskvp, static
-from moe_jax.kv_quant.oskvp_cache import StaticOSKVPMode
+from moe_jax.kv_quant.oskvp_modes import StaticOSKVPMode
 
 NO_REFIT = "oskvp_no_refit"  # registered by `run` for the short-prompt rows
 MODES = ("bf16", "fp8", "int8", "kivi2", "oskvp", "oskvp_sym", "oskvp_uniform", "oskvp3", "oskvp_k3v2",

@@ -19,7 +19,7 @@ import numpy as np
 
 from moe_jax.kv_cache import KV_CACHE_MODES, register_kv_cache_mode
 from moe_jax.kv_quant import oskvp
-from moe_jax.kv_quant.oskvp_cache import StaticOSKVPMode
+from moe_jax.kv_quant.oskvp_modes import StaticOSKVPMode
 
 
 def calibrate_layers(kvs, lengths, *, outlier_fraction: float = 0.08, bits: int = 2,

@@ -241,7 +241,7 @@ def test_entry_point_names_mismatched_value_side_and_lengths():
 def test_matches_kv_quant_reference_on_quantized_keys():
   """Real OS-KVP caches (moe_jax.kv_quant fits U, codebooks and fp8 scales on keys/values with outlier channels and
   quantizes them): the kernel matches kv_quant's own XLA decode attention, and so does this file's reference."""
-  oskvp_cache = pytest.importorskip("moe_jax.kv_quant.oskvp_cache")
+  oskvp_modes = pytest.importorskip("moe_jax.kv_quant.oskvp_modes")
   oskvp_attention = pytest.importorskip("moe_jax.kv_quant.oskvp_attention")
   rng = np.random.default_rng(8)
   b, t, kh, n, h = 2, 200, 2, 8, 64
@@ -250,7 +250,7 @@ def test_matches_kv_quant_reference_on_quantized_keys():
   v = jnp.asarray(rng.standard_normal((b, t, kh, h), np.float32))
   lengths = jnp.asarray([200, 77], jnp.int32)
   # Jitted, as the model's prefill and decode run them (op by op, the fit alone compiles for ~6 s on CPU).
-  mode = oskvp_cache.OSKVPMode(window=32, n_iters=4)
+  mode = oskvp_modes.OSKVPMode(window=32, n_iters=4)
   cache = jax.jit(lambda k, v, lengths: mode.from_prefill(k, v, lengths, 256, layer=0))(k, v, lengths)
   q = jnp.asarray(rng.standard_normal((b, n, h), np.float32)).astype(jnp.bfloat16)
   args = (q, cache.codes_k, cache.outl_k, cache.scale_k, cache.cb_k, cache.codes_v, cache.outl_v, cache.scale_v,

@@ -125,7 +125,7 @@ def test_matches_kv_quant_on_a_real_key_bits_3_cache(symmetric):
   """A cache quantized by moe_jax (`OSKVPMode(key_bits=3)`, head dim 128): the kernel, through kv_quant's own entry
   point, matches kv_quant's XLA decode attention on it (the two packages agree on the bit layout); with
   `symmetric=True` (`oskvp_k3v2_sym`) the fitted codebooks are symmetric, as the kernel's four-type form needs."""
-  oskvp_cache = pytest.importorskip("moe_jax.kv_quant.oskvp_cache")
+  oskvp_modes = pytest.importorskip("moe_jax.kv_quant.oskvp_modes")
   oskvp_attention = pytest.importorskip("moe_jax.kv_quant.oskvp_attention")
   rng = np.random.default_rng(9)
   b, t, kh, n, h = 2, 160, 2, 8, 128
@@ -133,7 +133,7 @@ def test_matches_kv_quant_on_a_real_key_bits_3_cache(symmetric):
   k = jnp.asarray(rng.standard_normal((b, t, kh, h), np.float32) * chan + 0.3)
   v = jnp.asarray(rng.standard_normal((b, t, kh, h), np.float32))
   lengths = jnp.asarray([160, 61], jnp.int32)
-  mode = oskvp_cache.OSKVPMode(window=32, n_iters=4, key_bits=3, symmetric=symmetric)
+  mode = oskvp_modes.OSKVPMode(window=32, n_iters=4, key_bits=3, symmetric=symmetric)
   cache = jax.jit(lambda k, v, lengths: mode.from_prefill(k, v, lengths, 192, layer=0))(k, v, lengths)
   assert cache.hi_k is not None and cache.hi_v is None and cache.cb_k.shape[-1] == 8
   if symmetric:
