@@ -115,6 +115,14 @@ def _step(s: SortedSamples, levels: jax.Array, uniform: bool) -> tuple[jax.Array
   return jnp.stack(new, axis=-1), _distortion(s, levels, sums)
 
 
+def _iterate(s: SortedSamples, start: jax.Array, n_iters: int, *, uniform: bool) -> tuple[jax.Array, jax.Array]:
+  """n_iters `_step`s from start f32 [H, L] (levels less the channels' means s.mu) -> (levels f32 [H, L],
+  distortion f32 [n_iters + 1]: before each iteration and after the last)."""
+  levels, hist = jax.lax.scan(lambda lv, _: _step(s, lv, uniform), start, None, length=n_iters)
+  final = _distortion(s, levels, cell_sums(s, levels))
+  return levels + s.mu[:, None], jnp.concatenate([hist, final[None]])
+
+
 @functools.partial(jax.jit, static_argnames=("n_iters",))
 def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int) -> tuple[jax.Array, jax.Array]:
   """Per-channel weighted Lloyd-Max iterations.
@@ -130,10 +138,8 @@ def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int) -> tupl
     nearest-level reassignment) cannot increase it, up to that rounding; an empty cell keeps its level.
   """
   s = sort_samples(x, w)
-  start = jnp.stack(lloyd_max_kernel.sort_columns(_columns(init - s.mu[:, None])), axis=-1)
-  levels, hist = jax.lax.scan(lambda lv, _: _step(s, lv, False), start, None, length=n_iters)
-  final = _distortion(s, levels, cell_sums(s, levels))
-  return levels + s.mu[:, None], jnp.concatenate([hist, final[None]])
+  return _iterate(s, jnp.stack(lloyd_max_kernel.sort_columns(_columns(init - s.mu[:, None])), axis=-1), n_iters,
+                  uniform=False)
 
 
 @functools.partial(jax.jit, static_argnames=("n_iters",))
@@ -156,9 +162,7 @@ def uniform_lloyd(x: jax.Array, w: jax.Array, centre: jax.Array, step: jax.Array
   start = (centre - s.mu)[:, None] + step[:, None] * jnp.asarray(UNIFORM_Z, jnp.float32)[None, :]
   # The least-squares (centre, step) of the cells is the kernel module's `centroid_step` (two-pass moments: samples
   # all in one cell keep their step exactly).
-  levels, hist = jax.lax.scan(lambda lv, _: _step(s, lv, True), start, None, length=n_iters)
-  final = _distortion(s, levels, cell_sums(s, levels))
-  return levels + s.mu[:, None], jnp.concatenate([hist, final[None]])
+  return _iterate(s, start, n_iters, uniform=True)
 
 
 def auto_implementation(heads: int, n: int, h: int) -> str:
