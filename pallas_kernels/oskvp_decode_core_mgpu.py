@@ -133,10 +133,18 @@ def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: ja
   Same shapes as `decode_core_reference`; equal to the kernel up to f32 summation order. Jitted; block_s and splits
   are static."""
   bk, s_len, _ = kcodes.shape
+  return blockwise_model(kcodes, vcodes, qd, qs, _valid(bk, s_len, lengths), kout, vout, qo, block_s=block_s,
+                         splits=splits)
+
+
+def blockwise_model(kcodes, vcodes, qd, qs, valid, kout=None, vout=None, qo=None, *, block_s: int, splits: int):
+  """`decode_core_blockwise_reference` with the stored tokens given as a mask, valid bool [BK, 1, S] (not jitted;
+  for kernels whose blocks are not contiguous, which permute the tokens first)."""
+  bk, s_len, _ = kcodes.shape
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.int32)
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.int32)).astype(jnp.float32) * qs[..., None]  # [BK, 8, S]
   s = s + _outlier_scores(kout, qo)
-  valid = jnp.broadcast_to(_valid(bk, s_len, lengths), s.shape)
+  valid = jnp.broadcast_to(valid, s.shape)
   s = jnp.where(valid, s, MASKED)
   nb = s_len // (splits * block_s)
   s, valid = s.reshape(bk, N, splits, nb, block_s), valid.reshape(bk, N, splits, nb, block_s)

@@ -1,0 +1,153 @@
+"""The warp-level (mma.sync) OS-KVP core against the wgmma core, side by side on one GPU.
+
+Run on the GPU:  PYTHONPATH=$PWD python3 benchmarks/oskvp_decode_core_mma_bench.py --out=$OUT
+CPU smoke test:  PYTHONPATH=$PWD python3 benchmarks/oskvp_decode_core_mma_bench.py --smoke --out=/tmp/mma_smoke
+                 (the numpy model of the GPU route, `emulate`, stands in for the kernel: checks only)
+
+1. Checks: `decode_core_mma` against its blockwise XLA model (`decode_core_mma_reference`, max abs error <= 1e-3 on
+   outputs in [0, 3]; value-outlier sums likewise relative to their scale), codes only and with fp8 outliers and
+   ragged lengths, G = 4 and 8; the error of both against the exact softmax for the record, next to the wgmma core's.
+2. Timing (CUPTI, L2 flushed, median of --iters) at BK = 64 (batch 8 × 8 kv heads), 16 splits: the kernel alone and
+   the call (kernel + XLA merge) of both cores, with outliers and lengths (the wired form) and on codes alone, and
+   the mma core's memory side alone (`no_compute`) and compute side alone (`l2_resident`).
+3. Writes oskvp_decode_core_mma.{md,json} under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import oskvp_decode_core_mgpu_bench as cb
+from benchmarks import oskvp_key_scores_mgpu_bench as kb
+from pallas_kernels import oskvp_decode_core_mgpu as dc
+from pallas_kernels import oskvp_decode_core_mma as dm
+
+BK = 64
+# BK, S, splits, lengths (None: all), outliers, G
+CHECKS = [(2, 1024, 2, None, False, 4), (3, 2048, 4, None, False, 8), (4, 4096, 2, (1, 127, 1000, 4096), True, 4),
+          (2, 8192, 4, (300, 8192), True, 8), (2, 4096, 1, (0, 4095), True, 4)]
+SMOKE_CHECKS = [(1, 256, 2, None, False, 4), (2, 256, 1, (1, 200), True, 8)]
+# S, kernel (mma / mgpu), variant: "wired" (outliers + lengths), "codes", or an ablation of the mma core
+TIMED = [(65536, "mma", "wired"), (65536, "mgpu", "wired"), (65536, "mma", "codes"), (65536, "mgpu", "codes"),
+         (65536, "mma", "no_compute"), (65536, "mma", "l2_resident"), (16384, "mma", "wired"),
+         (16384, "mgpu", "wired"), (131072, "mma", "wired"), (131072, "mgpu", "wired")]
+
+
+def case_args(bk: int, s: int, lengths, outliers: bool, g: int, seed: int):
+  kc, vc, qd, qs = cb.inputs(seed, bk, s, g)
+  lengths = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+  extra = cb.outlier_inputs(seed + 1, bk, s, g) if outliers else ()
+  return (kc, vc, qd, qs, lengths, *extra)
+
+
+def run_check(case, smoke: bool) -> dict:
+  bk, s, splits, lengths, outliers, g = case
+  args = case_args(bk, s, lengths, outliers, g, bk * s + splits)
+  row = dict(bk=bk, s=s, splits=splits, lengths=lengths, outliers=outliers, g=g)
+  as_tuple = lambda x: x if isinstance(x, tuple) else (x,)
+  try:
+    got = as_tuple(dm.emulate(*args, splits=splits) if smoke else dm.decode_core_mma(*args, splits=splits))
+  except Exception as e:  # pylint: disable=broad-except
+    return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+  model = as_tuple(dm.decode_core_mma_reference(*args, splits=splits))
+  exact = as_tuple(dc.decode_core_reference(*args))
+  wgmma = None if smoke else as_tuple(dc.decode_core_mgpu(*args, block_s=128, splits=splits, max_concurrent_steps=2,
+                                                          value_outliers="fp8_stacked"))
+  # outputs over the heads in use; value-outlier sums scaled to the code outputs' range (fp8 values ~ ±8)
+  err = lambda a, b: max(float(np.abs(np.asarray(x)[:, :g] - np.asarray(y)[:, :g]).max()) / (1.0 if i == 0 else 4.0)
+                         for i, (x, y) in enumerate(zip(a, b)))
+  finite = all(np.isfinite(np.asarray(x)).all() for x in got)
+  res = {**row, "ok": bool(err(got, model) <= 1e-3 and finite), "max_abs_err_vs_model": err(got, model),
+         "max_abs_err_vs_exact_softmax": err(got, exact), "model_vs_exact": err(model, exact)}
+  if wgmma is not None:
+    res["wgmma_core_vs_exact_softmax"] = err(wgmma, exact)
+  return res
+
+
+def timed_fn(kernel: str, variant: str, splits: int = 16):
+  if kernel == "mma":
+    ablate = variant if variant in dm.ABLATIONS else ""
+    return jax.jit(lambda *a: dm.decode_core_mma(*a, splits=splits, ablate=ablate))
+  return jax.jit(lambda *a: dc.decode_core_mgpu(*a, block_s=128, splits=splits, max_concurrent_steps=2,
+                                                value_outliers="fp8_stacked"))
+
+
+def timed_args(s: int, variant: str):
+  kc, vc, qd, qs = cb.inputs(0, BK, s)
+  if variant == "codes":
+    return kc, vc, qd, qs
+  return (kc, vc, qd, qs, jnp.full((BK,), s, jnp.int32), *cb.outlier_inputs(1, BK, s))
+
+
+def write_report(out_dir: str, meta: dict, checks: list, rows: list) -> None:
+  with open(os.path.join(out_dir, "oskvp_decode_core_mma.json"), "w") as fh:
+    json.dump(dict(meta=meta, checks=checks, rows=rows), fh, indent=1)
+  lines = [f"# Warp-level (mma.sync) OS-KVP core vs the wgmma core: {meta.get('device')}, jax {meta.get('jax')}, "
+           f"{meta.get('date')}", "",
+           "CUPTI kernel time, median of the calls, L2 flushed. BK = 64 (batch 8 × 8 kv heads), 16 splits, H = 128, "
+           "G = 4. `wired`: fp8 outliers and lengths (every row full), the form `decode_step` runs; `codes`: the codes "
+           "alone. `kernel µs`: the core kernel alone; `call µs`: with the XLA merge of the splits (64 partials for "
+           "the mma core, 16 for the wgmma core).", "", "## Checks", ""]
+  for c in checks:
+    lines.append(f"- {'ok' if c.get('ok') else 'FAILED'} {json.dumps(c)}")
+  lines += ["", "## Timing", "", "| S | core | variant | kernel µs | call µs | TB/s (kernel) |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['s']} | {r['kernel']} | {r['variant']} | error: {r['error'][:200]} | | |")
+    else:
+      lines.append(f"| {r['s']} | {r['kernel']} | {r['variant']} | {r['kernel_us']:.1f} | {r['call_us']:.1f} | "
+                   f"{r['tb_per_s']:.2f} |")
+  with open(os.path.join(out_dir, "oskvp_decode_core_mma.md"), "w") as fh:
+    fh.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default="/tmp/oskvp_decode_core_mma")
+  ap.add_argument("--smoke", action="store_true", help="CPU: the numpy model against the XLA model; no timing")
+  ap.add_argument("--iters", type=int, default=7)
+  ap.add_argument("--checks", default="all", choices=("all", "none"))
+  ap.add_argument("--timed", default="", help="S:kernel:variant rows instead of TIMED, comma-separated")
+  args = ap.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  start = time.perf_counter()
+  meta = kb.run_meta(args.smoke, args.iters)
+  checks, rows = [], []
+  for case in (SMOKE_CHECKS if args.smoke else CHECKS) if args.checks == "all" else ():
+    checks.append(run_check(case, args.smoke))
+    print("check", json.dumps(checks[-1]), flush=True)
+    write_report(args.out, meta, checks, rows)
+  if not all(c["ok"] for c in checks):
+    print("CHECK FAILED", flush=True)
+    return 1
+  timed = TIMED
+  if args.timed:
+    timed = [(int(a), b, c) for a, b, c in (t.split(":") for t in args.timed.split(","))]
+  for s, kernel, variant in () if args.smoke else timed:
+    row = dict(s=s, kernel=kernel, variant=variant)
+    try:
+      ms, kernels, core_ms = kb.kernel_ms(timed_fn(kernel, variant), timed_args(s, variant), args.iters, False)
+      nbytes = BK * s * (2 * dm.Q + (0 if variant == "codes" else 2 * dm.OUTLIERS))
+      row.update(kernel_us=core_ms * 1e3, call_us=ms * 1e3, bytes=nbytes, tb_per_s=nbytes / core_ms / 1e9,
+                 kernels=kernels)
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+    rows.append(row)
+    print("time", json.dumps(row), flush=True)
+    write_report(args.out, meta, checks, rows)
+  with open(os.path.join(args.out, "oskvp_decode_core_mma.md")) as fh:
+    print(fh.read())
+  print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
