@@ -355,33 +355,29 @@ def _e4m3x2(pair):
   return _asm([_i32()], [arith.trunci(i16, pair)], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")[0]
 
 
-def _tiled_word(ref, nbytes: int, row, col, *, tc: int, sw: int):
-  """nbytes (4 or 8) bytes from a byte tile [R, C] stored tiled (8 × tc) and swizzled (sw bytes), at (row, col):
-  i32 words. row, col are i32 values or ints; col a multiple of nbytes."""
-  ops, index = rg.Mlir(), ir.IndexType.get()
-  as_index = lambda v: arith.index_cast(index, ops.value(v))
-  r8 = ops.band(row, 7)
-  xor = ops.band(ops.shr(ops.mul(r8, tc), 7), sw // 16 - 1) if sw else 0
-  phys = ops.bxor(ops.band(col, tc - 1), ops.shl(xor, 4))
-  elem = ir.MemRefType(ref.type).element_type
-  vec = vector.load(ir.VectorType.get((nbytes,), elem), ref,
-                    [as_index(ops.shr(row, 3)), as_index(ops.div(col, tc)), as_index(r8), as_index(phys)])
-  words = vector.bitcast(ir.VectorType.get((nbytes // 4,), _i32()), vec)
-  return [vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-          for i in range(nbytes // 4)]
+def _load(ref, offset, nbytes: int):
+  """nbytes (2, 4 or 8) at byte `offset` (an i32 value or int) of a shared-memory ref, as one aligned load: a list
+  of i32 words (one i16 for 2 bytes). Explicit alignment: a vector.load of i8 elements may be split into bytes."""
+  i64, i16 = ir.IntegerType.get_signless(64), ir.IntegerType.get_signless(16)
+  offset = mgpu.utils.c(offset, i64) if isinstance(offset, int) else arith.extui(i64, offset)
+  ptr = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(ref), [offset], ir.IntegerType.get_signless(8))
+  if nbytes == 2:
+    return [llvm.load(i16, ptr, alignment=2)]
+  if nbytes == 4:
+    return [llvm.load(_i32(), ptr, alignment=4)]
+  pair = llvm.load(ir.VectorType.get((2,), _i32()), ptr, alignment=8)
+  return [vector.extract(pair, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])) for i in range(2)]
 
 
-def _plain_word(ref, nbytes: int, row, col):
-  """nbytes bytes of an untiled 2-D ref at (row, col) -> i32 words (col in elements)."""
-  ops, index = rg.Mlir(), ir.IndexType.get()
-  elem = ir.MemRefType(ref.type).element_type
-  per = nbytes * 8 // mgpu.utils.bitwidth(elem)
-  vec = vector.load(ir.VectorType.get((per,), elem), ref,
-                    [arith.index_cast(index, ops.value(row)), arith.index_cast(index, ops.value(col))])
-  words = vector.bitcast(ir.VectorType.get((max(nbytes // 4, 1),), _i32() if nbytes >= 4 else
-                                           ir.IntegerType.get_signless(8 * nbytes)), vec)
-  return [vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-          for i in range(max(nbytes // 4, 1))]
+def tile_offset(ops, row, col, width: int, sw: int):
+  """Byte offset of (row, col) in a byte tile [R, width] that TMA stored in tiles of 8 × width rows, swizzled by
+  sw bytes (the 16-byte chunk index XOR-ed with address bits 7+ of the row within its tile)."""
+  xor = ops.band(ops.shr(ops.mul(ops.band(row, 7), width), 7), sw // 16 - 1)
+  return ops.add(ops.mul(row, width), ops.bxor(col, ops.shl(xor, 4)))
+
+
+def _tiled_word(ref, nbytes: int, row, col, *, width: int, sw: int):
+  return _load(ref, tile_offset(rg.Mlir(), row, col, width, sw), nbytes)
 
 
 def _scalars(arr) -> list:
@@ -412,7 +408,7 @@ ACC_SHAPE = (512, N)
 MISC_SHAPE = (64, N)
 
 
-def _step(outliers: bool, ragged: bool):
+def _step(outliers: bool, ragged: bool, qo_width: int):
   """One pipeline step of one program: the inline Mosaic function (see `_kernel`)."""
   wg = plgpu.Layout.WGMMA
   ref = plgpu.RefType
@@ -439,16 +435,16 @@ def _step(outliers: bool, ragged: bool):
     # key scores: qd's A fragment (rows g; 8..15 zero) per k-step p
     qa = []
     for p in range(PLANES):
-      w0, = _tiled_word(q_ref, 4, g, ops.add(p * Q, ops.shl(t, 3)), tc=128, sw=128)
-      w1, = _tiled_word(q_ref, 4, g, ops.add(p * Q + 4, ops.shl(t, 3)), tc=128, sw=128)
+      w0, = _tiled_word(q_ref, 4, g, ops.add(p * Q, ops.shl(t, 3)), width=128, sw=128)
+      w1, = _tiled_word(q_ref, 4, g, ops.add(p * Q + 4, ops.shl(t, 3)), width=128, sw=128)
       qa.append((w0, zi, w1, zi))
     scale = memref.load(qs_ref, [arith.index_cast(ir.IndexType.get(), g)])
     if outliers:
-      qo_a, = _plain_word(qo_ref, 4, g, ops.shl(t, 1))
+      qo_a, = _load(qo_ref, ops.add(ops.mul(g, 2 * qo_width), ops.shl(t, 2)), 4)  # qo f16 [8, W]: row g, 2t, 2t + 1
     scores = []  # per n-tile: (s of column 2t, s of column 2t + 1), f32
     for nt in range(4):
       row, col = key_code_source(ops, nt, warp, g, t)
-      words = _tiled_word(k_ref, 8, row, col, tc=Q, sw=Q)
+      words = _tiled_word(k_ref, 8, row, col, width=Q, sw=Q)
       c = [zi] * 4
       for p in range(PLANES):
         b = [ops.band(ops.shr(w, 2 * p) if p else w, 0x03030303) for w in words]
@@ -456,7 +452,7 @@ def _step(outliers: bool, ragged: bool):
       s = [arith.mulf(arith.sitofp(f32, c[e]), scale) for e in range(2)]
       if outliers:
         orow, ocol = key_outlier_source(ops, nt, warp, g, t)
-        pair, = _plain_word(ko_ref, 2, orow, ocol)
+        pair, = _load(ko_ref, ops.add(ops.shl(orow, 4), ocol), 2)  # ko fp8 [64, 16]
         pair = arith.extui(i32, pair)
         s = mma("m16n8k8", "f16", [qo_a, zi], [_e4m3x2(pair)], [s[0], s[1], zf, zf])[:2]
       scores.append(s)
@@ -513,7 +509,7 @@ def _step(outliers: bool, ragged: bool):
       for hr in range(2):
         for ht in range(2):
           row, col = value_code_source(ops, half, hr, ht, warp, g, t)
-          words[hr, ht], = _tiled_word(v_ref, 4, row, col, tc=BLOCK_S, sw=128)
+          words[hr, ht], = _tiled_word(v_ref, 4, row, col, width=BLOCK_S, sw=128)
       for p in range(PLANES):
         plane = lambda w: ops.band(ops.shr(w, 2 * p) if p else w, 0x03030303)
         a = [plane(words[0, 0]), plane(words[1, 0]), plane(words[0, 1]), plane(words[1, 1])]
@@ -525,7 +521,7 @@ def _step(outliers: bool, ragged: bool):
       c = [acc_o[0], acc_o[1], zf, zf]
       for st in range(2):
         row, col = value_outlier_source(ops, st, warp, g, t)
-        word, = _tiled_word(vo_ref, 4, row, col, tc=BLOCK_S, sw=128)
+        word, = _tiled_word(vo_ref, 4, row, col, width=BLOCK_S, sw=128)
         a = [_e4m3x2(word), zi, _e4m3x2(ops.shr(word, 16)), zi]
         b = [_f16x2(*pf[2 * st]), _f16x2(*pf[2 * st + 1])]
         c = mma("m16n8k16", "f16", a, b, c)
@@ -536,14 +532,23 @@ def _step(outliers: bool, ragged: bool):
   return step
 
 
+def acc_row(ops, ch):
+  """Channel -> row of the wgmma core's ACC order (`oskvp_value_sums_mgpu.acc_rows` at Q = 32: channel
+  [p2, p1, w, i] = [2, 2, 4, 8] -> row [p2, w, p1, i]), so that the output is `decode_core_splits`'s."""
+  p2, p1 = ops.band(ch, 64), ops.band(ops.shr(ch, 5), 1)
+  return ops.add(ops.add(p2, ops.shl(ops.band(ops.shr(ch, 3), 3), 4)), ops.add(ops.shl(p1, 3), ops.band(ch, 7)))
+
+
 def _finish(outliers: bool):
-  """After the pipeline: the thread's state -> the program's output tiles in shared memory (o [4, H, 8] channel
-  order, ml [4, 32]: m in [0, 8), l in [8, 16), oo [4, 8 heads, 8 channels])."""
+  """After the pipeline: the four warps' states merged by log-sum-exp into the program's output tiles in shared
+  memory (o [H, 8] in ACC row order, ml [32]: m in [0, 8), l in [8, 16), oo [8 heads, 8 channels]), through x [64]
+  (the warps' m and l) and five warpgroup barriers; the warps add their weighted sums into o and oo in turn."""
   wg = plgpu.Layout.WGMMA
-  arg_types = (wg, wg, wg, wg, plgpu.RefType(), plgpu.RefType()) + ((plgpu.RefType(),) if outliers else ())
+  arg_types = (wg, wg, wg, wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()) + \
+      ((plgpu.RefType(),) if outliers else ())
 
   @plgpu.inline_mgpu(arg_types=arg_types)
-  def finish(_, acc_i, acc_f, misc, li, o_ref, ml_ref, *rest):
+  def finish(_, acc_i, acc_f, misc, li, o_ref, ml_ref, x_ref, *rest):
     ops, f32, index = rg.Mlir(), _f32(), ir.IndexType.get()
     as_index = lambda v: arith.index_cast(index, ops.value(v))
     warp, lane = rg.thread_coords(ops)
@@ -554,24 +559,62 @@ def _finish(outliers: bool):
     l = arith.addf(l_f, arith.sitofp(f32, li[0]))
     l = arith.addf(l, _shfl_bfly(l, 1))
     l = arith.addf(l, _shfl_bfly(l, 2))
+    is_first = lambda v: arith.cmpi(arith.CmpIPredicate.eq, v, ops.value(0))
+
+    def when(cond, fn):
+      if_op = scf.IfOp(cond)
+      with ir.InsertionPoint(if_op.then_block):
+        fn()
+        scf.yield_([])
+
+    def publish():
+      memref.store(m, x_ref, [as_index(ops.add(ops.shl(warp, 3), g))])
+      memref.store(l, x_ref, [as_index(ops.add(32, ops.add(ops.shl(warp, 3), g)))])
+
+    when(is_first(t), publish)
+    mgpu.utils.warpgroup_barrier()
+
+    def weight(head):  # (the program's max of head, this warp's weight 2^(m_w − max))
+      ms = [memref.load(x_ref, [as_index(ops.add(8 * v, head))]) for v in range(WARPS)]
+      top = functools.reduce(arith.maximumf, ms)
+      return top, _ex2(arith.subf(memref.load(x_ref, [as_index(ops.add(ops.shl(warp, 3), head))]), top))
+
+    cols = [weight(ops.shl(t, 1))[1], weight(ops.add(ops.shl(t, 1), 1))[1]]
+    top_g, own = weight(g)
     vec2 = ir.VectorType.get((2,), f32)
-    for p in range(PLANES):
-      for half in range(2):
-        mt = 2 * p + half
-        for hr in range(2):  # c0, c1: channel row g; c2, c3: row 8 + g; columns (heads) 2t, 2t + 1
-          ch = ops.add(p * Q + 16 * half + 8 * hr, g)
-          val = vector.from_elements(vec2, total[4 * mt + 2 * hr:4 * mt + 2 * hr + 2])
-          vector.store(val, o_ref, [as_index(warp), as_index(ch), as_index(ops.shl(t, 1))])
-    first = arith.cmpi(arith.CmpIPredicate.eq, t, ops.value(0))
-    if_op = scf.IfOp(first)
-    with ir.InsertionPoint(if_op.then_block):
-      memref.store(m, ml_ref, [as_index(warp), as_index(g)])
-      memref.store(l, ml_ref, [as_index(warp), as_index(ops.add(g, N))])
-      scf.yield_([])
-    if outliers:
-      oo_ref, = rest
-      for e in range(2):  # [head 2t + e, channel g]
-        memref.store(misc[2 + e], oo_ref, [as_index(warp), as_index(ops.add(ops.shl(t, 1), e)), as_index(g)])
+    oo_ref = rest[0] if outliers else None
+    for v in range(WARPS):  # warp v adds its weighted sums to what warps 0..v-1 left
+      def add(v=v):
+        for p in range(PLANES):
+          for half in range(2):
+            mt = 2 * p + half
+            for hr in range(2):  # c0, c1: channel row g; c2, c3: row 8 + g; columns (heads) 2t, 2t + 1
+              row = as_index(acc_row(ops, ops.add(p * Q + 16 * half + 8 * hr, g)))
+              col = as_index(ops.shl(t, 1))
+              vals = [arith.mulf(total[4 * mt + 2 * hr + e], cols[e]) for e in range(2)]
+              if v:
+                old = vector.load(vec2, o_ref, [row, col])
+                vals = [arith.addf(vals[e], vector.extract(old, dynamic_position=[],
+                                                           static_position=ir.DenseI64ArrayAttr.get([e])))
+                        for e in range(2)]
+              vector.store(vector.from_elements(vec2, vals), o_ref, [row, col])
+        if outliers:
+          for e in range(2):  # [head 2t + e, channel g]
+            idx = [as_index(ops.add(ops.shl(t, 1), e)), as_index(g)]
+            val = arith.mulf(misc[2 + e], cols[e])
+            memref.store(arith.addf(val, memref.load(oo_ref, idx)) if v else val, oo_ref, idx)
+
+        def head_sums():
+          lw = arith.mulf(l, own)
+          idx = [as_index(ops.add(g, N))]
+          memref.store(arith.addf(lw, memref.load(ml_ref, idx)) if v else lw, ml_ref, idx)
+          if not v:
+            memref.store(top_g, ml_ref, [as_index(g)])
+
+        when(is_first(t), head_sums)
+
+      when(arith.cmpi(arith.CmpIPredicate.eq, warp, ops.value(v)), add)
+      mgpu.utils.warpgroup_barrier()
 
   return finish
 
@@ -585,10 +628,10 @@ def _misc_init() -> jax.Array:
 
 
 def _kernel(*refs, q_smem, qs_smem, bar, qo_smem=None, steps: int, max_concurrent_steps: int, ablate: str,
-            ragged: bool, outliers: bool):
+            ragged: bool, outliers: bool, qo_width: int):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (scales, length at
-  # 8); with outliers ko_ref fp8 [BK, S/2, 16], vo_ref fp8 [BK, 8, S], qo_ref f16 [BK, 8, 16]. acc_out f32 [BK,
-  # splits, 4, H, 8]; ml_out f32 [BK, splits, 4, 32]; acco_out f32 [BK, splits, 4, 8, 8].
+  # 8); with outliers ko_ref fp8 [BK, S/2, 16], vo_ref fp8 [BK, 8, S], qo_ref f16 [BK, 8, 8 or 16]. acc_out f32
+  # [BK, splits, H, 8] (ACC row order); ml_out f32 [BK, splits, 32]; acco_out f32 [BK, splits, 8, 8].
   if outliers:
     kc_ref, vc_ref, qd_ref, qs_ref, ko_ref, vo_ref, qo_ref, acc_out, ml_out, acco_out = refs
   else:
@@ -613,7 +656,7 @@ def _kernel(*refs, q_smem, qs_smem, bar, qo_smem=None, steps: int, max_concurren
           plgpu.layout_cast(jnp.zeros(ACC_SHAPE, jnp.float32), wg),
           _misc_init(),
           plgpu.layout_cast(jnp.zeros(MISC_SHAPE, jnp.int32), wg))
-  step = _step(outliers, ragged)
+  step = _step(outliers, ragged, qo_width)
 
   def body(idx, k_smem, v_smem, *rest):
     ko, vo, carry = rest if outliers else (None, None, rest[0])
@@ -628,8 +671,8 @@ def _kernel(*refs, q_smem, qs_smem, bar, qo_smem=None, steps: int, max_concurren
   state = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=max_concurrent_steps,
                               init_carry=init)(*srcs)
 
-  def store(o_smem, ml_smem, *oo):
-    _finish(outliers)(*state, o_smem, ml_smem, *oo)
+  def store(o_smem, ml_smem, x_smem, *oo):
+    _finish(outliers)(*state, o_smem, ml_smem, x_smem, *oo)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
     plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
@@ -637,15 +680,56 @@ def _kernel(*refs, q_smem, qs_smem, bar, qo_smem=None, steps: int, max_concurren
       plgpu.copy_smem_to_gmem(oo[0], acco_out.at[bk, sp])
     plgpu.wait_smem_to_gmem(0)
 
-  pl.run_scoped(store, plgpu.SMEM((WARPS, 4 * Q, N), jnp.float32), plgpu.SMEM((WARPS, 32), jnp.float32),
-                *([plgpu.SMEM((WARPS, N, OUTLIERS), jnp.float32)] if outliers else []))
+  pl.run_scoped(store, plgpu.SMEM((4 * Q, N), jnp.float32), plgpu.SMEM((32,), jnp.float32),
+                plgpu.SMEM((64,), jnp.float32), *([plgpu.SMEM((N, OUTLIERS), jnp.float32)] if outliers else []))
 
 
 def _check_inputs(kcodes, vcodes, qd, qs, splits, max_concurrent_steps):
-  bk, s, q = dc._check_inputs(kcodes, vcodes, qd, qs, 128, splits, max_concurrent_steps)
+  bk, s, q = dc._check_inputs(kcodes, vcodes, qd, qs, BLOCK_S, splits, max_concurrent_steps)  # pylint: disable=protected-access
   if q != Q:
     raise ValueError(f"code bytes per token Q={q}: decode_core_mma takes H = 128 (Q = {Q}) only")
   return bk, s, q
+
+
+def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, splits: int,
+               max_concurrent_steps: int, ablate: str, ragged: bool):
+  """The kernel on prepared inputs (`dc._core_call`'s, qo f16 [BK, 8, 8 or 16]) -> (acc f32 [BK, splits, H, 8] in
+  ACC row order, ml f32 [BK, splits, 32], acco f32 [BK, splits, 8, 8] ([head, channel]) with outliers)."""
+  bk, s, q = kcodes.shape
+  outliers = kout2 is not None
+  body = functools.partial(_kernel, steps=s // (splits * BLOCK_S), max_concurrent_steps=max_concurrent_steps,
+                           ablate=ablate, ragged=ragged, outliers=outliers,
+                           qo_width=qo.shape[-1] if outliers else 0)
+  out_type = (jax.ShapeDtypeStruct((bk, splits, 4 * q, N), jnp.float32),
+              jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
+  scratch = dict(q_smem=plgpu.SMEM((N, 4 * q), jnp.int8, transforms=ks.swizzled(128)),
+                 qs_smem=plgpu.SMEM((dc.QS_SLOTS,), jnp.float32),
+                 bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1))
+  args = (kcodes, vcodes, qd, qs_row)
+  if outliers:
+    out_type += (jax.ShapeDtypeStruct((bk, splits, N, OUTLIERS), jnp.float32),)
+    scratch["qo_smem"] = plgpu.SMEM(qo.shape[1:], jnp.float16)
+    args += (kout2, vout, qo)
+  kernel = plgpu.kernel(body, out_type=out_type, grid=(bk, splits), grid_names=("bk", "split"),
+                        scratch_types=scratch,
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+  return kernel(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "max_concurrent_steps"))
+def decode_core_mma_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_row: jax.Array,
+                           kout: jax.Array, vout: jax.Array, qo16: jax.Array, *, splits: int = 16,
+                           max_concurrent_steps: int = 2):
+  """`dc.decode_core_splits` (the same arguments and outputs, one value-outlier part) on the warp-level core: for
+  the wired path's Pallas epilogue, which merges the splits and the residual window."""
+  bk, s, _ = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], splits, max_concurrent_steps)
+  if qs_row.shape != (bk, dc.QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
+      or qo16.shape != (bk, N, 2 * OUTLIERS):
+    raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, vout {vout.shape}, qo16 {qo16.shape} must be "
+                     f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
+  acc, ml, acco = _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
+                             splits=splits, max_concurrent_steps=max_concurrent_steps, ablate="", ragged=True)
+  return acc, ml, acco[:, :, None]
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "max_concurrent_steps", "ablate", "return_lse2"))
@@ -670,27 +754,9 @@ def decode_core_mma(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax
   qs_row = jnp.pad(qs, ((0, 0), (0, dc.QS_SLOTS - N)))
   if lengths is not None:
     qs_row = qs_row.at[:, dc.LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
-  steps = s // (splits * BLOCK_S)
-  body = functools.partial(_kernel, steps=steps, max_concurrent_steps=max_concurrent_steps, ablate=ablate,
-                           ragged=lengths is not None, outliers=outliers)
-  out_type = (jax.ShapeDtypeStruct((bk, splits, WARPS, 4 * q, N), jnp.float32),
-              jax.ShapeDtypeStruct((bk, splits, WARPS, 32), jnp.float32))
-  if outliers:
-    out_type += (jax.ShapeDtypeStruct((bk, splits, WARPS, N, OUTLIERS), jnp.float32),)
-  kernel = plgpu.kernel(
-      body, out_type=out_type, grid=(bk, splits), grid_names=("bk", "split"),
-      scratch_types=dict(q_smem=plgpu.SMEM((N, 4 * q), jnp.int8, transforms=ks.swizzled(128)),
-                         qs_smem=plgpu.SMEM((dc.QS_SLOTS,), jnp.float32),
-                         bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1),
-                         **(dict(qo_smem=plgpu.SMEM((N, OUTLIERS), jnp.float16)) if outliers else {})),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
-  args = (kcodes, vcodes, qd, qs_row)
-  if outliers:
-    args += (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo)
-  res = kernel(*args)
-  acc = res[0].reshape(bk, splits * WARPS, 4 * q, N)
-  ml = res[1].reshape(bk, splits * WARPS, 32)
-  acco = res[2].reshape(bk, splits * WARPS, N, OUTLIERS) if outliers else None
-  mean, mean_o, lse2 = dc.merge_splits(acc, ml, acco)
-  outs = (mean,) + ((mean_o,) if outliers else ()) + ((lse2,) if return_lse2 else ())
+  extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo) if outliers else ()
+  res = _core_call(kcodes, vcodes, qd, qs_row, *extra, splits=splits, max_concurrent_steps=max_concurrent_steps,
+                   ablate=ablate, ragged=lengths is not None)
+  mean, mean_o, lse2 = dc.merge_splits(res[0], res[1], res[2] if outliers else None)
+  outs = (vs.channel_rows(mean, q, 2),) + ((mean_o,) if outliers else ()) + ((lse2,) if return_lse2 else ())
   return outs[0] if len(outs) == 1 else outs

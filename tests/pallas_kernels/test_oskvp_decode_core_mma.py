@@ -13,6 +13,7 @@ import pytest
 from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_decode_core_mma as dm
+from pallas_kernels import oskvp_value_sums_mgpu as vs
 from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
 
 Q = dm.Q
@@ -57,6 +58,14 @@ def test_the_key_scores_accumulator_is_the_value_sums_operand():
     assert toks == [4 * t, 4 * t + 1, 4 * t + 2, 4 * t + 3, 16 + 4 * t, 17 + 4 * t, 18 + 4 * t, 19 + 4 * t]
   cols = sorted(dm.key_token(rg.Ints, nt, n) for nt in range(4) for n in range(8))
   assert cols == list(range(32))  # every token of the warp scored once
+
+
+def test_output_rows_are_the_wgmma_cores_acc_order():
+  """The kernel stores channel ch at row acc_row(ch): the wgmma core's ACC order, so that the wired path's
+  epilogue reads either core's output."""
+  rows = [dm.acc_row(rg.Ints, ch) for ch in range(4 * Q)]
+  assert sorted(rows) == list(range(4 * Q))
+  np.testing.assert_array_equal(vs.acc_row_channels(Q)[rows], np.arange(4 * Q))
 
 
 def test_warp_order_and_the_model_against_the_exact_softmax():
