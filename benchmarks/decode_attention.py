@@ -180,11 +180,12 @@ def uniform_args(key, b, s):
   return tuple(a)
 
 
-def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", max_splits: int | None = None):
+def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", max_splits: int | None = None,
+                   core: str = "wgmma"):
   """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue,
-  value_outliers and max_splits as in `uniform_decode_attention`."""
+  value_outliers, max_splits and core as in `uniform_decode_attention`."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
-  return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits)
+  return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits, core=core)
 
 
 def token_major(a):
@@ -194,7 +195,7 @@ def token_major(a):
   return tuple(a)
 
 
-def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_stacked"):
+def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_stacked", core: str = "wgmma"):
   """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4)."""
   out = []
   for b, s, n_comp, n_res in ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64))):
@@ -202,11 +203,12 @@ def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_sta
     a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(n_res, jnp.int32)
     case = f"B={b} S={s} n_comp={n_comp} n_res={n_res}"
     try:
-      got = jax.jit(functools.partial(mosaic_uniform, glue=glue, value_outliers=value_outliers))(*a)
+      got = jax.jit(functools.partial(mosaic_uniform, glue=glue, value_outliers=value_outliers, core=core))(*a)
       got = got.astype(jnp.float32)
       want = jax.jit(oskvp_decode_attention_reference)(*token_major(a)).astype(jnp.float32)
       rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-      out.append(dict(case=case, config=f"mosaic_uniform glue={glue} value_outliers={value_outliers}", rel_err=rel,
+      out.append(dict(case=case, config=f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core}",
+                      rel_err=rel,
                       nan=bool(jnp.isnan(got).any())))
     except Exception as e:  # pylint: disable=broad-except
       out.append(dict(case=case, config="mosaic_uniform", error=repr(e)[:600]))
@@ -291,6 +293,8 @@ def main():
                   help="--mosaic_grid without the Triton bit-plane rows (the wired path and cuDNN only)")
   ap.add_argument("--mosaic_max_splits", default="auto",
                   help="comma-separated max_splits of the wired path timed in --mosaic_grid (auto: sized for B·K)")
+  ap.add_argument("--mosaic_core", default="wgmma",
+                  help="comma-separated cores of the wired path timed in --mosaic_grid (wgmma, mma)")
   ap.add_argument("--mosaic_value_outliers", default="fp8_stacked",
                   help="comma-separated value-outlier forms of the core timed in --mosaic_grid (fp8, fp8_stacked, f16)")
   args = ap.parse_args()
@@ -314,8 +318,10 @@ def main():
     if copy_span_tbs:
       log(f"by GPU span: copy {copy_span_tbs:.2f} TB/s, read-only sum {read_span_tbs:.2f} TB/s")
   if args.mosaic_grid:
-    checks = [c for glue, form in itertools.product(args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","))
-              for c in check_mosaic_uniform(log, glue, form)]
+    checks = [c for glue, form, core in itertools.product(args.mosaic_glue.split(","),
+                                                          args.mosaic_value_outliers.split(","),
+                                                          args.mosaic_core.split(","))
+              for c in check_mosaic_uniform(log, glue, form, core)]
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
       return 1
@@ -449,15 +455,17 @@ def main():
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
-        for glue, form, ms in itertools.product(args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","),
-                                                args.mosaic_max_splits.split(",")):
+        for glue, form, ms, core in itertools.product(args.mosaic_glue.split(","),
+                                                      args.mosaic_value_outliers.split(","),
+                                                      args.mosaic_max_splits.split(","), args.mosaic_core.split(",")):
           attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
-                  + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}"), b, s,
+                  + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}")
+                  + ("" if core == "wgmma" else f"_{core}"), b, s,
                   functools.partial(mosaic_uniform, glue=glue, value_outliers=form,
-                                    max_splits=None if ms == "auto" else int(ms)),
+                                    max_splits=None if ms == "auto" else int(ms), core=core),
                   lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
                   f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={glue}, value_outliers={form}, "
-                  f"max_splits={ms}")
+                  f"max_splits={ms}, core={core}")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import oskvp_decode_core_mgpu as dc
+from pallas_kernels import oskvp_decode_core_mma as dm
 from pallas_kernels import oskvp_key_scores_mgpu as ks
 from pallas_kernels import oskvp_uniform_epilogue as epi
 from pallas_kernels import oskvp_uniform_prologue as pro
@@ -143,11 +144,11 @@ def resolved_glue(glue: str, window: int, splits: int, head_dim: int) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "max_concurrent_steps", "glue", "value_outliers",
-                                             "max_splits"))
+                                             "max_splits", "core"))
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,
-                             max_splits: int | None = None) -> jax.Array:
+                             max_splits: int | None = None, core: str = "wgmma") -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -174,6 +175,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     glue: "auto", "pallas" or "xla" (see above).
     value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
     max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K).
+    core: "wgmma" (`oskvp_decode_core_mgpu`) or "mma" (`oskvp_decode_core_mma`, warp-level: H = 128, 128-token
+      blocks, the Pallas glue, GPU only; value_outliers does not apply).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -191,15 +194,25 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                      "S a multiple of 64)")
   block_s, splits = tiling
   glue = resolved_glue(glue, res_k.shape[2], splits, h)
+  if core not in ("wgmma", "mma"):
+    raise ValueError(f"core={core!r} must be 'wgmma' or 'mma'")
+  if core == "mma" and (glue != "pallas" or block_s != dm.BLOCK_S or h != 4 * dm.Q or interpret):
+    raise ValueError(f"core='mma' takes the Pallas glue (here {glue!r}), blocks of {dm.BLOCK_S} tokens (capacity "
+                     f"S={s}), H={4 * dm.Q} (here {h}) and a GPU (interpret={interpret})")
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
   q_rot = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]
   if glue == "pallas":
     qd, qs_row, qo16, qc = pro.prologue(q_rot, cb_k, scale_k, n_comp, interpret=interpret)
-    acc, ml, acco = dc.decode_core_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row), rows(outl_k),
-                                          rows(outl_v_t), rows(qo16), block_s=block_s, splits=splits,
-                                          max_concurrent_steps=ring, interpret=interpret,
-                                          value_outliers=value_outliers)
+    if core == "mma":
+      acc, ml, acco = dm.decode_core_mma_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row),
+                                                rows(outl_k), rows(outl_v_t), rows(qo16), splits=splits,
+                                                max_concurrent_steps=ring)
+    else:
+      acc, ml, acco = dc.decode_core_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row), rows(outl_k),
+                                            rows(outl_v_t), rows(qo16), block_s=block_s, splits=splits,
+                                            max_concurrent_steps=ring, interpret=interpret,
+                                            value_outliers=value_outliers)
     per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
     o = epi.epilogue(per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res,
                      interpret=interpret)  # [B, K, 16, H], rotated: rows G.. are dropped after U_vᵀ (one kernel less)

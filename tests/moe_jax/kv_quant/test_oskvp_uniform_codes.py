@@ -253,3 +253,18 @@ def test_layer_cache_takes_the_triton_path_off_hopper(monkeypatch):
   o_x, _ = extend(dataclasses.replace(c, implementation="xla"), q, kv[0], kv[1])
   assert impls[0] == "pallas"
   np.testing.assert_allclose(np.asarray(o_p), np.asarray(o_x), rtol=1e-6, atol=1e-6)
+
+
+def test_the_warp_level_core_is_refused_where_it_does_not_apply():
+  """core="mma" (`oskvp_decode_core_mma`, GPU only; its lowering is tested with the kernel) is refused by name in
+  interpret mode and with the XLA glue; an unknown core likewise."""
+  c = _cache()
+  q = jnp.zeros((B, K * 4, H))
+  args = (q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k,
+          c.res_v, c.n_comp, c.n_res)
+  with pytest.raises(ValueError, match="core='mma'.*interpret=True"):
+    uc.uniform_decode_attention(*args, interpret=True, core="mma")
+  with pytest.raises(ValueError, match="core='mma'.*glue.*'xla'"):
+    uc.uniform_decode_attention(*args, glue="xla", core="mma")
+  with pytest.raises(ValueError, match="core="):
+    uc.uniform_decode_attention(*args, core="tcgen05")
