@@ -401,35 +401,60 @@ def _fragment(values: list, like_shape: tuple[int, int], dtype) -> mgpu.Fragment
                               _is_signed=True if jnp.issubdtype(dtype, jnp.integer) else None)
 
 
-# The carried state of a thread: acc_i int32 [32] (the value sums of the current max: 8 m-tiles × 4), acc_f f32
-# [32] (the flushed sums, relative to m), misc f32 [4] (m of head g, l_f, acc_o of heads 2t, 2t + 1), li int32 [4]
-# (l_i, unused). Carried as WGMMA-layout arrays of these shapes.
+# The carried state of a thread: acc_i int32 [32] (the value sums since the running max last grew: 8 m-tiles × 4),
+# misc f32 [4] (m of head g, l_f, acc_o of heads 2t, 2t + 1), li int32 [4] (l_i, unused), carried as WGMMA-layout
+# arrays of these shapes; and in shared memory af f32 [4 warps · 32 · 32 lanes] (the flushed sums, relative to m:
+# touched only when the max grows, so kept out of the registers).
 ACC_SHAPE = (512, N)
 MISC_SHAPE = (64, N)
+
+
+FLUSHED = WARPS * 32 * 32  # f32 words of af
+
+
+def _flushed_index(warp, lane):
+  """Index of the thread's i-th flushed sum in af (lanes contiguous: conflict-free), as a function of i."""
+  ops = rg.Mlir()
+  base = ops.add(ops.shl(warp, 10), lane)
+  return lambda i: arith.index_cast(ir.IndexType.get(), ops.add(base, 32 * i))
+
+
+def _zero_flushed():
+  """Before the pipeline: the thread's 32 flushed sums = 0."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def zero(_, af_ref):
+    warp, lane = rg.thread_coords(rg.Mlir())
+    af_index = _flushed_index(warp, lane)
+    for i in range(32):
+      memref.store(mgpu.utils.c(0.0, _f32()), af_ref, [af_index(i)])
+
+  return zero
 
 
 def _step(outliers: bool, ragged: bool, qo_width: int):
   """One pipeline step of one program: the inline Mosaic function (see `_kernel`)."""
   wg = plgpu.Layout.WGMMA
   ref = plgpu.RefType
-  arg_types = [ref(ks.swizzled(Q)), ref(ks.swizzled(BLOCK_S)), ref(ks.swizzled(128)), ref(), wg, wg, wg, wg]
+  arg_types = [ref(ks.swizzled(Q)), ref(ks.swizzled(BLOCK_S)), ref(ks.swizzled(128)), ref(), ref(), wg, wg, wg]
   if outliers:
     arg_types += [ref(), ref(ks.swizzled(BLOCK_S)), ref()]
   if ragged:
     arg_types += [wg]
-  ret = (plgpu.ShapeDtypeStruct(ACC_SHAPE, jnp.int32, wg), plgpu.ShapeDtypeStruct(ACC_SHAPE, jnp.float32, wg),
-         plgpu.ShapeDtypeStruct(MISC_SHAPE, jnp.float32, wg), plgpu.ShapeDtypeStruct(MISC_SHAPE, jnp.int32, wg))
+  ret = (plgpu.ShapeDtypeStruct(ACC_SHAPE, jnp.int32, wg), plgpu.ShapeDtypeStruct(MISC_SHAPE, jnp.float32, wg),
+         plgpu.ShapeDtypeStruct(MISC_SHAPE, jnp.int32, wg))
 
   @plgpu.inline_mgpu(arg_types=tuple(arg_types), return_type=ret)
-  def step(_, k_ref, v_ref, q_ref, qs_ref, acc_i, acc_f, misc, li, *rest):
+  def step(_, k_ref, v_ref, q_ref, qs_ref, af_ref, acc_i, misc, li, *rest):
     ops, i32, f32 = rg.Mlir(), _i32(), _f32()
     ko_ref, vo_ref, qo_ref = rest[:3] if outliers else (None, None, None)
     first = rest[-1] if ragged else None
     warp, lane = rg.thread_coords(ops)
     g, t = ops.shr(lane, 2), ops.band(lane, 3)
-    acc_i, acc_f, misc, li = _scalars(acc_i), _scalars(acc_f), _scalars(misc), _scalars(li)
+    acc_i, misc, li = _scalars(acc_i), _scalars(misc), _scalars(li)
     m, l_f, acc_o = misc[0], misc[1], misc[2:4]
     l_i = li[0]
+    af_index = _flushed_index(warp, lane)
     zi, zf = ops.value(0), mgpu.utils.c(0.0, f32)
 
     # key scores: qd's A fragment (rows g; 8..15 zero) per k-step p
@@ -456,15 +481,26 @@ def _step(outliers: bool, ragged: bool, qo_width: int):
         pair = arith.extui(i32, pair)
         s = mma("m16n8k8", "f16", [qo_a, zi], [_e4m3x2(pair)], [s[0], s[1], zf, zf])[:2]
       scores.append(s)
-    if ragged:  # tokens at or past the row's length score MASKED
+    if ragged:  # tokens at or past the row's length score MASKED; only a block reaching past it pays for the mask
       n_valid = arith.fptosi(i32, memref.load(qs_ref, [arith.index_cast(ir.IndexType.get(), ops.value(dc.LEN_SLOT))]))
-      base = ops.add(_scalars(first)[0], ops.add(ops.shl(warp, 5), ops.shl(t, 2)))
-      masked = mgpu.utils.c(MASKED, f32)
-      for nt in range(4):
-        for e in range(2):
-          tok = ops.add(base, 16 * (nt >> 1) + 2 * (nt & 1) + e)
-          ok = arith.cmpi(arith.CmpIPredicate.slt, tok, n_valid)
-          scores[nt][e] = arith.select(ok, scores[nt][e], masked)
+      first = _scalars(first)[0]
+      flat = [x for pair in scores for x in pair]
+      partial = arith.cmpi(arith.CmpIPredicate.sgt, ops.add(first, BLOCK_S), n_valid)
+      if_op = scf.IfOp(partial, [f32] * 8, has_else=True)
+      with ir.InsertionPoint(if_op.then_block):
+        base = ops.add(first, ops.add(ops.shl(warp, 5), ops.shl(t, 2)))
+        masked = mgpu.utils.c(MASKED, f32)
+        out = []
+        for nt in range(4):
+          for e in range(2):
+            tok = ops.add(base, 16 * (nt >> 1) + 2 * (nt & 1) + e)
+            ok = arith.cmpi(arith.CmpIPredicate.slt, tok, n_valid)
+            out.append(arith.select(ok, flat[2 * nt + e], masked))
+        scf.yield_(out)
+      with ir.InsertionPoint(if_op.else_block):
+        scf.yield_(flat)
+      res = list(if_op.results)
+      scores = [res[2 * nt:2 * nt + 2] for nt in range(4)]
 
     # the block max per head (the quad's 4 threads), and the flush when it exceeds the running max
     bmax = scores[0][0]
@@ -474,20 +510,23 @@ def _step(outliers: bool, ragged: bool, qo_width: int):
     bmax = arith.maximumf(bmax, _shfl_bfly(bmax, 2))
     grow = _vote_any(arith.extui(i32, arith.cmpf(arith.CmpFPredicate.OGT, bmax, m)))
     flush = arith.cmpi(arith.CmpIPredicate.ne, grow, zi)
-    state = [*acc_i, *acc_f, m, l_f, *acc_o, l_i]
+    state = [*acc_i, m, l_f, *acc_o, l_i]
     if_op = scf.IfOp(flush, [v.type for v in state], has_else=True)
-    with ir.InsertionPoint(if_op.then_block):
+    with ir.InsertionPoint(if_op.then_block):  # the flushed sums live in shared memory (32 registers fewer)
       m_new = arith.maximumf(m, bmax)
       alpha = _ex2(arith.subf(m, m_new))  # head g's; the sums' columns are heads 2t, 2t + 1
       cols = [_shfl_idx(alpha, ops.shl(t, 3)), _shfl_idx(alpha, ops.add(ops.shl(t, 3), 4))]
-      new_f = [arith.mulf(arith.addf(acc_f[i], arith.sitofp(f32, acc_i[i])), cols[i % 2]) for i in range(32)]
+      for i in range(32):
+        idx = [af_index(i)]
+        memref.store(arith.mulf(arith.addf(memref.load(af_ref, idx), arith.sitofp(f32, acc_i[i])), cols[i % 2]),
+                     af_ref, idx)
       new_o = [arith.mulf(acc_o[e], cols[e]) for e in range(2)]
       new_l = arith.mulf(arith.addf(l_f, arith.sitofp(f32, l_i)), alpha)
-      scf.yield_([*[zi] * 32, *new_f, m_new, new_l, *new_o, zi])
+      scf.yield_([*[zi] * 32, m_new, new_l, *new_o, zi])
     with ir.InsertionPoint(if_op.else_block):
       scf.yield_(state)
     res = list(if_op.results)
-    acc_i, acc_f, m, l_f, acc_o, l_i = res[:32], res[32:64], res[64], res[65], res[66:68], res[68]
+    acc_i, m, l_f, acc_o, l_i = res[:32], res[32], res[33], res[34:36], res[36]
 
     # p8 = round(127 · 2^(s − m)); 0 while the split has seen no stored token (m = MASKED)
     m_p = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, m, mgpu.utils.c(0.5 * MASKED, f32)), m,
@@ -526,8 +565,8 @@ def _step(outliers: bool, ragged: bool, qo_width: int):
         b = [_f16x2(*pf[2 * st]), _f16x2(*pf[2 * st + 1])]
         c = mma("m16n8k16", "f16", a, b, c)
       acc_o = c[:2]
-    return (_fragment(acc_i, ACC_SHAPE, jnp.int32), _fragment(acc_f, ACC_SHAPE, jnp.float32),
-            _fragment([m, l_f, *acc_o], MISC_SHAPE, jnp.float32), _fragment([l_i, zi, zi, zi], MISC_SHAPE, jnp.int32))
+    return (_fragment(acc_i, ACC_SHAPE, jnp.int32), _fragment([m, l_f, *acc_o], MISC_SHAPE, jnp.float32),
+            _fragment([l_i, zi, zi, zi], MISC_SHAPE, jnp.int32))
 
   return step
 
@@ -544,18 +583,19 @@ def _finish(outliers: bool):
   memory (o [H, 8] in ACC row order, ml [32]: m in [0, 8), l in [8, 16), oo [8 heads, 8 channels]), through x [64]
   (the warps' m and l) and five warpgroup barriers; the warps add their weighted sums into o and oo in turn."""
   wg = plgpu.Layout.WGMMA
-  arg_types = (wg, wg, wg, wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()) + \
+  arg_types = (wg, wg, wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType()) + \
       ((plgpu.RefType(),) if outliers else ())
 
   @plgpu.inline_mgpu(arg_types=arg_types)
-  def finish(_, acc_i, acc_f, misc, li, o_ref, ml_ref, x_ref, *rest):
+  def finish(_, acc_i, misc, li, af_ref, o_ref, ml_ref, x_ref, *rest):
     ops, f32, index = rg.Mlir(), _f32(), ir.IndexType.get()
     as_index = lambda v: arith.index_cast(index, ops.value(v))
     warp, lane = rg.thread_coords(ops)
     g, t = ops.shr(lane, 2), ops.band(lane, 3)
-    acc_i, acc_f, misc, li = _scalars(acc_i), _scalars(acc_f), _scalars(misc), _scalars(li)
+    acc_i, misc, li = _scalars(acc_i), _scalars(misc), _scalars(li)
     m, l_f = misc[0], misc[1]
-    total = [arith.addf(acc_f[i], arith.sitofp(f32, acc_i[i])) for i in range(32)]
+    af_index = _flushed_index(warp, lane)
+    total = [arith.addf(memref.load(af_ref, [af_index(i)]), arith.sitofp(f32, acc_i[i])) for i in range(32)]
     l = arith.addf(l_f, arith.sitofp(f32, li[0]))
     l = arith.addf(l, _shfl_bfly(l, 1))
     l = arith.addf(l, _shfl_bfly(l, 2))
@@ -627,7 +667,7 @@ def _misc_init() -> jax.Array:
   return jnp.where((col % 2 == 0) & (row % 16 < 8), MASKED, 0.0)
 
 
-def _kernel(*refs, q_smem, qs_smem, bar, qo_smem=None, steps: int, max_concurrent_steps: int, ablate: str,
+def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_concurrent_steps: int, ablate: str,
             ragged: bool, outliers: bool, qo_width: int):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (scales, length at
   # 8); with outliers ko_ref fp8 [BK, S/2, 16], vo_ref fp8 [BK, 8, S], qo_ref f16 [BK, 8, 8 or 16]. acc_out f32
@@ -652,8 +692,8 @@ def _kernel(*refs, q_smem, qs_smem, bar, qo_smem=None, steps: int, max_concurren
               plgpu.BlockSpec((OUTLIERS, BLOCK_S), lambda i: (0, blk(i)), transforms=ks.swizzled(BLOCK_S))]
     srcs += [ko_ref.at[bk, pl.ds(sp * (steps * BLOCK_S // 2), steps * BLOCK_S // 2)], vo_ref.at[bk, :, tokens]]
   wg = plgpu.Layout.WGMMA
+  _zero_flushed()(af_smem)
   init = (plgpu.layout_cast(jnp.zeros(ACC_SHAPE, jnp.int32), wg),
-          plgpu.layout_cast(jnp.zeros(ACC_SHAPE, jnp.float32), wg),
           _misc_init(),
           plgpu.layout_cast(jnp.zeros(MISC_SHAPE, jnp.int32), wg))
   step = _step(outliers, ragged, qo_width)
@@ -666,13 +706,13 @@ def _kernel(*refs, q_smem, qs_smem, bar, qo_smem=None, steps: int, max_concurren
     if ragged:
       first = (sp * steps + idx[0]) * BLOCK_S
       extra += (plgpu.layout_cast(jnp.full(MISC_SHAPE, first, jnp.int32), wg),)
-    return step(k_smem, v_smem, q_smem, qs_smem, *carry, *extra)
+    return step(k_smem, v_smem, q_smem, qs_smem, af_smem, *carry, *extra)
 
   state = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=max_concurrent_steps,
                               init_carry=init)(*srcs)
 
   def store(o_smem, ml_smem, x_smem, *oo):
-    _finish(outliers)(*state, o_smem, ml_smem, x_smem, *oo)
+    _finish(outliers)(*state, af_smem, o_smem, ml_smem, x_smem, *oo)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
     plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
@@ -704,6 +744,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, sp
               jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
   scratch = dict(q_smem=plgpu.SMEM((N, 4 * q), jnp.int8, transforms=ks.swizzled(128)),
                  qs_smem=plgpu.SMEM((dc.QS_SLOTS,), jnp.float32),
+                 af_smem=plgpu.SMEM((FLUSHED,), jnp.float32),
                  bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1))
   args = (kcodes, vcodes, qd, qs_row)
   if outliers:
