@@ -35,10 +35,13 @@ BK = 64
 CHECKS = [(2, 1024, 2, None, False, 4), (3, 2048, 4, None, False, 8), (4, 4096, 2, (1, 127, 1000, 4096), True, 4),
           (2, 8192, 4, (300, 8192), True, 8), (2, 4096, 1, (0, 4095), True, 4)]
 SMOKE_CHECKS = [(1, 256, 2, None, False, 4), (2, 256, 1, (1, 200), True, 8)]
-# S, kernel (mma / mgpu), variant: "wired" (outliers + lengths), "codes", or an ablation of the mma core
-TIMED = [(65536, "mma", "wired"), (65536, "mgpu", "wired"), (65536, "mma", "codes"), (65536, "mgpu", "codes"),
-         (65536, "mma", "no_compute"), (65536, "mma", "l2_resident"), (16384, "mma", "wired"),
-         (16384, "mgpu", "wired"), (131072, "mma", "wired"), (131072, "mgpu", "wired")]
+# S, kernel (mma / mgpu), variant: "wired" (outliers + lengths), "codes", or an ablation of the mma core (16 splits,
+# ring 2; `--timed` sets others)
+TIMED = [(65536, "mma", "wired"), (65536, "mma", "wired+tokens"), (65536, "mgpu", "wired"), (65536, "mma", "codes"),
+         (65536, "mma", "codes+tokens"), (65536, "mgpu", "codes"), (65536, "mma", "no_compute"),
+         (65536, "mma", "l2_resident"), (65536, "mma", "l2_resident+tokens"), (16384, "mma", "wired"),
+         (16384, "mma", "wired+tokens"), (16384, "mgpu", "wired"), (131072, "mma", "wired"),
+         (131072, "mma", "wired+tokens"), (131072, "mgpu", "wired")]
 
 
 def case_args(bk: int, s: int, lengths, outliers: bool, g: int, seed: int):
@@ -48,13 +51,14 @@ def case_args(bk: int, s: int, lengths, outliers: bool, g: int, seed: int):
   return (kc, vc, qd, qs, lengths, *extra)
 
 
-def run_check(case, smoke: bool) -> dict:
+def run_check(case, smoke: bool, key_rows: str = "heads") -> dict:
   bk, s, splits, lengths, outliers, g = case
   args = case_args(bk, s, lengths, outliers, g, bk * s + splits)
-  row = dict(bk=bk, s=s, splits=splits, lengths=lengths, outliers=outliers, g=g)
+  row = dict(bk=bk, s=s, splits=splits, lengths=lengths, outliers=outliers, g=g, key_rows=key_rows)
   as_tuple = lambda x: x if isinstance(x, tuple) else (x,)
   try:
-    got = as_tuple(dm.emulate(*args, splits=splits) if smoke else dm.decode_core_mma(*args, splits=splits))
+    got = as_tuple(dm.emulate(*args, splits=splits) if smoke else
+                   dm.decode_core_mma(*args, splits=splits, key_rows=key_rows))
   except Exception as e:  # pylint: disable=broad-except
     return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
   model = as_tuple(dm.decode_core_mma_reference(*args, splits=splits))
@@ -72,17 +76,20 @@ def run_check(case, smoke: bool) -> dict:
   return res
 
 
-def timed_fn(kernel: str, variant: str, splits: int = 16):
+def timed_fn(kernel: str, variant: str, splits: int = 16, ring: int = 2):
+  """variant: "wired", "codes" or an mma ablation, "+tokens" for the mma core with the tokens as key rows."""
   if kernel == "mma":
-    ablate = variant if variant in dm.ABLATIONS else ""
-    return jax.jit(lambda *a: dm.decode_core_mma(*a, splits=splits, ablate=ablate))
-  return jax.jit(lambda *a: dc.decode_core_mgpu(*a, block_s=128, splits=splits, max_concurrent_steps=2,
+    base, key_rows = variant.split("+")[0], "tokens" if "+tokens" in variant else "heads"
+    ablate = base if base in dm.ABLATIONS else ""
+    return jax.jit(lambda *a: dm.decode_core_mma(*a, splits=splits, max_concurrent_steps=ring, ablate=ablate,
+                                                 key_rows=key_rows))
+  return jax.jit(lambda *a: dc.decode_core_mgpu(*a, block_s=128, splits=splits, max_concurrent_steps=ring,
                                                 value_outliers="fp8_stacked"))
 
 
 def timed_args(s: int, variant: str):
   kc, vc, qd, qs = cb.inputs(0, BK, s)
-  if variant == "codes":
+  if variant.split("+")[0] == "codes":
     return kc, vc, qd, qs
   return (kc, vc, qd, qs, jnp.full((BK,), s, jnp.int32), *cb.outlier_inputs(1, BK, s))
 
@@ -98,13 +105,14 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list) -> None:
            "the mma core, 16 for the wgmma core).", "", "## Checks", ""]
   for c in checks:
     lines.append(f"- {'ok' if c.get('ok') else 'FAILED'} {json.dumps(c)}")
-  lines += ["", "## Timing", "", "| S | core | variant | kernel µs | call µs | TB/s (kernel) |", "|---|---|---|---|---|---|"]
+  lines += ["", "## Timing", "", "| S | core | variant | splits | ring | kernel µs | call µs | TB/s (kernel) |",
+            "|---|---|---|---|---|---|---|---|"]
   for r in rows:
+    head = f"| {r['s']} | {r['kernel']} | {r['variant']} | {r.get('splits', 16)} | {r.get('ring', 2)} |"
     if "error" in r:
-      lines.append(f"| {r['s']} | {r['kernel']} | {r['variant']} | error: {r['error'][:200]} | | |")
+      lines.append(f"{head} error: {r['error'][:200]} | | |")
     else:
-      lines.append(f"| {r['s']} | {r['kernel']} | {r['variant']} | {r['kernel_us']:.1f} | {r['call_us']:.1f} | "
-                   f"{r['tb_per_s']:.2f} |")
+      lines.append(f"{head} {r['kernel_us']:.1f} | {r['call_us']:.1f} | {r['tb_per_s']:.2f} |")
   with open(os.path.join(out_dir, "oskvp_decode_core_mma.md"), "w") as fh:
     fh.write("\n".join(lines) + "\n")
 
@@ -115,27 +123,32 @@ def main(argv=None) -> int:
   ap.add_argument("--smoke", action="store_true", help="CPU: the numpy model against the XLA model; no timing")
   ap.add_argument("--iters", type=int, default=7)
   ap.add_argument("--checks", default="all", choices=("all", "none"))
-  ap.add_argument("--timed", default="", help="S:kernel:variant rows instead of TIMED, comma-separated")
+  ap.add_argument("--timed", default="", help="S:kernel:variant[:splits[:ring]] rows instead of TIMED, "
+                  "comma-separated (splits 16, ring 2 by default)")
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
   meta = kb.run_meta(args.smoke, args.iters)
   checks, rows = [], []
-  for case in (SMOKE_CHECKS if args.smoke else CHECKS) if args.checks == "all" else ():
-    checks.append(run_check(case, args.smoke))
+  orientations = ("heads",) if args.smoke else dm.KEY_ROWS
+  for case, key_rows in [(c, k) for c in (SMOKE_CHECKS if args.smoke else CHECKS) for k in orientations] \
+      if args.checks == "all" else ():
+    checks.append(run_check(case, args.smoke, key_rows))
     print("check", json.dumps(checks[-1]), flush=True)
     write_report(args.out, meta, checks, rows)
   if not all(c["ok"] for c in checks):
     print("CHECK FAILED", flush=True)
     return 1
-  timed = TIMED
+  timed = [(*row, 16, 2) for row in TIMED]
   if args.timed:
-    timed = [(int(a), b, c) for a, b, c in (t.split(":") for t in args.timed.split(","))]
-  for s, kernel, variant in () if args.smoke else timed:
-    row = dict(s=s, kernel=kernel, variant=variant)
+    timed = [(int(f[0]), f[1], f[2], int(f[3]) if len(f) > 3 else 16, int(f[4]) if len(f) > 4 else 2)
+             for f in (t.split(":") for t in args.timed.split(","))]
+  for s, kernel, variant, splits, ring in () if args.smoke else timed:
+    row = dict(s=s, kernel=kernel, variant=variant, splits=splits, ring=ring)
     try:
-      ms, kernels, core_ms = kb.kernel_ms(timed_fn(kernel, variant), timed_args(s, variant), args.iters, False)
-      nbytes = BK * s * (2 * dm.Q + (0 if variant == "codes" else 2 * dm.OUTLIERS))
+      ms, kernels, core_ms = kb.kernel_ms(timed_fn(kernel, variant, splits, ring), timed_args(s, variant),
+                                          args.iters, False)
+      nbytes = BK * s * (2 * dm.Q + (0 if variant.split("+")[0] == "codes" else 2 * dm.OUTLIERS))
       row.update(kernel_us=core_ms * 1e3, call_us=ms * 1e3, bytes=nbytes, tb_per_s=nbytes / core_ms / 1e9,
                  kernels=kernels)
     except Exception as e:  # pylint: disable=broad-except

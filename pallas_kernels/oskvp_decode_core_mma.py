@@ -402,11 +402,13 @@ def _fragment(values: list, like_shape: tuple[int, int], dtype) -> mgpu.Fragment
 
 
 # The carried state of a thread: acc_i int32 [32] (the value sums since the running max last grew: 8 m-tiles × 4),
-# misc f32 [4] (m of head g, l_f, acc_o of heads 2t, 2t + 1), li int32 [4] (l_i, unused), carried as WGMMA-layout
-# arrays of these shapes; and in shared memory af f32 [4 warps · 32 · 32 lanes] (the flushed sums, relative to m:
+# misc f32 [8] (the running max: of head g with key_rows="heads", of heads 2t, 2t + 1 with "tokens"; l_f; acc_o of
+# heads 2t, 2t + 1), li int32 [4] (l_i), carried as WGMMA-layout arrays of these shapes; and in shared memory af f32 [4 warps · 32 · 32 lanes] (the flushed sums, relative to m:
 # touched only when the max grows, so kept out of the registers).
 ACC_SHAPE = (512, N)
-MISC_SHAPE = (64, N)
+MISC_SHAPE = (128, N)  # 8 values a thread: m_a, m_b, l_f, acc_o (2), unused (3)
+LI_SHAPE = (64, N)  # 4 values a thread: l_i, unused (3)
+KEY_ROWS = ("heads", "tokens")
 
 
 FLUSHED = WARPS * 32 * 32  # f32 words of af
@@ -419,21 +421,43 @@ def _flushed_index(warp, lane):
   return lambda i: arith.index_cast(ir.IndexType.get(), ops.add(base, 32 * i))
 
 
-def _zero_flushed():
-  """Before the pipeline: the thread's 32 flushed sums = 0."""
+def _init_state():
+  """Before the pipeline: the thread's 32 flushed sums in af = 0; returns the carried state (acc_i = 0, the running
+  maxima MASKED, the sums 0)."""
+  wg = plgpu.Layout.WGMMA
+  ret = (plgpu.ShapeDtypeStruct(ACC_SHAPE, jnp.int32, wg), plgpu.ShapeDtypeStruct(MISC_SHAPE, jnp.float32, wg),
+         plgpu.ShapeDtypeStruct(LI_SHAPE, jnp.int32, wg))
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def zero(_, af_ref):
-    warp, lane = rg.thread_coords(rg.Mlir())
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=ret)
+  def init(_, af_ref):
+    ops, f32 = rg.Mlir(), _f32()
+    warp, lane = rg.thread_coords(ops)
     af_index = _flushed_index(warp, lane)
+    zf = mgpu.utils.c(0.0, f32)
     for i in range(32):
-      memref.store(mgpu.utils.c(0.0, _f32()), af_ref, [af_index(i)])
+      memref.store(zf, af_ref, [af_index(i)])
+    masked = mgpu.utils.c(MASKED, f32)
+    return (_fragment([ops.value(0)] * 32, ACC_SHAPE, jnp.int32), _fragment([masked, masked] + [zf] * 6, MISC_SHAPE,
+                                                                             jnp.float32),
+            _fragment([ops.value(0)] * 4, LI_SHAPE, jnp.int32))
 
-  return zero
+  return init
 
 
-def _step(outliers: bool, ragged: bool, qo_width: int):
-  """One pipeline step of one program: the inline Mosaic function (see `_kernel`)."""
+def _movmatrix_t(x):
+  """One 8 × 8 matrix of 16-bit values transposed across the warp (thread (g, t) holds row g, columns 2t, 2t + 1)."""
+  return _asm([_i32()], [x], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")[0]
+
+
+def _floor(x):
+  return _asm([_f32()], [x], "cvt.rmi.f32.f32 $0, $1;", "=f,f")[0]
+
+
+def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
+  """One pipeline step of one program: the inline Mosaic function (see `_kernel`). key_rows="heads": the key scores
+  as S^T [heads, tokens] (the query digits the A operand; rows 8..15 zero); "tokens": as S [tokens, heads] (the
+  codes the A operand, 8 mma.sync instead of 16), p taken to the value operand's layout by 4 `movmatrix`
+  transposes."""
   wg = plgpu.Layout.WGMMA
   ref = plgpu.RefType
   arg_types = [ref(ks.swizzled(Q)), ref(ks.swizzled(BLOCK_S)), ref(ks.swizzled(128)), ref(), ref(), wg, wg, wg]
@@ -442,102 +466,134 @@ def _step(outliers: bool, ragged: bool, qo_width: int):
   if ragged:
     arg_types += [wg]
   ret = (plgpu.ShapeDtypeStruct(ACC_SHAPE, jnp.int32, wg), plgpu.ShapeDtypeStruct(MISC_SHAPE, jnp.float32, wg),
-         plgpu.ShapeDtypeStruct(MISC_SHAPE, jnp.int32, wg))
+         plgpu.ShapeDtypeStruct(LI_SHAPE, jnp.int32, wg))
+  tokens_m = key_rows == "tokens"
 
   @plgpu.inline_mgpu(arg_types=tuple(arg_types), return_type=ret)
   def step(_, k_ref, v_ref, q_ref, qs_ref, af_ref, acc_i, misc, li, *rest):
-    ops, i32, f32 = rg.Mlir(), _i32(), _f32()
+    ops, i32, f32, index = rg.Mlir(), _i32(), _f32(), ir.IndexType.get()
     ko_ref, vo_ref, qo_ref = rest[:3] if outliers else (None, None, None)
     first = rest[-1] if ragged else None
     warp, lane = rg.thread_coords(ops)
     g, t = ops.shr(lane, 2), ops.band(lane, 3)
     acc_i, misc, li = _scalars(acc_i), _scalars(misc), _scalars(li)
-    m, l_f, acc_o = misc[0], misc[1], misc[2:4]
+    ms = misc[:2] if tokens_m else misc[:1]  # the running max: heads 2t, 2t + 1 ("tokens") or head g ("heads")
+    l_f, acc_o = misc[2], misc[3:5]
     l_i = li[0]
     af_index = _flushed_index(warp, lane)
     zi, zf = ops.value(0), mgpu.utils.c(0.0, f32)
+    load_qs = lambda head: memref.load(qs_ref, [arith.index_cast(index, head)])
 
-    # key scores: qd's A fragment (rows g; 8..15 zero) per k-step p
-    qa = []
-    for p in range(PLANES):
-      w0, = _tiled_word(q_ref, 4, g, ops.add(p * Q, ops.shl(t, 3)), width=128, sw=128)
-      w1, = _tiled_word(q_ref, 4, g, ops.add(p * Q + 4, ops.shl(t, 3)), width=128, sw=128)
-      qa.append((w0, zi, w1, zi))
-    scale = memref.load(qs_ref, [arith.index_cast(ir.IndexType.get(), g)])
+    # key scores. qd's rows g, channels p·Q + 8t + 0..7 (two words per k-step p): the A fragment ("heads") or the
+    # B fragment ("tokens"); the codes of token key_token(nt, g), channels p·Q + 8t + 0..7 likewise.
+    qw = [[_tiled_word(q_ref, 4, g, ops.add(p * Q + 4 * j, ops.shl(t, 3)), width=128, sw=128)[0] for j in range(2)]
+          for p in range(PLANES)]
     if outliers:
-      qo_a, = _load(qo_ref, ops.add(ops.mul(g, 2 * qo_width), ops.shl(t, 2)), 4)  # qo f16 [8, W]: row g, 2t, 2t + 1
-    scores = []  # per n-tile: (s of column 2t, s of column 2t + 1), f32
+      qo_w, = _load(qo_ref, ops.add(ops.mul(g, 2 * qo_width), ops.shl(t, 2)), 4)  # qo f16 [8, W]: row g, 2t, 2t + 1
+    code_words, outlier_pairs = [], []
     for nt in range(4):
       row, col = key_code_source(ops, nt, warp, g, t)
-      words = _tiled_word(k_ref, 8, row, col, width=Q, sw=Q)
-      c = [zi] * 4
-      for p in range(PLANES):
-        b = [ops.band(ops.shr(w, 2 * p) if p else w, 0x03030303) for w in words]
-        c = mma("m16n8k32", "s8", qa[p], b, c)
-      s = [arith.mulf(arith.sitofp(f32, c[e]), scale) for e in range(2)]
+      code_words.append(_tiled_word(k_ref, 8, row, col, width=Q, sw=Q))
       if outliers:
         orow, ocol = key_outlier_source(ops, nt, warp, g, t)
         pair, = _load(ko_ref, ops.add(ops.shl(orow, 4), ocol), 2)  # ko fp8 [64, 16]
-        pair = arith.extui(i32, pair)
-        s = mma("m16n8k8", "f16", [qo_a, zi], [_e4m3x2(pair)], [s[0], s[1], zf, zf])[:2]
-      scores.append(s)
+        outlier_pairs.append(_e4m3x2(arith.extui(i32, pair)))
+    plane = lambda w, p: ops.band(ops.shr(w, 2 * p) if p else w, 0x03030303)
+    if tokens_m:
+      # S [16 tokens, 8 heads] per m-tile mt: rows g / 8 + g are the tokens of n-tiles 2mt / 2mt + 1, column g
+      scores = []  # per m-tile: [s(row g, head 2t), s(g, 2t + 1), s(8 + g, 2t), s(8 + g, 2t + 1)]
+      scale = [load_qs(ops.shl(t, 1)), load_qs(ops.add(ops.shl(t, 1), 1))]
+      for mt in range(2):
+        lo, hi = code_words[2 * mt], code_words[2 * mt + 1]
+        c = [zi] * 4
+        for p in range(PLANES):
+          c = mma("m16n8k32", "s8", [plane(lo[0], p), plane(hi[0], p), plane(lo[1], p), plane(hi[1], p)],
+                  qw[p], c)
+        sc = [arith.mulf(arith.sitofp(f32, c[j]), scale[j % 2]) for j in range(4)]
+        if outliers:
+          sc = mma("m16n8k8", "f16", [outlier_pairs[2 * mt], outlier_pairs[2 * mt + 1]], [qo_w], sc)
+        scores.append(sc)
+      flat = [x for sc in scores for x in sc]
+      token_of = lambda i: key_token(ops, 2 * (i // 4) + (i % 4) // 2, g)  # flat index -> token among the warp's
+    else:
+      # S^T [16 (8 heads), 8 tokens] per n-tile nt: row g, columns 2t, 2t + 1 = tokens key_token(nt, 2t + e)
+      scale = load_qs(g)
+      flat = []
+      for nt in range(4):
+        c = [zi] * 4
+        for p in range(PLANES):
+          c = mma("m16n8k32", "s8", [qw[p][0], zi, qw[p][1], zi], [plane(w, p) for w in code_words[nt]], c)
+        sc = [arith.mulf(arith.sitofp(f32, c[e]), scale) for e in range(2)]
+        if outliers:
+          sc = mma("m16n8k8", "f16", [qo_w, zi], [outlier_pairs[nt]], [sc[0], sc[1], zf, zf])[:2]
+        flat += sc
+      token_of = lambda i: ops.add(ops.shl(t, 2), 16 * (i // 4) + 2 * ((i // 2) % 2) + i % 2)
     if ragged:  # tokens at or past the row's length score MASKED; only a block reaching past it pays for the mask
-      n_valid = arith.fptosi(i32, memref.load(qs_ref, [arith.index_cast(ir.IndexType.get(), ops.value(dc.LEN_SLOT))]))
+      n_valid = arith.fptosi(i32, memref.load(qs_ref, [arith.index_cast(index, ops.value(dc.LEN_SLOT))]))
       first = _scalars(first)[0]
-      flat = [x for pair in scores for x in pair]
       partial = arith.cmpi(arith.CmpIPredicate.sgt, ops.add(first, BLOCK_S), n_valid)
       if_op = scf.IfOp(partial, [f32] * 8, has_else=True)
       with ir.InsertionPoint(if_op.then_block):
-        base = ops.add(first, ops.add(ops.shl(warp, 5), ops.shl(t, 2)))
+        base = ops.add(first, ops.shl(warp, 5))
         masked = mgpu.utils.c(MASKED, f32)
-        out = []
-        for nt in range(4):
-          for e in range(2):
-            tok = ops.add(base, 16 * (nt >> 1) + 2 * (nt & 1) + e)
-            ok = arith.cmpi(arith.CmpIPredicate.slt, tok, n_valid)
-            out.append(arith.select(ok, flat[2 * nt + e], masked))
+        out = [arith.select(arith.cmpi(arith.CmpIPredicate.slt, ops.add(base, token_of(i)), n_valid), x, masked)
+               for i, x in enumerate(flat)]
         scf.yield_(out)
       with ir.InsertionPoint(if_op.else_block):
         scf.yield_(flat)
-      res = list(if_op.results)
-      scores = [res[2 * nt:2 * nt + 2] for nt in range(4)]
+      flat = list(if_op.results)
+    head_of = (lambda i: i % 2) if tokens_m else (lambda i: 0)  # which running max a score belongs to
 
-    # the block max per head (the quad's 4 threads), and the flush when it exceeds the running max
-    bmax = scores[0][0]
-    for s in (x for pair in scores for x in pair):
-      bmax = arith.maximumf(bmax, s)
-    bmax = arith.maximumf(bmax, _shfl_bfly(bmax, 1))
-    bmax = arith.maximumf(bmax, _shfl_bfly(bmax, 2))
-    grow = _vote_any(arith.extui(i32, arith.cmpf(arith.CmpFPredicate.OGT, bmax, m)))
-    flush = arith.cmpi(arith.CmpIPredicate.ne, grow, zi)
-    state = [*acc_i, m, l_f, *acc_o, l_i]
+    # the block max of each held head and the flush when it exceeds the running max
+    bmax = []
+    for e in range(len(ms)):
+      mx = functools.reduce(arith.maximumf, [x for i, x in enumerate(flat) if head_of(i) == e])
+      for mask in ((4, 8, 16) if tokens_m else (1, 2)):
+        mx = arith.maximumf(mx, _shfl_bfly(mx, mask))
+      bmax.append(mx)
+    above = functools.reduce(arith.ori, [arith.cmpf(arith.CmpFPredicate.OGT, b, m) for b, m in zip(bmax, ms)])
+    flush = arith.cmpi(arith.CmpIPredicate.ne, _vote_any(arith.extui(i32, above)), zi)
+    state = [*acc_i, *ms, l_f, *acc_o, l_i]
     if_op = scf.IfOp(flush, [v.type for v in state], has_else=True)
     with ir.InsertionPoint(if_op.then_block):  # the flushed sums live in shared memory (32 registers fewer)
-      m_new = arith.maximumf(m, bmax)
-      alpha = _ex2(arith.subf(m, m_new))  # head g's; the sums' columns are heads 2t, 2t + 1
-      cols = [_shfl_idx(alpha, ops.shl(t, 3)), _shfl_idx(alpha, ops.add(ops.shl(t, 3), 4))]
+      m_new = [arith.maximumf(m, b) for m, b in zip(ms, bmax)]
+      alpha = [_ex2(arith.subf(m, mn)) for m, mn in zip(ms, m_new)]
+      if tokens_m:  # the sums' columns are this thread's heads; l is head g's, held by lane g // 2
+        cols = alpha
+        src = ops.shr(g, 1)
+        alpha_g = arith.select(arith.cmpi(arith.CmpIPredicate.ne, ops.band(g, 1), zi),
+                               _shfl_idx(alpha[1], src), _shfl_idx(alpha[0], src))
+      else:  # alpha is head g's; the sums' columns are heads 2t, 2t + 1
+        cols = [_shfl_idx(alpha[0], ops.shl(t, 3)), _shfl_idx(alpha[0], ops.add(ops.shl(t, 3), 4))]
+        alpha_g = alpha[0]
       for i in range(32):
         idx = [af_index(i)]
         memref.store(arith.mulf(arith.addf(memref.load(af_ref, idx), arith.sitofp(f32, acc_i[i])), cols[i % 2]),
                      af_ref, idx)
       new_o = [arith.mulf(acc_o[e], cols[e]) for e in range(2)]
-      new_l = arith.mulf(arith.addf(l_f, arith.sitofp(f32, l_i)), alpha)
-      scf.yield_([*[zi] * 32, m_new, new_l, *new_o, zi])
+      new_l = arith.mulf(arith.addf(l_f, arith.sitofp(f32, l_i)), alpha_g)
+      scf.yield_([*[zi] * 32, *m_new, new_l, *new_o, zi])
     with ir.InsertionPoint(if_op.else_block):
       scf.yield_(state)
     res = list(if_op.results)
-    acc_i, m, l_f, acc_o, l_i = res[:32], res[32], res[33], res[34:36], res[36]
+    acc_i, ms = res[:32], res[32:32 + len(ms)]
+    l_f, acc_o, l_i = res[32 + len(ms)], res[33 + len(ms):35 + len(ms)], res[35 + len(ms)]
 
     # p8 = round(127 · 2^(s − m)); 0 while the split has seen no stored token (m = MASKED)
-    m_p = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, m, mgpu.utils.c(0.5 * MASKED, f32)), m,
-                       mgpu.utils.c(float("inf"), f32))
-    p8 = [[arith.fptosi(i32, arith.addf(arith.mulf(_ex2(arith.subf(s, m_p)), mgpu.utils.c(P_LEVELS, f32)),
-                                        mgpu.utils.c(0.5, f32))) for s in pair] for pair in scores]
-    packed = []  # B of the value sums: tokens 4t..4t+3 (n-tiles 0, 1), 16+4t.. (2, 3)
-    for h in range(2):
-      lo = ops.add(p8[2 * h][0], ops.shl(p8[2 * h][1], 8))
-      hi = ops.add(p8[2 * h + 1][0], ops.shl(p8[2 * h + 1][1], 8))
-      packed.append(ops.add(lo, ops.shl(hi, 16)))
+    m_p = [arith.select(arith.cmpf(arith.CmpFPredicate.OGT, m, mgpu.utils.c(0.5 * MASKED, f32)), m,
+                        mgpu.utils.c(float("inf"), f32)) for m in ms]
+    p8 = [_floor(arith.addf(arith.mulf(_ex2(arith.subf(x, m_p[head_of(i)])), mgpu.utils.c(P_LEVELS, f32)),
+                            mgpu.utils.c(0.5, f32))) for i, x in enumerate(flat)]
+    if tokens_m:  # [token, head] pairs -> movmatrix -> pb16[nt]: p8 of head g, tokens key_token(nt, 2t + 0 / 1)
+      pb16 = [_movmatrix_t(_f16x2(p8[4 * mt + 2 * h], p8[4 * mt + 2 * h + 1])) for mt in range(2) for h in range(2)]
+    else:
+      pb16 = [_f16x2(p8[2 * nt], p8[2 * nt + 1]) for nt in range(4)]
+    # B of the value sums (int8): tokens 4t..4t+3 (n-tiles 0, 1), 16+4t.. (2, 3): an f16 integer + 1024 holds it in
+    # its low byte
+    bias = ops.value(0x64006400)
+    low = [_asm([i32], [x, bias], "add.rn.f16x2 $0, $1, $2;", "=r,r,r")[0] for x in pb16]
+    packed = [_asm([i32], [low[2 * h], low[2 * h + 1]], "prmt.b32 $0, $1, $2, 0x6420;", "=r,r,r")[0]
+              for h in range(2)]
     ones = ops.value(0x01010101)
     l_i = _dp4a(packed[1], ones, _dp4a(packed[0], ones, l_i))
 
@@ -550,23 +606,22 @@ def _step(outliers: bool, ragged: bool, qo_width: int):
           row, col = value_code_source(ops, half, hr, ht, warp, g, t)
           words[hr, ht], = _tiled_word(v_ref, 4, row, col, width=BLOCK_S, sw=128)
       for p in range(PLANES):
-        plane = lambda w: ops.band(ops.shr(w, 2 * p) if p else w, 0x03030303)
-        a = [plane(words[0, 0]), plane(words[1, 0]), plane(words[0, 1]), plane(words[1, 1])]
+        a = [plane(words[0, 0], p), plane(words[1, 0], p), plane(words[0, 1], p), plane(words[1, 1], p)]
         mt = 2 * p + half
         new_acc[4 * mt:4 * mt + 4] = mma("m16n8k32", "s8", a, packed, acc_i[4 * mt:4 * mt + 4])
     acc_i = new_acc
     if outliers:  # value outliers: k-step st covers tokens 16·st + 4t + 0..3
-      pf = [[arith.sitofp(f32, x) for x in pair] for pair in p8]
       c = [acc_o[0], acc_o[1], zf, zf]
       for st in range(2):
         row, col = value_outlier_source(ops, st, warp, g, t)
         word, = _tiled_word(vo_ref, 4, row, col, width=BLOCK_S, sw=128)
         a = [_e4m3x2(word), zi, _e4m3x2(ops.shr(word, 16)), zi]
-        b = [_f16x2(*pf[2 * st]), _f16x2(*pf[2 * st + 1])]
-        c = mma("m16n8k16", "f16", a, b, c)
+        c = mma("m16n8k16", "f16", a, [pb16[2 * st], pb16[2 * st + 1]], c)
       acc_o = c[:2]
-    return (_fragment(acc_i, ACC_SHAPE, jnp.int32), _fragment([m, l_f, *acc_o], MISC_SHAPE, jnp.float32),
-            _fragment([l_i, zi, zi, zi], MISC_SHAPE, jnp.int32))
+    m_vals = ms if tokens_m else [ms[0], ms[0]]
+    return (_fragment(acc_i, ACC_SHAPE, jnp.int32), _fragment([*m_vals, l_f, *acc_o, zf, zf, zf], MISC_SHAPE,
+                                                              jnp.float32),
+            _fragment([l_i, zi, zi, zi], LI_SHAPE, jnp.int32))
 
   return step
 
@@ -578,7 +633,7 @@ def acc_row(ops, ch):
   return ops.add(ops.add(p2, ops.shl(ops.band(ops.shr(ch, 3), 3), 4)), ops.add(ops.shl(p1, 3), ops.band(ch, 7)))
 
 
-def _finish(outliers: bool):
+def _finish(outliers: bool, key_rows: str):
   """After the pipeline: the four warps' states merged by log-sum-exp into the program's output tiles in shared
   memory (o [H, 8] in ACC row order, ml [32]: m in [0, 8), l in [8, 16), oo [8 heads, 8 channels]), through x [64]
   (the warps' m and l) and five warpgroup barriers; the warps add their weighted sums into o and oo in turn."""
@@ -593,7 +648,7 @@ def _finish(outliers: bool):
     warp, lane = rg.thread_coords(ops)
     g, t = ops.shr(lane, 2), ops.band(lane, 3)
     acc_i, misc, li = _scalars(acc_i), _scalars(misc), _scalars(li)
-    m, l_f = misc[0], misc[1]
+    l_f = misc[2]
     af_index = _flushed_index(warp, lane)
     total = [arith.addf(memref.load(af_ref, [af_index(i)]), arith.sitofp(f32, acc_i[i])) for i in range(32)]
     l = arith.addf(l_f, arith.sitofp(f32, li[0]))
@@ -607,11 +662,18 @@ def _finish(outliers: bool):
         fn()
         scf.yield_([])
 
-    def publish():
-      memref.store(m, x_ref, [as_index(ops.add(ops.shl(warp, 3), g))])
+    def publish_l():
       memref.store(l, x_ref, [as_index(ops.add(32, ops.add(ops.shl(warp, 3), g)))])
+      if key_rows == "heads":
+        memref.store(misc[0], x_ref, [as_index(ops.add(ops.shl(warp, 3), g))])
 
-    when(is_first(t), publish)
+    def publish_m():  # "tokens": each thread holds the maxima of heads 2t, 2t + 1
+      for e in range(2):
+        memref.store(misc[e], x_ref, [as_index(ops.add(ops.shl(warp, 3), ops.add(ops.shl(t, 1), e)))])
+
+    when(is_first(t), publish_l)
+    if key_rows == "tokens":
+      when(is_first(g), publish_m)
     mgpu.utils.warpgroup_barrier()
 
     def weight(head):  # (the program's max of head, this warp's weight 2^(m_w − max))
@@ -641,7 +703,7 @@ def _finish(outliers: bool):
         if outliers:
           for e in range(2):  # [head 2t + e, channel g]
             idx = [as_index(ops.add(ops.shl(t, 1), e)), as_index(g)]
-            val = arith.mulf(misc[2 + e], cols[e])
+            val = arith.mulf(misc[3 + e], cols[e])
             memref.store(arith.addf(val, memref.load(oo_ref, idx)) if v else val, oo_ref, idx)
 
         def head_sums():
@@ -659,16 +721,8 @@ def _finish(outliers: bool):
   return finish
 
 
-def _misc_init() -> jax.Array:
-  """The misc carrier's start: m = MASKED in each thread's first value (WGMMA layout: row 16·warp + lane // 4,
-  column 2 · (lane % 4)), zeros elsewhere."""
-  row = plgpu.broadcasted_iota(jnp.int32, MISC_SHAPE, 0, layout=plgpu.Layout.WGMMA)
-  col = plgpu.broadcasted_iota(jnp.int32, MISC_SHAPE, 1, layout=plgpu.Layout.WGMMA)
-  return jnp.where((col % 2 == 0) & (row % 16 < 8), MASKED, 0.0)
-
-
 def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_concurrent_steps: int, ablate: str,
-            ragged: bool, outliers: bool, qo_width: int):
+            ragged: bool, outliers: bool, qo_width: int, key_rows: str):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (scales, length at
   # 8); with outliers ko_ref fp8 [BK, S/2, 16], vo_ref fp8 [BK, 8, S], qo_ref f16 [BK, 8, 8 or 16]. acc_out f32
   # [BK, splits, H, 8] (ACC row order); ml_out f32 [BK, splits, 32]; acco_out f32 [BK, splits, 8, 8].
@@ -692,11 +746,8 @@ def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_
               plgpu.BlockSpec((OUTLIERS, BLOCK_S), lambda i: (0, blk(i)), transforms=ks.swizzled(BLOCK_S))]
     srcs += [ko_ref.at[bk, pl.ds(sp * (steps * BLOCK_S // 2), steps * BLOCK_S // 2)], vo_ref.at[bk, :, tokens]]
   wg = plgpu.Layout.WGMMA
-  _zero_flushed()(af_smem)
-  init = (plgpu.layout_cast(jnp.zeros(ACC_SHAPE, jnp.int32), wg),
-          _misc_init(),
-          plgpu.layout_cast(jnp.zeros(MISC_SHAPE, jnp.int32), wg))
-  step = _step(outliers, ragged, qo_width)
+  init = _init_state()(af_smem)
+  step = _step(outliers, ragged, qo_width, key_rows)
 
   def body(idx, k_smem, v_smem, *rest):
     ko, vo, carry = rest if outliers else (None, None, rest[0])
@@ -705,14 +756,14 @@ def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_
     extra = (ko, vo, qo_smem) if outliers else ()
     if ragged:
       first = (sp * steps + idx[0]) * BLOCK_S
-      extra += (plgpu.layout_cast(jnp.full(MISC_SHAPE, first, jnp.int32), wg),)
+      extra += (plgpu.layout_cast(jnp.full(LI_SHAPE, first, jnp.int32), wg),)
     return step(k_smem, v_smem, q_smem, qs_smem, af_smem, *carry, *extra)
 
   state = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=max_concurrent_steps,
                               init_carry=init)(*srcs)
 
   def store(o_smem, ml_smem, x_smem, *oo):
-    _finish(outliers)(*state, af_smem, o_smem, ml_smem, x_smem, *oo)
+    _finish(outliers, key_rows)(*state, af_smem, o_smem, ml_smem, x_smem, *oo)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bk, sp])
     plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bk, sp])
@@ -732,14 +783,14 @@ def _check_inputs(kcodes, vcodes, qd, qs, splits, max_concurrent_steps):
 
 
 def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, splits: int,
-               max_concurrent_steps: int, ablate: str, ragged: bool):
+               max_concurrent_steps: int, ablate: str, ragged: bool, key_rows: str = "heads"):
   """The kernel on prepared inputs (`dc._core_call`'s, qo f16 [BK, 8, 8 or 16]) -> (acc f32 [BK, splits, H, 8] in
   ACC row order, ml f32 [BK, splits, 32], acco f32 [BK, splits, 8, 8] ([head, channel]) with outliers)."""
   bk, s, q = kcodes.shape
   outliers = kout2 is not None
   body = functools.partial(_kernel, steps=s // (splits * BLOCK_S), max_concurrent_steps=max_concurrent_steps,
                            ablate=ablate, ragged=ragged, outliers=outliers,
-                           qo_width=qo.shape[-1] if outliers else 0)
+                           qo_width=qo.shape[-1] if outliers else 0, key_rows=key_rows)
   out_type = (jax.ShapeDtypeStruct((bk, splits, 4 * q, N), jnp.float32),
               jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
   scratch = dict(q_smem=plgpu.SMEM((N, 4 * q), jnp.int8, transforms=ks.swizzled(128)),
@@ -757,10 +808,10 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, sp
   return kernel(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "max_concurrent_steps"))
+@functools.partial(jax.jit, static_argnames=("splits", "max_concurrent_steps", "key_rows"))
 def decode_core_mma_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_row: jax.Array,
                            kout: jax.Array, vout: jax.Array, qo16: jax.Array, *, splits: int = 16,
-                           max_concurrent_steps: int = 2):
+                           max_concurrent_steps: int = 2, key_rows: str = "heads"):
   """`dc.decode_core_splits` (the same arguments and outputs, one value-outlier part) on the warp-level core: for
   the wired path's Pallas epilogue, which merges the splits and the residual window."""
   bk, s, _ = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], splits, max_concurrent_steps)
@@ -769,23 +820,26 @@ def decode_core_mma_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, 
     raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, vout {vout.shape}, qo16 {qo16.shape} must be "
                      f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
   acc, ml, acco = _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
-                             splits=splits, max_concurrent_steps=max_concurrent_steps, ablate="", ragged=True)
+                             splits=splits, max_concurrent_steps=max_concurrent_steps, ablate="", ragged=True,
+                             key_rows=key_rows)
   return acc, ml, acco[:, :, None]
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "max_concurrent_steps", "ablate", "return_lse2"))
+@functools.partial(jax.jit, static_argnames=("splits", "max_concurrent_steps", "ablate", "return_lse2", "key_rows"))
 def decode_core_mma(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
                     lengths: jax.Array | None = None, kout: jax.Array | None = None, vout: jax.Array | None = None,
                     qo: jax.Array | None = None, *, splits: int = 16, max_concurrent_steps: int = 2,
-                    ablate: str = "", return_lse2: bool = False):
+                    ablate: str = "", return_lse2: bool = False, key_rows: str = "heads"):
   """`dc.decode_core_mgpu`'s computation (same arguments and outputs; block_s is 128) on warp-level mma.sync (see
   the module docstring); the arithmetic of `decode_core_mma_reference`. GPU only (no interpret mode).
 
   ablate (timing only): "no_compute" (the TMA ring alone), "l2_resident" (every step reloads the split's first
-  block: the compute side alone)."""
+  block: the compute side alone). key_rows: the key scores' orientation ("heads" or "tokens", `_step`)."""
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, splits, max_concurrent_steps)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
+  if key_rows not in KEY_ROWS:
+    raise ValueError(f"key_rows={key_rows!r} must be one of {KEY_ROWS}")
   outliers = kout is not None
   if (vout is not None) != outliers or (qo is not None) != outliers:
     raise ValueError("kout, vout and qo go together (all three or none)")
@@ -797,7 +851,7 @@ def decode_core_mma(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax
     qs_row = qs_row.at[:, dc.LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
   extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo) if outliers else ()
   res = _core_call(kcodes, vcodes, qd, qs_row, *extra, splits=splits, max_concurrent_steps=max_concurrent_steps,
-                   ablate=ablate, ragged=lengths is not None)
+                   ablate=ablate, ragged=lengths is not None, key_rows=key_rows)
   mean, mean_o, lse2 = dc.merge_splits(res[0], res[1], res[2] if outliers else None)
   outs = (vs.channel_rows(mean, q, 2),) + ((mean_o,) if outliers else ()) + ((lse2,) if return_lse2 else ())
   return outs[0] if len(outs) == 1 else outs

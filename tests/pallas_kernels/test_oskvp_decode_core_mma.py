@@ -87,17 +87,20 @@ def _abstract(s, bk=2):
           sd((bk, 8, s), jnp.float8_e4m3fn), sd((bk, dm.N, 8), jnp.float16))
 
 
-def test_gpu_route_lowers():
-  """Per 128-token step each warp issues 16 key and 8 value s8 mma.sync, 4 key-outlier m16n8k8 and 2 value-outlier
-  m16n8k16 f16 ones, and one vote; no wgmma and no store of p to shared memory."""
+@pytest.mark.parametrize("key_rows,n_key,n_key_outlier,n_movmatrix", [("heads", 16, 4, 0), ("tokens", 8, 2, 4)])
+def test_gpu_route_lowers(key_rows, n_key, n_key_outlier, n_movmatrix):
+  """Per 128-token step each warp issues its key-score s8 mma.sync (16 with the heads as rows, 8 with the tokens),
+  8 value ones, the outliers' f16 ones (m16n8k8 keys, 2 m16n8k16 values), one vote, and with the tokens as rows 4
+  movmatrix transposes of p; no wgmma and no store of p to shared memory."""
   kc, vc, qd, qs, ln, ko, vo, qo = _abstract(2048)
   for args, n_f16 in (((kc, vc, qd, qs), 0), ((kc, vc, qd, qs, ln, ko, vo, qo), 1)):
-    text = mosaic_module_text(jax.jit(lambda *a: dm.decode_core_mma(*a, splits=2)).trace(*args)
+    text = mosaic_module_text(jax.jit(lambda *a: dm.decode_core_mma(*a, splits=2, key_rows=key_rows)).trace(*args)
                               .lower(lowering_platforms=("cuda",)))
     loop = text[text.index("scf.for"):]
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.s8\.s32", loop)) == 24
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.f16", loop)) == 4 * n_f16
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.s8\.s32", loop)) == n_key + 8
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.f16", loop)) == n_key_outlier * n_f16
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16", loop)) == 2 * n_f16
+    assert len(re.findall(r"movmatrix\.sync\.aligned\.m8n8\.trans\.b16", loop)) == n_movmatrix
     assert len(re.findall(r"vote\.sync\.any", loop)) == 1
     assert "wgmma" not in text
 
@@ -107,6 +110,8 @@ def test_rejects_bad_arguments():
   with pytest.raises(ValueError, match="H = 128"):
     dm.decode_core_mma(jnp.concatenate([kc, kc], -1), jnp.concatenate([vc, vc], 1), jnp.concatenate([qd, qd], -1),
                        qs, splits=1)  # H = 256
+  with pytest.raises(ValueError, match="key_rows"):
+    dm.decode_core_mma(kc, vc, qd, qs, splits=1, key_rows="channels")
   with pytest.raises(ValueError, match="ablate"):
     dm.decode_core_mma(kc, vc, qd, qs, splits=1, ablate="no_max")
   with pytest.raises(ValueError, match="go together"):
