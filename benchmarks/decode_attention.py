@@ -183,9 +183,12 @@ def uniform_args(key, b, s):
 def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", max_splits: int | None = None,
                    core: str = "wgmma"):
   """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue,
-  value_outliers, max_splits and core as in `uniform_decode_attention`."""
+  value_outliers, max_splits and core as in `uniform_decode_attention` ("mma:tokens": core="mma" with
+  mma_key_rows="tokens")."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
-  return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits, core=core)
+  core, _, key_rows = core.partition(":")
+  return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits, core=core,
+                                  mma_key_rows=key_rows or "heads")
 
 
 def token_major(a):
@@ -294,7 +297,7 @@ def main():
   ap.add_argument("--mosaic_max_splits", default="auto",
                   help="comma-separated max_splits of the wired path timed in --mosaic_grid (auto: sized for B·K)")
   ap.add_argument("--mosaic_core", default="wgmma",
-                  help="comma-separated cores of the wired path timed in --mosaic_grid (wgmma, mma)")
+                  help="comma-separated cores of the wired path timed in --mosaic_grid (wgmma, mma, mma:tokens)")
   ap.add_argument("--mosaic_value_outliers", default="fp8_stacked",
                   help="comma-separated value-outlier forms of the core timed in --mosaic_grid (fp8, fp8_stacked, f16)")
   args = ap.parse_args()
@@ -460,7 +463,7 @@ def main():
                                                       args.mosaic_max_splits.split(","), args.mosaic_core.split(",")):
           attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
                   + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}")
-                  + ("" if core == "wgmma" else f"_{core}"), b, s,
+                  + ("" if core == "wgmma" else "_" + core.replace(":", "_")), b, s,
                   functools.partial(mosaic_uniform, glue=glue, value_outliers=form,
                                     max_splits=None if ms == "auto" else int(ms), core=core),
                   lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),

@@ -144,11 +144,12 @@ def resolved_glue(glue: str, window: int, splits: int, head_dim: int) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "max_concurrent_steps", "glue", "value_outliers",
-                                             "max_splits", "core"))
+                                             "max_splits", "core", "mma_key_rows"))
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,
-                             max_splits: int | None = None, core: str = "wgmma") -> jax.Array:
+                             max_splits: int | None = None, core: str = "wgmma",
+                             mma_key_rows: str = "heads") -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -177,6 +178,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K).
     core: "wgmma" (`oskvp_decode_core_mgpu`) or "mma" (`oskvp_decode_core_mma`, warp-level: H = 128, 128-token
       blocks, the Pallas glue, GPU only; value_outliers does not apply).
+    mma_key_rows: the "mma" core's key-score orientation (`oskvp_decode_core_mma.decode_core_mma`'s key_rows).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -207,7 +209,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     if core == "mma":
       acc, ml, acco = dm.decode_core_mma_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row),
                                                 rows(outl_k), rows(outl_v_t), rows(qo16), splits=splits,
-                                                max_concurrent_steps=ring)
+                                                max_concurrent_steps=ring, key_rows=mma_key_rows)
     else:
       acc, ml, acco = dc.decode_core_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row), rows(outl_k),
                                             rows(outl_v_t), rows(qo16), block_s=block_s, splits=splits,
