@@ -92,11 +92,14 @@ def value_code_source(ops, half: int, hi_row: int, hi_token: int, warp, g, t):
   return ops.add(16 * half + 8 * hi_row, g), ops.add(ops.shl(warp, 5), ops.add(16 * hi_token, ops.shl(t, 2)))
 
 
+KO_TOKENS = 8  # key-outlier tokens per row of the TMA tile: kout [S, 8] seen as [S / 8, 64] (64-byte rows)
+
+
 def key_outlier_source(ops, nt: int, warp, g, t):
-  """The key-outlier pair (channels 2t, 2t + 1 of token key_token(nt, g)) in the tile fp8 [64, 16] (two tokens a
+  """The key-outlier pair (channels 2t, 2t + 1 of token key_token(nt, g)) in the tile fp8 [16, 64] (eight tokens a
   row): (row, column)."""
   token = ops.add(ops.shl(warp, 5), key_token(ops, nt, g))
-  return ops.shr(token, 1), ops.add(ops.shl(ops.band(token, 1), 3), ops.shl(t, 1))
+  return ops.shr(token, 3), ops.add(ops.shl(ops.band(token, 7), 3), ops.shl(t, 1))
 
 
 def value_outlier_source(ops, step: int, warp, g, t):
@@ -203,7 +206,7 @@ def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None):
           b = np.zeros((32, 1, 2))
           for x in lanes:
             r, col = key_outlier_source(ops, nt, w, int(g[x]), int(t[x]))
-            tok = base + 2 * r + col // 8
+            tok = base + KO_TOKENS * r + col // 8
             b[x, 0] = ko[tok, col % 8:col % 8 + 2]
           s = mma_emulate("k8", a, b, np.concatenate([s, np.zeros((32, 2))], 1))[:, :2]
         tok = base + 32 * w + np.array([[key_token(ops, nt, 2 * int(tt) + e) for e in range(2)] for tt in t])
@@ -496,7 +499,7 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
       code_words.append(_tiled_word(k_ref, 8, row, col, width=Q, sw=Q))
       if outliers:
         orow, ocol = key_outlier_source(ops, nt, warp, g, t)
-        pair, = _load(ko_ref, ops.add(ops.shl(orow, 4), ocol), 2)  # ko fp8 [64, 16]
+        pair, = _load(ko_ref, ops.add(ops.shl(orow, 6), ocol), 2)  # ko fp8 [16, 64]
         outlier_pairs.append(_e4m3x2(arith.extui(i32, pair)))
     plane = lambda w, p: ops.band(ops.shr(w, 2 * p) if p else w, 0x03030303)
     if tokens_m:
@@ -724,7 +727,7 @@ def _finish(outliers: bool, key_rows: str):
 def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_concurrent_steps: int, ablate: str,
             ragged: bool, outliers: bool, qo_width: int, key_rows: str):
   # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (scales, length at
-  # 8); with outliers ko_ref fp8 [BK, S/2, 16], vo_ref fp8 [BK, 8, S], qo_ref f16 [BK, 8, 8 or 16]. acc_out f32
+  # 8); with outliers ko_ref fp8 [BK, S/8, 64], vo_ref fp8 [BK, 8, S], qo_ref f16 [BK, 8, 8 or 16]. acc_out f32
   # [BK, splits, H, 8] (ACC row order); ml_out f32 [BK, splits, 32]; acco_out f32 [BK, splits, 8, 8].
   if outliers:
     kc_ref, vc_ref, qd_ref, qs_ref, ko_ref, vo_ref, qo_ref, acc_out, ml_out, acco_out = refs
@@ -742,9 +745,10 @@ def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_
            plgpu.BlockSpec((Q, BLOCK_S), lambda i: (0, blk(i)), transforms=ks.swizzled(BLOCK_S))]
   srcs = [kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens]]
   if outliers:
-    specs += [plgpu.BlockSpec((BLOCK_S // 2, 2 * OUTLIERS), lambda i: (blk(i), 0)),
+    specs += [plgpu.BlockSpec((BLOCK_S // KO_TOKENS, KO_TOKENS * OUTLIERS), lambda i: (blk(i), 0)),
               plgpu.BlockSpec((OUTLIERS, BLOCK_S), lambda i: (0, blk(i)), transforms=ks.swizzled(BLOCK_S))]
-    srcs += [ko_ref.at[bk, pl.ds(sp * (steps * BLOCK_S // 2), steps * BLOCK_S // 2)], vo_ref.at[bk, :, tokens]]
+    rows = steps * BLOCK_S // KO_TOKENS
+    srcs += [ko_ref.at[bk, pl.ds(sp * rows, rows)], vo_ref.at[bk, :, tokens]]
   wg = plgpu.Layout.WGMMA
   init = _init_state()(af_smem)
   step = _step(outliers, ragged, qo_width, key_rows)
@@ -784,7 +788,8 @@ def _check_inputs(kcodes, vcodes, qd, qs, splits, max_concurrent_steps):
 
 def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, splits: int,
                max_concurrent_steps: int, ablate: str, ragged: bool, key_rows: str = "heads"):
-  """The kernel on prepared inputs (`dc._core_call`'s, qo f16 [BK, 8, 8 or 16]) -> (acc f32 [BK, splits, H, 8] in
+  """The kernel on prepared inputs (`dc._core_call`'s, but kout2 fp8 [BK, S/8, 64] (eight tokens a row: TMA rows of
+  64 bytes, not 16) and qo f16 [BK, 8, 8 or 16]) -> (acc f32 [BK, splits, H, 8] in
   ACC row order, ml f32 [BK, splits, 32], acco f32 [BK, splits, 8, 8] ([head, channel]) with outliers)."""
   bk, s, q = kcodes.shape
   outliers = kout2 is not None
@@ -819,7 +824,8 @@ def decode_core_mma_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, 
       or qo16.shape != (bk, N, 2 * OUTLIERS):
     raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, vout {vout.shape}, qo16 {qo16.shape} must be "
                      f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
-  acc, ml, acco = _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
+  acc, ml, acco = _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // KO_TOKENS, KO_TOKENS * OUTLIERS),
+                             vout, qo16,
                              splits=splits, max_concurrent_steps=max_concurrent_steps, ablate="", ragged=True,
                              key_rows=key_rows)
   return acc, ml, acco[:, :, None]
@@ -849,7 +855,7 @@ def decode_core_mma(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax
   qs_row = jnp.pad(qs, ((0, 0), (0, dc.QS_SLOTS - N)))
   if lengths is not None:
     qs_row = qs_row.at[:, dc.LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
-  extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo) if outliers else ()
+  extra = (kout.reshape(bk, s // KO_TOKENS, KO_TOKENS * OUTLIERS), vout, qo) if outliers else ()
   res = _core_call(kcodes, vcodes, qd, qs_row, *extra, splits=splits, max_concurrent_steps=max_concurrent_steps,
                    ablate=ablate, ragged=lengths is not None, key_rows=key_rows)
   mean, mean_o, lse2 = dc.merge_splits(res[0], res[1], res[2] if outliers else None)
