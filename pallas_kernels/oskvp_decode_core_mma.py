@@ -169,12 +169,14 @@ def _bytes(word: np.ndarray) -> np.ndarray:
   return ((word[..., None] >> (8 * np.arange(4))) & 0xFF).astype(np.int64)
 
 
-def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None):
+def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows: str = "heads"):
   """The GPU route of one program in numpy: kc uint8 [L, Q], vc uint8 [Q, L] (the program's split of L tokens),
   qd int8 [8, H], qs f32 [8], n_valid (tokens of the split stored: the kernel compares each token with the row's
   length), ko fp8 [L, 8], vo fp8 [Q=8, L], qo f16 [8, 8] -> (acc [4, H, 8], ml [4, 32], acco [4, 8, 8]) as the
   kernel stores them. Uses `key_code_source`, `value_code_source`, the outlier sources and the packing of the kernel,
-  so a wrong index in any of them shows up against `decode_core_mma_reference`."""
+  so a wrong index in any of them shows up against `decode_core_mma_reference`. With key_rows="tokens" the key
+  scores run in that orientation and reach the heads' layout through the emulated movmatrix transposes (applied to
+  the scores: the kernel transposes p8, the same permutation)."""
   ops = rg.Ints
   lanes = np.arange(32)
   g, t = lanes // 4, lanes % 4
@@ -192,25 +194,48 @@ def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None):
     acc_i, acc_f = np.zeros((32, 32)), np.zeros((32, 32))
     m, l_f, l_i, acc_o = np.full(32, MASKED), np.zeros(32), np.zeros(32), np.zeros((32, 2))
     for base in range(0, length, BLOCK_S):
-      scores = []
+      words, pairs = [], []  # per n-tile: each lane's code words [32, 2] and key-outlier pair [32, 2]
       for nt in range(4):
         src = [key_code_source(ops, nt, w, int(g[x]), int(t[x])) for x in lanes]
-        words = np.array([kw[base + r, c // 4:c // 4 + 2] for r, c in src])  # [32, 2]
-        c = np.zeros((32, 4))
-        for p in range(PLANES):
-          c = mma_emulate("k32", qa[:, p], _bytes(plane(words, p)), c)
-        s = c[:, :2] * qs[g][:, None]
+        words.append(np.array([kw[base + r, c // 4:c // 4 + 2] for r, c in src]))
         if ko is not None:
-          a = np.zeros((32, 2, 2))
-          a[:, 0] = qo[g[:, None], 2 * t[:, None] + np.arange(2)]
-          b = np.zeros((32, 1, 2))
+          pair = np.zeros((32, 2))
           for x in lanes:
             r, col = key_outlier_source(ops, nt, w, int(g[x]), int(t[x]))
-            tok = base + KO_TOKENS * r + col // 8
-            b[x, 0] = ko[tok, col % 8:col % 8 + 2]
-          s = mma_emulate("k8", a, b, np.concatenate([s, np.zeros((32, 2))], 1))[:, :2]
-        tok = base + 32 * w + np.array([[key_token(ops, nt, 2 * int(tt) + e) for e in range(2)] for tt in t])
-        scores.append(np.where(tok < n_valid, s, MASKED))
+            pair[x] = ko[base + KO_TOKENS * r + col // 8, col % 8:col % 8 + 2]
+          pairs.append(pair)
+      qo_a = None if ko is None else qo[g[:, None], 2 * t[:, None] + np.arange(2)]  # [32, 2]
+      if key_rows == "tokens":  # S [16 tokens, 8 heads] per m-tile, then each 8 × 8 block transposed (movmatrix)
+        scores = [None] * 4
+        for mt in range(2):
+          lo, hi = words[2 * mt], words[2 * mt + 1]
+          c = np.zeros((32, 4))
+          for p in range(PLANES):
+            a = np.stack([_bytes(plane(lo[:, 0], p)), _bytes(plane(hi[:, 0], p)), _bytes(plane(lo[:, 1], p)),
+                          _bytes(plane(hi[:, 1], p))], 1)
+            c = mma_emulate("k32", a, np.stack([qa[:, p, 0], qa[:, p, 2]], 1), c)
+          c = c * qs[np.stack([2 * t, 2 * t + 1, 2 * t, 2 * t + 1], 1)]
+          if ko is not None:
+            c = mma_emulate("k8", np.stack([pairs[2 * mt], pairs[2 * mt + 1]], 1), qo_a[:, None], c)
+          for h in range(2):
+            tok = base + 32 * w + np.array([key_token(ops, 2 * mt + h, int(gg)) for gg in g])
+            block = np.where((tok < n_valid)[:, None], c[:, 2 * h:2 * h + 2], MASKED)  # lane (g, t): row g, 2t..
+            # movmatrix: lane (g, t) receives row g, columns 2t, 2t + 1 of the transpose = element g % 2 of lanes
+            # (2t, g // 2) and (2t + 1, g // 2)
+            src = lambda e: 4 * (2 * t + e) + g // 2
+            scores[2 * mt + h] = np.stack([block[src(0), g % 2], block[src(1), g % 2]], 1)
+      else:  # S^T [16 (8 heads), 8 tokens] per n-tile
+        scores = []
+        for nt in range(4):
+          c = np.zeros((32, 4))
+          for p in range(PLANES):
+            c = mma_emulate("k32", qa[:, p], _bytes(plane(words[nt], p)), c)
+          sc_nt = c[:, :2] * qs[g][:, None]
+          if ko is not None:
+            sc_nt = mma_emulate("k8", np.stack([qo_a, np.zeros((32, 2))], 1), pairs[nt][:, None],
+                                np.concatenate([sc_nt, np.zeros((32, 2))], 1))[:, :2]
+          tok = base + 32 * w + np.array([[key_token(ops, nt, 2 * int(tt) + e) for e in range(2)] for tt in t])
+          scores.append(np.where(tok < n_valid, sc_nt, MASKED))
       sc = np.stack(scores, 1)  # [32, 4 n-tiles, 2]
       bmax = sc.reshape(32, 8).max(1)
       bmax = np.maximum(bmax, bmax[lanes ^ 1])
@@ -267,7 +292,8 @@ def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None):
   return acc_out, ml_out, acco_out
 
 
-def emulate(kcodes, vcodes, qd, qs, lengths=None, kout=None, vout=None, qo=None, *, splits: int):
+def emulate(kcodes, vcodes, qd, qs, lengths=None, kout=None, vout=None, qo=None, *, splits: int,
+            key_rows: str = "heads"):
   """`decode_core_mma` through `emulate_program` (numpy, every program), merged as the wrapper merges."""
   kc, vc, qd, qs = (np.asarray(x) for x in (kcodes, vcodes, qd, qs))
   bk, s, _ = kc.shape
@@ -281,7 +307,7 @@ def emulate(kcodes, vcodes, qd, qs, lengths=None, kout=None, vout=None, qo=None,
       part = slice(sp * span, (sp + 1) * span)
       res = emulate_program(kc[b, part], vc[b, :, part], qd[b].astype(np.int64), qs[b], n_valid,
                             None if ko is None else ko[b, part], None if vo is None else vo[b, :, part],
-                            None if qo is None else qo[b])
+                            None if qo is None else qo[b], key_rows)
       for lst, r in zip(outs, res):
         lst.append(r)
   acc = jnp.asarray(np.stack(outs[0]).reshape(bk, splits * WARPS, 4 * Q, N), jnp.float32)

@@ -31,17 +31,19 @@ def _inputs(seed, bk, s, g=4, scale=0.004):
   return kc, vc, qd, jnp.full((bk, dm.N), scale, jnp.float32), kout, vout, qo
 
 
-@pytest.mark.parametrize("bk,s,splits,lengths,outliers,g", [(1, 512, 2, None, False, 4),
-                                                            (2, 512, 1, (1, 300), True, 8),
-                                                            (2, 256, 2, (0, 129), True, 4)])
-def test_gpu_route_model_matches_the_xla_model(bk, s, splits, lengths, outliers, g):
+@pytest.mark.parametrize("bk,s,splits,lengths,outliers,g,key_rows", [(1, 512, 2, None, False, 4, "heads"),
+                                                                     (2, 512, 1, (1, 300), True, 8, "heads"),
+                                                                     (2, 256, 2, (0, 129), True, 4, "heads"),
+                                                                     (1, 512, 2, None, False, 4, "tokens"),
+                                                                     (2, 256, 1, (1, 200), True, 8, "tokens")])
+def test_gpu_route_model_matches_the_xla_model(bk, s, splits, lengths, outliers, g, key_rows):
   """The numpy model runs the kernel's index math (code, outlier sources, n-tile columns, packing, stores) on the
   PTX fragment layouts: equal to the XLA model of 32-token warp blocks to f32 rounding (a wrong index is O(0.1))."""
   kc, vc, qd, qs, kout, vout, qo = _inputs(bk * s + g, bk, s, g)
   args = (kc, vc, qd, qs, None if lengths is None else jnp.asarray(lengths, jnp.int32))
   if outliers:
     args += (kout, vout, qo)
-  got = dm.emulate(*args, splits=splits)
+  got = dm.emulate(*args, splits=splits, key_rows=key_rows)
   want = dm.decode_core_mma_reference(*args, splits=splits)
   got, want = (x if isinstance(x, tuple) else (x,) for x in (got, want))
   for a, b in zip(got, want):
