@@ -181,14 +181,14 @@ def uniform_args(key, b, s):
 
 
 def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", max_splits: int | None = None,
-                   core: str = "wgmma"):
+                   core: str = "wgmma"):  # the wgmma core unless named: a row's label says which ran
   """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue,
   value_outliers, max_splits and core as in `uniform_decode_attention` ("mma:tokens": core="mma" with
   mma_key_rows="tokens")."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
   core, _, key_rows = core.partition(":")
   return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits, core=core,
-                                  mma_key_rows=key_rows or "heads")
+                                  mma_key_rows=key_rows or "tokens")
 
 
 def token_major(a):
@@ -297,7 +297,8 @@ def main():
   ap.add_argument("--mosaic_max_splits", default="auto",
                   help="comma-separated max_splits of the wired path timed in --mosaic_grid (auto: sized for B·K)")
   ap.add_argument("--mosaic_core", default="wgmma",
-                  help="comma-separated cores of the wired path timed in --mosaic_grid (wgmma, mma, mma:tokens)")
+                  help="comma-separated cores of the wired path timed in --mosaic_grid (wgmma, mma (key_rows tokens), "
+                       "mma:heads, mma:tokens)")
   ap.add_argument("--mosaic_value_outliers", default="fp8_stacked",
                   help="comma-separated value-outlier forms of the core timed in --mosaic_grid (fp8, fp8_stacked, f16)")
   args = ap.parse_args()

@@ -35,13 +35,12 @@ BK = 64
 CHECKS = [(2, 1024, 2, None, False, 4), (3, 2048, 4, None, False, 8), (4, 4096, 2, (1, 127, 1000, 4096), True, 4),
           (2, 8192, 4, (300, 8192), True, 8), (2, 4096, 1, (0, 4095), True, 4)]
 SMOKE_CHECKS = [(1, 256, 2, None, False, 4), (2, 256, 1, (1, 200), True, 8)]
-# S, kernel (mma / mgpu), variant: "wired" (outliers + lengths), "codes", or an ablation of the mma core (16 splits,
-# ring 2; `--timed` sets others)
-TIMED = [(65536, "mma", "wired"), (65536, "mma", "wired+tokens"), (65536, "mgpu", "wired"), (65536, "mma", "codes"),
-         (65536, "mma", "codes+tokens"), (65536, "mgpu", "codes"), (65536, "mma", "no_compute"),
-         (65536, "mma", "l2_resident"), (65536, "mma", "l2_resident+tokens"), (16384, "mma", "wired"),
-         (16384, "mma", "wired+tokens"), (16384, "mgpu", "wired"), (131072, "mma", "wired"),
-         (131072, "mma", "wired+tokens"), (131072, "mgpu", "wired")]
+# S, kernel (mma / mgpu), variant: "wired" (outliers + lengths), "codes", or an ablation of the mma core, "+heads" /
+# "+tokens" its key rows (16 splits, ring 2; `--timed` sets others)
+TIMED = [(65536, "mma", "wired"), (65536, "mma", "wired+heads"), (65536, "mgpu", "wired"), (65536, "mma", "codes"),
+         (65536, "mma", "codes+heads"), (65536, "mgpu", "codes"), (65536, "mma", "no_compute"),
+         (65536, "mma", "l2_resident"), (65536, "mma", "l2_resident+heads"), (16384, "mma", "wired"),
+         (16384, "mgpu", "wired"), (131072, "mma", "wired"), (131072, "mgpu", "wired")]
 
 
 def case_args(bk: int, s: int, lengths, outliers: bool, g: int, seed: int):
@@ -51,7 +50,7 @@ def case_args(bk: int, s: int, lengths, outliers: bool, g: int, seed: int):
   return (kc, vc, qd, qs, lengths, *extra)
 
 
-def run_check(case, smoke: bool, key_rows: str = "heads") -> dict:
+def run_check(case, smoke: bool, key_rows: str = dm.KEY_ROW_DEFAULT) -> dict:
   bk, s, splits, lengths, outliers, g = case
   args = case_args(bk, s, lengths, outliers, g, bk * s + splits)
   row = dict(bk=bk, s=s, splits=splits, lengths=lengths, outliers=outliers, g=g, key_rows=key_rows)
@@ -77,9 +76,11 @@ def run_check(case, smoke: bool, key_rows: str = "heads") -> dict:
 
 
 def timed_fn(kernel: str, variant: str, splits: int = 16, ring: int = 2):
-  """variant: "wired", "codes" or an mma ablation, "+tokens" for the mma core with the tokens as key rows."""
+  """variant: "wired", "codes" or an mma ablation; "+tokens" / "+heads" the mma core's key rows (else its
+  default)."""
   if kernel == "mma":
-    base, key_rows = variant.split("+")[0], "tokens" if "+tokens" in variant else "heads"
+    base = variant.split("+")[0]
+    key_rows = next((k for k in dm.KEY_ROWS if f"+{k}" in variant), dm.KEY_ROW_DEFAULT)
     ablate = base if base in dm.ABLATIONS else ""
     return jax.jit(lambda *a: dm.decode_core_mma(*a, splits=splits, max_concurrent_steps=ring, ablate=ablate,
                                                  key_rows=key_rows))
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   meta = kb.run_meta(args.smoke, args.iters)
   checks, rows = [], []
-  orientations = ("heads",) if args.smoke else dm.KEY_ROWS
+  orientations = (dm.KEY_ROW_DEFAULT,) if args.smoke else dm.KEY_ROWS
   for case, key_rows in [(c, k) for c in (SMOKE_CHECKS if args.smoke else CHECKS) for k in orientations] \
       if args.checks == "all" else ():
     checks.append(run_check(case, args.smoke, key_rows))

@@ -7,29 +7,31 @@ values with wgmmas: two warpgroup barriers and two wgmma waits per block, and on
 chain's latency (`benchmarks/notes_mgpu_oskvp.md` §18: the compute side alone takes 95% of the kernel). Here each
 warp owns 32 tokens of every 128-token block, as its own split of the sequence, and keeps everything in registers:
 
-  key scores   S^T [16 (8 heads), 8 tokens] = qd [16, 32 channels] · kcodes^T   (4 n-tiles × 4 k-steps,
-               m16n8k32 s8; the query digits are the A operand, loaded once per block, rows 8..15 zero)
-  key outliers S^T += qo [16, 8] · kout^T                                        (m16n8k8 f16, C = the f32 scores)
-  softmax      per head over the warp's 32 tokens: 8 scores per thread, 2 shuffles; the running max changes
-               rarely, so the int32 value sums are flushed into f32 (scaled by 2^(m_old − m_new)) only when some
-               head's block maximum exceeds it (a warp vote); p8 = round(127 · 2^(s − m)) as before
+  key scores   key_rows="tokens" (the default): S [16 tokens, 8 heads] = kcodes · qd^T per m-tile (2 m-tiles ×
+               4 k-steps of m16n8k32 s8: the codes, a plane per shift, are the A operand, the query digits B);
+               key_rows="heads": S^T [16 (8 heads used), 8 tokens] = qd · kcodes^T (4 n-tiles × 4 k-steps)
+  key outliers += the fp8 channels (m16n8k8 f16 onto the f32 scores; one cvt.rn.f16x2.e4m3x2 per pair)
+  softmax      per head over the warp's 32 tokens; the running max changes rarely, so the int32 value sums are
+               flushed into f32 sums (in shared memory, scaled by 2^(m_old − m_new)) only when some head's block
+               maximum exceeds it (a warp vote); p8 = round(127 · 2^(s − m)) as in the wgmma core
   value sums   O^T [16 channels, 8 heads] += vcodes [16, 32 tokens] · p8^T       (8 m-tiles, m16n8k32 s8)
   value outl.  O_o^T [16 (8 channels), 8 heads] += vout [16, 16] · p8^T          (2 k-steps, m16n8k16 f16)
 
-The register trick that makes this possible: the key scores' accumulator fragment (thread (g, t) of a warp holds
-head g, columns 2t, 2t + 1 of each 8-token n-tile) is, after the softmax, exactly the B fragment of the value sums
-(head g, tokens 4t..4t+3 and 16+4t..16+4t+3) once the key n-tiles' columns are assigned to tokens by `key_token`;
-the value codes' token-contiguous bytes are the A fragment as loaded (4 tokens of one channel per 32-bit word, a
-plane per shift). No shared-memory round trip for p, no fence, no cross-warp reduction per block.
+The register trick that makes this possible: the value sums' B fragment (thread (g, t) of a warp holds head g,
+tokens 4t..4t+3 and 16+4t..16+4t+3) is, with key_rows="heads", exactly the key scores' accumulator fragment (head
+g, columns 2t, 2t + 1 of each 8-token n-tile) once the n-tiles' columns are assigned to tokens by `key_token`; with
+"tokens" each 8 × 8 block of p goes there by one `movmatrix` transpose. The value codes' token-contiguous bytes are
+the A fragment as loaded (4 tokens of one channel per 32-bit word, a plane per shift). No shared-memory round trip
+for p, no fence, no cross-warp reduction per block.
 
 Per program (a row of BK, a split) the warps' states are four splits of the sequence (tokens 32w..32w+31 of each
-block): the kernel stores them as such (acc f32 [BK, splits, 4, H, 8] in channel order, ml [BK, splits, 4, 32],
-acco [BK, splits, 4, 8, 8]) and `decode_core_mma` merges the 4 · splits partials by log-sum-exp
-(`oskvp_decode_core_mgpu.merge_splits`). `decode_core_mma_reference` is its arithmetic in XLA.
+block), merged at the end by log-sum-exp through shared memory into `decode_core_splits`'s outputs (acc in ACC row
+order, `acc_row`): `decode_core_mma_splits` drops into the wired path's epilogue, `decode_core_mma` merges the
+splits in XLA. `decode_core_mma_reference` is its arithmetic in XLA (32-token blocks in `warp_order`).
 
 GPU only: the kernel is inline Mosaic (`plgpu.inline_mgpu`) and PTX, which Mosaic's CPU interpreter does not run.
-On the CPU, `emulate_warp` runs the same index math (`rg.Ints`) and the PTX fragment layouts in numpy, and the
-tests check the lowering. H = 128 (Q = 32 code bytes per token) only.
+On the CPU, `emulate` runs the same index math (`rg.Ints`) on the PTX fragment layouts in numpy, and the tests check
+the lowering. H = 128 (Q = 32 code bytes per token) only. Measured: `benchmarks/notes_mgpu_oskvp.md` §24.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ PLANES = 4  # 2-bit codes per byte
 MASKED = dc.MASKED
 P_LEVELS = dc.P_LEVELS
 ABLATIONS = ("", "no_compute", "l2_resident")
+KEY_ROWS = ("heads", "tokens")
+# The default orientation: "tokens" took the compute side alone 6% under "heads" on an H100 (90.7 against 96.9 µs at
+# 64k × 8) and the wired form 1% (results/oskvp_decode_core_mma_h100_s41c.md)
+KEY_ROW_DEFAULT = "tokens"
 
 
 # ---- the index math, on Python ints (`rg.Ints`: the CPU model) or i32 values (`rg.Mlir`: the kernel) ----
@@ -169,7 +175,7 @@ def _bytes(word: np.ndarray) -> np.ndarray:
   return ((word[..., None] >> (8 * np.arange(4))) & 0xFF).astype(np.int64)
 
 
-def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows: str = "heads"):
+def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows: str = KEY_ROW_DEFAULT):
   """The GPU route of one program in numpy: kc uint8 [L, Q], vc uint8 [Q, L] (the program's split of L tokens),
   qd int8 [8, H], qs f32 [8], n_valid (tokens of the split stored: the kernel compares each token with the row's
   length), ko fp8 [L, 8], vo fp8 [Q=8, L], qo f16 [8, 8] -> (acc [4, H, 8], ml [4, 32], acco [4, 8, 8]) as the
@@ -293,7 +299,7 @@ def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows
 
 
 def emulate(kcodes, vcodes, qd, qs, lengths=None, kout=None, vout=None, qo=None, *, splits: int,
-            key_rows: str = "heads"):
+            key_rows: str = KEY_ROW_DEFAULT):
   """`decode_core_mma` through `emulate_program` (numpy, every program), merged as the wrapper merges."""
   kc, vc, qd, qs = (np.asarray(x) for x in (kcodes, vcodes, qd, qs))
   bk, s, _ = kc.shape
@@ -437,7 +443,6 @@ def _fragment(values: list, like_shape: tuple[int, int], dtype) -> mgpu.Fragment
 ACC_SHAPE = (512, N)
 MISC_SHAPE = (128, N)  # 8 values a thread: m_a, m_b, l_f, acc_o (2), unused (3)
 LI_SHAPE = (64, N)  # 4 values a thread: l_i, unused (3)
-KEY_ROWS = ("heads", "tokens")
 
 
 FLUSHED = WARPS * 32 * 32  # f32 words of af
@@ -813,7 +818,7 @@ def _check_inputs(kcodes, vcodes, qd, qs, splits, max_concurrent_steps):
 
 
 def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, splits: int,
-               max_concurrent_steps: int, ablate: str, ragged: bool, key_rows: str = "heads"):
+               max_concurrent_steps: int, ablate: str, ragged: bool, key_rows: str = KEY_ROW_DEFAULT):
   """The kernel on prepared inputs (`dc._core_call`'s, but kout2 fp8 [BK, S/8, 64] (eight tokens a row: TMA rows of
   64 bytes, not 16) and qo f16 [BK, 8, 8 or 16]) -> (acc f32 [BK, splits, H, 8] in
   ACC row order, ml f32 [BK, splits, 32], acco f32 [BK, splits, 8, 8] ([head, channel]) with outliers)."""
@@ -842,7 +847,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, sp
 @functools.partial(jax.jit, static_argnames=("splits", "max_concurrent_steps", "key_rows"))
 def decode_core_mma_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_row: jax.Array,
                            kout: jax.Array, vout: jax.Array, qo16: jax.Array, *, splits: int = 16,
-                           max_concurrent_steps: int = 2, key_rows: str = "heads"):
+                           max_concurrent_steps: int = 2, key_rows: str = KEY_ROW_DEFAULT):
   """`dc.decode_core_splits` (the same arguments and outputs, one value-outlier part) on the warp-level core: for
   the wired path's Pallas epilogue, which merges the splits and the residual window."""
   bk, s, _ = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], splits, max_concurrent_steps)
@@ -861,7 +866,7 @@ def decode_core_mma_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, 
 def decode_core_mma(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax.Array,
                     lengths: jax.Array | None = None, kout: jax.Array | None = None, vout: jax.Array | None = None,
                     qo: jax.Array | None = None, *, splits: int = 16, max_concurrent_steps: int = 2,
-                    ablate: str = "", return_lse2: bool = False, key_rows: str = "heads"):
+                    ablate: str = "", return_lse2: bool = False, key_rows: str = KEY_ROW_DEFAULT):
   """`dc.decode_core_mgpu`'s computation (same arguments and outputs; block_s is 128) on warp-level mma.sync (see
   the module docstring); the arithmetic of `decode_core_mma_reference`. GPU only (no interpret mode).
 

@@ -148,8 +148,8 @@ def resolved_glue(glue: str, window: int, splits: int, head_dim: int) -> str:
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,
-                             max_splits: int | None = None, core: str = "wgmma",
-                             mma_key_rows: str = "heads") -> jax.Array:
+                             max_splits: int | None = None, core: str = "auto",
+                             mma_key_rows: str = dm.KEY_ROW_DEFAULT) -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -176,8 +176,10 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     glue: "auto", "pallas" or "xla" (see above).
     value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
     max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K).
-    core: "wgmma" (`oskvp_decode_core_mgpu`) or "mma" (`oskvp_decode_core_mma`, warp-level: H = 128, 128-token
-      blocks, the Pallas glue, GPU only; value_outliers does not apply).
+    core: "wgmma" (`oskvp_decode_core_mgpu`), "mma" (`oskvp_decode_core_mma`, warp-level: H = 128, 128-token
+      blocks, the Pallas glue, GPU only; value_outliers does not apply) or "auto" (the default: "mma" where it
+      applies, else "wgmma"; on an H100 the mma core made the op 2–8% faster by GPU span at 64k / 128k × 8 / 32,
+      results/decode_attention_mma_h100_s41c.md; not yet timed on an H200).
     mma_key_rows: the "mma" core's key-score orientation (`oskvp_decode_core_mma.decode_core_mma`'s key_rows).
 
   Returns:
@@ -196,9 +198,12 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                      "S a multiple of 64)")
   block_s, splits = tiling
   glue = resolved_glue(glue, res_k.shape[2], splits, h)
-  if core not in ("wgmma", "mma"):
-    raise ValueError(f"core={core!r} must be 'wgmma' or 'mma'")
-  if core == "mma" and (glue != "pallas" or block_s != dm.BLOCK_S or h != 4 * dm.Q or interpret):
+  if core not in ("auto", "wgmma", "mma"):
+    raise ValueError(f"core={core!r} must be 'auto', 'wgmma' or 'mma'")
+  mma_applies = glue == "pallas" and block_s == dm.BLOCK_S and h == 4 * dm.Q and not interpret
+  if core == "auto":
+    core = "mma" if mma_applies else "wgmma"
+  if core == "mma" and not mma_applies:
     raise ValueError(f"core='mma' takes the Pallas glue (here {glue!r}), blocks of {dm.BLOCK_S} tokens (capacity "
                      f"S={s}), H={4 * dm.Q} (here {h}) and a GPU (interpret={interpret})")
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
