@@ -186,9 +186,22 @@ def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", 
   value_outliers, max_splits and core as in `uniform_decode_attention` ("mma:tokens": core="mma" with
   mma_key_rows="tokens")."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
-  core, _, key_rows = core.partition(":")
+  core, key_rows = mosaic_core_parts(core)
   return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits, core=core,
-                                  mma_key_rows=key_rows or "tokens")
+                                  mma_key_rows=key_rows)
+
+
+def mosaic_core_parts(core: str) -> tuple[str, str]:
+  """--mosaic_core's "wgmma", "mma" or "mma:heads|tokens" -> (core, the mma core's key rows, its default if unset)."""
+  from pallas_kernels.oskvp_decode_core_mma import KEY_ROW_DEFAULT  # pylint: disable=g-import-not-at-top
+  core, _, key_rows = core.partition(":")
+  return core, key_rows or KEY_ROW_DEFAULT
+
+
+def mosaic_core_label(core: str) -> str:
+  """A timing row's suffix for a core: "" for the wgmma core, else "_mma_<key rows>" (always explicit)."""
+  core, key_rows = mosaic_core_parts(core)
+  return "" if core == "wgmma" else f"_{core}_{key_rows}"
 
 
 def token_major(a):
@@ -214,7 +227,8 @@ def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_sta
                       rel_err=rel,
                       nan=bool(jnp.isnan(got).any())))
     except Exception as e:  # pylint: disable=broad-except
-      out.append(dict(case=case, config="mosaic_uniform", error=repr(e)[:600]))
+      out.append(dict(case=case, config=f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core}",
+                      error=repr(e)[:600]))
     log(f"check mosaic_uniform {out[-1]}")
   return out
 
@@ -464,7 +478,7 @@ def main():
                                                       args.mosaic_max_splits.split(","), args.mosaic_core.split(",")):
           attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
                   + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}")
-                  + ("" if core == "wgmma" else "_" + core.replace(":", "_")), b, s,
+                  + mosaic_core_label(core), b, s,
                   functools.partial(mosaic_uniform, glue=glue, value_outliers=form,
                                     max_splits=None if ms == "auto" else int(ms), core=core),
                   lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),

@@ -41,6 +41,9 @@ def _impls(b: int, s: int) -> dict:
                                da.oskvp_bytes(b, s)),
       "oskvp_mosaic_uniform_xla_glue": (functools.partial(da.mosaic_uniform, glue="xla"),
                                         lambda i: da.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
+      # the warp-level core, the wired path's default on a GPU since the forty-first session (the rows above: wgmma)
+      "oskvp_mosaic_uniform_mma": (functools.partial(da.mosaic_uniform, core="mma"),
+                                   lambda i: da.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
       "cudnn_bf16": (da.cudnn_bf16, kv_bshk, 2 * b * da.KV_HEADS * s * da.HEAD_DIM * 2),
   }
 

@@ -501,13 +501,48 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
     "fp8_stacked", 4 at block_s=256, else 1), left unsummed for the reader); p8 = round(127 · 2^(s − m)).
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], block_s, splits, max_concurrent_steps)
+  check_split_inputs(bk, s, qs_row, kout, vout, qo16)
+  return _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
+                    block_s=block_s, splits=splits, max_concurrent_steps=max_concurrent_steps, interpret=interpret,
+                    ragged=True, value_outliers=value_outliers)
+
+
+def check_optional_inputs(bk: int, s: int, lengths, kout, vout, qo) -> bool:
+  """`decode_core_mgpu`'s optional arguments checked (errors name the field); returns whether outliers are given."""
+  if lengths is not None and (lengths.shape != (bk,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
+    raise ValueError(f"lengths {lengths.shape} {lengths.dtype} must be integer [BK={bk}]")
+  outliers = kout is not None
+  if (vout is not None) != outliers or (qo is not None) != outliers:
+    raise ValueError("kout, vout and qo go together (all three or none)")
+  if outliers and (kout.shape != (bk, s, OUTLIERS) or kout.dtype != jnp.float8_e4m3fn):
+    raise ValueError(f"kout {kout.shape} {kout.dtype} must be float8_e4m3fn [BK, S, {OUTLIERS}] = {(bk, s, OUTLIERS)}")
+  if outliers and (vout.shape != (bk, OUTLIERS, s) or vout.dtype != jnp.float8_e4m3fn):
+    raise ValueError(f"vout {vout.shape} {vout.dtype} must be float8_e4m3fn [BK, {OUTLIERS}, S] = {(bk, OUTLIERS, s)} "
+                     "(tokens contiguous)")
+  if outliers and (qo.shape != (bk, N, OUTLIERS) or qo.dtype != jnp.float16):
+    raise ValueError(f"qo {qo.shape} {qo.dtype} must be float16 [BK, {N}, {OUTLIERS}]")
+  return outliers
+
+
+def check_split_inputs(bk: int, s: int, qs_row, kout, vout, qo16) -> None:
+  """`decode_core_splits`'s prepared arguments checked (shapes and dtypes; errors name the field)."""
   if qs_row.shape != (bk, QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
       or qo16.shape != (bk, N, 2 * OUTLIERS):
     raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, vout {vout.shape}, qo16 {qo16.shape} must be "
                      f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
-  return _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, qo16,
-                    block_s=block_s, splits=splits, max_concurrent_steps=max_concurrent_steps, interpret=interpret,
-                    ragged=True, value_outliers=value_outliers)
+  for name, x, dtype in (("qs_row", qs_row, jnp.float32), ("kout", kout, jnp.float8_e4m3fn),
+                         ("vout", vout, jnp.float8_e4m3fn), ("qo16", qo16, jnp.float16)):
+    if x.dtype != dtype:
+      raise ValueError(f"{name} is {x.dtype}, must be {jnp.dtype(dtype).name}")
+
+
+def padded_scales(qs: jax.Array, lengths: jax.Array | None, s: int) -> jax.Array:
+  """qs f32 [BK, 8] -> the kernels' qs_row f32 [BK, 32]: the scales, the row's length (clipped to S, as f32) at
+  LEN_SLOT when lengths are given, zeros elsewhere."""
+  qs_row = jnp.pad(qs, ((0, 0), (0, QS_SLOTS - N)))  # the length rides in the padding
+  if lengths is not None:
+    qs_row = qs_row.at[:, LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
+  return qs_row
 
 
 def merge_splits(acc: jax.Array, ml: jax.Array, acco: jax.Array | None = None):
@@ -576,23 +611,10 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     return_lse2 also f32 [BK, 8]: log2 Σ_t 2^s (-inf without tokens) as the last element.
   """
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
-  if lengths is not None and (lengths.shape != (bk,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
-    raise ValueError(f"lengths {lengths.shape} {lengths.dtype} must be integer [BK={bk}]")
-  outliers = kout is not None
-  if (vout is not None) != outliers or (qo is not None) != outliers:
-    raise ValueError("kout, vout and qo go together (all three or none)")
-  if outliers and (kout.shape != (bk, s, OUTLIERS) or kout.dtype != jnp.float8_e4m3fn):
-    raise ValueError(f"kout {kout.shape} {kout.dtype} must be float8_e4m3fn [BK, S, {OUTLIERS}] = {(bk, s, OUTLIERS)}")
-  if outliers and (vout.shape != (bk, OUTLIERS, s) or vout.dtype != jnp.float8_e4m3fn):
-    raise ValueError(f"vout {vout.shape} {vout.dtype} must be float8_e4m3fn [BK, {OUTLIERS}, S] = {(bk, OUTLIERS, s)} "
-                     "(tokens contiguous)")
-  if outliers and (qo.shape != (bk, N, OUTLIERS) or qo.dtype != jnp.float16):
-    raise ValueError(f"qo {qo.shape} {qo.dtype} must be float16 [BK, {N}, {OUTLIERS}]")
+  outliers = check_optional_inputs(bk, s, lengths, kout, vout, qo)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  qs_row = jnp.pad(qs, ((0, 0), (0, QS_SLOTS - N)))  # the length rides in the padding
-  if lengths is not None:
-    qs_row = qs_row.at[:, LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
+  qs_row = padded_scales(qs, lengths, s)
   extra = ()
   if outliers:  # the key outliers as rows of two tokens (a free reshape); qo padded to the f16 wgmma's K = 16
     extra = (kout.reshape(bk, s // 2, 2 * OUTLIERS), vout, jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS))))

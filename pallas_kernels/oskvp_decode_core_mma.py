@@ -29,9 +29,9 @@ block), merged at the end by log-sum-exp through shared memory into `decode_core
 order, `acc_row`): `decode_core_mma_splits` drops into the wired path's epilogue, `decode_core_mma` merges the
 splits in XLA. `decode_core_mma_reference` is its arithmetic in XLA (32-token blocks in `warp_order`).
 
-GPU only: the kernel is inline Mosaic (`plgpu.inline_mgpu`) and PTX, which Mosaic's CPU interpreter does not run.
-On the CPU, `emulate` runs the same index math (`rg.Ints`) on the PTX fragment layouts in numpy, and the tests check
-the lowering. H = 128 (Q = 32 code bytes per token) only. Measured: `benchmarks/notes_mgpu_oskvp.md` §24.
+GPU only: the kernel is inline Mosaic (`plgpu.inline_mgpu`, PTX from `mma_sync_ptx.py`), which Mosaic's CPU
+interpreter does not run. On the CPU, `oskvp_decode_core_mma_model.emulate` runs the same index math (`rg.Ints`) on
+the PTX fragment layouts in numpy, and the tests check the lowering. H = 128 (Q = 32 code bytes per token) only. Measured: `benchmarks/notes_mgpu_oskvp.md` §24.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import functools
 import jax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith
-from jax._src.lib.mlir.dialects import llvm
 from jax._src.lib.mlir.dialects import memref
 from jax._src.lib.mlir.dialects import scf
 from jax._src.lib.mlir.dialects import vector
@@ -51,6 +50,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels import mma_sync_ptx as px
 from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_key_scores_mgpu as ks
@@ -84,11 +84,6 @@ def key_code_source(ops, nt: int, warp, g, t):
   """The key codes thread (warp, g, t) loads for n-tile nt: (row of the [128, Q] tile, first byte); 8 bytes. The
   k-step p's B registers are plane p of the two words: byte i of word j is channel p·Q + 8t + 4j + i."""
   return ops.add(ops.shl(warp, 5), key_token(ops, nt, g)), ops.shl(t, 3)
-
-
-def key_channel(p: int, k: int, t: int) -> int:
-  """Channel of row k (0..31) of the key scores' k-step p, as seen by thread column t = k // 4 % 4 (CPU model)."""
-  return p * Q + 8 * t + 4 * (k // 16) + k % 4
 
 
 def value_code_source(ops, half: int, hi_row: int, hi_token: int, warp, g, t):
@@ -136,274 +131,6 @@ def decode_core_mma_reference(kcodes, vcodes, qd, qs, lengths=None, kout=None, v
                             block_s=WARP_TOKENS, splits=WARPS * splits)
 
 
-# ---- the CPU model of the GPU route: the same index math, the PTX fragment layouts, numpy over the 32 lanes ----
-
-def _frag_rows(kind: str):
-  """PTX fragment layouts of mma.sync m16n8k{32 s8, 8 f16, 16 f16} per lane (g, t) = (lane // 4, lane % 4):
-  A registers -> [(row, first k)] (elements k, k + 1, ... in the register), B registers -> [first k]."""
-  if kind == "k32":
-    return [(0, 0), (8, 0), (0, 16), (8, 16)], [0, 16], 4
-  if kind == "k8":
-    return [(0, 0), (8, 0)], [0], 2
-  return [(0, 0), (8, 0), (0, 8), (8, 8)], [0, 8], 2
-
-
-def mma_emulate(kind: str, a, b, c):
-  """numpy mma.sync of one warp: a [32 lanes, nA, e], b [32, nB, e], c [32, 4] -> d [32, 4] (float64; PTX layouts:
-  element i of A register j of lane (g, t) is A[g + rows_j, k_j + e·t + i], of B register j B[k_j + e·t + i, g];
-  C register j is C[g + 8·(j // 2), 2t + j % 2])."""
-  a_regs, b_regs, e = _frag_rows(kind)
-  kk = {"k32": 32, "k8": 8, "k16": 16}[kind]
-  am, bm = np.zeros((16, kk)), np.zeros((kk, 8))
-  for lane in range(32):
-    g, t = lane // 4, lane % 4
-    for j, (r0, k0) in enumerate(a_regs):
-      am[g + r0, k0 + e * t:k0 + e * t + e] = a[lane, j]
-    for j, k0 in enumerate(b_regs):
-      bm[k0 + e * t:k0 + e * t + e, g] = b[lane, j]
-  d = am @ bm
-  out = np.array(c, dtype=np.float64)
-  for lane in range(32):
-    g, t = lane // 4, lane % 4
-    for j in range(4):
-      out[lane, j] += d[g + 8 * (j // 2), 2 * t + j % 2]
-  return out
-
-
-def _bytes(word: np.ndarray) -> np.ndarray:
-  """uint32 words [...] -> their 4 bytes [..., 4] (byte 0 first), as int64."""
-  return ((word[..., None] >> (8 * np.arange(4))) & 0xFF).astype(np.int64)
-
-
-def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows: str = KEY_ROW_DEFAULT):
-  """The GPU route of one program in numpy: kc uint8 [L, Q], vc uint8 [Q, L] (the program's split of L tokens),
-  qd int8 [8, H], qs f32 [8], n_valid (tokens of the split stored: the kernel compares each token with the row's
-  length), ko fp8 [L, 8], vo fp8 [Q=8, L], qo f16 [8, 8] -> (acc [4, H, 8], ml [4, 32], acco [4, 8, 8]) as the
-  kernel stores them. Uses `key_code_source`, `value_code_source`, the outlier sources and the packing of the kernel,
-  so a wrong index in any of them shows up against `decode_core_mma_reference`. With key_rows="tokens" the key
-  scores run in that orientation and reach the heads' layout through the emulated movmatrix transposes (applied to
-  the scores: the kernel transposes p8, the same permutation)."""
-  ops = rg.Ints
-  lanes = np.arange(32)
-  g, t = lanes // 4, lanes % 4
-  length = kc.shape[0]
-  acc_out, ml_out, acco_out = np.zeros((WARPS, 4 * Q, N)), np.zeros((WARPS, 32)), np.zeros((WARPS, N, OUTLIERS))
-  kw = kc.view(np.uint8).reshape(length, Q // 4, 4).astype(np.uint32)
-  kw = (kw * (1 << (8 * np.arange(4, dtype=np.uint32)))).sum(-1).astype(np.uint32)  # [L, Q/4] words
-  plane = lambda w, p: (w >> np.uint32(2 * p)) & np.uint32(0x03030303)
-  qa = np.zeros((32, PLANES, 4, 4), np.int64)  # lane, k-step, register, byte
-  for p in range(PLANES):
-    for lane in lanes:
-      qa[lane, p, 0] = qd[g[lane], p * Q + 8 * t[lane]:p * Q + 8 * t[lane] + 4]
-      qa[lane, p, 2] = qd[g[lane], p * Q + 8 * t[lane] + 4:p * Q + 8 * t[lane] + 8]
-  for w in range(WARPS):
-    acc_i, acc_f = np.zeros((32, 32)), np.zeros((32, 32))
-    m, l_f, l_i, acc_o = np.full(32, MASKED), np.zeros(32), np.zeros(32), np.zeros((32, 2))
-    for base in range(0, length, BLOCK_S):
-      words, pairs = [], []  # per n-tile: each lane's code words [32, 2] and key-outlier pair [32, 2]
-      for nt in range(4):
-        src = [key_code_source(ops, nt, w, int(g[x]), int(t[x])) for x in lanes]
-        words.append(np.array([kw[base + r, c // 4:c // 4 + 2] for r, c in src]))
-        if ko is not None:
-          pair = np.zeros((32, 2))
-          for x in lanes:
-            r, col = key_outlier_source(ops, nt, w, int(g[x]), int(t[x]))
-            pair[x] = ko[base + KO_TOKENS * r + col // 8, col % 8:col % 8 + 2]
-          pairs.append(pair)
-      qo_a = None if ko is None else qo[g[:, None], 2 * t[:, None] + np.arange(2)]  # [32, 2]
-      if key_rows == "tokens":  # S [16 tokens, 8 heads] per m-tile, then each 8 × 8 block transposed (movmatrix)
-        scores = [None] * 4
-        for mt in range(2):
-          lo, hi = words[2 * mt], words[2 * mt + 1]
-          c = np.zeros((32, 4))
-          for p in range(PLANES):
-            a = np.stack([_bytes(plane(lo[:, 0], p)), _bytes(plane(hi[:, 0], p)), _bytes(plane(lo[:, 1], p)),
-                          _bytes(plane(hi[:, 1], p))], 1)
-            c = mma_emulate("k32", a, np.stack([qa[:, p, 0], qa[:, p, 2]], 1), c)
-          c = c * qs[np.stack([2 * t, 2 * t + 1, 2 * t, 2 * t + 1], 1)]
-          if ko is not None:
-            c = mma_emulate("k8", np.stack([pairs[2 * mt], pairs[2 * mt + 1]], 1), qo_a[:, None], c)
-          for h in range(2):
-            tok = base + 32 * w + np.array([key_token(ops, 2 * mt + h, int(gg)) for gg in g])
-            block = np.where((tok < n_valid)[:, None], c[:, 2 * h:2 * h + 2], MASKED)  # lane (g, t): row g, 2t..
-            # movmatrix: lane (g, t) receives row g, columns 2t, 2t + 1 of the transpose = element g % 2 of lanes
-            # (2t, g // 2) and (2t + 1, g // 2)
-            src = lambda e: 4 * (2 * t + e) + g // 2
-            scores[2 * mt + h] = np.stack([block[src(0), g % 2], block[src(1), g % 2]], 1)
-      else:  # S^T [16 (8 heads), 8 tokens] per n-tile
-        scores = []
-        for nt in range(4):
-          c = np.zeros((32, 4))
-          for p in range(PLANES):
-            c = mma_emulate("k32", qa[:, p], _bytes(plane(words[nt], p)), c)
-          sc_nt = c[:, :2] * qs[g][:, None]
-          if ko is not None:
-            sc_nt = mma_emulate("k8", np.stack([qo_a, np.zeros((32, 2))], 1), pairs[nt][:, None],
-                                np.concatenate([sc_nt, np.zeros((32, 2))], 1))[:, :2]
-          tok = base + 32 * w + np.array([[key_token(ops, nt, 2 * int(tt) + e) for e in range(2)] for tt in t])
-          scores.append(np.where(tok < n_valid, sc_nt, MASKED))
-      sc = np.stack(scores, 1)  # [32, 4 n-tiles, 2]
-      bmax = sc.reshape(32, 8).max(1)
-      bmax = np.maximum(bmax, bmax[lanes ^ 1])
-      bmax = np.maximum(bmax, bmax[lanes ^ 2])
-      if (bmax > m).any():
-        m_new = np.maximum(m, bmax)
-        alpha = np.exp2(m - m_new)
-        cols = np.stack([alpha[8 * t], alpha[8 * t + 4]], 1)  # heads 2t, 2t + 1
-        acc_f = (acc_f + acc_i) * np.tile(cols, 16)
-        acc_o = acc_o * cols
-        l_f = (l_f + l_i) * alpha
-        acc_i, l_i, m = np.zeros_like(acc_i), np.zeros_like(l_i), m_new
-      m_p = np.where(m > 0.5 * MASKED, m, np.inf)
-      p8 = np.floor(np.exp2(sc - m_p[:, None, None]) * P_LEVELS + 0.5)  # [32, 4, 2]
-      packed = np.stack([p8[:, 0:2].reshape(32, 4), p8[:, 2:4].reshape(32, 4)], 1)  # [32, 2 regs, 4 bytes]
-      l_i = l_i + packed.sum((1, 2))
-      for half in range(2):
-        words = {}
-        for hr in range(2):
-          for ht in range(2):
-            src = [value_code_source(ops, half, hr, ht, w, int(g[x]), int(t[x])) for x in lanes]
-            words[hr, ht] = np.array([vc[r, base + col:base + col + 4] for r, col in src]).astype(np.uint32)
-            words[hr, ht] = (words[hr, ht] * (1 << (8 * np.arange(4, dtype=np.uint32)))).sum(-1).astype(np.uint32)
-        for p in range(PLANES):
-          a = np.stack([_bytes(plane(words[0, 0], p)), _bytes(plane(words[1, 0], p)),
-                        _bytes(plane(words[0, 1], p)), _bytes(plane(words[1, 1], p))], 1)
-          mt = 2 * p + half
-          acc_i[:, 4 * mt:4 * mt + 4] = mma_emulate("k32", a, packed, acc_i[:, 4 * mt:4 * mt + 4])
-      if vo is not None:
-        c = np.concatenate([acc_o, np.zeros((32, 2))], 1)
-        for st in range(2):
-          src = [value_outlier_source(ops, st, w, int(g[x]), int(t[x])) for x in lanes]
-          quad = np.array([vo[r, base + col:base + col + 4] for r, col in src])  # [32, 4]
-          a = np.zeros((32, 4, 2))
-          a[:, 0], a[:, 2] = quad[:, 0:2], quad[:, 2:4]
-          b = np.stack([p8[:, 2 * st], p8[:, 2 * st + 1]], 1)  # [32, 2 regs, 2]
-          c = mma_emulate("k16", a, b, c)
-        acc_o = c[:, :2]
-    total = acc_f + acc_i
-    l = l_f + l_i
-    l = l + l[lanes ^ 1]
-    l = l + l[lanes ^ 2]
-    for lane in lanes:
-      for p in range(PLANES):
-        for half in range(2):
-          mt = 2 * p + half
-          for hr in range(2):
-            ch = p * Q + 16 * half + 8 * hr + g[lane]
-            acc_out[w, ch, 2 * t[lane]:2 * t[lane] + 2] = total[lane, 4 * mt + 2 * hr:4 * mt + 2 * hr + 2]
-      if t[lane] == 0:
-        ml_out[w, g[lane]], ml_out[w, N + g[lane]] = m[lane], l[lane]
-      for e in range(2):
-        acco_out[w, 2 * t[lane] + e, g[lane]] = acc_o[lane, e]
-  return acc_out, ml_out, acco_out
-
-
-def emulate(kcodes, vcodes, qd, qs, lengths=None, kout=None, vout=None, qo=None, *, splits: int,
-            key_rows: str = KEY_ROW_DEFAULT):
-  """`decode_core_mma` through `emulate_program` (numpy, every program), merged as the wrapper merges."""
-  kc, vc, qd, qs = (np.asarray(x) for x in (kcodes, vcodes, qd, qs))
-  bk, s, _ = kc.shape
-  span = s // splits
-  f32 = lambda x: None if x is None else np.asarray(jnp.asarray(x).astype(jnp.float32))
-  ko, vo, qo = f32(kout), f32(vout), f32(qo)
-  outs = [[], [], []]
-  for b in range(bk):
-    for sp in range(splits):
-      n_valid = (s if lengths is None else int(lengths[b])) - sp * span
-      part = slice(sp * span, (sp + 1) * span)
-      res = emulate_program(kc[b, part], vc[b, :, part], qd[b].astype(np.int64), qs[b], n_valid,
-                            None if ko is None else ko[b, part], None if vo is None else vo[b, :, part],
-                            None if qo is None else qo[b], key_rows)
-      for lst, r in zip(outs, res):
-        lst.append(r)
-  acc = jnp.asarray(np.stack(outs[0]).reshape(bk, splits * WARPS, 4 * Q, N), jnp.float32)
-  ml = jnp.asarray(np.stack(outs[1]).reshape(bk, splits * WARPS, 32), jnp.float32)
-  acco = jnp.asarray(np.stack(outs[2]).reshape(bk, splits * WARPS, N, OUTLIERS), jnp.float32)
-  mean, mean_o, _ = dc.merge_splits(acc, ml, acco if kout is not None else None)
-  return mean if kout is None else (mean, mean_o)
-
-
-# ---- PTX helpers (inside the kernel) ----
-
-def _i32():
-  return ir.IntegerType.get_signless(32)
-
-
-def _f32():
-  return ir.F32Type.get()
-
-
-def _asm(types, operands, ptx, constraints):
-  """Inline PTX with len(types) results (a struct when several)."""
-  if len(types) == 1:
-    return [llvm.inline_asm(types[0], operands, ptx, constraints)]
-  out = llvm.inline_asm(llvm.StructType.get_literal(types), operands, ptx, constraints)
-  return [llvm.extractvalue(ty, out, [i]) for i, ty in enumerate(types)]
-
-
-def _regs(prefix_count: int, n: int) -> str:
-  return "{" + ",".join(f"${prefix_count + i}" for i in range(n)) + "}"
-
-
-def mma(shape: str, kind: str, a, b, c):
-  """D = A · B + C of one `mma.sync.aligned.{shape}.row.col` per warp: kind "s8" (s32 accumulators) or "f16" (f32)."""
-  integer = kind == "s8"
-  ty = _i32() if integer else _f32()
-  acc = "s32" if integer else "f32"
-  ptx = (f"mma.sync.aligned.{shape}.row.col.{acc}.{kind}.{kind}.{acc} {_regs(0, 4)}, {_regs(4, len(a))}, "
-         f"{_regs(4 + len(a), len(b))}, {_regs(4 + len(a) + len(b), 4)};")
-  cc = "r" if integer else "f"
-  constraints = ",".join([f"={cc}"] * 4 + ["r"] * (len(a) + len(b)) + [cc] * 4)
-  return _asm([ty] * 4, [*a, *b, *c], ptx, constraints)
-
-
-def _shfl_bfly(x, mask: int):
-  return _asm([_f32()], [x], f"shfl.sync.bfly.b32 $0, $1, {mask}, 31, -1;", "=f,f")[0]
-
-
-def _shfl_idx(x, lane):
-  return _asm([_f32()], [x, lane], "shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=f,f,r")[0]
-
-
-def _ex2(x):
-  return _asm([_f32()], [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")[0]
-
-
-def _vote_any(flag):
-  """i32 flag (0 / 1) of each lane -> i32 1 if any lane of the warp has it."""
-  return _asm([_i32()], [flag], "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; vote.sync.any.pred q, p, -1; "
-              "selp.u32 $0, 1, 0, q; }", "=r,r")[0]
-
-
-def _dp4a(a, b, c):
-  return _asm([_i32()], [a, b, c], "dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r")[0]
-
-
-def _f16x2(lo, hi):
-  """Two f32 -> one f16x2 register (lo in the low half)."""
-  return _asm([_i32()], [hi, lo], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")[0]
-
-
-def _e4m3x2(pair):
-  """i32 whose low 16 bits are two e4m3 bytes -> f16x2 (byte 0 in the low half)."""
-  i16 = ir.IntegerType.get_signless(16)
-  return _asm([_i32()], [arith.trunci(i16, pair)], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")[0]
-
-
-def _load(ref, offset, nbytes: int):
-  """nbytes (2, 4 or 8) at byte `offset` (an i32 value or int) of a shared-memory ref, as one aligned load: a list
-  of i32 words (one i16 for 2 bytes). Explicit alignment: a vector.load of i8 elements may be split into bytes."""
-  i64, i16 = ir.IntegerType.get_signless(64), ir.IntegerType.get_signless(16)
-  offset = mgpu.utils.c(offset, i64) if isinstance(offset, int) else arith.extui(i64, offset)
-  ptr = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(ref), [offset], ir.IntegerType.get_signless(8))
-  if nbytes == 2:
-    return [llvm.load(i16, ptr, alignment=2)]
-  if nbytes == 4:
-    return [llvm.load(_i32(), ptr, alignment=4)]
-  pair = llvm.load(ir.VectorType.get((2,), _i32()), ptr, alignment=8)
-  return [vector.extract(pair, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])) for i in range(2)]
-
-
 def tile_offset(ops, row, col, width: int, sw: int):
   """Byte offset of (row, col) in a byte tile [R, width] that TMA stored in tiles of 8 × width rows, swizzled by
   sw bytes (the 16-byte chunk index XOR-ed with address bits 7+ of the row within its tile)."""
@@ -412,34 +139,14 @@ def tile_offset(ops, row, col, width: int, sw: int):
 
 
 def _tiled_word(ref, nbytes: int, row, col, *, width: int, sw: int):
-  return _load(ref, tile_offset(rg.Mlir(), row, col, width, sw), nbytes)
-
-
-def _scalars(arr) -> list:
-  """A FragmentedArray's per-thread values, flattened."""
-  out = []
-  for reg in arr.registers.flat:
-    for i in range(ir.VectorType(reg.type).shape[0]):
-      out.append(vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])))
-  return out
-
-
-def _fragment(values: list, like_shape: tuple[int, int], dtype) -> mgpu.FragmentedArray:
-  """Per-thread values -> a FragmentedArray [like_shape] in the WGMMA layout (an opaque carrier of registers)."""
-  shape = mgpu.WGMMA_LAYOUT.registers_shape(like_shape)
-  regs = np.empty(shape, dtype=object)
-  flat = regs.reshape(-1)
-  vec_ty = ir.VectorType.get((2,), values[0].type)
-  for i in range(flat.size):
-    flat[i] = vector.from_elements(vec_ty, values[2 * i:2 * i + 2])
-  return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT,
-                              _is_signed=True if jnp.issubdtype(dtype, jnp.integer) else None)
+  return px.load(ref, tile_offset(rg.Mlir(), row, col, width, sw), nbytes)
 
 
 # The carried state of a thread: acc_i int32 [32] (the value sums since the running max last grew: 8 m-tiles × 4),
 # misc f32 [8] (the running max: of head g with key_rows="heads", of heads 2t, 2t + 1 with "tokens"; l_f; acc_o of
-# heads 2t, 2t + 1), li int32 [4] (l_i), carried as WGMMA-layout arrays of these shapes; and in shared memory af f32 [4 warps · 32 · 32 lanes] (the flushed sums, relative to m:
-# touched only when the max grows, so kept out of the registers).
+# heads 2t, 2t + 1), li int32 [4] (l_i), carried as WGMMA-layout arrays of these shapes; and in shared memory af
+# f32 [4 warps · 32 · 32 lanes] (the flushed sums, relative to m: touched only when the max grows, so kept out of
+# the registers).
 ACC_SHAPE = (512, N)
 MISC_SHAPE = (128, N)  # 8 values a thread: m_a, m_b, l_f, acc_o (2), unused (3)
 LI_SHAPE = (64, N)  # 4 values a thread: l_i, unused (3)
@@ -464,27 +171,18 @@ def _init_state():
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=ret)
   def init(_, af_ref):
-    ops, f32 = rg.Mlir(), _f32()
+    ops, f32 = rg.Mlir(), px.f32()
     warp, lane = rg.thread_coords(ops)
     af_index = _flushed_index(warp, lane)
     zf = mgpu.utils.c(0.0, f32)
     for i in range(32):
       memref.store(zf, af_ref, [af_index(i)])
     masked = mgpu.utils.c(MASKED, f32)
-    return (_fragment([ops.value(0)] * 32, ACC_SHAPE, jnp.int32), _fragment([masked, masked] + [zf] * 6, MISC_SHAPE,
+    return (px.fragment([ops.value(0)] * 32, ACC_SHAPE, jnp.int32), px.fragment([masked, masked] + [zf] * 6, MISC_SHAPE,
                                                                              jnp.float32),
-            _fragment([ops.value(0)] * 4, LI_SHAPE, jnp.int32))
+            px.fragment([ops.value(0)] * 4, LI_SHAPE, jnp.int32))
 
   return init
-
-
-def _movmatrix_t(x):
-  """One 8 × 8 matrix of 16-bit values transposed across the warp (thread (g, t) holds row g, columns 2t, 2t + 1)."""
-  return _asm([_i32()], [x], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")[0]
-
-
-def _floor(x):
-  return _asm([_f32()], [x], "cvt.rmi.f32.f32 $0, $1;", "=f,f")[0]
 
 
 def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
@@ -505,12 +203,12 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
 
   @plgpu.inline_mgpu(arg_types=tuple(arg_types), return_type=ret)
   def step(_, k_ref, v_ref, q_ref, qs_ref, af_ref, acc_i, misc, li, *rest):
-    ops, i32, f32, index = rg.Mlir(), _i32(), _f32(), ir.IndexType.get()
+    ops, i32, f32, index = rg.Mlir(), px.i32(), px.f32(), ir.IndexType.get()
     ko_ref, vo_ref, qo_ref = rest[:3] if outliers else (None, None, None)
     first = rest[-1] if ragged else None
     warp, lane = rg.thread_coords(ops)
     g, t = ops.shr(lane, 2), ops.band(lane, 3)
-    acc_i, misc, li = _scalars(acc_i), _scalars(misc), _scalars(li)
+    acc_i, misc, li = px.scalars(acc_i), px.scalars(misc), px.scalars(li)
     ms = misc[:2] if tokens_m else misc[:1]  # the running max: heads 2t, 2t + 1 ("tokens") or head g ("heads")
     l_f, acc_o = misc[2], misc[3:5]
     l_i = li[0]
@@ -523,15 +221,15 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
     qw = [[_tiled_word(q_ref, 4, g, ops.add(p * Q + 4 * j, ops.shl(t, 3)), width=128, sw=128)[0] for j in range(2)]
           for p in range(PLANES)]
     if outliers:
-      qo_w, = _load(qo_ref, ops.add(ops.mul(g, 2 * qo_width), ops.shl(t, 2)), 4)  # qo f16 [8, W]: row g, 2t, 2t + 1
+      qo_w, = px.load(qo_ref, ops.add(ops.mul(g, 2 * qo_width), ops.shl(t, 2)), 4)  # qo f16 [8, W]: row g, 2t, 2t + 1
     code_words, outlier_pairs = [], []
     for nt in range(4):
       row, col = key_code_source(ops, nt, warp, g, t)
       code_words.append(_tiled_word(k_ref, 8, row, col, width=Q, sw=Q))
       if outliers:
         orow, ocol = key_outlier_source(ops, nt, warp, g, t)
-        pair, = _load(ko_ref, ops.add(ops.shl(orow, 6), ocol), 2)  # ko fp8 [16, 64]
-        outlier_pairs.append(_e4m3x2(arith.extui(i32, pair)))
+        pair, = px.load(ko_ref, ops.add(ops.shl(orow, 6), ocol), 2)  # ko fp8 [16, 64]
+        outlier_pairs.append(px.e4m3x2(arith.extui(i32, pair)))
     plane = lambda w, p: ops.band(ops.shr(w, 2 * p) if p else w, 0x03030303)
     if tokens_m:
       # S [16 tokens, 8 heads] per m-tile mt: rows g / 8 + g are the tokens of n-tiles 2mt / 2mt + 1, column g
@@ -541,11 +239,11 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
         lo, hi = code_words[2 * mt], code_words[2 * mt + 1]
         c = [zi] * 4
         for p in range(PLANES):
-          c = mma("m16n8k32", "s8", [plane(lo[0], p), plane(hi[0], p), plane(lo[1], p), plane(hi[1], p)],
+          c = px.mma("m16n8k32", "s8", [plane(lo[0], p), plane(hi[0], p), plane(lo[1], p), plane(hi[1], p)],
                   qw[p], c)
         sc = [arith.mulf(arith.sitofp(f32, c[j]), scale[j % 2]) for j in range(4)]
         if outliers:
-          sc = mma("m16n8k8", "f16", [outlier_pairs[2 * mt], outlier_pairs[2 * mt + 1]], [qo_w], sc)
+          sc = px.mma("m16n8k8", "f16", [outlier_pairs[2 * mt], outlier_pairs[2 * mt + 1]], [qo_w], sc)
         scores.append(sc)
       flat = [x for sc in scores for x in sc]
       token_of = lambda i: key_token(ops, 2 * (i // 4) + (i % 4) // 2, g)  # flat index -> token among the warp's
@@ -556,15 +254,15 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
       for nt in range(4):
         c = [zi] * 4
         for p in range(PLANES):
-          c = mma("m16n8k32", "s8", [qw[p][0], zi, qw[p][1], zi], [plane(w, p) for w in code_words[nt]], c)
+          c = px.mma("m16n8k32", "s8", [qw[p][0], zi, qw[p][1], zi], [plane(w, p) for w in code_words[nt]], c)
         sc = [arith.mulf(arith.sitofp(f32, c[e]), scale) for e in range(2)]
         if outliers:
-          sc = mma("m16n8k8", "f16", [qo_w, zi], [outlier_pairs[nt]], [sc[0], sc[1], zf, zf])[:2]
+          sc = px.mma("m16n8k8", "f16", [qo_w, zi], [outlier_pairs[nt]], [sc[0], sc[1], zf, zf])[:2]
         flat += sc
       token_of = lambda i: ops.add(ops.shl(t, 2), 16 * (i // 4) + 2 * ((i // 2) % 2) + i % 2)
     if ragged:  # tokens at or past the row's length score MASKED; only a block reaching past it pays for the mask
       n_valid = arith.fptosi(i32, memref.load(qs_ref, [arith.index_cast(index, ops.value(dc.LEN_SLOT))]))
-      first = _scalars(first)[0]
+      first = px.scalars(first)[0]
       partial = arith.cmpi(arith.CmpIPredicate.sgt, ops.add(first, BLOCK_S), n_valid)
       if_op = scf.IfOp(partial, [f32] * 8, has_else=True)
       with ir.InsertionPoint(if_op.then_block):
@@ -583,22 +281,22 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
     for e in range(len(ms)):
       mx = functools.reduce(arith.maximumf, [x for i, x in enumerate(flat) if head_of(i) == e])
       for mask in ((4, 8, 16) if tokens_m else (1, 2)):
-        mx = arith.maximumf(mx, _shfl_bfly(mx, mask))
+        mx = arith.maximumf(mx, px.shfl_bfly(mx, mask))
       bmax.append(mx)
     above = functools.reduce(arith.ori, [arith.cmpf(arith.CmpFPredicate.OGT, b, m) for b, m in zip(bmax, ms)])
-    flush = arith.cmpi(arith.CmpIPredicate.ne, _vote_any(arith.extui(i32, above)), zi)
+    flush = arith.cmpi(arith.CmpIPredicate.ne, px.vote_any(arith.extui(i32, above)), zi)
     state = [*acc_i, *ms, l_f, *acc_o, l_i]
     if_op = scf.IfOp(flush, [v.type for v in state], has_else=True)
     with ir.InsertionPoint(if_op.then_block):  # the flushed sums live in shared memory (32 registers fewer)
       m_new = [arith.maximumf(m, b) for m, b in zip(ms, bmax)]
-      alpha = [_ex2(arith.subf(m, mn)) for m, mn in zip(ms, m_new)]
+      alpha = [px.ex2(arith.subf(m, mn)) for m, mn in zip(ms, m_new)]
       if tokens_m:  # the sums' columns are this thread's heads; l is head g's, held by lane g // 2
         cols = alpha
         src = ops.shr(g, 1)
         alpha_g = arith.select(arith.cmpi(arith.CmpIPredicate.ne, ops.band(g, 1), zi),
-                               _shfl_idx(alpha[1], src), _shfl_idx(alpha[0], src))
+                               px.shfl_idx(alpha[1], src), px.shfl_idx(alpha[0], src))
       else:  # alpha is head g's; the sums' columns are heads 2t, 2t + 1
-        cols = [_shfl_idx(alpha[0], ops.shl(t, 3)), _shfl_idx(alpha[0], ops.add(ops.shl(t, 3), 4))]
+        cols = [px.shfl_idx(alpha[0], ops.shl(t, 3)), px.shfl_idx(alpha[0], ops.add(ops.shl(t, 3), 4))]
         alpha_g = alpha[0]
       for i in range(32):
         idx = [af_index(i)]
@@ -616,20 +314,20 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
     # p8 = round(127 · 2^(s − m)); 0 while the split has seen no stored token (m = MASKED)
     m_p = [arith.select(arith.cmpf(arith.CmpFPredicate.OGT, m, mgpu.utils.c(0.5 * MASKED, f32)), m,
                         mgpu.utils.c(float("inf"), f32)) for m in ms]
-    p8 = [_floor(arith.addf(arith.mulf(_ex2(arith.subf(x, m_p[head_of(i)])), mgpu.utils.c(P_LEVELS, f32)),
+    p8 = [px.floor(arith.addf(arith.mulf(px.ex2(arith.subf(x, m_p[head_of(i)])), mgpu.utils.c(P_LEVELS, f32)),
                             mgpu.utils.c(0.5, f32))) for i, x in enumerate(flat)]
     if tokens_m:  # [token, head] pairs -> movmatrix -> pb16[nt]: p8 of head g, tokens key_token(nt, 2t + 0 / 1)
-      pb16 = [_movmatrix_t(_f16x2(p8[4 * mt + 2 * h], p8[4 * mt + 2 * h + 1])) for mt in range(2) for h in range(2)]
+      pb16 = [px.movmatrix_t(px.f16x2(p8[4 * mt + 2 * h], p8[4 * mt + 2 * h + 1])) for mt in range(2) for h in range(2)]
     else:
-      pb16 = [_f16x2(p8[2 * nt], p8[2 * nt + 1]) for nt in range(4)]
+      pb16 = [px.f16x2(p8[2 * nt], p8[2 * nt + 1]) for nt in range(4)]
     # B of the value sums (int8): tokens 4t..4t+3 (n-tiles 0, 1), 16+4t.. (2, 3): an f16 integer + 1024 holds it in
     # its low byte
     bias = ops.value(0x64006400)
-    low = [_asm([i32], [x, bias], "add.rn.f16x2 $0, $1, $2;", "=r,r,r")[0] for x in pb16]
-    packed = [_asm([i32], [low[2 * h], low[2 * h + 1]], "prmt.b32 $0, $1, $2, 0x6420;", "=r,r,r")[0]
+    low = [px.asm([i32], [x, bias], "add.rn.f16x2 $0, $1, $2;", "=r,r,r")[0] for x in pb16]
+    packed = [px.asm([i32], [low[2 * h], low[2 * h + 1]], "prmt.b32 $0, $1, $2, 0x6420;", "=r,r,r")[0]
               for h in range(2)]
     ones = ops.value(0x01010101)
-    l_i = _dp4a(packed[1], ones, _dp4a(packed[0], ones, l_i))
+    l_i = px.dp4a(packed[1], ones, px.dp4a(packed[0], ones, l_i))
 
     # value sums: m-tile (p, half): channels p·Q + 16·half + 0..15
     new_acc = list(acc_i)
@@ -642,20 +340,20 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
       for p in range(PLANES):
         a = [plane(words[0, 0], p), plane(words[1, 0], p), plane(words[0, 1], p), plane(words[1, 1], p)]
         mt = 2 * p + half
-        new_acc[4 * mt:4 * mt + 4] = mma("m16n8k32", "s8", a, packed, acc_i[4 * mt:4 * mt + 4])
+        new_acc[4 * mt:4 * mt + 4] = px.mma("m16n8k32", "s8", a, packed, acc_i[4 * mt:4 * mt + 4])
     acc_i = new_acc
     if outliers:  # value outliers: k-step st covers tokens 16·st + 4t + 0..3
       c = [acc_o[0], acc_o[1], zf, zf]
       for st in range(2):
         row, col = value_outlier_source(ops, st, warp, g, t)
         word, = _tiled_word(vo_ref, 4, row, col, width=BLOCK_S, sw=128)
-        a = [_e4m3x2(word), zi, _e4m3x2(ops.shr(word, 16)), zi]
-        c = mma("m16n8k16", "f16", a, [pb16[2 * st], pb16[2 * st + 1]], c)
+        a = [px.e4m3x2(word), zi, px.e4m3x2(ops.shr(word, 16)), zi]
+        c = px.mma("m16n8k16", "f16", a, [pb16[2 * st], pb16[2 * st + 1]], c)
       acc_o = c[:2]
     m_vals = ms if tokens_m else [ms[0], ms[0]]
-    return (_fragment(acc_i, ACC_SHAPE, jnp.int32), _fragment([*m_vals, l_f, *acc_o, zf, zf, zf], MISC_SHAPE,
+    return (px.fragment(acc_i, ACC_SHAPE, jnp.int32), px.fragment([*m_vals, l_f, *acc_o, zf, zf, zf], MISC_SHAPE,
                                                               jnp.float32),
-            _fragment([l_i, zi, zi, zi], LI_SHAPE, jnp.int32))
+            px.fragment([l_i, zi, zi, zi], LI_SHAPE, jnp.int32))
 
   return step
 
@@ -669,26 +367,30 @@ def acc_row(ops, ch):
 
 def _finish(outliers: bool, key_rows: str):
   """After the pipeline: the four warps' states merged by log-sum-exp into the program's output tiles in shared
-  memory (o [H, 8] in ACC row order, ml [32]: m in [0, 8), l in [8, 16), oo [8 heads, 8 channels]), through x [64]
-  (the warps' m and l) and five warpgroup barriers; the warps add their weighted sums into o and oo in turn."""
+  memory (o [H, 8] in ACC row order, ml [32]: m in [0, 8), l in [8, 16), zeros, oo [8 heads, 8 channels]), through
+  x [64] (the warps' m and l) and six warpgroup barriers; the warps add their weighted sums into o and oo in turn.
+  The output buffers take the ring's memory, which a lagging warp may still read in its last step: hence the first
+  barrier."""
+  tokens_m = key_rows == "tokens"
   wg = plgpu.Layout.WGMMA
   arg_types = (wg, wg, wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType()) + \
       ((plgpu.RefType(),) if outliers else ())
 
   @plgpu.inline_mgpu(arg_types=arg_types)
   def finish(_, acc_i, misc, li, af_ref, o_ref, ml_ref, x_ref, *rest):
-    ops, f32, index = rg.Mlir(), _f32(), ir.IndexType.get()
+    ops, f32, index = rg.Mlir(), px.f32(), ir.IndexType.get()
     as_index = lambda v: arith.index_cast(index, ops.value(v))
     warp, lane = rg.thread_coords(ops)
     g, t = ops.shr(lane, 2), ops.band(lane, 3)
-    acc_i, misc, li = _scalars(acc_i), _scalars(misc), _scalars(li)
+    acc_i, misc, li = px.scalars(acc_i), px.scalars(misc), px.scalars(li)
     l_f = misc[2]
     af_index = _flushed_index(warp, lane)
     total = [arith.addf(memref.load(af_ref, [af_index(i)]), arith.sitofp(f32, acc_i[i])) for i in range(32)]
     l = arith.addf(l_f, arith.sitofp(f32, li[0]))
-    l = arith.addf(l, _shfl_bfly(l, 1))
-    l = arith.addf(l, _shfl_bfly(l, 2))
+    l = arith.addf(l, px.shfl_bfly(l, 1))
+    l = arith.addf(l, px.shfl_bfly(l, 2))
     is_first = lambda v: arith.cmpi(arith.CmpIPredicate.eq, v, ops.value(0))
+    mgpu.utils.warpgroup_barrier()  # every warp is past its last read of the ring
 
     def when(cond, fn):
       if_op = scf.IfOp(cond)
@@ -698,7 +400,7 @@ def _finish(outliers: bool, key_rows: str):
 
     def publish_l():
       memref.store(l, x_ref, [as_index(ops.add(32, ops.add(ops.shl(warp, 3), g)))])
-      if key_rows == "heads":
+      if not tokens_m:  # the running max is head g's
         memref.store(misc[0], x_ref, [as_index(ops.add(ops.shl(warp, 3), g))])
 
     def publish_m():  # "tokens": each thread holds the maxima of heads 2t, 2t + 1
@@ -706,14 +408,14 @@ def _finish(outliers: bool, key_rows: str):
         memref.store(misc[e], x_ref, [as_index(ops.add(ops.shl(warp, 3), ops.add(ops.shl(t, 1), e)))])
 
     when(is_first(t), publish_l)
-    if key_rows == "tokens":
+    if tokens_m:
       when(is_first(g), publish_m)
     mgpu.utils.warpgroup_barrier()
 
     def weight(head):  # (the program's max of head, this warp's weight 2^(m_w − max))
       ms = [memref.load(x_ref, [as_index(ops.add(8 * v, head))]) for v in range(WARPS)]
       top = functools.reduce(arith.maximumf, ms)
-      return top, _ex2(arith.subf(memref.load(x_ref, [as_index(ops.add(ops.shl(warp, 3), head))]), top))
+      return top, px.ex2(arith.subf(memref.load(x_ref, [as_index(ops.add(ops.shl(warp, 3), head))]), top))
 
     cols = [weight(ops.shl(t, 1))[1], weight(ops.add(ops.shl(t, 1), 1))[1]]
     top_g, own = weight(g)
@@ -746,6 +448,8 @@ def _finish(outliers: bool, key_rows: str):
           memref.store(arith.addf(lw, memref.load(ml_ref, idx)) if v else lw, ml_ref, idx)
           if not v:
             memref.store(top_g, ml_ref, [as_index(g)])
+            memref.store(mgpu.utils.c(0.0, f32), ml_ref, [as_index(ops.add(g, 2 * N))])  # the row's unused tail
+            memref.store(mgpu.utils.c(0.0, f32), ml_ref, [as_index(ops.add(g, 3 * N))])
 
         when(is_first(t), head_sums)
 
@@ -811,7 +515,9 @@ def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_
 
 
 def _check_inputs(kcodes, vcodes, qd, qs, splits, max_concurrent_steps):
-  bk, s, q = dc._check_inputs(kcodes, vcodes, qd, qs, BLOCK_S, splits, max_concurrent_steps)  # pylint: disable=protected-access
+  """The wgmma core's checks at 128-token blocks, and H = 128; returns (BK, S, Q)."""
+  check = dc._check_inputs  # pylint: disable=protected-access
+  bk, s, q = check(kcodes, vcodes, qd, qs, BLOCK_S, splits, max_concurrent_steps)
   if q != Q:
     raise ValueError(f"code bytes per token Q={q}: decode_core_mma takes H = 128 (Q = {Q}) only")
   return bk, s, q
@@ -822,6 +528,8 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, sp
   """The kernel on prepared inputs (`dc._core_call`'s, but kout2 fp8 [BK, S/8, 64] (eight tokens a row: TMA rows of
   64 bytes, not 16) and qo f16 [BK, 8, 8 or 16]) -> (acc f32 [BK, splits, H, 8] in
   ACC row order, ml f32 [BK, splits, 32], acco f32 [BK, splits, 8, 8] ([head, channel]) with outliers)."""
+  if key_rows not in KEY_ROWS:
+    raise ValueError(f"key_rows={key_rows!r} must be one of {KEY_ROWS}")
   bk, s, q = kcodes.shape
   outliers = kout2 is not None
   body = functools.partial(_kernel, steps=s // (splits * BLOCK_S), max_concurrent_steps=max_concurrent_steps,
@@ -851,10 +559,7 @@ def decode_core_mma_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, 
   """`dc.decode_core_splits` (the same arguments and outputs, one value-outlier part) on the warp-level core: for
   the wired path's Pallas epilogue, which merges the splits and the residual window."""
   bk, s, _ = _check_inputs(kcodes, vcodes, qd, qs_row[:, :N], splits, max_concurrent_steps)
-  if qs_row.shape != (bk, dc.QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
-      or qo16.shape != (bk, N, 2 * OUTLIERS):
-    raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, vout {vout.shape}, qo16 {qo16.shape} must be "
-                     f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
+  dc.check_split_inputs(bk, s, qs_row, kout, vout, qo16)
   acc, ml, acco = _core_call(kcodes, vcodes, qd, qs_row, kout.reshape(bk, s // KO_TOKENS, KO_TOKENS * OUTLIERS),
                              vout, qo16,
                              splits=splits, max_concurrent_steps=max_concurrent_steps, ablate="", ragged=True,
@@ -875,17 +580,8 @@ def decode_core_mma(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: jax
   bk, s, q = _check_inputs(kcodes, vcodes, qd, qs, splits, max_concurrent_steps)
   if ablate not in ABLATIONS:
     raise ValueError(f"ablate={ablate!r} must be one of {ABLATIONS}")
-  if key_rows not in KEY_ROWS:
-    raise ValueError(f"key_rows={key_rows!r} must be one of {KEY_ROWS}")
-  outliers = kout is not None
-  if (vout is not None) != outliers or (qo is not None) != outliers:
-    raise ValueError("kout, vout and qo go together (all three or none)")
-  if outliers and (kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) or qo.shape != (bk, N, OUTLIERS)):
-    raise ValueError(f"kout {kout.shape}, vout {vout.shape}, qo {qo.shape} must be [BK, S, 8], [BK, 8, S], "
-                     f"[BK, 8, 8] with BK={bk}, S={s}")
-  qs_row = jnp.pad(qs, ((0, 0), (0, dc.QS_SLOTS - N)))
-  if lengths is not None:
-    qs_row = qs_row.at[:, dc.LEN_SLOT].set(jnp.clip(lengths, 0, s).astype(jnp.float32))
+  outliers = dc.check_optional_inputs(bk, s, lengths, kout, vout, qo)
+  qs_row = dc.padded_scales(qs, lengths, s)
   extra = (kout.reshape(bk, s // KO_TOKENS, KO_TOKENS * OUTLIERS), vout, qo) if outliers else ()
   res = _core_call(kcodes, vcodes, qd, qs_row, *extra, splits=splits, max_concurrent_steps=max_concurrent_steps,
                    ablate=ablate, ragged=lengths is not None, key_rows=key_rows)

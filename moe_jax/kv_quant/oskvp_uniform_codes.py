@@ -143,6 +143,26 @@ def resolved_glue(glue: str, window: int, splits: int, head_dim: int) -> str:
   return "xla" if epi.epilogue_shape_error(window, splits, head_dim) else "pallas"
 
 
+def resolved_core(core: str, *, glue: str, block_s: int, head_dim: int, interpret: bool, value_outliers: str,
+                  mma_key_rows: str) -> str:
+  """The core `uniform_decode_attention` runs: "auto" is "mma" (`oskvp_decode_core_mma`) where it applies (the
+  Pallas glue, 128-token blocks, H = 128, a GPU, the default value-outlier form, which the mma core does not take
+  as an option), else "wgmma"; "mma" where it does not apply, or an unknown core or key orientation, is refused."""
+  if core not in ("auto", "wgmma", "mma"):
+    raise ValueError(f"core={core!r} must be 'auto', 'wgmma' or 'mma'")
+  if mma_key_rows not in dm.KEY_ROWS:
+    raise ValueError(f"mma_key_rows={mma_key_rows!r} must be one of {dm.KEY_ROWS}")
+  applies = glue == "pallas" and block_s == dm.BLOCK_S and head_dim == 4 * dm.Q and not interpret
+  if core == "auto":
+    return "mma" if applies and value_outliers == dc.VALUE_OUTLIERS else "wgmma"
+  if core == "mma" and not applies:
+    raise ValueError(f"core='mma' takes the Pallas glue (here {glue!r}), blocks of {dm.BLOCK_S} tokens (here "
+                     f"{block_s}), H={4 * dm.Q} (here {head_dim}) and a GPU (interpret={interpret})")
+  if core == "mma" and value_outliers != dc.VALUE_OUTLIERS:
+    raise ValueError(f"value_outliers={value_outliers!r} is a form of the wgmma core's; core='mma' has one form")
+  return core
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "max_concurrent_steps", "glue", "value_outliers",
                                              "max_splits", "core", "mma_key_rows"))
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
@@ -176,17 +196,18 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     glue: "auto", "pallas" or "xla" (see above).
     value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
     max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K).
-    core: "wgmma" (`oskvp_decode_core_mgpu`), "mma" (`oskvp_decode_core_mma`, warp-level: H = 128, 128-token
-      blocks, the Pallas glue, GPU only; value_outliers does not apply) or "auto" (the default: "mma" where it
-      applies, else "wgmma"; on an H100 the mma core made the op 2–8% faster by GPU span at 64k / 128k × 8 / 32,
-      results/decode_attention_mma_h100_s41c.md; not yet timed on an H200).
-    mma_key_rows: the "mma" core's key-score orientation (`oskvp_decode_core_mma.decode_core_mma`'s key_rows).
+    core: "wgmma" (`oskvp_decode_core_mgpu`), "mma" (`oskvp_decode_core_mma`, warp-level) or "auto" (the
+      default; `resolved_core`: "mma" where it applies, else "wgmma". On an H100 the mma core made the op 4–8%
+      faster by GPU span at 64k / 128k × 8 / 32, results/decode_attention_mma_h100_s41c.md; not yet timed on an
+      H200).
+    mma_key_rows: the "mma" core's key-score orientation (`oskvp_decode_core_mma.KEY_ROWS`).
 
   Returns:
     [B, N, H] in q's dtype.
 
   Raises:
-    ValueError: for shapes the core does not take (`mosaic_tiling`); the caller falls back to the Triton kernel.
+    ValueError: for shapes the core does not take (`mosaic_tiling`; the caller falls back to the Triton kernel), and
+      naming the field for an unknown `core` or `mma_key_rows` or core="mma" where it does not apply.
   """
   b, n, h = q.shape
   kh, s = codes_k.shape[1], codes_k.shape[2]
@@ -198,14 +219,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                      "S a multiple of 64)")
   block_s, splits = tiling
   glue = resolved_glue(glue, res_k.shape[2], splits, h)
-  if core not in ("auto", "wgmma", "mma"):
-    raise ValueError(f"core={core!r} must be 'auto', 'wgmma' or 'mma'")
-  mma_applies = glue == "pallas" and block_s == dm.BLOCK_S and h == 4 * dm.Q and not interpret
-  if core == "auto":
-    core = "mma" if mma_applies else "wgmma"
-  if core == "mma" and not mma_applies:
-    raise ValueError(f"core='mma' takes the Pallas glue (here {glue!r}), blocks of {dm.BLOCK_S} tokens (capacity "
-                     f"S={s}), H={4 * dm.Q} (here {h}) and a GPU (interpret={interpret})")
+  core = resolved_core(core, glue=glue, block_s=block_s, head_dim=h, interpret=interpret,
+                       value_outliers=value_outliers, mma_key_rows=mma_key_rows)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
   q_rot = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]

@@ -13,6 +13,7 @@ import pytest
 from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_decode_core_mma as dm
+from pallas_kernels import oskvp_decode_core_mma_model as dmm
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
 
@@ -35,7 +36,10 @@ def _inputs(seed, bk, s, g=4, scale=0.004):
                                                                      (2, 512, 1, (1, 300), True, 8, "heads"),
                                                                      (2, 256, 2, (0, 129), True, 4, "heads"),
                                                                      (1, 512, 2, None, False, 4, "tokens"),
-                                                                     (2, 256, 1, (1, 200), True, 8, "tokens")])
+                                                                     (2, 256, 1, (1, 200), True, 8, "tokens"),
+                                                                     (2, 512, 2, (32, 256), True, 1, "tokens"),
+                                                                     (2, 512, 4, (128, 0), False, 4, "tokens"),
+                                                                     (1, 256, 1, None, True, 4, "tokens")])
 def test_gpu_route_model_matches_the_xla_model(bk, s, splits, lengths, outliers, g, key_rows):
   """The numpy model runs the kernel's index math (code, outlier sources, n-tile columns, packing, stores) on the
   PTX fragment layouts: equal to the XLA model of 32-token warp blocks to f32 rounding (a wrong index is O(0.1))."""
@@ -43,7 +47,7 @@ def test_gpu_route_model_matches_the_xla_model(bk, s, splits, lengths, outliers,
   args = (kc, vc, qd, qs, None if lengths is None else jnp.asarray(lengths, jnp.int32))
   if outliers:
     args += (kout, vout, qo)
-  got = dm.emulate(*args, splits=splits, key_rows=key_rows)
+  got = dmm.emulate(*args, splits=splits, key_rows=key_rows)
   want = dm.decode_core_mma_reference(*args, splits=splits)
   got, want = (x if isinstance(x, tuple) else (x,) for x in (got, want))
   for a, b in zip(got, want):
@@ -120,3 +124,13 @@ def test_rejects_bad_arguments():
     dm.decode_core_mma(kc, vc, qd, qs, None, kout, splits=1)
   with pytest.raises(ValueError, match="splits"):
     dm.decode_core_mma(kc, vc, qd, qs, splits=3)
+  with pytest.raises(ValueError, match="kout"):
+    dm.decode_core_mma(kc, vc, qd, qs, None, kout.astype(jnp.bfloat16), vout, qo, splits=1)
+  with pytest.raises(ValueError, match="lengths"):
+    dm.decode_core_mma(kc, vc, qd, qs, jnp.ones((1,), jnp.float32), splits=1)
+  qs_row = dc.padded_scales(qs, jnp.full((1,), 256, jnp.int32), 256)
+  qo16 = jnp.pad(qo, ((0, 0), (0, 0), (0, 8)))
+  with pytest.raises(ValueError, match="key_rows"):
+    dm.decode_core_mma_splits(kc, vc, qd, qs_row, kout, vout, qo16, splits=1, key_rows="token")
+  with pytest.raises(ValueError, match="qo16 is float32"):
+    dm.decode_core_mma_splits(kc, vc, qd, qs_row, kout, vout, qo16.astype(jnp.float32), splits=1)

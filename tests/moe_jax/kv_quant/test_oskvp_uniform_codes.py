@@ -268,3 +268,20 @@ def test_the_warp_level_core_is_refused_where_it_does_not_apply():
     uc.uniform_decode_attention(*args, glue="xla", core="mma")
   with pytest.raises(ValueError, match="core="):
     uc.uniform_decode_attention(*args, core="tcgen05")
+  with pytest.raises(ValueError, match="mma_key_rows="):
+    uc.uniform_decode_attention(*args, mma_key_rows="token")
+
+
+def test_auto_core_takes_the_warp_level_core_where_it_applies():
+  kw = dict(glue="pallas", block_s=128, head_dim=128, interpret=False, value_outliers=uc.dc.VALUE_OUTLIERS,
+            mma_key_rows="tokens")
+  assert uc.resolved_core("auto", **kw) == "mma"
+  for change in (dict(glue="xla"), dict(block_s=64), dict(head_dim=256), dict(interpret=True),
+                 dict(value_outliers="f16")):
+    assert uc.resolved_core("auto", **{**kw, **change}) == "wgmma", change
+  assert uc.resolved_core("wgmma", **kw) == "wgmma"
+  with pytest.raises(ValueError, match="value_outliers='f16'"):
+    uc.resolved_core("mma", **{**kw, "value_outliers": "f16"})
+  with pytest.raises(ValueError, match="blocks of 128 tokens"):
+    uc.resolved_core("mma", **{**kw, "block_s": 64})
+
