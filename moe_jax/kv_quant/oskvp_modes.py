@@ -44,7 +44,8 @@ class OSKVPMode:
       plane types per side instead of three (2-bit codes), four instead of seven for 3-bit keys ("oskvp_k3v2_sym");
       fidelity cost in benchmarks/results/kv_cache.md.
     uniform: equally spaced 2-bit codebooks (`oskvp.fit(uniform=True)`): the codes themselves are the int8
-      tensor-core operand of the fused Mosaic GPU core (`pallas_kernels/oskvp_decode_core_mgpu.py`), which decode
+      tensor-core operand of the fused Mosaic GPU cores (`pallas_kernels/oskvp_decode_core_mma.py`,
+      `oskvp_decode_core_mgpu.py`; `oskvp_uniform_codes.resolved_core`), which decode
       attention uses on the GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`; the cache then stores its
       values tokens contiguous); elsewhere the Triton kernel (two plane types: uniform codebooks are symmetric) or
       the XLA reference over the token-major view. Fidelity in benchmarks/results/kv_cache.md.

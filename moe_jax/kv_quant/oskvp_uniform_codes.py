@@ -1,5 +1,5 @@
-"""Decode attention over a uniform-codebook OS-KVP cache (`kv_cache="oskvp_uniform"`) through the fused Mosaic GPU
-core (`pallas_kernels/oskvp_decode_core_mgpu.py`): `attend_codes` (the compressed store: codes and fp8 outliers),
+"""Decode attention over a uniform-codebook OS-KVP cache (`kv_cache="oskvp_uniform"`) through a fused Mosaic GPU
+core (`pallas_kernels/oskvp_decode_core_mma.py` where it applies, else `oskvp_decode_core_mgpu.py`): `attend_codes` (the compressed store: codes and fp8 outliers),
 `window_attention` (the bf16 residual window), `merge_lse2` (their log-sum-exp merge) and `uniform_decode_attention`
 (the whole op on the layer cache's arrays, what `decode_step` runs on the GPU).
 
