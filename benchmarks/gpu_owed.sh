@@ -14,6 +14,10 @@
 #    Pallas kernel; with it the 48-row fit takes 9.1 ms, ..._b48_kernels_pallas_h100_s39.md), and B = 32 across
 #    layers with the kernel too (..._across_layers_b32_pallas_h100_s39.md; the per-layer rows not re-run); these
 #    steps are kept to re-time them on an H200.
+# 5. (forty-first session) the warp-level OS-KVP core, now the wired path's default, has run on H100s only
+#    (results/*_mma_h100_s41*): its checks and timing beside the wgmma core (mma_core), the wired path with both
+#    cores against cuDNN (attention, now with --mosaic_core=wgmma,mma), and the 12-step model decode check through it
+#    (decode_check). First thing on an H200: STEPS="mma_core decode_check", then STEPS=attention.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~35 min in all.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -21,7 +25,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="mma_core decode_check prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -38,10 +42,12 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # both bf16 peers and the WS kernel's fused SwiGLU, the grid), last timed on an H200 in the twenty-fourth session.
 # prefill_fit, attention and (three row counts of) experts ran on an H100 in the fortieth (results/*_h100_s40.md,
 # e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
+run mma_core 300 python3 benchmarks/oskvp_decode_core_mma_bench.py --out="$OUT/mma_core"
+run decode_check 200 python3 benchmarks/oskvp_uniform_decode_check.py
 run prefill_fit 500 python3 -m benchmarks.oskvp_prefill_fit --out="$OUT" --layers=48 --batches=1,8 --chunks=16,48 \
   --xla_chunks=16
 run attention 420 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
-  --batches=8,32 --out="$OUT/attention"
+  --batches=8,32 --mosaic_core=wgmma,mma --out="$OUT/attention"
 run experts 420 python3 benchmarks/expert_matmul.py --formats=int4_mgpu_ws,vq2_mgpu_ws --out="$OUT/experts"
 run float16_trace 170 python3 benchmarks/float16_decode_check.py --models=random --trace_routing \
   --modes=oskvp,oskvp_k3v2_sym,fp32 --out="$OUT/f16trace"
