@@ -58,8 +58,7 @@ def store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0,
         t = arith.addi(t, c(column_offset))
       tile_r, r = (zero, n) if row_tiles == 1 else (arith.divui(n, c(8)), arith.remui(n, c(8)))
       tile_t, tt = (zero, t) if col_tiles == 1 else (arith.divui(t, c(tc)), arith.remui(t, c(tc)))
-      xor = arith.andi(arith.shrui(arith.muli(r, c(tc * itemsize)), c(7)), c(sw // 16 - 1))
-      phys = arith.xori(tt, arith.shli(xor, c(chunk_shift)))
+      phys = arith.xori(tt, arith.shli(swizzle_chunk_xor(Mlir(index), r, tc * itemsize, sw), c(chunk_shift)))
       if val.type != elem:
         val = arith.trunci(elem, val)
       memref.store(val, ref, [tile_r, tile_t, r, phys])
@@ -67,6 +66,12 @@ def store_transposed(arr, ref, transforms, column_map=None, row_offset: int = 0,
     arr.foreach(one)
 
   store(arr, ref)
+
+
+def swizzle_chunk_xor(ops, row, row_bytes: int, sw: int):
+  """The swizzle of a TMA tile (8 rows of `row_bytes` a tile, swizzled by `sw` bytes): what row `row` (within its
+  8-row tile) XORs into the index of each of its 16-byte chunks (the row's address bits 7+)."""
+  return ops.band(ops.shr(ops.mul(row, row_bytes), 7), sw // 16 - 1)
 
 
 F16_T_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -219,8 +224,7 @@ def value_outlier_fragment(tile, block_s: int, transforms):
     regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
     for g in range(block_s // 32):
       row, col = value_outlier_source(ops, (0, 4 * g, 0, 0, 0), warp, lane)
-      xor = ops.band(ops.shr(ops.mul(row, tc), 7), sw // 16 - 1)  # the swizzle: 16-byte chunk ^= row bits
-      phys = ops.bxor(ops.band(col, tc - 1), ops.shl(xor, 4))
+      phys = ops.bxor(ops.band(col, tc - 1), ops.shl(swizzle_chunk_xor(ops, row, tc, sw), 4))
       as_index = lambda v: arith.index_cast(index, ops.value(v))
       zero = mgpu.utils.c(0, index)
       word = vector.load(oct8, ref, [zero, as_index(ops.shr(col, tc.bit_length() - 1)), as_index(row), as_index(phys)])

@@ -174,6 +174,14 @@ def split_p8(p8):
   return hi, (pf - hi.astype(jnp.float16).astype(jnp.float32)).astype(jnp.float8_e4m3fn)
 
 
+def copy_row_inputs(bk, bar, *pairs) -> None:
+  """Inside a core's kernel: row bk of each (gmem ref, smem ref) pair (the query digits, the scale row, the
+  key-outlier query) copied to shared memory on one barrier, and waited for."""
+  for src, dst in pairs:
+    plgpu.copy_gmem_to_smem(src.at[bk], dst, bar.at[0])
+  plgpu.barrier_wait(bar.at[0])
+
+
 def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_smem=None, a16_smem=None,
             vt_smem=None, p16_smem=None, ph_smem=None, pl_smem=None, block_s: int,
             steps: int, max_concurrent_steps: int, interpret: bool, ablate: str, ragged: bool, outliers: bool,
@@ -203,11 +211,8 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
   else:
     kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out = refs
   bk, sp = jax.lax.axis_index("bk"), jax.lax.axis_index("split")
-  plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[0])
-  plgpu.copy_gmem_to_smem(qs_ref.at[bk], qs_smem.at[pl.ds(0, QS_SLOTS)], bar.at[0])
-  if outliers:
-    plgpu.copy_gmem_to_smem(qo_ref.at[bk], qo_smem, bar.at[0])
-  plgpu.barrier_wait(bar.at[0])
+  copy_row_inputs(bk, bar, (qd_ref, q_smem), (qs_ref, qs_smem.at[pl.ds(0, QS_SLOTS)]),
+                  *([(qo_ref, qo_smem)] if outliers else []))
   q = kc_ref.shape[-1]
   h = 4 * q
   col = plgpu.Layout.WGMMA.reduce(0)  # an [8] vector broadcast along the rows of a WGMMA-layout array

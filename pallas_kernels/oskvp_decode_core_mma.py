@@ -134,7 +134,7 @@ def decode_core_mma_reference(kcodes, vcodes, qd, qs, lengths=None, kout=None, v
 def tile_offset(ops, row, col, width: int, sw: int):
   """Byte offset of (row, col) in a byte tile [R, width] that TMA stored in tiles of 8 × width rows, swizzled by
   sw bytes (the 16-byte chunk index XOR-ed with address bits 7+ of the row within its tile)."""
-  xor = ops.band(ops.shr(ops.mul(ops.band(row, 7), width), 7), sw // 16 - 1)
+  xor = rg.swizzle_chunk_xor(ops, ops.band(row, 7), width, sw)
   return ops.add(ops.mul(row, width), ops.bxor(col, ops.shl(xor, 4)))
 
 
@@ -469,11 +469,7 @@ def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_
   else:
     kc_ref, vc_ref, qd_ref, qs_ref, acc_out, ml_out = refs
   bk, sp = jax.lax.axis_index("bk"), jax.lax.axis_index("split")
-  plgpu.copy_gmem_to_smem(qd_ref.at[bk], q_smem, bar.at[0])
-  plgpu.copy_gmem_to_smem(qs_ref.at[bk], qs_smem, bar.at[0])
-  if outliers:
-    plgpu.copy_gmem_to_smem(qo_ref.at[bk], qo_smem, bar.at[0])
-  plgpu.barrier_wait(bar.at[0])
+  dc.copy_row_inputs(bk, bar, (qd_ref, q_smem), (qs_ref, qs_smem), *([(qo_ref, qo_smem)] if outliers else []))
   tokens = pl.ds(sp * (steps * BLOCK_S), steps * BLOCK_S)
   blk = (lambda i: 0) if ablate == "l2_resident" else (lambda i: i)
   specs = [plgpu.BlockSpec((BLOCK_S, Q), lambda i: (blk(i), 0), transforms=ks.swizzled(Q)),

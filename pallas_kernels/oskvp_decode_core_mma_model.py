@@ -53,6 +53,11 @@ def mma_emulate(kind: str, a, b, c):
   return out
 
 
+def _words(b: np.ndarray) -> np.ndarray:
+  """bytes [..., 4] (byte 0 first) -> little-endian uint32 words [...]: what a 4-byte load gives a thread."""
+  return (b.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(-1).astype(np.uint32)
+
+
 def _bytes(word: np.ndarray) -> np.ndarray:
   """uint32 words [...] -> their 4 bytes [..., 4] (byte 0 first), as int64."""
   return ((word[..., None] >> (8 * np.arange(4))) & 0xFF).astype(np.int64)
@@ -71,8 +76,7 @@ def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows
   g, t = lanes // 4, lanes % 4
   length = kc.shape[0]
   acc_out, ml_out, acco_out = np.zeros((WARPS, 4 * Q, N)), np.zeros((WARPS, 32)), np.zeros((WARPS, N, OUTLIERS))
-  kw = kc.view(np.uint8).reshape(length, Q // 4, 4).astype(np.uint32)
-  kw = (kw * (1 << (8 * np.arange(4, dtype=np.uint32)))).sum(-1).astype(np.uint32)  # [L, Q/4] words
+  kw = _words(kc.view(np.uint8).reshape(length, Q // 4, 4))  # [L, Q/4]
   plane = lambda w, p: (w >> np.uint32(2 * p)) & np.uint32(0x03030303)
   qa = np.zeros((32, PLANES, 4, 4), np.int64)  # lane, k-step, register, byte
   for p in range(PLANES):
@@ -146,8 +150,7 @@ def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows
         for hr in range(2):
           for ht in range(2):
             src = [value_code_source(ops, half, hr, ht, w, int(g[x]), int(t[x])) for x in lanes]
-            words[hr, ht] = np.array([vc[r, base + col:base + col + 4] for r, col in src]).astype(np.uint32)
-            words[hr, ht] = (words[hr, ht] * (1 << (8 * np.arange(4, dtype=np.uint32)))).sum(-1).astype(np.uint32)
+            words[hr, ht] = _words(np.array([vc[r, base + col:base + col + 4] for r, col in src]))
         for p in range(PLANES):
           a = np.stack([_bytes(plane(words[0, 0], p)), _bytes(plane(words[1, 0], p)),
                         _bytes(plane(words[0, 1], p)), _bytes(plane(words[1, 1], p))], 1)
