@@ -218,17 +218,15 @@ def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_sta
     a = list(uniform_args(jax.random.key(b * s), b, s))
     a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(n_res, jnp.int32)
     case = f"B={b} S={s} n_comp={n_comp} n_res={n_res}"
+    config = f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core}"
     try:
       got = jax.jit(functools.partial(mosaic_uniform, glue=glue, value_outliers=value_outliers, core=core))(*a)
       got = got.astype(jnp.float32)
       want = jax.jit(oskvp_decode_attention_reference)(*token_major(a)).astype(jnp.float32)
       rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-      out.append(dict(case=case, config=f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core}",
-                      rel_err=rel,
-                      nan=bool(jnp.isnan(got).any())))
+      out.append(dict(case=case, config=config, rel_err=rel, nan=bool(jnp.isnan(got).any())))
     except Exception as e:  # pylint: disable=broad-except
-      out.append(dict(case=case, config=f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core}",
-                      error=repr(e)[:600]))
+      out.append(dict(case=case, config=config, error=repr(e)[:600]))
     log(f"check mosaic_uniform {out[-1]}")
   return out
 

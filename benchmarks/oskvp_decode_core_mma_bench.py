@@ -2,7 +2,8 @@
 
 Run on the GPU:  PYTHONPATH=$PWD python3 benchmarks/oskvp_decode_core_mma_bench.py --out=$OUT
 CPU smoke test:  PYTHONPATH=$PWD python3 benchmarks/oskvp_decode_core_mma_bench.py --smoke --out=/tmp/mma_smoke
-                 (the numpy model of the GPU route, `oskvp_decode_core_mma_model.emulate`, stands in for the kernel: checks only)
+                 (the numpy model of the GPU route, `oskvp_decode_core_mma_model.emulate`, stands in for the
+                 kernel: checks only)
 
 1. Checks, both key orientations: `decode_core_mma` against its blockwise XLA model (`decode_core_mma_reference`):
    each output's max abs error over the heads in use, divided by max(1, max |model output|) (the code outputs lie in

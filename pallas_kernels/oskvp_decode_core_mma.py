@@ -31,7 +31,8 @@ splits in XLA. `decode_core_mma_reference` is its arithmetic in XLA (32-token bl
 
 GPU only: the kernel is inline Mosaic (`plgpu.inline_mgpu`, PTX from `mma_sync_ptx.py`), which Mosaic's CPU
 interpreter does not run. On the CPU, `oskvp_decode_core_mma_model.emulate` runs the same index math (`rg.Ints`) on
-the PTX fragment layouts in numpy, and the tests check the lowering. H = 128 (Q = 32 code bytes per token) only. Measured: `benchmarks/notes_mgpu_oskvp.md` §24.
+the PTX fragment layouts in numpy, and the tests check the lowering. H = 128 (Q = 32 code bytes per token) only.
+Measured: `benchmarks/notes_mgpu_oskvp.md` §24.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Decode attention over a uniform-codebook OS-KVP cache (`kv_cache="oskvp_uniform"`) through a fused Mosaic GPU
-core (`pallas_kernels/oskvp_decode_core_mma.py` where it applies, else `oskvp_decode_core_mgpu.py`): `attend_codes` (the compressed store: codes and fp8 outliers),
-`window_attention` (the bf16 residual window), `merge_lse2` (their log-sum-exp merge) and `uniform_decode_attention`
-(the whole op on the layer cache's arrays, what `decode_step` runs on the GPU).
+core (`pallas_kernels/oskvp_decode_core_mma.py` where it applies, else `oskvp_decode_core_mgpu.py`): `attend_codes`
+(the compressed store: codes and fp8 outliers), `window_attention` (the bf16 residual window), `merge_lse2` (their
+log-sum-exp merge) and `uniform_decode_attention` (the whole op on the layer cache's arrays, what `decode_step` runs
+on the GPU).
 
 Per row b of BK = batch × kv heads, with the rotated query q' [G, H] of its G ≤ 8 query heads and uniform codebooks
 cb[ch, c] = c0[ch] + d[ch]·c (outlier channels: d = 0, c0 their centre):
