@@ -391,6 +391,9 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
     o_smem[...] = acc  # ACC row order: the reader reorders (a channel-order store by hand cost the core 10%)
     ml_smem[pl.ds(0, N)] = m
     ml_smem[pl.ds(N, N)] = jnp.sum(l, axis=0)
+    zero = plgpu.layout_cast(jnp.zeros((N,), jnp.float32), col)  # the row's unused tail (as the mma core)
+    ml_smem[pl.ds(2 * N, N)] = zero
+    ml_smem[pl.ds(3 * N, N)] = zero
     if outliers:
       oo_smem[...] = acc_o
     plgpu.commit_smem()
@@ -501,7 +504,8 @@ def decode_core_splits(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs_r
   Returns:
     (acc f32 [BK, splits, H, 8] = Σ_t p8[n, t] · vcode[t, ch] per split (ACC row order,
     `oskvp_value_sums_mgpu.acc_row_channels`; relative to 2^m),
-    ml f32 [BK, splits, 32]: m (the split's running max, base-2 logits) in [0, 8), l = Σ_t p8 in [8, 16),
+    ml f32 [BK, splits, 32]: m (the split's running max, base-2 logits) in [0, 8), l = Σ_t p8 in [8, 16), zeros
+    in [16, 32),
     acco f32 [BK, splits, P, 8, 8]: Σ_t p8[n, t] · vout[o, t] as [n, o], the sum of its P parts (2 for
     "fp8_stacked", 4 at block_s=256, else 1), left unsummed for the reader); p8 = round(127 · 2^(s − m)).
   """

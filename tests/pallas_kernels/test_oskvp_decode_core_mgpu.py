@@ -142,6 +142,20 @@ def test_two_passes_per_step_with_outliers_and_ragged_lengths():
                           value_outliers=form)
 
 
+def test_split_outputs_are_written_whole():
+  """`decode_core_splits` writes every element of its outputs: ml's rows are m, l and a zero tail, so a reader never
+  meets the ring's leftover shared memory (which the interpreter fills with NaN)."""
+  bk, s = 2, 512
+  kc, vc, qd, qs = _inputs(17, bk, s)
+  kout, vout, qo = _outliers(18, bk, s)
+  qs_row = jnp.zeros((bk, 32), jnp.float32).at[:, :dc.N].set(qs).at[:, dc.N].set(jnp.array([300.0, 512.0]))
+  qo16 = jnp.concatenate([qo, jnp.zeros_like(qo)], -1)
+  acc, ml, acco = dc.decode_core_splits(kc, vc, qd, qs_row, kout, vout, qo16, block_s=64, splits=2, interpret=True)
+  assert np.isfinite(np.asarray(acc)).all() and np.isfinite(np.asarray(acco)).all()
+  np.testing.assert_array_equal(np.asarray(ml)[..., 2 * dc.N:], 0.0)
+  assert np.isfinite(np.asarray(ml)).all() and (np.asarray(ml)[..., dc.N:2 * dc.N] > 0).all()
+
+
 def test_split_p8_is_exact():
   """Every p8 level 0..127 is hi + lo with both parts representable in e4m3 (the fp8 value form's sums equal the
   f16 form's); hi is p8 rounded to e4m3 and |lo| <= 4."""
