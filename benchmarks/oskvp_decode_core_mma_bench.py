@@ -145,6 +145,35 @@ def write_report(out_dir: str, meta: dict, checks: list, rows: list) -> None:
     fh.write("\n".join(lines) + "\n")
 
 
+SASS_KINDS = {"all": ".", "IMMA": r"\bIMMA", "HMMA": r"\bHMMA", "MOVM": "MOVM", "LDS": r"\bLDS", "STS": r"\bSTS",
+              "LOP3": "LOP3", "SHF/SHL/SHR": r"\bSH[FLR]", "PRMT": "PRMT", "IMAD/IADD/LEA": r"IMAD|IADD|\bLEA",
+              "I2F/F2I/F2F/FRND": r"I2F|F2I|F2F|FRND", "MUFU": "MUFU", "FFMA/FMUL/FADD/HADD2": r"FFMA|FMUL|FADD|HADD2",
+              "FMNMX": "FMNMX", "SHFL": "SHFL", "VOTE": "VOTE", "IDP": "IDP", "SETP/SEL": r"SETP|SEL\b|FSEL",
+              "SYNCS/BAR": "SYNCS|BAR", "BRA": "BRA", "MOV": r"\bMOV"}
+
+
+def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str | None = None) -> dict:
+  """Without a GPU: each `*.ptx` of a MOSAIC_GPU_DUMP_TO folder compiled here (ptxas -arch=sm_90a -v, then
+  nvdisasm), its ptxas report and the loops that hold a warp-level mma (IMMA / HMMA), longest first, with their
+  instructions by kind: one trip of the pipeline loop is one 128-token step, 32 tokens for each warp."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
+  out = {}
+  for ptx in sorted(glob.glob(os.path.join(path, "*.ptx"))):
+    base = ptx[:-4]
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", base + ".cubin"], capture_output=True, text=True)
+    rep = {"ptxas": triton_sass.ptxas_lines(r.stdout + r.stderr)}
+    if not r.returncode:
+      sass = subprocess.run([nvdisasm or triton_sass.triton_tool("nvdisasm"), "-c", base + ".cubin"],
+                            capture_output=True, text=True, check=True).stdout
+      with open(base + ".sass", "w") as fh:
+        fh.write(sass)
+      rep["loops"] = triton_sass.wgmma_loops(sass, SASS_KINDS, marker=r"\b[IH]MMA")
+    out[os.path.basename(base)] = rep
+  return out
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="/tmp/oskvp_decode_core_mma")
@@ -153,7 +182,12 @@ def main(argv=None) -> int:
   ap.add_argument("--checks", default="all", choices=("all", "none"))
   ap.add_argument("--timed", default="", help="S:kernel:variant[:splits[:ring]] rows instead of TIMED, "
                   "comma-separated (splits 16, ring 2 by default)")
+  ap.add_argument("--analyze_dump", default="", help="MOSAIC_GPU_DUMP_TO folders (comma-separated), read here "
+                  "without a GPU: ptxas report and the mma loops' SASS by kind (`analyze_dump`); nothing else runs")
   args = ap.parse_args(argv)
+  if args.analyze_dump:
+    print(json.dumps({d: analyze_dump(d) for d in args.analyze_dump.split(",")}, indent=1))
+    return 0
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
   meta = kb.run_meta(args.smoke, args.iters)

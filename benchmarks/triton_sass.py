@@ -113,13 +113,14 @@ def count(body: list[str], kinds: dict[str, str]) -> dict[str, int]:
   return {k: sum(1 for x in body if re.search(p, x)) for k, p in kinds.items()}
 
 
-def wgmma_loops(sass: str, kinds: dict[str, str]) -> list[dict]:
-  """The loops of `sass` that hold a wgmma (HGMMA or, for int8, IGMMA), longest first: {"length", **count(kinds)}."""
+def wgmma_loops(sass: str, kinds: dict[str, str], marker: str = r"[HI]GMMA") -> list[dict]:
+  """The loops of `sass` that hold a wgmma (HGMMA or, for int8, IGMMA; or another instruction `marker` matches, e.g.
+  the warp-level IMMA / HMMA), longest first: {"length", **count(kinds)}."""
   ins, found = loops(sass)
   out = []
   for length, a, b in sorted(found, reverse=True):
     body = ins[a:b + 1]
-    if any(re.search(r"[HI]GMMA", x) for x in body):
+    if any(re.search(marker, x) for x in body):
       out.append({"length": length, **count(body, kinds)})
   return out
 

@@ -28,3 +28,26 @@ def test_timed_rows_are_validated(tmp_path):
   assert bench.parse_variant("mma", "l2_resident+heads") == ("l2_resident", "heads")
   assert bench.parse_variant("mgpu", "codes") == ("codes", bench.dm.KEY_ROW_DEFAULT)
   assert "## Checks" in open(os.path.join(tmp_path, "oskvp_decode_core_mma.md"), encoding="utf-8").read()
+
+
+def test_sass_loops_found_by_their_mma():
+  """`--analyze_dump` reads the loops that hold a warp-level mma (IMMA / HMMA; a wgmma loop has IGMMA / HGMMA) and
+  counts their instructions by kind, on disassembly as nvdisasm prints it."""
+  from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
+  sass = "\n".join([
+      "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+      ".L_x_3:",
+      "        /*0010*/                   LDS.64 R4, [R2] ;",
+      "        /*0020*/                   LOP3.LUT R6, R4, 0x3030303, RZ, 0xc0, !PT ;",
+      "        /*0030*/                   IMMA.16832.S8.S8 R8, R6, R10, R8 ;",
+      "        /*0040*/                   MUFU.EX2 R12, R12 ;",
+      "        /*0050*/              @P0 BRA `(.L_x_3) ;",
+      ".L_x_4:",
+      "        /*0060*/                   FADD R1, R1, R2 ;",
+      "        /*0070*/              @P1 BRA `(.L_x_4) ;",
+  ])
+  loops = triton_sass.wgmma_loops(sass, bench.SASS_KINDS, marker=r"\b[IH]MMA")
+  assert len(loops) == 1
+  assert loops[0]["length"] == 5
+  assert (loops[0]["IMMA"], loops[0]["LDS"], loops[0]["LOP3"], loops[0]["MUFU"], loops[0]["HMMA"]) == (1, 1, 1, 1, 0)
+  assert not triton_sass.wgmma_loops(sass, bench.SASS_KINDS)  # no wgmma in either loop
