@@ -83,7 +83,7 @@ QS_SLOTS = 32  # qs padded to a row of 128 bytes (what a TMA copy moves): the 8 
 LEN_SLOT = N  # qs's padded row carries the row's length (as f32, exact below 2^24) at this index
 
 
-def _valid(bk: int, s_len: int, lengths: jax.Array | None) -> jax.Array:
+def valid_tokens(bk: int, s_len: int, lengths: jax.Array | None) -> jax.Array:
   """bool [BK, 1, S]: token t of row b is stored (t < lengths[b]; all tokens when lengths is None)."""
   if lengths is None:
     return jnp.ones((bk, 1, s_len), bool)
@@ -108,7 +108,7 @@ def decode_core_reference(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, q
   lse2 f32 [BK, 8] = log2 Σ_t 2^s[n, t] (-inf for a row without tokens). Jitted; return_lse2 is static."""
   kc = ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H] codes 0..3
   s = jnp.einsum("bth,bnh->bnt", kc, qd.astype(jnp.float32)) * qs[..., None] + _outlier_scores(kout, qo)
-  valid = _valid(*kcodes.shape[:2], lengths)
+  valid = valid_tokens(*kcodes.shape[:2], lengths)
   s = jnp.where(valid, s, -jnp.inf)
   top = jnp.maximum(s.max(axis=-1, keepdims=True), MASKED)
   p = jnp.where(valid, jnp.exp2(s - top), 0.0)
@@ -133,7 +133,7 @@ def decode_core_blockwise_reference(kcodes: jax.Array, vcodes: jax.Array, qd: ja
   Same shapes as `decode_core_reference`; equal to the kernel up to f32 summation order. Jitted; block_s and splits
   are static."""
   bk, s_len, _ = kcodes.shape
-  return blockwise_model(kcodes, vcodes, qd, qs, _valid(bk, s_len, lengths), kout, vout, qo, block_s=block_s,
+  return blockwise_model(kcodes, vcodes, qd, qs, valid_tokens(bk, s_len, lengths), kout, vout, qo, block_s=block_s,
                          splits=splits)
 
 

@@ -126,7 +126,7 @@ def decode_core_mma_reference(kcodes, vcodes, qd, qs, lengths=None, kout=None, v
   blocks (`warp_order`). Same shapes and outputs as `decode_core_mma`."""
   bk, s, _ = kcodes.shape
   pos = jnp.asarray(warp_order(s, splits))
-  valid = dc._valid(bk, s, lengths)[:, :, pos]
+  valid = dc.valid_tokens(bk, s, lengths)[:, :, pos]
   return dc.blockwise_model(kcodes[:, pos], vcodes[:, :, pos], qd, qs, valid,
                             None if kout is None else kout[:, pos], None if vout is None else vout[:, :, pos], qo,
                             block_s=WARP_TOKENS, splits=WARPS * splits)

@@ -38,7 +38,7 @@ def unfold_rows(parts, rows: int, dtype):
   return out.reshape(rows, n)
 
 
-def _round(x):
+def round_half_away(x):
   """Round half away from zero (the reference rounds half to even: they differ only on exact ties)."""
   return jnp.where(x >= 0, jnp.floor(x + 0.5), -jnp.floor(0.5 - x))
 
@@ -80,10 +80,10 @@ def _prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, qd_ref, qw_ref, qc_ref, qp_re
   for p in range(4):
     for t in range(types):
       x = folded[p][t] / qs[:, None]  # in [-127, 127]
-      hi = _round(x)
+      hi = round_half_away(x)
       parts = [hi]
       if two_digits:
-        parts.append(jnp.clip(_round((x - hi) * 256.0), -127.0, 127.0))
+        parts.append(jnp.clip(round_half_away((x - hi) * 256.0), -127.0, 127.0))
       qd_ref[t, p] = unfold_rows(parts, r, jnp.int8)
   col = qs[:, None]
   qw_ref[...] = unfold_rows([col, col / 256.0] if two_digits else [col], r, jnp.float32).reshape(r)

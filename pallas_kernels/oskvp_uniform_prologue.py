@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_core_mgpu import LEN_SLOT, N, OUTLIERS, QS_SLOTS
-from pallas_kernels.oskvp_decode_prologue import _round, unfold_rows
+from pallas_kernels.oskvp_decode_prologue import round_half_away, unfold_rows
 from pallas_kernels.oskvp_uniform_glue import LOG2E, outlier_query, query_digits
 
 
@@ -39,7 +39,7 @@ def _prologue_kernel(q_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_r
   c0 = cb_ref[:, 0]
   qf = q * (cb_ref[:, 1] - c0)[None, :]  # [G, H]
   u = jnp.maximum(jnp.abs(qf).max(axis=1), 1e-30) / 127.0  # [G]
-  qd_ref[...] = unfold_rows([_round(qf / u[:, None])], N, jnp.int8)
+  qd_ref[...] = unfold_rows([round_half_away(qf / u[:, None])], N, jnp.int8)
   slots = jnp.arange(QS_SLOTS)
   qs = unfold_rows([(u * c)[:, None]], QS_SLOTS, jnp.float32).reshape(QS_SLOTS)
   qs_ref[...] = jnp.where(slots == LEN_SLOT, nc_ref[...].astype(jnp.float32), jnp.where(slots < g, qs, 0.0))
