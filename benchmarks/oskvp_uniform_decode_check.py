@@ -6,12 +6,18 @@ in a 1024-token cache, 12 decode steps (one window flush for the longest prompt)
 "auto" (the Mosaic core on the GPU) and "xla" (the reference) from the same prefill; prints the largest relative
 logit difference per step and the next-token agreement. On the CPU "auto" is the XLA path too (the suite's tests
 run the core in its interpreter).
+
+--core=wgmma|mma runs the model through that core instead of "auto"'s choice (patched into
+`uniform_decode_attention`'s default). --op_sweep=N first checks the wired op alone at the model's cache capacity
+(1024 tokens, G = 4, so one 128-token step per split) over N random (n_comp, n_res) draws and the block edges, each
+core against the XLA reference (relative L2 error per draw; the worst is printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 
 import jax
@@ -22,11 +28,49 @@ import configs
 from moe_jax import decode
 
 
+def op_sweep(draws: int, limit: float) -> bool:
+  """The wired op alone at the model check's capacity: each core against the XLA reference on random caches with
+  n_comp drawn from the block edges (multiples of 32 and 128, ±1) and at random, n_res in [1, R] at random; prints the worst
+  relative L2 error per core and the lengths where it occurred; returns whether all are within `limit`."""
+  from benchmarks import decode_attention as da  # pylint: disable=g-import-not-at-top
+  b, s = 3, 1024
+  rng = np.random.default_rng(1)
+  edges = [0, 1, 31, 32, 33, 127, 128, 129, 255, 256, 257, 384, 512, 640, 896, 1023, 1024]
+  fns = {core: jax.jit(lambda *a, core=core: da.mosaic_uniform(*a, core=core)) for core in ("wgmma", "mma")}
+  ref = jax.jit(da.oskvp_decode_attention_reference)
+  worst = {core: (0.0, None) for core in fns}
+  for i in range(draws):
+    a = list(da.uniform_args(jax.random.key(100 + i), b, s))
+    n_comp = rng.choice(edges, b) if i % 2 else rng.integers(0, s + 1, b)
+    a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(rng.integers(1, da.WINDOW + 1, b), jnp.int32)
+    want = ref(*da.token_major(a)).astype(jnp.float32)
+    for core, fn in fns.items():
+      got = fn(*a).astype(jnp.float32)
+      rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+      rel = float("inf") if not np.isfinite(rel) else rel
+      if rel >= worst[core][0]:
+        worst[core] = (rel, (np.asarray(a[13]).tolist(), np.asarray(a[14]).tolist()))
+  for core, (rel, lengths) in worst.items():
+    print(f"op sweep, core={core}: worst rel L2 {rel:.2e} over {draws} draws at (n_comp, n_res) = {lengths}",
+          flush=True)
+  return all(rel <= limit for rel, _ in worst.values())
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--limit", type=float, default=0.05, help="largest relative logit difference allowed")
+  ap.add_argument("--core", default="auto", choices=("auto", "wgmma", "mma"),
+                  help="the wired path's core (uniform_decode_attention's core=)")
+  ap.add_argument("--op_sweep", type=int, default=0, help="random draws of the op alone per core first (0: none)")
   args = ap.parse_args(argv)
+  if args.op_sweep and not op_sweep(args.op_sweep, limit=0.01):
+    print("FAILED: the op sweep")
+    return 1
+  if args.core != "auto":
+    from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
+    uc.uniform_decode_attention = functools.partial(uc.uniform_decode_attention, core=args.core)
+    print(f"core {args.core}", flush=True)
   cfg = dataclasses.replace(configs.get("tiny"), d_model=256, n_heads=8, n_kv_heads=2, head_dim=128)
   model = decode.init_model(cfg, seed=0)
   rng = np.random.default_rng(0)
