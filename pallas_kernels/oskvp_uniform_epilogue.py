@@ -11,7 +11,8 @@ the value codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the resid
   (+ the value outliers · scale_v on channels 0..7), lse_c = max m + log2(Σ w l / 127) + qc;
   exact attention over the window (scores over all H channels, values of its own; the dots as bf16 hi + lo parts
   of the f32 operand on the tensor cores, relative error ~2^-16);
-  the two merged by log-sum-exp: o' [16, HC] in the rotated basis (rows G.. meaningless). U_vᵀ follows in XLA.
+  the two merged by log-sum-exp: o' [G, HC] in the rotated basis (the live rows of the [16, HC] tile, taken by
+  `live_rows`: the output needs no slice after it). U_vᵀ follows in XLA.
 The reference composes `merge_splits` and the jnp glue (`epilogue_reference`).
 
 Each program does one round of loads and no loops. Its first form (ninth session: one program per row and kv head,
@@ -49,7 +50,7 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
   # acc_ref [S, HC/8, 8, 8] f32 (this program's HC channels, in channel order once merged: `acc_view`); ml_ref
   # [S, 32]; ao_ref [S, P, 8, 8]
   # ([head, outlier channel] in P parts); q_ref [G, H] f32 (rotated); qc_ref [8]; cb_ref [HC, 4]; sv_ref [8];
-  # rk_ref [R, H] bf16; rv_ref [R, HC] bf16; nr_ref []. o_ref [16, HC] f32. One round of loads, no loops.
+  # rk_ref [R, H] bf16; rv_ref [R, HC] bf16; nr_ref []. o_ref [G, HC] f32. One round of loads, no loops.
   splits, hc = acc_ref.shape[0], acc_ref.shape[1] * acc_ref.shape[2]
   h = q_ref.shape[1]
   r = rk_ref.shape[0]
@@ -80,7 +81,16 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
   lse_c16 = jnp.where(jnp.arange(MMA_ROWS) < N, lse_c16, -jnp.inf)
   top2 = jnp.maximum(jnp.maximum(lse_c16, lse_r), MASKED)
   w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
-  o_ref[...] = (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
+  o_ref[...] = live_rows((w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None],
+                         o_ref.shape[0])
+
+
+def live_rows(x, g: int):
+  """x [16, HC] -> its first g rows [g, HC] (g divides 16): Triton values take no slices, so the rows are split
+  into 16 / g groups of g and the first group kept by a masked sum."""
+  parts = x.reshape(x.shape[0] // g, g, x.shape[1])
+  first = jax.lax.broadcasted_iota(jnp.int32, parts.shape, 0) == 0
+  return jnp.where(first, parts, 0.0).sum(axis=0)
 
 
 def epilogue_channels(splits: int) -> int:
@@ -139,8 +149,8 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
       in_specs=[acc_spec, spec(splits, ml.shape[-1]), spec(splits, acco.shape[3], N, OUTLIERS), spec(g, h), spec(N),
                 spec(hc, 4, cols=0), spec(OUTLIERS), spec(r, h), spec(r, hc, cols=1),
                 pl.BlockSpec((None,), lambda i, j, c: (i,))],
-      out_specs=spec(MMA_ROWS, hc, cols=1),
-      out_shape=jax.ShapeDtypeStruct((b, kh, MMA_ROWS, h), jnp.float32),
+      out_specs=spec(g, hc, cols=1),
+      out_shape=jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
       name="oskvp_uniform_epilogue",
   )(acc, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k,
@@ -151,8 +161,8 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
 def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res):
   """The core's per-split outputs acc [B, K, S, H, 8] (ACC row order), ml [B, K, S, 32], acco [B, K, S, P, 8, 8]
   ([head, outlier channel] in P parts); q_rot f32 [B, K, G, H]; the prologue's qc [B, K, 8]; cb_v [B, K, H, 4], scale_v
-  [B, K, 8], res_k, res_v [B, K, R, H], n_res int32 [B] -> o' f32 [B, K, 16, H] in the rotated basis (rows G..
-  meaningless): `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`. Jitted."""
+  [B, K, 8], res_k, res_v [B, K, R, H], n_res int32 [B] -> o' f32 [B, K, G, H] in the rotated basis:
+  `merge_splits`, the value codebooks and outliers, `window_attention`, `merge_lse2`. Jitted."""
   b, kh, _, h, _ = acc.shape
   g = q_rot.shape[2]
   # [B, K, 8, H], [B, K, 8, 8], [B, K, 8]
@@ -167,4 +177,4 @@ def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_
   o, _ = merge_lse2(jnp.pad(rows(o_c), ((0, 0), (0, MMA_ROWS - N), (0, 0))),
                     jnp.pad(rows(lse_c + qc), ((0, 0), (0, MMA_ROWS - N)), constant_values=-jnp.inf),
                     jnp.pad(o_r, (*pad, (0, 0))), jnp.pad(lse_r, pad, constant_values=-jnp.inf))  # [BK, 16, H]
-  return o.reshape(b, kh, MMA_ROWS, h)
+  return o.reshape(b, kh, MMA_ROWS, h)[:, :, :g]

@@ -238,7 +238,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                                             value_outliers=value_outliers)
     per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
     o = epi.epilogue(per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res,
-                     interpret=interpret)  # [B, K, 16, H], rotated: rows G.. are dropped after U_vᵀ (one kernel less)
+                     interpret=interpret)  # [B, K, G, H], rotated
   else:
     q_rows = rows(q_rot)  # [BK, G, H]
     scale = h**-0.5
@@ -248,5 +248,5 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                               max_concurrent_steps=ring, value_outliers=value_outliers)
     o_r, lse_r = window_attention(q_rows, rows(res_k), rows(res_v), jnp.repeat(n_res, kh), scale=scale)
     o = merge_lse2(o_c, lse_c, o_r, lse_r)[0].reshape(b, kh, g, h)
-  o = jnp.einsum("BKGJ,BKHJ->BKGH", o, u_v)[:, :, :g]  # o' @ U_vᵀ
+  o = jnp.einsum("BKGJ,BKHJ->BKGH", o, u_v)  # o' @ U_vᵀ
   return o.reshape(b, n, h).astype(q.dtype)
