@@ -41,8 +41,9 @@ def _regs(prefix_count: int, n: int) -> str:
 
 
 def mma(shape: str, kind: str, a, b, c):
-  """D = A · B + C of one `mma.sync.aligned.{shape}.row.col` per warp: kind "s8" (s32 accumulators) or "f16" (f32)."""
-  integer = kind == "s8"
+  """D = A · B + C of one `mma.sync.aligned.{shape}.row.col` per warp: kind "s8" or "u8" (s32 accumulators) or
+  "f16" (f32)."""
+  integer = kind in ("s8", "u8")
   ty = i32() if integer else f32()
   acc = "s32" if integer else "f32"
   ptx = (f"mma.sync.aligned.{shape}.row.col.{acc}.{kind}.{kind}.{acc} {_regs(0, 4)}, {_regs(4, len(a))}, "

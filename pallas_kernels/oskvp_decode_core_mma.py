@@ -14,7 +14,8 @@ warp owns 32 tokens of every 128-token block, as its own split of the sequence, 
   softmax      per head over the warp's 32 tokens; the running max changes rarely, so the int32 value sums are
                flushed into f32 sums (in shared memory, scaled by 2^(m_old − m_new)) only when some head's block
                maximum exceeds it (a warp vote); p8 = round(127 · 2^(s − m)) as in the wgmma core
-  value sums   O^T [16 channels, 8 heads] += vcodes [16, 32 tokens] · p8^T       (8 m-tiles, m16n8k32 s8)
+  value sums   O^T [16 channels, 8 heads] += vcodes [16, 32 tokens] · p8^T       (8 m-tiles, m16n8k32 u8: each
+               plane masked in place, `value_plane`, its sums 4^p too large until the merge)
   value outl.  O_o^T [16 (8 channels), 8 heads] += vout [16, 16] · p8^T          (2 k-steps, m16n8k16 f16)
 
 The register trick that makes this possible: the value sums' B fragment (thread (g, t) of a warp holds head g,
@@ -92,6 +93,18 @@ def value_code_source(ops, half: int, hi_row: int, hi_token: int, warp, g, t):
   (rows g or 8 + g) and token half hi_token (tokens 4t.. or 16 + 4t..): (byte row of the [Q, 128] tile, first
   token); 4 bytes = 4 tokens; plane p of it is channel p·Q + byte row."""
   return ops.add(16 * half + 8 * hi_row, g), ops.add(ops.shl(warp, 5), ops.add(16 * hi_token, ops.shl(t, 2)))
+
+
+def value_plane(ops, word, p: int):
+  """Plane p of a value-code word masked in place: byte i holds code · 4^p (u8, up to 192), one LOP3 per register
+  where the shifted plane took a shift and a LOP3 (24 instructions fewer per step). m-tile (p, half)'s sums come out
+  4^p times too large; the merge scales them back (`VALUE_PLANE_SCALE`, exact). The int32 sums stay below 2^31 up
+  to MAX_SPLIT_TOKENS tokens per program (127 · 192 per token and accumulator, a quarter of the tokens per warp)."""
+  return ops.band(word, 0x03030303 << (2 * p))
+
+
+VALUE_PLANE_SCALE = tuple(4.0**-p for p in range(4))
+MAX_SPLIT_TOKENS = WARPS * ((1 << 31) // (int(P_LEVELS) * 3 * 4**3))
 
 
 KO_TOKENS = 8  # key-outlier tokens per row of the TMA tile: kout [S, 8] seen as [S / 8, 64] (64-byte rows)
@@ -339,9 +352,9 @@ def _step(outliers: bool, ragged: bool, qo_width: int, key_rows: str):
           row, col = value_code_source(ops, half, hr, ht, warp, g, t)
           words[hr, ht], = _tiled_word(v_ref, 4, row, col, width=BLOCK_S, sw=128)
       for p in range(PLANES):
-        a = [plane(words[0, 0], p), plane(words[1, 0], p), plane(words[0, 1], p), plane(words[1, 1], p)]
+        a = [value_plane(ops, words[hr, ht], p) for ht in range(2) for hr in range(2)]
         mt = 2 * p + half
-        new_acc[4 * mt:4 * mt + 4] = px.mma("m16n8k32", "s8", a, packed, acc_i[4 * mt:4 * mt + 4])
+        new_acc[4 * mt:4 * mt + 4] = px.mma("m16n8k32", "u8", a, packed, acc_i[4 * mt:4 * mt + 4])
     acc_i = new_acc
     if outliers:  # value outliers: k-step st covers tokens 16·st + 4t + 0..3
       c = [acc_o[0], acc_o[1], zf, zf]
@@ -387,6 +400,8 @@ def _finish(outliers: bool, key_rows: str):
     l_f = misc[2]
     af_index = _flushed_index(warp, lane)
     total = [arith.addf(memref.load(af_ref, [af_index(i)]), arith.sitofp(f32, acc_i[i])) for i in range(32)]
+    total = [x if i < 8 else arith.mulf(x, mgpu.utils.c(VALUE_PLANE_SCALE[i // 8], f32))  # register i: plane i // 8
+             for i, x in enumerate(total)]
     l = arith.addf(l_f, arith.sitofp(f32, li[0]))
     l = arith.addf(l, px.shfl_bfly(l, 1))
     l = arith.addf(l, px.shfl_bfly(l, 2))
@@ -517,6 +532,9 @@ def _check_inputs(kcodes, vcodes, qd, qs, splits, max_concurrent_steps):
   bk, s, q = check(kcodes, vcodes, qd, qs, BLOCK_S, splits, max_concurrent_steps)
   if q != Q:
     raise ValueError(f"code bytes per token Q={q}: decode_core_mma takes H = 128 (Q = {Q}) only")
+  if s // splits > MAX_SPLIT_TOKENS:
+    raise ValueError(f"splits={splits}: {s // splits} tokens per program (S={s}) would overflow the int32 value "
+                     f"sums; at most {MAX_SPLIT_TOKENS} (`value_plane`)")
   return bk, s, q
 
 

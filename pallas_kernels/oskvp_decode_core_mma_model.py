@@ -18,7 +18,8 @@ from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels.oskvp_decode_core_mma import (BLOCK_S, KEY_ROW_DEFAULT, KO_TOKENS, MASKED, N, OUTLIERS,
                                                   P_LEVELS, PLANES, Q, WARPS, key_code_source, key_outlier_source,
-                                                  key_token, value_code_source, value_outlier_source)
+                                                  key_token, value_code_source, value_outlier_source,
+                                                  value_plane, VALUE_PLANE_SCALE)
 
 
 def _frag_rows(kind: str):
@@ -152,9 +153,8 @@ def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows
             src = [value_code_source(ops, half, hr, ht, w, int(g[x]), int(t[x])) for x in lanes]
             words[hr, ht] = _words(np.array([vc[r, base + col:base + col + 4] for r, col in src]))
         for p in range(PLANES):
-          a = np.stack([_bytes(plane(words[0, 0], p)), _bytes(plane(words[1, 0], p)),
-                        _bytes(plane(words[0, 1], p)), _bytes(plane(words[1, 1], p))], 1)
-          mt = 2 * p + half
+          a = np.stack([_bytes(value_plane(ops, words[hr, ht], p)) for ht in range(2) for hr in range(2)], 1)
+          mt = 2 * p + half  # u8 bytes code · 4^p: the sums 4^p too large until the merge
           acc_i[:, 4 * mt:4 * mt + 4] = mma_emulate("k32", a, packed, acc_i[:, 4 * mt:4 * mt + 4])
       if vo is not None:
         c = np.concatenate([acc_o, np.zeros((32, 2))], 1)
@@ -166,7 +166,7 @@ def emulate_program(kc, vc, qd, qs, n_valid, ko=None, vo=None, qo=None, key_rows
           b = np.stack([p8[:, 2 * st], p8[:, 2 * st + 1]], 1)  # [32, 2 regs, 2]
           c = mma_emulate("k16", a, b, c)
         acc_o = c[:, :2]
-    total = acc_f + acc_i
+    total = (acc_f + acc_i) * np.repeat(VALUE_PLANE_SCALE, 8)  # register i holds plane i // 8
     l = l_f + l_i
     l = l + l[lanes ^ 1]
     l = l + l[lanes ^ 2]

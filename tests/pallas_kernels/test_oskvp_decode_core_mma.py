@@ -96,14 +96,15 @@ def _abstract(s, bk=2):
 @pytest.mark.parametrize("key_rows,n_key,n_key_outlier,n_movmatrix", [("heads", 16, 4, 0), ("tokens", 8, 2, 4)])
 def test_gpu_route_lowers(key_rows, n_key, n_key_outlier, n_movmatrix):
   """Per 128-token step each warp issues its key-score s8 mma.sync (16 with the heads as rows, 8 with the tokens),
-  8 value ones, the outliers' f16 ones (m16n8k8 keys, 2 m16n8k16 values), one vote, and with the tokens as rows 4
+  8 u8 value ones (planes masked in place, `value_plane`), the outliers' f16 ones (m16n8k8 keys, 2 m16n8k16 values), one vote, and with the tokens as rows 4
   movmatrix transposes of p; no wgmma and no store of p to shared memory."""
   kc, vc, qd, qs, ln, ko, vo, qo = _abstract(2048)
   for args, n_f16 in (((kc, vc, qd, qs), 0), ((kc, vc, qd, qs, ln, ko, vo, qo), 1)):
     text = mosaic_module_text(jax.jit(lambda *a: dm.decode_core_mma(*a, splits=2, key_rows=key_rows)).trace(*args)
                               .lower(lowering_platforms=("cuda",)))
     loop = text[text.index("scf.for"):]
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.s8\.s32", loop)) == n_key + 8
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.s8\.s32", loop)) == n_key
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.u8\.u8\.s32", loop)) == 8
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.f16", loop)) == n_key_outlier * n_f16
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16", loop)) == 2 * n_f16
     assert len(re.findall(r"movmatrix\.sync\.aligned\.m8n8\.trans\.b16", loop)) == n_movmatrix
@@ -134,3 +135,7 @@ def test_rejects_bad_arguments():
     dm.decode_core_mma_splits(kc, vc, qd, qs_row, kout, vout, qo16, splits=1, key_rows="token")
   with pytest.raises(ValueError, match="qo16 is float32"):
     dm.decode_core_mma_splits(kc, vc, qd, qs_row, kout, vout, qo16.astype(jnp.float32), splits=1)
+  long = 256 * (dm.MAX_SPLIT_TOKENS // 256 + 1)  # one program past the value sums' int32 range (`value_plane`)
+  with pytest.raises(ValueError, match="overflow"):
+    jax.eval_shape(functools.partial(dm.decode_core_mma, splits=1), *_abstract(long)[:4])
+  jax.eval_shape(functools.partial(dm.decode_core_mma, splits=2), *_abstract(long)[:4])  # two programs: fine
