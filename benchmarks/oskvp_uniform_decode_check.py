@@ -10,15 +10,18 @@ run the core in its interpreter).
 --core=wgmma|mma runs the model through that core instead of "auto"'s choice (patched into
 `uniform_decode_attention`'s default). --op_sweep=N first checks the wired op alone at the model's cache capacity
 (1024 tokens, G = 4, so one 128-token step per split) over N random (n_comp, n_res) draws and the block edges, each
-core against the XLA reference (relative L2 error per draw; the worst is printed).
+core against the XLA reference (relative L2 error per draw; the worst is printed; limit 0.03, and the model steps
+run either way).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -56,26 +59,14 @@ def op_sweep(draws: int, limit: float) -> bool:
   return all(rel <= limit for rel, _ in worst.values())
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--steps", type=int, default=12)
-  ap.add_argument("--limit", type=float, default=0.05, help="largest relative logit difference allowed")
-  ap.add_argument("--core", default="auto", choices=("auto", "wgmma", "mma"),
-                  help="the wired path's core (uniform_decode_attention's core=)")
-  ap.add_argument("--op_sweep", type=int, default=0, help="random draws of the op alone per core first (0: none)")
-  args = ap.parse_args(argv)
-  if args.op_sweep and not op_sweep(args.op_sweep, limit=0.01):
-    print("FAILED: the op sweep")
-    return 1
-  if args.core != "auto":
-    from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
-    uc.uniform_decode_attention = functools.partial(uc.uniform_decode_attention, core=args.core)
-    print(f"core {args.core}", flush=True)
+def model_steps(steps: int) -> tuple[float, list[float]]:
+  """A `steps`-step decode (12 by default) of the small random model with "auto" and "xla" caches from one prefill: (worst
+  relative logit difference, per-step argmax agreement), each step printed."""
   cfg = dataclasses.replace(configs.get("tiny"), d_model=256, n_heads=8, n_kv_heads=2, head_dim=128)
   model = decode.init_model(cfg, seed=0)
   rng = np.random.default_rng(0)
   b, t = 3, 300
-  tokens = rng.integers(0, cfg.vocab_size, (b, t + args.steps)).astype(np.int32)
+  tokens = rng.integers(0, cfg.vocab_size, (b, t + steps)).astype(np.int32)
   lengths = np.array([300, 250, 120], np.int32)
   _, cache = decode.prefill(model, tokens[:, :t], lengths, kv_cache="oskvp_uniform", cache_len=1024)
   print("backend", jax.default_backend(), "values_contiguous", cache.layers[0].values_contiguous, flush=True)
@@ -83,7 +74,7 @@ def main(argv=None) -> int:
   auto, ref = as_impl(cache, "auto"), as_impl(cache, "xla")
   worst, agree = 0.0, []
   pos = lengths.copy()
-  for step in range(args.steps):
+  for step in range(steps):
     nxt = tokens[np.arange(b), pos]
     la, auto = decode.decode_step(model, auto, jnp.asarray(nxt))
     lr, ref = decode.decode_step(model, ref, jnp.asarray(nxt))
@@ -93,8 +84,32 @@ def main(argv=None) -> int:
     agree.append(float((la.argmax(-1) == lr.argmax(-1)).mean()))
     print(f"step {step}: max |auto - xla| / max |xla| = {rel:.2e}, argmax agreement {agree[-1]:.2f}", flush=True)
     pos += 1
+  return worst, agree
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--steps", type=int, default=12)
+  ap.add_argument("--limit", type=float, default=0.05, help="largest relative logit difference allowed")
+  ap.add_argument("--core", default="auto", choices=("auto", "wgmma", "mma"),
+                  help="the wired path's core (uniform_decode_attention's core=)")
+  ap.add_argument("--op_sweep", type=int, default=0, help="random draws of the op alone per core first (0: none)")
+  args = ap.parse_args(argv)
+  # The sweep's limit is the wired path's gate in decode_attention.py (relative L2 < 0.03 against the exact reference).
+  # Both cores reach ~1e-2 with one to 129 compressed tokens (results/oskvp_uniform_decode_check_mma_h100_s42b.log).
+  sweep_ok = not args.op_sweep or op_sweep(args.op_sweep, limit=0.03)
+  from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
+  core = (mock.patch.object(uc, "uniform_decode_attention", functools.partial(uc.uniform_decode_attention,
+                                                                               core=args.core))
+          if args.core != "auto" else contextlib.nullcontext())
+  print(f"core {args.core}", flush=True)
+  with core:  # the cache calls uc.uniform_decode_attention at trace time: the patch holds for this run only
+    worst, agree = model_steps(args.steps)
   ok = worst <= args.limit and np.isfinite(worst)
   print(f"{'ok' if ok else 'FAILED'}: worst {worst:.2e} (limit {args.limit}), agreement {np.mean(agree):.3f}")
+  if not sweep_ok:
+    print("FAILED: the op sweep (above)")
+  ok = ok and sweep_ok
   return 0 if ok else 1
 
 
