@@ -17,7 +17,12 @@
 # 5. (forty-first session) the warp-level OS-KVP core, now the wired path's default, has run on H100s only
 #    (results/*_mma_h100_s41*): its checks and timing beside the wgmma core (mma_core), the wired path with both
 #    cores against cuDNN (attention, now with --mosaic_core=wgmma,mma), and the 12-step model decode check through it
-#    (decode_check). First thing on an H200: STEPS="mma_core decode_check", then STEPS=attention.
+#    (decode_check). First thing on an H200: STEPS="mma_core decode_check decode_check_wgmma", then
+#    STEPS=attention.
+# 6. (forty-second session) mma_core and decode_check ran again on H100s after the masked value planes and the
+#    epilogue's live rows (results/*_h100_s42*); all still owed on an H200. decode_check now runs the op sweep
+#    first; decode_check_wgmma runs the same 12 steps through the wgmma core: the control for the mma core's
+#    elevated steps 8-11 (1.1e-2 against <= 3.8e-3 in every wgmma run), which the H100 call could not fit.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~35 min in all.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -25,7 +30,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="mma_core decode_check prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -43,7 +48,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # prefill_fit, attention and (three row counts of) experts ran on an H100 in the fortieth (results/*_h100_s40.md,
 # e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
 run mma_core 300 python3 benchmarks/oskvp_decode_core_mma_bench.py --out="$OUT/mma_core"
-run decode_check 200 python3 benchmarks/oskvp_uniform_decode_check.py
+run decode_check 200 python3 benchmarks/oskvp_uniform_decode_check.py --op_sweep=16
+run decode_check_wgmma 150 python3 benchmarks/oskvp_uniform_decode_check.py --core=wgmma
 run prefill_fit 500 python3 -m benchmarks.oskvp_prefill_fit --out="$OUT" --layers=48 --batches=1,8 --chunks=16,48 \
   --xla_chunks=16
 run attention 420 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
