@@ -17,14 +17,14 @@
 # 5. (forty-first session) the warp-level OS-KVP core, now the wired path's default, has run on H100s only
 #    (results/*_mma_h100_s41*): its checks and timing beside the wgmma core (mma_core), the wired path with both
 #    cores against cuDNN (attention, now with --mosaic_core=wgmma,mma), and the 12-step model decode check through it
-#    (decode_check). First thing on an H200: STEPS="mma_core decode_check decode_check_wgmma", then
-#    STEPS=attention.
+#    (decode_check). First thing on an H200: STEPS="mma_core decode_check", then STEPS="decode_check_wgmma
+#    attention" (their limits sum to 500 and 570 s).
 # 6. (forty-second session) mma_core and decode_check ran again on H100s after the masked value planes and the
 #    epilogue's live rows (results/*_h100_s42*); all still owed on an H200. decode_check now runs the op sweep
 #    first; decode_check_wgmma runs the same 12 steps through the wgmma core: the control for the mma core's
 #    elevated steps 8-11 (1.1e-2 against <= 3.8e-3 in every wgmma run), which the H100 call could not fit.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
-# it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~35 min in all.
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~38 min in all.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
 # STEPS=experts (one call each, the fortieth session's), STEPS="float16_trace refit refit_b32", then
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).

@@ -149,7 +149,7 @@ SASS_KINDS = {"all": ".", "IMMA": r"\bIMMA", "HMMA": r"\bHMMA", "MOVM": "MOVM", 
               "LOP3": "LOP3", "SHF/SHL/SHR": r"\bSH[FLR]", "PRMT": "PRMT", "IMAD/IADD/LEA": r"IMAD|IADD|\bLEA",
               "I2F/F2I/F2F/FRND": r"I2F|F2I|F2F|FRND", "MUFU": "MUFU", "FFMA/FMUL/FADD/HADD2": r"FFMA|FMUL|FADD|HADD2",
               "FMNMX": "FMNMX", "SHFL": "SHFL", "VOTE": "VOTE", "IDP": "IDP", "SETP/SEL": r"SETP|SEL\b|FSEL",
-              "SYNCS/BAR": "SYNCS|BAR", "BRA": "BRA", "MOV": r"\bMOV"}
+              "SYNCS/BAR": "SYNCS|BAR", "BRA": "BRA", "MOV": r"\bMOV\b|\bMOV\."}
 
 
 def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str | None = None) -> dict:

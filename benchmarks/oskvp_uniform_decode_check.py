@@ -80,7 +80,7 @@ def model_steps(steps: int) -> tuple[float, list[float]]:
     lr, ref = decode.decode_step(model, ref, jnp.asarray(nxt))
     la, lr = np.asarray(la, np.float32), np.asarray(lr, np.float32)
     rel = float(np.abs(la - lr).max() / np.abs(lr).max())
-    worst = max(worst, rel)
+    worst = max(worst, rel) if np.isfinite(rel) else float("inf")  # a NaN step fails the check
     agree.append(float((la.argmax(-1) == lr.argmax(-1)).mean()))
     print(f"step {step}: max |auto - xla| / max |xla| = {rel:.2e}, argmax agreement {agree[-1]:.2f}", flush=True)
     pos += 1
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
   ap.add_argument("--op_sweep", type=int, default=0, help="random draws of the op alone per core first (0: none)")
   args = ap.parse_args(argv)
   # The sweep's limit is the wired path's gate in decode_attention.py (relative L2 < 0.03 against the exact reference).
-  # Both cores reach ~1e-2 with one to 129 compressed tokens (results/oskvp_uniform_decode_check_mma_h100_s42b.log).
+  # With one to 129 compressed tokens the wgmma core reached 1.1e-2 and the mma core 6.3e-3 on an H100
+  # (results/oskvp_uniform_decode_check_mma_h100_s42b.log).
   sweep_ok = not args.op_sweep or op_sweep(args.op_sweep, limit=0.03)
   from moe_jax.kv_quant import oskvp_uniform_codes as uc  # pylint: disable=g-import-not-at-top
   core = (mock.patch.object(uc, "uniform_decode_attention", functools.partial(uc.uniform_decode_attention,
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
   with core:  # the cache calls uc.uniform_decode_attention at trace time: the patch holds for this run only
     worst, agree = model_steps(args.steps)
   ok = worst <= args.limit and np.isfinite(worst)
-  print(f"{'ok' if ok else 'FAILED'}: worst {worst:.2e} (limit {args.limit}), agreement {np.mean(agree):.3f}")
+  print(f"model steps {'ok' if ok else 'FAILED'}: worst {worst:.2e} (limit {args.limit}), agreement "
+        f"{np.mean(agree):.3f}")
   if not sweep_ok:
     print("FAILED: the op sweep (above)")
   ok = ok and sweep_ok

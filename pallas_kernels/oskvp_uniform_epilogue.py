@@ -117,15 +117,19 @@ def acc_view(acc: jax.Array, hc: int) -> tuple[jax.Array, tuple[int, ...], calla
   return view, (None, None, hc // 8, None, 8, acc.shape[-1]), index
 
 
-def epilogue_shape_error(window: int, splits: int, head_dim: int, channels: int | None = None) -> str | None:
-  """Why `epilogue` cannot take a window of R tokens, this many splits, head dim and output channels per program
-  (Triton tiles are powers of two; `acc_view` reads the core's row order in runs of 128 channels), or None."""
+def epilogue_shape_error(window: int, splits: int, head_dim: int, channels: int | None = None,
+                         group: int | None = None) -> str | None:
+  """Why `epilogue` cannot take a window of R tokens, this many splits, head dim, output channels per program and
+  query heads per kv head (Triton tiles are powers of two; `acc_view` reads the core's row order in runs of 128
+  channels; the prologue's and `live_rows`' row groups divide 8), or None."""
   if window < 16 or window & (window - 1) or splits & (splits - 1):
     return f"the window R={window} (at least 16) and splits={splits} must be powers of two"
   if head_dim % 128:
     return f"head_dim={head_dim} must be a multiple of 128 (the core's accumulator row order)"
   if channels not in (None, 16, 32):
     return f"channels={channels} must be 16 or 32"
+  if group is not None and N % group:
+    return f"G={group} query heads per kv head must divide {N}"
   return None
 
 
@@ -136,7 +140,7 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
   there; the window R and the splits must be powers of two (Triton tiles), R ≥ 16."""
   b, kh, splits, h, _ = acc.shape
   g, r = q_rot.shape[2], res_k.shape[2]
-  error = epilogue_shape_error(r, splits, h, channels)
+  error = epilogue_shape_error(r, splits, h, channels, g)
   if error:
     raise ValueError(error)
   hc = channels or epilogue_channels(splits)

@@ -134,31 +134,34 @@ def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, row
   return None
 
 
-def resolved_glue(glue: str, window: int, splits: int, head_dim: int) -> str:
-  """The glue `uniform_decode_attention` runs: "auto" is "pallas" where the Pallas epilogue takes the window, splits
-  and head dim (`oskvp_uniform_epilogue.epilogue_shape_error`), else "xla"."""
+def resolved_glue(glue: str, window: int, splits: int, head_dim: int, group: int | None = None) -> str:
+  """The glue `uniform_decode_attention` runs: "auto" is "pallas" where the Pallas prologue and epilogue take the
+  window, splits, head dim and group size (`oskvp_uniform_epilogue.epilogue_shape_error`), else "xla"."""
   if glue not in ("auto", "pallas", "xla"):
     raise ValueError(f"glue={glue!r} must be 'auto', 'pallas' or 'xla'")
   if glue != "auto":
     return glue
-  return "xla" if epi.epilogue_shape_error(window, splits, head_dim) else "pallas"
+  return "xla" if epi.epilogue_shape_error(window, splits, head_dim, group=group) else "pallas"
 
 
 def resolved_core(core: str, *, glue: str, block_s: int, head_dim: int, interpret: bool, value_outliers: str,
-                  mma_key_rows: str) -> str:
+                  mma_key_rows: str, split_tokens: int = 0) -> str:
   """The core `uniform_decode_attention` runs: "auto" is "mma" (`oskvp_decode_core_mma`) where it applies (the
-  Pallas glue, 128-token blocks, H = 128, a GPU, the default value-outlier form, which the mma core does not take
-  as an option), else "wgmma"; "mma" where it does not apply, or an unknown core or key orientation, is refused."""
+  Pallas glue, 128-token blocks, H = 128, a GPU, at most `MAX_SPLIT_TOKENS` tokens per program (`split_tokens`:
+  S / splits), the default value-outlier form, which the mma core does not take as an option), else "wgmma"; "mma"
+  where it does not apply, or an unknown core or key orientation, is refused."""
   if core not in ("auto", "wgmma", "mma"):
     raise ValueError(f"core={core!r} must be 'auto', 'wgmma' or 'mma'")
   if mma_key_rows not in dm.KEY_ROWS:
     raise ValueError(f"mma_key_rows={mma_key_rows!r} must be one of {dm.KEY_ROWS}")
-  applies = glue == "pallas" and block_s == dm.BLOCK_S and head_dim == 4 * dm.Q and not interpret
+  applies = (glue == "pallas" and block_s == dm.BLOCK_S and head_dim == 4 * dm.Q and not interpret
+             and split_tokens <= dm.MAX_SPLIT_TOKENS)
   if core == "auto":
     return "mma" if applies and value_outliers == dc.VALUE_OUTLIERS else "wgmma"
   if core == "mma" and not applies:
     raise ValueError(f"core='mma' takes the Pallas glue (here {glue!r}), blocks of {dm.BLOCK_S} tokens (here "
-                     f"{block_s}), H={4 * dm.Q} (here {head_dim}) and a GPU (interpret={interpret})")
+                     f"{block_s}), H={4 * dm.Q} (here {head_dim}), at most {dm.MAX_SPLIT_TOKENS} tokens per "
+                     f"program (here {split_tokens}) and a GPU (interpret={interpret})")
   if core == "mma" and value_outliers != dc.VALUE_OUTLIERS:
     raise ValueError(f"value_outliers={value_outliers!r} is a form of the wgmma core's; core='mma' has one form")
   return core
@@ -219,8 +222,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                      f"O={outl_k.shape[-1]} (needs G = N/K <= {dc.N}, H a multiple of 128, 8 outlier channels, "
                      "S a multiple of 64)")
   block_s, splits = tiling
-  glue = resolved_glue(glue, res_k.shape[2], splits, h)
-  core = resolved_core(core, glue=glue, block_s=block_s, head_dim=h, interpret=interpret,
+  glue = resolved_glue(glue, res_k.shape[2], splits, h, g)
+  core = resolved_core(core, glue=glue, block_s=block_s, head_dim=h, interpret=interpret, split_tokens=s // splits,
                        value_outliers=value_outliers, mma_key_rows=mma_key_rows)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])

@@ -75,6 +75,8 @@ def test_epilogue_refuses_tiles_triton_cannot_hold():
   with pytest.raises(ValueError, match="channels=64"):
     epi.epilogue(*args, channels=64, interpret=True)
   assert "head_dim=96" in epi.epilogue_shape_error(128, 16, 96)  # acc_view reads runs of 128 channels
+  assert "G=3" in epi.epilogue_shape_error(128, 16, 128, group=3)  # live_rows' row groups divide 8
+  assert epi.epilogue_shape_error(128, 16, 128, group=4) is None
 
 
 def test_epilogue_lowers_to_triton_ir_for_hopper():

@@ -12,6 +12,7 @@ import pytest
 from moe_jax.kv_quant import OSKVPMode
 from moe_jax.kv_quant import oskvp_attention as attn
 from moe_jax.kv_quant import oskvp_uniform_codes as uc
+from pallas_kernels import oskvp_decode_core_mma as dm
 
 B, K, G, H, R = 2, 2, 4, 128, 16
 
@@ -190,6 +191,8 @@ def test_auto_glue_takes_the_pallas_kernels_where_their_tiles_apply():
   assert uc.resolved_glue("auto", 128, 64, 128) == "pallas"  # 64 splits: batch 1 x 8 kv heads
   assert uc.resolved_glue("auto", 128, 16, 128) == "pallas"
   assert uc.resolved_glue("auto", 96, 64, 128) == "xla"  # a window Triton tiles cannot hold
+  assert uc.resolved_glue("auto", 128, 16, 128, 3) == "xla"  # G = 3: the prologue's row groups divide 8
+  assert uc.resolved_glue("auto", 128, 16, 128, 8) == "pallas"
   assert uc.resolved_glue("xla", 128, 64, 128) == "xla"
   with pytest.raises(ValueError, match="glue='triton'"):
     uc.resolved_glue("triton", 128, 64, 128)
@@ -277,11 +280,14 @@ def test_auto_core_takes_the_warp_level_core_where_it_applies():
             mma_key_rows="tokens")
   assert uc.resolved_core("auto", **kw) == "mma"
   for change in (dict(glue="xla"), dict(block_s=64), dict(head_dim=256), dict(interpret=True),
-                 dict(value_outliers="f16")):
+                 dict(value_outliers="f16"), dict(split_tokens=dm.MAX_SPLIT_TOKENS + 128)):
     assert uc.resolved_core("auto", **{**kw, **change}) == "wgmma", change
   assert uc.resolved_core("wgmma", **kw) == "wgmma"
   with pytest.raises(ValueError, match="value_outliers='f16'"):
     uc.resolved_core("mma", **{**kw, "value_outliers": "f16"})
   with pytest.raises(ValueError, match="blocks of 128 tokens"):
     uc.resolved_core("mma", **{**kw, "block_s": 64})
+  with pytest.raises(ValueError, match="tokens per program"):  # its int32 value sums' range (`value_plane`)
+    uc.resolved_core("mma", **{**kw, "split_tokens": dm.MAX_SPLIT_TOKENS + 128})
+  assert uc.resolved_core("auto", **{**kw, "split_tokens": dm.MAX_SPLIT_TOKENS}) == "mma"
 
