@@ -23,13 +23,16 @@ def _kv(t: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _assert_params_close(a: oskvp.OSKVPParams, b: oskvp.OSKVPParams, tol: float = 1e-5) -> None:
-  """U and fp8 scales within tol; codebooks within tol but for 2% of levels, which must be within 0.01 (levels are
+  """U and fp8 scales within tol; codebooks within tol but for 2% of levels, which must be within 0.05 (levels are
   O(1) here): a Lloyd-Max step is discontinuous in its samples, so a sample on a cell's edge can land on the other
-  side from a rounding difference in its rotation, and the channel's levels move a little."""
+  side from a rounding difference in its rotation, and the two levels beside that edge move by up to about the
+  sample's distance to them over the cell's count (R = 40 samples, ~10 a cell: 0.0134 measured for one such pair
+  on the forty-second session's CPU, where XLA's rounding differed from earlier machines'). A wrong row's fit moves
+  U and most levels by O(1)."""
   for name in ("u", "scale"):
     np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=tol, atol=tol, err_msg=name)
   diff = np.abs(np.asarray(a.codebook) - np.asarray(b.codebook))
-  assert np.mean(diff > tol + tol * np.abs(np.asarray(b.codebook))) <= 0.02 and diff.max() < 0.01, diff.max()
+  assert np.mean(diff > tol + tol * np.abs(np.asarray(b.codebook))) <= 0.02 and diff.max() < 0.05, diff.max()
 
 
 def test_fit_with_given_eigenvectors_is_fit():
