@@ -28,7 +28,6 @@ import datetime
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -211,32 +210,10 @@ SASS_KINDS = {"all": ".", "HGMMA": "HGMMA", "WARPGROUP": "WARPGROUP", "LDS": "LD
 
 def analyze_dump(path, ptxas="ptxas", nvdisasm=None):
   """Per dumped kernel: ptxas's report (registers, spills, warnings) and, for each loop that holds a wgmma, its SASS
-  instructions by kind (a compute warpgroup's thread handles 64 · block_k / 128 weights per step). A `*.ptx` without
-  its `*.sass` is compiled here first (ptxas -arch=sm_90a, then nvdisasm)."""
-  import glob  # pylint: disable=g-import-not-at-top
+  instructions by kind (`triton_sass.analyze_ptx_dump`; a compute warpgroup's thread handles 64 · block_k / 128
+  weights per step)."""
   from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
-  for ptx in sorted(glob.glob(os.path.join(path, "*.ptx"))):
-    base_name = ptx[:-4]
-    if os.path.exists(base_name + ".sass"):
-      continue
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", base_name + ".cubin"], capture_output=True, text=True)
-    with open(base_name + ".ptxas", "w") as fh:
-      fh.write(r.stdout + r.stderr)
-    if not r.returncode:
-      disasm = nvdisasm or triton_sass.triton_tool("nvdisasm")
-      sass = subprocess.run([disasm, "-c", base_name + ".cubin"], capture_output=True, text=True, check=True).stdout
-      with open(base_name + ".sass", "w") as fh:
-        fh.write(sass)
-  out = {}
-  for sass_path in sorted(glob.glob(os.path.join(path, "*.sass"))):
-    base_name = sass_path[:-5]
-    rep = {}
-    ptxas_report = base_name + ".ptxas"
-    if os.path.exists(ptxas_report):
-      rep["ptxas_lines"] = triton_sass.ptxas_lines(open(ptxas_report).read())
-    rep["loops"] = triton_sass.wgmma_loops(open(sass_path).read(), SASS_KINDS)
-    out[os.path.basename(base_name)] = rep
-  return out
+  return triton_sass.analyze_ptx_dump(path, SASS_KINDS, ptxas=ptxas, nvdisasm=nvdisasm)
 
 
 def default_c(cfg: dict, rows: int, e: int, n: int) -> int:

@@ -153,25 +153,11 @@ SASS_KINDS = {"all": ".", "IMMA": r"\bIMMA", "HMMA": r"\bHMMA", "MOVM": "MOVM", 
 
 
 def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str | None = None) -> dict:
-  """Without a GPU: each `*.ptx` of a MOSAIC_GPU_DUMP_TO folder compiled here (ptxas -arch=sm_90a -v, then
-  nvdisasm), its ptxas report and the loops that hold a warp-level mma (IMMA / HMMA), longest first, with their
-  instructions by kind: one trip of the pipeline loop is one 128-token step, 32 tokens for each warp."""
-  import glob  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
+  """Without a GPU: each `*.ptx` of a MOSAIC_GPU_DUMP_TO folder compiled here, its ptxas report and the loops that
+  hold a warp-level mma (IMMA / HMMA), longest first, with their instructions by kind
+  (`triton_sass.analyze_ptx_dump`): one trip of the pipeline loop is one 128-token step, 32 tokens for each warp."""
   from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
-  out = {}
-  for ptx in sorted(glob.glob(os.path.join(path, "*.ptx"))):
-    base = ptx[:-4]
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", base + ".cubin"], capture_output=True, text=True)
-    rep = {"ptxas": triton_sass.ptxas_lines(r.stdout + r.stderr)}
-    if not r.returncode:
-      sass = subprocess.run([nvdisasm or triton_sass.triton_tool("nvdisasm"), "-c", base + ".cubin"],
-                            capture_output=True, text=True, check=True).stdout
-      with open(base + ".sass", "w") as fh:
-        fh.write(sass)
-      rep["loops"] = triton_sass.wgmma_loops(sass, SASS_KINDS, marker=r"\b[IH]MMA")
-    out[os.path.basename(base)] = rep
-  return out
+  return triton_sass.analyze_ptx_dump(path, SASS_KINDS, marker=r"\b[IH]MMA", ptxas=ptxas, nvdisasm=nvdisasm)
 
 
 def main(argv=None) -> int:

@@ -212,7 +212,6 @@ def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str | None = None) -
   A thread of the one warpgroup handles block_s tokens × the BK row's heads per loop trip; per token-head the loop's
   warp instructions are 4 warps × its length / block_s (the folder's config is read from its `config.txt`).
   """
-  import glob  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   from benchmarks import triton_sass  # pylint: disable=g-import-not-at-top
   block_s = 64
@@ -220,21 +219,10 @@ def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str | None = None) -
   if os.path.exists(cfg_txt):
     m = re.search(r"bs=(\d+)", open(cfg_txt).read())
     block_s = int(m.group(1)) if m else block_s
-  out = {}
-  for ptx in sorted(glob.glob(os.path.join(path, "*.ptx"))):
-    base = ptx[:-4]
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", base + ".cubin"], capture_output=True, text=True)
-    rep = {"ptxas": triton_sass.ptxas_lines(r.stdout + r.stderr)}
-    if r.returncode:
-      out[os.path.basename(base)] = rep
-      continue
-    disasm = nvdisasm or triton_sass.triton_tool("nvdisasm")
-    sass = subprocess.run([disasm, "-c", base + ".cubin"], capture_output=True, text=True, check=True).stdout
-    with open(base + ".sass", "w") as fh:
-      fh.write(sass)
+  out = triton_sass.analyze_ptx_dump(path, SASS_KINDS, ptxas=ptxas, nvdisasm=nvdisasm)
+  for rep in out.values():
     rep["loops"] = [{"warp_instr_per_token_head": round(4 * lp["length"] / block_s, 2), **lp}
-                    for lp in triton_sass.wgmma_loops(sass, SASS_KINDS)]
-    out[os.path.basename(base)] = rep
+                    for lp in rep.get("loops", [])]
   return out
 
 

@@ -128,3 +128,23 @@ def wgmma_loops(sass: str, kinds: dict[str, str], marker: str = r"[HI]GMMA") -> 
 def ptxas_lines(report: str) -> list[str]:
   """The lines of a ptxas `-v` report that matter here: registers, spills, stack, warnings and errors."""
   return [ln.strip() for ln in report.splitlines() if re.search(r"warn|Used|spill|stack|error", ln, re.I)]
+
+
+def analyze_ptx_dump(path: str, kinds: dict[str, str], marker: str = r"[HI]GMMA", ptxas: str = "ptxas",
+                     nvdisasm: str | None = None) -> dict[str, dict]:
+  """Without a GPU: each `*.ptx` of a MOSAIC_GPU_DUMP_TO folder compiled here (`ptxas -arch=sm_90a -v`, then
+  nvdisasm; the `.cubin` and `.sass` are written beside it) -> {kernel name: {"ptxas": `ptxas_lines` of its report,
+  "loops": `wgmma_loops(sass, kinds, marker)`}}, "loops" absent where ptxas failed."""
+  out = {}
+  for ptx in sorted(glob.glob(os.path.join(path, "*.ptx"))):
+    base = ptx[:-4]
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", base + ".cubin"], capture_output=True, text=True)
+    rep = {"ptxas": ptxas_lines(r.stdout + r.stderr)}
+    if not r.returncode:
+      sass = subprocess.run([nvdisasm or triton_tool("nvdisasm"), "-c", base + ".cubin"], capture_output=True,
+                            text=True, check=True).stdout
+      with open(base + ".sass", "w") as fh:
+        fh.write(sass)
+      rep["loops"] = wgmma_loops(sass, kinds, marker)
+    out[os.path.basename(base)] = rep
+  return out

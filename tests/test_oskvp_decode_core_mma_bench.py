@@ -51,3 +51,28 @@ def test_sass_loops_found_by_their_mma():
   assert loops[0]["length"] == 5
   assert (loops[0]["IMMA"], loops[0]["LDS"], loops[0]["LOP3"], loops[0]["MUFU"], loops[0]["HMMA"]) == (1, 1, 1, 1, 0)
   assert not triton_sass.wgmma_loops(sass, bench.SASS_KINDS)  # no wgmma in either loop
+
+
+def test_analyze_dump_compiles_each_ptx_and_reads_its_loops(tmp_path):
+  """`analyze_dump` (`triton_sass.analyze_ptx_dump`) runs ptxas and nvdisasm on each `*.ptx` of the folder, keeps the
+  report's register line and counts the mma loop; a kernel ptxas rejects keeps its report and has no loops. The two
+  tools are stand-in scripts here (the real ones need a CUDA install)."""
+  dump = tmp_path / "dump"
+  dump.mkdir()
+  (dump / "good.ptx").write_text("ok")
+  (dump / "bad.ptx").write_text("fail")
+  ptxas = tmp_path / "ptxas"  # ptxas -arch=... -v X.ptx -o X.cubin
+  ptxas.write_text('#!/bin/sh\nif grep -q fail "$3"; then echo "ptxas error : bad" >&2; exit 1; fi\n'
+                   'echo "ptxas info    : Used 115 registers"; cp "$3" "$5"\n')
+  nvdisasm = tmp_path / "nvdisasm"
+  nvdisasm.write_text("#!/bin/sh\ncat <<'S'\n.L_x_1:\n        /*0010*/                   IMMA.16832.S8.S8 R8, R6, R10, "
+                      "R8 ;\n        /*0020*/                   LOP3.LUT R6, R4, 0x3, RZ, 0xc0, !PT ;\n"
+                      "        /*0030*/              @P0 BRA `(.L_x_1) ;\nS\n")
+  for tool in (ptxas, nvdisasm):
+    tool.chmod(0o755)
+  rep = bench.analyze_dump(str(dump), ptxas=str(ptxas), nvdisasm=str(nvdisasm))
+  assert sorted(rep) == ["bad", "good"]
+  assert rep["good"]["ptxas"] == ["ptxas info    : Used 115 registers"]
+  assert [(lp["length"], lp["IMMA"], lp["LOP3"]) for lp in rep["good"]["loops"]] == [(3, 1, 1)]
+  assert (dump / "good.sass").exists()
+  assert rep["bad"]["ptxas"] == ["ptxas error : bad"] and "loops" not in rep["bad"]
