@@ -65,6 +65,7 @@ WARP_TOKENS = 32
 BLOCK_S = WARPS * WARP_TOKENS  # tokens per pipeline step
 Q = 32  # code bytes per token (H = 128)
 PLANES = 4  # 2-bit codes per byte
+CODE_MAX = 3  # the largest 2-bit code
 MASKED = dc.MASKED
 P_LEVELS = dc.P_LEVELS
 ABLATIONS = ("", "no_compute", "l2_resident")
@@ -103,8 +104,8 @@ def value_plane(ops, word, p: int):
   return ops.band(word, 0x03030303 << (2 * p))
 
 
-VALUE_PLANE_SCALE = tuple(4.0**-p for p in range(4))
-MAX_SPLIT_TOKENS = WARPS * ((1 << 31) // (int(P_LEVELS) * 3 * 4**3))
+VALUE_PLANE_SCALE = tuple(4.0**-p for p in range(PLANES))
+MAX_SPLIT_TOKENS = WARPS * ((1 << 31) // (int(P_LEVELS) * CODE_MAX * 4**(PLANES - 1)))  # 352,276
 
 
 KO_TOKENS = 8  # key-outlier tokens per row of the TMA tile: kout [S, 8] seen as [S / 8, 64] (64-byte rows)
