@@ -30,6 +30,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.chained_timing import chained_calls, copy_bandwidth, copy_bandwidth_span, timeit
 from pallas_kernels.oskvp_decode_attention import (BITPLANE, PLAIN_ROWS, DecodeBlockConfig, _oskvp_pallas,
@@ -110,6 +111,13 @@ def per_token_args(i, *, b, s, make):
   q, kq, ks, vq, vs = make(i)
   t = lambda x: jnp.swapaxes(x, 1, 2)
   return q, t(kq), t(vq), t(ks), t(vs), jnp.full((b,), s, jnp.int32)
+
+
+def rel_l2(got: jax.Array, want: jax.Array) -> float:
+  """‖got − want‖ / ‖want‖ over all elements in f32; inf where that is not finite (a NaN or Inf in got)."""
+  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+  rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+  return rel if np.isfinite(rel) else float("inf")
 
 
 def rel_err_vs(fn, ref, args) -> tuple[float, bool]:
@@ -221,10 +229,8 @@ def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_sta
     config = f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core}"
     try:
       got = jax.jit(functools.partial(mosaic_uniform, glue=glue, value_outliers=value_outliers, core=core))(*a)
-      got = got.astype(jnp.float32)
-      want = jax.jit(oskvp_decode_attention_reference)(*token_major(a)).astype(jnp.float32)
-      rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-      out.append(dict(case=case, config=config, rel_err=rel, nan=bool(jnp.isnan(got).any())))
+      want = jax.jit(oskvp_decode_attention_reference)(*token_major(a))
+      out.append(dict(case=case, config=config, rel_err=rel_l2(got, want), nan=bool(jnp.isnan(got).any())))
     except Exception as e:  # pylint: disable=broad-except
       out.append(dict(case=case, config=config, error=repr(e)[:600]))
     log(f"check mosaic_uniform {out[-1]}")

@@ -46,11 +46,9 @@ def op_sweep(draws: int, limit: float) -> bool:
     a = list(da.uniform_args(jax.random.key(100 + i), b, s))
     n_comp = rng.choice(edges, b) if i % 2 else rng.integers(0, s + 1, b)
     a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(rng.integers(1, da.WINDOW + 1, b), jnp.int32)
-    want = ref(*da.token_major(a)).astype(jnp.float32)
+    want = ref(*da.token_major(a))
     for core, fn in fns.items():
-      got = fn(*a).astype(jnp.float32)
-      rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-      rel = float("inf") if not np.isfinite(rel) else rel
+      rel = da.rel_l2(fn(*a), want)
       if rel >= worst[core][0]:
         worst[core] = (rel, (np.asarray(a[13]).tolist(), np.asarray(a[14]).tolist()))
   for core, (rel, lengths) in worst.items():

@@ -96,3 +96,13 @@ def test_span_rows_get_their_fraction_of_the_copy_timed_by_span():
   want = "| oskvp_mosaic_uniform | 32 | 131072 | 1.2000 | 2400.0 MB | 2.00 | 53% | 3.33x | 1.0000 | 3.60x | 57% |\n"
   assert want in md
 
+
+
+def test_rel_l2_is_inf_for_a_nan_output():
+  """The checks' relative L2 error: exact for finite outputs, inf (a failure under any limit) where the output has a
+  NaN, so a broken kernel cannot pass a `rel <= limit` check."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  want = jnp.array([[3.0, 4.0]], jnp.bfloat16)
+  assert bench.rel_l2(want, want) == 0.0
+  assert abs(bench.rel_l2(jnp.array([[3.0, 4.5]]), want) - 0.1) < 1e-6
+  assert bench.rel_l2(jnp.array([[3.0, float("nan")]]), want) == float("inf")
