@@ -38,6 +38,14 @@ def unfold_rows(parts, rows: int, dtype):
   return out.reshape(rows, n)
 
 
+def live_rows(x, g: int):
+  """x [rows, n] -> its first g rows [g, n] (g divides rows; the inverse of `unfold_rows` with one part): Triton
+  values take no slices, so the rows are split into rows / g groups of g and the first group kept by a masked sum."""
+  parts = x.reshape(x.shape[0] // g, g, x.shape[1])
+  first = jax.lax.broadcasted_iota(jnp.int32, parts.shape, 0) == 0
+  return jnp.where(first, parts, 0.0).sum(axis=0)
+
+
 def round_half_away(x):
   """Round half away from zero (the reference rounds half to even: they differ only on exact ties)."""
   return jnp.where(x >= 0, jnp.floor(x + 0.5), -jnp.floor(0.5 - x))

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_attention import MMA_ROWS
 from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS, merge_splits
-from pallas_kernels.oskvp_decode_prologue import unfold_rows
+from pallas_kernels.oskvp_decode_prologue import live_rows, unfold_rows
 from pallas_kernels.oskvp_value_sums_mgpu import channel_rows
 from pallas_kernels.oskvp_uniform_glue import LOG2E, merge_lse2, uniform_steps, window_attention
 
@@ -83,14 +83,6 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
   w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
   o_ref[...] = live_rows((w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None],
                          o_ref.shape[0])
-
-
-def live_rows(x, g: int):
-  """x [16, HC] -> its first g rows [g, HC] (g divides 16): Triton values take no slices, so the rows are split
-  into 16 / g groups of g and the first group kept by a masked sum."""
-  parts = x.reshape(x.shape[0] // g, g, x.shape[1])
-  first = jax.lax.broadcasted_iota(jnp.int32, parts.shape, 0) == 0
-  return jnp.where(first, parts, 0.0).sum(axis=0)
 
 
 def epilogue_channels(splits: int) -> int:

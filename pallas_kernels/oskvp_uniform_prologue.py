@@ -10,6 +10,10 @@ outlier scales [8], the row's compressed length n_comp. With c = log2(e) / √H 
 The reference is the jnp glue's `query_digits` and `outlier_query` (`prologue_reference`); digits may differ on an
 exact rounding tie (half away from zero here, half to even there).
 
+`rotating_prologue` takes the unrotated query and U_k [H, H] instead and computes q' itself on the tensor cores
+(three bf16 dots of hi + lo parts, ~2^-16 relative), returning it for the epilogue: the XLA matmul before the
+prologue goes (`uniform_decode_attention(query_rotation="prologue")`). Reference: `rotating_prologue_reference`.
+
 On the H200 (results/decode_attention_mosaic_glue.md) this kernel and `oskvp_uniform_epilogue` make the path five
 GPU kernels instead of ~19 and 9–22% faster by GPU time at batch 1 and 8 up to 16k. Their first form (ninth
 session: the rotation inside, f32 products in chunks) took 14 µs at 64k × 8
@@ -26,16 +30,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_core_mgpu import LEN_SLOT, N, OUTLIERS, QS_SLOTS
-from pallas_kernels.oskvp_decode_prologue import round_half_away, unfold_rows
+from pallas_kernels.oskvp_decode_attention import MMA_ROWS
+from pallas_kernels.oskvp_decode_prologue import live_rows, round_half_away, unfold_rows
 from pallas_kernels.oskvp_uniform_glue import LOG2E, outlier_query, query_digits
 
+LEAD = 2 * OUTLIERS  # the key-outlier query's columns: the f16 wgmma's K, channels 0..7 and 8 zero columns
 
-def _prologue_kernel(q_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_ref):
-  # q_ref [G, H] f32 (rotated); cb_ref [H, 4] f32; sk_ref [8] f32; nc_ref [] int32.
-  # qd_ref [8, H] int8; qs_ref [32] f32; qo_ref [8, 16] f16; qc_ref [8] f32.
-  g, h = q_ref.shape
+
+def _split_dot(a, b):
+  """a f32 [M, K] @ b f32 [K, N] on the tensor cores as bf16 hi + lo parts of both (three dots, the lo·lo term
+  dropped: relative error ~2^-16), f32 sums."""
+  parts = lambda x: (x.astype(jnp.bfloat16), (x - x.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16))
+  (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
+  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+  return dot(a_hi, b_hi) + dot(a_lo, b_hi) + dot(a_hi, b_lo)
+
+
+def _query_parts(q, q_lead, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_ref):
+  # q [G, H] f32 (rotated) and q_lead = q[:, :16] as values (Triton values take no slices); cb_ref [H, 4] f32;
+  # sk_ref [8] f32; nc_ref [] int32. qd_ref [8, H] int8; qs_ref [32] f32; qo_ref [8, 16] f16; qc_ref [8] f32.
+  g, h = q.shape
   c = h**-0.5 * LOG2E
-  q = q_ref[...]
   c0 = cb_ref[:, 0]
   qf = q * (cb_ref[:, 1] - c0)[None, :]  # [G, H]
   u = jnp.maximum(jnp.abs(qf).max(axis=1), 1e-30) / 127.0  # [G]
@@ -43,11 +58,34 @@ def _prologue_kernel(q_ref, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_r
   slots = jnp.arange(QS_SLOTS)
   qs = unfold_rows([(u * c)[:, None]], QS_SLOTS, jnp.float32).reshape(QS_SLOTS)
   qs_ref[...] = jnp.where(slots == LEN_SLOT, nc_ref[...].astype(jnp.float32), jnp.where(slots < g, qs, 0.0))
-  cols = 2 * OUTLIERS  # the f16 wgmma's K: channels 0..7 and 8 zero columns
-  scale = plgpu.load(sk_ref.at[pl.ds(0, cols)], mask=jnp.arange(cols) < OUTLIERS, other=0.0)  # [16]
-  qo_ref[...] = unfold_rows([q_ref[:, pl.ds(0, cols)] * (scale[None, :] * c)], N, jnp.float16)
+  scale = plgpu.load(sk_ref.at[pl.ds(0, LEAD)], mask=jnp.arange(LEAD) < OUTLIERS, other=0.0)  # [16]
+  qo_ref[...] = unfold_rows([q_lead * (scale[None, :] * c)], N, jnp.float16)
   qc = unfold_rows([((q * c0[None, :]).sum(axis=1) * c)[:, None]], N, jnp.float32).reshape(N)
   qc_ref[...] = jnp.where(jnp.arange(N) < g, qc, 0.0)
+
+
+def _prologue_kernel(q_ref, *refs):
+  # q_ref [G, H] f32 (rotated); the rest as `_query_parts`'.
+  _query_parts(q_ref[...], q_ref[:, pl.ds(0, LEAD)], *refs)
+
+
+def _split_dot(a, b):
+  """a f32 [M, K] @ b f32 [K, N] on the tensor cores as bf16 hi + lo parts of both (three dots, the lo·lo term
+  dropped: relative error ~2^-16), f32 sums."""
+  parts = lambda x: (x.astype(jnp.bfloat16), (x - x.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16))
+  (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
+  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+  return dot(a_hi, b_hi) + dot(a_lo, b_hi) + dot(a_hi, b_lo)
+
+
+def _rotating_prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, nc_ref, qr_ref, *refs):
+  # q_ref [G, H] (unrotated, the query's dtype); u_ref [H, H] f32 (U_k). qr_ref [G, H] f32: q' = q U_k, which the
+  # epilogue reads; the rest as `_query_parts`'. The first 16 rotated channels are a second, narrow product.
+  g = q_ref.shape[0]
+  q16 = unfold_rows([q_ref[...].astype(jnp.float32)], MMA_ROWS, jnp.float32)  # [16, H]: a tensor-core tile
+  q_rot = live_rows(_split_dot(q16, u_ref[...]), g)
+  qr_ref[...] = q_rot
+  _query_parts(q_rot, live_rows(_split_dot(q16, u_ref[:, pl.ds(0, LEAD)]), g), cb_ref, sk_ref, nc_ref, *refs)
 
 
 def _spec(*tail):
@@ -58,24 +96,54 @@ def _per_row():
   return pl.BlockSpec((None,), lambda i, j: (i,))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def prologue(q_rot, cb_k, scale_k, n_comp, *, interpret: bool = False):
-  """`prologue_reference` in one Pallas kernel (grid B × K). Shapes as there; G must divide 8."""
-  b, kh, g, h = q_rot.shape
+def _check_shapes(g: int, h: int):
   if N % g:
     raise ValueError(f"q_rot has G={g} query heads per kv head: the group size must divide {N}")
   if h % 128:
     raise ValueError(f"head_dim={h} must be a multiple of 128")
-  out_shape = [jax.ShapeDtypeStruct((b, kh, N, h), jnp.int8), jax.ShapeDtypeStruct((b, kh, QS_SLOTS), jnp.float32),
-               jax.ShapeDtypeStruct((b, kh, N, 2 * OUTLIERS), jnp.float16),
-               jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
+
+
+def _out_shapes(b: int, kh: int, h: int) -> list[jax.ShapeDtypeStruct]:
+  return [jax.ShapeDtypeStruct((b, kh, N, h), jnp.int8), jax.ShapeDtypeStruct((b, kh, QS_SLOTS), jnp.float32),
+          jax.ShapeDtypeStruct((b, kh, N, 2 * OUTLIERS), jnp.float16), jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
+
+
+def _out_specs(h: int) -> list[pl.BlockSpec]:
+  return [_spec(N, h), _spec(QS_SLOTS), _spec(N, 2 * OUTLIERS), _spec(N)]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def prologue(q_rot, cb_k, scale_k, n_comp, *, interpret: bool = False):
+  """`prologue_reference` in one Pallas kernel (grid B × K). Shapes as there; G must divide 8."""
+  b, kh, g, h = q_rot.shape
+  _check_shapes(g, h)
   return pl.pallas_call(
       _prologue_kernel, grid=(b, kh),
       in_specs=[_spec(g, h), _spec(h, 4), _spec(OUTLIERS), _per_row()],
-      out_specs=[_spec(N, h), _spec(QS_SLOTS), _spec(N, 2 * OUTLIERS), _spec(N)],
-      out_shape=out_shape, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      out_specs=_out_specs(h), out_shape=_out_shapes(b, kh, h),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
       name="oskvp_uniform_prologue",
   )(q_rot.astype(jnp.float32), cb_k.astype(jnp.float32), scale_k.astype(jnp.float32), n_comp.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def rotating_prologue(q, u_k, cb_k, scale_k, n_comp, *, interpret: bool = False):
+  """The query rotation and `prologue` in one Pallas kernel (grid B × K): q [B, K, G, H] unrotated (any float
+  dtype), u_k f32 [B, K, H, H] -> (q' = q U_k f32 [B, K, G, H], qd, qs, qo, qc as `prologue` returns them).
+
+  The rotation runs on the tensor cores as three bf16 dots of hi + lo parts (`_split_dot`, ~2^-16 relative to the
+  f32 product), so the wired path needs no XLA matmul before its prologue. Reference: `rotating_prologue_reference`.
+  """
+  b, kh, g, h = q.shape
+  _check_shapes(g, h)
+  return pl.pallas_call(
+      _rotating_prologue_kernel, grid=(b, kh),
+      in_specs=[_spec(g, h), _spec(h, h), _spec(h, 4), _spec(OUTLIERS), _per_row()],
+      out_specs=[_spec(g, h), *_out_specs(h)],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32), *_out_shapes(b, kh, h)],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      name="oskvp_uniform_rotating_prologue",
+  )(q, u_k.astype(jnp.float32), cb_k.astype(jnp.float32), scale_k.astype(jnp.float32), n_comp.astype(jnp.int32))
 
 
 def prologue_reference(q_rot, cb_k, scale_k, n_comp):
@@ -90,3 +158,10 @@ def prologue_reference(q_rot, cb_k, scale_k, n_comp):
   per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
   return (per_head(qd), per_head(qs), per_head(jnp.pad(qo, ((0, 0), (0, 0), (0, OUTLIERS)))),
           per_head(jnp.pad(qc, ((0, 0), (0, N - g)))))
+
+
+@jax.jit
+def rotating_prologue_reference(q, u_k, cb_k, scale_k, n_comp):
+  """q [B, K, G, H], u_k [B, K, H, H] -> (q' = q U_k in f32 at full precision, then `prologue_reference`'s four)."""
+  q_rot = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32), u_k.astype(jnp.float32), precision="highest")
+  return (q_rot, *prologue_reference(q_rot, cb_k, scale_k, n_comp))

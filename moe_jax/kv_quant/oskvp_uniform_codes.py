@@ -167,26 +167,30 @@ def resolved_core(core: str, *, glue: str, block_s: int, head_dim: int, interpre
   return core
 
 
+QUERY_ROTATIONS = ("prologue", "xla")
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "max_concurrent_steps", "glue", "value_outliers",
-                                             "max_splits", "core", "mma_key_rows"))
+                                             "max_splits", "core", "mma_key_rows", "query_rotation"))
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,
                              max_splits: int | None = None, core: str = "auto",
-                             mma_key_rows: str = dm.KEY_ROW_DEFAULT) -> jax.Array:
+                             mma_key_rows: str = dm.KEY_ROW_DEFAULT,
+                             query_rotation: str = "xla") -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
   attention; the two are merged by log-sum-exp and rotated back by U_vᵀ. glue="xla" composes `attend_codes`,
   `window_attention` and `merge_lse2` in jnp: about eighteen small XLA kernels beside the core. glue="pallas" keeps
-  the two rotations as XLA matmuls and runs the query preparation and the split merge + window as two Pallas (Triton)
-  kernels around the core (`pallas_kernels/oskvp_uniform_prologue.py`, `oskvp_uniform_epilogue.py`); with the two
-  rotations and a final cast, six to eight GPU kernels per call. On the H200 the GPU runs either back to back
-  (results/decode_timeline.md); by GPU time per call the Pallas glue is faster at every batch (1, 8, 32) and
-  context (16k, 64k) measured, by 1–16% (results/decode_attention_mosaic_glue2.md), since the core leaves its
-  accumulator in ACC row order and the epilogue reorders in its reads. glue="auto" (the default) takes the Pallas
-  glue where its tiles apply (`oskvp_uniform_epilogue.epilogue_shape_error`: power-of-two window and splits), else
-  the XLA glue.
+  the two rotations as XLA matmuls (q U_k optionally inside the prologue: `query_rotation`) and runs the query
+  preparation and the split merge + window as two Pallas (Triton) kernels around the core
+  (`pallas_kernels/oskvp_uniform_prologue.py`, `oskvp_uniform_epilogue.py`); with the two rotations and a final cast,
+  six to eight GPU kernels per call. On the H200 the GPU runs either back to back (results/decode_timeline.md); by GPU
+  time per call the Pallas glue is faster at every batch (1, 8, 32) and context (16k, 64k) measured, by 1–16%
+  (results/decode_attention_mosaic_glue2.md), since the core leaves its accumulator in ACC row order and the epilogue
+  reorders in its reads. glue="auto" (the default) takes the Pallas glue where its tiles apply
+  (`oskvp_uniform_epilogue.epilogue_shape_error`: power-of-two window and splits), else the XLA glue.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
@@ -205,14 +209,20 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       faster by GPU span at 64k / 128k × 8 / 32, results/decode_attention_mma_h100_s41c.md; not yet timed on an
       H200).
     mma_key_rows: the "mma" core's key-score orientation (`oskvp_decode_core_mma.KEY_ROWS`).
+    query_rotation: where the Pallas glue computes q' = q U_k: "xla" (the default: an XLA matmul before the
+      prologue) or "prologue" (inside the prologue kernel, `oskvp_uniform_prologue.rotating_prologue`: one kernel
+      fewer; not yet timed on a GPU). The XLA glue always rotates in XLA.
 
   Returns:
     [B, N, H] in q's dtype.
 
   Raises:
     ValueError: for shapes the core does not take (`mosaic_tiling`; the caller falls back to the Triton kernel), and
-      naming the field for an unknown `core` or `mma_key_rows` or core="mma" where it does not apply.
+      naming the field for an unknown `core`, `mma_key_rows` or `query_rotation`, or core="mma" where it does not
+      apply.
   """
+  if query_rotation not in QUERY_ROTATIONS:
+    raise ValueError(f"query_rotation={query_rotation!r} must be one of {QUERY_ROTATIONS}")
   b, n, h = q.shape
   kh, s = codes_k.shape[1], codes_k.shape[2]
   g = n // kh
@@ -227,9 +237,14 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                        value_outliers=value_outliers, mma_key_rows=mma_key_rows)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
-  q_rot = jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]
+  rotate = lambda: jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]
   if glue == "pallas":
-    qd, qs_row, qo16, qc = pro.prologue(q_rot, cb_k, scale_k, n_comp, interpret=interpret)
+    if query_rotation == "prologue":
+      q_rot, qd, qs_row, qo16, qc = pro.rotating_prologue(q.reshape(b, kh, g, h), u_k, cb_k, scale_k, n_comp,
+                                                         interpret=interpret)
+    else:
+      q_rot = rotate()
+      qd, qs_row, qo16, qc = pro.prologue(q_rot, cb_k, scale_k, n_comp, interpret=interpret)
     if core == "mma":
       acc, ml, acco = dm.decode_core_mma_splits(rows(codes_k), rows(codes_v_t), rows(qd), rows(qs_row),
                                                 rows(outl_k), rows(outl_v_t), rows(qo16), splits=splits,
@@ -243,7 +258,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     o = epi.epilogue(per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res,
                      interpret=interpret)  # [B, K, G, H], rotated
   else:
-    q_rows = rows(q_rot)  # [BK, G, H]
+    q_rows = rows(rotate())  # [BK, G, H]
     scale = h**-0.5
     o_c, lse_c = attend_codes(q_rows, rows(codes_k), rows(codes_v_t), rows(cb_k), rows(cb_v), jnp.repeat(n_comp, kh),
                               (rows(outl_k), rows(scale_k), rows(outl_v_t), rows(scale_v)), scale=scale,

@@ -53,11 +53,11 @@ def _xla(c, q):
   return np.asarray(_xla_attention(c, q), np.float32)
 
 
-def _wired(c, q, glue="pallas", max_splits=None):
+def _wired(c, q, glue="pallas", max_splits=None, **kw):
   """`uniform_decode_attention` (the core in interpret mode + the window, merged, rotated back) on the cache."""
   return np.asarray(uc.uniform_decode_attention(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v,
                                                 c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
-                                                c.n_res, interpret=True, glue=glue, max_splits=max_splits),
+                                                c.n_res, interpret=True, glue=glue, max_splits=max_splits, **kw),
                     np.float32)
 
 
@@ -108,6 +108,11 @@ def test_codes_outliers_and_window_match_the_xla_attention():
   assert _rel(got, want) < 0.03
   # The jnp glue (attend_codes + window + merge) computes the same thing around the same core.
   np.testing.assert_allclose(_wired(c, q, glue="xla"), got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+  # q U_k inside the prologue (three bf16 dots of hi + lo parts, ~2^-16) instead of the XLA matmul: the same digits
+  # but where a rotated query lands within that of a rounding edge.
+  np.testing.assert_allclose(_wired(c, q, query_rotation="prologue"), got, rtol=1e-3, atol=1e-3 * np.abs(got).max())
+  with pytest.raises(ValueError, match="query_rotation='kernel'"):
+    _wired(c, q, query_rotation="kernel")
   # One split instead of four (the capacity's 4 blocks): p is quantized against each split's running max, so the
   # two differ only by that quantization (within 1% of each other; each within 3% of the XLA attention).
   one = _wired(c, q, glue="xla", max_splits=1)
