@@ -37,15 +37,6 @@ from pallas_kernels.oskvp_uniform_glue import LOG2E, outlier_query, query_digits
 LEAD = 2 * OUTLIERS  # the key-outlier query's columns: the f16 wgmma's K, channels 0..7 and 8 zero columns
 
 
-def _split_dot(a, b):
-  """a f32 [M, K] @ b f32 [K, N] on the tensor cores as bf16 hi + lo parts of both (three dots, the lo·lo term
-  dropped: relative error ~2^-16), f32 sums."""
-  parts = lambda x: (x.astype(jnp.bfloat16), (x - x.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16))
-  (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
-  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-  return dot(a_hi, b_hi) + dot(a_lo, b_hi) + dot(a_hi, b_lo)
-
-
 def _query_parts(q, q_lead, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_ref):
   # q [G, H] f32 (rotated) and q_lead = q[:, :16] as values (Triton values take no slices); cb_ref [H, 4] f32;
   # sk_ref [8] f32; nc_ref [] int32. qd_ref [8, H] int8; qs_ref [32] f32; qo_ref [8, 16] f16; qc_ref [8] f32.
