@@ -23,6 +23,10 @@
 #    epilogue's live rows (results/*_h100_s42*); all still owed on an H200. decode_check now runs the op sweep
 #    first; decode_check_wgmma runs the same 12 steps through the wgmma core: the control for the mma core's
 #    elevated steps 8-11 (1.1e-2 against <= 3.8e-3 in every wgmma run), which the H100 call could not fit.
+# 7. (forty-third session) q U_k inside the Pallas prologue (`query_rotation="prologue"`, one XLA kernel fewer) has
+#    not run on a GPU: qrot checks both forms and times them side by side with the mma core and cuDNN at 64k / 4k /
+#    16k x 8 / 1 (the first 4k / 16k / batch-1 cells of the mma core too). If the prologue form is faster, make it
+#    uniform_decode_attention's default.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~38 min in all.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -30,7 +34,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -47,6 +51,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # both bf16 peers and the WS kernel's fused SwiGLU, the grid), last timed on an H200 in the twenty-fourth session.
 # prefill_fit, attention and (three row counts of) experts ran on an H100 in the fortieth (results/*_h100_s40.md,
 # e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
+run qrot 380 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,4096,16384 \
+  --batches=8,1 --mosaic_core=mma --mosaic_query_rotation=xla,prologue --out="$OUT/qrot"
 run mma_core 300 python3 benchmarks/oskvp_decode_core_mma_bench.py --out="$OUT/mma_core"
 run decode_check 200 python3 benchmarks/oskvp_uniform_decode_check.py --op_sweep=16
 run decode_check_wgmma 150 python3 benchmarks/oskvp_uniform_decode_check.py --core=wgmma
