@@ -349,6 +349,7 @@ def main():
                                                                args.mosaic_value_outliers.split(","),
                                                                args.mosaic_core.split(","),
                                                                args.mosaic_query_rotation.split(","))
+              if glue != "xla" or rot == "xla"  # the XLA glue always rotates in XLA
               for c in check_mosaic_uniform(log, glue, form, core, rot)]
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
@@ -486,6 +487,8 @@ def main():
         for glue, form, ms, core, rot in itertools.product(
             args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","), args.mosaic_max_splits.split(","),
             args.mosaic_core.split(","), args.mosaic_query_rotation.split(",")):
+          if glue == "xla" and rot != "xla":
+            continue  # the XLA glue always rotates in XLA: the same program as the row without the suffix
           attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
                   + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}")
                   + mosaic_core_label(core) + ("" if rot == "xla" else f"_qrot_{rot}"), b, s,

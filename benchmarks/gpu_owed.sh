@@ -28,7 +28,7 @@
 #    16k x 8 / 1 (the first 4k / 16k / batch-1 cells of the mma core too). If the prologue form is faster, make it
 #    uniform_decode_attention's default.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
-# it measured. Filter allocator warnings out of what you read back: they can bury the tail. ~38 min in all.
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~60 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
 # STEPS=experts (one call each, the fortieth session's), STEPS="float16_trace refit refit_b32", then
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).

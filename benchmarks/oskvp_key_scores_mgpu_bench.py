@@ -221,8 +221,8 @@ def analyze_dump(path: str, ptxas: str = "ptxas", nvdisasm: str | None = None) -
     block_s = int(m.group(1)) if m else block_s
   out = triton_sass.analyze_ptx_dump(path, SASS_KINDS, ptxas=ptxas, nvdisasm=nvdisasm)
   for rep in out.values():
-    rep["loops"] = [{"warp_instr_per_token_head": round(4 * lp["length"] / block_s, 2), **lp}
-                    for lp in rep.get("loops", [])]
+    if "loops" in rep:  # absent where ptxas failed
+      rep["loops"] = [{"warp_instr_per_token_head": round(4 * lp["length"] / block_s, 2), **lp} for lp in rep["loops"]]
   return out
 
 

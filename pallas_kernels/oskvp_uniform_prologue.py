@@ -89,18 +89,18 @@ def _per_row():
 
 def _check_shapes(g: int, h: int):
   if N % g:
-    raise ValueError(f"q_rot has G={g} query heads per kv head: the group size must divide {N}")
+    raise ValueError(f"the query has G={g} heads per kv head: the group size must divide {N}")
   if h % 128:
     raise ValueError(f"head_dim={h} must be a multiple of 128")
 
 
 def _out_shapes(b: int, kh: int, h: int) -> list[jax.ShapeDtypeStruct]:
   return [jax.ShapeDtypeStruct((b, kh, N, h), jnp.int8), jax.ShapeDtypeStruct((b, kh, QS_SLOTS), jnp.float32),
-          jax.ShapeDtypeStruct((b, kh, N, 2 * OUTLIERS), jnp.float16), jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
+          jax.ShapeDtypeStruct((b, kh, N, LEAD), jnp.float16), jax.ShapeDtypeStruct((b, kh, N), jnp.float32)]
 
 
 def _out_specs(h: int) -> list[pl.BlockSpec]:
-  return [_spec(N, h), _spec(QS_SLOTS), _spec(N, 2 * OUTLIERS), _spec(N)]
+  return [_spec(N, h), _spec(QS_SLOTS), _spec(N, LEAD), _spec(N)]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -120,7 +120,8 @@ def prologue(q_rot, cb_k, scale_k, n_comp, *, interpret: bool = False):
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def rotating_prologue(q, u_k, cb_k, scale_k, n_comp, *, interpret: bool = False):
   """The query rotation and `prologue` in one Pallas kernel (grid B × K): q [B, K, G, H] unrotated (any float
-  dtype), u_k f32 [B, K, H, H] -> (q' = q U_k f32 [B, K, G, H], qd, qs, qo, qc as `prologue` returns them).
+  dtype; G divides 8, H a multiple of 128), u_k f32 [B, K, H, H] -> (q' = q U_k f32 [B, K, G, H], qd, qs, qo, qc as
+  `prologue` returns them).
 
   The rotation runs on the tensor cores as three bf16 dots of hi + lo parts (`_split_dot`, ~2^-16 relative to the
   f32 product), so the wired path needs no XLA matmul before its prologue. Reference: `rotating_prologue_reference`.

@@ -97,7 +97,6 @@ def test_span_rows_get_their_fraction_of_the_copy_timed_by_span():
   assert want in md
 
 
-
 def test_rel_l2_is_inf_for_a_nan_output():
   """The checks' relative L2 error: exact for finite outputs, inf (a failure under any limit) where the output has a
   NaN, so a broken kernel cannot pass a `rel <= limit` check."""

@@ -46,22 +46,22 @@ def test_prologue_lowers_to_triton_ir_for_hopper(g):
   assert lowers_to_triton_for_hopper(functools.partial(pro.prologue, interpret=False), *_prologue_inputs(0, 2, 2, g))
 
 
-def _rotating_inputs(seed, b, kh, g):
-  """An unrotated bf16 query (the model's dtype) and an orthogonal U_k per row and kv head, with `_prologue_inputs`'
-  codebooks, scales and lengths."""
+def _rotating_inputs(seed, b, kh, g, dtype=jnp.bfloat16):
+  """An unrotated query (bf16: the model's dtype; f32: its low part is not zero) and an orthogonal U_k per row and
+  kv head, with `_prologue_inputs`' codebooks, scales and lengths."""
   q_rot, cb, scale, n_comp = _prologue_inputs(seed, b, kh, g)
   ks = jax.random.split(jax.random.key(seed + 100), 2)
   u_k = jnp.linalg.qr(jax.random.normal(ks[1], (b, kh, H, H)))[0]
-  return (q_rot * 3.0).astype(jnp.bfloat16), u_k, cb, scale, n_comp
+  return (q_rot * 3.0).astype(dtype), u_k, cb, scale, n_comp
 
 
-@pytest.mark.parametrize("g", [1, 4, 8])
-def test_rotating_prologue_matches_reference(g):
+@pytest.mark.parametrize("g,dtype", [(1, jnp.bfloat16), (4, jnp.float32), (8, jnp.bfloat16), (8, jnp.float32)])
+def test_rotating_prologue_matches_reference(g, dtype):
   """q' = q U_k inside the kernel (three bf16 dots of hi + lo parts) within 2e-5 of the f32 product at full precision
   (measured ~3e-6 relative to the largest element); the four outputs are `prologue_reference` of the kernel's own q'
   to f32 rounding (digits exact; the f16 outlier query to one f16 step: its 16 channels are a second, narrow product),
   and within one digit and 1e-3 of the reference through the f32 product."""
-  args = _rotating_inputs(g, 2, 2, g)
+  args = _rotating_inputs(g, 2, 2, g, dtype)
   got = pro.rotating_prologue(*args, interpret=True)
   want = pro.rotating_prologue_reference(*args)
   for name, x, y in zip(("q_rot", "qd", "qs", "qo", "qc"), got, want, strict=True):
@@ -75,7 +75,8 @@ def test_rotating_prologue_matches_reference(g):
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=tol, atol=2e-6,
                                err_msg=name)
   assert np.abs(np.asarray(got[1], np.int32) - np.asarray(want[1], np.int32)).max() <= 1
-  for name, x, y in zip(("qs", "qo", "qc"), got[2:], want[2:]):
+  qs_scales = lambda qs: np.asarray(qs)[..., :dc.N]  # the per-head scales, not the length slot
+  for name, x, y in (("qs", qs_scales(got[2]), qs_scales(want[2])), ("qo", got[3], want[3]), ("qc", got[4], want[4])):
     y = np.asarray(y, np.float32)
     np.testing.assert_allclose(np.asarray(x, np.float32), y, rtol=1e-3, atol=1e-4 * np.abs(y).max(), err_msg=name)
 

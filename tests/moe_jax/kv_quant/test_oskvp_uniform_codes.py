@@ -109,8 +109,11 @@ def test_codes_outliers_and_window_match_the_xla_attention():
   # The jnp glue (attend_codes + window + merge) computes the same thing around the same core.
   np.testing.assert_allclose(_wired(c, q, glue="xla"), got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
   # q U_k inside the prologue (three bf16 dots of hi + lo parts, ~2^-16) instead of the XLA matmul: the same digits
-  # but where a rotated query lands within that of a rounding edge.
-  np.testing.assert_allclose(_wired(c, q, query_rotation="prologue"), got, rtol=1e-3, atol=1e-3 * np.abs(got).max())
+  # but where a rotated query lands within that of a rounding edge (one digit moves the output by ~5e-3 of its
+  # largest element): within 3% of the XLA attention as the rest, and within 1e-2 of the XLA rotation's output.
+  rot = _wired(c, q, query_rotation="prologue")
+  assert _rel(rot, want) < 0.03
+  np.testing.assert_allclose(rot, got, rtol=0, atol=1e-2 * np.abs(got).max())
   with pytest.raises(ValueError, match="query_rotation='kernel'"):
     _wired(c, q, query_rotation="kernel")
   # One split instead of four (the capacity's 4 blocks): p is quantized against each split's running max, so the
