@@ -69,14 +69,22 @@ def _split_dot(a, b):
   return dot(a_hi, b_hi) + dot(a_lo, b_hi) + dot(a_hi, b_lo)
 
 
+def _lead_channels(x):
+  """x [G, H] -> x[:, :LEAD] [G, LEAD] exactly, by a masked sum over a [G, H, LEAD] one-hot (Triton values take no
+  slices; a second, narrow dot on U_k's first columns instead spilled ~11 KB a thread in ptxas)."""
+  h = x.shape[1]
+  onehot = jax.lax.broadcasted_iota(jnp.int32, (h, LEAD), 0) == jax.lax.broadcasted_iota(jnp.int32, (h, LEAD), 1)
+  return jnp.where(onehot[None], x[:, :, None], 0.0).sum(axis=1)
+
+
 def _rotating_prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, nc_ref, qr_ref, *refs):
   # q_ref [G, H] (unrotated, the query's dtype); u_ref [H, H] f32 (U_k). qr_ref [G, H] f32: q' = q U_k, which the
-  # epilogue reads; the rest as `_query_parts`'. The first 16 rotated channels are a second, narrow product.
+  # epilogue reads; the rest as `_query_parts`'.
   g = q_ref.shape[0]
   q16 = unfold_rows([q_ref[...].astype(jnp.float32)], MMA_ROWS, jnp.float32)  # [16, H]: a tensor-core tile
   q_rot = live_rows(_split_dot(q16, u_ref[...]), g)
   qr_ref[...] = q_rot
-  _query_parts(q_rot, live_rows(_split_dot(q16, u_ref[:, pl.ds(0, LEAD)]), g), cb_ref, sk_ref, nc_ref, *refs)
+  _query_parts(q_rot, _lead_channels(q_rot), cb_ref, sk_ref, nc_ref, *refs)
 
 
 def _spec(*tail):
@@ -133,7 +141,9 @@ def rotating_prologue(q, u_k, cb_k, scale_k, n_comp, *, interpret: bool = False)
       in_specs=[_spec(g, h), _spec(h, h), _spec(h, 4), _spec(OUTLIERS), _per_row()],
       out_specs=[_spec(g, h), *_out_specs(h)],
       out_shape=[jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32), *_out_shapes(b, kh, h)],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      # 8 warps: U_k and its two bf16 parts take 243 registers a thread with 4 (98 with 8, no spills either way in
+      # a pip Triton's ptxas for sm_90; not timed)
+      compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1), interpret=interpret,
       name="oskvp_uniform_rotating_prologue",
   )(q, u_k.astype(jnp.float32), cb_k.astype(jnp.float32), scale_k.astype(jnp.float32), n_comp.astype(jnp.int32))
 
