@@ -25,8 +25,11 @@
 #    elevated steps 8-11 (1.1e-2 against <= 3.8e-3 in every wgmma run), which the H100 call could not fit.
 # 7. (forty-third session) q U_k inside the Pallas prologue (`query_rotation="prologue"`, one XLA kernel fewer) has
 #    not run on a GPU: qrot checks both forms and times them side by side with the mma core and cuDNN at 64k / 4k /
-#    16k x 8 / 1 (the first 4k / 16k / batch-1 cells of the mma core too). If the prologue form is faster, make it
-#    uniform_decode_attention's default.
+#    16k x 8 / 1 (the first 4k / 16k / batch-1 cells of the mma core too). The eleventh session's form took ~130 us
+#    a call (notes_mgpu_oskvp.md §15; its one-hot dot spilled, this one does not, §26). If the prologue form is
+#    faster, make it uniform_decode_attention's default; if it is slow again, dump and read its SASS. A failed check
+#    of either form stops the step before any timing (decode_attention.py's rule): then rerun with
+#    --mosaic_query_rotation=xla for the baseline cells.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~60 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,

@@ -10,9 +10,12 @@ outlier scales [8], the row's compressed length n_comp. With c = log2(e) / √H 
 The reference is the jnp glue's `query_digits` and `outlier_query` (`prologue_reference`); digits may differ on an
 exact rounding tie (half away from zero here, half to even there).
 
-`rotating_prologue` takes the unrotated query and U_k [H, H] instead and computes q' itself on the tensor cores
-(three bf16 dots of hi + lo parts, ~2^-16 relative), returning it for the epilogue: the XLA matmul before the
+`rotating_prologue` takes the unrotated query and U_k [H, H] instead (H = 128) and computes q' itself on the tensor
+cores (three bf16 dots of hi + lo parts, ~2^-16 relative), returning it for the epilogue: the XLA matmul before the
 prologue goes (`uniform_decode_attention(query_rotation="prologue")`). Reference: `rotating_prologue_reference`.
+The eleventh session's form of it took ~130 µs a call on the H200 and was reverted (notes_mgpu_oskvp.md §15): its
+q'[:, :16] by a one-hot dot makes a pip Triton's ptxas spill ~10 KB a thread; here those channels are an exact
+masked sum (no spill). Not yet timed on a GPU (notes §26).
 
 On the H200 (results/decode_attention_mosaic_glue.md) this kernel and `oskvp_uniform_epilogue` make the path five
 GPU kernels instead of ~19 and 9–22% faster by GPU time at batch 1 and 8 up to 16k. Their first form (ninth
@@ -35,6 +38,7 @@ from pallas_kernels.oskvp_decode_prologue import live_rows, round_half_away, unf
 from pallas_kernels.oskvp_uniform_glue import LOG2E, outlier_query, query_digits
 
 LEAD = 2 * OUTLIERS  # the key-outlier query's columns: the f16 wgmma's K, channels 0..7 and 8 zero columns
+ROTATING_HEAD_DIM = 128  # the one head dim `rotating_prologue` takes
 
 
 def _query_parts(q, q_lead, cb_ref, sk_ref, nc_ref, qd_ref, qs_ref, qo_ref, qc_ref):
@@ -128,21 +132,24 @@ def prologue(q_rot, cb_k, scale_k, n_comp, *, interpret: bool = False):
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def rotating_prologue(q, u_k, cb_k, scale_k, n_comp, *, interpret: bool = False):
   """The query rotation and `prologue` in one Pallas kernel (grid B × K): q [B, K, G, H] unrotated (any float
-  dtype; G divides 8, H a multiple of 128), u_k f32 [B, K, H, H] -> (q' = q U_k f32 [B, K, G, H], qd, qs, qo, qc as
-  `prologue` returns them).
+  dtype; G divides 8, H = 128), u_k f32 [B, K, H, H] -> (q' = q U_k f32 [B, K, G, H], qd, qs, qo, qc as `prologue`
+  returns them).
 
   The rotation runs on the tensor cores as three bf16 dots of hi + lo parts (`_split_dot`, ~2^-16 relative to the
   f32 product), so the wired path needs no XLA matmul before its prologue. Reference: `rotating_prologue_reference`.
   """
   b, kh, g, h = q.shape
   _check_shapes(g, h)
+  if h != ROTATING_HEAD_DIM:
+    raise ValueError(f"head_dim={h}: rotating_prologue takes H={ROTATING_HEAD_DIM} (U_k and its bf16 parts in a "
+                     "program's registers); rotate in XLA and call `prologue`")
   return pl.pallas_call(
       _rotating_prologue_kernel, grid=(b, kh),
       in_specs=[_spec(g, h), _spec(h, h), _spec(h, 4), _spec(OUTLIERS), _per_row()],
       out_specs=[_spec(g, h), *_out_specs(h)],
       out_shape=[jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32), *_out_shapes(b, kh, h)],
-      # 8 warps: U_k and its two bf16 parts take 243 registers a thread with 4 (98 with 8, no spills either way in
-      # a pip Triton's ptxas for sm_90; not timed)
+      # 8 warps: at H = 128, U_k and its two bf16 parts take 243 registers a thread with 4 (98 with 8, no spills
+      # either way in a pip Triton's ptxas for sm_90; not timed)
       compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1), interpret=interpret,
       name="oskvp_uniform_rotating_prologue",
   )(q, u_k.astype(jnp.float32), cb_k.astype(jnp.float32), scale_k.astype(jnp.float32), n_comp.astype(jnp.int32))

@@ -186,11 +186,12 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   the two rotations as XLA matmuls (q U_k optionally inside the prologue: `query_rotation`) and runs the query
   preparation and the split merge + window as two Pallas (Triton) kernels around the core
   (`pallas_kernels/oskvp_uniform_prologue.py`, `oskvp_uniform_epilogue.py`); with the two rotations and a final cast,
-  six to eight GPU kernels per call. On the H200 the GPU runs either back to back (results/decode_timeline.md); by GPU
-  time per call the Pallas glue is faster at every batch (1, 8, 32) and context (16k, 64k) measured, by 1–16%
-  (results/decode_attention_mosaic_glue2.md), since the core leaves its accumulator in ACC row order and the epilogue
-  reorders in its reads. glue="auto" (the default) takes the Pallas glue where its tiles apply
-  (`oskvp_uniform_epilogue.epilogue_shape_error`: power-of-two window and splits), else the XLA glue.
+  six to eight GPU kernels per call (one fewer with q U_k in the prologue). On the H200 the GPU runs either back to
+  back (results/decode_timeline.md); by GPU time per call the Pallas glue is faster at every batch (1, 8, 32) and
+  context (16k, 64k) measured, by 1–16% (results/decode_attention_mosaic_glue2.md), since the core leaves its
+  accumulator in ACC row order and the epilogue reorders in its reads. glue="auto" (the default) takes the Pallas glue
+  where its tiles apply (`oskvp_uniform_epilogue.epilogue_shape_error`: power-of-two window and splits), else the XLA
+  glue.
 
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
@@ -211,15 +212,15 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     mma_key_rows: the "mma" core's key-score orientation (`oskvp_decode_core_mma.KEY_ROWS`).
     query_rotation: where the Pallas glue computes q' = q U_k: "xla" (the default: an XLA matmul before the
       prologue) or "prologue" (inside the prologue kernel, `oskvp_uniform_prologue.rotating_prologue`: one kernel
-      fewer; not yet timed on a GPU). The XLA glue always rotates in XLA.
+      fewer; not yet timed on a GPU; H = 128 and the Pallas glue only, else refused by name).
 
   Returns:
     [B, N, H] in q's dtype.
 
   Raises:
     ValueError: for shapes the core does not take (`mosaic_tiling`; the caller falls back to the Triton kernel), and
-      naming the field for an unknown `core`, `mma_key_rows` or `query_rotation`, or core="mma" where it does not
-      apply.
+      naming the field for an unknown `core`, `mma_key_rows` or `query_rotation`, or core="mma" or
+      query_rotation="prologue" where it does not apply.
   """
   if query_rotation not in QUERY_ROTATIONS:
     raise ValueError(f"query_rotation={query_rotation!r} must be one of {QUERY_ROTATIONS}")
@@ -233,6 +234,9 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                      "S a multiple of 64)")
   block_s, splits = tiling
   glue = resolved_glue(glue, res_k.shape[2], splits, h, g)
+  if query_rotation == "prologue" and (glue != "pallas" or h != pro.ROTATING_HEAD_DIM):
+    raise ValueError(f"query_rotation='prologue' takes the Pallas glue (here {glue!r}) and "
+                     f"H={pro.ROTATING_HEAD_DIM} (here {h})")
   core = resolved_core(core, glue=glue, block_s=block_s, head_dim=h, interpret=interpret, split_tokens=s // splits,
                        value_outliers=value_outliers, mma_key_rows=mma_key_rows)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))

@@ -58,8 +58,9 @@ def _rotating_inputs(seed, b, kh, g, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("g,dtype", [(1, jnp.bfloat16), (4, jnp.float32), (8, jnp.bfloat16), (8, jnp.float32)])
 def test_rotating_prologue_matches_reference(g, dtype):
   """q' = q U_k inside the kernel (three bf16 dots of hi + lo parts) within 2e-5 of the f32 product at full precision
-  (measured ~3e-6 relative to the largest element); the four outputs are `prologue_reference` of the kernel's own q'
-  to f32 rounding (digits exact), and within one digit and 1e-3 of the reference through the f32 product."""
+  (measured 2–6e-6 relative to the largest element); the four outputs are `prologue_reference` of the kernel's own q'
+  to f32 rounding (digits exact; the f16 outlier query to one f16 step), and within one digit and 1e-3 of the
+  reference through the f32 product."""
   args = _rotating_inputs(g, 2, 2, g, dtype)
   got = pro.rotating_prologue(*args, interpret=True)
   want = pro.rotating_prologue_reference(*args)
@@ -70,7 +71,8 @@ def test_rotating_prologue_matches_reference(g, dtype):
   np.testing.assert_allclose(q_rot, np.asarray(want[0]), rtol=0, atol=2e-5 * scale)
   own = pro.prologue_reference(got[0], *args[2:])
   for name, x, y in zip(("qd", "qs", "qo", "qc"), got[1:], own, strict=True):
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-6, atol=2e-6,
+    rtol = 1e-3 if name == "qo" else 2e-6  # f16: the kernel's product order may round one step the other way
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=2e-6,
                                err_msg=name)
   assert np.abs(np.asarray(got[1], np.int32) - np.asarray(want[1], np.int32)).max() <= 1
   qs_scales = lambda qs: np.asarray(qs)[..., :dc.N]  # the per-head scales, not the length slot
@@ -83,3 +85,11 @@ def test_rotating_prologue_matches_reference(g, dtype):
 def test_rotating_prologue_lowers_to_triton_ir_for_hopper(g):
   assert lowers_to_triton_for_hopper(functools.partial(pro.rotating_prologue, interpret=False),
                                      *_rotating_inputs(0, 2, 2, g))
+
+
+def test_rotating_prologue_refuses_other_head_dims():
+  """U_k and its bf16 parts sit in a program's registers: H = 256 is refused by name (the plain prologue takes it)."""
+  q, u_k, cb, scale, n_comp = _rotating_inputs(0, 1, 1, 4)
+  wide = lambda x, axes: jnp.concatenate([x, x], axis=axes)
+  with pytest.raises(ValueError, match="head_dim=256: rotating_prologue takes H=128"):
+    pro.rotating_prologue(wide(q, -1), wide(wide(u_k, -1), -2), wide(cb, -2), scale, n_comp, interpret=True)

@@ -114,8 +114,16 @@ def test_codes_outliers_and_window_match_the_xla_attention():
   rot = _wired(c, q, query_rotation="prologue")
   assert _rel(rot, want) < 0.03
   np.testing.assert_allclose(rot, got, rtol=0, atol=1e-2 * np.abs(got).max())
+  args = (q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k,
+          c.res_v, c.n_comp, c.n_res)
+  program = lambda rotation: str(jax.make_jaxpr(functools.partial(
+      uc.uniform_decode_attention, interpret=True, glue="pallas", query_rotation=rotation))(*args))
+  assert "oskvp_uniform_rotating_prologue" in program("prologue")  # the option reaches the kernel
+  assert "oskvp_uniform_rotating_prologue" not in program("xla")
   with pytest.raises(ValueError, match="query_rotation='kernel'"):
     _wired(c, q, query_rotation="kernel")
+  with pytest.raises(ValueError, match="query_rotation='prologue' takes the Pallas glue \\(here 'xla'\\)"):
+    _wired(c, q, glue="xla", query_rotation="prologue")
   # One split instead of four (the capacity's 4 blocks): p is quantized against each split's running max, so the
   # two differ only by that quantization (within 1% of each other; each within 3% of the XLA attention).
   one = _wired(c, q, glue="xla", max_splits=1)
