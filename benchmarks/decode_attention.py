@@ -199,6 +199,12 @@ def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", 
                                   mma_key_rows=key_rows, query_rotation=query_rotation)
 
 
+def rotation_applies(glue: str, query_rotation: str) -> bool:
+  """Whether --mosaic_grid runs this query rotation under this glue: the XLA glue always rotates in XLA (a
+  "prologue" row there would be refused, `uniform_decode_attention`)."""
+  return glue != "xla" or query_rotation == "xla"
+
+
 def mosaic_core_parts(core: str) -> tuple[str, str]:
   """--mosaic_core's "wgmma", "mma" or "mma:heads|tokens" -> (core, the mma core's key rows, its default if unset)."""
   from pallas_kernels.oskvp_decode_core_mma import KEY_ROW_DEFAULT  # pylint: disable=g-import-not-at-top
@@ -349,7 +355,7 @@ def main():
                                                                args.mosaic_value_outliers.split(","),
                                                                args.mosaic_core.split(","),
                                                                args.mosaic_query_rotation.split(","))
-              if glue != "xla" or rot == "xla"  # the XLA glue always rotates in XLA
+              if rotation_applies(glue, rot)
               for c in check_mosaic_uniform(log, glue, form, core, rot)]
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
@@ -487,8 +493,8 @@ def main():
         for glue, form, ms, core, rot in itertools.product(
             args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","), args.mosaic_max_splits.split(","),
             args.mosaic_core.split(","), args.mosaic_query_rotation.split(",")):
-          if glue == "xla" and rot != "xla":
-            continue  # the XLA glue always rotates in XLA: the same program as the row without the suffix
+          if not rotation_applies(glue, rot):
+            continue
           attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
                   + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}")
                   + mosaic_core_label(core) + ("" if rot == "xla" else f"_qrot_{rot}"), b, s,

@@ -46,6 +46,18 @@ def live_rows(x, g: int):
   return jnp.where(first, parts, 0.0).sum(axis=0)
 
 
+def split_dot(a, b):
+  """a f32 [M, K] @ b [K, N] on the tensor cores in bf16, f32 sums: each f32 operand as bf16 hi + lo parts, the lo·lo
+  term dropped (relative error ~2^-16). A bf16 b has no lo part: two dots; an f32 b: three."""
+  def parts(x):
+    hi = x.astype(jnp.bfloat16)
+    return hi, (None if x.dtype == jnp.bfloat16 else (x - hi.astype(jnp.float32)).astype(jnp.bfloat16))
+  (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
+  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+  out = dot(a_hi, b_hi) + dot(a_lo, b_hi)
+  return out if b_lo is None else out + dot(a_hi, b_lo)
+
+
 def round_half_away(x):
   """Round half away from zero (the reference rounds half to even: they differ only on exact ties)."""
   return jnp.where(x >= 0, jnp.floor(x + 0.5), -jnp.floor(0.5 - x))

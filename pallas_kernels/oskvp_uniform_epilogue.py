@@ -34,16 +34,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_attention import MMA_ROWS
 from pallas_kernels.oskvp_decode_core_mgpu import MASKED, N, OUTLIERS, P_LEVELS, merge_splits
-from pallas_kernels.oskvp_decode_prologue import live_rows, unfold_rows
+from pallas_kernels.oskvp_decode_prologue import live_rows, split_dot, unfold_rows
 from pallas_kernels.oskvp_value_sums_mgpu import channel_rows
 from pallas_kernels.oskvp_uniform_glue import LOG2E, merge_lse2, uniform_steps, window_attention
-
-
-def _dot_f32(a, b):
-  """a f32 [M, K] @ b bf16 [K, N] on the tensor cores: a as bf16 hi + lo parts (relative error ~2^-16), f32 sums."""
-  hi = a.astype(jnp.bfloat16)
-  lo = (a - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-  return (jnp.dot(hi, b, preferred_element_type=jnp.float32) + jnp.dot(lo, b, preferred_element_type=jnp.float32))
 
 
 def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref):
@@ -69,12 +62,12 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
   o_c += ((mean_o * sv_ref[...][None, :])[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7
   lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc_ref[...], -jnp.inf)
   # The window: scores over all H channels, values of this program's channels.
-  s = _dot_f32(unfold_rows([q_ref[...]], MMA_ROWS, jnp.float32), rk_ref[...].T) * (h**-0.5 * LOG2E)  # [16, R]
+  s = split_dot(unfold_rows([q_ref[...]], MMA_ROWS, jnp.float32), rk_ref[...].T) * (h**-0.5 * LOG2E)  # [16, R]
   live = jax.lax.broadcasted_iota(jnp.int32, (MMA_ROWS, r), 1) < nr_ref[...]
   m_r = jnp.where(live, s, MASKED).max(axis=1)
   p = jnp.where(live, jnp.exp2(s - m_r[:, None]), 0.0)
   total_r = p.sum(axis=1)
-  o_r = _dot_f32(p, rv_ref[...]) / jnp.maximum(total_r, 1e-30)[:, None]  # [16, HC]
+  o_r = split_dot(p, rv_ref[...]) / jnp.maximum(total_r, 1e-30)[:, None]  # [16, HC]
   lse_r = jnp.where(total_r > 0, m_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
   o_c16 = unfold_rows([o_c], MMA_ROWS, jnp.float32)
   lse_c16 = unfold_rows([lse_c[:, None]], MMA_ROWS, jnp.float32).reshape(MMA_ROWS)

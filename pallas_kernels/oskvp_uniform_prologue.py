@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_core_mgpu import LEN_SLOT, N, OUTLIERS, QS_SLOTS
 from pallas_kernels.oskvp_decode_attention import MMA_ROWS
-from pallas_kernels.oskvp_decode_prologue import live_rows, round_half_away, unfold_rows
+from pallas_kernels.oskvp_decode_prologue import live_rows, round_half_away, split_dot, unfold_rows
 from pallas_kernels.oskvp_uniform_glue import LOG2E, outlier_query, query_digits
 
 LEAD = 2 * OUTLIERS  # the key-outlier query's columns: the f16 wgmma's K, channels 0..7 and 8 zero columns
@@ -64,15 +64,6 @@ def _prologue_kernel(q_ref, *refs):
   _query_parts(q_ref[...], q_ref[:, pl.ds(0, LEAD)], *refs)
 
 
-def _split_dot(a, b):
-  """a f32 [M, K] @ b f32 [K, N] on the tensor cores as bf16 hi + lo parts of both (three dots, the lo·lo term
-  dropped: relative error ~2^-16), f32 sums."""
-  parts = lambda x: (x.astype(jnp.bfloat16), (x - x.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16))
-  (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
-  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-  return dot(a_hi, b_hi) + dot(a_lo, b_hi) + dot(a_hi, b_lo)
-
-
 def _lead_channels(x):
   """x [G, H] -> x[:, :LEAD] [G, LEAD] exactly, by a masked sum over a [G, H, LEAD] one-hot (Triton values take no
   slices; a second, narrow dot on U_k's first columns instead spilled ~11 KB a thread in ptxas)."""
@@ -86,7 +77,7 @@ def _rotating_prologue_kernel(q_ref, u_ref, cb_ref, sk_ref, nc_ref, qr_ref, *ref
   # epilogue reads; the rest as `_query_parts`'.
   g = q_ref.shape[0]
   q16 = unfold_rows([q_ref[...].astype(jnp.float32)], MMA_ROWS, jnp.float32)  # [16, H]: a tensor-core tile
-  q_rot = live_rows(_split_dot(q16, u_ref[...]), g)
+  q_rot = live_rows(split_dot(q16, u_ref[...]), g)
   qr_ref[...] = q_rot
   _query_parts(q_rot, _lead_channels(q_rot), cb_ref, sk_ref, nc_ref, *refs)
 
@@ -135,7 +126,7 @@ def rotating_prologue(q, u_k, cb_k, scale_k, n_comp, *, interpret: bool = False)
   dtype; G divides 8, H = 128), u_k f32 [B, K, H, H] -> (q' = q U_k f32 [B, K, G, H], qd, qs, qo, qc as `prologue`
   returns them).
 
-  The rotation runs on the tensor cores as three bf16 dots of hi + lo parts (`_split_dot`, ~2^-16 relative to the
+  The rotation runs on the tensor cores as three bf16 dots of hi + lo parts (`split_dot`, ~2^-16 relative to the
   f32 product), so the wired path needs no XLA matmul before its prologue. Reference: `rotating_prologue_reference`.
   """
   b, kh, g, h = q.shape

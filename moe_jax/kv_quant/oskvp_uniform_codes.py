@@ -234,9 +234,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                      "S a multiple of 64)")
   block_s, splits = tiling
   glue = resolved_glue(glue, res_k.shape[2], splits, h, g)
-  if query_rotation == "prologue" and (glue != "pallas" or h != pro.ROTATING_HEAD_DIM):
-    raise ValueError(f"query_rotation='prologue' takes the Pallas glue (here {glue!r}) and "
-                     f"H={pro.ROTATING_HEAD_DIM} (here {h})")
+  if query_rotation == "prologue" and glue != "pallas":  # (its head dim: `rotating_prologue` refuses others)
+    raise ValueError(f"query_rotation='prologue' takes the Pallas glue (here {glue!r})")
   core = resolved_core(core, glue=glue, block_s=block_s, head_dim=h, interpret=interpret, split_tokens=s // splits,
                        value_outliers=value_outliers, mma_key_rows=mma_key_rows)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
