@@ -38,15 +38,52 @@ def _requantize(x, u, scale, cb, b, h):
   return oskvp.dequantize(oskvp.quantize(x[b, :, h], params), params)
 
 
+# Programs shared across tests. Compiling them is most of this file's time, so tests that need the same mode at the
+# same shapes call these one jitted functions (one trace and one compile per process) rather than a fresh
+# `jax.jit(lambda ...)` each.
+@functools.partial(jax.jit, static_argnames=("mode", "cache_len"))
+def _prefill(k, v, lengths, *, mode, cache_len):
+  """`mode.from_prefill` at layer 0 with the lengths traced: one program per (mode, shapes, cache_len). Tokens past
+  each row's length are masked, so tests zero-pad their prompts (`_pad`) to a shared T."""
+  return mode.from_prefill(k, v, lengths, cache_len, layer=0)
+
+
+@jax.jit
+def _extend(cache, q, k, v):
+  """`cache.extend` (the cache keeps its own positions; the starts are unused): one program per cache structure."""
+  return cache.extend(q, k, v, jnp.zeros(q.shape[0], jnp.int32))
+
+
+def _pad(x, t):
+  """x [B, T0, ...] zero-padded to [B, t, ...] along the tokens."""
+  return jnp.pad(x, ((0, 0), (0, t - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+
+# The head_dim-64 tests (`test_layout_matches_the_pallas_kernel_reference`, `test_an_all_zero_head_...`,
+# `test_biased_keys_...`) share one geometry: prompts padded to T64 tokens, caches of S64 positions, window R.
+T64, S64 = 140, 256
+
+# Tests about something else in which no row is refitted (prompts at least the window long, or no flush of a shorter
+# one) leave the refit at the first flush off (`OSKVPMode.refit_at_first_flush`): the outputs are the same, but the
+# flag compiles a fit (two: a chunk of rows and a single row) into every step, most of such a step's compile. The
+# refit machinery idle beside flushing rows is asserted with it on by test_extend_flushes_and_attends_over_what_it_
+# stores[2-3] (flushed blocks coded with the prefill's U and codebooks), test_a_prompt_inside_the_window_is_refitted_
+# at_its_first_flush (the 50-token row keeps its prefill fit through its flush, uniform or not, every step's output
+# consistent) and test_model_decode_tracks_bf16_cache and test_prefill_nan_in_the_compressed_store_comes_back_nan
+# (the registered modes, model level and NaN handling).
+NO_REFIT = {"refit_at_first_flush": False}
+
+
 def test_prefill_split_and_stored_tokens():
   k, v = kv(jax.random.PRNGKey(0), 40)
   lengths = jnp.array([40, 29])
-  cache = jax.jit(lambda k, v: OSKVPMode(window=R).from_prefill(k, v, lengths, 48, layer=0))(k, v)
+  # S = 64: the prefill program of test_extend_flushes_and_attends_over_what_it_stores[2-None] (`NO_REFIT`).
+  cache = _prefill(k, v, lengths, mode=OSKVPMode(window=R, **NO_REFIT), cache_len=64)
   np.testing.assert_array_equal(cache.n_comp, [32, 24])
   np.testing.assert_array_equal(cache.n_res, [8, 5])
-  assert cache.codes_k.shape == (B, K, 48, H // 4) and cache.outl_k.shape == (B, K, 48, 8)
+  assert cache.codes_k.shape == (B, K, 64, H // 4) and cache.outl_k.shape == (B, K, 64, 8)
   assert cache.res_k.shape == (B, K, R, H) and cache.res_k.dtype == jnp.bfloat16 and cache.u_k.shape == (B, K, H, H)
-  assert cache.hi_k is None and cache.max_len == 48
+  assert cache.hi_k is None and cache.max_len == 64
   k_hat, v_hat = cache.dequantized()
   for b, n in enumerate([40, 29]):
     nc = int(cache.n_comp[b])
@@ -118,18 +155,19 @@ def _visible_attention(q, k_hat, v_hat, total):
 def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
   """Decode crossing flushes: every step's output equals dense attention over the cache's own dequantized tokens,
   both attention forms agree, and flushed blocks equal the quantizer applied to the (bf16) window. (2, 3): 3-bit
-  keys with 2-bit values ("oskvp_k3v2")."""
+  keys with 2-bit values ("oskvp_k3v2"), with the refit at the first flush on as registered (idle: prompts of 40 and
+  29 tokens; its programs are those of test_3_bit_keys_with_2_bit_values_are_refitted_at_the_first_flush_...); the
+  other two with it off (`NO_REFIT`)."""
   k, v = kv(jax.random.PRNGKey(1), 40)
   lengths = jnp.array([40, 29])
-  mode = OSKVPMode(window=R, bits=bits, key_bits=key_bits)
-  cache = jax.jit(lambda k, v: mode.from_prefill(k, v, lengths, 64, layer=0))(k, v)
+  mode = OSKVPMode(window=R, bits=bits, key_bits=key_bits, refit_at_first_flush=key_bits is not None)
+  cache = _prefill(k, v, lengths, mode=mode, cache_len=64)
   assert cache.cb_k.shape[-1] == 2**mode.k_bits and cache.cb_v.shape[-1] == 2**bits
   assert (cache.hi_k is not None) == (mode.k_bits == 3) and (cache.hi_v is not None) == (bits == 3)
   new_k, new_v = kv(jax.random.PRNGKey(2), 9)
   qs = jax.random.normal(jax.random.PRNGKey(3), (B, 9, K * G, H))
-  step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
   for t in range(9):
-    o, cache = step(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
+    o, cache = _extend(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
     k_hat, v_hat = cache.dequantized()
     total = cache.n_comp + cache.n_res
     np.testing.assert_array_equal(total, lengths + t + 1)
@@ -150,15 +188,15 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
 
 def test_3_bit_keys_with_2_bit_values_are_refitted_at_the_first_flush_with_their_own_bits():
   """Prompts shorter than the window: the refit at the first flush keeps 8-level key and 4-level value codebooks, and
-  the step after it attends over what the cache stores."""
+  the step after it attends over what the cache stores. (The prefill and step programs are those of
+  test_extend_flushes_and_attends_over_what_it_stores[2-3], the same mode: prompts zero-padded to its 40 tokens.)"""
   k, v = kv(jax.random.PRNGKey(7), R + 5)
   lengths = jnp.array([3, 5])
   mode = dataclasses.replace(get_kv_cache_mode("oskvp_k3v2"), window=R)  # the registered mode, a window of R
-  cache = jax.jit(lambda k, v: mode.from_prefill(k[:, :5], v[:, :5], lengths, 64, layer=0))(k, v)
-  step = jax.jit(lambda c, q, kk, vv: c.extend(q, kk, vv, jnp.zeros(B, jnp.int32)))
+  cache = _prefill(_pad(k[:, :5], 40), _pad(v[:, :5], 40), lengths, mode=mode, cache_len=64)
   q = jax.random.normal(jax.random.PRNGKey(8), (B, 1, K * G, H))
   for t in range(R):
-    o, cache = step(cache, q, k[:, 5 + t:6 + t], v[:, 5 + t:6 + t])
+    o, cache = _extend(cache, q, k[:, 5 + t:6 + t], v[:, 5 + t:6 + t])
   assert not bool(jnp.any(cache.refit)) and int(cache.n_comp[0]) == R  # row 0 flushed (and refitted)
   assert cache.cb_k.shape[-1] == 8 and cache.cb_v.shape[-1] == 4 and cache.hi_k is not None and cache.hi_v is None
   assert not np.allclose(np.asarray(cache.u_k[0, 0]), np.eye(H), atol=1e-3)  # fitted, not the placeholder
@@ -206,11 +244,13 @@ def test_symmetric_mode_reaches_the_bitplane_kernel():
 
 def test_uniform_mode_marks_a_symmetric_cache():
   """OSKVPMode(uniform=True): equally spaced codebooks on both sides, and the cache is marked symmetric so that the
-  Triton kernel takes its two-plane-type path."""
+  Triton kernel takes its two-plane-type path. (Prompts of 140 and 130 tokens, both fitted, in a cache of S64
+  positions, `NO_REFIT`: the prefill program of test_biased_keys_and_values_decode_as_well_as_unbiased_ones[pallas-
+  True-128].)"""
   h = 128
   k, v = _outlier_kv(300, h)
-  c = jax.jit(lambda k, v: OSKVPMode(window=R, uniform=True).from_prefill(k, v, jnp.array([300, 150]), 320,
-                                                                          layer=0))(k, v)
+  c = _prefill(k[:, :T64], v[:, :T64], jnp.array([140, 130]), mode=OSKVPMode(window=R, uniform=True, **NO_REFIT),
+               cache_len=S64)
   assert c.symmetric
   o = oskvp.n_outliers(h, 0.08)
   for cb in (c.cb_k, c.cb_v):
@@ -253,11 +293,13 @@ def test_model_decode_tracks_bf16_cache(tiny_model):
 
 def test_layout_matches_the_pallas_kernel_reference():
   """The cache built here, read by the kernel module's plain-jnp reference, gives the same attention output: the two
-  sides agree on the storage layout (planar codes, rotated window, outlier scales)."""
+  sides agree on the storage layout (planar codes, rotated window, outlier scales). The prefill program is that of
+  the other head_dim-64 tests (`T64`, `S64`, `NO_REFIT`; the mode's implementation does not enter it)."""
   kernel = pytest.importorskip("pallas_kernels.oskvp_decode_attention")
   h = 64
   k, v = _outlier_kv(40, h)
-  c = jax.jit(lambda k, v: OSKVPMode(window=R).from_prefill(k, v, jnp.array([40, 21]), 48, layer=0))(k, v)
+  c = _prefill(_pad(k, T64), _pad(v, T64), jnp.array([40, 21]),
+               mode=OSKVPMode(window=R, implementation="xla", **NO_REFIT), cache_len=S64)
   q = jax.random.normal(jax.random.PRNGKey(7), (B, K * G, h))
   args = (q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k,
           c.res_v, c.n_comp, c.n_res)
@@ -302,7 +344,8 @@ def test_rope_shift_augmentation_fits_later_positions():
 def test_pallas_implementation_runs_in_interpret_mode_off_the_gpu(uniform, head_dim):
   """OSKVPMode(implementation="pallas") failed on the CPU ("Only interpret mode is supported"); the per-token and
   KIVI caches already ran their kernels in interpret mode there. uniform=True at H=128 takes the Mosaic GPU core
-  (`OSKVPLayerCache.runs_mosaic_core`), which the cache called with interpret=False and failed the same way."""
+  (`OSKVPLayerCache.runs_mosaic_core`), which the cache called with interpret=False and failed the same way.
+  `NO_REFIT`: the one decode step flushes no row."""
   import configs  # pylint: disable=g-import-not-at-top
   from moe_jax.generate import pad_batch  # pylint: disable=g-import-not-at-top
   cfg = configs.get("tiny").replace(max_seq_len=64, head_dim=head_dim, n_layers=1)
@@ -312,7 +355,7 @@ def test_pallas_implementation_runs_in_interpret_mode_off_the_gpu(uniform, head_
   out = {}
   for impl in ("xla", "pallas"):
     name = f"oskvp_interp_{impl}_{'uniform' if uniform else 'free'}"
-    register_kv_cache_mode(name, OSKVPMode(bits=2, window=32, implementation=impl, uniform=uniform))
+    register_kv_cache_mode(name, OSKVPMode(bits=2, window=32, implementation=impl, uniform=uniform, **NO_REFIT))
     _, cache = decode.prefill(model, tokens, lengths, kv_cache=name, cache_len=64 if uniform else 48)
     assert cache.layers[0].runs_mosaic_core(cfg.n_heads) == (uniform and impl == "pallas")
     out[impl] = np.asarray(decode.decode_step(model, cache, np.array([5, 6], np.int32))[0])
@@ -329,19 +372,20 @@ def test_an_all_zero_head_at_prefill_decodes_later_tokens(implementation, unifor
   a fit on zeros cannot know), and kv head 0's attention output is within 0.7 relative error of dense attention
   over the bf16 tokens (measured 0.56-0.57; 0.44 for the ordinary head 1). Before, the head's levels were ~1e-10
   apart and its fp8 scales ~1e-33: the decoded tokens came back as zeros (error 1.0; attention error 0.98). Pallas
-  runs in interpret mode here."""
+  runs in interpret mode here. The prompts are zero-padded to T64 tokens in a cache of S64 positions, `NO_REFIT`: the
+  prefill and step programs of test_biased_keys_and_values_decode_as_well_as_unbiased_ones at the same mode
+  (uniform=False)."""
   if implementation == "pallas":
     pytest.importorskip("pallas_kernels.oskvp_decode_attention")
-  h, steps, s, ns = 64, 6, 48, [37, 29]
+  h, steps, s, ns = 64, 6, S64, [37, 29]
   k, v = _outlier_kv(37, h)
   k, v = k.at[:, :, 0].set(0.0), v.at[:, :, 0].set(0.0)
   new_k, new_v = _outlier_kv(steps, h)
   qs = jax.random.normal(jax.random.PRNGKey(3), (B, steps, K * G, h))
-  mode = OSKVPMode(window=R, implementation=implementation, uniform=uniform)
-  cache = jax.jit(lambda k, v: mode.from_prefill(k, v, jnp.array(ns), s, layer=0))(k, v)
-  step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
+  mode = OSKVPMode(window=R, implementation=implementation, uniform=uniform, **NO_REFIT)
+  cache = _prefill(_pad(k, T64), _pad(v, T64), jnp.array(ns), mode=mode, cache_len=s)
   for t in range(steps):
-    o, cache = step(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
+    o, cache = _extend(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
   assert all(np.isfinite(np.asarray(a, np.float32)).all() for a in jax.tree_util.tree_leaves(cache))
   np.testing.assert_array_equal(cache.n_comp, [40, 32])
   # The true sequences in bf16, zero-padded to s: [B, s, K, h].
@@ -398,24 +442,22 @@ def test_biased_keys_and_values_decode_as_well_as_unbiased_ones(implementation, 
   (measured 0.97-1.03x). Before the fp8 outlier channels were stored about their centres, 1.20-1.25x. (With
   prompts shorter than head_dim the fallback takes the biased rows' magnitude for their spread, 8.7-10.5x, until
   the first flush refits them: `test_a_prompt_inside_the_window_is_refitted_at_its_first_flush`.) Pallas runs in
-  interpret mode (uniform at H=128: the Mosaic GPU core through its interpreter)."""
+  interpret mode (uniform at H=128: the Mosaic GPU core through its interpreter). `NO_REFIT`."""
   if implementation == "pallas":
     pytest.importorskip("pallas_kernels.oskvp_decode_attention")
-  steps, ns, s = 3, [140, 130], 256
+  steps, ns, s = 3, [T64, 130], S64
   t = ns[0] + steps
   qs = jax.random.normal(jax.random.PRNGKey(3), (B, 1, K * G, head_dim))
-  mode = OSKVPMode(window=R, implementation=implementation, uniform=uniform)
-  prefill = jax.jit(lambda k, v: mode.from_prefill(k, v, jnp.array(ns), s, layer=0))
-  step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
+  mode = OSKVPMode(window=R, implementation=implementation, uniform=uniform, **NO_REFIT)
   total = jnp.array(ns) + steps
   errs = []
   for key_bias, value_bias in ((0.0, 0.0), (150.0, 30.0)):
     k, v = _biased_kv(t, head_dim, key_bias, value_bias)
-    cache = prefill(k[:, :ns[0]], v[:, :ns[0]])
+    cache = _prefill(k[:, :ns[0]], v[:, :ns[0]], jnp.array(ns), mode=mode, cache_len=s)
     assert cache.runs_mosaic_core(K * G) == (uniform and implementation == "pallas")
     for i in range(steps):  # decoded tokens written after each row's prompt
       idx = (jnp.array(ns) + i)[:, None, None, None]
-      o, cache = step(cache, qs, jnp.take_along_axis(k, idx, 1), jnp.take_along_axis(v, idx, 1))
+      o, cache = _extend(cache, qs, jnp.take_along_axis(k, idx, 1), jnp.take_along_axis(v, idx, 1))
     dense = [jnp.where((jnp.arange(t) < total[:, None])[:, :, None, None], x, 0.0)
              .astype(jnp.bfloat16).astype(jnp.float32) for x in (k, v)]
     ref = np.asarray(_visible_attention(qs, *dense, total))
@@ -441,12 +483,11 @@ def test_a_prompt_inside_the_window_is_refitted_at_its_first_flush(uniform, ns):
   t = max(ns) + steps
   k, v = _biased_kv(t, H, 150.0, 30.0)
   qs = jax.random.normal(jax.random.PRNGKey(3), (B, steps, K * G, H))
-  step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
   errs = {}
   for refit in (True, False):
     mode = OSKVPMode(window=r, uniform=uniform, refit_at_first_flush=refit)
-    cache = jax.jit(lambda k, v, m=mode: m.from_prefill(k, v, jnp.array(ns), s, layer=0))(k[:, :max(ns)],
-                                                                                          v[:, :max(ns)])
+    # Prompts zero-padded to 50 tokens: ns (3, 30) runs the prefill programs of (3, 50).
+    cache = _prefill(_pad(k[:, :max(ns)], 50), _pad(v[:, :max(ns)], 50), jnp.array(ns), mode=mode, cache_len=s)
     if refit:
       np.testing.assert_array_equal(cache.refit, [True, deferred])
       if deferred:  # no fit at prefill: the window holds the tokens themselves
@@ -456,7 +497,7 @@ def test_a_prompt_inside_the_window_is_refitted_at_its_first_flush(uniform, ns):
     errs[refit] = []
     for i in range(steps):
       idx = (jnp.array(ns) + i)[:, None, None, None]
-      o, cache = step(cache, qs[:, i:i + 1], jnp.take_along_axis(k, idx, 1), jnp.take_along_axis(v, idx, 1))
+      o, cache = _extend(cache, qs[:, i:i + 1], jnp.take_along_axis(k, idx, 1), jnp.take_along_axis(v, idx, 1))
       total = jnp.array(ns) + i + 1
       if refit:
         np.testing.assert_allclose(o, _visible_attention(qs[:, i:i + 1], *cache.dequantized(), total), rtol=1e-4,
@@ -481,13 +522,14 @@ def test_a_prompt_inside_the_window_is_refitted_at_its_first_flush(uniform, ns):
 
 def test_symmetric_3bit_keys_stay_symmetric_from_short_prompts_through_the_refit():
   """`oskvp_k3v2_sym`: 8-level key codebooks symmetric about one centre (what the kernel's four-type form needs) for
-  a long prompt, a 2-token prompt (the fallback levels) and after the refit at the first flush."""
+  a long prompt, a 2-token prompt (the fallback levels) and after the refit at the first flush. (The 2-token prompts
+  are zero-padded to 300 tokens: one prefill program.)"""
   h = 64
   k, v = _outlier_kv(300, h)
   mode = OSKVPMode(window=R, key_bits=3, symmetric=True)
-  c = jax.jit(lambda k, v: mode.from_prefill(k, v, jnp.array([300, 2]), 320, layer=0))(k, v)
+  c = _prefill(k, v, jnp.array([300, 2]), mode=mode, cache_len=320)
   assert c.cb_k.shape[-1] == 8 and oskvp.symmetric_codebooks(c.cb_k) and oskvp.symmetric_codebooks(c.cb_v)
-  short = jax.jit(lambda k, v: mode.from_prefill(k, v, jnp.array([2, 2]), 320, layer=0))(k[:, :2], v[:, :2])
+  short = _prefill(_pad(k[:, :2], 300), _pad(v[:, :2], 300), jnp.array([2, 2]), mode=mode, cache_len=320)
   q = jax.random.normal(jax.random.PRNGKey(3), (B, 1, K * G, h))
   step = jax.jit(lambda c, q, kk, vv: c.extend(q, kk, vv, c.n_comp + c.n_res)[1])
   for t in range(R + 1):  # past the window: the first flush refits the short rows
