@@ -13,7 +13,7 @@ from moe_jax.kv_cache import KV_CACHE_MODES, get_kv_cache_mode, prefill_layers, 
 from moe_jax.kv_quant import OSKVPMode
 from refit_checks import counting_fits, layer_kv  # pylint: disable=import-error  (this directory)
 
-B, K, H, R, L, T = 3, 2, 32, 24, 5, 80
+B, K, H, R, L, T = 3, 2, 32, 24, 3, 80
 S = T + R
 LEAVES = ("u_k", "u_v", "cb_k", "cb_v", "scale_k", "scale_v", "codes_k", "codes_v", "outl_k", "outl_v", "res_k",
           "res_v", "n_comp", "n_res", "refit")
@@ -29,13 +29,13 @@ def _assert_same_caches(a, b) -> None:
                                   err_msg=name)
 
 
-@pytest.mark.parametrize("chunk, calls", [(6, [6, 6, 6]), (100, [15]), (3, [3] * L)])
+@pytest.mark.parametrize("chunk, calls", [(6, [6, 6]), (100, [9]), (3, [3] * L)])
 def test_batched_prefill_fits_are_the_per_layer_fits(chunk, calls, monkeypatch):
-  """L = 5 layers, B = 3 ragged prompts (one shorter than the window, fitted at prefill all the same: the batch has
+  """L = 3 layers, B = 3 ragged prompts (one shorter than the window, fitted at prefill all the same: the batch has
   longer ones). Keys are longer than their fitting budget (max_fit_tokens 512 over 8 RoPE shifts: 64 of 80 tokens
-  selected), values are not, so the two sides have their own lengths. Chunk 6: 2 layers a fit, three fits of 2, 2
-  and 1 + 1 padding layers (one program); 100: one fit of all; 3: one layer a fit. Every leaf of every layer equals
-  the per-layer build's (the same fits on the CPU, batched differently), and the fits ran as counted."""
+  selected), values are not, so the two sides have their own lengths. Chunk 6: 2 layers a fit, two fits of 2 and
+  1 + 1 padding layer (one program); 100: one fit of all; 3: one layer a fit. Every leaf of every layer equals the
+  per-layer build's (the same fits on the CPU, batched differently), and the fits ran as counted."""
   lengths = jnp.array([T, 41, 10])
   kvs = [_layer_kv(i) for i in range(L)]
   fits = counting_fits(monkeypatch)
@@ -49,9 +49,9 @@ def test_batched_prefill_fits_are_the_per_layer_fits(chunk, calls, monkeypatch):
     assert fits == (calls if across else [B] * L), fits
   for a, b in zip(built[True], built[False]):
     _assert_same_caches(a, b)
-  # The per-layer build is each layer's own `from_prefill`.
-  one = jax.jit(lambda k, v: base.from_prefill(k, v, lengths, S, layer=0))(*kvs[3])
-  _assert_same_caches(built[True][3], one)
+  # The per-layer build is each layer's own `from_prefill` (the last layer: the one a chunk of 6 pads).
+  one = jax.jit(lambda k, v: base.from_prefill(k, v, lengths, S, layer=0))(*kvs[-1])
+  _assert_same_caches(built[True][-1], one)
 
 
 def test_a_prefill_of_short_prompts_fits_no_layer(monkeypatch):
@@ -96,10 +96,11 @@ def test_modes_without_a_batched_build_go_layer_by_layer():
 
 
 def test_the_model_prefill_fits_its_layers_together(tiny_config, monkeypatch):
-  """A 3-layer tiny model's prefill fits its layers in one call (three calls layer by layer) and then decodes the
-  same logits over 6 greedy steps (1e-5 of the largest logit: the same fits)."""
+  """The tiny model's prefill (L = 2 layers) fits its layers in one call (two calls layer by layer) and then decodes
+  the same logits over 6 greedy steps (1e-5 of the largest logit: the same fits)."""
   fits = counting_fits(monkeypatch)
-  config = tiny_config.replace(n_layers=3)
+  config = tiny_config
+  assert config.n_layers == 2
   model = decode.init_model(config, seed=2)
   names = {True: "oskvp_test_prefill_across_layers", False: "oskvp_test_prefill_per_layer"}
   for across, name in names.items():
@@ -119,7 +120,7 @@ def test_the_model_prefill_fits_its_layers_together(tiny_config, monkeypatch):
         out, cache = decode.decode_step(model, cache, jnp.argmax(out, -1).astype(jnp.int32))
         seq.append(out)
       logits[across] = np.stack(seq)
-    assert calls == {True: [6], False: [2, 2, 2]}, calls
+    assert calls == {True: [4], False: [2, 2]}, calls
     np.testing.assert_allclose(logits[True], logits[False], atol=1e-5 * np.abs(logits[False]).max(), rtol=0)
   finally:
     for name in names.values():

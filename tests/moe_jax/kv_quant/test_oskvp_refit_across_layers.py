@@ -16,10 +16,18 @@ from moe_jax.kv_quant.oskvp_cache import refit_before_step
 from refit_checks import assert_same_refits, counting_fits, layer_kv  # pylint: disable=import-error  (here)
 
 B, K, G, H, R, S, L = 5, 2, 2, 32, 24, 96, 3
+P = 60  # prefill tokens (the prompts' lengths are at most P)
 
 
 def _layer_kv(layer: int, t: int) -> tuple[jax.Array, jax.Array]:
   return layer_kv(layer, (B, t, K, H))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(mode: OSKVPMode, k: jax.Array, v: jax.Array, lengths: jax.Array):
+  """`mode.from_prefill` of k, v [B, P, K, H] (one program for the modes here that differ only in how they refit,
+  traced per mode and read back from the compilation cache)."""
+  return mode.from_prefill(k, v, lengths, S, layer=0)
 
 
 @pytest.mark.parametrize("chunk", [1, 8])
@@ -27,42 +35,53 @@ def test_refits_before_the_step_are_the_per_layer_refits(chunk, monkeypatch):
   """L = 3 layers, a long prompt (row 0) and four inside the window: three rows flush at step 2 and one at step 4.
   Layer 1 does not flag row 2 and layer 0 not row 3 (their flags cleared after prefill), so those layers keep those
   rows' prefill fits while the other layers refit them. Refitting before the step (`refit_before_step`, then each
-  layer's `extend`) gives the caches and outputs of the per-layer refits, with one fit call per chunk for all layers
-  (chunk 8: chunks of 8 // L = 2 rows; chunk 1: one call of L rows per flushing row) instead of one per layer and
-  chunk, and the layers' own flushes trace no refit then."""
+  layer's `extend`, in one program) gives the caches and outputs of the per-layer refits (`before_step` passes those
+  layers through; each layer's `extend` is then its own program, one for all layers), with one fit call per chunk
+  for all layers (chunk 8: chunks of 8 // L = 2 rows; chunk 1: one call of L rows per flushing row) instead of one
+  per layer and chunk, and the layers' own flushes trace no refit then."""
   calls = counting_fits(monkeypatch)
-  lengths = jnp.array([60, R - 1, R - 1, R - 1, R - 3])
+  lengths = jnp.array([P, R - 1, R - 1, R - 1, R - 3])
   steps = 5
-  kvs = [_layer_kv(i, 60 + steps) for i in range(L)]
+  kvs = [_layer_kv(i, P + steps) for i in range(L)]
   q = jax.random.normal(jax.random.PRNGKey(3), (B, steps, K * G, H))
+
+  def layer_step(layer, k, v, i):  # one layer's `extend` of token i
+    idx = (lengths + i)[:, None, None, None]
+    return layer.extend(q[:, i][:, None], jnp.take_along_axis(k, idx, 1), jnp.take_along_axis(v, idx, 1),
+                        lengths + i)
+
+  @jax.jit
+  def step(layers, i):  # the model step's order: `before_step`, then each layer's `extend`
+    outs = [layer_step(layer, k, v, i) for layer, (k, v) in zip(before_step(tuple(layers)), kvs)]
+    return [o for o, _ in outs], [c for _, c in outs]
+
+  one_layer = jax.jit(layer_step)
+
+  def per_layer_step(layers, i):  # the same calls, each layer's `extend` jitted alone (the per-layer refits)
+    outs = [one_layer(layer, k, v, i) for layer, (k, v) in zip(before_step(tuple(layers)), kvs)]
+    return [o for o, _ in outs], [c for _, c in outs]
+
   runs, fits = {}, {}
   for across in (True, False):
     mode = OSKVPMode(window=R, refit_chunk=chunk, refit_across_layers=across)
-    layers = [jax.jit(lambda k, v: mode.from_prefill(k, v, lengths, S, layer=0))(k[:, :60], v[:, :60])
-              for k, v in kvs]
+    layers = [_prefill(mode, k[:, :P], v[:, :P], lengths) for k, v in kvs]
     layers[1] = layers[1].replace(refit=layers[1].refit.at[2].set(False))
     layers[0] = layers[0].replace(refit=layers[0].refit.at[3].set(False))  # row 3: flagged in later layers only
     u_kept, u_prefill = np.asarray(layers[1].u_k[2]), np.asarray(layers[0].u_k[2])
     u3 = [np.asarray(layer.u_k[3]) for layer in layers]
-
-    @jax.jit
-    def step(layers, i):
-      layers = before_step(tuple(layers))
-      outs = []
-      for layer, (k, v) in zip(layers, kvs):
-        idx = (lengths + i)[:, None, None, None]
-        outs.append(layer.extend(q[:, i][:, None], jnp.take_along_axis(k, idx, 1), jnp.take_along_axis(v, idx, 1),
-                                 lengths + i))
-      return [o for o, _ in outs], [c for _, c in outs]
-
     # The layers' own flushes do not trace a refit when the refits come before the step (`refits_done`): eigh
-    # appears in the chunk and single-row fits once for all layers, against once per layer.
-    eighs = str(jax.make_jaxpr(step)(layers, 0)).count("name=eigh")  # calls of the jitted eigh
-    assert eighs == (1 if chunk == 1 else 2) * (1 if across else L), eighs
+    # appears in the chunk and single-row fits once for all layers, against once in each layer's `extend`.
+    if across:
+      eighs = str(jax.make_jaxpr(step)(layers, 0)).count("name=eigh")  # calls of the jitted eigh
+    else:
+      assert all(a is b for a, b in zip(before_step(tuple(layers)), layers))
+      eighs = str(jax.make_jaxpr(one_layer)(layers[0], *kvs[0], 0)).count("name=eigh")
+    assert eighs == (1 if chunk == 1 else 2), eighs
+    run = step if across else per_layer_step
     calls.clear()
     outs = []
     for i in range(steps):
-      o, layers = step(layers, i)
+      o, layers = run(layers, i)
       outs.append(o)
     jax.effects_barrier()
     fits[across] = list(calls)
@@ -85,32 +104,41 @@ def test_refits_before_the_step_are_the_per_layer_refits(chunk, monkeypatch):
 def test_later_tokens_of_a_multi_token_extend_refit_in_their_layer(monkeypatch):
   """`before_step` refits only the flushes of the step's first token; an `extend` of T = 3 tokens then refits the
   rows whose windows fill during the call inside each layer, as before (`refits_done` is cleared after the first
-  token). Row 0 flushes at token 0 (hoisted: one fit of L rows), rows 1 and 2 at token 1 (a chunk per layer), row 4
-  at token 2 (one row per layer). Caches and outputs equal the per-layer refits', and the caches come back unmarked
-  (the pytree structure the step started with)."""
+  token). L = 2 layers; one decoded token (no window full yet) brings row 0's window to R, then the step of T = 3:
+  row 0 flushes at its token 0 (hoisted: one fit of L rows), rows 1 and 2 at token 1 (a chunk per layer), row 4 at
+  token 2 (one row per layer). Caches and outputs equal the per-layer refits', and the caches come back unmarked
+  (the pytree structure the step started with). `before_step` and the layers' `extend` are jitted apart (the mark
+  is static: it passes between programs as within one), the `extend` one program for both layers."""
   calls = counting_fits(monkeypatch)
-  lengths = jnp.array([R - 1, R - 2, R - 2, 60, R - 3])
-  kvs = [_layer_kv(i, 64) for i in range(L)]
+  n_layers = 2  # the hoisted fit is one of L rows against L fits of one row at any L > 1
+  lengths = jnp.array([R - 1, R - 2, R - 2, P, R - 3])
+  kvs = [_layer_kv(i, 64) for i in range(n_layers)]
   q = jax.random.normal(jax.random.PRNGKey(5), (B, 4, K * G, H))
+
+  def layer_step(layer, k, v, start, t):  # one layer's `extend` of tokens start .. start + t - 1 of each row
+    idx = (lengths[:, None] + start + jnp.arange(t)[None, :])[:, :, None, None]
+    return layer.extend(q[:, start:start + t], jnp.take_along_axis(k, idx, 1), jnp.take_along_axis(v, idx, 1),
+                        lengths + start)
+
+  # The first token flushes no row: each layer's `extend` of it, marked as `before_step` marks it (so no refit is
+  # traced: none would run), one program for all layers and both runs.
+  first = jax.jit(lambda layer, k, v: layer_step(layer.replace(refits_done=True), k, v, 0, 1))
+
+  hoisted = jax.jit(before_step)
+  extend = jax.jit(lambda layer, k, v: layer_step(layer, k, v, 1, 3))
+
+  def step(layers):  # tokens 1, 2 and 3: `before_step`, then each layer's `extend` of T = 3 (one program for all)
+    outs = [extend(layer, k, v) for layer, (k, v) in zip(hoisted(layers), kvs)]
+    return [o for o, _ in outs], tuple(c for _, c in outs)
+
   runs, fits = {}, {}
   for across in (True, False):
     mode = OSKVPMode(window=R, refit_across_layers=across)
-    layers = tuple(jax.jit(lambda k, v: mode.from_prefill(k, v, lengths, S, layer=0))(k[:, :60], v[:, :60])
-                   for k, v in kvs)
+    layers = tuple(_prefill(mode, k[:, :P], v[:, :P], lengths) for k, v in kvs)
     treedef = jax.tree_util.tree_structure(layers)
-
-    @functools.partial(jax.jit, static_argnames=("start", "t"))
-    def step(layers, start, t):
-      outs = []
-      for layer, (k, v) in zip(before_step(layers), kvs):
-        idx = (lengths[:, None] + start + jnp.arange(t)[None, :])[:, :, None, None]
-        outs.append(layer.extend(q[:, start:start + t], jnp.take_along_axis(k, idx, 1),
-                                 jnp.take_along_axis(v, idx, 1), lengths + start))
-      return [o for o, _ in outs], tuple(c for _, c in outs)
-
-    o1, layers = step(layers, 0, t=1)
+    o1, layers = zip(*(first(layer, k, v) for layer, (k, v) in zip(layers, kvs)))
     calls.clear()
-    o3, layers = step(layers, 1, t=3)
+    o3, layers = step(tuple(layers))
     jax.effects_barrier()
     fits[across] = list(calls)
     assert jax.tree_util.tree_structure(layers) == treedef
@@ -119,14 +147,15 @@ def test_later_tokens_of_a_multi_token_extend_refit_in_their_layer(monkeypatch):
   for a, b in zip(runs[True][0], runs[False][0]):
     assert_same_refits(a, b)
   np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-3, atol=1e-3)
-  assert sorted(fits[True]) == sorted([L] + [B, 1] * L) and sorted(fits[False]) == sorted([1, B, 1] * L), fits
+  assert (sorted(fits[True]) == sorted([n_layers] + [B, 1] * n_layers)
+          and sorted(fits[False]) == sorted([1, B, 1] * n_layers)), fits
 
 
 def test_an_empty_extend_appends_nothing_and_clears_the_mark():
   """T = 0 (before: jnp.stack of nothing raised inside the cache): [B, 0, N, H] in q's dtype, the cache's arrays as
   they were, and the step's `before_step` mark gone (a marked layer's next flush would skip its refit)."""
-  k, v = _layer_kv(0, 30)
-  layer = OSKVPMode(window=R).from_prefill(k[:, :5], v[:, :5], jnp.full((B,), 5, jnp.int32), S, layer=0)
+  k, v = _layer_kv(0, P)
+  layer = _prefill(OSKVPMode(window=R), k, v, jnp.full((B,), 5, jnp.int32))  # 5-token prompts
   marked = layer.replace(refits_done=True)
   q = jnp.zeros((B, 0, K * G, H), jnp.bfloat16)
   o, out = marked.extend(q, k[:, :0], v[:, :0], jnp.full((B,), 5, jnp.int32))
@@ -138,22 +167,23 @@ def test_an_empty_extend_appends_nothing_and_clears_the_mark():
 def test_layers_without_refit_flags_pass_through():
   """Dense layers, an OS-KVP cache built without refits, and a mode with refit_across_layers=False are returned as
   they are (the same objects), so their steps are unchanged."""
-  k, v = _layer_kv(0, 30)
+  k, v = _layer_kv(0, P)
   lengths = jnp.full((B,), 30, jnp.int32)
   dense = get_kv_cache_mode("bf16").from_prefill(k, v, lengths, S, layer=0)
-  no_refit = OSKVPMode(window=R, refit_at_first_flush=False).from_prefill(k, v, lengths, S, layer=0)
-  off = OSKVPMode(window=R, refit_across_layers=False).from_prefill(k, v, lengths, S, layer=0)
+  no_refit = _prefill(OSKVPMode(window=R, refit_at_first_flush=False), k, v, lengths)
+  off = _prefill(OSKVPMode(window=R, refit_across_layers=False), k, v, lengths)
   layers = (dense, no_refit, off)
   assert all(a is b for a, b in zip(refit_before_step(layers), layers))
   assert all(a is b for a, b in zip(before_step(layers), layers))
 
 
 def test_the_model_step_refits_across_layers(tiny_config, monkeypatch):
-  """A 3-layer tiny model with prompts inside a 16-token window, decoded 20 steps with greedy tokens: refitting
-  before the step gives the logits of the per-layer refits (1e-3 of the largest logit) and refits all layers in
-  one fit call at the first flush, where the per-layer refits take one call per layer."""
+  """The tiny model (L = 2 layers) with prompts inside a 16-token window, decoded 20 steps with greedy tokens:
+  refitting before the step gives the logits of the per-layer refits (1e-3 of the largest logit) and refits all
+  layers in one fit call at the first flush, where the per-layer refits take one call per layer."""
   calls = counting_fits(monkeypatch)
-  config = tiny_config.replace(n_layers=3)
+  config = tiny_config
+  assert config.n_layers == 2
   model = decode.init_model(config, seed=1)
   names = {True: "oskvp_test_refit_across_layers", False: "oskvp_test_refit_per_layer"}
   for across, name in names.items():
@@ -176,8 +206,8 @@ def test_the_model_step_refits_across_layers(tiny_config, monkeypatch):
       logits[across] = np.stack(seq)
     scale = np.abs(logits[False]).max()
     np.testing.assert_allclose(logits[True], logits[False], atol=1e-3 * scale, rtol=0)
-    # Rows flush at steps 4, 7 and 11, one at a time: three calls of 3 layers' row, against 3 calls per flush.
-    assert fits[True] == [3, 3, 3] and fits[False] == [1] * 9, fits
+    # Rows flush at steps 4, 7 and 11, one at a time: three calls of 2 layers' row, against 2 calls per flush.
+    assert fits[True] == [2, 2, 2] and fits[False] == [1] * 6, fits
   finally:
     for name in names.values():
       KV_CACHE_MODES.pop(name)

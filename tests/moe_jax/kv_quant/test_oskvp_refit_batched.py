@@ -89,9 +89,13 @@ def test_refit_in_chunks_gives_each_row_its_own_fit():
   steps = 5
   k, v = _kv(100 + steps)
   q = jax.random.normal(jax.random.PRNGKey(3), (B, steps, K * G, H))
+  base = OSKVPMode(window=R)
+  full = jnp.full((1,), R, jnp.int32)
+  # A fit of one row's window alone (`OSKVPMode.fit` reads no refit_chunk: one program for all runs and rows).
+  window_fit = jax.jit(lambda xk, xv: (base.fit(xk, full, rope_span=S, bits=base.k_bits), base.fit(xv, full)))
   runs = {}
   for chunk in (1, 2, 8):
-    mode = OSKVPMode(window=R, refit_chunk=chunk)
+    mode = dataclasses.replace(base, refit_chunk=chunk)
     cache = jax.jit(lambda k, v, m=mode: m.from_prefill(k, v, lengths, S, layer=0))(k[:, :100], v[:, :100])
     np.testing.assert_array_equal(cache.refit, [False, True, True, True, True])
     u_prefill = np.asarray(cache.u_k[0])
@@ -110,10 +114,7 @@ def test_refit_in_chunks_gives_each_row_its_own_fit():
     np.testing.assert_array_equal(cache.u_k[0], u_prefill)  # kept, though a chunk's padding repeats row 0
     for i, rows in ((1, (1, 2, 3)), (3, (4,))):
       for row in rows:
-        xk, xv = (w[row][None] for w in windows[i])  # [1, R, K, H]
-        full = jnp.full((1,), R, jnp.int32)
-        ref_k = mode.fit(xk, full, rope_span=S, bits=mode.k_bits)
-        ref_v = mode.fit(xv, full)
+        ref_k, ref_v = window_fit(*(w[row][None] for w in windows[i]))  # windows [1, R, K, H]
         got = lambda c, side: oskvp.OSKVPParams(*(getattr(c, f"{n}_{side}")[row][None] for n in ("u", "scale", "cb")))
         _assert_params_close(got(cache, "k"), ref_k, tol=1e-4)
         _assert_params_close(got(cache, "v"), ref_v, tol=1e-4)
