@@ -131,14 +131,16 @@ def test_masked_planes_times_their_scales_are_the_bit_planes():
 def test_bitplane_symmetric_codebooks_two_plane_types():
   """Symmetric codebooks (cb0 + cb3 = cb1 + cb2): the kernel skips the b0 & b1 plane and still matches the
   reference (which uses the full codebooks); ragged lengths, G = 4 and G = 8. And the skip is not free on general
-  codebooks: with asymmetric rows the same kernel is far off, so the test would catch a wrong flag."""
-  run_case(15, dataclasses.replace(BITPLANE, block_s=64, num_splits=3), symmetric=True, batch=3, heads=8,
-           kv_heads=2, head_dim=128, capacity=600, window=48, n_comp=[1, 127, 600], n_res=[0, 17, 48])
+  codebooks: with asymmetric rows the same kernel is far off, so the test would catch a wrong flag (on the first
+  case's shapes and lengths, so that its compiled kernel and reference are reused)."""
+  config = dataclasses.replace(BITPLANE, block_s=64, num_splits=3)
+  shape = dict(batch=3, heads=8, kv_heads=2, head_dim=128, capacity=600, window=48, n_comp=[1, 127, 600],
+               n_res=[0, 17, 48])
+  run_case(15, config, symmetric=True, **shape)
   run_case(16, dataclasses.replace(BITPLANE, block_s=32, num_splits=4, query_digits=2), symmetric=True, batch=1,
            heads=16, kv_heads=2, head_dim=128, capacity=300, window=16, n_comp=[300], n_res=[5])
-  args = random_oskvp_inputs(17, batch=1, heads=8, kv_heads=2, head_dim=128, capacity=256, window=16)
-  wrong = _oskvp_pallas(*args, interpret=True, config=dataclasses.replace(BITPLANE, block_s=64),
-                        symmetric_codebooks=True)
+  args = random_oskvp_inputs(17, **shape)
+  wrong = _oskvp_pallas(*args, interpret=True, config=config, poison=True, symmetric_codebooks=True)
   assert rel_err(wrong, oskvp_decode_attention_reference(*args)) > 0.1
 
 

@@ -20,8 +20,14 @@ B, K, G, H, R = 2, 2, 4, 128, 16
 @jax.jit
 def _prefill(k, v, lengths):
   """`OSKVPMode(uniform=True).from_prefill` as one program, as the model's jitted prefill runs it (op by op, the fit
-  compiles for ~10 s per shape on CPU); the lengths are traced, so one compile per kv head count."""
-  return OSKVPMode(window=R, uniform=True).from_prefill(k, v, lengths, 512, layer=0)
+  compiles for ~10 s per shape on CPU); the lengths are traced, so one compile per kv head count.
+
+  The refit at the first flush is off (`OSKVPMode.refit_at_first_flush`): no batch here is all shorter than the
+  window, so the prefill fits the same U, codebooks and scales either way, and no cache that decodes here has a
+  row to refit (prompts of 300 and 150 tokens). On, the idle flag compiled a fit into every decode step: ~10 s of
+  compile per `extend` program. The refit itself, uniform caches included, is asserted in test_oskvp_cache.py
+  (test_a_prompt_inside_the_window_is_refitted_at_its_first_flush and the tests its `NO_REFIT` note names)."""
+  return OSKVPMode(window=R, uniform=True, refit_at_first_flush=False).from_prefill(k, v, lengths, 512, layer=0)
 
 
 @functools.cache  # the caches are immutable pytrees: the tests that build the same one share it
