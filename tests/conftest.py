@@ -2,7 +2,7 @@
 fixture, and the watchdog of Mosaic GPU interpret-mode calls (`interpreted`).
 
 Most of the suite's time is XLA compiling small programs (and the interpreters' per-op programs) that then run once
-on tiny inputs. Two settings, carried in the environment to every process a test starts (xdist workers, notebook
+on tiny inputs. Three settings, carried in the environment to every process a test starts (xdist workers, notebook
 kernels, the 8-device and multi-process children):
 - `--xla_backend_optimization_level=0`: LLVM's optimization level for the CPU code (the HLO is unchanged). On the
   2-core machine it cut a compile-bound file by ~27% and an interpreter-bound one by ~31%; programs that run long
@@ -10,6 +10,7 @@ kernels, the 8-device and multi-process children):
 - a persistent compilation cache in a fresh temporary directory per run (removed at exit by the process that made
   it): programs with the same HLO compiled in another process, or by another `jax.jit` object, are read back
   instead of compiled again.
+- one OpenBLAS thread (below): numpy's and jax's CPU linear algebra on tiny matrices, with the cores already busy.
 And in each pytest process, Python's full (generation 2) garbage collections made ten times rarer, with the objects
 alive after the imports left out of them (`gc.freeze`): a full collection walks every live object, the heap grows
 with jax's caches over a worker's files, and the full collections took ~20 s of each worker's run (25-30 of them).
@@ -25,6 +26,11 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One OpenBLAS thread (numpy's, and scipy's, which jax's CPU eigh / qr call): with both cores busy its threads mostly
+# wait on each other. Measured on the 2-core machine under the suite's load: 40 QRs of [128, 128] 0.75-0.99 s against
+# 0.03-0.04 s, five batched eighs (jitted, 64 x [64, 64]) 0.25-0.70 s against 0.07 s. Read when numpy first loads,
+# which is after this file in every test process (and in the processes the tests start, by inheritance).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 CPU_TEST_FLAG = "--xla_backend_optimization_level=0"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_FLAG}".strip()
