@@ -24,14 +24,18 @@ def test_tiny_run_writes_every_case(tmp_path):
 
 
 def test_several_layers_across_and_per_layer(tmp_path):
-  assert bench.main([f"--out={tmp_path}", "--batch=3", "--kv_heads=1", "--group=2", "--head_dim=32", "--window=8",
-                     "--cache_len=32", "--repeats=1", "--refit_chunks=4", "--layers=2", "--across=1,0", "--rows=2",
+  """L = 2 layers, B = 5, --rows=2 (neither 1 nor B): "no flush", then 2 rows refitted across layers and per layer,
+  labelled with the rows a fit across layers, max(1, refit_chunk // L) = 4 (not min(B, refit_chunk) = 5), and the
+  layers in the shape; --rows beyond --batch refused. refit_chunk 8 is the mode's default, so the across-layers step
+  is the "no flush" step's program (compiled once: the persistent compilation cache)."""
+  assert bench.main([f"--out={tmp_path}", "--batch=5", "--kv_heads=1", "--group=2", "--head_dim=32", "--window=8",
+                     "--cache_len=32", "--repeats=1", "--refit_chunks=8", "--layers=2", "--across=1,0", "--rows=2",
                      "--only=refit", "--name=layers"]) == 0
   with open(os.path.join(tmp_path, "layers_cpu.json"), encoding="utf-8") as f:
     res = json.load(f)
   assert [(r["case"], r["rows_refitted"]) for r in res["rows"]] == [
-      ("no flush", 0), ("2 rows flush with a refit, chunk 4, across layers (2 rows a fit)", 2),
-      ("2 rows flush with a refit, chunk 4, per layer", 2)]
+      ("no flush", 0), ("2 rows flush with a refit, chunk 8, across layers (4 rows a fit)", 2),
+      ("2 rows flush with a refit, chunk 8, per layer", 2)]
   assert res["shape"]["layers"] == 2
   with pytest.raises(SystemExit):
     bench.main([f"--out={tmp_path}", "--batch=3", "--rows=4"])
