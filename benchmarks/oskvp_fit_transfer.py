@@ -62,6 +62,10 @@ def _variants(pre: jax.Array, later: jax.Array, p: oskvp.OSKVPParams, block: int
           _store(later, spread, zero), _store(later, gauss, zero))
 
 
+# Every head's columns in one program per shape (op by op, each operation at a new shape compiled on its own).
+_per_head = jax.jit(jax.vmap(jax.vmap(_variants, in_axes=(1, 1, 0)), in_axes=(0, 0, 0)))
+
+
 def run(model, config, windows, prefixes=(128, 256)) -> list[dict]:
   """Rows {layer, prefix, kind, <column>: relative error} for every layer, prefix and keys/values."""
   mode = OSKVPMode().for_config(config)
@@ -71,8 +75,7 @@ def run(model, config, windows, prefixes=(128, 256)) -> list[dict]:
       for kind, x in (("keys", k), ("values", v)):
         lengths = jnp.full((x.shape[0],), prefix, jnp.int32)
         params = mode.fit(x[:, :prefix], lengths, rope_span=CONTEXT if kind == "keys" else 0)  # leading [B, K]
-        per_head = jax.vmap(jax.vmap(_variants, in_axes=(1, 1, 0)), in_axes=(0, 0, 0))
-        outs = per_head(x[:, :prefix], x[:, prefix:], params)  # each [B, K, N, H]
+        outs = _per_head(x[:, :prefix], x[:, prefix:], params)  # each [B, K, N, H]
         pre, later = jnp.swapaxes(x[:, :prefix], 1, 2), jnp.swapaxes(x[:, prefix:], 1, 2)
         err = lambda a, ref: float(jnp.linalg.norm(a - ref) / jnp.linalg.norm(ref))
         rows.append({"layer": layer, "prefix": prefix, "kind": kind} |
