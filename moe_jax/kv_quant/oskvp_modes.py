@@ -247,6 +247,9 @@ class OSKVPMode:
     kvs = list(kvs)
     if not kvs:
       return ()
+    # Strongly typed: `jnp.full((B,), n)` is weakly typed, and so was the refit mask built from it, which the step's
+    # `before_step` returns strongly typed (a decode step compiled twice, once for each).
+    lengths = jnp.asarray(lengths, jnp.int32)
     same = len({(k.shape, k.dtype, v.shape, v.dtype) for k, v in kvs}) == 1
     b = kvs[0][0].shape[0]
     per_fit = max(1, self.prefill_fit_chunk // max(1, b)) if (self.prefill_across_layers and same) else 1
