@@ -156,11 +156,12 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
   """Decode crossing flushes: every step's output equals dense attention over the cache's own dequantized tokens,
   both attention forms agree, and flushed blocks equal the quantizer applied to the (bf16) window. (2, 3): 3-bit
   keys with 2-bit values ("oskvp_k3v2"), with the refit at the first flush on as registered (idle: prompts of 40 and
-  29 tokens; its programs are those of test_3_bit_keys_with_2_bit_values_are_refitted_at_the_first_flush_...); the
-  other two with it off (`NO_REFIT`)."""
+  29 tokens; its programs are those of test_3_bit_keys_with_2_bit_values_are_refitted_at_the_first_flush_...). (3,
+  None) keeps it on too, idle: the one test that traces a refit of 3-bit values (8-level codebooks and `hi_v`). (2,
+  None) has it off (`NO_REFIT`)."""
   k, v = kv(jax.random.PRNGKey(1), 40)
   lengths = jnp.array([40, 29])
-  mode = OSKVPMode(window=R, bits=bits, key_bits=key_bits, refit_at_first_flush=key_bits is not None)
+  mode = OSKVPMode(window=R, bits=bits, key_bits=key_bits, refit_at_first_flush=key_bits is not None or bits == 3)
   cache = _prefill(k, v, lengths, mode=mode, cache_len=64)
   assert cache.cb_k.shape[-1] == 2**mode.k_bits and cache.cb_v.shape[-1] == 2**bits
   assert (cache.hi_k is not None) == (mode.k_bits == 3) and (cache.hi_v is not None) == (bits == 3)
@@ -246,7 +247,7 @@ def test_uniform_mode_marks_a_symmetric_cache():
   """OSKVPMode(uniform=True): equally spaced codebooks on both sides, and the cache is marked symmetric so that the
   Triton kernel takes its two-plane-type path. (Prompts of 140 and 130 tokens, both fitted, in a cache of S64
   positions, `NO_REFIT`: the prefill program of test_biased_keys_and_values_decode_as_well_as_unbiased_ones[pallas-
-  True-128].)"""
+  True-128]; the mode's implementation does not enter it, so it is read back from the compilation cache.)"""
   h = 128
   k, v = _outlier_kv(300, h)
   c = _prefill(k[:, :T64], v[:, :T64], jnp.array([140, 130]), mode=OSKVPMode(window=R, uniform=True, **NO_REFIT),

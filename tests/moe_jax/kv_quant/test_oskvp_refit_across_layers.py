@@ -124,7 +124,7 @@ def test_later_tokens_of_a_multi_token_extend_refit_in_their_layer(monkeypatch):
   # traced: none would run), one program for all layers and both runs.
   first = jax.jit(lambda layer, k, v: layer_step(layer.replace(refits_done=True), k, v, 0, 1))
 
-  hoisted = jax.jit(before_step)
+  hoisted = jax.jit(lambda layers: before_step(layers))  # a fresh trace: its fit counter writes to this `calls`
   extend = jax.jit(lambda layer, k, v: layer_step(layer, k, v, 1, 3))
 
   def step(layers):  # tokens 1, 2 and 3: `before_step`, then each layer's `extend` of T = 3 (one program for all)
