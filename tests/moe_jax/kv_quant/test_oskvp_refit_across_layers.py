@@ -217,10 +217,10 @@ def test_weakly_typed_prompt_lengths_give_a_cache_the_step_keeps_its_types():
   """`jnp.full((B,), n)` is weakly typed. The refit mask built from such prompt lengths was too, and `before_step`
   returns it strongly typed, so a jitted decode step saw new input types at its second call and compiled again. The
   prefilled cache now has no weakly typed leaf, and a jitted step traces once over its own output."""
-  k, v = _layer_kv(0, 8)
+  k, v = _layer_kv(0, P)
   lengths = jnp.full((B,), 3)
   assert jax.typeof(lengths).weak_type
-  layers = (jax.jit(lambda k, v, n: OSKVPMode(window=R).from_prefill(k, v, n, S, layer=0))(k, v, lengths),)
+  layers = (_prefill(OSKVPMode(window=R), k, v, lengths),)
   weak = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(layers) if jax.typeof(x).weak_type]
   assert not weak, weak
   q = jax.random.normal(jax.random.PRNGKey(9), (B, 1, K * G, H))
