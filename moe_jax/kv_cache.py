@@ -159,6 +159,35 @@ class KVCache:
     return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.layers)) + int(self.lengths.nbytes)
 
 
+def extend_token_by_token(step, cache, q: jax.Array, k: jax.Array, v: jax.Array, after_first=None):
+  """`extend` for caches that take one token at a time: `step(cache, q_t, k_t, v_t) -> (o_t, cache)` on each of T
+  tokens, the first traced on its own, the rest as one `lax.scan` (the program's size does not grow with T).
+
+  Args:
+    step: q_t [B, N, H], k_t, v_t [B, K, H] -> (o_t [B, N, H], cache); the cache's structure and types unchanged.
+    q: [B, T, N, H]; k, v: [B, T, K, H], T static.
+    after_first: cache -> cache, applied after the first token (e.g. to clear a flag that holds for it only).
+
+  Returns:
+    ([B, T, N, H] in q's dtype, cache); for T = 0, zeros and the cache through `after_first`.
+  """
+  after_first = after_first or (lambda c: c)
+  if q.shape[1] == 0:  # nothing appended: [B, 0, N, H], as the dense caches
+    return jnp.zeros(q.shape, q.dtype), after_first(cache)
+  o, cache = step(cache, q[:, 0], k[:, 0], v[:, 0])
+  cache = after_first(cache)
+  if q.shape[1] == 1:
+    return o[:, None].astype(q.dtype), cache
+
+  def body(c, xs):
+    o_t, c = step(c, *xs)
+    return c, o_t.astype(q.dtype)
+
+  tokens_first = lambda x: jnp.swapaxes(x[:, 1:], 0, 1)  # noqa: E731  [B, T, ...] -> [T - 1, B, ...]
+  cache, rest = jax.lax.scan(body, cache, (tokens_first(q), tokens_first(k), tokens_first(v)))
+  return jnp.concatenate([o[:, None].astype(q.dtype), jnp.swapaxes(rest, 0, 1)], axis=1), cache
+
+
 def prefill_layers(mode, kvs, lengths: jax.Array, cache_len: int) -> tuple:
   """Every layer's cache from a prefill: kvs holds one (k, v) [B, T, K, H] per layer (keys post-RoPE), lengths
   int32 [B]. The mode's `from_prefill_layers(kvs, lengths, cache_len)` where it has one (OS-KVP fits all layers'

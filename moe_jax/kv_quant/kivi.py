@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from moe_jax.kv_cache import masked_gqa_attention
+from moe_jax.kv_cache import extend_token_by_token, masked_gqa_attention
 from moe_jax.kv_quant.oskvp import pack2, unpack2
 from moe_jax.kv_quant.oskvp_cache import prefill_split
 
@@ -177,13 +177,7 @@ class KIVILayerCache:
   def extend(self, q, k, v, starts):
     """q: [B, T, N, H]; k, v: [B, T, K, H]; one token at a time (T static) -> ([B, T, N, H], cache)."""
     del starts
-    if q.shape[1] == 0:  # nothing appended (as the dense caches: [B, 0, N, H]; before, jnp.stack of nothing raised)
-      return jnp.zeros(q.shape, q.dtype), self
-    cache, outs = self, []
-    for t in range(q.shape[1]):
-      o, cache = cache._step(q[:, t], k[:, t], v[:, t])
-      outs.append(o)
-    return jnp.stack(outs, axis=1), cache
+    return extend_token_by_token(KIVILayerCache._step, self, q, k, v)
 
 
 @dataclasses.dataclass(frozen=True)

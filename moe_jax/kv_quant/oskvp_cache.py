@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from moe_jax.kv_cache import extend_token_by_token
 from moe_jax.kv_quant import oskvp
 from moe_jax.kv_quant.oskvp_attention import dequantize_store, oskvp_decode_attention
 
@@ -206,7 +207,7 @@ class OSKVPLayerCache:
                                   interpret=jax.default_backend() != "gpu")  # "pallas" off the GPU: interpret mode
 
   def extend(self, q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array) -> tuple[jax.Array, "OSKVPLayerCache"]:
-    """Appends T tokens one at a time (T is static; decode uses T=1) and attends causally.
+    """Appends T tokens one at a time (T is static; decode uses T=1; `extend_token_by_token`) and attends causally.
 
     Args:
       q: [B, T, N, H]; k, v: [B, T, K, H] (post-RoPE keys).
@@ -216,14 +217,9 @@ class OSKVPLayerCache:
       ([B, T, N, H], updated cache).
     """
     del starts
-    if q.shape[1] == 0:  # nothing appended (attention returns q's dtype); before_step's mark ends with the step
-      return jnp.zeros(q.shape, q.dtype), self.replace(refits_done=False)
-    cache, outs = self, []
-    for t in range(q.shape[1]):
-      o, cache = cache._step(q[:, t], k[:, t], v[:, t])
-      cache = cache.replace(refits_done=False)  # the next token's first flushes refit here, in this layer
-      outs.append(o)
-    return jnp.stack(outs, axis=1), cache
+    # before_step's mark holds for the first token only: later tokens' first flushes refit here, in this layer.
+    return extend_token_by_token(OSKVPLayerCache._step, self, q, k, v,
+                                 after_first=lambda c: c.replace(refits_done=False))
 
   @jax.jit
   def dequantized(self) -> tuple[jax.Array, jax.Array]:

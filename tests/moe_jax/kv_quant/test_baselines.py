@@ -72,8 +72,15 @@ def test_kivi_cache_flushes_and_attends_over_what_it_stores():
   np.testing.assert_array_equal(cache.n_res, [6, 1])
   assert cache.codes_k.shape == (B, K, 128, H // 4) and cache.max_len == 128
   step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
+  prefilled, outs = cache, []
   for t in range(30):
     o, cache = step(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
+    outs.append(o)
+  # The 30 tokens as one extend (T = 30, a scan after the first token): the same outputs and cache.
+  o_all, at_once = step(prefilled, qs, new_k, new_v)
+  np.testing.assert_allclose(o_all, jnp.concatenate(outs, axis=1), rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(at_once), jax.tree_util.tree_leaves(cache)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(cache.n_comp + cache.n_res, lengths + 30)
   np.testing.assert_array_equal(cache.n_comp, [96, 32])
   k_hat, v_hat = cache.dequantized()

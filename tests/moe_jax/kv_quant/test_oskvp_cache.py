@@ -158,7 +158,7 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
   keys with 2-bit values ("oskvp_k3v2"), with the refit at the first flush on as registered (idle: prompts of 40 and
   29 tokens; its programs are those of test_3_bit_keys_with_2_bit_values_are_refitted_at_the_first_flush_...). (3,
   None) keeps it on too, idle: the one test that traces a refit of 3-bit values (8-level codebooks and `hi_v`). (2,
-  None) has it off (`NO_REFIT`)."""
+  None) has it off (`NO_REFIT`), and runs the 9 tokens again as one `extend` (T = 9): the same outputs and cache."""
   k, v = kv(jax.random.PRNGKey(1), 40)
   lengths = jnp.array([40, 29])
   mode = OSKVPMode(window=R, bits=bits, key_bits=key_bits, refit_at_first_flush=key_bits is not None or bits == 3)
@@ -167,8 +167,10 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
   assert (cache.hi_k is not None) == (mode.k_bits == 3) and (cache.hi_v is not None) == (bits == 3)
   new_k, new_v = kv(jax.random.PRNGKey(2), 9)
   qs = jax.random.normal(jax.random.PRNGKey(3), (B, 9, K * G, H))
+  prefilled, outs = cache, []
   for t in range(9):
     o, cache = _extend(cache, qs[:, t:t + 1], new_k[:, t:t + 1], new_v[:, t:t + 1])
+    outs.append(o)
     k_hat, v_hat = cache.dequantized()
     total = cache.n_comp + cache.n_res
     np.testing.assert_array_equal(total, lengths + t + 1)
@@ -185,6 +187,17 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
     ref = oskvp.dequantize_rotated(oskvp.quantize_rotated(rot, params.codebook, params.scale), params.codebook,
                                    params.scale) @ params.u.T
     np.testing.assert_allclose(k_hat[1, 24:32, h], ref, atol=1e-4)
+  if (bits, key_bits) == (2, None):  # the same 9 tokens as one extend (a scan after the first): the same steps
+    o_all, at_once = _extend(prefilled, qs, new_k, new_v)
+    np.testing.assert_allclose(o_all, jnp.concatenate(outs, axis=1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(at_once.n_comp, cache.n_comp)
+    np.testing.assert_array_equal(at_once.n_res, cache.n_res)
+    for a, b in zip(at_once.dequantized(), (k_hat, v_hat)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # The program does not grow with T: 3 and 9 tokens trace to the same top-level equations.
+    n_eqns = lambda t: len(jax.make_jaxpr(_extend.__wrapped__)(prefilled, qs[:, :t], new_k[:, :t],  # noqa: E731
+                                                               new_v[:, :t]).eqns)
+    assert n_eqns(3) == n_eqns(9)
 
 
 def test_3_bit_keys_with_2_bit_values_are_refitted_at_the_first_flush_with_their_own_bits():
