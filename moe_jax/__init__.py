@@ -10,6 +10,10 @@ Public names are imported lazily (PEP 562) so that `python -m moe_jax.<module>` 
 
 import importlib
 
+# Registers its value in jax's tracing context now rather than at the first interpreted Pallas call, which made
+# every function jitted before that call trace and compile again (see `pallas_kernels/__init__.py`).
+import jax.experimental.pallas.fuser  # noqa: F401  pylint: disable=unused-import
+
 _EXPORTS = {
     "ModelConfig": "moe_jax.config",
     "Transformer": "moe_jax.model",
