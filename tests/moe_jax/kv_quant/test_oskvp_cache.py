@@ -383,8 +383,9 @@ def test_an_all_zero_head_at_prefill_decodes_later_tokens(implementation, unifor
   decoded after it and flushed into the compressed store (lengths 37 and 29, R=8: both rows flush 3 decoded tokens at
   step 3). The cache stays finite, the prefill's zeros stay exact, the decoded values come back within the short-prompt
   fallback's 0.6 relative error (keys within 0.8, measured 0.73: their channel 9 runs 5x the borrowed magnitude, which
-  a fit on zeros cannot know), and kv head 0's attention output is within 0.7 relative error of dense attention
-  over the bf16 tokens (measured 0.56-0.57; 0.44 for the ordinary head 1). Before, the head's levels were ~1e-10
+  a fit on zeros cannot know; values measured 0.40-0.48), and kv head 0's attention output is within 0.5 relative
+  error of dense attention over the bf16 tokens (measured 0.34-0.36 in all three cases, 2026-12-07; 0.39-0.40 for
+  the ordinary head 1). Before, the head's levels were ~1e-10
   apart and its fp8 scales ~1e-33: the decoded tokens came back as zeros (error 1.0; attention error 0.98). Pallas
   runs in interpret mode here. The prompts are zero-padded to T64 tokens in a cache of S64 positions, `NO_REFIT`: the
   prefill and step programs of test_biased_keys_and_values_decode_as_well_as_unbiased_ones at the same mode
@@ -413,7 +414,7 @@ def test_an_all_zero_head_at_prefill_decodes_later_tokens(implementation, unifor
       assert float(jnp.linalg.norm(got - exp) / jnp.linalg.norm(exp)) < bound
   ref = _visible_attention(qs[:, -1:], *dense, jnp.array(ns) + steps)
   got, ref = np.asarray(o, np.float32)[:, 0, :G], np.asarray(ref)[:, 0, :G]  # the query heads of kv head 0
-  assert float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) < 0.7
+  assert float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) < 0.5
 
 
 @pytest.mark.parametrize("name", ["oskvp", "oskvp_uniform"])
