@@ -31,9 +31,10 @@
 #    of either form stops the step before any timing (decode_attention.py's rule): then rerun with
 #    --mosaic_query_rotation=xla for the baseline cells.
 # 8. (forty-fifth session) an H100 came again and ran qrot, mma_core, decode_check, decode_check_wgmma, attention,
-#    experts and max_splits=8 at 64k / 128k x 8 (results/*_h100_s45*, notes_mgpu_oskvp.md §27): the rotating prologue
-#    is 0.7-3.8% slower by span in every cell (the default stays "xla"; no SASS reading needed: it is not the old
-#    form's slowdown); steps 8-11 of the model check are the same through both cores (not the mma core's). Everything
+#    experts, max_splits=8 at 64k / 128k x 8 and a timeline at 64k x 8 (results/*_h100_s45*, notes_mgpu_oskvp.md §27):
+#    the rotating prologue is 0.7-4.0% slower by span in every cell (the default stays "xla"; no SASS reading needed: it is not the old
+#    form's slowdown); steps 8-11 of the model check are the same through both cores (not the mma core's; likely the
+#    120-token row's first flush with its refit: try decode_check with refit_at_first_flush=False). Everything
 #    above is still owed on an H200; first there: STEPS="mma_core decode_check", then STEPS="attention", then
 #    STEPS=experts.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what

@@ -5,7 +5,9 @@ Shape alphabet, used in einsums, `# [B, S, K, H]` comments and sharding names:
   G query heads per kv head (N / K), H head dim, F expert hidden, E experts, X experts per token, V vocab,
   M token-expert pairs (T·X, rows of the grouped expert matmul).
 
-Public names are imported lazily (PEP 562) so that `python -m moe_jax.<module>` runs each CLI module cleanly.
+Public names are imported lazily (PEP 562) so that `python -m moe_jax.<module>` runs each CLI module cleanly. The
+package itself imports jax and `jax.experimental.pallas.fuser` (below: ~0.2 s), so set jax's environment variables
+before importing it.
 """
 
 import importlib

@@ -164,7 +164,9 @@ def extend_token_by_token(step, cache, q: jax.Array, k: jax.Array, v: jax.Array,
   tokens, the first traced on its own, the rest as one `lax.scan` (the program's size does not grow with T).
 
   Args:
-    step: q_t [B, N, H], k_t, v_t [B, K, H] -> (o_t [B, N, H], cache); the cache's structure and types unchanged.
+    step: (cache, q_t [B, N, H], k_t, v_t [B, K, H]) -> (o_t [B, N, H], cache), the cache's structure and types
+      unchanged.
+    cache: the layer cache (a pytree) the tokens are appended to.
     q: [B, T, N, H]; k, v: [B, T, K, H], T static.
     after_first: cache -> cache, applied after the first token (e.g. to clear a flag that holds for it only).
 
@@ -183,8 +185,8 @@ def extend_token_by_token(step, cache, q: jax.Array, k: jax.Array, v: jax.Array,
     o_t, c = step(c, *xs)
     return c, o_t.astype(q.dtype)
 
-  tokens_first = lambda x: jnp.swapaxes(x[:, 1:], 0, 1)  # noqa: E731  [B, T, ...] -> [T - 1, B, ...]
-  cache, rest = jax.lax.scan(body, cache, (tokens_first(q), tokens_first(k), tokens_first(v)))
+  rest_time_major = lambda x: jnp.swapaxes(x[:, 1:], 0, 1)  # noqa: E731  [B, T, ...] -> [T - 1, B, ...]
+  cache, rest = jax.lax.scan(body, cache, (rest_time_major(q), rest_time_major(k), rest_time_major(v)))
   return jnp.concatenate([o[:, None].astype(q.dtype), jnp.swapaxes(rest, 0, 1)], axis=1), cache
 
 

@@ -15,7 +15,7 @@ cores (three bf16 dots of hi + lo parts, ~2^-16 relative), returning it for the 
 prologue goes (`uniform_decode_attention(query_rotation="prologue")`). Reference: `rotating_prologue_reference`.
 The eleventh session's form of it took ~130 µs a call on the H200 and was reverted (notes_mgpu_oskvp.md §15): its
 q'[:, :16] by a one-hot dot makes a pip Triton's ptxas spill ~10 KB a thread; here those channels are an exact
-masked sum (no spill). On an H100 it is 0.7–3.8% slower by GPU span than the XLA matmul + `prologue` in six cells
+masked sum (no spill). On an H100 it is 0.7–4.0% slower by GPU span than the XLA matmul + `prologue` in six cells
 (64k / 16k / 4k × batch 8 / 1; results/decode_attention_qrot_h100_s45.md, notes §27): not the earlier form's
 slowdown, but no gain, so it is not the default.
 

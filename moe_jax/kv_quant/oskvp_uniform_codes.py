@@ -212,7 +212,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     mma_key_rows: the "mma" core's key-score orientation (`oskvp_decode_core_mma.KEY_ROWS`).
     query_rotation: where the Pallas glue computes q' = q U_k: "xla" (the default: an XLA matmul before the
       prologue) or "prologue" (inside the prologue kernel, `oskvp_uniform_prologue.rotating_prologue`: one kernel
-      fewer, but 0.7–3.8% slower by GPU span on an H100, results/decode_attention_qrot_h100_s45.md; H = 128 and the
+      fewer, but 0.7–4.0% slower by GPU span on an H100, results/decode_attention_qrot_h100_s45.md; H = 128 and the
       Pallas glue only, else refused by name).
 
   Returns:

@@ -190,10 +190,9 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
   if (bits, key_bits) == (2, None):  # the same 9 tokens as one extend (a scan after the first): the same steps
     o_all, at_once = _extend(prefilled, qs, new_k, new_v)
     np.testing.assert_allclose(o_all, jnp.concatenate(outs, axis=1), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(at_once.n_comp, cache.n_comp)
-    np.testing.assert_array_equal(at_once.n_res, cache.n_res)
-    for a, b in zip(at_once.dequantized(), (k_hat, v_hat)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert jax.tree_util.tree_structure(at_once) == jax.tree_util.tree_structure(cache)
+    for a, b in zip(jax.tree_util.tree_leaves(at_once), jax.tree_util.tree_leaves(cache), strict=True):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
     # The program does not grow with T: 3 and 9 tokens trace to the same top-level equations.
     n_eqns = lambda t: len(jax.make_jaxpr(_extend.__wrapped__)(prefilled, qs[:, :t], new_k[:, :t],  # noqa: E731
                                                                new_v[:, :t]).eqns)
@@ -385,11 +384,10 @@ def test_an_all_zero_head_at_prefill_decodes_later_tokens(implementation, unifor
   fallback's 0.6 relative error (keys within 0.8, measured 0.73: their channel 9 runs 5x the borrowed magnitude, which
   a fit on zeros cannot know; values measured 0.40-0.48), and kv head 0's attention output is within 0.5 relative
   error of dense attention over the bf16 tokens (measured 0.34-0.36 in all three cases, 2026-12-07; 0.39-0.40 for
-  the ordinary head 1). Before, the head's levels were ~1e-10
-  apart and its fp8 scales ~1e-33: the decoded tokens came back as zeros (error 1.0; attention error 0.98). Pallas
-  runs in interpret mode here. The prompts are zero-padded to T64 tokens in a cache of S64 positions, `NO_REFIT`: the
-  prefill and step programs of test_biased_keys_and_values_decode_as_well_as_unbiased_ones at the same mode
-  (uniform=False)."""
+  the ordinary head 1). Before, the head's levels were ~1e-10 apart and its fp8 scales ~1e-33: the decoded tokens
+  came back as zeros (error 1.0; attention error 0.98). Pallas runs in interpret mode here. The prompts are
+  zero-padded to T64 tokens in a cache of S64 positions, `NO_REFIT`: the prefill and step programs of
+  test_biased_keys_and_values_decode_as_well_as_unbiased_ones at the same mode (uniform=False)."""
   if implementation == "pallas":
     pytest.importorskip("pallas_kernels.oskvp_decode_attention")
   h, steps, s, ns = 64, 6, S64, [37, 29]
