@@ -34,7 +34,8 @@
 #    experts, max_splits=8 at 64k / 128k x 8 and a timeline at 64k x 8 (results/*_h100_s45*, notes_mgpu_oskvp.md §27):
 #    the rotating prologue is 0.7-4.0% slower by span in every cell (the default stays "xla"; no SASS reading needed: it is not the old
 #    form's slowdown); steps 8-11 of the model check are the same through both cores (not the mma core's; likely the
-#    120-token row's first flush with its refit: try decode_check with refit_at_first_flush=False). Everything
+#    120-token row's first flush with its refit: STEPS=decode_check_norefit, on any card, tests that; it was
+#    tried at the end of the forty-fifth session and no machine came). Everything
 #    above is still owed on an H200; first there: STEPS="mma_core decode_check", then STEPS="attention", then
 #    STEPS=experts.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
@@ -44,7 +45,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="decode_check_norefit qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -66,6 +67,7 @@ run qrot 380 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only 
 run mma_core 300 python3 benchmarks/oskvp_decode_core_mma_bench.py --out="$OUT/mma_core"
 run decode_check 200 python3 benchmarks/oskvp_uniform_decode_check.py --op_sweep=16
 run decode_check_wgmma 150 python3 benchmarks/oskvp_uniform_decode_check.py --core=wgmma
+run decode_check_norefit 150 python3 benchmarks/oskvp_uniform_decode_check.py --refit_at_first_flush=0
 run prefill_fit 500 python3 -m benchmarks.oskvp_prefill_fit --out="$OUT" --layers=48 --batches=1,8 --chunks=16,48 \
   --xla_chunks=16
 run attention 420 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
