@@ -6,15 +6,15 @@ Shape alphabet, used in einsums, `# [B, S, K, H]` comments and sharding names:
   M token-expert pairs (T·X, rows of the grouped expert matmul).
 
 Public names are imported lazily (PEP 562) so that `python -m moe_jax.<module>` runs each CLI module cleanly. The
-package itself imports jax and `jax.experimental.pallas.fuser` (below: ~0.2 s), so set jax's environment variables
-before importing it.
+package itself imports jax and `jax.experimental.pallas.fuser` (through `pallas_kernels`, below: ~0.2 s), so set
+jax's environment variables before importing it.
 """
 
 import importlib
 
-# Registers its value in jax's tracing context now rather than at the first interpreted Pallas call, which made
-# every function jitted before that call trace and compile again (see `pallas_kernels/__init__.py`).
-import jax.experimental.pallas.fuser  # noqa: F401  pylint: disable=unused-import
+# The kernels' package, only its __init__: it completes jax's tracing context before anything here is jitted (see
+# `pallas_kernels/__init__.py`; the kernels themselves load lazily, sometimes inside a trace).
+import pallas_kernels  # noqa: F401  pylint: disable=unused-import
 
 _EXPORTS = {
     "ModelConfig": "moe_jax.config",

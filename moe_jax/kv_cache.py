@@ -171,7 +171,7 @@ def extend_token_by_token(step, cache, q: jax.Array, k: jax.Array, v: jax.Array,
     after_first: cache -> cache, applied after the first token (e.g. to clear a flag that holds for it only).
 
   Returns:
-    ([B, T, N, H] in q's dtype, cache); for T = 0, zeros and the cache through `after_first`.
+    ([B, T, N, H] as `step` returns them, cache); for T = 0, zeros in q's dtype and the cache through `after_first`.
   """
   after_first = after_first or (lambda c: c)
   if q.shape[1] == 0:  # nothing appended: [B, 0, N, H], as the dense caches
@@ -179,15 +179,15 @@ def extend_token_by_token(step, cache, q: jax.Array, k: jax.Array, v: jax.Array,
   o, cache = step(cache, q[:, 0], k[:, 0], v[:, 0])
   cache = after_first(cache)
   if q.shape[1] == 1:
-    return o[:, None].astype(q.dtype), cache
+    return o[:, None], cache
 
   def body(c, xs):
     o_t, c = step(c, *xs)
-    return c, o_t.astype(q.dtype)
+    return c, o_t
 
   rest_time_major = lambda x: jnp.swapaxes(x[:, 1:], 0, 1)  # noqa: E731  [B, T, ...] -> [T - 1, B, ...]
   cache, rest = jax.lax.scan(body, cache, (rest_time_major(q), rest_time_major(k), rest_time_major(v)))
-  return jnp.concatenate([o[:, None].astype(q.dtype), jnp.swapaxes(rest, 0, 1)], axis=1), cache
+  return jnp.concatenate([o[:, None], jnp.swapaxes(rest, 0, 1)], axis=1), cache
 
 
 def prefill_layers(mode, kvs, lengths: jax.Array, cache_len: int) -> tuple:

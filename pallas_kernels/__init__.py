@@ -5,8 +5,8 @@ Importing the package loads `jax.experimental.pallas.fuser` up front. Pallas' in
 call, and it registers a value in jax's tracing context (`pallas_fuser_disable_nested_fuse`), so every function
 jitted before that first interpreted call missed its jit cache at its next call: traced and compiled again (a
 wired OS-KVP decode call took 5.3 s twice, then 1.2 s). Loaded here, the context is complete before any kernel
-runs. Lowering for the GPU does not import it. `moe_jax` does the same on import: it loads the kernels lazily,
-sometimes inside a trace.
+runs. Lowering for the GPU does not import it. `moe_jax` imports this package on import: it loads the kernels
+lazily, sometimes inside a trace.
 """
 
 import jax.experimental.pallas.fuser  # noqa: F401  pylint: disable=unused-import

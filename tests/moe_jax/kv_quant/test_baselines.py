@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,9 +80,7 @@ def test_kivi_cache_flushes_and_attends_over_what_it_stores():
   # The 30 tokens as one extend (T = 30, a scan after the first token): the same outputs and cache.
   o_all, at_once = step(prefilled, qs, new_k, new_v)
   np.testing.assert_allclose(o_all, jnp.concatenate(outs, axis=1), rtol=1e-5, atol=1e-5)
-  assert jax.tree_util.tree_structure(at_once) == jax.tree_util.tree_structure(cache)
-  for a, b in zip(jax.tree_util.tree_leaves(at_once), jax.tree_util.tree_leaves(cache), strict=True):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(at_once, cache, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(cache.n_comp + cache.n_res, lengths + 30)
   np.testing.assert_array_equal(cache.n_comp, [96, 32])
   k_hat, v_hat = cache.dequantized()

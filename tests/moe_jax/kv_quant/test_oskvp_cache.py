@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,9 +191,7 @@ def test_extend_flushes_and_attends_over_what_it_stores(bits, key_bits):
   if (bits, key_bits) == (2, None):  # the same 9 tokens as one extend (a scan after the first): the same steps
     o_all, at_once = _extend(prefilled, qs, new_k, new_v)
     np.testing.assert_allclose(o_all, jnp.concatenate(outs, axis=1), rtol=1e-5, atol=1e-5)
-    assert jax.tree_util.tree_structure(at_once) == jax.tree_util.tree_structure(cache)
-    for a, b in zip(jax.tree_util.tree_leaves(at_once), jax.tree_util.tree_leaves(cache), strict=True):
-      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(at_once, cache, rtol=1e-5, atol=1e-5)
     # The program does not grow with T: 3 and 9 tokens trace to the same top-level equations.
     n_eqns = lambda t: len(jax.make_jaxpr(_extend.__wrapped__)(prefilled, qs[:, :t], new_k[:, :t],  # noqa: E731
                                                                new_v[:, :t]).eqns)
