@@ -44,6 +44,10 @@ def _impls(b: int, s: int) -> dict:
       # the warp-level core, the wired path's default on a GPU since the forty-first session (the rows above: wgmma)
       "oskvp_mosaic_uniform_mma": (functools.partial(da.mosaic_uniform, core="mma"),
                                    lambda i: da.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
+      # and with U_vᵀ inside its epilogue (forty-sixth session)
+      "oskvp_mosaic_uniform_mma_orot_epilogue": (
+          functools.partial(da.mosaic_uniform, core="mma", output_rotation="epilogue"),
+          lambda i: da.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
       "cudnn_bf16": (da.cudnn_bf16, kv_bshk, 2 * b * da.KV_HEADS * s * da.HEAD_DIM * 2),
   }
 

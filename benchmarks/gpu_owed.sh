@@ -38,6 +38,11 @@
 #    tried at the end of the forty-fifth session and no machine came). Everything
 #    above is still owed on an H200; first there: STEPS="mma_core decode_check", then STEPS="attention", then
 #    STEPS=experts.
+# 9. (forty-sixth session) U_vᵀ inside the epilogue (`output_rotation="epilogue"`, `rotating_epilogue`: one program
+#    per row and kv head merges all 128 channels and rotates them; the XLA matmul and its fused cast go) has not run
+#    on a GPU: orot checks it and times it beside the XLA rotation at 64k / 128k x 8 / 32, each with max_splits auto
+#    and 8 (mma core, cuDNN in the same call); timeline_orot shows its kernel beside the old epilogue + matmul at
+#    64k x 8; orot_short the short contexts. If it is faster by span, make it the default.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~60 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -45,7 +50,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="decode_check_norefit qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="orot timeline_orot decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -62,6 +67,12 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # both bf16 peers and the WS kernel's fused SwiGLU, the grid), last timed on an H200 in the twenty-fourth session.
 # prefill_fit, attention and (three row counts of) experts ran on an H100 in the fortieth (results/*_h100_s40.md,
 # e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
+run orot 330 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
+  --batches=8,32 --mosaic_core=mma --mosaic_output_rotation=xla,epilogue --mosaic_max_splits=auto,8 --out="$OUT/orot"
+run timeline_orot 150 python3 benchmarks/decode_timeline.py --cases=8x65536 --out="$OUT/timeline_orot" \
+  --impls=oskvp_mosaic_uniform_mma,oskvp_mosaic_uniform_mma_orot_epilogue,cudnn_bf16
+run orot_short 250 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=4096,16384 \
+  --batches=1,8 --mosaic_core=mma --mosaic_output_rotation=xla,epilogue --out="$OUT/orot_short"
 run qrot 380 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,4096,16384 \
   --batches=8,1 --mosaic_core=mma --mosaic_query_rotation=xla,prologue --out="$OUT/qrot"
 run mma_core 300 python3 benchmarks/oskvp_decode_core_mma_bench.py --out="$OUT/mma_core"

@@ -38,6 +38,62 @@ from pallas_kernels.oskvp_decode_prologue import live_rows, split_dot, unfold_ro
 from pallas_kernels.oskvp_value_sums_mgpu import channel_rows
 from pallas_kernels.oskvp_uniform_glue import LOG2E, merge_lse2, uniform_steps, window_attention
 
+RUN = 32  # output channels per unrolled run of `rotating_epilogue` (`acc_view`'s widest block)
+MAX_ROTATING_SPLITS = 64  # `rotating_epilogue` holds S × H × 8 f32 of acc per program: 64 KB a run up to here
+
+
+def _split_weights(ml_ref, qc_ref):
+  """ml_ref [S, 32], qc_ref [8] -> (w [S, 8] the splits' log-sum-exp weights, inv [8] = 1 / Σ w l, lse_c16 [16] the
+  compressed store's lse2 per MMA row, -inf on rows 8.. and on heads without a compressed token)."""
+  m, l = ml_ref[:, pl.ds(0, N)], ml_ref[:, pl.ds(N, N)]  # [S, 8]
+  top = m.max(axis=0)  # [8]
+  w = jnp.exp2(m - top[None, :])  # [S, 8]
+  total = (w * l).sum(axis=0)
+  inv = 1.0 / jnp.maximum(total, 1e-30)
+  lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc_ref[...], -jnp.inf)
+  lse_c16 = unfold_rows([lse_c[:, None]], MMA_ROWS, jnp.float32).reshape(MMA_ROWS)
+  return w, inv, jnp.where(jnp.arange(MMA_ROWS) < N, lse_c16, -jnp.inf)
+
+
+def _compressed_channels(acc, w, inv, cb_ref, run, mean_o, first_channel):
+  """One run of HC output channels of the compressed store: acc [S, HC, 8] f32 (channel order), the split weights
+  w [S, 8] and inv [8], cb_ref [*, 4] and its rows `run` (a slice: Triton values take none), mean_o [8 heads, 8 outlier channels] (the value outliers, already weighted and
+  scaled), first_channel (the run's first channel, traced or static) -> o_c [16, HC] (rows 8.. zero)."""
+  hc = acc.shape[1]
+  mean = ((acc * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
+  c0 = cb_ref[run, 0]
+  o_c = c0[None, :] + (cb_ref[run, 1] - c0)[None, :] * mean  # [8, HC]
+  channel = first_channel + jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 1)
+  onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 0) == channel).astype(jnp.float32)  # [8, HC]
+  o_c += (mean_o[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7 (none in a run past them)
+  return unfold_rows([o_c], MMA_ROWS, jnp.float32)
+
+
+def _value_outliers(ao_ref, sv_ref, w, inv):
+  """ao_ref [S, P, 8, 8], sv_ref [8], w [S, 8], inv [8] -> the value outliers' merged sums · their scales [8, 8]."""
+  return (ao_ref[...].sum(axis=1) * w[:, :, None]).sum(axis=0) * inv[:, None] * sv_ref[...][None, :]
+
+
+def _window_weights(q_ref, rk_ref, nr_ref):
+  """The window's scores over all H channels: q_ref [G, H] f32, rk_ref [R, H] bf16, nr_ref [] -> (p [16, R] its
+  unnormalised base-2 softmax, total_r [16], lse_r [16])."""
+  h, r = q_ref.shape[1], rk_ref.shape[0]
+  s = split_dot(unfold_rows([q_ref[...]], MMA_ROWS, jnp.float32), rk_ref[...].T) * (h**-0.5 * LOG2E)  # [16, R]
+  live = jax.lax.broadcasted_iota(jnp.int32, (MMA_ROWS, r), 1) < nr_ref[...]
+  m_r = jnp.where(live, s, MASKED).max(axis=1)
+  p = jnp.where(live, jnp.exp2(s - m_r[:, None]), 0.0)
+  total_r = p.sum(axis=1)
+  return p, total_r, jnp.where(total_r > 0, m_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
+
+
+def _joined(o_c16, lse_c16, p, total_r, lse_r, rv):
+  """The compressed rows o_c16 [16, HC] and the window (p [16, R], rv [R, HC] bf16) joined by log-sum-exp ->
+  [16, HC] (zeros where both sides are empty)."""
+  o_r = split_dot(p, rv) / jnp.maximum(total_r, 1e-30)[:, None]  # [16, HC]
+  top2 = jnp.maximum(jnp.maximum(lse_c16, lse_r), MASKED)
+  w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
+  return (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
+
 
 def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref):
   # acc_ref [S, HC/8, 8, 8] f32 (this program's HC channels, in channel order once merged: `acc_view`); ml_ref
@@ -45,37 +101,30 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
   # ([head, outlier channel] in P parts); q_ref [G, H] f32 (rotated); qc_ref [8]; cb_ref [HC, 4]; sv_ref [8];
   # rk_ref [R, H] bf16; rv_ref [R, HC] bf16; nr_ref []. o_ref [G, HC] f32. One round of loads, no loops.
   splits, hc = acc_ref.shape[0], acc_ref.shape[1] * acc_ref.shape[2]
-  h = q_ref.shape[1]
-  r = rk_ref.shape[0]
-  m, l = ml_ref[:, pl.ds(0, N)], ml_ref[:, pl.ds(N, N)]  # [S, 8]
-  top = m.max(axis=0)  # [8]
-  w = jnp.exp2(m - top[None, :])  # [S, 8]
-  total = (w * l).sum(axis=0)
-  inv = 1.0 / jnp.maximum(total, 1e-30)
-  acc = acc_ref[...].reshape(splits, hc, N)
-  mean = ((acc * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
-  mean_o = (ao_ref[...].sum(axis=1) * w[:, :, None]).sum(axis=0) * inv[:, None]  # [8 heads, 8 outlier channels]
-  c0 = cb_ref[:, 0]
-  o_c = c0[None, :] + (cb_ref[:, 1] - c0)[None, :] * mean  # [8, HC]
-  channel = pl.program_id(2) * hc + jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 1)
-  onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 0) == channel).astype(jnp.float32)  # [8, HC]
-  o_c += ((mean_o * sv_ref[...][None, :])[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7
-  lse_c = jnp.where(total > 0, top + jnp.log2(jnp.maximum(total, 1e-30) / P_LEVELS) + qc_ref[...], -jnp.inf)
-  # The window: scores over all H channels, values of this program's channels.
-  s = split_dot(unfold_rows([q_ref[...]], MMA_ROWS, jnp.float32), rk_ref[...].T) * (h**-0.5 * LOG2E)  # [16, R]
-  live = jax.lax.broadcasted_iota(jnp.int32, (MMA_ROWS, r), 1) < nr_ref[...]
-  m_r = jnp.where(live, s, MASKED).max(axis=1)
-  p = jnp.where(live, jnp.exp2(s - m_r[:, None]), 0.0)
-  total_r = p.sum(axis=1)
-  o_r = split_dot(p, rv_ref[...]) / jnp.maximum(total_r, 1e-30)[:, None]  # [16, HC]
-  lse_r = jnp.where(total_r > 0, m_r + jnp.log2(jnp.maximum(total_r, 1e-30)), -jnp.inf)
-  o_c16 = unfold_rows([o_c], MMA_ROWS, jnp.float32)
-  lse_c16 = unfold_rows([lse_c[:, None]], MMA_ROWS, jnp.float32).reshape(MMA_ROWS)
-  lse_c16 = jnp.where(jnp.arange(MMA_ROWS) < N, lse_c16, -jnp.inf)
-  top2 = jnp.maximum(jnp.maximum(lse_c16, lse_r), MASKED)
-  w1, w2 = jnp.exp2(lse_c16 - top2), jnp.exp2(lse_r - top2)
-  o_ref[...] = live_rows((w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None],
-                         o_ref.shape[0])
+  w, inv, lse_c16 = _split_weights(ml_ref, qc_ref)
+  o_c16 = _compressed_channels(acc_ref[...].reshape(splits, hc, N), w, inv, cb_ref, slice(None),
+                               _value_outliers(ao_ref, sv_ref, w, inv), pl.program_id(2) * hc)
+  p, total_r, lse_r = _window_weights(q_ref, rk_ref, nr_ref)
+  o_ref[...] = live_rows(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[...]), o_ref.shape[0])
+
+
+def _rotating_epilogue_kernel(*refs, runs: int):
+  # refs: acc_ref × runs [S, 4, 8, 8] f32 (run c: channels [32c, 32c + 32), `acc_view`), ml_ref [S, 32], ao_ref
+  # [S, P, 8, 8], q_ref [G, H] f32, qc_ref [8], cb_ref [H, 4], sv_ref [8], rk_ref, rv_ref [R, H] bf16, nr_ref [],
+  # u_ref [H, H] f32 (U_v), o_ref [G, H] (the query's dtype). The window's scores once, then per run of 32 channels
+  # its joined output times its 32 columns of U_v; one round of loads, no loops (the runs unroll).
+  acc_refs, (ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, u_ref, o_ref) = (
+      refs[:runs], refs[runs:])
+  w, inv, lse_c16 = _split_weights(ml_ref, qc_ref)
+  mean_o = _value_outliers(ao_ref, sv_ref, w, inv)
+  p, total_r, lse_r = _window_weights(q_ref, rk_ref, nr_ref)
+  out = None
+  for c, acc_ref in enumerate(acc_refs):
+    run = pl.ds(c * RUN, RUN)
+    o_c16 = _compressed_channels(acc_ref[...].reshape(acc_ref.shape[0], RUN, N), w, inv, cb_ref, run, mean_o, c * RUN)
+    part = split_dot(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[:, run]), u_ref[:, run].T)  # [16, H]
+    out = part if out is None else out + part
+  o_ref[...] = live_rows(out, o_ref.shape[0]).astype(o_ref.dtype)
 
 
 def epilogue_channels(splits: int) -> int:
@@ -167,3 +216,50 @@ def epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_
                     jnp.pad(rows(lse_c + qc), ((0, 0), (0, MMA_ROWS - N)), constant_values=-jnp.inf),
                     jnp.pad(o_r, (*pad, (0, 0))), jnp.pad(lse_r, pad, constant_values=-jnp.inf))  # [BK, 16, H]
   return o.reshape(b, kh, MMA_ROWS, h)[:, :, :g]
+
+
+def rotating_epilogue_shape_error(window: int, splits: int, head_dim: int, group: int | None = None) -> str | None:
+  """Why `rotating_epilogue` cannot take these shapes (`epilogue_shape_error`'s, and at most `MAX_ROTATING_SPLITS`
+  splits: one program holds all H channels' acc), or None."""
+  error = epilogue_shape_error(window, splits, head_dim, RUN, group)
+  if error is None and splits > MAX_ROTATING_SPLITS:
+    return f"splits={splits}: the rotating epilogue takes at most {MAX_ROTATING_SPLITS} (one program holds all H channels)"
+  return error
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "out_dtype"))
+def rotating_epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, u_v, *, out_dtype=jnp.float32,
+                      interpret: bool = False, num_warps: int = 4):
+  """`epilogue` and the rotation back by U_vᵀ in one Pallas kernel (grid B × K: one program per row and kv head, all
+  H output channels, in H/32 unrolled runs): the XLA matmul after `epilogue` (and the cast to out_dtype fused into it)
+  goes. Shapes as in `rotating_epilogue_reference`; refuses what `rotating_epilogue_shape_error` names."""
+  b, kh, splits, h, _ = acc.shape
+  g, r = q_rot.shape[2], res_k.shape[2]
+  error = rotating_epilogue_shape_error(r, splits, h, g)
+  if error:
+    raise ValueError(error)
+  whole = lambda *tail: pl.BlockSpec((None, None, *tail), lambda i, j: (i, j) + (0,) * len(tail))
+  acc, acc_block, acc_index = acc_view(acc, RUN)
+  acc_specs = [pl.BlockSpec((None, None, splits, *acc_block), lambda i, j, c=c: (i, j, 0, *acc_index(c)))
+               for c in range(h // RUN)]
+  return pl.pallas_call(
+      functools.partial(_rotating_epilogue_kernel, runs=h // RUN), grid=(b, kh),
+      in_specs=[*acc_specs, whole(splits, ml.shape[-1]), whole(splits, acco.shape[3], N, OUTLIERS), whole(g, h),
+                whole(N), whole(h, 4), whole(OUTLIERS), whole(r, h), whole(r, h),
+                pl.BlockSpec((None,), lambda i, j: (i,)), whole(h, h)],
+      out_specs=whole(g, h),
+      out_shape=jax.ShapeDtypeStruct((b, kh, g, h), out_dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
+      name="oskvp_rotating_epilogue",
+  )(*[acc] * (h // RUN), ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32),
+    scale_v.astype(jnp.float32), res_k, res_v, n_res.astype(jnp.int32), u_v.astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def rotating_epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, u_v, *,
+                                out_dtype=jnp.float32):
+  """`epilogue_reference`'s o' [B, K, G, H] rotated back, o' U_vᵀ with u_v f32 [B, K, H, H] (f32 products), in
+  out_dtype. Jitted."""
+  o = epilogue_reference(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res)
+  with jax.default_matmul_precision("highest"):
+    return jnp.einsum("BKGJ,BKHJ->BKGH", o, u_v.astype(jnp.float32)).astype(out_dtype)

@@ -168,16 +168,18 @@ def resolved_core(core: str, *, glue: str, block_s: int, head_dim: int, interpre
 
 
 QUERY_ROTATIONS = ("prologue", "xla")
+OUTPUT_ROTATIONS = ("epilogue", "xla")
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "max_concurrent_steps", "glue", "value_outliers",
-                                             "max_splits", "core", "mma_key_rows", "query_rotation"))
+                                             "max_splits", "core", "mma_key_rows", "query_rotation",
+                                             "output_rotation"))
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,
                              max_splits: int | None = None, core: str = "auto",
                              mma_key_rows: str = dm.KEY_ROW_DEFAULT,
-                             query_rotation: str = "xla") -> jax.Array:
+                             query_rotation: str = "xla", output_rotation: str = "xla") -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -214,6 +216,10 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       prologue) or "prologue" (inside the prologue kernel, `oskvp_uniform_prologue.rotating_prologue`: one kernel
       fewer, but 0.7–4.0% slower by GPU span on an H100, results/decode_attention_qrot_h100_s45.md; H = 128 and the
       Pallas glue only, else refused by name).
+    output_rotation: where the Pallas glue computes o' U_vᵀ: "xla" (the default: an XLA matmul after the epilogue,
+      the cast to q's dtype fused into it) or "epilogue" (`oskvp_uniform_epilogue.rotating_epilogue`: one program
+      per row and kv head merges all H channels and rotates them, one kernel fewer; at most 64 splits, the Pallas
+      glue only, else refused by name).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -225,6 +231,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   """
   if query_rotation not in QUERY_ROTATIONS:
     raise ValueError(f"query_rotation={query_rotation!r} must be one of {QUERY_ROTATIONS}")
+  if output_rotation not in OUTPUT_ROTATIONS:
+    raise ValueError(f"output_rotation={output_rotation!r} must be one of {OUTPUT_ROTATIONS}")
   b, n, h = q.shape
   kh, s = codes_k.shape[1], codes_k.shape[2]
   g = n // kh
@@ -237,6 +245,11 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   glue = resolved_glue(glue, res_k.shape[2], splits, h, g)
   if query_rotation == "prologue" and glue != "pallas":  # (its head dim: `rotating_prologue` refuses others)
     raise ValueError(f"query_rotation='prologue' takes the Pallas glue (here {glue!r})")
+  if output_rotation == "epilogue":
+    error = (f"the Pallas glue (here {glue!r})" if glue != "pallas"
+             else epi.rotating_epilogue_shape_error(res_k.shape[2], splits, h, g))
+    if error:
+      raise ValueError(f"output_rotation='epilogue' does not apply: {error}")
   core = resolved_core(core, glue=glue, block_s=block_s, head_dim=h, interpret=interpret, split_tokens=s // splits,
                        value_outliers=value_outliers, mma_key_rows=mma_key_rows)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
@@ -259,8 +272,10 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                                             max_concurrent_steps=ring, interpret=interpret,
                                             value_outliers=value_outliers)
     per_head = lambda x: x.reshape(b, kh, *x.shape[1:])
-    o = epi.epilogue(per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res,
-                     interpret=interpret)  # [B, K, G, H], rotated
+    tail = (per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res)
+    if output_rotation == "epilogue":
+      return epi.rotating_epilogue(*tail, u_v, out_dtype=q.dtype, interpret=interpret).reshape(b, n, h)
+    o = epi.epilogue(*tail, interpret=interpret)  # [B, K, G, H], rotated
   else:
     q_rows = rows(rotate())  # [BK, G, H]
     scale = h**-0.5

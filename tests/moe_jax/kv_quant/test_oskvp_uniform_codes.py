@@ -59,12 +59,16 @@ def _xla(c, q):
   return np.asarray(_xla_attention(c, q), np.float32)
 
 
+def _cache_args(c):
+  """The cache's arrays in `uniform_decode_attention`'s order after q."""
+  return (c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v, c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k,
+          c.res_v, c.n_comp, c.n_res)
+
+
 def _wired(c, q, glue="pallas", max_splits=None, **kw):
   """`uniform_decode_attention` (the core in interpret mode + the window, merged, rotated back) on the cache."""
-  return np.asarray(uc.uniform_decode_attention(q, c.codes_k, c.outl_k, c.scale_k, c.cb_k, c.codes_v, c.outl_v,
-                                                c.scale_v, c.cb_v, c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp,
-                                                c.n_res, interpret=True, glue=glue, max_splits=max_splits, **kw),
-                    np.float32)
+  return np.asarray(uc.uniform_decode_attention(q, *_cache_args(c), interpret=True, glue=glue, max_splits=max_splits,
+                                                **kw), np.float32)
 
 
 @jax.jit
@@ -149,6 +153,32 @@ def test_groups_and_ragged_lengths(kv_heads, g, lengths):
   got = _wired(c, q)
   for i in range(B):  # per sequence: an empty compressed side must leave the window's attention exactly
     assert _rel(got[i], want[i]) < (1e-5 if int(c.n_comp[i]) == 0 else 0.035), (i, _rel(got[i], want[i]))
+  # U_vᵀ inside the epilogue (its three bf16 dots of hi + lo parts, ~2^-16) gives the XLA matmul's output.
+  np.testing.assert_allclose(_wired(c, q, output_rotation="epilogue"), got, rtol=0, atol=1e-4 * np.abs(got).max())
+
+
+def test_the_rotating_epilogue_is_the_epilogue_and_the_xla_rotation():
+  """output_rotation="epilogue" (one kernel merges the splits and the window and rotates back by U_vᵀ, writing q's
+  dtype): within 1e-4 of the XLA rotation's f32 output (measured ~1e-6: the same merge, the rotation's dots as bf16
+  hi + lo parts), and for a bf16 query the XLA path's bf16 output within a bf16 rounding (2^-8 of the largest);
+  the option reaches the kernel (one kernel fewer in the program), and what it cannot take is refused by name."""
+  c = _cache(zero_outliers=False)
+  q = jax.random.normal(jax.random.PRNGKey(4), (B, K * G, H))
+  got, want = _wired(c, q, output_rotation="epilogue"), _wired(c, q)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+  q16 = q.astype(jnp.bfloat16)
+  got16 = uc.uniform_decode_attention(q16, *_cache_args(c), interpret=True, glue="pallas", output_rotation="epilogue")
+  assert got16.dtype == jnp.bfloat16 and got16.shape == q.shape
+  want16 = _wired(c, q16)
+  np.testing.assert_allclose(np.asarray(got16, np.float32), want16, rtol=0, atol=2**-8 * np.abs(want16).max())
+  program = lambda rotation: str(jax.make_jaxpr(functools.partial(
+      uc.uniform_decode_attention, interpret=True, glue="pallas", output_rotation=rotation))(q, *_cache_args(c)))
+  assert "oskvp_rotating_epilogue" in program("epilogue") and "oskvp_uniform_epilogue" not in program("epilogue")
+  assert "oskvp_rotating_epilogue" not in program("xla")
+  with pytest.raises(ValueError, match="output_rotation='core'"):
+    _wired(c, q, output_rotation="core")
+  with pytest.raises(ValueError, match="output_rotation='epilogue' does not apply: the Pallas glue \\(here 'xla'\\)"):
+    _wired(c, q, glue="xla", output_rotation="epilogue")
 
 
 @jax.jit
