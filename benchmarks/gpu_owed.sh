@@ -42,7 +42,8 @@
 #    per row and kv head merges all 128 channels and rotates them; the XLA matmul and its fused cast go) has not run
 #    on a GPU: orot checks it and times it beside the XLA rotation at 64k / 128k x 8 / 32, each with max_splits auto
 #    and 8 (mma core, cuDNN in the same call); timeline_orot shows its kernel beside the old epilogue + matmul at
-#    64k x 8; orot_short the short contexts. If it is faster by span, make it the default.
+#    64k x 8; epilogue_bench times the two tails alone (and the rotating one at 8 warps) by CUPTI; orot_short the
+#    short contexts. If it is faster by span, make it the default.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~60 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -50,7 +51,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="orot timeline_orot decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -71,6 +72,7 @@ run orot 330 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only 
   --batches=8,32 --mosaic_core=mma --mosaic_output_rotation=xla,epilogue --mosaic_max_splits=auto,8 --out="$OUT/orot"
 run timeline_orot 150 python3 benchmarks/decode_timeline.py --cases=8x65536 --out="$OUT/timeline_orot" \
   --impls=oskvp_mosaic_uniform_mma,oskvp_mosaic_uniform_mma_orot_epilogue,cudnn_bf16
+run epilogue_bench 120 python3 benchmarks/oskvp_epilogue_bench.py --out="$OUT/epilogue"
 run orot_short 250 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=4096,16384 \
   --batches=1,8 --mosaic_core=mma --mosaic_output_rotation=xla,epilogue --out="$OUT/orot_short"
 run qrot 380 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,4096,16384 \

@@ -1,0 +1,122 @@
+"""The tail of the wired OS-KVP decode attention on its own: `epilogue` + the XLA U_vᵀ matmul (and its fused cast)
+against `rotating_epilogue` (both in one Pallas kernel), by CUPTI kernel time on a GPU.
+
+Run on the GPU:  PYTHONPATH=$PWD python3 benchmarks/oskvp_epilogue_bench.py --out=$OUT
+CPU smoke test:  PYTHONPATH=$PWD python3 benchmarks/oskvp_epilogue_bench.py --smoke --out=/tmp/epi_smoke
+
+Shapes: the benchmark's attention (32 query heads over 8 kv heads, head dim 128, a 128-token window, bf16 queries)
+at the batches and splits the wired path runs (`mosaic_tiling`: batch 8 × 64k takes 16 splits, 8 with
+max_splits=8; batch 32 takes 4; batch 1 takes 64). Per case, each form is first checked against
+`rotating_epilogue_reference` (relative L2 in the query's dtype; any failure stops the run before timing), then timed:
+the median over --iters calls of the summed CUPTI time of the kernels one call launches (on the CPU, --smoke: wall
+clock in interpret mode, at tiny shapes, to exercise the report; the numbers mean nothing). The rotating form is
+timed at 4 and 8 warps. Writes oskvp_epilogue_<device>.{md,json} under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import report_files
+from pallas_kernels import oskvp_decode_core_mgpu as dc
+from pallas_kernels import oskvp_uniform_epilogue as epi
+
+KV_HEADS, G, H, R = 8, 4, 128, 128
+CASES = ((8, 16), (8, 8), (32, 4), (1, 64))  # (batch, splits)
+SMOKE_CASES = ((2, 4),)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def tail_inputs(key, b: int, kh: int, splits: int, h: int):
+  """Random inputs of the epilogue for b rows × kh kv heads: the core's per-split outputs (one split empty), the
+  rotated query, codebooks, scales, a window of R tokens (n_res ragged: 77 on odd rows, R on even), an orthogonal
+  U_v, and the bf16 query the rotated output is cast to. Returns (epilogue args, u_v)."""
+  ks = jax.random.split(key, 9)
+  acc = jax.random.uniform(ks[0], (b, kh, splits, h, 8)) * 3000.0
+  m = (jax.random.normal(ks[1], (b, kh, splits, 8)) * 4).at[:, :, 0].set(dc.MASKED)
+  l = jnp.where(m > 0.5 * dc.MASKED, jax.random.uniform(ks[2], m.shape, minval=1.0, maxval=1000.0), 0.0)
+  ml = jnp.concatenate([m, l, jnp.zeros((b, kh, splits, 16))], axis=-1)
+  acco = jax.random.normal(ks[3], (b, kh, splits, 2, 8, 8)) * 100.0
+  q_rot = jax.random.normal(ks[4], (b, kh, G, h))
+  qc = jax.random.normal(ks[5], (b, kh, 8))
+  cb = jax.random.normal(ks[6], (b, kh, h))[..., None] + 0.5 * jnp.arange(4.0)
+  res = jax.random.normal(ks[7], (2, b, kh, R, h)).astype(jnp.bfloat16)
+  n_res = jnp.where(jnp.arange(b) % 2 == 1, 77, R).astype(jnp.int32)
+  u_v = jnp.linalg.qr(jax.random.normal(ks[8], (b, kh, h, h)))[0]
+  return (acc, ml, acco, q_rot, qc, cb, jnp.full((b, kh, 8), 0.05), res[0], res[1], n_res), u_v
+
+
+def forms(interpret: bool) -> dict:
+  """name -> fn(args, u_v) -> bf16 [B, K, G, H]."""
+  def xla_rotation(args, u_v):
+    o = epi.epilogue(*args, interpret=interpret)
+    return jnp.einsum("BKGJ,BKHJ->BKGH", o, u_v).astype(jnp.bfloat16)
+
+  rotating = lambda warps: lambda args, u_v: epi.rotating_epilogue(*args, u_v, out_dtype=jnp.bfloat16,
+                                                                    interpret=interpret, num_warps=warps)
+  return {"epilogue+xla_rotation": xla_rotation, "rotating_epilogue_w4": rotating(4),
+          "rotating_epilogue_w8": rotating(8)}
+
+
+def kernel_ms(fn, iters: int, gpu: bool) -> tuple[float, int]:
+  """Median ms of one call over iters (CUPTI kernel sum on a GPU, else wall clock) and the kernels per call."""
+  jax.block_until_ready(fn())
+  times, kernels = [], 0
+  for _ in range(iters):
+    if gpu:
+      from benchmarks.cupti import cupti_kernels  # pylint: disable=g-import-not-at-top
+      _, timings = cupti_kernels(fn)
+      times.append(sum(ms for _, ms in timings))
+      kernels = len(timings)
+    else:
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), kernels
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default="/tmp/oskvp_epilogue")
+  ap.add_argument("--iters", type=int, default=30)
+  ap.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, tiny shapes")
+  args = ap.parse_args(argv)
+  gpu = jax.devices()[0].platform == "gpu" and not args.smoke
+  cases, kh, iters = (CASES, KV_HEADS, args.iters) if not args.smoke else (SMOKE_CASES, 2, 2)
+  fns = forms(interpret=not gpu)
+  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              timing="CUPTI kernel sum, median" if gpu else "wall clock (interpret mode: meaningless)")
+  rows, md = [], [f"# The OS-KVP epilogue forms: {jax.devices()[0].device_kind}, jax {jax.__version__}, {meta['date']}",
+                  "", f"Timing: {meta['timing']} over {iters} calls. K = {kh} kv heads, G = {G}, H = {H}, window {R}.",
+                  "", "| batch | splits | form | rel. err (bf16) | kernels | µs | × epilogue+xla_rotation |",
+                  "|---|---|---|---|---|---|---|"]
+  for b, splits in cases:
+    tail, u_v = tail_inputs(jax.random.key(b * 100 + splits), b, kh, splits, H)
+    want = np.asarray(epi.rotating_epilogue_reference(*tail, u_v), np.float32)
+    base = None
+    for name, fn in fns.items():
+      got = np.asarray(jax.jit(fn)(tail, u_v), np.float32)
+      err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+      if not err < 1e-2 or not np.isfinite(got).all():  # a bf16 output: ~2^-9 relative
+        print(f"{name} B={b} splits={splits}: rel err {err:.3g}; stopping before the timings", flush=True)
+        return 1
+      ms, kernels = kernel_ms(functools.partial(jax.jit(fn), tail, u_v), iters, gpu)
+      base = base or ms
+      rows.append(dict(batch=b, splits=splits, form=name, rel_err=err, kernels=kernels, us=ms * 1e3))
+      md.append(f"| {b} | {splits} | {name} | {err:.1e} | {kernels} | {ms * 1e3:.2f} | {base / ms:.2f}× |")
+      print(md[-1], flush=True)
+  report_files.write(args.out, "oskvp_epilogue", dict(meta=meta, rows=rows), md)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
