@@ -6,11 +6,12 @@ CPU smoke test:  PYTHONPATH=$PWD python3 benchmarks/oskvp_epilogue_bench.py --sm
 
 Shapes: the benchmark's attention (32 query heads over 8 kv heads, head dim 128, a 128-token window, bf16 queries)
 at the batches and splits the wired path runs (`mosaic_tiling`: batch 8 × 64k takes 16 splits, 8 with
-max_splits=8; batch 32 takes 4; batch 1 takes 64). Per case, each form is first checked against
+max_splits=8; batch 32 takes 4; batch 1 takes 64). Forms: `epilogue` then the XLA matmul (as glue="pallas" runs
+it by default), `rotating_epilogue` at 4 and 8 warps with all 128 output channels per program, and at 4 warps with
+64 or 32 (the merge repeated 2 or 4 times, twice or four times the programs). Per case, each form is first checked against
 `rotating_epilogue_reference` (relative L2 in the query's dtype; any failure stops the run before timing), then timed:
 the median over --iters calls of the summed CUPTI time of the kernels one call launches (on the CPU, --smoke: wall
-clock in interpret mode, at tiny shapes, to exercise the report; the numbers mean nothing). The rotating form is
-timed at 4 and 8 warps. Writes oskvp_epilogue_<device>.{md,json} under --out.
+clock in interpret mode, at tiny shapes, to exercise the report; the numbers mean nothing). Writes oskvp_epilogue_<device>.{md,json} under --out.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def forms(interpret: bool) -> dict:
     o = epi.epilogue(*args, interpret=interpret)
     return jnp.einsum("BKGJ,BKHJ->BKGH", o, u_v).astype(jnp.bfloat16)
 
-  rotating = lambda warps: lambda args, u_v: epi.rotating_epilogue(*args, u_v, out_dtype=jnp.bfloat16,
-                                                                    interpret=interpret, num_warps=warps)
+  rotating = lambda warps, cols=None: lambda args, u_v: epi.rotating_epilogue(
+      *args, u_v, out_dtype=jnp.bfloat16, interpret=interpret, num_warps=warps, out_channels=cols)
   return {"epilogue+xla_rotation": xla_rotation, "rotating_epilogue_w4": rotating(4),
-          "rotating_epilogue_w8": rotating(8)}
+          "rotating_epilogue_w8": rotating(8), "rotating_epilogue_w4_c64": rotating(4, 64),
+          "rotating_epilogue_w4_c32": rotating(4, 32)}
 
 
 def kernel_ms(fn, iters: int, gpu: bool) -> tuple[float, int]:

@@ -111,8 +111,9 @@ def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_
 def _rotating_epilogue_kernel(*refs, runs: int):
   # refs: acc_ref × runs [S, 4, 8, 8] f32 (run c: channels [32c, 32c + 32), `acc_view`), ml_ref [S, 32], ao_ref
   # [S, P, 8, 8], q_ref [G, H] f32, qc_ref [8], cb_ref [H, 4], sv_ref [8], rk_ref, rv_ref [R, H] bf16, nr_ref [],
-  # u_ref [H, H] f32 (U_v), o_ref [G, H] (the query's dtype). The window's scores once, then per run of 32 channels
-  # its joined output times its 32 columns of U_v; one round of loads, no loops (the runs unroll).
+  # u_ref [C, H] f32 (this program's C rows of U_v: its output channels), o_ref [G, C] (the query's dtype). The
+  # window's scores once, then per run of 32 channels its joined output times its 32 columns of U_v; one round of
+  # loads, no loops (the runs unroll).
   acc_refs, (ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, u_ref, o_ref) = (
       refs[:runs], refs[runs:])
   w, inv, lse_c16 = _split_weights(ml_ref, qc_ref)
@@ -227,27 +228,32 @@ def rotating_epilogue_shape_error(window: int, splits: int, head_dim: int, group
   return error
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "out_dtype", "out_channels"))
 def rotating_epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, u_v, *, out_dtype=jnp.float32,
-                      interpret: bool = False, num_warps: int = 4):
-  """`epilogue` and the rotation back by U_vᵀ in one Pallas kernel (grid B × K: one program per row and kv head, all
-  H output channels, in H/32 unrolled runs): the XLA matmul after `epilogue` (and the cast to out_dtype fused into it)
-  goes. Shapes as in `rotating_epilogue_reference`; refuses what `rotating_epilogue_shape_error` names."""
+                      interpret: bool = False, num_warps: int = 4, out_channels: int | None = None):
+  """`epilogue` and the rotation back by U_vᵀ in one Pallas kernel: the XLA matmul after `epilogue` (and the cast to
+  out_dtype fused into it) goes. Grid B × K × H/C, C = out_channels (None: H): each program merges all H channels
+  (in H/32 unrolled runs) and writes C output channels, so C < H repeats the merge H/C times for H/C times the
+  programs. Shapes as in `rotating_epilogue_reference`; refuses what `rotating_epilogue_shape_error` names."""
   b, kh, splits, h, _ = acc.shape
   g, r = q_rot.shape[2], res_k.shape[2]
+  cols = out_channels or h
   error = rotating_epilogue_shape_error(r, splits, h, g)
+  if error is None and (h % cols or cols < 16 or cols & (cols - 1)):
+    error = f"out_channels={out_channels} must be a power of two of at least 16 dividing H={h}"
   if error:
     raise ValueError(error)
-  whole = lambda *tail: pl.BlockSpec((None, None, *tail), lambda i, j: (i, j) + (0,) * len(tail))
+  whole = lambda *tail: pl.BlockSpec((None, None, *tail), lambda i, j, o: (i, j) + (0,) * len(tail))
   acc, acc_block, acc_index = acc_view(acc, RUN)
-  acc_specs = [pl.BlockSpec((None, None, splits, *acc_block), lambda i, j, c=c: (i, j, 0, *acc_index(c)))
+  acc_specs = [pl.BlockSpec((None, None, splits, *acc_block), lambda i, j, o, c=c: (i, j, 0, *acc_index(c)))
                for c in range(h // RUN)]
   return pl.pallas_call(
-      functools.partial(_rotating_epilogue_kernel, runs=h // RUN), grid=(b, kh),
+      functools.partial(_rotating_epilogue_kernel, runs=h // RUN), grid=(b, kh, h // cols),
       in_specs=[*acc_specs, whole(splits, ml.shape[-1]), whole(splits, acco.shape[3], N, OUTLIERS), whole(g, h),
                 whole(N), whole(h, 4), whole(OUTLIERS), whole(r, h), whole(r, h),
-                pl.BlockSpec((None,), lambda i, j: (i,)), whole(h, h)],
-      out_specs=whole(g, h),
+                pl.BlockSpec((None,), lambda i, j, o: (i,)),
+                pl.BlockSpec((None, None, cols, h), lambda i, j, o: (i, j, o, 0))],
+      out_specs=pl.BlockSpec((None, None, g, cols), lambda i, j, o: (i, j, 0, o)),
       out_shape=jax.ShapeDtypeStruct((b, kh, g, h), out_dtype),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
       name="oskvp_rotating_epilogue",

@@ -61,8 +61,9 @@ def _orthogonal(seed, b, kh, h=H):
   return jnp.linalg.qr(jax.random.normal(jax.random.key(seed), (b, kh, h, h)))[0]
 
 
-@pytest.mark.parametrize("splits,g,h", [(4, 4, 128), (64, 8, 128), (16, 1, 128), (8, 4, 256)])
-def test_rotating_epilogue_matches_reference(splits, g, h):
+@pytest.mark.parametrize("splits,g,h,cols", [(4, 4, 128, None), (64, 8, 128, None), (16, 1, 128, 32),
+                                             (8, 4, 256, 64)])
+def test_rotating_epilogue_matches_reference(splits, g, h, cols):
   """The merge of all H channels (4 or 8 runs of 32) and U_vᵀ in one program per row and kv head: equal to
   `epilogue_reference` rotated in f32 to 1e-5 of the largest element (the rotation's dots as bf16 hi + lo parts,
   ~2^-16; measured ~5e-6); written in bf16 it is that within a bf16 rounding."""
@@ -71,7 +72,7 @@ def test_rotating_epilogue_matches_reference(splits, g, h):
   got = np.asarray(epi.rotating_epilogue(*args, interpret=True))
   assert got.shape == want.shape == (3, 2, g, h) and np.isfinite(got).all()
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-  got16 = epi.rotating_epilogue(*args, interpret=True, out_dtype=jnp.bfloat16)
+  got16 = epi.rotating_epilogue(*args, interpret=True, out_dtype=jnp.bfloat16, out_channels=cols)
   assert got16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(got16, np.float32), want, rtol=2**-8, atol=1e-5 * np.abs(want).max())
 
@@ -80,6 +81,8 @@ def test_rotating_epilogue_refuses_what_one_program_cannot_hold():
   args = [*_epilogue_inputs(0, 1, 1, 128), _orthogonal(0, 1, 1)]
   with pytest.raises(ValueError, match="splits=128: the rotating epilogue takes at most 64"):
     epi.rotating_epilogue(*args, interpret=True)
+  with pytest.raises(ValueError, match="out_channels=48 must be a power of two"):
+    epi.rotating_epilogue(*_epilogue_inputs(0, 1, 1, 16), args[-1], interpret=True, out_channels=48)
   assert "window R=96" in epi.rotating_epilogue_shape_error(96, 16, 128)
   assert epi.rotating_epilogue_shape_error(128, 64, 128, group=8) is None
 
@@ -114,9 +117,11 @@ def test_epilogue_lowers_to_triton_ir_for_hopper():
 
 
 def test_rotating_epilogue_lowers_to_triton_ir_for_hopper():
-  """16 splits at G = 4 and 1 (bf16 output), 64 splits at G = 8 (f32)."""
-  for args, dtype in ((_epilogue_inputs(0, 2, 2, 16), jnp.bfloat16), (_epilogue_inputs(0, 2, 2, 16, g=1), jnp.bfloat16),
-                      (_epilogue_inputs(0, 1, 8, 64, g=8), jnp.float32)):
+  """16 splits at G = 4 (bf16 output, all channels and 32 per program) and 1, 64 splits at G = 8 (f32)."""
+  for args, dtype, cols in ((_epilogue_inputs(0, 2, 2, 16), jnp.bfloat16, None),
+                            (_epilogue_inputs(0, 2, 2, 16), jnp.bfloat16, 32),
+                            (_epilogue_inputs(0, 2, 2, 16, g=1), jnp.bfloat16, None),
+                            (_epilogue_inputs(0, 1, 8, 64, g=8), jnp.float32, None)):
     u_v = _orthogonal(0, *args[0].shape[:2])
-    assert lowers_to_triton_for_hopper(functools.partial(epi.rotating_epilogue, interpret=False, out_dtype=dtype),
-                                       *args, u_v)
+    assert lowers_to_triton_for_hopper(functools.partial(epi.rotating_epilogue, interpret=False, out_dtype=dtype,
+                                                         out_channels=cols), *args, u_v)
