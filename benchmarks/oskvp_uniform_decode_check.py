@@ -12,7 +12,8 @@ run the core in its interpreter).
 `uniform_decode_attention`'s default). --op_sweep=N first checks the wired op alone at the model's cache capacity
 (1024 tokens, G = 4, so one 128-token step per split) over N random (n_comp, n_res) draws and the block edges, each
 core against the XLA reference (relative L2 error per draw; the worst is printed; limit 0.03, and the model steps
-run either way). --refit_at_first_flush=0 runs the mode without its refit at the first flush: steps 8-11 read up to
+run either way). --implementation=pallas checks the core's cache off the GPU too (the wgmma core in Mosaic GPU's
+interpreter: the same integer digits and 127-level p; slow). --refit_at_first_flush=0 runs the mode without its refit at the first flush: steps 8-11 read up to
 1.15e-2 through either core on an H100 (results/oskvp_uniform_decode_check_{mma,wgmma}_h100_s45.log), against
 <= 3.8e-3 in every run before that refit existed.
 """
@@ -61,10 +62,11 @@ def op_sweep(draws: int, limit: float) -> bool:
   return all(rel <= limit for rel, _ in worst.values())
 
 
-def model_steps(steps: int, refit_at_first_flush: bool = True) -> tuple[float, list[float]]:
+def model_steps(steps: int, refit_at_first_flush: bool = True, implementation: str = "auto") -> tuple[float, list[float]]:
   """A `steps`-step decode (12 by default) of the small random model with "auto" and "xla" caches from one prefill: (worst
   relative logit difference, per-step argmax agreement), each step printed. refit_at_first_flush=False: the registered
-  mode without its refit at the first flush (the 120-token row then flushes with its prefill fit at step 8)."""
+  mode without its refit at the first flush (the 120-token row then flushes with its prefill fit at step 8).
+  implementation: the checked cache's ("auto"; "pallas" runs the core in its interpreter off the GPU)."""
   cfg = dataclasses.replace(configs.get("tiny"), d_model=256, n_heads=8, n_kv_heads=2, head_dim=128)
   model = decode.init_model(cfg, seed=0)
   rng = np.random.default_rng(0)
@@ -78,7 +80,7 @@ def model_steps(steps: int, refit_at_first_flush: bool = True) -> tuple[float, l
   _, cache = decode.prefill(model, tokens[:, :t], lengths, kv_cache=name, cache_len=1024)
   print("backend", jax.default_backend(), "values_contiguous", cache.layers[0].values_contiguous, flush=True)
   as_impl = lambda c, impl: c.replace(layers=tuple(layer.replace(implementation=impl) for layer in c.layers))
-  auto, ref = as_impl(cache, "auto"), as_impl(cache, "xla")
+  auto, ref = as_impl(cache, implementation), as_impl(cache, "xla")
   worst, agree = 0.0, []
   pos = lengths.copy()
   for step in range(steps):
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
   ap.add_argument("--op_sweep", type=int, default=0, help="random draws of the op alone per core first (0: none)")
   ap.add_argument("--refit_at_first_flush", type=int, default=1, choices=(0, 1),
                   help="0: the mode without its refit at the first flush (are steps 8-11's errors the refit's?)")
+  ap.add_argument("--implementation", default="auto", choices=("auto", "pallas"),
+                  help="the checked cache's implementation: pallas runs the (wgmma) core in its interpreter on the CPU")
   args = ap.parse_args(argv)
   # The sweep's limit is the wired path's gate in decode_attention.py (relative L2 < 0.03 against the exact reference).
   # With one to 129 compressed tokens the wgmma core reached 1.1e-2 and the mma core 6.3e-3 on an H100
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
           if args.core != "auto" else contextlib.nullcontext())
   print(f"core {args.core}, refit_at_first_flush {bool(args.refit_at_first_flush)}", flush=True)
   with core:  # the cache calls uc.uniform_decode_attention at trace time: the patch holds for this run only
-    worst, agree = model_steps(args.steps, bool(args.refit_at_first_flush))
+    worst, agree = model_steps(args.steps, bool(args.refit_at_first_flush), args.implementation)
   ok = worst <= args.limit and np.isfinite(worst)
   print(f"model steps {'ok' if ok else 'FAILED'}: worst {worst:.2e} (limit {args.limit}), agreement "
         f"{np.mean(agree):.3f}")
