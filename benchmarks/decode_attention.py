@@ -334,8 +334,8 @@ def main():
                   help="comma-separated cores of the wired path timed in --mosaic_grid (wgmma, mma (key_rows tokens), "
                        "mma:heads, mma:tokens)")
   ap.add_argument("--mosaic_output_rotation", default="xla",
-                  help="comma-separated output rotations of the wired path in --mosaic_grid (uniform_decode_attention's "
-                       "output_rotation=: xla, epilogue)")
+                  help="comma-separated output rotations of the wired path in --mosaic_grid "
+                       "(uniform_decode_attention's output_rotation=: xla, epilogue)")
   ap.add_argument("--mosaic_query_rotation", default="xla",
                   help="comma-separated places of q U_k timed in --mosaic_grid (uniform_decode_attention's "
                        "query_rotation=: xla, prologue)")

@@ -8,10 +8,11 @@ Shapes: the benchmark's attention (32 query heads over 8 kv heads, head dim 128,
 at the batches and splits the wired path runs (`mosaic_tiling`: batch 8 × 64k takes 16 splits, 8 with
 max_splits=8; batch 32 takes 4; batch 1 takes 64). Forms: `epilogue` then the XLA matmul (as glue="pallas" runs
 it by default), `rotating_epilogue` at 4 and 8 warps with all 128 output channels per program, and at 4 warps with
-64 or 32 (the merge repeated 2 or 4 times, twice or four times the programs). Per case, each form is first checked against
-`rotating_epilogue_reference` (relative L2 in the query's dtype; any failure stops the run before timing), then timed:
-the median over --iters calls of the summed CUPTI time of the kernels one call launches (on the CPU, --smoke: wall
-clock in interpret mode, at tiny shapes, to exercise the report; the numbers mean nothing). Writes oskvp_epilogue_<device>.{md,json} under --out.
+64 or 32 (the merge repeated 2 or 4 times, twice or four times the programs). Per case, each form is first checked
+against `rotating_epilogue_reference` (relative L2 in the query's dtype; any failure stops the run before timing),
+then timed: the median over --iters calls of the summed CUPTI time of the kernels one call launches (on the CPU,
+--smoke: wall clock in interpret mode, at tiny shapes, to exercise the report; the numbers mean nothing). Writes
+oskvp_epilogue_<device>.{md,json} under --out.
 """
 
 from __future__ import annotations

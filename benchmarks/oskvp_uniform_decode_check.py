@@ -13,8 +13,8 @@ run the core in its interpreter).
 (1024 tokens, G = 4, so one 128-token step per split) over N random (n_comp, n_res) draws and the block edges, each
 core against the XLA reference (relative L2 error per draw; the worst is printed; limit 0.03, and the model steps
 run either way). --implementation=pallas checks the core's cache off the GPU too (the wgmma core in Mosaic GPU's
-interpreter: the same integer digits and 127-level p; slow). --refit_at_first_flush=0 runs the mode without its refit at the first flush: steps 8-11 read up to
-1.15e-2 through either core on an H100 (results/oskvp_uniform_decode_check_{mma,wgmma}_h100_s45.log), against
+interpreter: the same integer digits and 127-level p; ~2 min). --refit_at_first_flush=0 runs the mode without its
+refit at the first flush: steps 8-11 read up to 1.15e-2 through either core on an H100 (results/oskvp_uniform_decode_check_{mma,wgmma}_h100_s45.log), against
 <= 3.8e-3 in every run before that refit existed.
 """
 
@@ -62,7 +62,8 @@ def op_sweep(draws: int, limit: float) -> bool:
   return all(rel <= limit for rel, _ in worst.values())
 
 
-def model_steps(steps: int, refit_at_first_flush: bool = True, implementation: str = "auto") -> tuple[float, list[float]]:
+def model_steps(steps: int, refit_at_first_flush: bool = True,
+                implementation: str = "auto") -> tuple[float, list[float]]:
   """A `steps`-step decode (12 by default) of the small random model with "auto" and "xla" caches from one prefill: (worst
   relative logit difference, per-step argmax agreement), each step printed. refit_at_first_flush=False: the registered
   mode without its refit at the first flush (the 120-token row then flushes with its prefill fit at step 8).

@@ -15,6 +15,10 @@ the value codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the resid
   `live_rows`: the output needs no slice after it). U_vᵀ follows in XLA.
 The reference composes `merge_splits` and the jnp glue (`epilogue_reference`).
 
+`rotating_epilogue` (`uniform_decode_attention(output_rotation="epilogue")`) is the same merge with U_vᵀ after it in
+one kernel: one program per row and kv head takes all H channels (H/32 runs, each read through `acc_view`), computes
+the window's scores once, and writes o' U_vᵀ in the query's dtype; the XLA matmul after `epilogue` goes.
+
 Each program does one round of loads and no loops. Its first form (ninth session: one program per row and kv head,
 U_vᵀ inside, f32 dots, loops over splits and window chunks) took 60 µs at 64k × 8 on the H200
 (results/oskvp_uniform_profile_pallas_glue.md). The core used to store acc in channel order for this kernel; that
@@ -57,8 +61,9 @@ def _split_weights(ml_ref, qc_ref):
 
 def _compressed_channels(acc, w, inv, cb_ref, run, mean_o, first_channel):
   """One run of HC output channels of the compressed store: acc [S, HC, 8] f32 (channel order), the split weights
-  w [S, 8] and inv [8], cb_ref [*, 4] and its rows `run` (a slice: Triton values take none), mean_o [8 heads, 8 outlier channels] (the value outliers, already weighted and
-  scaled), first_channel (the run's first channel, traced or static) -> o_c [16, HC] (rows 8.. zero)."""
+  w [S, 8] and inv [8], cb_ref [*, 4] and its rows `run` (a slice: Triton values take none), mean_o [8 heads,
+  8 outlier channels] (the value outliers, already weighted and scaled), first_channel (the run's first channel,
+  traced or static) -> o_c [16, HC] (rows 8.. zero)."""
   hc = acc.shape[1]
   mean = ((acc * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
   c0 = cb_ref[run, 0]
@@ -122,7 +127,8 @@ def _rotating_epilogue_kernel(*refs, runs: int):
   out = None
   for c, acc_ref in enumerate(acc_refs):
     run = pl.ds(c * RUN, RUN)
-    o_c16 = _compressed_channels(acc_ref[...].reshape(acc_ref.shape[0], RUN, N), w, inv, cb_ref, run, mean_o, c * RUN)
+    acc = acc_ref[...].reshape(acc_ref.shape[0], RUN, N)
+    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o, c * RUN)
     part = split_dot(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[:, run]), u_ref[:, run].T)  # [16, H]
     out = part if out is None else out + part
   o_ref[...] = live_rows(out, o_ref.shape[0]).astype(o_ref.dtype)
@@ -224,7 +230,8 @@ def rotating_epilogue_shape_error(window: int, splits: int, head_dim: int, group
   splits: one program holds all H channels' acc), or None."""
   error = epilogue_shape_error(window, splits, head_dim, RUN, group)
   if error is None and splits > MAX_ROTATING_SPLITS:
-    return f"splits={splits}: the rotating epilogue takes at most {MAX_ROTATING_SPLITS} (one program holds all H channels)"
+    return (f"splits={splits}: the rotating epilogue takes at most {MAX_ROTATING_SPLITS} (one program holds all H "
+            "channels)")
   return error
 
 
