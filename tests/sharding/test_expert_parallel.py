@@ -119,29 +119,46 @@ def _run_dispatch(dispatcher, mesh, x, w, ids, weights, *, hlo=False):
   both = ("node", "local")
   body = functools.partial(_dispatch_body, dispatcher=dispatcher, n_experts=weights[0].shape[0])
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(both),) * 6, out_specs=P(both), check_vma=False))
+  # Host copies: split over the 8 devices on the host, where a device-0 array is resharded by a small program
+  # compiled per input shape (five of them).
+  args = tuple(np.asarray(a) for a in (x, w, ids, *weights))
   if hlo:
-    compiled = f.lower(x, w, ids, *weights).compile()
-    return compiled(x, w, ids, *weights), compiled.as_text()
-  return f(x, w, ids, *weights)
+    compiled = f.lower(*args).compile()
+    return compiled(*args), compiled.as_text()
+  return f(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("e", "d", "f", "t", "k"))
+def _dispatch_inputs(key, *, e, d, f, t, k):
+  """x [T, D], weights w [T, X], distinct expert ids int32 [T, X] per token and the experts' (w_gate, w_up, w_down),
+  drawn in one program (op by op they were ~15 small compiles)."""
+  keys = jax.random.split(key, 6)
+  x = jax.random.normal(keys[0], (t, d))
+  ids = jnp.argsort(jax.random.uniform(keys[1], (t, e)), axis=1)[:, :k].astype(jnp.int32)  # distinct per token
+  w = jax.random.uniform(keys[2], (t, k))
+  weights = tuple(jax.random.normal(kk, s) * 0.2 for kk, s in zip(keys[3:], [(e, d, f), (e, d, f), (e, f, d)]))
+  return x, w, ids, weights
+
+
+@functools.partial(jax.jit, static_argnames=("node_local",))
+def _local_dispatch(x, w, ids, weights, *, node_local):
+  """`LocalDispatch` of the pairs, node-local mode's: only those whose expert is on the token's node (token t on
+  node t // (T / 2), expert e on node e // (E / 2))."""
+  e, t = weights[0].shape[0], x.shape[0]
+  if node_local:
+    w = jnp.where(locality.expert_nodes(e, 2)[ids] == locality.simulated_token_nodes(t, 1, 2)[:, None], w, 0.0)
+  wg, wu, wd = weights
+  return dispatch.LocalDispatch()(x, w, ids, functools.partial(experts.swiglu_experts, w_gate=wg, w_up=wu, w_down=wd),
+                                  e)
 
 
 @pytest.mark.parametrize("node_local", [False, True])
 def test_dispatch_transports_agree_with_local_dispatch(node_local):
   """Padded and ragged (emulated collective) transports equal `LocalDispatch`; node-local mode computes exactly
   the pairs whose expert is on the token's node."""
-  e, d, f, t, k = 16, 32, 24, 64, 3
-  keys = jax.random.split(jax.random.key(3), 6)
-  x = jax.random.normal(keys[0], (t, d))
-  ids = jnp.argsort(jax.random.uniform(keys[1], (t, e)), axis=1)[:, :k].astype(jnp.int32)  # distinct per token
-  w = jax.random.uniform(keys[2], (t, k))
-  weights = tuple(jax.random.normal(kk, s) * 0.2 for kk, s in zip(keys[3:], [(e, d, f), (e, d, f), (e, f, d)]))
+  x, w, ids, weights = _dispatch_inputs(jax.random.key(3), e=16, d=32, f=24, t=64, k=3)
   mesh = meshes.make_mesh(layout="2x4")
-  expect_w = w
-  if node_local:  # token t is on node t // (T / 2); expert e on node e // (E / 2)
-    expect_w = jnp.where(locality.expert_nodes(e, 2)[ids] == locality.simulated_token_nodes(t, 1, 2)[:, None], w, 0.0)
-  expect = jax.jit(lambda x, w, ids, wg, wu, wd: dispatch.LocalDispatch()(
-      x, w, ids, functools.partial(experts.swiglu_experts, w_gate=wg, w_up=wu, w_down=wd), e))(x, expect_w, ids,
-                                                                                                *weights)
+  expect = _local_dispatch(x, w, ids, weights, node_local=node_local)
   got, hlo = _run_dispatch(ep.ExpertParallelDispatch(2, 4, node_local, "padded"), mesh, x, w, ids, weights, hlo=True)
   np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
   summary = hc.summarize(hlo, meshes.device_nodes(mesh))
@@ -152,17 +169,23 @@ def test_dispatch_transports_agree_with_local_dispatch(node_local):
 
 def test_small_capacity_is_counted_and_never_silent():
   e, d, f, t, k = 8, 16, 8, 32, 2
-  keys = jax.random.split(jax.random.key(4), 4)
-  x = jax.random.normal(keys[0], (t, d))
-  ids = jnp.stack([jnp.zeros((t,), jnp.int32), jnp.ones((t,), jnp.int32)], axis=1)  # all to device 0 and 1
-  w = jnp.full((t, k), 0.5)
-  weights = tuple(jax.random.normal(kk, s) * 0.2 for kk, s in zip(keys[1:], [(e, d, f), (e, d, f), (e, f, d)]))
+
+  @jax.jit
+  def draw(key):  # one program (op by op: a compile per op and shape)
+    keys = jax.random.split(key, 4)
+    return jax.random.normal(keys[0], (t, d)), tuple(
+        jax.random.normal(kk, s) * 0.2 for kk, s in zip(keys[1:], [(e, d, f), (e, d, f), (e, f, d)]))
+
+  x, weights = draw(jax.random.key(4))
+  ids = np.stack([np.zeros((t,), np.int32), np.ones((t,), np.int32)], axis=1)  # all to device 0 and 1
+  w = np.full((t, k), 0.5, np.float32)
   mesh = meshes.make_mesh(layout="2x4")
   full = _run_dispatch(ep.ExpertParallelDispatch(2, 4), mesh, x, w, ids, weights)
   assert np.isfinite(np.asarray(full)).all()
   small = np.asarray(_run_dispatch(ep.ExpertParallelDispatch(2, 4, capacity=2), mesh, x, w, ids, weights))
   per_device = np.asarray(ids).reshape(8, -1)
-  overflow = sum(int(ep.capacity_overflow(jnp.asarray(r), n_experts=e, n_devices=8, capacity=2)) for r in per_device)
+  count = jax.jit(functools.partial(ep.capacity_overflow, n_experts=e, n_devices=8, capacity=2))
+  overflow = sum(int(count(r)) for r in per_device)
   assert overflow == 8 * 2 * 2  # each device: 4 tokens, 2 fit per destination, for 2 destinations
   bad_tokens = ~np.isfinite(small).all(axis=1)
   assert bad_tokens.sum() == 8 * 2  # every token with a dropped pair is NaN ...
