@@ -44,6 +44,10 @@
 #    and 8 (mma core, cuDNN in the same call); timeline_orot shows its kernel beside the old epilogue + matmul at
 #    64k x 8; epilogue_bench times the two tails alone (and the rotating one at 8 warps) by CUPTI; orot_short the
 #    short contexts. If it is faster by span, make it the default.
+#    Paid on an H100 in the forty-sixth session (results/*_h100_s46*, notes §28): slower by span at batch 8 (+7.9% at
+#    64k, +4.2% at 128k; its kernel 24 us in the chain against 8.9 + 3.9), within 1% at batch 32; not the default.
+#    decode_check_norefit paid there too (steps 8-11 <= 2.6e-3 without the refit, 1.15e-2 with it: the refit's).
+#    Kept for an H200: orot, epilogue_bench (its batch-32 cases now at the wired path's 16 and 8 splits).
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~60 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
