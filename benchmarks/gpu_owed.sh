@@ -45,12 +45,12 @@
 #    64k x 8; epilogue_bench times the two tails alone (and the rotating one at 8 warps) by CUPTI; orot_short the
 #    short contexts. If it is faster by span, make it the default.
 #    Paid on an H100 in the forty-sixth session (results/*_h100_s46*, notes §28): slower by span at batch 8 (+7.9% at
-#    64k, +4.2% at 128k; its kernel 24 us in the chain against 8.9 + 3.9), within 1% at batch 32; not the default.
+#    64k, +4.2% at 128k; its kernel 24 us in the chain against 8.9 + 3.9), 0.1-1.2% faster at batch 32 at equal splits; not the default.
 #    decode_check_norefit paid there too (steps 8-11 <= 2.6e-3 without the refit, 1.15e-2 with it: the refit's).
 #    orot_short and epilogue_bench at the real batch-32 splits paid on a second H100 start (slower at every short
 #    context; alone 1.14-1.35x faster at batch 32). Kept for an H200: orot, epilogue_bench.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
-# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~60 min.
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~77 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
 # STEPS=experts (one call each, the fortieth session's), STEPS="float16_trace refit refit_b32", then
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).

@@ -14,8 +14,9 @@ run the core in its interpreter).
 core against the XLA reference (relative L2 error per draw; the worst is printed; limit 0.03, and the model steps
 run either way). --implementation=pallas checks the core's cache off the GPU too (the wgmma core in Mosaic GPU's
 interpreter: the same integer digits and 127-level p; ~2 min). --refit_at_first_flush=0 runs the mode without its
-refit at the first flush: steps 8-11 read up to 1.15e-2 through either core on an H100 (results/oskvp_uniform_decode_check_{mma,wgmma}_h100_s45.log), against
-<= 3.8e-3 in every run before that refit existed.
+refit at the first flush: with it, steps 8-11 read up to 1.15e-2 through either core on an H100
+(results/oskvp_uniform_decode_check_{mma,wgmma}_h100_s45.log, ..._refit_h100_s46.log), all on the 120-token row;
+without it <= 2.55e-3 on the same machine (..._norefit_h100_s46.log).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     output_rotation: where the Pallas glue computes o' U_vᵀ: "xla" (the default: an XLA matmul after the epilogue,
       the cast to q's dtype fused into it) or "epilogue" (`oskvp_uniform_epilogue.rotating_epilogue`: one program
       per row and kv head merges all H channels and rotates them, one kernel fewer, but 7.9% slower by GPU span at
-      64k × 8 and within 2% at batch 32 on an H100, results/decode_attention_orot_h100_s46.md; at most 64 splits,
+      64k × 8 and 0.1–1.2% faster at batch 32 on an H100, results/decode_attention_orot_h100_s46.md; at most 64 splits,
       the Pallas glue only, else refused by name).
 
   Returns:

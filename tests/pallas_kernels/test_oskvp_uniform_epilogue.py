@@ -117,7 +117,8 @@ def test_epilogue_lowers_to_triton_ir_for_hopper():
 
 
 def test_rotating_epilogue_lowers_to_triton_ir_for_hopper():
-  """16 splits at G = 4 (bf16 output, all channels and 32 per program) and 1, 64 splits at G = 8 (f32)."""
+  """16 splits at G = 4 (bf16 output; all channels, and 32 per program) and at G = 1 (bf16); batch 1 × 64 splits at
+  G = 8 (f32)."""
   for args, dtype, cols in ((_epilogue_inputs(0, 2, 2, 16), jnp.bfloat16, None),
                             (_epilogue_inputs(0, 2, 2, 16), jnp.bfloat16, 32),
                             (_epilogue_inputs(0, 2, 2, 16, g=1), jnp.bfloat16, None),

@@ -159,7 +159,7 @@ def test_groups_and_ragged_lengths(kv_heads, g, lengths):
 
 def test_the_rotating_epilogue_is_the_epilogue_and_the_xla_rotation():
   """output_rotation="epilogue" (one kernel merges the splits and the window and rotates back by U_vᵀ, writing q's
-  dtype): within 1e-4 of the XLA rotation's f32 output (measured ~1e-6: the same merge, the rotation's dots as bf16
+  dtype): within 1e-4 of the XLA rotation's f32 output (measured ~5e-6: the same merge, the rotation's dots as bf16
   hi + lo parts), and for a bf16 query the XLA path's bf16 output within a bf16 rounding (2^-8 of the largest);
   the option reaches the kernel (one kernel fewer in the program), and what it cannot take is refused by name."""
   c = _cache(zero_outliers=False)
