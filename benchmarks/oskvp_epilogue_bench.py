@@ -30,32 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import report_files
-from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_uniform_epilogue as epi
+from pallas_kernels.oskvp_random import random_epilogue_inputs
 
 KV_HEADS, G, H, R = 8, 4, 128, 128
 CASES = ((8, 16), (8, 8), (32, 16), (32, 8), (1, 64))  # (batch, splits)
 SMOKE_CASES = ((2, 4),)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def tail_inputs(key, b: int, kh: int, splits: int, h: int):
-  """Random inputs of the epilogue for b rows × kh kv heads: the core's per-split outputs (one split empty), the
-  rotated query, codebooks, scales, a window of R tokens (n_res ragged: 77 on odd rows, R on even), an orthogonal
-  U_v, and the bf16 query the rotated output is cast to. Returns (epilogue args, u_v)."""
-  ks = jax.random.split(key, 9)
-  acc = jax.random.uniform(ks[0], (b, kh, splits, h, 8)) * 3000.0
-  m = (jax.random.normal(ks[1], (b, kh, splits, 8)) * 4).at[:, :, 0].set(dc.MASKED)
-  l = jnp.where(m > 0.5 * dc.MASKED, jax.random.uniform(ks[2], m.shape, minval=1.0, maxval=1000.0), 0.0)
-  ml = jnp.concatenate([m, l, jnp.zeros((b, kh, splits, 16))], axis=-1)
-  acco = jax.random.normal(ks[3], (b, kh, splits, 2, 8, 8)) * 100.0
-  q_rot = jax.random.normal(ks[4], (b, kh, G, h))
-  qc = jax.random.normal(ks[5], (b, kh, 8))
-  cb = jax.random.normal(ks[6], (b, kh, h))[..., None] + 0.5 * jnp.arange(4.0)
-  res = jax.random.normal(ks[7], (2, b, kh, R, h)).astype(jnp.bfloat16)
-  n_res = jnp.where(jnp.arange(b) % 2 == 1, 77, R).astype(jnp.int32)
-  u_v = jnp.linalg.qr(jax.random.normal(ks[8], (b, kh, h, h)))[0]
-  return (acc, ml, acco, q_rot, qc, cb, jnp.full((b, kh, 8), 0.05), res[0], res[1], n_res), u_v
+  """`random_epilogue_inputs` for b rows × kh kv heads with ragged windows (77 tokens on odd rows, R on even) ->
+  (`epilogue`'s arguments, U_v)."""
+  *args, u_v = random_epilogue_inputs(key, jnp.where(jnp.arange(b) % 2 == 1, 77, R), batch=b, kv_heads=kh,
+                                      splits=splits, group=G, head_dim=h, window=R)
+  return tuple(args), u_v
 
 
 def forms(interpret: bool) -> dict:
@@ -73,11 +61,12 @@ def forms(interpret: bool) -> dict:
 
 def kernel_ms(fn, iters: int, gpu: bool) -> tuple[float, int]:
   """Median ms of one call over iters (CUPTI kernel sum on a GPU, else wall clock) and the kernels per call."""
+  if gpu:
+    from benchmarks.cupti import cupti_kernels  # pylint: disable=g-import-not-at-top
   jax.block_until_ready(fn())
   times, kernels = [], 0
   for _ in range(iters):
     if gpu:
-      from benchmarks.cupti import cupti_kernels  # pylint: disable=g-import-not-at-top
       _, timings = cupti_kernels(fn)
       times.append(sum(ms for _, ms in timings))
       kernels = len(timings)

@@ -117,3 +117,31 @@ def random_oskvp_inputs_host(seed: int, *, batch: int, heads: int, kv_heads: int
   if key_bits == 3:
     arrays += (rng.integers(0, 256, (b, k, s, h // 8), dtype=np.uint8),)
   return tuple(jnp.asarray(x) for x in arrays)
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "kv_heads", "splits", "group", "head_dim", "window",
+                                             "empty_split"))
+def random_epilogue_inputs(key, n_res, *, batch: int, kv_heads: int, splits: int, group: int = 4, head_dim: int = 128,
+                           window: int = 128, empty_split: bool = True) -> tuple:
+  """Random arguments of `oskvp_uniform_epilogue.rotating_epilogue` (the first ten are `epilogue`'s), one program:
+  the core's per-split outputs acc f32 [B, K, S, H, 8] (0..3000), ml [B, K, S, 32] (m ~ 4·N(0, 1), l in [1, 1000];
+  split 0 saw no token, m = MASKED and l = 0, unless empty_split=False), acco [B, K, S, 2, 8, 8] (two parts, as
+  "fp8_stacked" leaves them); q_rot f32 [B, K, G, H], qc [B, K, 8], value codebooks cb [B, K, H, 4] (c0 ~ N(0, 1),
+  step 0.5), scale_v 0.05, a bf16 window res_k, res_v [B, K, R, H] with n_res int32 [B] tokens (given), and an
+  orthogonal U_v f32 [B, K, H, H]."""
+  from pallas_kernels.oskvp_decode_core_mgpu import MASKED  # pylint: disable=g-import-not-at-top
+  b, kh, h = batch, kv_heads, head_dim
+  ks = jax.random.split(key, 8)
+  acc = jax.random.uniform(ks[0], (b, kh, splits, h, 8)) * 3000.0
+  m = jax.random.normal(ks[1], (b, kh, splits, 8)) * 4
+  if empty_split:
+    m = m.at[:, :, 0].set(MASKED)
+  l = jnp.where(m > 0.5 * MASKED, jax.random.uniform(ks[2], m.shape, minval=1.0, maxval=1000.0), 0.0)
+  ml = jnp.concatenate([m, l, jnp.zeros((b, kh, splits, 16))], axis=-1)
+  acco = jax.random.normal(ks[3], (b, kh, splits, 2, 8, 8)) * 100.0
+  q_rot = jax.random.normal(ks[4], (b, kh, group, h))
+  qc = jax.random.normal(ks[5], (b, kh, 8))
+  cb = jax.random.normal(ks[6], (b, kh, h))[..., None] + 0.5 * jnp.arange(4.0)
+  res = jax.random.normal(ks[7], (2, b, kh, window, h)).astype(jnp.bfloat16)
+  u_v = jnp.linalg.qr(jax.random.normal(jax.random.fold_in(key, 8), (b, kh, h, h)))[0]
+  return (acc, ml, acco, q_rot, qc, cb, jnp.full((b, kh, 8), 0.05), res[0], res[1], n_res.astype(jnp.int32), u_v)

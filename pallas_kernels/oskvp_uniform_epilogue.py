@@ -62,15 +62,16 @@ def _split_weights(ml_ref, qc_ref):
 def _compressed_channels(acc, w, inv, cb_ref, run, mean_o, first_channel):
   """One run of HC output channels of the compressed store: acc [S, HC, 8] f32 (channel order), the split weights
   w [S, 8] and inv [8], cb_ref [*, 4] and its rows `run` (a slice: Triton values take none), mean_o [8 heads,
-  8 outlier channels] (the value outliers, already weighted and scaled), first_channel (the run's first channel,
-  traced or static) -> o_c [16, HC] (rows 8.. zero)."""
+  8 outlier channels] (the value outliers, already weighted and scaled; None for a run known to hold none of channels
+  0..7), first_channel (the run's first channel, traced or static) -> o_c [16, HC] (rows 8.. zero)."""
   hc = acc.shape[1]
   mean = ((acc * w[:, None, :]).sum(axis=0) * inv[None, :]).T  # [8, HC]
   c0 = cb_ref[run, 0]
   o_c = c0[None, :] + (cb_ref[run, 1] - c0)[None, :] * mean  # [8, HC]
-  channel = first_channel + jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 1)
-  onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 0) == channel).astype(jnp.float32)  # [8, HC]
-  o_c += (mean_o[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7 (none in a run past them)
+  if mean_o is not None:
+    channel = first_channel + jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 1)
+    onehot = (jax.lax.broadcasted_iota(jnp.int32, (OUTLIERS, hc), 0) == channel).astype(jnp.float32)  # [8, HC]
+    o_c += (mean_o[:, :, None] * onehot[None]).sum(axis=1)  # channels 0..7 (none in a run past them)
   return unfold_rows([o_c], MMA_ROWS, jnp.float32)
 
 
@@ -128,7 +129,7 @@ def _rotating_epilogue_kernel(*refs, runs: int):
   for c, acc_ref in enumerate(acc_refs):
     run = pl.ds(c * RUN, RUN)
     acc = acc_ref[...].reshape(acc_ref.shape[0], RUN, N)
-    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o, c * RUN)
+    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o if c * RUN < OUTLIERS else None, c * RUN)
     part = split_dot(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[:, run]), u_ref[:, run].T)  # [16, H]
     out = part if out is None else out + part
   o_ref[...] = live_rows(out, o_ref.shape[0]).astype(o_ref.dtype)

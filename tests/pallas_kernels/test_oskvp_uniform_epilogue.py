@@ -12,28 +12,20 @@ from hopper_lowering import lowers_to_triton_for_hopper  # pylint: disable=impor
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_uniform_epilogue as epi
 from pallas_kernels import oskvp_value_sums_mgpu as vs
+from pallas_kernels.oskvp_random import random_epilogue_inputs
 
 H, R = 128, 128
 
 
-@functools.partial(jax.jit, static_argnums=range(1, 7))
-def _epilogue_inputs(seed, b, kh, splits, g=4, empty_split=True, h=H):
-  """One program per shape (op by op, the draws compile a program per operation)."""
-  ks = jax.random.split(jax.random.key(seed), 8)
-  acc = jax.random.uniform(ks[0], (b, kh, splits, h, 8)) * 3000.0
-  m = jax.random.normal(ks[1], (b, kh, splits, 8)) * 4
-  if empty_split:
-    m = m.at[:, :, 0].set(dc.MASKED)  # a split that saw no token: l = 0
-  l = jnp.where(m > 0.5 * dc.MASKED, jax.random.uniform(ks[2], m.shape, minval=1.0, maxval=1000.0), 0.0)
-  ml = jnp.concatenate([m, l, jnp.zeros((b, kh, splits, 16))], axis=-1)
-  acco = jax.random.normal(ks[3], (b, kh, splits, 2, 8, 8)) * 100.0  # two parts, as "fp8_stacked" leaves them
-  q_rot = jax.random.normal(ks[4], (b, kh, g, h))
-  qc = jax.random.normal(ks[5], (b, kh, 8))
-  c0 = jax.random.normal(ks[6], (b, kh, h))
-  cb = c0[..., None] + 0.5 * jnp.arange(4.0)
-  res = jax.random.normal(ks[7], (2, b, kh, R, h)).astype(jnp.bfloat16)
-  n_res = jnp.array([0, 77, 128][:b], jnp.int32)
-  return acc, ml, acco, q_rot, qc, cb, jnp.full((b, kh, 8), 0.05), res[0], res[1], n_res
+def _inputs(seed, b, kh, splits, g=4, empty_split=True, h=H):
+  """`random_epilogue_inputs` with windows of 0, 77 and 128 tokens (rows 0, 1, 2): `rotating_epilogue`'s arguments."""
+  return random_epilogue_inputs(jax.random.key(seed), jnp.array([0, 77, 128][:b]), batch=b, kv_heads=kh,
+                                splits=splits, group=g, head_dim=h, window=R, empty_split=empty_split)
+
+
+def _epilogue_inputs(*a, **kw):
+  """`_inputs` less U_v: `epilogue`'s arguments."""
+  return _inputs(*a, **kw)[:-1]
 
 
 @pytest.mark.parametrize("splits,g", [(4, 4), (64, 8), (16, 1), (128, 4)])
@@ -57,17 +49,13 @@ def test_epilogue_matches_reference(splits, g):
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def _orthogonal(seed, b, kh, h=H):
-  return jnp.linalg.qr(jax.random.normal(jax.random.key(seed), (b, kh, h, h)))[0]
-
-
 @pytest.mark.parametrize("splits,g,h,cols", [(4, 4, 128, None), (64, 8, 128, None), (16, 1, 128, 32),
                                              (8, 4, 256, 64)])
 def test_rotating_epilogue_matches_reference(splits, g, h, cols):
   """The merge of all H channels (4 or 8 runs of 32) and U_vᵀ in one program per row and kv head: equal to
   `epilogue_reference` rotated in f32 to 1e-5 of the largest element (the rotation's dots as bf16 hi + lo parts,
   ~2^-16; measured ~5e-6); written in bf16 it is that within a bf16 rounding."""
-  args = [*_epilogue_inputs(3, 3, 2, splits, g, True, h), _orthogonal(1, 3, 2, h)]
+  args = _inputs(3, 3, 2, splits, g, True, h)
   want = np.asarray(epi.rotating_epilogue_reference(*args))
   got = np.asarray(epi.rotating_epilogue(*args, interpret=True))
   assert got.shape == want.shape == (3, 2, g, h) and np.isfinite(got).all()
@@ -78,11 +66,11 @@ def test_rotating_epilogue_matches_reference(splits, g, h, cols):
 
 
 def test_rotating_epilogue_refuses_what_one_program_cannot_hold():
-  args = [*_epilogue_inputs(0, 1, 1, 128), _orthogonal(0, 1, 1)]
+  args = _inputs(0, 1, 1, 128)
   with pytest.raises(ValueError, match="splits=128: the rotating epilogue takes at most 64"):
     epi.rotating_epilogue(*args, interpret=True)
   with pytest.raises(ValueError, match="out_channels=48 must be a power of two"):
-    epi.rotating_epilogue(*_epilogue_inputs(0, 1, 1, 16), args[-1], interpret=True, out_channels=48)
+    epi.rotating_epilogue(*_inputs(0, 1, 1, 16), interpret=True, out_channels=48)
   assert "window R=96" in epi.rotating_epilogue_shape_error(96, 16, 128)
   assert epi.rotating_epilogue_shape_error(128, 64, 128, group=8) is None
 
@@ -119,10 +107,8 @@ def test_epilogue_lowers_to_triton_ir_for_hopper():
 def test_rotating_epilogue_lowers_to_triton_ir_for_hopper():
   """16 splits at G = 4 (bf16 output; all channels, and 32 per program) and at G = 1 (bf16); batch 1 × 64 splits at
   G = 8 (f32)."""
-  for args, dtype, cols in ((_epilogue_inputs(0, 2, 2, 16), jnp.bfloat16, None),
-                            (_epilogue_inputs(0, 2, 2, 16), jnp.bfloat16, 32),
-                            (_epilogue_inputs(0, 2, 2, 16, g=1), jnp.bfloat16, None),
-                            (_epilogue_inputs(0, 1, 8, 64, g=8), jnp.float32, None)):
-    u_v = _orthogonal(0, *args[0].shape[:2])
+  for args, dtype, cols in ((_inputs(0, 2, 2, 16), jnp.bfloat16, None), (_inputs(0, 2, 2, 16), jnp.bfloat16, 32),
+                            (_inputs(0, 2, 2, 16, g=1), jnp.bfloat16, None),
+                            (_inputs(0, 1, 8, 64, g=8), jnp.float32, None)):
     assert lowers_to_triton_for_hopper(functools.partial(epi.rotating_epilogue, interpret=False, out_dtype=dtype,
-                                                         out_channels=cols), *args, u_v)
+                                                         out_channels=cols), *args)
