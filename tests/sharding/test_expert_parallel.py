@@ -169,14 +169,7 @@ def test_dispatch_transports_agree_with_local_dispatch(node_local):
 
 def test_small_capacity_is_counted_and_never_silent():
   e, d, f, t, k = 8, 16, 8, 32, 2
-
-  @jax.jit
-  def draw(key):  # one program (op by op: a compile per op and shape)
-    keys = jax.random.split(key, 4)
-    return jax.random.normal(keys[0], (t, d)), tuple(
-        jax.random.normal(kk, s) * 0.2 for kk, s in zip(keys[1:], [(e, d, f), (e, d, f), (e, f, d)]))
-
-  x, weights = draw(jax.random.key(4))
+  x, _, _, weights = _dispatch_inputs(jax.random.key(4), e=e, d=d, f=f, t=t, k=k)  # its own ids and weights below
   ids = np.stack([np.zeros((t,), np.int32), np.ones((t,), np.int32)], axis=1)  # all to device 0 and 1
   w = np.full((t, k), 0.5, np.float32)
   mesh = meshes.make_mesh(layout="2x4")
