@@ -49,6 +49,9 @@
 #    decode_check_norefit paid there too (steps 8-11 <= 2.6e-3 without the refit, 1.15e-2 with it: the refit's).
 #    orot_short and epilogue_bench at the real batch-32 splits paid on a second H100 start (slower at every short
 #    context; alone 1.14-1.35x faster at batch 32). Kept for an H200: orot, epilogue_bench.
+# 10. (forty-seventh session) splits: the mma core's splits rule (`wired_tiling`: the fewest splits that put 512
+#    programs in flight, 8 at batch 8, 2 at batch 32) against the old base of 16, 4k-128k x 8 / 32, cuDNN beside.
+#    Chosen from three H100 calls that timed 16 / 8 / 4 / 2 splits (results/decode_attention_splits*_h100_s47.md).
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~77 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -56,7 +59,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="splits orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -73,6 +76,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # both bf16 peers and the WS kernel's fused SwiGLU, the grid), last timed on an H200 in the twenty-fourth session.
 # prefill_fit, attention and (three row counts of) experts ran on an H100 in the fortieth (results/*_h100_s40.md,
 # e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
+run splits 400 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
+  --contexts=4096,16384,65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_max_splits=auto,16 --out="$OUT/splits"
 run orot 330 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
   --batches=8,32 --mosaic_core=mma --mosaic_output_rotation=xla,epilogue --mosaic_max_splits=auto,8 --out="$OUT/orot"
 run timeline_orot 150 python3 benchmarks/decode_timeline.py --cases=8x65536 --out="$OUT/timeline_orot" \

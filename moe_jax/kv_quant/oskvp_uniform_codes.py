@@ -104,25 +104,31 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
 # ---- Decode attention over a whole uniform cache (the layer cache's layout, values tokens contiguous).
 
 MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
-MOSAIC_MAX_SPLITS = 16  # programs per batch row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
+MOSAIC_MAX_SPLITS = 16  # the wgmma core's programs per batch row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
 MOSAIC_PROGRAMS = 512  # programs the core wants in flight: 4 per SM fit (by registers) on the H200's 132 SMs
+# The mma core's base: no floor, the fewest splits that put MOSAIC_PROGRAMS programs in flight (batch 8 × 8 kv heads:
+# 8, batch 16: 4, batch 32: 2; batch 1 and 4 as before, 64 and 16). On an H100 by GPU span that was the fastest or
+# within 2.5% of it in every cell of 4k-128k × batch 1-32 timed against 16, 8, 4 and 2 splits, 0.2-21% faster than
+# a base of 16 at batch 8-32 (results/decode_attention_splits_h100_s47.md).
+MMA_SPLITS_BASE = 1
 MOSAIC_SPLITS_CAP = 128
 
 
 def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows: int | None = None,
-                  max_splits: int | None = None) -> tuple[int, int] | None:
+                  max_splits: int | None = None, base: int = MOSAIC_MAX_SPLITS) -> tuple[int, int] | None:
   """(block_s, splits) of the Mosaic GPU core for a cache of `capacity` tokens, or None where the core does not apply
   (head_dim other than a multiple of 128, more than 8 query heads per kv head, other than 8 outlier channels, or a
   capacity that is not a multiple of 64).
 
-  splits: the largest power of two up to max_splits that divides the blocks. max_splits None: 16, raised for a few
-  rows (`rows` = batch × kv heads) until rows × splits reaches MOSAIC_PROGRAMS: at batch 1 × 8 kv heads, 16 splits
-  give 128 programs, one per SM, and the core waits on memory latency.
+  splits: the largest power of two up to max_splits that divides the blocks. max_splits None: `base` (16, the wgmma
+  core's; the mma core's is `MMA_SPLITS_BASE`, `wired_tiling`), raised for a few rows (`rows` = batch × kv heads)
+  until rows × splits reaches MOSAIC_PROGRAMS: at batch 1 × 8 kv heads, 16 splits give 128 programs, one per SM, and
+  the core waits on memory latency.
   """
   if head_dim % 128 or group > dc.N or n_outliers != dc.OUTLIERS:
     return None
   if max_splits is None:
-    max_splits = MOSAIC_MAX_SPLITS
+    max_splits = base
     while rows and rows * max_splits < MOSAIC_PROGRAMS and max_splits < MOSAIC_SPLITS_CAP:
       max_splits *= 2
   if max_splits < 1:
@@ -167,6 +173,38 @@ def resolved_core(core: str, *, glue: str, block_s: int, head_dim: int, interpre
   return core
 
 
+def wired_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows: int, window: int, *,
+                 max_splits: int | None, glue: str, core: str, interpret: bool, value_outliers: str,
+                 mma_key_rows: str) -> tuple[int, int, str, str]:
+  """(block_s, splits, glue, core) that `uniform_decode_attention` runs for a cache of `capacity` tokens, `rows` =
+  batch × kv heads and a window of `window` tokens; the other arguments as there.
+
+  The splits follow the core: with max_splits None the mma core takes the fewest that put MOSAIC_PROGRAMS programs
+  in flight (`MMA_SPLITS_BASE`, and enough that a program holds at most `MAX_SPLIT_TOKENS`), the wgmma core starts
+  from 16 (`MOSAIC_MAX_SPLITS`). The mma core's tiling is tried first where it may run; if the core resolves to
+  wgmma there (e.g. the XLA glue, the interpreter), the wgmma core's tiling is taken instead.
+
+  Raises:
+    ValueError: for shapes the core does not take (`mosaic_tiling`), and as `resolved_glue` / `resolved_core` do.
+  """
+  fit = -(-capacity // dm.MAX_SPLIT_TOKENS)  # splits that keep a program's tokens within the mma core's int32 sums
+  bases = ([MOSAIC_MAX_SPLITS] if core == "wgmma" or max_splits is not None
+           else [max(MMA_SPLITS_BASE, 1 << (fit - 1).bit_length()), MOSAIC_MAX_SPLITS])
+  for base in bases:
+    tiling = mosaic_tiling(capacity, head_dim, group, n_outliers, rows=rows, max_splits=max_splits, base=base)
+    if tiling is None:
+      raise ValueError(f"the Mosaic GPU core does not take G={group} query heads per kv head, H={head_dim}, "
+                       f"capacity S={capacity}, O={n_outliers} (needs G = N/K <= {dc.N}, H a multiple of 128, "
+                       "8 outlier channels, S a multiple of 64)")
+    block_s, splits = tiling
+    resolved = resolved_glue(glue, window, splits, head_dim, group)
+    chosen = resolved_core(core, glue=resolved, block_s=block_s, head_dim=head_dim, interpret=interpret,
+                           split_tokens=capacity // splits, value_outliers=value_outliers, mma_key_rows=mma_key_rows)
+    if chosen == "mma" or base == MOSAIC_MAX_SPLITS:
+      return block_s, splits, resolved, chosen
+  raise AssertionError("unreachable: the last base is the wgmma core's")
+
+
 QUERY_ROTATIONS = ("prologue", "xla")
 OUTPUT_ROTATIONS = ("epilogue", "xla")
 
@@ -206,7 +244,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       results/oskvp_decode_core_mgpu_run12.md and _run13.md).
     glue: "auto", "pallas" or "xla" (see above).
     value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
-    max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K).
+    max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K and the core,
+      `wired_tiling`: the mma core the fewest splits that put 512 programs in flight, the wgmma core 16 or more).
     core: "wgmma" (`oskvp_decode_core_mgpu`), "mma" (`oskvp_decode_core_mma`, warp-level) or "auto" (the
       default; `resolved_core`: "mma" where it applies, else "wgmma". On an H100 the mma core made the op 4–8%
       faster by GPU span at 64k / 128k × 8 / 32, results/decode_attention_mma_h100_s41c.md; not yet timed on an
@@ -237,13 +276,11 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   b, n, h = q.shape
   kh, s = codes_k.shape[1], codes_k.shape[2]
   g = n // kh
-  tiling = mosaic_tiling(s, h, g, outl_k.shape[-1], rows=b * kh, max_splits=max_splits)
-  if tiling is None or n % kh:
-    raise ValueError(f"the Mosaic GPU core does not take N={n}, K={kh}, H={h}, capacity S={s}, "
-                     f"O={outl_k.shape[-1]} (needs G = N/K <= {dc.N}, H a multiple of 128, 8 outlier channels, "
-                     "S a multiple of 64)")
-  block_s, splits = tiling
-  glue = resolved_glue(glue, res_k.shape[2], splits, h, g)
+  if n % kh:
+    raise ValueError(f"N={n} query heads must be a multiple of K={kh} kv heads")
+  block_s, splits, glue, core = wired_tiling(s, h, g, outl_k.shape[-1], b * kh, res_k.shape[2],
+                                             max_splits=max_splits, glue=glue, core=core, interpret=interpret,
+                                             value_outliers=value_outliers, mma_key_rows=mma_key_rows)
   if query_rotation == "prologue" and glue != "pallas":  # (its head dim: `rotating_prologue` refuses others)
     raise ValueError(f"query_rotation='prologue' takes the Pallas glue (here {glue!r})")
   if output_rotation == "epilogue":
@@ -251,8 +288,6 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
              else epi.rotating_epilogue_shape_error(res_k.shape[2], splits, h, g))
     if error:
       raise ValueError(f"output_rotation='epilogue' does not apply: {error}")
-  core = resolved_core(core, glue=glue, block_s=block_s, head_dim=h, interpret=interpret, split_tokens=s // splits,
-                       value_outliers=value_outliers, mma_key_rows=mma_key_rows)
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
   rotate = lambda: jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]

@@ -12,6 +12,7 @@ import pytest
 from moe_jax.kv_quant import OSKVPMode
 from moe_jax.kv_quant import oskvp_attention as attn
 from moe_jax.kv_quant import oskvp_uniform_codes as uc
+from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_decode_core_mma as dm
 
 B, K, G, H, R = 2, 2, 4, 128, 16
@@ -239,6 +240,29 @@ def test_mosaic_tiling():
                                 c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp, c.n_res, interpret=True)
 
 
+def test_wired_tiling_follows_the_core():
+  """The splits are the core's: the mma core takes the fewest that put MOSAIC_PROGRAMS (512) programs in flight, the
+  wgmma core (the interpreter's, the XLA glue's, or asked for) starts from 16; max_splits binds both."""
+  kw = dict(glue="auto", value_outliers=dc.VALUE_OUTLIERS, mma_key_rows=dm.KEY_ROW_DEFAULT)
+  gpu = functools.partial(uc.wired_tiling, 65536, 128, 4, 8, max_splits=None, core="auto", interpret=False, **kw)
+  for rows, splits in ((8, 64), (32, 16), (64, 8), (128, 4), (256, 2), (512, 1), (1024, 1)):
+    assert gpu(rows, 128) == (128, splits, "pallas", "mma"), rows
+  assert gpu(64, 100) == (128, 16, "xla", "wgmma")  # a window the Pallas epilogue does not take: the XLA glue
+  interp = functools.partial(uc.wired_tiling, 65536, 128, 4, 8, max_splits=None, core="auto", interpret=True, **kw)
+  assert interp(64, 128) == (128, 16, "pallas", "wgmma")
+  assert interp(8, 128) == (128, 64, "pallas", "wgmma")
+  asked = uc.wired_tiling(65536, 128, 4, 8, 256, 128, max_splits=None, core="wgmma", interpret=False, **kw)
+  assert asked == (128, 16, "pallas", "wgmma")
+  bound = uc.wired_tiling(65536, 128, 4, 8, 64, 128, max_splits=16, core="auto", interpret=False, **kw)
+  assert bound == (128, 16, "pallas", "mma")
+  # A program's int32 value sums hold MAX_SPLIT_TOKENS tokens: a longer cache keeps the mma core with more splits.
+  long = 4 * dm.MAX_SPLIT_TOKENS // 128 * 128
+  _, splits, _, core = uc.wired_tiling(long, 128, 4, 8, 512, 128, max_splits=None, core="auto", interpret=False, **kw)
+  assert core == "mma" and long // splits <= dm.MAX_SPLIT_TOKENS and splits == 4, (splits, core)
+  with pytest.raises(ValueError, match="core='mma' takes"):
+    uc.wired_tiling(65536, 128, 4, 8, 64, 128, max_splits=None, core="mma", interpret=True, **kw)
+
+
 def test_auto_glue_takes_the_pallas_kernels_where_their_tiles_apply():
   assert uc.resolved_glue("auto", 128, 64, 128) == "pallas"  # 64 splits: batch 1 x 8 kv heads
   assert uc.resolved_glue("auto", 128, 16, 128) == "pallas"
@@ -328,7 +352,7 @@ def test_the_warp_level_core_is_refused_where_it_does_not_apply():
 
 
 def test_auto_core_takes_the_warp_level_core_where_it_applies():
-  kw = dict(glue="pallas", block_s=128, head_dim=128, interpret=False, value_outliers=uc.dc.VALUE_OUTLIERS,
+  kw = dict(glue="pallas", block_s=128, head_dim=128, interpret=False, value_outliers=dc.VALUE_OUTLIERS,
             mma_key_rows="tokens")
   assert uc.resolved_core("auto", **kw) == "mma"
   for change in (dict(glue="xla"), dict(block_s=64), dict(head_dim=256), dict(interpret=True),
