@@ -52,6 +52,7 @@
 # 10. (forty-seventh session) splits: the mma core's splits rule (`wired_tiling`: the fewest splits that put 512
 #    programs in flight, 8 at batch 8, 2 at batch 32) against the old base of 16, 4k-128k x 8 / 32, cuDNN beside.
 #    Chosen from three H100 calls that timed 16 / 8 / 4 / 2 splits (results/decode_attention_splits*_h100_s47.md).
+#    Paid on an H100 in the forty-seventh session (results/decode_attention_splits_h100_s47.md, notes §29); kept for an H200.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~77 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,

@@ -5,9 +5,9 @@ Run on the GPU:  PYTHONPATH=$PWD python3 benchmarks/oskvp_epilogue_bench.py --ou
 CPU smoke test:  PYTHONPATH=$PWD python3 benchmarks/oskvp_epilogue_bench.py --smoke --out=/tmp/epi_smoke
 
 Shapes: the benchmark's attention (32 query heads over 8 kv heads, head dim 128, a 128-token window, bf16 queries)
-at the batches and splits the wired path runs at 64k (`mosaic_tiling`: batch 8 and 32 take 16 splits, 8 with
-max_splits=8; batch 1 takes 64; the forty-sixth session's H100 run, results/oskvp_epilogue_h100_s46.md, timed batch
-32 at 4 splits, which the wired path does not run). Forms: `epilogue` then the XLA matmul (as glue="pallas" runs
+at the batches and splits the wired path runs at 64k (`wired_tiling`, mma core: batch 8 takes 8 splits, batch 32
+takes 2, batch 1 64) and at 16, the wgmma core's and the mma core's before the forty-seventh session (the
+forty-sixth session's H100 runs, results/oskvp_epilogue_h100_s46{,b}.md, timed batch 32 at 4, 8 and 16 splits). Forms: `epilogue` then the XLA matmul (as glue="pallas" runs
 it by default), `rotating_epilogue` at 4 and 8 warps with all 128 output channels per program, and at 4 warps with
 64 or 32 (the merge repeated 2 or 4 times, twice or four times the programs). Per case, each form is first checked
 against `rotating_epilogue_reference` (relative L2 in the query's dtype; any failure stops the run before timing),
@@ -34,7 +34,7 @@ from pallas_kernels import oskvp_uniform_epilogue as epi
 from pallas_kernels.oskvp_random import random_epilogue_inputs
 
 KV_HEADS, G, H, R = 8, 4, 128, 128
-CASES = ((8, 16), (8, 8), (32, 16), (32, 8), (1, 64))  # (batch, splits)
+CASES = ((8, 8), (8, 16), (32, 2), (32, 16), (1, 64))  # (batch, splits)
 SMOKE_CASES = ((2, 4),)
 
 

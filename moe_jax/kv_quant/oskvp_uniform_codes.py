@@ -107,9 +107,9 @@ MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
 MOSAIC_MAX_SPLITS = 16  # the wgmma core's programs per batch row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
 MOSAIC_PROGRAMS = 512  # programs the core wants in flight: 4 per SM fit (by registers) on the H200's 132 SMs
 # The mma core's base: no floor, the fewest splits that put MOSAIC_PROGRAMS programs in flight (batch 8 × 8 kv heads:
-# 8, batch 16: 4, batch 32: 2; batch 1 and 4 as before, 64 and 16). On an H100 by GPU span that was the fastest or
-# within 2.5% of it in every cell of 4k-128k × batch 1-32 timed against 16, 8, 4 and 2 splits, 0.2-21% faster than
-# a base of 16 at batch 8-32 (results/decode_attention_splits_h100_s47.md).
+# 8, batch 16: 4, batch 32: 2; batch 1 and 4 as before, 64 and 16). On an H100, by GPU span at 4k-128k, it was the
+# fastest of 16 / 8 / 4 / 2 splits or within 2.2% of it at batch 8, 16 and 32, and 0.6-20% faster than a base of 16
+# there (results/decode_attention_splits*_h100_s47.md); at batch 1 × 16k, 32 splits beat the raise's 64 by 8%.
 MMA_SPLITS_BASE = 1
 MOSAIC_SPLITS_CAP = 128
 
