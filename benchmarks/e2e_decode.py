@@ -208,6 +208,8 @@ def time_case(model, config, kv: str, context: int, c: int) -> dict:
   cache = steps.tile(row, num_slots=c)
   del row
   cache_bytes = cache.nbytes()
+  runs_core = getattr(cache.layers[0], "runs_mosaic_core", None)
+  attention = "mosaic_core" if runs_core is not None and runs_core(config.n_heads) else "other"
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, c).astype(np.int32)
   active = np.ones((c,), bool)
   temp, top_k, top_p = np.zeros((c,), np.float32), np.zeros((c,), np.int32), np.ones((c,), np.float32)
@@ -227,7 +229,7 @@ def time_case(model, config, kv: str, context: int, c: int) -> dict:
   head_ms = median_ms(lambda: head_only(flat, tokens), 5)
   return dict(step_ms=float(np.median(times[FLAGS.warmup:]) * 1e3), step_ms_mean=float(np.mean(
       times[FLAGS.warmup:]) * 1e3), head_ms=head_ms, first_step_s=compile_s, cache_bytes=cache_bytes,
-              finite=ok)
+              finite=ok, attention=attention)
 
 
 def projection(measured: list[dict], bw: float, spec_bw: float = 4.8e12) -> list[dict]:
@@ -326,6 +328,7 @@ def write(out_dir: str, runs: list[dict], rows: list[dict], proj: list[dict], sk
                    f" | | | | | | {run} |")
       continue
     name = r["variant"] + (" (XLA fallback)" if "fallback" in r else "") + (
+        " (Mosaic GPU core)" if r.get("attention") == "mosaic_core" else "") + (
         f" ({r['layers']} layers)" if r["layers"] != layers else "")
     lines.append(
         f"| {name} | {r['context']} | {r['concurrency']} | {r['step_ms']:.2f} | {r['full_depth_ms']:.2f} | "
