@@ -53,6 +53,9 @@
 #    programs in flight, 8 at batch 8, 2 at batch 32) against the old base of 16, 4k-128k x 8 / 32, cuDNN beside.
 #    Chosen from three H100 calls that timed 16 / 8 / 4 / 2 splits (results/decode_attention_splits*_h100_s47.md).
 #    Paid on an H100 in the forty-seventh session (results/decode_attention_splits_h100_s47.md, notes §29); kept for an H200.
+# 11. (forty-seventh session) e2e_uniform: the decode step with the oskvp_uniform cache (the Mosaic GPU core) beside
+#    oskvp (the Triton kernel) and bf16 at 32k x 128 / 312 and 4k x 312; paid on an H100 without the bf16 32k x 312
+#    row (84 GB; results/e2e_decode_uniform_h100_s47.md); on an H200 the bf16 row fits.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~77 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -60,7 +63,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="splits orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="splits e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -79,6 +82,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
 run splits 400 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
   --contexts=4096,16384,65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_max_splits=auto,16 --out="$OUT/splits"
+run e2e_uniform 560 python3 benchmarks/e2e_decode.py --steps=8 --full_depth_check=false --time_budget_s=500 \
+  --cases=int4+oskvp_uniform:32768:312,int4+oskvp:32768:312,bf16+bf16:32768:312,int4+oskvp_uniform:32768:128,int4+oskvp:32768:128,int4+oskvp_uniform:4096:312,int4+oskvp:4096:312 \
+  --out="$OUT/e2e_uniform"
 run orot 330 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
   --batches=8,32 --mosaic_core=mma --mosaic_output_rotation=xla,epilogue --mosaic_max_splits=auto,8 --out="$OUT/orot"
 run timeline_orot 150 python3 benchmarks/decode_timeline.py --cases=8x65536 --out="$OUT/timeline_orot" \
