@@ -109,27 +109,31 @@ MOSAIC_PROGRAMS = 512  # programs the core wants in flight: 4 per SM fit (by reg
 # The mma core's base: no floor, the fewest splits that put MOSAIC_PROGRAMS programs in flight (batch 8 × 8 kv heads:
 # 8, batch 16: 4, batch 32: 2; batch 1 and 4 as before, 64 and 16). On an H100, by GPU span at 4k-128k, it was the
 # fastest of 16 / 8 / 4 / 2 splits or within 2.2% of it at batch 8, 16 and 32, and 0.6-20% faster than a base of 16
-# there (results/decode_attention_splits*_h100_s47.md); at batch 1 × 16k, 32 splits beat the raise's 64 by 8%.
+# there (results/decode_attention_splits*_h100_s47.md). Its raise stops at 32 splits (`MMA_SPLITS_CAP`): at batch 1
+# (8 rows) 32 splits were 6–8% faster than 64 at 16k and 0.2–1.3% at 64k / 128k in two calls, par at 4k
+# (`..._splits_b1_h100_s47.md`, `..._splits_b12_h100_s47.md`); at batch 2 (32 splits) unchanged.
 MMA_SPLITS_BASE = 1
-MOSAIC_SPLITS_CAP = 128
+MMA_SPLITS_CAP = 32
+MOSAIC_SPLITS_CAP = 128  # the wgmma core's
 
 
 def mosaic_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows: int | None = None,
-                  max_splits: int | None = None, base: int = MOSAIC_MAX_SPLITS) -> tuple[int, int] | None:
+                  max_splits: int | None = None, base: int = MOSAIC_MAX_SPLITS,
+                  cap: int = MOSAIC_SPLITS_CAP) -> tuple[int, int] | None:
   """(block_s, splits) of the Mosaic GPU core for a cache of `capacity` tokens, or None where the core does not apply
   (head_dim other than a multiple of 128, more than 8 query heads per kv head, other than 8 outlier channels, or a
   capacity that is not a multiple of 64).
 
   splits: the largest power of two up to max_splits that divides the blocks. max_splits None: `base` (16, the wgmma
   core's; the mma core's is `MMA_SPLITS_BASE`, `wired_tiling`), raised for a few rows (`rows` = batch × kv heads)
-  until rows × splits reaches MOSAIC_PROGRAMS: at batch 1 × 8 kv heads, 16 splits give 128 programs, one per SM, and
-  the core waits on memory latency.
+  until rows × splits reaches MOSAIC_PROGRAMS or `cap` (128, the mma core's 32): at batch 1 × 8 kv heads, 16 splits
+  give 128 programs, one per SM, and the core waits on memory latency.
   """
   if head_dim % 128 or group > dc.N or n_outliers != dc.OUTLIERS:
     return None
   if max_splits is None:
     max_splits = base
-    while rows and rows * max_splits < MOSAIC_PROGRAMS and max_splits < MOSAIC_SPLITS_CAP:
+    while rows and rows * max_splits < MOSAIC_PROGRAMS and max_splits < cap:
       max_splits *= 2
   if max_splits < 1:
     raise ValueError(f"max_splits={max_splits} must be at least 1")
@@ -180,18 +184,20 @@ def wired_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows
   batch × kv heads and a window of `window` tokens; the other arguments as there.
 
   The splits follow the core: with max_splits None the mma core takes the fewest that put MOSAIC_PROGRAMS programs
-  in flight (`MMA_SPLITS_BASE`, and enough that a program holds at most `MAX_SPLIT_TOKENS`), the wgmma core starts
-  from 16 (`MOSAIC_MAX_SPLITS`). The mma core's tiling is tried first where it may run; if the core resolves to
+  in flight, at most 32 (`MMA_SPLITS_BASE`, `MMA_SPLITS_CAP`; and enough that a program holds at most
+  `MAX_SPLIT_TOKENS`), the wgmma core starts from 16 (`MOSAIC_MAX_SPLITS`) and stops raising at 128. The mma core's tiling is tried first where it may run; if the core resolves to
   wgmma there (e.g. the XLA glue, the interpreter), the wgmma core's tiling is taken instead.
 
   Raises:
     ValueError: for shapes the core does not take (`mosaic_tiling`), and as `resolved_glue` / `resolved_core` do.
   """
   fit = -(-capacity // dm.MAX_SPLIT_TOKENS)  # splits that keep a program's tokens within the mma core's int32 sums
-  bases = ([MOSAIC_MAX_SPLITS] if core == "wgmma" or max_splits is not None
-           else [max(MMA_SPLITS_BASE, 1 << (fit - 1).bit_length()), MOSAIC_MAX_SPLITS])
-  for base in bases:
-    tiling = mosaic_tiling(capacity, head_dim, group, n_outliers, rows=rows, max_splits=max_splits, base=base)
+  wgmma = (MOSAIC_MAX_SPLITS, MOSAIC_SPLITS_CAP)
+  rules = ([wgmma] if core == "wgmma" or max_splits is not None
+           else [(max(MMA_SPLITS_BASE, 1 << (fit - 1).bit_length()), MMA_SPLITS_CAP), wgmma])
+  for base, cap in rules:
+    tiling = mosaic_tiling(capacity, head_dim, group, n_outliers, rows=rows, max_splits=max_splits, base=base,
+                           cap=cap)
     if tiling is None:
       raise ValueError(f"the Mosaic GPU core does not take G={group} query heads per kv head, H={head_dim}, "
                        f"capacity S={capacity}, O={n_outliers} (needs G = N/K <= {dc.N}, H a multiple of 128, "
@@ -200,9 +206,9 @@ def wired_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows
     resolved = resolved_glue(glue, window, splits, head_dim, group)
     chosen = resolved_core(core, glue=resolved, block_s=block_s, head_dim=head_dim, interpret=interpret,
                            split_tokens=capacity // splits, value_outliers=value_outliers, mma_key_rows=mma_key_rows)
-    if chosen == "mma" or base == MOSAIC_MAX_SPLITS:
+    if chosen == "mma" or (base, cap) == wgmma:
       return block_s, splits, resolved, chosen
-  raise AssertionError("unreachable: the last base is the wgmma core's")
+  raise AssertionError("unreachable: the last rule is the wgmma core's")
 
 
 QUERY_ROTATIONS = ("prologue", "xla")
@@ -245,7 +251,8 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     glue: "auto", "pallas" or "xla" (see above).
     value_outliers: the core's form of the value-outlier sums ("fp8", "fp8_stacked" or "f16"; `decode_core_mgpu`).
     max_splits: programs per batch row × kv head at most (`mosaic_tiling`; None: sized for B·K and the core,
-      `wired_tiling`: the mma core the fewest splits that put 512 programs in flight, the wgmma core 16 or more).
+      `wired_tiling`: the mma core the fewest splits that put 512 programs in flight, at most 32; the wgmma core 16
+      or more).
     core: "wgmma" (`oskvp_decode_core_mgpu`), "mma" (`oskvp_decode_core_mma`, warp-level) or "auto" (the
       default; `resolved_core`: "mma" where it applies, else "wgmma". On an H100 the mma core made the op 4–8%
       faster by GPU span at 64k / 128k × 8 / 32, results/decode_attention_mma_h100_s41c.md; not yet timed on an

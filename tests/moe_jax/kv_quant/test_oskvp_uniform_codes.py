@@ -241,16 +241,18 @@ def test_mosaic_tiling():
 
 
 def test_wired_tiling_follows_the_core():
-  """The splits are the core's: the mma core takes the fewest that put MOSAIC_PROGRAMS (512) programs in flight, the
-  wgmma core (the interpreter's, the XLA glue's, or asked for) starts from 16; max_splits binds both."""
+  """The splits are the core's: the mma core takes the fewest that put MOSAIC_PROGRAMS (512) programs in flight, at
+  most 32; the wgmma core (the interpreter's, the XLA glue's, or asked for) starts from 16 and raises to 128;
+  max_splits binds both."""
   kw = dict(glue="auto", value_outliers=dc.VALUE_OUTLIERS, mma_key_rows=dm.KEY_ROW_DEFAULT)
   gpu = functools.partial(uc.wired_tiling, 65536, 128, 4, 8, max_splits=None, core="auto", interpret=False, **kw)
-  for rows, splits in ((8, 64), (32, 16), (64, 8), (128, 4), (256, 2), (512, 1), (1024, 1)):
+  for rows, splits in ((1, 32), (8, 32), (16, 32), (32, 16), (64, 8), (128, 4), (256, 2), (512, 1), (1024, 1)):
     assert gpu(rows, 128) == (128, splits, "pallas", "mma"), rows
   assert gpu(64, 100) == (128, 16, "xla", "wgmma")  # a window the Pallas epilogue does not take: the XLA glue
   interp = functools.partial(uc.wired_tiling, 65536, 128, 4, 8, max_splits=None, core="auto", interpret=True, **kw)
   assert interp(64, 128) == (128, 16, "pallas", "wgmma")
   assert interp(8, 128) == (128, 64, "pallas", "wgmma")
+  assert interp(1, 128) == (128, 128, "pallas", "wgmma")
   asked = uc.wired_tiling(65536, 128, 4, 8, 256, 128, max_splits=None, core="wgmma", interpret=False, **kw)
   assert asked == (128, 16, "pallas", "wgmma")
   bound = uc.wired_tiling(65536, 128, 4, 8, 64, 128, max_splits=16, core="auto", interpret=False, **kw)
