@@ -51,8 +51,9 @@
 #    context; alone 1.14-1.35x faster at batch 32). Kept for an H200: orot, epilogue_bench.
 # 10. (forty-seventh session) splits: the mma core's splits rule (`wired_tiling`: the fewest splits that put 512
 #    programs in flight, 8 at batch 8, 2 at batch 32) against the old base of 16, 4k-128k x 8 / 32, cuDNN beside.
-#    Chosen from three H100 calls that timed 16 / 8 / 4 / 2 splits (results/decode_attention_splits*_h100_s47.md).
-#    Paid on an H100 in the forty-seventh session (results/decode_attention_splits_h100_s47.md, notes §29); kept for an H200.
+#    Chosen from four H100 calls that timed 64 / 32 / 16 / 8 / 4 / 2 splits (results/decode_attention_splits*_h100_s47.md;
+#    batch 1 takes 32, the raise's cap). Paid on an H100 (results/decode_attention_splits_h100_s47.md, notes §29);
+#    kept for an H200.
 # 11. (forty-seventh session) e2e_uniform: the decode step with the oskvp_uniform cache (the Mosaic GPU core) beside
 #    oskvp (the Triton kernel) and bf16 at 32k x 128 / 312 and 4k x 312; paid on an H100 without the bf16 32k x 312
 #    row (84 GB; results/e2e_decode_uniform_h100_s47.md); on an H200 the bf16 row fits.
@@ -83,7 +84,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 run splits 400 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
   --contexts=4096,16384,65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_max_splits=auto,16 --out="$OUT/splits"
 run e2e_uniform 560 python3 benchmarks/e2e_decode.py --steps=8 --full_depth_check=false --time_budget_s=500 \
-  --cases=int4+oskvp_uniform:32768:312,int4+oskvp:32768:312,bf16+bf16:32768:312,int4+oskvp_uniform:32768:128,int4+oskvp:32768:128,int4+oskvp_uniform:4096:312,int4+oskvp:4096:312 \
+  --cases=int4+oskvp_uniform:32768:312,int4+oskvp:32768:312,bf16+bf16:32768:312,int4+oskvp_uniform:32768:128\
+,int4+oskvp:32768:128,int4+oskvp_uniform:4096:312,int4+oskvp:4096:312 \
   --out="$OUT/e2e_uniform"
 run orot 330 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=65536,131072 \
   --batches=8,32 --mosaic_core=mma --mosaic_output_rotation=xla,epilogue --mosaic_max_splits=auto,8 --out="$OUT/orot"

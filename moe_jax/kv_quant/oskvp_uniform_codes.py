@@ -104,10 +104,10 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
 # ---- Decode attention over a whole uniform cache (the layer cache's layout, values tokens contiguous).
 
 MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
-MOSAIC_MAX_SPLITS = 16  # the wgmma core's programs per batch row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
+MOSAIC_MAX_SPLITS = 16  # the wgmma core's programs per row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
 MOSAIC_PROGRAMS = 512  # programs the core wants in flight: 4 per SM fit (by registers) on the H200's 132 SMs
 # The mma core's base: no floor, the fewest splits that put MOSAIC_PROGRAMS programs in flight (batch 8 × 8 kv heads:
-# 8, batch 16: 4, batch 32: 2; batch 1 and 4 as before, 64 and 16). On an H100, by GPU span at 4k-128k, it was the
+# 8, batch 16: 4, batch 32: 2, batch 4: 16 as before; batch 1 and 2: 32). On an H100, by GPU span at 4k-128k, it was the
 # fastest of 16 / 8 / 4 / 2 splits or within 2.2% of it at batch 8, 16 and 32, and 0.6-20% faster than a base of 16
 # there (results/decode_attention_splits*_h100_s47.md). Its raise stops at 32 splits (`MMA_SPLITS_CAP`): at batch 1
 # (8 rows) 32 splits were 6–8% faster than 64 at 16k and 0.2–1.3% at 64k / 128k in two calls, par at 4k
@@ -185,8 +185,9 @@ def wired_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows
 
   The splits follow the core: with max_splits None the mma core takes the fewest that put MOSAIC_PROGRAMS programs
   in flight, at most 32 (`MMA_SPLITS_BASE`, `MMA_SPLITS_CAP`; and enough that a program holds at most
-  `MAX_SPLIT_TOKENS`), the wgmma core starts from 16 (`MOSAIC_MAX_SPLITS`) and stops raising at 128. The mma core's tiling is tried first where it may run; if the core resolves to
-  wgmma there (e.g. the XLA glue, the interpreter), the wgmma core's tiling is taken instead.
+  `MAX_SPLIT_TOKENS`), the wgmma core starts from 16 (`MOSAIC_MAX_SPLITS`) and stops raising at 128. The mma core's
+  tiling is tried first where it may run; if the core resolves to wgmma there (e.g. the XLA glue, the interpreter),
+  the wgmma core's tiling is taken instead.
 
   Raises:
     ValueError: for shapes the core does not take (`mosaic_tiling`), and as `resolved_glue` / `resolved_core` do.
