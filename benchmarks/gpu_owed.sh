@@ -51,12 +51,12 @@
 #    context; alone 1.14-1.35x faster at batch 32). Kept for an H200: orot, epilogue_bench.
 # 10. (forty-seventh session) splits: the mma core's splits rule (`wired_tiling`: the fewest splits that put 512
 #    programs in flight, 8 at batch 8, 2 at batch 32) against the old base of 16, 4k-128k x 8 / 32, cuDNN beside.
-#    Chosen from four H100 calls that timed 64 / 32 / 16 / 8 / 4 / 2 splits (results/decode_attention_splits*_h100_s47.md;
+#    Chosen from five H100 calls that timed 128 / 64 / 32 / 16 / 8 / 4 / 2 splits (results/decode_attention_splits*_h100_s47.md;
 #    batch 1 takes 32, the raise's cap). Paid on an H100 (results/decode_attention_splits_h100_s47.md, notes §29);
 #    kept for an H200.
 # 11. (forty-seventh session) e2e_uniform: the decode step with the oskvp_uniform cache (the Mosaic GPU core) beside
-#    oskvp (the Triton kernel) and bf16 at 32k x 128 / 312 and 4k x 312; paid on an H100 without the bf16 32k x 312
-#    row (84 GB; results/e2e_decode_uniform_h100_s47.md); on an H200 the bf16 row fits.
+#    oskvp (the Triton kernel) at 32k x 128 / 312 and 4k x 312, bf16 at 32k x 312; paid on an H100 without the bf16
+#    row (84 GB; results/e2e_decode_uniform_h100_s47{,b}.md); on an H200 it fits.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~77 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,

@@ -4,16 +4,16 @@ against `rotating_epilogue` (both in one Pallas kernel), by CUPTI kernel time on
 Run on the GPU:  PYTHONPATH=$PWD python3 benchmarks/oskvp_epilogue_bench.py --out=$OUT
 CPU smoke test:  PYTHONPATH=$PWD python3 benchmarks/oskvp_epilogue_bench.py --smoke --out=/tmp/epi_smoke
 
-Shapes: the benchmark's attention (32 query heads over 8 kv heads, head dim 128, a 128-token window, bf16 queries)
-at the batches and splits the wired path runs at 64k (`wired_tiling`, mma core: batch 8 takes 8 splits, batch 32
-takes 2, batch 1 32) and at 16, the wgmma core's and the mma core's before the forty-seventh session (the
-forty-sixth session's H100 runs, results/oskvp_epilogue_h100_s46{,b}.md, timed batch 32 at 4, 8 and 16 splits and
-batch 1 at 64). Forms: `epilogue` then the XLA matmul (as glue="pallas" runs it by default), `rotating_epilogue`
-at 4 and 8 warps with all 128 output channels per program, and at 4 warps with 64 or 32 (the merge repeated 2 or 4 times, twice or four times the programs). Per case, each form is first checked
-against `rotating_epilogue_reference` (relative L2 in the query's dtype; any failure stops the run before timing),
-then timed: the median over --iters calls of the summed CUPTI time of the kernels one call launches (on the CPU,
---smoke: wall clock in interpret mode, at tiny shapes, to exercise the report; the numbers mean nothing). Writes
-oskvp_epilogue_<device>.{md,json} under --out.
+Shapes: the benchmark's attention (32 query heads over 8 kv heads, head dim 128, a 128-token window, bf16 queries) at
+the batches and splits the wired path runs at 64k (`wired_tiling`, mma core: batch 8 takes 8 splits, batch 32 takes 2,
+batch 1 32) and at 16, the wgmma core's and the mma core's before the forty-seventh session (the forty-sixth session's
+H100 runs, results/oskvp_epilogue_h100_s46{,b}.md, timed batch 32 at 4, 8 and 16 splits and batch 1 at 64). Forms:
+`epilogue` then the XLA matmul (as glue="pallas" runs it by default), `rotating_epilogue` at 4 and 8 warps with all 128
+output channels per program, and at 4 warps with 64 or 32 (the merge repeated 2 or 4 times, twice or four times the
+programs). Per case, each form is first checked against `rotating_epilogue_reference` (relative L2 in the query's dtype;
+any failure stops the run before timing), then timed: the median over --iters calls of the summed CUPTI time of the
+kernels one call launches (on the CPU, --smoke: wall clock in interpret mode, at tiny shapes, to exercise the report;
+the numbers mean nothing). Writes oskvp_epilogue_<device>.{md,json} under --out.
 """
 
 from __future__ import annotations
