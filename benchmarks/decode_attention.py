@@ -234,12 +234,17 @@ def token_major(a):
 
 def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_stacked", core: str = "wgmma",
                          query_rotation: str = "xla", output_rotation: str = "xla"):
-  """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4)."""
+  """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4): 32 and 16
+  splits at batch 2 and 3 (the mma core's rule, `wired_tiling`), 2 and 1 at batch 32 and 64 (random lengths)."""
   out = []
-  for b, s, n_comp, n_res in ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64))):
+  rng = np.random.default_rng(0)
+  wide = [(b, s, (0, 1, s, *rng.integers(0, s + 1, b - 3).tolist()),  # edge rows first, then random lengths
+           (1, 0, WINDOW, *rng.integers(0, WINDOW + 1, b - 3).tolist())) for b, s in ((32, 2048), (64, 1024))]
+  for b, s, n_comp, n_res in ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64)), *wide):
     a = list(uniform_args(jax.random.key(b * s), b, s))
     a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(n_res, jnp.int32)
-    case = f"B={b} S={s} n_comp={n_comp} n_res={n_res}"
+    case = (f"B={b} S={s} n_comp={n_comp} n_res={n_res}" if b <= 4 else
+            f"B={b} S={s} n_comp in [{min(n_comp)}, {max(n_comp)}] n_res in [{min(n_res)}, {max(n_res)}]")
     config = (f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core} query_rotation={query_rotation}"
               f" output_rotation={output_rotation}")
     try:
