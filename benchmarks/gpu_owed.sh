@@ -53,7 +53,9 @@
 #    programs in flight, 8 at batch 8, 2 at batch 32) against the old base of 16, 4k-128k x 8 / 32, cuDNN beside.
 #    Chosen from five H100 calls that timed 128 / 64 / 32 / 16 / 8 / 4 / 2 splits (results/decode_attention_splits*_h100_s47.md;
 #    batch 1 takes 32, the raise's cap). Paid on an H100 (results/decode_attention_splits_h100_s47.md, notes §29);
-#    kept for an H200.
+#    kept for an H200. The rule runs 2 and 1 splits at batch 32 and 64, which no GPU check has covered (timed only,
+#    and finite in the e2e step): decode_attention.py's checks now include batch 32 and 64 cases and run first in
+#    every step that calls it, on any card.
 # 11. (forty-seventh session) e2e_uniform: the decode step with the oskvp_uniform cache (the Mosaic GPU core) beside
 #    oskvp (the Triton kernel) at 32k x 128 / 312 and 4k x 312, bf16 at 32k x 312; paid on an H100 without the bf16
 #    row (84 GB; results/e2e_decode_uniform_h100_s47{,b}.md); on an H200 it fits.
