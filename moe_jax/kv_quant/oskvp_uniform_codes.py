@@ -106,12 +106,12 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
 MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
 MOSAIC_MAX_SPLITS = 16  # the wgmma core's programs per row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
 MOSAIC_PROGRAMS = 512  # programs the core wants in flight: 4 per SM fit (by registers) on the H200's 132 SMs
-# The mma core's base: no floor, the fewest splits that put MOSAIC_PROGRAMS programs in flight (batch 8 × 8 kv heads:
-# 8, batch 16: 4, batch 32: 2, batch 4: 16 as before; batch 1 and 2: 32). On an H100, by GPU span at 4k-128k, it was the
-# fastest of 16 / 8 / 4 / 2 splits or within 2.2% of it at batch 8, 16 and 32, and 0.2-20% faster than a base of 16
-# there (results/decode_attention_splits*_h100_s47.md). Its raise stops at 32 splits (`MMA_SPLITS_CAP`): at batch 1
-# (8 rows) 32 splits were 6–8% faster than 64 at 16k and 0.3–1.2% at 64k / 128k in two calls, par at 4k
-# (`..._splits_b1_h100_s47.md`, `..._splits_b12_h100_s47.md`); at batch 2 (32 splits) unchanged.
+# The mma core's base: no floor, the fewest splits that put MOSAIC_PROGRAMS programs in flight (batch 8 × 8 kv
+# heads: 8, batch 16: 4, batch 32: 2, batch 4: 16 as before; batch 1 and 2: 32). On an H100, by GPU span at
+# 4k-128k, it was the fastest of 16 / 8 / 4 / 2 splits or within 2.2% of it at batch 8, 16 and 32, and 0.2-20%
+# faster than a base of 16 there (results/decode_attention_splits*_h100_s47.md). Its raise stops at 32 splits
+# (`MMA_SPLITS_CAP`): at batch 1 (8 rows) 32 splits were 6–8% faster than 64 at 16k and 0.3–1.2% at 64k / 128k in
+# two calls, par at 4k (`..._splits_b1_h100_s47.md`, `..._splits_b12_h100_s47.md`); batch 2 (32 splits) unchanged.
 MMA_SPLITS_BASE = 1
 MMA_SPLITS_CAP = 32
 MOSAIC_SPLITS_CAP = 128  # the wgmma core's
