@@ -60,7 +60,7 @@
 #    oskvp (the Triton kernel) at 32k x 128 / 312 and 4k x 312, bf16 at 32k x 312; paid on an H100 without the bf16
 #    row (84 GB; results/e2e_decode_uniform_h100_s47{,b}.md); on an H200 it fits.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
-# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~77 min.
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~93 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
 # STEPS=experts (one call each, the fortieth session's), STEPS="float16_trace refit refit_b32", then
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
