@@ -234,8 +234,9 @@ def token_major(a):
 
 def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_stacked", core: str = "wgmma",
                          query_rotation: str = "xla", output_rotation: str = "xla"):
-  """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4): 32 and 16
-  splits at batch 2 and 3 (the mma core's rule, `wired_tiling`), 2 and 1 at batch 32 and 64 (random lengths)."""
+  """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4). With
+  core="mma" (`wired_tiling`) batch 2 and 3 run 32 and 16 splits, batch 32 and 64 (random lengths) 2 and 1; the wgmma
+  core runs 16 or more at each."""
   out = []
   rng = np.random.default_rng(0)
   wide = [(b, s, (0, 1, s, *rng.integers(0, s + 1, b - 3).tolist()),  # edge rows first, then random lengths

@@ -193,11 +193,8 @@ def step_bytes(config, model, c: int, cache_bytes: int) -> dict:
 
 
 @jax.jit
-@jax.jit
 def head_only(flat, tokens):
-  """Embedding, final norm, LM head and argmax of [C] tokens: the part of a step that does not scale with depth.
-  Compiled, as inside the step: until the forty-seventh session it ran op by op, and its time (0.55–1.7 ms on the GPU,
-  mostly dispatch) was subtracted from the step before scaling to full depth, which understated the full-depth rows."""
+  """Embedding, final norm, LM head and argmax of [C] tokens: the part of a step that does not scale with depth."""
   model = flat.unflatten()
   x = model.embed(tokens[:, None])
   return jnp.argmax(model.unembed(x)[:, 0], axis=-1)
@@ -229,6 +226,8 @@ def time_case(model, config, kv: str, context: int, c: int) -> dict:
       compile_s = time.perf_counter() - t0
   ok = bool(np.asarray(finite).all())
   del cache
+  # Median of 21 calls: the full-depth column scales the step less this head by 12 for 48 layers, and a median of 5
+  # read 0.57-1.72 ms on one H100 (results/e2e_decode_uniform_h100_s47.md), 0.56-0.78 with 21 (_s47b.md).
   head_ms = median_ms(lambda: head_only(flat, tokens), 21)
   return dict(step_ms=float(np.median(times[FLAGS.warmup:]) * 1e3), step_ms_mean=float(np.mean(
       times[FLAGS.warmup:]) * 1e3), head_ms=head_ms, first_step_s=compile_s, cache_bytes=cache_bytes,
