@@ -189,21 +189,34 @@ def uniform_args(key, b, s):
 
 
 def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", max_splits: int | None = None,
-                   core: str = "wgmma", query_rotation: str = "xla", output_rotation: str = "xla"):
+                   core: str = "wgmma", query_rotation: str = "xla", output_rotation: str = "xla",
+                   epilogue_channels: int | None = None):
   """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue,
-  value_outliers, max_splits, core, query_rotation and output_rotation as in `uniform_decode_attention`
+  value_outliers, max_splits, core, query_rotation, output_rotation and epilogue_channels as in
+  `uniform_decode_attention`
   ("mma:tokens": core="mma" with mma_key_rows="tokens"). The wgmma core unless named: see the label."""
   from moe_jax.kv_quant.oskvp_uniform_codes import uniform_decode_attention  # pylint: disable=g-import-not-at-top
   core, key_rows = mosaic_core_parts(core)
   return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits, core=core,
                                   mma_key_rows=key_rows, query_rotation=query_rotation,
-                                  output_rotation=output_rotation)
+                                  output_rotation=output_rotation, epilogue_channels=epilogue_channels)
+
+
+def channels_arg(value: str) -> int | None:
+  """--mosaic_epilogue_channels' entry -> `uniform_decode_attention`'s epilogue_channels ("auto": None)."""
+  return None if value == "auto" else int(value)
 
 
 def rotation_applies(glue: str, query_rotation: str, output_rotation: str = "xla") -> bool:
   """Whether --mosaic_grid runs these rotations under this glue: the XLA glue always rotates in XLA (a "prologue"
   or "epilogue" row there would be refused, `uniform_decode_attention`)."""
   return glue != "xla" or query_rotation == output_rotation == "xla"
+
+
+def channels_apply(glue: str, output_rotation: str, channels: str) -> bool:
+  """Whether --mosaic_grid runs these epilogue channels: only the Pallas glue's `epilogue` takes them (the XLA glue
+  and the rotating epilogue would refuse them, `uniform_decode_attention`)."""
+  return channels == "auto" or (glue != "xla" and output_rotation == "xla")
 
 
 def rotation_label(query_rotation: str, output_rotation: str) -> str:
@@ -233,7 +246,7 @@ def token_major(a):
 
 
 def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_stacked", core: str = "wgmma",
-                         query_rotation: str = "xla", output_rotation: str = "xla"):
+                         query_rotation: str = "xla", output_rotation: str = "xla", epilogue_channels: str = "auto"):
   """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4). With
   core="mma" (`wired_tiling`) batch 2 and 3 run 32 and 16 splits, batch 32 and 64 (random lengths) 2 and 1; the wgmma
   core runs 16 or more at each."""
@@ -247,10 +260,11 @@ def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_sta
     case = (f"B={b} S={s} n_comp={n_comp} n_res={n_res}" if b <= 4 else
             f"B={b} S={s} n_comp in [{min(n_comp)}, {max(n_comp)}] n_res in [{min(n_res)}, {max(n_res)}]")
     config = (f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core} query_rotation={query_rotation}"
-              f" output_rotation={output_rotation}")
+              f" output_rotation={output_rotation} epilogue_channels={epilogue_channels}")
     try:
       got = jax.jit(functools.partial(mosaic_uniform, glue=glue, value_outliers=value_outliers, core=core,
-                                      query_rotation=query_rotation, output_rotation=output_rotation))(*a)
+                                      query_rotation=query_rotation, output_rotation=output_rotation,
+                                      epilogue_channels=channels_arg(epilogue_channels)))(*a)
       want = jax.jit(oskvp_decode_attention_reference)(*token_major(a))
       out.append(dict(case=case, config=config, rel_err=rel_l2(got, want), nan=bool(jnp.isnan(got).any())))
     except Exception as e:  # pylint: disable=broad-except
@@ -342,6 +356,9 @@ def main():
   ap.add_argument("--mosaic_output_rotation", default="xla",
                   help="comma-separated output rotations of the wired path in --mosaic_grid "
                        "(uniform_decode_attention's output_rotation=: xla, epilogue)")
+  ap.add_argument("--mosaic_epilogue_channels", default="auto",
+                  help="comma-separated output channels per epilogue program timed in --mosaic_grid "
+                       "(uniform_decode_attention's epilogue_channels=: auto, 16, 32, 64, 128)")
   ap.add_argument("--mosaic_query_rotation", default="xla",
                   help="comma-separated places of q U_k timed in --mosaic_grid (uniform_decode_attention's "
                        "query_rotation=: xla, prologue)")
@@ -368,13 +385,12 @@ def main():
     if copy_span_tbs:
       log(f"by GPU span: copy {copy_span_tbs:.2f} TB/s, read-only sum {read_span_tbs:.2f} TB/s")
   if args.mosaic_grid:
-    checks = [c for glue, form, core, rot, orot in itertools.product(args.mosaic_glue.split(","),
-                                                                     args.mosaic_value_outliers.split(","),
-                                                                     args.mosaic_core.split(","),
-                                                                     args.mosaic_query_rotation.split(","),
-                                                                     args.mosaic_output_rotation.split(","))
-              if rotation_applies(glue, rot, orot)
-              for c in check_mosaic_uniform(log, glue, form, core, rot, orot)]
+    checks = [c for glue, form, core, rot, orot, hc in itertools.product(
+                  args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","), args.mosaic_core.split(","),
+                  args.mosaic_query_rotation.split(","), args.mosaic_output_rotation.split(","),
+                  args.mosaic_epilogue_channels.split(","))
+              if rotation_applies(glue, rot, orot) and channels_apply(glue, orot, hc)
+              for c in check_mosaic_uniform(log, glue, form, core, rot, orot, hc)]
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
       return 1
@@ -508,21 +524,22 @@ def main():
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
-        for glue, form, ms, core, rot, orot in itertools.product(
+        for glue, form, ms, core, rot, orot, hc in itertools.product(
             args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","), args.mosaic_max_splits.split(","),
             args.mosaic_core.split(","), args.mosaic_query_rotation.split(","),
-            args.mosaic_output_rotation.split(",")):
-          if not rotation_applies(glue, rot, orot):
+            args.mosaic_output_rotation.split(","), args.mosaic_epilogue_channels.split(",")):
+          if not (rotation_applies(glue, rot, orot) and channels_apply(glue, orot, hc)):
             continue
           attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
                   + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}")
-                  + mosaic_core_label(core) + rotation_label(rot, orot), b, s,
+                  + mosaic_core_label(core) + rotation_label(rot, orot) + ("" if hc == "auto" else f"_e{hc}"), b, s,
                   functools.partial(mosaic_uniform, glue=glue, value_outliers=form,
                                     max_splits=None if ms == "auto" else int(ms), core=core, query_rotation=rot,
-                                    output_rotation=orot),
+                                    output_rotation=orot, epilogue_channels=channels_arg(hc)),
                   lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
                   f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={glue}, value_outliers={form}, "
-                  f"max_splits={ms}, core={core}, query_rotation={rot}, output_rotation={orot}")
+                  f"max_splits={ms}, core={core}, query_rotation={rot}, output_rotation={orot}, "
+                  f"epilogue_channels={hc}")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,

@@ -10,7 +10,8 @@ batch 1 32) and at 16, the wgmma core's and the mma core's before the forty-seve
 H100 runs, results/oskvp_epilogue_h100_s46{,b}.md, timed batch 32 at 4, 8 and 16 splits and batch 1 at 64). Forms:
 `epilogue` then the XLA matmul (as glue="pallas" runs it by default), `rotating_epilogue` at 4 and 8 warps with all 128
 output channels per program, and at 4 warps with 64 or 32 (the merge repeated 2 or 4 times, twice or four times the
-programs). Per case, each form is first checked against `rotating_epilogue_reference` (relative L2 in the query's dtype;
+programs), and `epilogue` with 64 or 128 output channels per program (`channels`: the window scored once for 2 or 4
+runs of 32; half or a quarter of the programs) then the XLA matmul. --forms times a subset. Per case, each form is first checked against `rotating_epilogue_reference` (relative L2 in the query's dtype;
 any failure stops the run before timing), then timed: the median over --iters calls of the summed CUPTI time of the
 kernels one call launches (on the CPU, --smoke: wall clock in interpret mode, at tiny shapes, to exercise the report;
 the numbers mean nothing). Writes oskvp_epilogue_<device>.{md,json} under --out.
@@ -48,15 +49,18 @@ def tail_inputs(key, b: int, kh: int, splits: int, h: int):
 
 def forms(interpret: bool) -> dict:
   """name -> fn(args, u_v) -> bf16 [B, K, G, H]."""
-  def xla_rotation(args, u_v):
-    o = epi.epilogue(*args, interpret=interpret)
+  def xla_rotation(args, u_v, channels=None):
+    o = epi.epilogue(*args, interpret=interpret, channels=channels)
     return jnp.einsum("BKGJ,BKHJ->BKGH", o, u_v).astype(jnp.bfloat16)
+
+  wide = lambda hc: functools.partial(xla_rotation, channels=hc)
 
   rotating = lambda warps, cols=None: lambda args, u_v: epi.rotating_epilogue(
       *args, u_v, out_dtype=jnp.bfloat16, interpret=interpret, num_warps=warps, out_channels=cols)
   return {"epilogue+xla_rotation": xla_rotation, "rotating_epilogue_w4": rotating(4),
           "rotating_epilogue_w8": rotating(8), "rotating_epilogue_w4_c64": rotating(4, 64),
-          "rotating_epilogue_w4_c32": rotating(4, 32)}
+          "rotating_epilogue_w4_c32": rotating(4, 32), "epilogue_c64+xla_rotation": wide(64),
+          "epilogue_c128+xla_rotation": wide(128)}
 
 
 def kernel_ms(fn, iters: int, gpu: bool) -> tuple[float, int]:
@@ -82,15 +86,21 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="/tmp/oskvp_epilogue")
   ap.add_argument("--iters", type=int, default=30)
   ap.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, tiny shapes")
+  ap.add_argument("--forms", default="", help="comma-separated forms to time (default: all; the first is the base)")
   args = ap.parse_args(argv)
   gpu = jax.devices()[0].platform == "gpu" and not args.smoke
   cases, kh, iters = (CASES, KV_HEADS, args.iters) if not args.smoke else (SMOKE_CASES, 2, 2)
   fns = forms(interpret=not gpu)
+  if args.forms:
+    unknown = set(args.forms.split(",")) - set(fns)
+    if unknown:
+      ap.error(f"--forms: unknown {sorted(unknown)} (forms: {', '.join(fns)})")
+    fns = {name: fns[name] for name in args.forms.split(",")}
   meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               timing="CUPTI kernel sum, median" if gpu else "wall clock (interpret mode: meaningless)")
   rows, md = [], [f"# The OS-KVP epilogue forms: {jax.devices()[0].device_kind}, jax {jax.__version__}, {meta['date']}",
                   "", f"Timing: {meta['timing']} over {iters} calls. K = {kh} kv heads, G = {G}, H = {H}, window {R}.",
-                  "", "| batch | splits | form | rel. err (bf16) | kernels | µs | × epilogue+xla_rotation |",
+                  "", "| batch | splits | form | rel. err (bf16) | kernels | µs | × the first form |",
                   "|---|---|---|---|---|---|---|"]
   for b, splits in cases:
     tail, u_v = tail_inputs(jax.random.key(b * 100 + splits), b, kh, splits, H)

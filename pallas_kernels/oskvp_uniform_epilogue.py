@@ -43,7 +43,7 @@ from pallas_kernels.oskvp_value_sums_mgpu import channel_rows
 from pallas_kernels.oskvp_uniform_glue import LOG2E, merge_lse2, uniform_steps, window_attention
 
 RUN = 32  # output channels per unrolled run of `rotating_epilogue` (`acc_view`'s widest block)
-MAX_ROTATING_SPLITS = 64  # `rotating_epilogue` holds S × H × 8 f32 of acc per program: 64 KB a run up to here
+MAX_ROTATING_SPLITS = 64  # `rotating_epilogue` (and an `epilogue` program wider than RUN) holds S × 32 × 8 f32 a run
 
 
 def _split_weights(ml_ref, qc_ref):
@@ -101,17 +101,29 @@ def _joined(o_c16, lse_c16, p, total_r, lse_r, rv):
   return (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
 
 
-def _epilogue_kernel(acc_ref, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref):
-  # acc_ref [S, HC/8, 8, 8] f32 (this program's HC channels, in channel order once merged: `acc_view`); ml_ref
-  # [S, 32]; ao_ref [S, P, 8, 8]
-  # ([head, outlier channel] in P parts); q_ref [G, H] f32 (rotated); qc_ref [8]; cb_ref [HC, 4]; sv_ref [8];
-  # rk_ref [R, H] bf16; rv_ref [R, HC] bf16; nr_ref []. o_ref [G, HC] f32. One round of loads, no loops.
-  splits, hc = acc_ref.shape[0], acc_ref.shape[1] * acc_ref.shape[2]
+def _epilogue_kernel(*refs, runs: int):
+  # refs: acc_ref × runs [S, W/8, 8, 8] f32 (this program's HC = runs·W channels, run c holding [cW, (c + 1)W), in
+  # channel order once merged: `acc_view`), ml_ref [S, 32], ao_ref [S, P, 8, 8] ([head, outlier channel] in P
+  # parts), q_ref [G, H] f32 (rotated), qc_ref [8], cb_ref [HC, 4], sv_ref [8], rk_ref [R, H] bf16, rv_ref [R, HC]
+  # bf16, nr_ref [], o_ref [G, HC] f32. The window's scores once, then each run merged, joined and stored; one round
+  # of loads, no loops (the runs unroll).
+  acc_refs, (ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref) = refs[:runs], refs[runs:]
+  splits, hc, h = acc_refs[0].shape[0], o_ref.shape[1], q_ref.shape[1]
+  width = hc // runs
   w, inv, lse_c16 = _split_weights(ml_ref, qc_ref)
-  o_c16 = _compressed_channels(acc_ref[...].reshape(splits, hc, N), w, inv, cb_ref, slice(None),
-                               _value_outliers(ao_ref, sv_ref, w, inv), pl.program_id(2) * hc)
+  mean_o = _value_outliers(ao_ref, sv_ref, w, inv)
   p, total_r, lse_r = _window_weights(q_ref, rk_ref, nr_ref)
-  o_ref[...] = live_rows(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[...]), o_ref.shape[0])
+  for c, acc_ref in enumerate(acc_refs):
+    run = slice(None) if runs == 1 else pl.ds(c * width, width)
+    acc = acc_ref[...].reshape(splits, width, N)
+    # with one program over all H channels, runs past channel 7 hold no value outlier (statically)
+    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o if hc < h or c * width < OUTLIERS else None,
+                                 pl.program_id(2) * hc + c * width)
+    out = live_rows(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[:, run]), o_ref.shape[0])
+    if runs == 1:
+      o_ref[...] = out
+    else:
+      o_ref[:, run] = out
 
 
 def _rotating_epilogue_kernel(*refs, runs: int):
@@ -168,8 +180,11 @@ def epilogue_shape_error(window: int, splits: int, head_dim: int, channels: int 
     return f"the window R={window} (at least 16) and splits={splits} must be powers of two"
   if head_dim % 128:
     return f"head_dim={head_dim} must be a multiple of 128 (the core's accumulator row order)"
-  if channels not in (None, 16, 32):
-    return f"channels={channels} must be 16 or 32"
+  if channels not in (None, 16, 32) and (channels % RUN or channels & (channels - 1) or head_dim % channels):
+    return f"channels={channels} must be 16, 32 or a power-of-two multiple of 32 dividing H={head_dim}"
+  if channels is not None and channels > RUN and splits > MAX_ROTATING_SPLITS:
+    return (f"channels={channels} with splits={splits}: a program wider than {RUN} channels takes at most "
+            f"{MAX_ROTATING_SPLITS} splits")
   if group is not None and N % group:
     return f"G={group} query heads per kv head must divide {N}"
   return None
@@ -179,27 +194,32 @@ def epilogue_shape_error(window: int, splits: int, head_dim: int, channels: int 
 def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, interpret: bool = False,
              num_warps: int = 4, channels: int | None = None):
   """`epilogue_reference` in one Pallas kernel (grid B × K × H/HC, HC = channels or `epilogue_channels`). Shapes as
-  there; the window R and the splits must be powers of two (Triton tiles), R ≥ 16."""
+  there; the window R and the splits must be powers of two (Triton tiles), R ≥ 16. A program of HC > 32 channels
+  scores the window once for all of them and merges them in HC/32 unrolled runs (at most `MAX_ROTATING_SPLITS`
+  splits)."""
   b, kh, splits, h, _ = acc.shape
   g, r = q_rot.shape[2], res_k.shape[2]
   error = epilogue_shape_error(r, splits, h, channels, g)
   if error:
     raise ValueError(error)
   hc = channels or epilogue_channels(splits)
+  runs = max(1, hc // RUN)
   spec = lambda *tail, cols=None: pl.BlockSpec(
       (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))
-  acc, acc_block, acc_index = acc_view(acc, hc)
-  acc_spec = pl.BlockSpec((None, None, splits, *acc_block), lambda i, j, c: (i, j, 0, *acc_index(c)))
+  acc, acc_block, acc_index = acc_view(acc, hc // runs)
+  acc_specs = [pl.BlockSpec((None, None, splits, *acc_block), lambda i, j, c, run=run: (i, j, 0,
+                                                                                         *acc_index(c * runs + run)))
+               for run in range(runs)]
   return pl.pallas_call(
-      _epilogue_kernel, grid=(b, kh, h // hc),
-      in_specs=[acc_spec, spec(splits, ml.shape[-1]), spec(splits, acco.shape[3], N, OUTLIERS), spec(g, h), spec(N),
+      functools.partial(_epilogue_kernel, runs=runs), grid=(b, kh, h // hc),
+      in_specs=[*acc_specs, spec(splits, ml.shape[-1]), spec(splits, acco.shape[3], N, OUTLIERS), spec(g, h), spec(N),
                 spec(hc, 4, cols=0), spec(OUTLIERS), spec(r, h), spec(r, hc, cols=1),
                 pl.BlockSpec((None,), lambda i, j, c: (i,))],
       out_specs=spec(g, hc, cols=1),
       out_shape=jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
       name="oskvp_uniform_epilogue",
-  )(acc, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k,
+  )(*[acc] * runs, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k,
     res_v, n_res.astype(jnp.int32))
 
 

@@ -218,13 +218,14 @@ OUTPUT_ROTATIONS = ("epilogue", "xla")
 
 @functools.partial(jax.jit, static_argnames=("interpret", "max_concurrent_steps", "glue", "value_outliers",
                                              "max_splits", "core", "mma_key_rows", "query_rotation",
-                                             "output_rotation"))
+                                             "output_rotation", "epilogue_channels"))
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,
                              max_splits: int | None = None, core: str = "auto",
                              mma_key_rows: str = dm.KEY_ROW_DEFAULT,
-                             query_rotation: str = "xla", output_rotation: str = "xla") -> jax.Array:
+                             query_rotation: str = "xla", output_rotation: str = "xla",
+                             epilogue_channels: int | None = None) -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -268,6 +269,10 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       per row and kv head merges all H channels and rotates them, one kernel fewer, but 7.9% slower by GPU span at
       64k × 8 and 0.1–1.2% faster at batch 32 on an H100, results/decode_attention_orot_h100_s46.md; at most 64 splits,
       the Pallas glue only, else refused by name).
+    epilogue_channels: output channels per program of the Pallas glue's epilogue (`oskvp_uniform_epilogue.epilogue`:
+      16, 32 or a power-of-two multiple of 32 dividing H; a program over more than 32 scores the window once for all
+      of them). None: `oskvp_uniform_epilogue.epilogue_channels`. Refused by name with the XLA glue, the rotating
+      epilogue, or where the epilogue does not take it.
 
   Returns:
     [B, N, H] in q's dtype.
@@ -296,6 +301,12 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
              else epi.rotating_epilogue_shape_error(res_k.shape[2], splits, h, g))
     if error:
       raise ValueError(f"output_rotation='epilogue' does not apply: {error}")
+  if epilogue_channels is not None:
+    error = (f"the Pallas glue's epilogue (here glue={glue!r}, output_rotation={output_rotation!r})"
+             if glue != "pallas" or output_rotation != "xla"
+             else epi.epilogue_shape_error(res_k.shape[2], splits, h, epilogue_channels, g))
+    if error:
+      raise ValueError(f"epilogue_channels={epilogue_channels} does not apply: {error}")
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
   rotate = lambda: jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]
@@ -319,7 +330,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     tail = (per_head(acc), per_head(ml), per_head(acco), q_rot, qc, cb_v, scale_v, res_k, res_v, n_res)
     if output_rotation == "epilogue":
       return epi.rotating_epilogue(*tail, u_v, out_dtype=q.dtype, interpret=interpret).reshape(b, n, h)
-    o = epi.epilogue(*tail, interpret=interpret)  # [B, K, G, H], rotated
+    o = epi.epilogue(*tail, interpret=interpret, channels=epilogue_channels)  # [B, K, G, H], rotated
   else:
     q_rows = rows(rotate())  # [BK, G, H]
     scale = h**-0.5

@@ -50,6 +50,21 @@ def test_epilogue_matches_reference(splits, g):
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("splits,g,h,hc", [(2, 4, 128, 128), (1, 4, 128, 64), (8, 8, 128, 64), (4, 1, 256, 128),
+                                           (64, 4, 128, 128)])
+def test_wide_epilogue_matches_reference(splits, g, h, hc):
+  """Programs of 64 to 128 output channels (the window scored once for 2 to 4 runs of 32, each stored by itself;
+  a whole head at H = 128, half of one at H = 256): equal to the f32 jnp reference to 1e-5 relative, as the 32-channel
+  programs are, on all B × K × G × H outputs (a run left unwritten would fail it: the output is not zeroed)."""
+  args = _epilogue_inputs(5, 3, 2, splits, g, empty_split=splits > 1, h=h)
+  got = np.asarray(epi.epilogue(*args, channels=hc, interpret=True))
+  want = np.asarray(epi.epilogue_reference(*args))
+  assert got.shape == want.shape == (3, 2, g, h) and np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_allclose(got, np.asarray(epi.epilogue(*args, channels=32, interpret=True)), rtol=1e-6,
+                             atol=1e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("splits,g,h,cols", [(4, 4, 128, None), (64, 8, 128, None), (16, 1, 128, 32),
                                              (8, 4, 256, 64)])
 def test_rotating_epilogue_matches_reference(splits, g, h, cols):
@@ -91,18 +106,24 @@ def test_epilogue_refuses_tiles_triton_cannot_hold():
   args = list(_epilogue_inputs(0, 1, 1, 4))
   with pytest.raises(ValueError, match="window R=96"):
     epi.epilogue(*args[:7], args[7][:, :, :96], args[8][:, :, :96], args[9], interpret=True)
-  with pytest.raises(ValueError, match="channels=64"):
-    epi.epilogue(*args, channels=64, interpret=True)
+  with pytest.raises(ValueError, match="channels=48 must be 16, 32 or a power-of-two multiple of 32"):
+    epi.epilogue(*args, channels=48, interpret=True)
+  with pytest.raises(ValueError, match="channels=256 must be"):  # wider than the head
+    epi.epilogue(*args, channels=256, interpret=True)
+  assert "channels=64 with splits=128" in epi.epilogue_shape_error(128, 128, 128, channels=64)
+  assert epi.epilogue_shape_error(128, 128, 128, channels=32) is None
   assert "head_dim=96" in epi.epilogue_shape_error(128, 16, 96)  # acc_view reads runs of 128 channels
   assert "G=3" in epi.epilogue_shape_error(128, 16, 128, group=3)  # live_rows' row groups divide 8
   assert epi.epilogue_shape_error(128, 16, 128, group=4) is None
 
 
 def test_epilogue_lowers_to_triton_ir_for_hopper():
-  """16 splits (32 channels per program) at G = 4 and 1, 64 splits at G = 8 (32), 128 splits (16)."""
-  for args in (_epilogue_inputs(0, 2, 2, 16), _epilogue_inputs(0, 2, 2, 16, g=1), _epilogue_inputs(0, 1, 8, 64, g=8),
-               _epilogue_inputs(0, 1, 1, 128)):
-    assert lowers_to_triton_for_hopper(functools.partial(epi.epilogue, interpret=False), *args)
+  """16 splits (32 channels per program) at G = 4 and 1, 64 splits at G = 8 (32), 128 splits (16); 2 splits with
+  128 channels per program and 8 with 64."""
+  for args, hc in ((_epilogue_inputs(0, 2, 2, 16), None), (_epilogue_inputs(0, 2, 2, 16, g=1), None),
+                   (_epilogue_inputs(0, 1, 8, 64, g=8), None), (_epilogue_inputs(0, 1, 1, 128), None),
+                   (_epilogue_inputs(0, 2, 2, 2), 128), (_epilogue_inputs(0, 2, 2, 8), 64)):
+    assert lowers_to_triton_for_hopper(functools.partial(epi.epilogue, interpret=False, channels=hc), *args)
 
 
 def test_rotating_epilogue_lowers_to_triton_ir_for_hopper():
