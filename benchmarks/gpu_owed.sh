@@ -59,9 +59,11 @@
 # 11. (forty-seventh session) e2e_uniform: the decode step with the oskvp_uniform cache (the Mosaic GPU core) beside
 #    oskvp (the Triton kernel) at 32k x 128 / 312 and 4k x 312, bf16 at 32k x 312; paid on an H100 without the bf16
 #    row (84 GB; results/e2e_decode_uniform_h100_s47{,b}.md); on an H200 it fits.
-# 12. (forty-eighth session) wide_epilogue: the Pallas epilogue's programs of 64 and 128 output channels
-#    (`epilogue_channels`: the residual window scored once per program instead of once per 32 channels) against the
-#    default 32, alone (CUPTI, the bench's cases) and in the wired path at 4k-64k x 8 / 32, cuDNN beside.
+# 12. (forty-eighth session) wide_epilogue: the Pallas epilogue's programs of 32, 64 and 128 output channels
+#    (`epilogue_channels`: a program scores the residual window once for all its channels) and the rule chosen from
+#    them on an H100 (the widest that leave 256 programs in flight: 32 at batch 8, 64 at 16, 128 from 32;
+#    results/decode_attention_wide_epilogue_*_h100_s48.md, notes §30), alone (CUPTI, the bench's cases) and in the
+#    wired path at 4k-64k x 8 / 32, cuDNN beside. Paid on an H100; kept for an H200.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~102 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -89,9 +91,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 run splits 400 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
   --contexts=4096,16384,65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_max_splits=auto,16 --out="$OUT/splits"
 run wide_epilogue 560 bash -c 'python3 benchmarks/oskvp_epilogue_bench.py --out="$0/epi" \
-  --forms=epilogue+xla_rotation,epilogue_c64+xla_rotation,epilogue_c128+xla_rotation && python3 \
+  --forms=epilogue_c32+xla_rotation,epilogue_c64+xla_rotation,epilogue_c128+xla_rotation && python3 \
   benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=4096,16384,65536 --batches=8,32 \
-  --mosaic_core=mma --mosaic_epilogue_channels=auto,64,128 --out="$0/wide_epilogue"' "$OUT"
+  --mosaic_core=mma --mosaic_epilogue_channels=32,64,128 --out="$0/wide_epilogue"' "$OUT"
 run e2e_uniform 560 python3 benchmarks/e2e_decode.py --steps=8 --full_depth_check=false --time_budget_s=500 \
   --cases=int4+oskvp_uniform:32768:312,int4+oskvp:32768:312,bf16+bf16:32768:312,int4+oskvp_uniform:32768:128\
 ,int4+oskvp:32768:128,int4+oskvp_uniform:4096:312,int4+oskvp:4096:312 \

@@ -8,10 +8,11 @@ Shapes: the benchmark's attention (32 query heads over 8 kv heads, head dim 128,
 the batches and splits the wired path runs at 64k (`wired_tiling`, mma core: batch 8 takes 8 splits, batch 32 takes 2,
 batch 1 32) and at 16, the wgmma core's and the mma core's before the forty-seventh session (the forty-sixth session's
 H100 runs, results/oskvp_epilogue_h100_s46{,b}.md, timed batch 32 at 4, 8 and 16 splits and batch 1 at 64). Forms:
-`epilogue` then the XLA matmul (as glue="pallas" runs it by default), `rotating_epilogue` at 4 and 8 warps with all 128
-output channels per program, and at 4 warps with 64 or 32 (the merge repeated 2 or 4 times, twice or four times the
-programs), and `epilogue` with 64 or 128 output channels per program (`channels`: the window scored once for 2 or 4
-runs of 32; half or a quarter of the programs) then the XLA matmul. --forms times a subset. Per case, each form is first checked against `rotating_epilogue_reference` (relative L2 in the query's dtype;
+`epilogue` then the XLA matmul (as glue="pallas" runs it by default: its programs' width by `epilogue_channels`),
+`rotating_epilogue` at 4 and 8 warps with all 128 output channels per program, and at 4 warps with 64 or 32 (the
+merge repeated 2 or 4 times, twice or four times the programs), and `epilogue` with 32, 64 or 128 output channels per
+program (`channels`: the window scored once for 1, 2 or 4 runs of 32) then the XLA matmul. --forms times a subset.
+Per case, each form is first checked against `rotating_epilogue_reference` (relative L2 in the query's dtype;
 any failure stops the run before timing), then timed: the median over --iters calls of the summed CUPTI time of the
 kernels one call launches (on the CPU, --smoke: wall clock in interpret mode, at tiny shapes, to exercise the report;
 the numbers mean nothing). Writes oskvp_epilogue_<device>.{md,json} under --out.
@@ -59,7 +60,8 @@ def forms(interpret: bool) -> dict:
       *args, u_v, out_dtype=jnp.bfloat16, interpret=interpret, num_warps=warps, out_channels=cols)
   return {"epilogue+xla_rotation": xla_rotation, "rotating_epilogue_w4": rotating(4),
           "rotating_epilogue_w8": rotating(8), "rotating_epilogue_w4_c64": rotating(4, 64),
-          "rotating_epilogue_w4_c32": rotating(4, 32), "epilogue_c64+xla_rotation": wide(64),
+          "rotating_epilogue_w4_c32": rotating(4, 32), "epilogue_c32+xla_rotation": wide(32),
+          "epilogue_c64+xla_rotation": wide(64),
           "epilogue_c128+xla_rotation": wide(128)}
 
 

@@ -147,12 +147,31 @@ def _rotating_epilogue_kernel(*refs, runs: int):
   o_ref[...] = live_rows(out, o_ref.shape[0]).astype(o_ref.dtype)
 
 
-def epilogue_channels(splits: int) -> int:
-  """Output channels per epilogue program: 32 up to 64 splits (a program's acc block, splits × HC × 8 f32, up to
-  64 KB), else 16. Fewer, wider programs recompute the window's scores less often: on the H200 (CUPTI, eleventh
-  session) 32 channels took 6.7 µs against 10.0 for 16 at batch 1 × 64 splits, 8.0 vs 23.3 at batch 8 × 16 splits
-  and 24.2 vs 92.5 at batch 32 (8 warps were slower in every case)."""
-  return 32 if splits <= 64 else 16
+EPILOGUE_PROGRAMS = 256  # `epilogue_channels` widens programs while this many stay in flight
+MAX_EPILOGUE_CHANNELS = 128  # ... up to this many output channels each
+
+
+def epilogue_channels(splits: int, rows: int = 1, head_dim: int = 128) -> int:
+  """Output channels per epilogue program for `rows` = B × K rows: above 64 splits 16 (a program's acc block, splits ×
+  HC × 8 f32, up to 64 KB); else the widest power of two from 32 up to `MAX_EPILOGUE_CHANNELS` (dividing H) that
+  leaves `EPILOGUE_PROGRAMS` programs in flight: 32 at batch 1 and 8 (× 8 kv heads), 64 at 16, 128 at 32 and more.
+
+  A wider program scores the residual window once for all its channels (a 32-channel program scores it again for
+  each 32). Measured on an H100 (forty-eighth session, GPU span of the wired path, mma core, the widths in one call
+  per batch; results/decode_attention_wide_epilogue_*_h100_s48.md): 128 channels at batch 32 −8.7 / −3.3 / −1.6 /
+  −0.8% at 4k / 16k / 64k / 128k against 32, at batch 64 −5.1 / −1.2% at 16k / 64k; 64 at batch 16 −1.0 / −0.5%
+  at 16k / 64k (128 there +2.2 / +0.6%); at batch 8, 32 stays the fastest at 4k–128k (64: +0.4 to +2.1%, 128:
+  +1.7 to +12.3%). Alone (CUPTI, `oskvp_epilogue_bench.py`) with the U_vᵀ matmul:
+  batch 32 × 2 splits 18.9 µs against 28.8, batch 1 × 32 splits 8.2 at 32 channels against 9.7 at 64. Earlier, on
+  the H200 (CUPTI, eleventh session), 32 channels took 6.7 µs against 10.0 for 16 at batch 1 × 64 splits, 8.0 vs
+  23.3 at batch 8 × 16 splits and 24.2 vs 92.5 at batch 32 (8 warps were slower in every case)."""
+  if splits > MAX_ROTATING_SPLITS:
+    return 16
+  hc = RUN
+  while (2 * hc <= min(MAX_EPILOGUE_CHANNELS, head_dim) and head_dim % (2 * hc) == 0
+         and rows * (head_dim // (2 * hc)) >= EPILOGUE_PROGRAMS):
+    hc *= 2
+  return hc
 
 
 def acc_view(acc: jax.Array, hc: int) -> tuple[jax.Array, tuple[int, ...], callable]:
@@ -202,7 +221,7 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
   error = epilogue_shape_error(r, splits, h, channels, g)
   if error:
     raise ValueError(error)
-  hc = channels or epilogue_channels(splits)
+  hc = channels or epilogue_channels(splits, b * kh, h)
   runs = max(1, hc // RUN)
   spec = lambda *tail, cols=None: pl.BlockSpec(
       (None, None, *tail), lambda i, j, c: (i, j) + tuple(c if k == cols else 0 for k in range(len(tail))))

@@ -271,8 +271,10 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       the Pallas glue only, else refused by name).
     epilogue_channels: output channels per program of the Pallas glue's epilogue (`oskvp_uniform_epilogue.epilogue`:
       16, 32 or a power-of-two multiple of 32 dividing H; a program over more than 32 scores the window once for all
-      of them). None: `oskvp_uniform_epilogue.epilogue_channels`. Refused by name with the XLA glue, the rotating
-      epilogue, or where the epilogue does not take it.
+      of them). None: `oskvp_uniform_epilogue.epilogue_channels`, the widest programs (up to 128 channels) that
+      leave 256 in flight: 32 at batch 8 × 8 kv heads, 64 at 16, 128 from 32 (on an H100 0.8–8.7% faster by GPU span
+      at batch 32 and 64 than 32 channels, results/decode_attention_wide_epilogue_*_h100_s48.md). Refused by name
+      with the XLA glue, the rotating epilogue, or where the epilogue does not take it.
 
   Returns:
     [B, N, H] in q's dtype.

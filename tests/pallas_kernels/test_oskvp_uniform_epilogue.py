@@ -65,6 +65,19 @@ def test_wide_epilogue_matches_reference(splits, g, h, hc):
                              atol=1e-6 * np.abs(want).max())
 
 
+def test_epilogue_channels_widen_while_256_programs_stay_in_flight():
+  """The default width per program: 32 at batch 1 and 8 (× 8 kv heads), 64 at 16, 128 from 32 (as measured fastest
+  on an H100 at each); never above 128 or H, never dividing H unevenly; 16 above 64 splits whatever the rows."""
+  assert [epi.epilogue_channels(8, 8 * b) for b in (1, 8, 16, 32, 64, 312)] == [32, 32, 64, 128, 128, 128]
+  assert epi.epilogue_channels(2, 256, head_dim=256) == 128  # two programs a row: 512 in flight
+  assert epi.epilogue_channels(2, 4096, head_dim=256) == 128  # capped
+  assert epi.epilogue_channels(2, 64, head_dim=256) == 64
+  assert epi.epilogue_channels(128, 4096) == 16
+  assert epi.epilogue_channels(64, 4096) == 128
+  for rows in (1, 64, 128, 256):  # every default width is one the epilogue takes
+    assert epi.epilogue_shape_error(128, 4, 128, epi.epilogue_channels(4, rows)) is None
+
+
 @pytest.mark.parametrize("splits,g,h,cols", [(4, 4, 128, None), (64, 8, 128, None), (16, 1, 128, 32),
                                              (8, 4, 256, 64)])
 def test_rotating_epilogue_matches_reference(splits, g, h, cols):
