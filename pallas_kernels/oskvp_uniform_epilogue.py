@@ -238,8 +238,8 @@ def epilogue(acc, ml, acco, q_rot, qc, cb_v, scale_v, res_k, res_v, n_res, *, in
       out_shape=jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
       name="oskvp_uniform_epilogue",
-  )(*[acc] * runs, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32), res_k,
-    res_v, n_res.astype(jnp.int32))
+  )(*[acc] * runs, ml, acco, q_rot.astype(jnp.float32), qc, cb_v.astype(jnp.float32), scale_v.astype(jnp.float32),
+    res_k, res_v, n_res.astype(jnp.int32))
 
 
 @jax.jit

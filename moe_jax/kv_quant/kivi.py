@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from moe_jax import backend
 from moe_jax.kv_cache import extend_token_by_token, masked_gqa_attention
 from moe_jax.kv_quant.oskvp import pack2, unpack2
 from moe_jax.kv_quant.oskvp_cache import prefill_split
@@ -168,7 +169,7 @@ class KIVILayerCache:
       from pallas_kernels.kivi_decode_attention import kivi_decode_attention  # pylint: disable=g-import-not-at-top
       o = kivi_decode_attention(q, cache.codes_k, cache.k_scale, cache.k_zero, cache.codes_v, cache.v_scale,
                                 cache.v_zero, cache.res_k, cache.res_v, cache.n_comp, cache.n_res,
-                                interpret=jax.default_backend() != "gpu")
+                                interpret=backend.interpret_kernels())
       return o, cache
     kh, vh = cache.dequantized()
     visible = (jnp.arange(cache.max_len)[None, :] < (cache.n_comp + cache.n_res)[:, None])[:, None, :]

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from moe_jax import backend
 from pallas_kernels import lloyd_max as lloyd_max_kernel
 from pallas_kernels.lloyd_max import UNIFORM_Z  # equally spaced levels' offsets in steps (`uniform_lloyd`)
 
@@ -172,7 +173,7 @@ def auto_implementation(heads: int, n: int, h: int) -> str:
   heads 1.69 against 4.40, 8 heads of 1024 0.48 against 0.51 (results/oskvp_refit_parts_prefill512_*_h100_s39.md,
   ..._pallas_h100_s39.md). So the kernel when there are >= 64 programs or n <= 1024; "xla" off the GPU. Timed at
   4 levels only: with 8 (3-bit codes) the kernel sums 14 columns a block instead of 6, so the crossover may move."""
-  if jax.default_backend() != "gpu":
+  if not backend.on_gpu():
     return "xla"
   programs = heads * (h // lloyd_max_kernel.default_block_h(h))
   return "pallas" if programs >= 64 or n <= 1024 else "xla"
@@ -187,7 +188,7 @@ def fit_levels(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *, uni
   Triton kernel, `pallas_kernels/lloyd_max.py`), interpreted if `interpret` (None: off the GPU).
   """
   if implementation == "pallas":
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    interpret = backend.interpret_kernels() if interpret is None else interpret
     return lloyd_max_kernel.lloyd_max(x, w, init, n_iters, uniform=uniform, interpret=interpret)
   if implementation != "xla":
     raise ValueError(f"implementation={implementation!r} must be 'xla' or 'pallas'")

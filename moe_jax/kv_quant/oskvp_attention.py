@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moe_jax import backend
 from moe_jax.kv_quant.oskvp import unpack1, unpack2
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
@@ -134,7 +135,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
   if implementation == "auto":
-    implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+    implementation = "pallas" if backend.on_gpu() else "xla"
   args = (q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp, n_res)
   if implementation == "pallas" and hi_v is None:
     # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from moe_jax import backend
 from moe_jax.kv_cache import extend_token_by_token
 from moe_jax.kv_quant import oskvp
 from moe_jax.kv_quant.oskvp_attention import dequantize_store, oskvp_decode_attention
@@ -172,7 +173,7 @@ class OSKVPLayerCache:
   def _implementation(self) -> str:
     """The decode-attention implementation: "auto" is "pallas" on the GPU, "xla" elsewhere."""
     if self.implementation == "auto":
-      return "pallas" if jax.default_backend() == "gpu" else "xla"
+      return "pallas" if backend.on_gpu() else "xla"
     return self.implementation
 
   def runs_mosaic_core(self, n_heads: int) -> bool:
@@ -198,13 +199,13 @@ class OSKVPLayerCache:
       return uc.uniform_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, self.codes_v,
                                          self.outl_v, self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k,
                                          self.res_v, self.n_comp, self.n_res,
-                                         interpret=jax.default_backend() != "gpu")  # the CPU: Mosaic's interpreter
+                                         interpret=backend.interpret_kernels())  # the CPU: Mosaic's interpreter
     codes_v, outl_v = self.value_store()
     return oskvp_decode_attention(q, self.codes_k, self.outl_k, self.scale_k, self.cb_k, codes_v, outl_v,
                                   self.scale_v, self.cb_v, self.u_k, self.u_v, self.res_k, self.res_v, self.n_comp,
                                   self.n_res, hi_k=self.hi_k, hi_v=self.hi_v, implementation=impl,
                                   symmetric_codebooks=self.symmetric,
-                                  interpret=jax.default_backend() != "gpu")  # "pallas" off the GPU: interpret mode
+                                  interpret=backend.interpret_kernels())  # "pallas" off the GPU: interpret mode
 
   def extend(self, q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array) -> tuple[jax.Array, "OSKVPLayerCache"]:
     """Appends T tokens one at a time (T is static; decode uses T=1; `extend_token_by_token`) and attends causally.

@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moe_jax import backend
 from moe_jax.kv_quant import lloyd, oskvp
 from moe_jax.kv_quant.oskvp_cache import OSKVPLayerCache, build_layer_cache
 from moe_jax.layers import rope
@@ -192,7 +193,7 @@ class OSKVPMode:
     if impl == "auto":  # from the heads fitted at once (B x K here; vmap hides them from the kernel's call)
       impl = lloyd.auto_implementation(xs.shape[0] * xs.shape[1], xs.shape[2], h)
     # Decided here, outside oskvp.fit's jit, so that it is part of that cache's key.
-    interpret = jax.default_backend() != "gpu" if impl == "pallas" else None
+    interpret = backend.interpret_kernels() if impl == "pallas" else None
     # The permutation fallback still triggers below H real tokens, however many shifted copies there are.
     fit = lambda xs, ws, ref, ev: oskvp.fit(xs, ws, n_outlier=oskvp.n_outliers(h, self.outlier_fraction),
                                             bits=bits, n_iters=self.n_iters, min_samples=h * shifts,

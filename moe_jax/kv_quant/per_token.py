@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from moe_jax import backend
 from moe_jax.kv_cache import masked_gqa_attention
 
 _QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
@@ -84,7 +85,7 @@ class PerTokenKV:
       # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
       from pallas_kernels.per_token_decode_attention import per_token_decode_attention  # pylint: disable=g-import-not-at-top
       o = per_token_decode_attention(q[:, 0], new.k, new.v, new.k_scale, new.v_scale, starts + 1,
-                                     interpret=jax.default_backend() != "gpu")
+                                     interpret=backend.interpret_kernels())
       return o[:, None], new
     visible = jnp.arange(self.max_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
     kh, vh = new.dequantized()

@@ -26,6 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from moe_jax import backend
 from moe_jax import experts as experts_lib
 from moe_jax.quant.formats import QuantizedExperts
 from pallas_kernels import hopper
@@ -37,10 +38,6 @@ from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vmws
 TRITON_KINDS = ("int4", "int4_sp24", "vq2")  # through the Triton kernels: N a multiple of 16 (pick_block_n)
 KERNEL_KINDS = TRITON_KINDS + ("int4_mgpu", "vq2_mgpu")
 FUSED_KINDS = ("int4", "int4_sp24", "vq2")  # formats with a fused gate/up + SwiGLU kernel
-
-
-def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
 
 
 def _pad_lhs(lhs: jax.Array, kp: int) -> jax.Array:
@@ -60,7 +57,7 @@ def _ws_call(lhs: jax.Array, w: QuantizedExperts, group_sizes: jax.Array, **kw) 
   _check_mosaic_gpu(w.kind)
   x = _pad_lhs(lhs, w.kp).astype(jnp.bfloat16)
   fn = vmws.vq2_grouped_matmul_mgpu_ws if w.kind == "vq2_mgpu" else mws.int4_grouped_matmul_mgpu_ws
-  return fn(x, w.data, group_sizes.astype(jnp.int32), interpret=_interpret(), **dict(w.options), **kw)
+  return fn(x, w.data, group_sizes.astype(jnp.int32), interpret=backend.interpret_kernels(), **dict(w.options), **kw)
 
 
 def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
@@ -73,7 +70,8 @@ def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Ar
     return _ws_call(lhs, rhs, group_sizes)
   x = _pad_lhs(lhs, rhs.kp)
   fn = v2.vq2_grouped_matmul if rhs.kind == "vq2" else i4.int4_grouped_matmul
-  return fn(x, rhs.data, group_sizes.astype(jnp.int32), group_size=rhs.group_size, interpret=_interpret())
+  return fn(x, rhs.data, group_sizes.astype(jnp.int32), group_size=rhs.group_size,
+            interpret=backend.interpret_kernels())
 
 
 def pallas_fused_swiglu(x_sorted: jax.Array, w_gate, w_up, group_sizes: jax.Array) -> jax.Array:
@@ -87,7 +85,7 @@ def pallas_fused_swiglu(x_sorted: jax.Array, w_gate, w_up, group_sizes: jax.Arra
   x = _pad_lhs(x_sorted, w_gate.kp)
   fn = v2.vq2_grouped_swiglu if w_gate.kind == "vq2" else i4.int4_grouped_swiglu
   return fn(x, w_gate.data, w_up.data, group_sizes.astype(jnp.int32), group_size=w_gate.group_size,
-            interpret=_interpret())
+            interpret=backend.interpret_kernels())
 
 
 def pallas_gate_up_swiglu(x_sorted: jax.Array, w_gate_up, group_sizes: jax.Array) -> jax.Array:
