@@ -64,14 +64,18 @@
 #    them on an H100 (the widest that leave 256 programs in flight: 32 at batch 8, 64 at 16, 128 from 32;
 #    results/decode_attention_wide_epilogue_*_h100_s48.md, notes §30), alone (CUPTI, the bench's cases) and in the
 #    wired path at 4k-64k x 8 / 32, cuDNN beside. Paid on an H100; kept for an H200.
+# 13. (forty-eighth session) layout_probe: the core's TMA ring alone with the value codes and outliers in the cache's
+#    token-contiguous layout ([H/4, S]: 40 rows of 128 bytes a block, S bytes apart) against a block-major one (a
+#    block's rows contiguous), same bytes (`oskvp_stream_layout_probe.py`). If block-major streams faster, a
+#    block-major value cache could take the core closer to the read-only bandwidth.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
-# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~102 min.
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~107 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
 # STEPS=experts (one call each, the fortieth session's), STEPS="float16_trace refit refit_b32", then
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="splits wide_epilogue e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="splits wide_epilogue layout_probe e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -94,6 +98,7 @@ run wide_epilogue 560 bash -c 'python3 benchmarks/oskvp_epilogue_bench.py --out=
   --forms=epilogue_c32+xla_rotation,epilogue_c64+xla_rotation,epilogue_c128+xla_rotation && python3 \
   benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span --contexts=4096,16384,65536 --batches=8,32 \
   --mosaic_core=mma --mosaic_epilogue_channels=32,64,128 --out="$0/wide_epilogue"' "$OUT"
+run layout_probe 300 python3 benchmarks/oskvp_stream_layout_probe.py --out="$OUT/layout_probe"
 run e2e_uniform 560 python3 benchmarks/e2e_decode.py --steps=8 --full_depth_check=false --time_budget_s=500 \
   --cases=int4+oskvp_uniform:32768:312,int4+oskvp:32768:312,bf16+bf16:32768:312,int4+oskvp_uniform:32768:128\
 ,int4+oskvp:32768:128,int4+oskvp_uniform:4096:312,int4+oskvp:4096:312 \
