@@ -61,8 +61,6 @@ def test_wide_epilogue_matches_reference(splits, g, h, hc):
   want = np.asarray(epi.epilogue_reference(*args))
   assert got.shape == want.shape == (3, 2, g, h) and np.isfinite(got).all()
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-  np.testing.assert_allclose(got, np.asarray(epi.epilogue(*args, channels=32, interpret=True)), rtol=1e-6,
-                             atol=1e-6 * np.abs(want).max())
 
 
 def test_epilogue_channels_widen_while_256_programs_stay_in_flight():

@@ -183,14 +183,14 @@ def test_the_rotating_epilogue_is_the_epilogue_and_the_xla_rotation():
 
 
 def test_wide_epilogue_programs_give_the_same_output():
-  """epilogue_channels=64 / 128 (the window scored once per program of 2 / 4 runs of 32 channels) gives the default
-  32-channel programs' output within 1e-5 of the largest element (the same arithmetic, regrouped); the option reaches
-  the kernel's grid, and what the epilogue cannot take is refused naming the field."""
+  """epilogue_channels=128 (the window scored once per program of 4 runs of 32 channels; 64 is covered by the
+  kernel's own tests) gives the default 32-channel programs' output within 1e-5 of the largest element (the same
+  arithmetic, regrouped); the option reaches the kernel's grid, and what the epilogue cannot take is refused naming
+  the field."""
   c = _cache(zero_outliers=False)
   q = jax.random.normal(jax.random.PRNGKey(6), (B, K * G, H))
   want = _wired(c, q)
-  for hc in (64, 128):
-    np.testing.assert_allclose(_wired(c, q, epilogue_channels=hc), want, rtol=0, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_allclose(_wired(c, q, epilogue_channels=128), want, rtol=0, atol=1e-5 * np.abs(want).max())
   program = lambda hc: str(jax.make_jaxpr(functools.partial(
       uc.uniform_decode_attention, interpret=True, glue="pallas", epilogue_channels=hc))(q, *_cache_args(c)))
   assert f"grid=({B}, {K}, 1)" in program(128) and f"grid=({B}, {K}, {H // 32})" in program(None)
