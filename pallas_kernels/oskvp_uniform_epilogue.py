@@ -1,9 +1,9 @@
 """The merge after the wired Mosaic GPU OS-KVP core as one Pallas (Triton) kernel
 (`uniform_decode_attention(glue="pallas")`), one program per batch row, kv head and HC output channels
-(`epilogue_channels`: 32, or 16 above 64 splits).
+(`epilogue_channels`: 32 to 128, the widest that leave 256 programs in flight; 16 above 64 splits).
 
 Inputs: the core's per-split outputs acc [splits, H, 8] (its ACC row order: each program reads its HC channels as
-one block of the view `acc_view`), ml [splits, 32] (m in [0, 8), l in [8, 16)), acco [splits, P, 8, 8] ([head,
+one block of the view `acc_view`, or HC/32 blocks of 32 for HC > 32), ml [splits, 32] (m in [0, 8), l in [8, 16)), acco [splits, P, 8, 8] ([head,
 outlier channel] in P parts, summed here: `decode_core_splits`); the rotated query q' [G, H]; the prologue's qc [8];
 the value codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the residual window res_k, res_v [R, H]
 (rotated, bf16) with n_res tokens. It computes, for its HC channels:
@@ -108,7 +108,7 @@ def _epilogue_kernel(*refs, runs: int):
   # bf16, nr_ref [], o_ref [G, HC] f32. The window's scores once, then each run merged, joined and stored; one round
   # of loads, no loops (the runs unroll).
   acc_refs, (ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref) = refs[:runs], refs[runs:]
-  splits, hc, h = acc_refs[0].shape[0], o_ref.shape[1], q_ref.shape[1]
+  splits, hc = acc_refs[0].shape[0], o_ref.shape[1]
   width = hc // runs
   w, inv, lse_c16 = _split_weights(ml_ref, qc_ref)
   mean_o = _value_outliers(ao_ref, sv_ref, w, inv)
@@ -116,8 +116,8 @@ def _epilogue_kernel(*refs, runs: int):
   for c, acc_ref in enumerate(acc_refs):
     run = slice(None) if runs == 1 else pl.ds(c * width, width)
     acc = acc_ref[...].reshape(splits, width, N)
-    # with one program over all H channels, runs past channel 7 hold no value outlier (statically)
-    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o if hc < h or c * width < OUTLIERS else None,
+    # runs after a program's first start at channel 32 or later: no value outlier there (statically)
+    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o if c * width < OUTLIERS else None,
                                  pl.program_id(2) * hc + c * width)
     out = live_rows(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[:, run]), o_ref.shape[0])
     if runs == 1:
@@ -160,8 +160,8 @@ def epilogue_channels(splits: int, rows: int = 1, head_dim: int = 128) -> int:
   each 32). Measured on an H100 (forty-eighth session, GPU span of the wired path, mma core, the widths in one call
   per batch; results/decode_attention_wide_epilogue_*_h100_s48.md): 128 channels at batch 32 −8.7 / −3.3 / −1.6 /
   −0.8% at 4k / 16k / 64k / 128k against 32, at batch 64 −5.1 / −1.2% at 16k / 64k; 64 at batch 16 −1.0 / −0.5%
-  at 16k / 64k (128 there +2.2 / +0.6%); at batch 8, 32 stays the fastest at 4k–128k (64: +0.4 to +2.1%, 128:
-  +1.7 to +12.3%). Alone (CUPTI, `oskvp_epilogue_bench.py`) with the U_vᵀ matmul:
+  at 16k / 64k (128 there +2.3 / +0.6%); at batch 8, 32 stays the fastest at 4k–128k (64: +0.4 to +2.4%, 128:
+  +1.7 to +12.4%). Alone (CUPTI, `oskvp_epilogue_bench.py`) with the U_vᵀ matmul:
   batch 32 × 2 splits 18.9 µs against 28.8, batch 1 × 32 splits 8.2 at 32 channels against 9.7 at 64. Earlier, on
   the H200 (CUPTI, eleventh session), 32 channels took 6.7 µs against 10.0 for 16 at batch 1 × 64 splits, 8.0 vs
   23.3 at batch 8 × 16 splits and 24.2 vs 92.5 at batch 32 (8 warps were slower in every case)."""
@@ -199,7 +199,8 @@ def epilogue_shape_error(window: int, splits: int, head_dim: int, channels: int 
     return f"the window R={window} (at least 16) and splits={splits} must be powers of two"
   if head_dim % 128:
     return f"head_dim={head_dim} must be a multiple of 128 (the core's accumulator row order)"
-  if channels not in (None, 16, 32) and (channels % RUN or channels & (channels - 1) or head_dim % channels):
+  if channels not in (None, 16, 32) and (channels <= 0 or channels % RUN or channels & (channels - 1)
+                                        or head_dim % channels):
     return f"channels={channels} must be 16, 32 or a power-of-two multiple of 32 dividing H={head_dim}"
   if channels is not None and channels > RUN and splits > MAX_ROTATING_SPLITS:
     return (f"channels={channels} with splits={splits}: a program wider than {RUN} channels takes at most "

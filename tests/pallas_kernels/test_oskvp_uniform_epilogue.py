@@ -121,6 +121,8 @@ def test_epilogue_refuses_tiles_triton_cannot_hold():
     epi.epilogue(*args, channels=48, interpret=True)
   with pytest.raises(ValueError, match="channels=256 must be"):  # wider than the head
     epi.epilogue(*args, channels=256, interpret=True)
+  for bad in (0, -64):
+    assert f"channels={bad} must be" in epi.epilogue_shape_error(128, 4, 128, channels=bad)
   assert "channels=64 with splits=128" in epi.epilogue_shape_error(128, 128, 128, channels=64)
   assert epi.epilogue_shape_error(128, 128, 128, channels=32) is None
   assert "head_dim=96" in epi.epilogue_shape_error(128, 16, 96)  # acc_view reads runs of 128 channels
