@@ -1,10 +1,12 @@
 """The GPU kernels a call launches, timed by CUPTI (through Mosaic GPU's profiler extension): shared by the
-benchmarks that break a step or a fit down by kernel (`e2e_step_profile.py`, `oskvp_refit_parts.py --kernels`)."""
+benchmarks that break a step or a fit down by kernel (`e2e_step_profile.py`, `oskvp_refit_parts.py --kernels`) and
+those that time a call's kernels alone (`cupti_median_ms`)."""
 
 from __future__ import annotations
 
 import collections
 import re
+import statistics
 
 import jax
 
@@ -31,6 +33,14 @@ def cupti_kernels(call):
   finally:
     timings = ext._cupti_get_timings(True)  # pylint: disable=protected-access
   return out, timings or []
+
+
+def cupti_median_ms(call, iters: int) -> tuple[float, int]:
+  """(median over iters calls of the summed CUPTI time of the kernels one call launches, in ms; the kernels per
+  call), after one warm-up call."""
+  jax.block_until_ready(call())
+  runs = [cupti_kernels(call)[1] for _ in range(iters)]
+  return statistics.median(sum(ms for _, ms in timings) for timings in runs), len(runs[-1])
 
 
 def kernel_table(timings: list[tuple[str, float]], top: int | None = 15) -> list[dict]:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import report_files
+from benchmarks.cupti import cupti_median_ms
 from pallas_kernels import oskvp_uniform_epilogue as epi
 from pallas_kernels.oskvp_random import random_epilogue_inputs
 
@@ -68,19 +69,14 @@ def forms(interpret: bool) -> dict:
 def kernel_ms(fn, iters: int, gpu: bool) -> tuple[float, int]:
   """Median ms of one call over iters (CUPTI kernel sum on a GPU, else wall clock) and the kernels per call."""
   if gpu:
-    from benchmarks.cupti import cupti_kernels  # pylint: disable=g-import-not-at-top
+    return cupti_median_ms(fn, iters)
   jax.block_until_ready(fn())
-  times, kernels = [], 0
+  times = []
   for _ in range(iters):
-    if gpu:
-      _, timings = cupti_kernels(fn)
-      times.append(sum(ms for _, ms in timings))
-      kernels = len(timings)
-    else:
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times), kernels
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), 0
 
 
 def main(argv=None) -> int:

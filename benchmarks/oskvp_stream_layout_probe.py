@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import statistics
 import sys
 
 import jax
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import report_files
+from benchmarks.cupti import cupti_median_ms
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_key_scores_mgpu as ks
 
@@ -109,12 +109,6 @@ def inputs(key, rows: int, s: int, layout: str):
   return kc, vc, ko, vo, qs
 
 
-def _cupti_ms(fn, iters: int) -> float:
-  from benchmarks.cupti import cupti_kernels  # pylint: disable=g-import-not-at-top
-  jax.block_until_ready(fn())
-  return statistics.median(sum(ms for _, ms in cupti_kernels(fn)[1]) for _ in range(iters))
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="/tmp/oskvp_stream_layout")
@@ -131,7 +125,7 @@ def main(argv=None) -> int:
   read_tbs = None
   if gpu:
     x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
-    ms = _cupti_ms(functools.partial(jax.jit(jnp.sum), x), args.iters)
+    ms = cupti_median_ms(functools.partial(jax.jit(jnp.sum), x), args.iters)[0]
     read_tbs = x.nbytes / (ms * 1e-3) / 1e12
     md += ["", f"Read-only sum of 1 GiB (XLA, same timing): {ms:.4f} ms, {read_tbs:.2f} TB/s."]
   md += ["", "| rows | S | splits | ring | layout | MB | µs | TB/s | of read-only | × strided |", "|" + "---|" * 10]
@@ -149,7 +143,7 @@ def main(argv=None) -> int:
           print(f"{layout} rows={rows} S={s}: a program's output row is wrong; stopping", flush=True)
           return 1
         nbytes = stream_bytes(rows, s)
-        us = _cupti_ms(fn, args.iters) * 1e3 if gpu else float("nan")
+        us = cupti_median_ms(fn, args.iters)[0] * 1e3 if gpu else float("nan")
         tbs = nbytes / (us * 1e-6) / 1e12 if gpu else float("nan")
         base = base or us
         rows_out.append(dict(rows=rows, s=s, splits=splits, ring=ring, layout=layout, bytes=nbytes, us=us,

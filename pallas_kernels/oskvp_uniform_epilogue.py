@@ -101,25 +101,34 @@ def _joined(o_c16, lse_c16, p, total_r, lse_r, rv):
   return (w1[:, None] * o_c16 + w2[:, None] * o_r) / jnp.maximum(w1 + w2, 1e-30)[:, None]
 
 
+def _joined_runs(acc_refs, ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, first_channel):
+  """The merge both epilogue kernels share: the split weights, the value outliers and the window's scores once, then
+  per acc run (acc_refs: each [S, W/8, 8, 8] f32, run c holding the program's channels [cW, (c + 1)W)) its
+  compressed channels joined with the window. cb_ref [*, 4] and rv_ref [R, *] hold the runs' channels in order;
+  first_channel is run 0's channel in the head (traced or static). Yields (run, joined [16, W]) with run the slice
+  of those refs' channel axis (the whole axis for a single run: Triton values take no slices)."""
+  splits, width = acc_refs[0].shape[0], acc_refs[0].shape[1] * acc_refs[0].shape[2]
+  w, inv, lse_c16 = _split_weights(ml_ref, qc_ref)
+  mean_o = _value_outliers(ao_ref, sv_ref, w, inv)
+  p, total_r, lse_r = _window_weights(q_ref, rk_ref, nr_ref)
+  for c, acc_ref in enumerate(acc_refs):
+    run = slice(None) if len(acc_refs) == 1 else pl.ds(c * width, width)
+    acc = acc_ref[...].reshape(splits, width, N)
+    # runs after the first start at channel 32 or later: no value outlier there (statically)
+    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o if c * width < OUTLIERS else None,
+                                 first_channel + c * width)
+    yield run, _joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[:, run])
+
+
 def _epilogue_kernel(*refs, runs: int):
   # refs: acc_ref × runs [S, W/8, 8, 8] f32 (this program's HC = runs·W channels, run c holding [cW, (c + 1)W), in
   # channel order once merged: `acc_view`), ml_ref [S, 32], ao_ref [S, P, 8, 8] ([head, outlier channel] in P
   # parts), q_ref [G, H] f32 (rotated), qc_ref [8], cb_ref [HC, 4], sv_ref [8], rk_ref [R, H] bf16, rv_ref [R, HC]
   # bf16, nr_ref [], o_ref [G, HC] f32. The window's scores once, then each run merged, joined and stored; one round
   # of loads, no loops (the runs unroll).
-  acc_refs, (ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, o_ref) = refs[:runs], refs[runs:]
-  splits, hc = acc_refs[0].shape[0], o_ref.shape[1]
-  width = hc // runs
-  w, inv, lse_c16 = _split_weights(ml_ref, qc_ref)
-  mean_o = _value_outliers(ao_ref, sv_ref, w, inv)
-  p, total_r, lse_r = _window_weights(q_ref, rk_ref, nr_ref)
-  for c, acc_ref in enumerate(acc_refs):
-    run = slice(None) if runs == 1 else pl.ds(c * width, width)
-    acc = acc_ref[...].reshape(splits, width, N)
-    # runs after a program's first start at channel 32 or later: no value outlier there (statically)
-    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o if c * width < OUTLIERS else None,
-                                 pl.program_id(2) * hc + c * width)
-    out = live_rows(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[:, run]), o_ref.shape[0])
+  o_ref = refs[-1]
+  for run, joined in _joined_runs(refs[:runs], *refs[runs:-1], pl.program_id(2) * o_ref.shape[1]):
+    out = live_rows(joined, o_ref.shape[0])
     if runs == 1:
       o_ref[...] = out
     else:
@@ -132,17 +141,10 @@ def _rotating_epilogue_kernel(*refs, runs: int):
   # u_ref [C, H] f32 (this program's C rows of U_v: its output channels), o_ref [G, C] (the query's dtype). The
   # window's scores once, then per run of 32 channels its joined output times its 32 columns of U_v; one round of
   # loads, no loops (the runs unroll).
-  acc_refs, (ml_ref, ao_ref, q_ref, qc_ref, cb_ref, sv_ref, rk_ref, rv_ref, nr_ref, u_ref, o_ref) = (
-      refs[:runs], refs[runs:])
-  w, inv, lse_c16 = _split_weights(ml_ref, qc_ref)
-  mean_o = _value_outliers(ao_ref, sv_ref, w, inv)
-  p, total_r, lse_r = _window_weights(q_ref, rk_ref, nr_ref)
+  u_ref, o_ref = refs[-2:]
   out = None
-  for c, acc_ref in enumerate(acc_refs):
-    run = pl.ds(c * RUN, RUN)
-    acc = acc_ref[...].reshape(acc_ref.shape[0], RUN, N)
-    o_c16 = _compressed_channels(acc, w, inv, cb_ref, run, mean_o if c * RUN < OUTLIERS else None, c * RUN)
-    part = split_dot(_joined(o_c16, lse_c16, p, total_r, lse_r, rv_ref[:, run]), u_ref[:, run].T)  # [16, H]
+  for run, joined in _joined_runs(refs[:runs], *refs[runs:-2], 0):
+    part = split_dot(joined, u_ref[:, run].T)  # [16, C]
     out = part if out is None else out + part
   o_ref[...] = live_rows(out, o_ref.shape[0]).astype(o_ref.dtype)
 
