@@ -5,14 +5,14 @@ CPU check:       PYTHONPATH=$PWD python3 benchmarks/oskvp_stream_layout_probe.py
 
 The wired core (`oskvp_decode_core_mma.py`) streams, per 128-token block of a row, the key codes [128, 32] and key
 outliers [16, 64] as contiguous 4 KB and 1 KB, but the value codes [32, 128] and value outliers [8, 128] from
-token-contiguous arrays [H/4, S] and [8, S]: 40 rows of 128 bytes, S bytes apart. At 64k × 8 on an H100 the core
-streams its 335.5 MB (80 bytes a token and row) at ~91.5% of the span copy, and the ring alone
-(`ablate="no_compute"`, 118.8 µs) at ~91% of the read-only sum by span (notes_mgpu_oskvp.md §25, §29, §30). This kernel is that ring with nothing else: each program (a row, a split) pipes its
-blocks through shared memory (`plgpu.emit_pipeline`, the core's block specs and swizzles) and computes nothing.
-Layouts: "strided" (the cache's: values [BK, H/4, S]) and "block_major" (values [BK, S/128 · H/4, 128]: a block's
-value rows contiguous, 4 KB and 1 KB like the keys'). Same bytes, same boxes in shared memory; only the global
-addresses differ. If block_major streams measurably faster, a block-major value cache is worth building (the
-core's compute would not change: its shared-memory tiles are the same).
+token-contiguous arrays [H/4, S] and [8, S]: 40 rows of 128 bytes, S bytes apart. At 64k × 8 on an H100 the core streams
+its 335.5 MB (80 bytes a token and row) at ~91.5% of the span copy, and the ring alone (`ablate="no_compute"`, 118.8 µs)
+at ~91% of the read-only sum by span (notes_mgpu_oskvp.md §25, §29, §30). This kernel is that ring with nothing else:
+each program (a row, a split) pipes its blocks through shared memory (`plgpu.emit_pipeline`, the core's block specs and
+swizzles) and computes nothing. Layouts: "strided" (the cache's: values [BK, H/4, S]) and "block_major" (values [BK,
+S/128 · H/4, 128]: a block's value rows contiguous, 4 KB and 1 KB like the keys'). Same bytes, same boxes in shared
+memory; only the global addresses differ. If block_major streams measurably faster, a block-major value cache is worth
+building (the core's compute would not change: its shared-memory tiles are the same).
 
 Timing: CUPTI kernel time, median of --iters calls, beside an XLA read-only sum of a 1 GiB array timed the same way
 (the bandwidth the ring is compared with). On the CPU (--smoke) it runs in Mosaic GPU's interpreter at tiny shapes

@@ -2,11 +2,11 @@
 (`uniform_decode_attention(glue="pallas")`), one program per batch row, kv head and HC output channels
 (`epilogue_channels`: 32 to 128, the widest that leave 256 programs in flight; 16 above 64 splits).
 
-Inputs: the core's per-split outputs acc [splits, H, 8] (its ACC row order: each program reads its HC channels as
-one block of the view `acc_view`, or HC/32 blocks of 32 for HC > 32), ml [splits, 32] (m in [0, 8), l in [8, 16)), acco [splits, P, 8, 8] ([head,
-outlier channel] in P parts, summed here: `decode_core_splits`); the rotated query q' [G, H]; the prologue's qc [8];
-the value codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the residual window res_k, res_v [R, H]
-(rotated, bf16) with n_res tokens. It computes, for its HC channels:
+Inputs: the core's per-split outputs acc [splits, H, 8] (its ACC row order: each program reads its HC channels as one
+block of the view `acc_view`, or HC/32 blocks of 32 for HC > 32), ml [splits, 32] (m in [0, 8), l in [8, 16)), acco
+[splits, P, 8, 8] ([head, outlier channel] in P parts, summed here: `decode_core_splits`); the rotated query q' [G, H];
+the prologue's qc [8]; the value codebooks cb_v = c0 + d·code [H, 4] and outlier scales [8]; the residual window res_k,
+res_v [R, H] (rotated, bf16) with n_res tokens. It computes, for its HC channels:
   the splits merged by log-sum-exp (w_s = 2^(m_s − max m), mean = Σ w_s acc_s / Σ w_s l_s), o'_c = c0_v + d_v·mean
   (+ the value outliers · scale_v on channels 0..7), lse_c = max m + log2(Σ w l / 127) + qc;
   exact attention over the window (scores over all H channels, values of its own; the dots as bf16 hi + lo parts
