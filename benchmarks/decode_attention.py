@@ -36,6 +36,7 @@ from benchmarks.chained_timing import chained_calls, copy_bandwidth, copy_bandwi
 from pallas_kernels.oskvp_decode_attention import (BITPLANE, PLAIN_ROWS, DecodeBlockConfig, _oskvp_pallas,
                                                    oskvp_decode_attention_reference)
 from pallas_kernels.oskvp_random import random_oskvp_inputs, uniform_codebooks
+from pallas_kernels import oskvp_value_layout as vl
 from pallas_kernels import per_token_decode_attention as ptda
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -178,14 +179,27 @@ def kernel_fn(cfg, symmetric=False):
   return lambda *a: _oskvp_pallas(*a, interpret=False, config=cfg, symmetric_codebooks=symmetric)
 
 
-def uniform_args(key, b, s):
-  """The 15 arguments with uniform codebooks (c0 + d·c, outlier rows constant) and the values tokens contiguous, as an
-  `OSKVPMode(uniform=True)` cache stores them: `uniform_decode_attention`'s inputs."""
+VALUE_LAYOUTS = ("blocks", "tokens")  # --mosaic_value_layout: block-major (the cache's, S % 128 == 0) or [X, S]
+
+
+def uniform_args(key, b, s, value_layout: str = "blocks"):
+  """The 15 arguments with uniform codebooks (c0 + d·c, outlier rows constant) and the values as an
+  `OSKVPMode(uniform=True)` cache stores them: `uniform_decode_attention`'s inputs. value_layout "blocks":
+  block-major [B, K, S/128, X, 128] (the cache's at these capacities), "tokens": tokens contiguous [B, K, X, S]."""
+  if value_layout not in VALUE_LAYOUTS:
+    raise ValueError(f"value_layout={value_layout!r} must be one of {VALUE_LAYOUTS}")
   a = list(oskvp_args(key, b, s))
   for i, kk in ((4, 1), (8, 2)):  # cb_k, cb_v
     a[i] = uniform_codebooks(jax.random.fold_in(key, kk), a[i].shape[:-1], outliers=8)
   a[5], a[6] = jnp.swapaxes(a[5], -1, -2), jnp.swapaxes(a[6], -1, -2)  # codes_v, outl_v [B, K, X, S]
+  if value_layout == "blocks":
+    a[5], a[6] = vl.block_major(a[5]), vl.block_major(a[6])
   return tuple(a)
+
+
+def value_layout_label(value_layout: str) -> str:
+  """A timing row's suffix for the value layout: "" for block-major (the cache's), "_vtokens" for [X, S]."""
+  return "" if value_layout == "blocks" else f"_v{value_layout}"
 
 
 def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", max_splits: int | None = None,
@@ -239,14 +253,17 @@ def mosaic_core_label(core: str) -> str:
 
 
 def token_major(a):
-  """uniform_args -> the same cache with token-major values (the XLA reference's and Triton kernel's layout)."""
+  """uniform_args (either value layout) -> the same cache with token-major values (the XLA reference's and Triton
+  kernel's layout)."""
   a = list(a)
-  a[5], a[6] = jnp.swapaxes(a[5], -1, -2), jnp.swapaxes(a[6], -1, -2)
+  blocks = a[5].ndim == 5
+  a[5], a[6] = (jnp.swapaxes(vl.token_contiguous(x, blocks), -1, -2) for x in (a[5], a[6]))
   return tuple(a)
 
 
 def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_stacked", core: str = "wgmma",
-                         query_rotation: str = "xla", output_rotation: str = "xla", epilogue_channels: str = "auto"):
+                         query_rotation: str = "xla", output_rotation: str = "xla", epilogue_channels: str = "auto",
+                         value_layout: str = "blocks"):
   """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4). With
   core="mma" (`wired_tiling`) batch 2 and 3 run 32 and 16 splits, batch 32 and 64 (random lengths) 2 and 1; the wgmma
   core runs 16 or more at each."""
@@ -255,12 +272,12 @@ def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_sta
   wide = [(b, s, (0, 1, s, *rng.integers(0, s + 1, b - 3).tolist()),  # edge rows first, then random lengths
            (1, 0, WINDOW, *rng.integers(0, WINDOW + 1, b - 3).tolist())) for b, s in ((32, 2048), (64, 1024))]
   for b, s, n_comp, n_res in ((2, 4096, (4096, 1000), (128, 7)), (3, 2048, (0, 129, 2048), (1, 128, 64)), *wide):
-    a = list(uniform_args(jax.random.key(b * s), b, s))
+    a = list(uniform_args(jax.random.key(b * s), b, s, value_layout))
     a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(n_res, jnp.int32)
     case = (f"B={b} S={s} n_comp={n_comp} n_res={n_res}" if b <= 4 else
             f"B={b} S={s} n_comp in [{min(n_comp)}, {max(n_comp)}] n_res in [{min(n_res)}, {max(n_res)}]")
     config = (f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core} query_rotation={query_rotation}"
-              f" output_rotation={output_rotation} epilogue_channels={epilogue_channels}")
+              f" output_rotation={output_rotation} epilogue_channels={epilogue_channels} value_layout={value_layout}")
     try:
       got = jax.jit(functools.partial(mosaic_uniform, glue=glue, value_outliers=value_outliers, core=core,
                                       query_rotation=query_rotation, output_rotation=output_rotation,
@@ -359,6 +376,9 @@ def main():
   ap.add_argument("--mosaic_epilogue_channels", default="auto",
                   help="comma-separated output channels per epilogue program timed in --mosaic_grid "
                        "(uniform_decode_attention's epilogue_channels=: auto, 16, 32, 64, 128)")
+  ap.add_argument("--mosaic_value_layout", default="blocks",
+                  help="comma-separated value layouts of the wired path timed in --mosaic_grid (blocks: block-major, "
+                       "what an oskvp_uniform cache stores at these capacities; tokens: [X, S])")
   ap.add_argument("--mosaic_query_rotation", default="xla",
                   help="comma-separated places of q U_k timed in --mosaic_grid (uniform_decode_attention's "
                        "query_rotation=: xla, prologue)")
@@ -385,12 +405,12 @@ def main():
     if copy_span_tbs:
       log(f"by GPU span: copy {copy_span_tbs:.2f} TB/s, read-only sum {read_span_tbs:.2f} TB/s")
   if args.mosaic_grid:
-    checks = [c for glue, form, core, rot, orot, hc in itertools.product(
+    checks = [c for glue, form, core, rot, orot, hc, vlay in itertools.product(
                   args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","), args.mosaic_core.split(","),
                   args.mosaic_query_rotation.split(","), args.mosaic_output_rotation.split(","),
-                  args.mosaic_epilogue_channels.split(","))
+                  args.mosaic_epilogue_channels.split(","), args.mosaic_value_layout.split(","))
               if rotation_applies(glue, rot, orot) and channels_apply(glue, orot, hc)
-              for c in check_mosaic_uniform(log, glue, form, core, rot, orot, hc)]
+              for c in check_mosaic_uniform(log, glue, form, core, rot, orot, hc, vlay)]
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
       return 1
@@ -524,22 +544,24 @@ def main():
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
-        for glue, form, ms, core, rot, orot, hc in itertools.product(
+        for glue, form, ms, core, rot, orot, hc, vlay in itertools.product(
             args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","), args.mosaic_max_splits.split(","),
             args.mosaic_core.split(","), args.mosaic_query_rotation.split(","),
-            args.mosaic_output_rotation.split(","), args.mosaic_epilogue_channels.split(",")):
+            args.mosaic_output_rotation.split(","), args.mosaic_epilogue_channels.split(","),
+            args.mosaic_value_layout.split(",")):
           if not (rotation_applies(glue, rot, orot) and channels_apply(glue, orot, hc)):
             continue
           attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
                   + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}")
-                  + mosaic_core_label(core) + rotation_label(rot, orot) + ("" if hc == "auto" else f"_e{hc}"), b, s,
+                  + mosaic_core_label(core) + rotation_label(rot, orot) + ("" if hc == "auto" else f"_e{hc}")
+                  + value_layout_label(vlay), b, s,
                   functools.partial(mosaic_uniform, glue=glue, value_outliers=form,
                                     max_splits=None if ms == "auto" else int(ms), core=core, query_rotation=rot,
                                     output_rotation=orot, epilogue_channels=channels_arg(hc)),
-                  lambda i: uniform_args(jax.random.key(i), b, s), oskvp_bytes(b, s),
+                  lambda i, vlay=vlay: uniform_args(jax.random.key(i), b, s, vlay), oskvp_bytes(b, s),
                   f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={glue}, value_outliers={form}, "
                   f"max_splits={ms}, core={core}, query_rotation={rot}, output_rotation={orot}, "
-                  f"epilogue_channels={hc}")
+                  f"epilogue_channels={hc}, value_layout={vlay}")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,

@@ -67,15 +67,20 @@
 # 13. (forty-eighth session) layout_probe: the core's TMA ring alone with the value codes and outliers in the cache's
 #    token-contiguous layout ([H/4, S]: 40 rows of 128 bytes a block, S bytes apart) against a block-major one (a
 #    block's rows contiguous), same bytes (`oskvp_stream_layout_probe.py`). If block-major streams faster, a
-#    block-major value cache could take the core closer to the read-only bandwidth.
+#    block-major value cache could take the core closer to the read-only bandwidth. Paid on an H100 in the
+#    forty-ninth session (results/oskvp_stream_layout_h100_s49.md: block-major 2.6-3.1% faster in all six cases).
+# 14. (forty-ninth session) value_layout: the cache now stores uniform values block-major (`OSKVPMode.
+#    block_major_values`, `pallas_kernels/oskvp_value_layout.py`); the wired path with the mma core, block-major
+#    against tokens contiguous, 4k-128k x 8 / 32, cuDNN beside (both layouts checked first). Then decode_check
+#    (the 12-step model check now decodes a block-major cache) and e2e_uniform (the step's cache is block-major).
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
-# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~107 min.
+# it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~114 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
 # STEPS=experts (one call each, the fortieth session's), STEPS="float16_trace refit refit_b32", then
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="splits wide_epilogue layout_probe e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="value_layout splits wide_epilogue layout_probe e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -92,6 +97,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # both bf16 peers and the WS kernel's fused SwiGLU, the issue's grid), last timed on an H200 in the twenty-fourth session.
 # prefill_fit, attention and (three row counts of) experts ran on an H100 in the fortieth (results/*_h100_s40.md,
 # e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
+run value_layout 420 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
+  --contexts=4096,16384,65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_value_layout=blocks,tokens \
+  --out="$OUT/value_layout"
 run splits 400 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
   --contexts=4096,16384,65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_max_splits=auto,16 --out="$OUT/splits"
 run wide_epilogue 560 bash -c 'python3 benchmarks/oskvp_epilogue_bench.py --out="$0/epi" \

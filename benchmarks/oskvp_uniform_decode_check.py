@@ -80,7 +80,7 @@ def model_steps(steps: int, refit_at_first_flush: bool = True,
     name = "oskvp_uniform_no_refit"
     register_kv_cache_mode(name, dataclasses.replace(get_kv_cache_mode("oskvp_uniform"), refit_at_first_flush=False))
   _, cache = decode.prefill(model, tokens[:, :t], lengths, kv_cache=name, cache_len=1024)
-  print("backend", jax.default_backend(), "values_contiguous", cache.layers[0].values_contiguous, flush=True)
+  print("backend", jax.default_backend(), "value_layout", cache.layers[0].value_layout, flush=True)
   as_impl = lambda c, impl: c.replace(layers=tuple(layer.replace(implementation=impl) for layer in c.layers))
   auto, ref = as_impl(cache, implementation), as_impl(cache, "xla")
   worst, agree = 0.0, []

@@ -66,6 +66,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.interpret_settle import settled_when_interpreted
 from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_key_scores_mgpu as ks
+from pallas_kernels import oskvp_value_layout as vl
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 N = 8  # query heads per kv head, padded: the wgmma N of both sides
@@ -185,8 +186,9 @@ def copy_row_inputs(bk, bar, *pairs) -> None:
 def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_smem=None, a16_smem=None,
             vt_smem=None, p16_smem=None, ph_smem=None, pl_smem=None, block_s: int,
             steps: int, max_concurrent_steps: int, interpret: bool, ablate: str, ragged: bool, outliers: bool,
-            value_outliers: str):
-  # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
+            value_outliers: str, value_blocks: bool):
+  # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S] (value_blocks: [BK, S/128 · Q, 128], `vl.ring_operand`; vo_ref
+  # likewise [BK, S/128 · 8, 128]); qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (the 8 scales,
   # padded: TMA copies move multiples of 128 bytes); with outliers also ko_ref fp8 [BK, S/2, 16] (the key outlier
   # channels [S, 8] seen as rows of two tokens: TMA boxes need 16-byte rows), vo_ref fp8 [BK, 8, S] (the value
   # outlier channels, tokens contiguous) and qo_ref f16 [BK, 8, 16] (the key-outlier query in base-2 logits;
@@ -222,9 +224,8 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
   # kernel runs its full compute with almost no DRAM traffic: the compute side's own time.
   blk = (lambda i: 0) if ablate == "l2_resident" else (lambda i: i)
   k_spec = plgpu.BlockSpec((block_s, q), lambda i: (blk(i), 0), transforms=ks.swizzled(q))
-  v_spec = plgpu.BlockSpec((q, block_s), lambda i: (0, blk(i)), transforms=ks.swizzled(block_s))
   ko_spec = plgpu.BlockSpec((block_s // 2, 2 * OUTLIERS), lambda i: (blk(i), 0))
-  vo_spec = plgpu.BlockSpec((OUTLIERS, block_s), lambda i: (0, blk(i)), transforms=ks.swizzled(block_s))
+  v_spec, v_src = vl.ring_source(vc_ref, q, bk, sp, steps, block_s, blk, blocks=value_blocks)
 
   n_valid = qs_smem[LEN_SLOT].astype(jnp.int32)
 
@@ -380,10 +381,11 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
           plgpu.layout_cast(jnp.zeros((L_ROWS, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((h, N), jnp.float32), plgpu.Layout.WGMMA),
           plgpu.layout_cast(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA) if outliers else None)
-  specs, srcs = [k_spec, v_spec], [kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens]]
+  specs, srcs = [k_spec, v_spec], [kc_ref.at[bk, tokens], v_src]
   if outliers:
+    vo_spec, vo_src = vl.ring_source(vo_ref, OUTLIERS, bk, sp, steps, block_s, blk, blocks=value_blocks)
     specs += [ko_spec, vo_spec]
-    srcs += [ko_ref.at[bk, pl.ds(sp * (steps * block_s // 2), steps * block_s // 2)], vo_ref.at[bk, :, tokens]]
+    srcs += [ko_ref.at[bk, pl.ds(sp * (steps * block_s // 2), steps * block_s // 2)], vo_src]
   m, l, acc, acc_o = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs,
                                          max_concurrent_steps=max_concurrent_steps, init_carry=init)(*srcs)
 
@@ -408,16 +410,16 @@ def _kernel(*refs, q_smem, qs_smem, p_smem, bar, ka_smem=None, va_smem=None, qo_
 
 
 def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps):
-  """Validates the arguments; returns (BK, S, Q)."""
-  if kcodes.ndim != 3 or vcodes.ndim != 3 or qd.ndim != 3 or qs.ndim != 2:
-    raise ValueError(f"need kcodes [BK, S, Q] {kcodes.shape}, vcodes [BK, Q, S] {vcodes.shape}, qd [BK, 8, H] "
-                     f"{qd.shape}, qs [BK, 8] {qs.shape}")
+  """Validates the arguments (vcodes tokens contiguous or block-major, `oskvp_value_layout`); returns (BK, S, Q)."""
+  if kcodes.ndim != 3 or vcodes.ndim not in (3, 4) or qd.ndim != 3 or qs.ndim != 2:
+    raise ValueError(f"need kcodes [BK, S, Q] {kcodes.shape}, vcodes [BK, Q, S] or [BK, S/128, Q, 128] "
+                     f"{vcodes.shape}, qd [BK, 8, H] {qd.shape}, qs [BK, 8] {qs.shape}")
   if kcodes.dtype != jnp.uint8 or vcodes.dtype != jnp.uint8 or qd.dtype != jnp.int8 or qs.dtype != jnp.float32:
     raise TypeError(f"kcodes, vcodes must be uint8, qd int8 and qs float32; got {kcodes.dtype}, {vcodes.dtype}, "
                     f"{qd.dtype}, {qs.dtype}")
   bk, s, q = kcodes.shape
-  if vcodes.shape != (bk, q, s):
-    raise ValueError(f"vcodes {vcodes.shape} must be [BK, Q, S] = {(bk, q, s)} (token-contiguous)")
+  if vl.is_block_major(vcodes, "vcodes", bk, q, s) and block_s != vl.BLOCK:
+    raise ValueError(f"block_s={block_s}: block-major vcodes take {vl.BLOCK}-token steps")
   if qd.shape != (bk, N, 4 * q) or qs.shape != (bk, N):
     raise ValueError(f"qd {qd.shape} must be [BK, {N}, H={4 * q}] and qs {qs.shape} [BK, {N}]")
   if q % 32:
@@ -434,11 +436,13 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
   """The kernel on prepared inputs: qs_row f32 [BK, 32] (the 8 scales, the length at index 8), kout2 fp8
   [BK, S/2, 16], vout fp8 [BK, 8, S], qo16 f16 [BK, 8, 16] -> (acc f32 [BK, splits, H, 8] (ACC row order), ml f32
   [BK, splits, 32] (+ acco f32 [BK, splits, P, 8, 8] with outliers: the value-outlier sums as [head, channel] in P
-  parts to be summed, 2 per pass for "fp8_stacked" (p8's e4m3 hi and lo parts; 4 at block_s=256), else 1))."""
+  parts to be summed, 2 per pass for "fp8_stacked" (p8's e4m3 hi and lo parts; 4 at block_s=256), else 1)).
+  vcodes and vout: both tokens contiguous or both block-major (`oskvp_value_layout`)."""
   bk, s, q = kcodes.shape
   h = 4 * q
   steps = s // (splits * block_s)
   outliers = kout2 is not None
+  value_blocks = check_value_layouts(vcodes, vout)
   if value_outliers not in VALUE_OUTLIER_FORMS:
     raise ValueError(f"value_outliers={value_outliers!r} must be one of {VALUE_OUTLIER_FORMS}")
   fp8_values = outliers and value_outliers.startswith("fp8")
@@ -449,7 +453,7 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
                      f"not {value_outliers!r}")
   body = functools.partial(_kernel, block_s=block_s, steps=steps, max_concurrent_steps=max_concurrent_steps,
                            interpret=bool(interpret), ablate=ablate, ragged=ragged, outliers=outliers,
-                           value_outliers=value_outliers)
+                           value_outliers=value_outliers, value_blocks=value_blocks)
   smem_a = interpret  # planes and outlier A tiles through shared memory only in the interpreter (one 8-row tile of
   # each on the GPU route, never touched: 26 KB less shared memory per program with outliers at block 128)
   kernel = plgpu.kernel(
@@ -478,7 +482,8 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo16=None, *, 
                   p16_smem=plgpu.SMEM((N, block_s), jnp.float16, transforms=rg.F16_T_TRANSFORMS)) if outliers else {})),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       **ks.interpret_kwargs(interpret))
-  res = kernel(kcodes, vcodes, qd, qs_row, *((kout2, vout, qo16) if outliers else ()))
+  res = kernel(kcodes, vl.ring_operand(vcodes), qd, qs_row,
+               *((kout2, vl.ring_operand(vout), qo16) if outliers else ()))
   if outliers:  # every form returns parts × [head, channel]: the fp8 forms as stored (free reshapes), f16 transposed
     acco = res[2] if fp8_values else jnp.swapaxes(res[2], -1, -2)
     res = (*res[:2], acco.reshape(bk, splits, -1, N, OUTLIERS))
@@ -525,9 +530,10 @@ def check_optional_inputs(bk: int, s: int, lengths, kout, vout, qo) -> bool:
     raise ValueError("kout, vout and qo go together (all three or none)")
   if outliers and (kout.shape != (bk, s, OUTLIERS) or kout.dtype != jnp.float8_e4m3fn):
     raise ValueError(f"kout {kout.shape} {kout.dtype} must be float8_e4m3fn [BK, S, {OUTLIERS}] = {(bk, s, OUTLIERS)}")
-  if outliers and (vout.shape != (bk, OUTLIERS, s) or vout.dtype != jnp.float8_e4m3fn):
-    raise ValueError(f"vout {vout.shape} {vout.dtype} must be float8_e4m3fn [BK, {OUTLIERS}, S] = {(bk, OUTLIERS, s)} "
-                     "(tokens contiguous)")
+  if outliers and vout.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"vout is {vout.dtype}, must be float8_e4m3fn")
+  if outliers:
+    vl.is_block_major(vout, "vout", bk, OUTLIERS, s)
   if outliers and (qo.shape != (bk, N, OUTLIERS) or qo.dtype != jnp.float16):
     raise ValueError(f"qo {qo.shape} {qo.dtype} must be float16 [BK, {N}, {OUTLIERS}]")
   return outliers
@@ -535,14 +541,22 @@ def check_optional_inputs(bk: int, s: int, lengths, kout, vout, qo) -> bool:
 
 def check_split_inputs(bk: int, s: int, qs_row, kout, vout, qo16) -> None:
   """`decode_core_splits`'s prepared arguments checked (shapes and dtypes; errors name the field)."""
-  if qs_row.shape != (bk, QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or vout.shape != (bk, OUTLIERS, s) \
-      or qo16.shape != (bk, N, 2 * OUTLIERS):
-    raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, vout {vout.shape}, qo16 {qo16.shape} must be "
-                     f"[BK, 32], [BK, S, 8], [BK, 8, S], [BK, 8, 16] with BK={bk}, S={s}")
+  if qs_row.shape != (bk, QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or qo16.shape != (bk, N, 2 * OUTLIERS):
+    raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, qo16 {qo16.shape} must be "
+                     f"[BK, 32], [BK, S, 8], [BK, 8, 16] with BK={bk}, S={s}")
+  vl.is_block_major(vout, "vout", bk, OUTLIERS, s)
   for name, x, dtype in (("qs_row", qs_row, jnp.float32), ("kout", kout, jnp.float8_e4m3fn),
                          ("vout", vout, jnp.float8_e4m3fn), ("qo16", qo16, jnp.float16)):
     if x.dtype != dtype:
       raise ValueError(f"{name} is {x.dtype}, must be {jnp.dtype(dtype).name}")
+
+
+def check_value_layouts(vcodes: jax.Array, vout: jax.Array | None) -> bool:
+  """Whether the (checked) value operands are block-major; vout, where given, must share vcodes' layout."""
+  if vout is not None and vout.ndim != vcodes.ndim:
+    raise ValueError(f"vout {vout.shape} and vcodes {vcodes.shape} must share a layout: both tokens contiguous "
+                     "or both block-major")
+  return vcodes.ndim == 4
 
 
 def padded_scales(qs: jax.Array, lengths: jax.Array | None, s: int) -> jax.Array:
@@ -587,13 +601,14 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
 
   Args:
     kcodes: uint8 [BK, S, Q], planar 2-bit key codes (token-major, as the cache stores them).
-    vcodes: uint8 [BK, Q, S], planar 2-bit value codes, token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`).
+    vcodes: uint8 [BK, Q, S], planar 2-bit value codes, token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`),
+      or block-major [BK, S/128, Q, 128] (`oskvp_value_layout.block_major`; block_s 128 only).
     qd: int8 [BK, 8, H], one digit per query head of q·d_k (rows past the group size zero).
     qs: f32 [BK, 8], the per-head scale of the integer scores in base-2 logits (digit scale · log2(e) / √H).
     lengths: int32 [BK], tokens stored per row (any value in [0, S]; tokens past it are masked in the kernel, a row
       without tokens gives zeros); None: all S (no masking work).
     kout: float8_e4m3fn [BK, S, 8], the fp8 key outlier channels of each token (as the cache stores them); vout:
-      float8_e4m3fn [BK, 8, S], the value outlier channels, tokens contiguous (like vcodes); qo: f16 [BK, 8, 8], the
+      float8_e4m3fn [BK, 8, S], the value outlier channels in vcodes' layout (or [BK, S/128, 8, 128]); qo: f16 [BK, 8, 8], the
       key-outlier query per head in base-2 logits (the channel scales folded in; the caller applies the value
       channels' scales to the output). Adds Σ_o qo · kout to the scores (f16 wgmma, A built in registers) and returns
       the value-outlier sums too. All three or none (codes only).

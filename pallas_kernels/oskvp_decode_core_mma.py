@@ -56,6 +56,7 @@ from pallas_kernels import mma_sync_ptx as px
 from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_key_scores_mgpu as ks
+from pallas_kernels import oskvp_value_layout as vl
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 
 N = dc.N  # query heads per kv head, padded
@@ -477,8 +478,9 @@ def _finish(outliers: bool, key_rows: str):
 
 
 def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_concurrent_steps: int, ablate: str,
-            ragged: bool, outliers: bool, qo_width: int, key_rows: str):
-  # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S]; qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (scales, length at
+            ragged: bool, outliers: bool, qo_width: int, key_rows: str, value_blocks: bool):
+  # kc_ref uint8 [BK, S, Q]; vc_ref uint8 [BK, Q, S] (value_blocks: [BK, S/128 · Q, 128], `vl.ring_operand`, and
+  # vo_ref likewise); qd_ref int8 [BK, 8, H]; qs_ref f32 [BK, 32] (scales, length at
   # 8); with outliers ko_ref fp8 [BK, S/8, 64], vo_ref fp8 [BK, 8, S], qo_ref f16 [BK, 8, 8 or 16]. acc_out f32
   # [BK, splits, H, 8] (ACC row order); ml_out f32 [BK, splits, 32]; acco_out f32 [BK, splits, 8, 8].
   if outliers:
@@ -489,14 +491,14 @@ def _kernel(*refs, q_smem, qs_smem, af_smem, bar, qo_smem=None, steps: int, max_
   dc.copy_row_inputs(bk, bar, (qd_ref, q_smem), (qs_ref, qs_smem), *([(qo_ref, qo_smem)] if outliers else []))
   tokens = pl.ds(sp * (steps * BLOCK_S), steps * BLOCK_S)
   blk = (lambda i: 0) if ablate == "l2_resident" else (lambda i: i)
-  specs = [plgpu.BlockSpec((BLOCK_S, Q), lambda i: (blk(i), 0), transforms=ks.swizzled(Q)),
-           plgpu.BlockSpec((Q, BLOCK_S), lambda i: (0, blk(i)), transforms=ks.swizzled(BLOCK_S))]
-  srcs = [kc_ref.at[bk, tokens], vc_ref.at[bk, :, tokens]]
+  v_spec, v_src = vl.ring_source(vc_ref, Q, bk, sp, steps, BLOCK_S, blk, blocks=value_blocks)
+  specs = [plgpu.BlockSpec((BLOCK_S, Q), lambda i: (blk(i), 0), transforms=ks.swizzled(Q)), v_spec]
+  srcs = [kc_ref.at[bk, tokens], v_src]
   if outliers:
-    specs += [plgpu.BlockSpec((BLOCK_S // KO_TOKENS, KO_TOKENS * OUTLIERS), lambda i: (blk(i), 0)),
-              plgpu.BlockSpec((OUTLIERS, BLOCK_S), lambda i: (0, blk(i)), transforms=ks.swizzled(BLOCK_S))]
+    vo_spec, vo_src = vl.ring_source(vo_ref, OUTLIERS, bk, sp, steps, BLOCK_S, blk, blocks=value_blocks)
+    specs += [plgpu.BlockSpec((BLOCK_S // KO_TOKENS, KO_TOKENS * OUTLIERS), lambda i: (blk(i), 0)), vo_spec]
     rows = steps * BLOCK_S // KO_TOKENS
-    srcs += [ko_ref.at[bk, pl.ds(sp * rows, rows)], vo_ref.at[bk, :, tokens]]
+    srcs += [ko_ref.at[bk, pl.ds(sp * rows, rows)], vo_src]
   wg = plgpu.Layout.WGMMA
   init = _init_state()(af_smem)
   step = _step(outliers, ragged, qo_width, key_rows)
@@ -548,20 +550,21 @@ def _core_call(kcodes, vcodes, qd, qs_row, kout2=None, vout=None, qo=None, *, sp
     raise ValueError(f"key_rows={key_rows!r} must be one of {KEY_ROWS}")
   bk, s, q = kcodes.shape
   outliers = kout2 is not None
+  value_blocks = dc.check_value_layouts(vcodes, vout)
   body = functools.partial(_kernel, steps=s // (splits * BLOCK_S), max_concurrent_steps=max_concurrent_steps,
                            ablate=ablate, ragged=ragged, outliers=outliers,
-                           qo_width=qo.shape[-1] if outliers else 0, key_rows=key_rows)
+                           qo_width=qo.shape[-1] if outliers else 0, key_rows=key_rows, value_blocks=value_blocks)
   out_type = (jax.ShapeDtypeStruct((bk, splits, 4 * q, N), jnp.float32),
               jax.ShapeDtypeStruct((bk, splits, 32), jnp.float32))
   scratch = dict(q_smem=plgpu.SMEM((N, 4 * q), jnp.int8, transforms=ks.swizzled(128)),
                  qs_smem=plgpu.SMEM((dc.QS_SLOTS,), jnp.float32),
                  af_smem=plgpu.SMEM((FLUSHED,), jnp.float32),
                  bar=plgpu.Barrier(num_arrivals=3 if outliers else 2, num_barriers=1))
-  args = (kcodes, vcodes, qd, qs_row)
+  args = (kcodes, vl.ring_operand(vcodes), qd, qs_row)
   if outliers:
     out_type += (jax.ShapeDtypeStruct((bk, splits, N, OUTLIERS), jnp.float32),)
     scratch["qo_smem"] = plgpu.SMEM(qo.shape[1:], jnp.float16)
-    args += (kout2, vout, qo)
+    args += (kout2, vl.ring_operand(vout), qo)
   kernel = plgpu.kernel(body, out_type=out_type, grid=(bk, splits), grid_names=("bk", "split"),
                         scratch_types=scratch,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))

@@ -6,8 +6,9 @@ Layout per layer (every leaf batch-leading, shared with `pallas_kernels/oskvp_de
   codes_k, codes_v  uint8 [B, K, S, H/4]     2-bit codes, planar-packed (see `oskvp.pack2`)
   hi_k, hi_v        uint8 [B, K, S, H/8]     third code bit (bits=3 only, else None)
   outl_k, outl_v    float8_e4m3fn [B, K, S, O]
-  (values_contiguous caches, `OSKVPMode(uniform=True)`: codes_v uint8 [B, K, H/4, S] and outl_v [B, K, O, S], the
-  value tokens contiguous as the Mosaic GPU core streams them; `value_store` gives the token-major view)
+  (`value_layout`, for the Mosaic GPU cores of `OSKVPMode(uniform=True)`: "block_major" codes_v uint8
+  [B, K, S/128, H/4, 128] and outl_v [B, K, S/128, O, 128], each 128-token block's value rows contiguous; or
+  "token_contiguous" [B, K, H/4, S] and [B, K, O, S]; `value_store` gives the token-major view)
   scale_k, scale_v  f32 [B, K, O]
   cb_k, cb_v        f32 [B, K, H, L]
   u_k, u_v          f32 [B, K, H, H]
@@ -46,6 +47,38 @@ if TYPE_CHECKING:
   from moe_jax.kv_quant.oskvp_modes import OSKVPMode
 
 
+VALUE_LAYOUTS = ("token_major", "token_contiguous", "block_major")
+VALUE_BLOCK = 128  # tokens per block of "block_major" (`pallas_kernels.oskvp_value_layout.BLOCK`, the cores' step)
+
+
+def value_layout_for(uniform: bool, cache_len: int, block_major: bool = True) -> str:
+  """The value layout of a cache of `cache_len` tokens: token-major unless the codebooks are uniform (the Mosaic GPU
+  cores' caches); then block-major where `block_major` and cache_len is a multiple of 128, else tokens contiguous."""
+  if not uniform:
+    return "token_major"
+  return "block_major" if block_major and cache_len % VALUE_BLOCK == 0 else "token_contiguous"
+
+
+def stored_values(x: jax.Array, layout: str) -> jax.Array:
+  """Token-major [B, K, S, X] -> the stored layout (`VALUE_LAYOUTS`; the same bytes, reordered)."""
+  if layout == "token_major":
+    return x
+  if layout == "token_contiguous":
+    return jnp.swapaxes(x, -1, -2)
+  b, k, s, c = x.shape
+  return jnp.swapaxes(x.reshape(b, k, s // VALUE_BLOCK, VALUE_BLOCK, c), -1, -2)
+
+
+def token_major_values(x: jax.Array, layout: str) -> jax.Array:
+  """`stored_values`' inverse: the stored layout -> token-major [B, K, S, X]."""
+  if layout == "token_major":
+    return x
+  if layout == "token_contiguous":
+    return jnp.swapaxes(x, -1, -2)
+  b, k, n, c, block = x.shape
+  return jnp.swapaxes(x, -1, -2).reshape(b, k, n * block, c)
+
+
 def refit_chunk_min_rows(chunk: int) -> int:
   """The fewest rows left to refit for which a batched fit of `chunk` rows beats one fit per row: a third of the
   chunk, at least 2. Measured on an H100 (B = 8, K = 8, H = 128, R = 128; results/oskvp_refit_cost_*): a fit adds
@@ -76,7 +109,7 @@ class OSKVPLayerCache:
   refit: jax.Array | None = None  # bool [B]: refit the row at its first flush (`OSKVPMode.refit_at_first_flush`)
   implementation: str = struct.field(pytree_node=False, default="auto")
   symmetric: bool = struct.field(pytree_node=False, default=False)  # codebooks from `OSKVPMode(symmetric=True)`
-  values_contiguous: bool = struct.field(pytree_node=False, default=False)  # codes_v, outl_v [B, K, X, S]
+  value_layout: str = struct.field(pytree_node=False, default="token_major")  # codes_v, outl_v (`VALUE_LAYOUTS`)
   refit_mode: OSKVPMode | None = struct.field(pytree_node=False, default=None)  # whose `fit` refits (with refit)
   # Set by `refit_before_step` for the step's first token, whose refits it has done (`extend` clears it after).
   refits_done: bool = struct.field(pytree_node=False, default=False)
@@ -84,6 +117,11 @@ class OSKVPLayerCache:
   @property
   def max_len(self) -> int:
     return self.codes_k.shape[2]
+
+  @property
+  def values_for_mosaic(self) -> bool:
+    """The values are stored as the Mosaic GPU cores stream them (tokens contiguous or block-major)."""
+    return self.value_layout != "token_major"
 
   @property
   def kv_shape(self) -> tuple[int, int]:
@@ -99,10 +137,9 @@ class OSKVPLayerCache:
 
   def value_store(self) -> tuple[jax.Array, jax.Array]:
     """(codes_v uint8 [B, K, S, H/4], outl_v [B, K, S, O]) token-major, whatever the stored layout (a transpose of
-    the whole store for a values_contiguous cache: for the XLA reference and the Triton kernel)."""
-    if not self.values_contiguous:
-      return self.codes_v, self.outl_v
-    return jnp.swapaxes(self.codes_v, -1, -2), jnp.swapaxes(self.outl_v, -1, -2)
+    the whole store for the Mosaic GPU cores' layouts: for the XLA reference and the Triton kernel)."""
+    return (token_major_values(self.codes_v, self.value_layout),
+            token_major_values(self.outl_v, self.value_layout))
 
   @staticmethod
   def before_step(layers: tuple) -> tuple:
@@ -147,10 +184,13 @@ class OSKVPLayerCache:
     def put(store, block):  # store [B, K, S, X], block [B, K, R, X]
       return store.at[rows, :, idx].set(jnp.swapaxes(block, 1, 2), mode="drop")
 
-    def put_v(store, block):  # token-major, or store [B, K, X, S] (values_contiguous); both index as [B, R, K, X]
-      if not self.values_contiguous:
+    def put_v(store, block):  # every `value_layout` indexes as [B, R, K, X] (idx past S: dropped)
+      if self.value_layout == "token_major":
         return put(store, block)
-      return store.at[rows, :, :, idx].set(jnp.swapaxes(block, 1, 2), mode="drop")
+      if self.value_layout == "token_contiguous":  # store [B, K, X, S]
+        return store.at[rows, :, :, idx].set(jnp.swapaxes(block, 1, 2), mode="drop")
+      # store [B, K, S/128, X, 128]
+      return store.at[rows, :, idx // VALUE_BLOCK, :, idx % VALUE_BLOCK].set(jnp.swapaxes(block, 1, 2), mode="drop")
 
     return self.replace(
         codes_k=put(self.codes_k, ck.codes), codes_v=put_v(self.codes_v, cv.codes),
@@ -178,9 +218,9 @@ class OSKVPLayerCache:
 
   def runs_mosaic_core(self, n_heads: int) -> bool:
     """Whether decode attention with `n_heads` query heads runs the fused Mosaic GPU core (`_attend`): a
-    values_contiguous cache decoded by "pallas" on a Hopper GPU, or off the GPU in Mosaic GPU's interpreter, at
+    cache in a Mosaic GPU value layout (`values_for_mosaic`) decoded by "pallas" on a Hopper GPU, or off the GPU in Mosaic GPU's interpreter, at
     shapes `oskvp_uniform_codes.mosaic_tiling` takes. Reads static shapes only (abstract caches too)."""
-    if not (self.values_contiguous and self._implementation() == "pallas" and self.hi_k is None
+    if not (self.values_for_mosaic and self._implementation() == "pallas" and self.hi_k is None
             and self.hi_v is None):
       return False
     # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
@@ -334,7 +374,7 @@ def prefill_split(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array
 
 def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams, params_v: oskvp.OSKVPParams, *,
                       window: int, implementation: str = "auto", symmetric: bool = False,
-                      values_contiguous: bool = False) -> OSKVPLayerCache:
+                      value_layout: str = "token_major") -> OSKVPLayerCache:
   """Quantizes the prefill into the layer layout.
 
   Args:
@@ -342,9 +382,14 @@ def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams
     params_k, params_v: OSKVPParams with leading [B, K].
     window: R.
     symmetric: the codebooks are symmetric (`oskvp.fit(symmetric=True)`), which lets the kernel skip a plane type.
-    values_contiguous: store the value codes and outliers tokens contiguous ([B, K, X, S]; the Mosaic GPU core's
-      layout, for uniform codebooks).
+    value_layout: how the value codes and outliers are stored (`VALUE_LAYOUTS`): "token_major" [B, K, S, X], or
+      for the Mosaic GPU cores (uniform codebooks) "token_contiguous" [B, K, X, S] or "block_major"
+      [B, K, S/128, X, 128] (S a multiple of 128; `value_layout_for`).
   """
+  if value_layout not in VALUE_LAYOUTS:
+    raise ValueError(f"value_layout={value_layout!r} must be one of {VALUE_LAYOUTS}")
+  if value_layout == "block_major" and cache_len % VALUE_BLOCK:
+    raise ValueError(f"value_layout='block_major' needs cache_len={cache_len} to be a multiple of {VALUE_BLOCK}")
   b, t, kh, h = k.shape
   if cache_len < t:
     raise ValueError(f"cache_len={cache_len} is shorter than the prefill length {t}")
@@ -366,9 +411,8 @@ def build_layer_cache(k, v, lengths, cache_len: int, params_k: oskvp.OSKVPParams
 
   ck, ok, hk, rk = pack(k, params_k)
   cv, ov, hv, rv = pack(v, params_v)
-  if values_contiguous:
-    cv, ov = jnp.swapaxes(cv, -1, -2), jnp.swapaxes(ov, -1, -2)
+  cv, ov = stored_values(cv, value_layout), stored_values(ov, value_layout)
   return OSKVPLayerCache(codes_k=ck, codes_v=cv, outl_k=ok, outl_v=ov, scale_k=params_k.scale,
                          scale_v=params_v.scale, cb_k=params_k.codebook, cb_v=params_v.codebook, u_k=params_k.u,
                          u_v=params_v.u, res_k=rk, res_v=rv, n_comp=n_comp, n_res=n_res, hi_k=hk, hi_v=hv,
-                         implementation=implementation, symmetric=symmetric, values_contiguous=values_contiguous)
+                         implementation=implementation, symmetric=symmetric, value_layout=value_layout)

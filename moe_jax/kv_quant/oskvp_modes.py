@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from moe_jax import backend
 from moe_jax.kv_quant import lloyd, oskvp
-from moe_jax.kv_quant.oskvp_cache import OSKVPLayerCache, build_layer_cache
+from moe_jax.kv_quant.oskvp_cache import OSKVPLayerCache, build_layer_cache, value_layout_for
 from moe_jax.layers import rope
 
 
@@ -48,7 +48,7 @@ class OSKVPMode:
       tensor-core operand of the fused Mosaic GPU cores (`pallas_kernels/oskvp_decode_core_mma.py`,
       `oskvp_decode_core_mgpu.py`; `oskvp_uniform_codes.resolved_core`), which decode
       attention uses on the GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`; the cache then stores its
-      values tokens contiguous); elsewhere the Triton kernel (two plane types: uniform codebooks are symmetric) or
+      values as those cores stream them, `block_major_values`); elsewhere the Triton kernel (two plane types: uniform codebooks are symmetric) or
       the XLA reference over the token-major view. Fidelity in benchmarks/results/kv_cache.md.
     refit_at_first_flush: a sequence whose prompt is shorter than the window (nothing coded at prefill) is fitted
       when its window is first full, on those R tokens, so its codes come from a fit on R tokens, the coded ones
@@ -68,6 +68,10 @@ class OSKVPMode:
       fit per layer inside each layer's flush: one fit of a row in 48 layers (+12.6 ms a step on an H100 with the Lloyd
       kernel; +23 with one-hot Lloyd scans) costs far less than 48 one-layer fits (+71 ms a step, one-hot). The same
       fits either way; False keeps the per-layer refit (for comparison).
+    block_major_values: a uniform cache whose capacity is a multiple of 128 stores its value codes and outliers
+      block-major ([B, K, S/128, X, 128]: each 128-token block's rows contiguous, `oskvp_cache.value_layout_for`),
+      else tokens contiguous ([B, K, X, S]). The Mosaic GPU cores take either; the same bytes. On an H100 their TMA
+      ring alone streamed block-major values 2.6–3.1% faster (results/oskvp_stream_layout_h100_s49.md).
     fit_implementation: the codebooks' Lloyd iterations at prefill and refit (`oskvp.fit`'s lloyd_implementation):
       "auto" (on the GPU the Pallas kernel unless few heads have many samples, `lloyd.auto_implementation`; XLA
       elsewhere), "pallas" or "xla".
@@ -97,6 +101,7 @@ class OSKVPMode:
   implementation: str = "auto"
   symmetric: bool = False
   uniform: bool = False
+  block_major_values: bool = True
   refit_at_first_flush: bool = True
   refit_chunk: int = 8
   refit_across_layers: bool = True
@@ -263,7 +268,8 @@ class OSKVPMode:
       params = fitted()
     caches = tuple(build_layer_cache(k, v, lengths, cache_len, pk, pv, window=self.window,
                                      implementation=self.implementation, symmetric=self.symmetric or self.uniform,
-                                     values_contiguous=self.uniform) for (k, v), (pk, pv) in zip(kvs, params))
+                                     value_layout=value_layout_for(self.uniform, cache_len, self.block_major_values))
+              for (k, v), (pk, pv) in zip(kvs, params))
     if self.refit_at_first_flush:
       caches = tuple(cache.replace(refit=short, refit_mode=self) for cache in caches)
     return caches

@@ -29,6 +29,7 @@ from pallas_kernels import oskvp_decode_core_mma as dm
 from pallas_kernels import oskvp_key_scores_mgpu as ks
 from pallas_kernels import oskvp_uniform_epilogue as epi
 from pallas_kernels import oskvp_uniform_prologue as pro
+from pallas_kernels import oskvp_value_layout as vl
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 # The jnp glue lives in pallas_kernels (the Triton prologue and epilogue build their references from it); re-exported.
 from pallas_kernels.oskvp_uniform_glue import (  # pylint: disable=unused-import
@@ -45,12 +46,13 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
   Args:
     q_rot: f32 [BK, G, H], the rotated queries (q @ U_k) of one kv head's group.
     kcodes: uint8 [BK, S, Q] key codes (the cache's layout); vcodes_t: uint8 [BK, Q, S] value codes,
-      token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`).
+      token-contiguous (`oskvp_value_sums_mgpu.token_contiguous`), or block-major [BK, S/128, Q, 128]
+      (`oskvp_value_layout`).
     cb_k, cb_v: f32 [BK, H, 4] uniform codebooks (`oskvp.fit(uniform=True)`).
     lengths: int32 [BK], stored tokens per row.
     outliers: None (codes only), or (outl_k fp8 [BK, S, 8], scale_k f32 [BK, 8], outl_v_t fp8 [BK, 8, S],
       scale_v f32 [BK, 8]): the cache's fp8 channels 0..7 (rotated channel j = c0_j + outl_j · scale_j; the codebook
-      rows of those channels are their centres c0_j, d_j = 0), the value channels tokens contiguous like vcodes_t.
+      rows of those channels are their centres c0_j, d_j = 0), the value channels in vcodes_t's layout.
     scale: the softmax scale (1/√H).
     implementation: "pallas" (the Mosaic GPU core; `interpret=True` on the CPU) or "xla" (exact: dense softmax over
       the dequantized codes, no digit or p quantization).
@@ -66,6 +68,10 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
   if outliers is not None and o != dc.OUTLIERS:
     raise ValueError(f"the kernel takes {dc.OUTLIERS} outlier channels per side, got {o}")
   if implementation == "xla":
+    blocks = vcodes_t.ndim == 4
+    vcodes_t = vl.token_contiguous(vcodes_t, blocks)
+    if outliers is not None:
+      outliers = (*outliers[:2], vl.token_contiguous(outliers[2], blocks), outliers[3])
     c0_k, d_k = uniform_steps(cb_k.astype(jnp.float32))
     keys = c0_k[:, None, :] + d_k[:, None, :] * ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H]
     if outliers is not None:
@@ -101,7 +107,7 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
   return jnp.where(jnp.isfinite(lse2)[..., None], out, 0.0), lse2
 
 
-# ---- Decode attention over a whole uniform cache (the layer cache's layout, values tokens contiguous).
+# ---- Decode attention over a whole uniform cache (the layer cache's layout, values tokens contiguous or block-major).
 
 MOSAIC_BLOCK = 128  # tokens per pipeline step of the core
 MOSAIC_MAX_SPLITS = 16  # the wgmma core's programs per row × kv head (run 2 of results/oskvp_decode_core_mgpu.md)
@@ -244,7 +250,9 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   Args:
     q: [B, N, H] unrotated queries (N = K·G, G ≤ 8, H a multiple of 128).
     codes_k: uint8 [B, K, S, H/4]; outl_k: float8_e4m3fn [B, K, S, 8]; codes_v_t: uint8 [B, K, H/4, S] and
-      outl_v_t: float8_e4m3fn [B, K, 8, S] (values tokens contiguous); scale_k, scale_v: f32 [B, K, 8]; cb_k, cb_v:
+      outl_v_t: float8_e4m3fn [B, K, 8, S] (values tokens contiguous), or both block-major, [B, K, S/128, H/4, 128]
+      and [B, K, S/128, 8, 128] (`oskvp_value_layout`: each 128-token block's rows contiguous; S a multiple of 128);
+      scale_k, scale_v: f32 [B, K, 8]; cb_k, cb_v:
       f32 [B, K, H, 4] uniform codebooks; u_k, u_v: f32 [B, K, H, H]; res_k, res_v: bf16 [B, K, R, H] (rotated);
       n_comp, n_res: int32 [B].
     interpret: run the kernels in their CPU interpreters.

@@ -11,6 +11,7 @@ import pytest
 
 from pallas_kernels import oskvp_core_registers_mgpu as rg
 from pallas_kernels import oskvp_decode_core_mgpu as dc
+from pallas_kernels import oskvp_value_layout as vl
 from pallas_kernels import oskvp_value_sums_mgpu as vs
 from pallas_kernels.mosaic_gpu_introspect import mosaic_module_text
 
@@ -156,6 +157,31 @@ def test_split_outputs_are_written_whole():
   assert np.isfinite(np.asarray(ml)).all() and (np.asarray(ml)[..., dc.N:2 * dc.N] > 0).all()
 
 
+def test_block_major_values_give_the_same_outputs():
+  """Block-major value codes and outliers (`oskvp_value_layout`) fill the same shared-memory tiles as the
+  tokens-contiguous ones: the kernel's outputs are bit-equal, merged (ragged lengths, outliers) and per split."""
+  bk, s = 3, 512
+  kc, vc, qd, qs = _inputs(19, bk, s)
+  kout, vout, qo = _outliers(20, bk, s)
+  lens = jnp.array([1, 300, 512], jnp.int32)
+  vcb, voutb = vl.block_major(vc), vl.block_major(vout)
+  assert vcb.shape == (bk, s // 128, Q, 128)
+  np.testing.assert_array_equal(np.asarray(vl.token_contiguous(vcb, True)), np.asarray(vc))
+  kw = dict(block_s=128, splits=2, max_concurrent_steps=2, interpret=True)
+  want = dc.decode_core_mgpu(kc, vc, qd, qs, lens, kout, vout, qo, return_lse2=True, **kw)
+  got = dc.decode_core_mgpu(kc, vcb, qd, qs, lens, kout, voutb, qo, return_lse2=True, **kw)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ref = dc.decode_core_blockwise_reference(kc, vc, qd, qs, lens, kout, vout, qo, block_s=128, splits=2)
+  np.testing.assert_allclose(np.asarray(got[0])[:, :4], np.asarray(ref[0])[:, :4], atol=1e-3)
+  qs_row = dc.padded_scales(qs, lens, s)
+  qo16 = jnp.concatenate([qo, jnp.zeros_like(qo)], -1)
+  want = dc.decode_core_splits(kc, vc, qd, qs_row, kout, vout, qo16, **kw)
+  got = dc.decode_core_splits(kc, vcb, qd, qs_row, kout, voutb, qo16, **kw)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_split_p8_is_exact():
   """Every p8 level 0..127 is hi + lo with both parts representable in e4m3 (the fp8 value form's sums equal the
   f16 form's); hi is p8 rounded to e4m3 and |lo| <= 4."""
@@ -236,6 +262,18 @@ def test_gpu_route_lowers():
     assert len(re.findall(r"memref\.store\"\(.*\(f8E4M3FN, memref<8x1x8x128xf8E4M3FN", text)) == fp8_stores
 
 
+def test_gpu_route_lowers_block_major_values():
+  """Block-major values lower to the same wgmmas, the TMA source being the [BK, S/128 · X, 128] view (one
+  contiguous 4 KB of codes and 1 KB of outliers a step) instead of [BK, X, S]."""
+  kc, vc, qd, qs, ko, vo, qo = _abstract_inputs(2048)
+  vcb, vob = (jax.ShapeDtypeStruct((2, 16, x, 128), d) for x, d in ((Q, jnp.uint8), (dc.OUTLIERS, vo.dtype)))
+  f = jax.jit(lambda *a: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=128, splits=2, max_concurrent_steps=2))
+  text = mosaic_module_text(f.trace(kc, vcb, qd, qs, ko, vob, qo).lower(lowering_platforms=("cuda",)))
+  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.s32\.s8\.s8", text)) == 16
+  assert "memref<2x512x128xi8>" in text and "memref<2x128x128xf8E4M3FN>" in text
+  assert "memref<2x32x2048xi8>" not in text and "memref<2x8x2048xf8E4M3FN>" not in text
+
+
 def test_gpu_route_lowers_two_passes_per_step():
   """block_s=256: twice the wgmmas of block 128 per step (value sums with K = 256, the value-outlier sums of each
   pass against its half of the tile), p8 stored into both column tiles of [8, 256], and shared memory within
@@ -257,7 +295,7 @@ def test_rejects_bad_arguments():
   kc, vc, qd, qs = _inputs(0, 1, 256)
   with pytest.raises(TypeError, match="uint8"):
     dc.decode_core_mgpu(kc.astype(jnp.int8), vc, qd, qs, interpret=True)
-  with pytest.raises(ValueError, match="token-contiguous"):
+  with pytest.raises(ValueError, match="tokens contiguous"):
     dc.decode_core_mgpu(kc, vs.token_contiguous(vc), qd, qs, interpret=True)
   with pytest.raises(ValueError, match="qd"):
     dc.decode_core_mgpu(kc, vc, qd[:, :4], qs, interpret=True)
@@ -274,3 +312,12 @@ def test_rejects_bad_arguments():
     dc.decode_core_mgpu(kc, vc, qd, qs, None, kout, vout, qo.astype(jnp.float32), splits=2, interpret=True)
   with pytest.raises(ValueError, match="lengths"):
     dc.decode_core_mgpu(kc, vc, qd, qs, jnp.zeros((2,), jnp.int32), splits=2, interpret=True)
+  vcb, voutb = vl.block_major(vc), vl.block_major(vout)
+  with pytest.raises(ValueError, match="block_s=64: block-major"):
+    dc.decode_core_mgpu(kc, vcb, qd, qs, block_s=64, splits=2, interpret=True)
+  with pytest.raises(ValueError, match="share a layout"):
+    dc.decode_core_mgpu(kc, vcb, qd, qs, None, kout, vout, qo, block_s=128, splits=2, interpret=True)
+  with pytest.raises(ValueError, match=r"vcodes \(1, 2, 16, 256\)"):
+    dc.decode_core_mgpu(kc, vcb.reshape(1, 2, 16, 256), qd, qs, block_s=128, splits=2, interpret=True)
+  with pytest.raises(ValueError, match="vout"):
+    dc.decode_core_mgpu(kc, vcb, qd, qs, None, kout, voutb[:, :1], qo, block_s=128, splits=2, interpret=True)

@@ -112,6 +112,22 @@ def test_gpu_route_lowers(key_rows, n_key, n_key_outlier, n_movmatrix):
     assert "wgmma" not in text
 
 
+def test_gpu_route_lowers_block_major_values():
+  """Block-major value codes and outliers (`oskvp_value_layout`) lower to the same mma.sync loop, the TMA source
+  being the [BK, S/128 · X, 128] view instead of [BK, X, S]; a layout the two do not share is refused."""
+  kc, vc, qd, qs, ln, ko, vo, qo = _abstract(2048)
+  vcb, vob = (jax.ShapeDtypeStruct((2, 16, x, 128), d) for x, d in ((Q, jnp.uint8), (dm.OUTLIERS, vo.dtype)))
+  lower = lambda *a: mosaic_module_text(jax.jit(lambda *a: dm.decode_core_mma(*a, splits=2)).trace(*a)
+                                        .lower(lowering_platforms=("cuda",)))
+  tokens, blocks = lower(kc, vc, qd, qs, ln, ko, vo, qo), lower(kc, vcb, qd, qs, ln, ko, vob, qo)
+  mma = lambda text: sorted(re.findall(r"mma\.sync\.aligned\.[a-z0-9.]+", text[text.index("scf.for"):]))
+  assert mma(blocks) == mma(tokens) and len(mma(blocks)) > 16
+  assert "memref<2x512x128xi8>" in blocks and "memref<2x128x128xf8E4M3FN>" in blocks
+  assert "memref<2x32x2048xi8>" not in blocks and "memref<2x32x2048xi8>" in tokens
+  with pytest.raises(ValueError, match="share a layout"):
+    jax.eval_shape(functools.partial(dm.decode_core_mma, splits=2), kc, vcb, qd, qs, ln, ko, vo, qo)
+
+
 def test_rejects_bad_arguments():
   kc, vc, qd, qs, kout, vout, qo = _inputs(0, 1, 256)
   with pytest.raises(ValueError, match="H = 128"):

@@ -11,9 +11,11 @@ import pytest
 
 from moe_jax.kv_quant import OSKVPMode
 from moe_jax.kv_quant import oskvp_attention as attn
+from moe_jax.kv_quant import oskvp_cache
 from moe_jax.kv_quant import oskvp_uniform_codes as uc
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_decode_core_mma as dm
+from pallas_kernels import oskvp_value_layout as vl
 
 B, K, G, H, R = 2, 2, 4, 128, 16
 
@@ -34,11 +36,12 @@ def _prefill(k, v, lengths):
 @functools.cache  # the caches are immutable pytrees: the tests that build the same one share it
 def _cache(zero_outliers=True, kv_heads=K, lengths=(300, 150), seed=1):
   """A real uniform cache: the prompts' tokens in a 512-token store (capacity = 4 splits · 1 block · 128); the values
-  tokens contiguous, as `OSKVPMode(uniform=True)` stores them."""
+  block-major, as `OSKVPMode(uniform=True)` stores them at this capacity."""
   k = jax.random.normal(jax.random.PRNGKey(seed), (B, 300, kv_heads, H)) * jnp.linspace(0.5, 2.0, H)
   v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B, 300, kv_heads, H))
   c = _prefill(k, v, jnp.array(lengths))
-  assert c.values_contiguous and c.codes_v.shape == (B, kv_heads, H // 4, 512)
+  assert c.value_layout == "block_major" and c.codes_v.shape == (B, kv_heads, 512 // 128, H // 4, 128)
+  assert c.outl_v.shape == (B, kv_heads, 512 // 128, dc.OUTLIERS, 128)
   if not zero_outliers:
     return c
   return dataclasses.replace(c, outl_k=jnp.zeros_like(c.outl_k), outl_v=jnp.zeros_like(c.outl_v))
@@ -217,23 +220,46 @@ def _decode(c, q, k, v):
   return jnp.concatenate(outs, axis=1), c
 
 
-def test_values_contiguous_cache_decodes_like_the_token_major_one():
-  """The same uniform cache stored both ways holds identical codes through window flushes (the flush writes a block
-  of value tokens at n_comp into [B, K, X, S]), so `dequantized` is identical, and the XLA path's attention agrees
-  up to float32 summation order (the two layouts' programs reduce in different orders: ~1e-7 seen, 1e-6 stated)."""
-  c = _cache(zero_outliers=False)
+def _relaid(c, layout):
+  """The cache c with its values stored in `layout` (`oskvp_cache.VALUE_LAYOUTS`)."""
   codes_v, outl_v = c.value_store()
-  t = dataclasses.replace(c, codes_v=codes_v, outl_v=outl_v, values_contiguous=False)
+  return dataclasses.replace(c, codes_v=oskvp_cache.stored_values(codes_v, layout),
+                             outl_v=oskvp_cache.stored_values(outl_v, layout), value_layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["block_major", "token_contiguous"])
+def test_value_layouts_decode_like_the_token_major_one(layout):
+  """The same uniform cache stored token-major and in each Mosaic GPU layout holds identical codes through window
+  flushes (a flush writes R value tokens at n_comp: into [B, K, X, S], or across [B, K, S/128, X, 128]'s blocks,
+  here 16 tokens inside one block), so `dequantized` is identical, and the XLA path's attention agrees up to float32
+  summation order (the layouts' programs reduce in different orders: ~1e-7 seen, 1e-6 stated)."""
+  c = _relaid(_cache(zero_outliers=False), layout)
+  t = _relaid(c, "token_major")
   steps = 2 * R + 3  # two flushes of the window
   q = jax.random.normal(jax.random.PRNGKey(8), (B, steps, K * G, H))
   kv = jax.random.normal(jax.random.PRNGKey(9), (2, B, steps, K, H))
   o_c, c2 = _decode(c, q, kv[0], kv[1])
   o_t, t2 = _decode(t, q, kv[0], kv[1])
   np.testing.assert_allclose(np.asarray(o_c), np.asarray(o_t), rtol=1e-5, atol=1e-6)
-  assert int(c2.n_comp[1]) > int(c.n_comp[1])
+  assert int(c2.n_comp[1]) > int(c.n_comp[1]) and c2.value_layout == layout
   np.testing.assert_array_equal(np.asarray(c2.value_store()[0]), np.asarray(t2.codes_v))
+  np.testing.assert_array_equal(np.asarray(c2.value_store()[1]).view(np.uint8), np.asarray(t2.outl_v).view(np.uint8))
   for a, b_ in zip(c2.dequantized(), t2.dequantized()):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
+def test_block_major_values_through_the_wired_path():
+  """`uniform_decode_attention` (the core in interpret mode, the Pallas glue) gives bit-equal outputs on the same
+  cache with its values block-major or tokens contiguous (the same shared-memory tiles), and the cache's layout is
+  the one `value_layout_for` picks: block-major where the capacity is a multiple of 128, unless turned off."""
+  c = _cache(zero_outliers=False)
+  q = jax.random.normal(jax.random.PRNGKey(12), (B, K * G, H))
+  np.testing.assert_array_equal(_wired(c, q), _wired(_relaid(c, "token_contiguous"), q))
+  assert oskvp_cache.value_layout_for(True, 512) == "block_major"
+  assert oskvp_cache.value_layout_for(True, 576) == "token_contiguous"  # the cores' 64-token blocks
+  assert oskvp_cache.value_layout_for(True, 512, block_major=False) == "token_contiguous"
+  assert oskvp_cache.value_layout_for(False, 512) == "token_major"
+  assert oskvp_cache.VALUE_BLOCK == vl.BLOCK
 
 
 def test_mosaic_tiling():
@@ -308,7 +334,7 @@ def test_merge_handles_empty_sides():
 
 
 def test_layer_cache_dispatches_to_the_core(monkeypatch):
-  """`implementation="pallas"` on a values_contiguous cache runs `uniform_decode_attention` inside `extend`, off the
+  """`implementation="pallas"` on a block-major uniform cache runs `uniform_decode_attention` inside `extend`, off the
   GPU in interpret mode (before, the cache called it with interpret=False and the model's decode step failed on the
   CPU: "Only interpret mode is supported on CPU backend"; this test added interpret=True itself): the same arguments
   in the same order as the XLA path gets, so decode steps agree with the XLA cache's to 3%; a call counter shows the
