@@ -204,7 +204,7 @@ def value_layout_label(value_layout: str) -> str:
 
 def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", max_splits: int | None = None,
                    core: str = "wgmma", query_rotation: str = "xla", output_rotation: str = "xla",
-                   epilogue_channels: int | None = None, rotation_form: str = "dot"):
+                   epilogue_channels: int | None = None):
   """The wired Mosaic GPU path of `kv_cache="oskvp_uniform"` (q rotation, digits, core, window, merge, U_vᵀ); glue,
   value_outliers, max_splits, core, query_rotation, output_rotation and epilogue_channels as in
   `uniform_decode_attention`
@@ -213,8 +213,7 @@ def mosaic_uniform(*a, glue: str = "auto", value_outliers: str = "fp8_stacked", 
   core, key_rows = mosaic_core_parts(core)
   return uniform_decode_attention(*a, glue=glue, value_outliers=value_outliers, max_splits=max_splits, core=core,
                                   mma_key_rows=key_rows, query_rotation=query_rotation,
-                                  output_rotation=output_rotation, epilogue_channels=epilogue_channels,
-                                  rotation_form=rotation_form)
+                                  output_rotation=output_rotation, epilogue_channels=epilogue_channels)
 
 
 def channels_arg(value: str) -> int | None:
@@ -264,7 +263,7 @@ def token_major(a):
 
 def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_stacked", core: str = "wgmma",
                          query_rotation: str = "xla", output_rotation: str = "xla", epilogue_channels: str = "auto",
-                         value_layout: str = "blocks", rotation_form: str = "dot"):
+                         value_layout: str = "blocks"):
   """The wired Mosaic path vs the XLA reference on the same uniform cache (ragged n_comp / n_res, G = 4). With
   core="mma" (`wired_tiling`) batch 2 and 3 run 32 and 16 splits, batch 32 and 64 (random lengths) 2 and 1; the wgmma
   core runs 16 or more at each."""
@@ -278,13 +277,11 @@ def check_mosaic_uniform(log, glue: str = "auto", value_outliers: str = "fp8_sta
     case = (f"B={b} S={s} n_comp={n_comp} n_res={n_res}" if b <= 4 else
             f"B={b} S={s} n_comp in [{min(n_comp)}, {max(n_comp)}] n_res in [{min(n_res)}, {max(n_res)}]")
     config = (f"mosaic_uniform glue={glue} value_outliers={value_outliers} core={core} query_rotation={query_rotation}"
-              f" output_rotation={output_rotation} epilogue_channels={epilogue_channels} value_layout={value_layout}"
-              f" rotation_form={rotation_form}")
+              f" output_rotation={output_rotation} epilogue_channels={epilogue_channels} value_layout={value_layout}")
     try:
       got = jax.jit(functools.partial(mosaic_uniform, glue=glue, value_outliers=value_outliers, core=core,
                                       query_rotation=query_rotation, output_rotation=output_rotation,
-                                      epilogue_channels=channels_arg(epilogue_channels),
-                                      rotation_form=rotation_form))(*a)
+                                      epilogue_channels=channels_arg(epilogue_channels)))(*a)
       want = jax.jit(oskvp_decode_attention_reference)(*token_major(a))
       out.append(dict(case=case, config=config, rel_err=rel_l2(got, want), nan=bool(jnp.isnan(got).any())))
     except Exception as e:  # pylint: disable=broad-except
@@ -382,9 +379,6 @@ def main():
   ap.add_argument("--mosaic_value_layout", default="blocks",
                   help="comma-separated value layouts of the wired path timed in --mosaic_grid (blocks: block-major, "
                        "what an oskvp_uniform cache stores at these capacities; tokens: [X, S])")
-  ap.add_argument("--mosaic_rotation_form", default="dot",
-                  help="comma-separated forms of the XLA rotations timed in --mosaic_grid (uniform_decode_attention's "
-                       "rotation_form=: dot, reduce)")
   ap.add_argument("--mosaic_query_rotation", default="xla",
                   help="comma-separated places of q U_k timed in --mosaic_grid (uniform_decode_attention's "
                        "query_rotation=: xla, prologue)")
@@ -411,13 +405,12 @@ def main():
     if copy_span_tbs:
       log(f"by GPU span: copy {copy_span_tbs:.2f} TB/s, read-only sum {read_span_tbs:.2f} TB/s")
   if args.mosaic_grid:
-    checks = [c for glue, form, core, rot, orot, hc, vlay, rf in itertools.product(
+    checks = [c for glue, form, core, rot, orot, hc, vlay in itertools.product(
                   args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","), args.mosaic_core.split(","),
                   args.mosaic_query_rotation.split(","), args.mosaic_output_rotation.split(","),
-                  args.mosaic_epilogue_channels.split(","), args.mosaic_value_layout.split(","),
-                  args.mosaic_rotation_form.split(","))
+                  args.mosaic_epilogue_channels.split(","), args.mosaic_value_layout.split(","))
               if rotation_applies(glue, rot, orot) and channels_apply(glue, orot, hc)
-              for c in check_mosaic_uniform(log, glue, form, core, rot, orot, hc, vlay, rf)]
+              for c in check_mosaic_uniform(log, glue, form, core, rot, orot, hc, vlay)]
     if not all(c.get("rel_err", 1.0) < 0.03 and not c["nan"] for c in checks):
       log("the Mosaic path failed its check; stopping before the timings")
       return 1
@@ -551,24 +544,24 @@ def main():
         attempt(f"oskvp_pallas_{form}", b, s, kernel_fn(cfg, sym),
                 lambda i, sym=sym: oskvp_args(jax.random.key(i), b, s, sym), oskvp_bytes(b, s), str(cfg))
       if args.mosaic_grid:
-        for glue, form, ms, core, rot, orot, hc, vlay, rf in itertools.product(
+        for glue, form, ms, core, rot, orot, hc, vlay in itertools.product(
             args.mosaic_glue.split(","), args.mosaic_value_outliers.split(","), args.mosaic_max_splits.split(","),
             args.mosaic_core.split(","), args.mosaic_query_rotation.split(","),
             args.mosaic_output_rotation.split(","), args.mosaic_epilogue_channels.split(","),
-            args.mosaic_value_layout.split(","), args.mosaic_rotation_form.split(",")):
+            args.mosaic_value_layout.split(",")):
           if not (rotation_applies(glue, rot, orot) and channels_apply(glue, orot, hc)):
             continue
           attempt("oskvp_mosaic_uniform" + ("" if glue == "auto" else f"_{glue}_glue")
                   + ("" if form == "fp8_stacked" else f"_{form}") + ("" if ms == "auto" else f"_s{ms}")
                   + mosaic_core_label(core) + rotation_label(rot, orot) + ("" if hc == "auto" else f"_e{hc}")
-                  + value_layout_label(vlay) + ("" if rf == "dot" else f"_r{rf}"), b, s,
+                  + value_layout_label(vlay), b, s,
                   functools.partial(mosaic_uniform, glue=glue, value_outliers=form,
                                     max_splits=None if ms == "auto" else int(ms), core=core, query_rotation=rot,
-                                    output_rotation=orot, epilogue_channels=channels_arg(hc), rotation_form=rf),
+                                    output_rotation=orot, epilogue_channels=channels_arg(hc)),
                   lambda i, vlay=vlay: uniform_args(jax.random.key(i), b, s, vlay), oskvp_bytes(b, s),
                   f"Mosaic GPU core + window (kv_cache='oskvp_uniform'), glue={glue}, value_outliers={form}, "
                   f"max_splits={ms}, core={core}, query_rotation={rot}, output_rotation={orot}, "
-                  f"epilogue_channels={hc}, value_layout={vlay}, rotation_form={rf}")
+                  f"epilogue_channels={hc}, value_layout={vlay}")
       extras = str(s) in args.extras_contexts.split(",")
       if extras and 2 * b * KV_HEADS * s * HEAD_DIM * 4 * 3 < args.max_cache_gb * 1e9:  # its f32 dequantized K, V, scores
         attempt("oskvp_xla_reference", b, s, oskvp_decode_attention_reference,

@@ -220,31 +220,18 @@ def wired_tiling(capacity: int, head_dim: int, group: int, n_outliers: int, rows
 
 QUERY_ROTATIONS = ("prologue", "xla")
 OUTPUT_ROTATIONS = ("epilogue", "xla")
-ROTATION_FORMS = ("dot", "reduce")
-
-
-def rotate_rows(x: jax.Array, u: jax.Array, *, transpose: bool, form: str) -> jax.Array:
-  """x f32 [B, K, G, H] times each row's basis u f32 [B, K, H, H]: x u (transpose False: q' = q U_k) or x uᵀ
-  (True: o = o' U_vᵀ), f32 [B, K, G, H]. form "dot": an XLA batched matmul (a GEMM kernel over B·K tiny
-  [G, H] × [H, H] products); "reduce": an elementwise product summed over the contracted axis (XLA fuses it into one
-  reduction kernel that streams u)."""
-  if form == "dot":
-    return jnp.einsum("BKGJ,BKHJ->BKGH" if transpose else "BKGH,BKHJ->BKGJ", x, u)
-  if transpose:  # sum over u's minor axis J
-    return jnp.sum(x[:, :, :, None, :] * u[:, :, None], axis=-1)
-  return jnp.sum(x[..., None] * u[:, :, None], axis=-2)  # [B, K, G, H, 1] · [B, K, 1, H, J], summed over H
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "max_concurrent_steps", "glue", "value_outliers",
                                              "max_splits", "core", "mma_key_rows", "query_rotation",
-                                             "output_rotation", "epilogue_channels", "rotation_form"))
+                                             "output_rotation", "epilogue_channels"))
 def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_v_t, scale_v, cb_v, u_k, u_v, res_k,
                              res_v, n_comp, n_res, *, interpret: bool = False, max_concurrent_steps: int = 2,
                              glue: str = "auto", value_outliers: str = dc.VALUE_OUTLIERS,
                              max_splits: int | None = None, core: str = "auto",
                              mma_key_rows: str = dm.KEY_ROW_DEFAULT,
                              query_rotation: str = "xla", output_rotation: str = "xla",
-                             epilogue_channels: int | None = None, rotation_form: str = "dot") -> jax.Array:
+                             epilogue_channels: int | None = None) -> jax.Array:
   """One query per head over a uniform-codebook OS-KVP cache through the fused Mosaic GPU core.
 
   The compressed store goes through the core (codes and fp8 outlier channels), the residual window through exact
@@ -296,8 +283,6 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       leave 256 in flight: 32 at batch 8 × 8 kv heads, 64 at 16, 128 from 32 (on an H100 0.8–8.7% faster by GPU span
       at batch 32 and 64 than 32 channels, results/decode_attention_wide_epilogue_*_h100_s48.md). Refused by name
       with the XLA glue, the rotating epilogue, or where the epilogue does not take it.
-    rotation_form: how the rotations left to XLA run (`rotate_rows`): "dot" (batched matmuls) or "reduce"
-      (multiply-and-sum reductions).
 
   Returns:
     [B, N, H] in q's dtype.
@@ -311,8 +296,6 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
     raise ValueError(f"query_rotation={query_rotation!r} must be one of {QUERY_ROTATIONS}")
   if output_rotation not in OUTPUT_ROTATIONS:
     raise ValueError(f"output_rotation={output_rotation!r} must be one of {OUTPUT_ROTATIONS}")
-  if rotation_form not in ROTATION_FORMS:
-    raise ValueError(f"rotation_form={rotation_form!r} must be one of {ROTATION_FORMS}")
   b, n, h = q.shape
   kh, s = codes_k.shape[1], codes_k.shape[2]
   g = n // kh
@@ -336,8 +319,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
       raise ValueError(f"epilogue_channels={epilogue_channels} does not apply: {error}")
   ring = max(1, min(max_concurrent_steps, s // (splits * block_s)))
   rows = lambda x: x.reshape(b * kh, *x.shape[2:])
-  rotate = lambda: rotate_rows(q.astype(jnp.float32).reshape(b, kh, g, h), u_k, transpose=False,
-                               form=rotation_form)  # [B, K, G, H]
+  rotate = lambda: jnp.einsum("BKGH,BKHJ->BKGJ", q.astype(jnp.float32).reshape(b, kh, g, h), u_k)  # [B, K, G, H]
   if glue == "pallas":
     if query_rotation == "prologue":
       q_rot, qd, qs_row, qo16, qc = pro.rotating_prologue(q.reshape(b, kh, g, h), u_k, cb_k, scale_k, n_comp,
@@ -368,5 +350,5 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
                               max_concurrent_steps=ring, value_outliers=value_outliers)
     o_r, lse_r = window_attention(q_rows, rows(res_k), rows(res_v), jnp.repeat(n_res, kh), scale=scale)
     o = merge_lse2(o_c, lse_c, o_r, lse_r)[0].reshape(b, kh, g, h)
-  o = rotate_rows(o, u_v, transpose=True, form=rotation_form)  # o' @ U_vᵀ
+  o = jnp.einsum("BKGJ,BKHJ->BKGH", o, u_v)  # o' @ U_vᵀ
   return o.reshape(b, n, h).astype(q.dtype)

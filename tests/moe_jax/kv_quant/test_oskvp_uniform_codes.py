@@ -415,23 +415,3 @@ def test_auto_core_takes_the_warp_level_core_where_it_applies():
     uc.resolved_core("mma", **{**kw, "split_tokens": dm.MAX_SPLIT_TOKENS + 128})
   assert uc.resolved_core("auto", **{**kw, "split_tokens": dm.MAX_SPLIT_TOKENS}) == "mma"
 
-
-
-def test_rotation_forms_agree():
-  """`rotation_form="reduce"` (multiply-and-sum reductions) computes the XLA rotations of the "dot" form: the two
-  rotations alone within 1e-6 of the largest element of a float64 product, the wired path's outputs within 1e-5 of
-  each other (on this draw no query digit sits within ~1e-7 of a rounding edge, where one digit would move the
-  output by ~5e-3); an unknown form is refused by name."""
-  k = jax.random.split(jax.random.key(13), 2)
-  x, u = jax.random.normal(k[0], (2, 3, 4, H)), jax.random.normal(k[1], (2, 3, H, H))
-  for transpose, spec in ((False, "bkgh,bkhj->bkgj"), (True, "bkgj,bkhj->bkgh")):
-    want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(u, np.float64))
-    for form in uc.ROTATION_FORMS:
-      got = np.asarray(uc.rotate_rows(x, u, transpose=transpose, form=form), np.float64)
-      assert np.abs(got - want).max() < 1e-6 * np.abs(want).max(), (transpose, form)
-  c = _cache(zero_outliers=False)
-  q = jax.random.normal(jax.random.PRNGKey(14), (B, K * G, H))
-  dot = _wired(c, q)
-  np.testing.assert_allclose(_wired(c, q, rotation_form="reduce"), dot, rtol=0, atol=1e-5 * np.abs(dot).max())
-  with pytest.raises(ValueError, match="rotation_form='matmul'"):
-    _wired(c, q, rotation_form="matmul")
