@@ -73,6 +73,8 @@
 #    block_major_values`, `pallas_kernels/oskvp_value_layout.py`); the wired path with the mma core, block-major
 #    against tokens contiguous, 4k-128k x 8 / 32, cuDNN beside (both layouts checked first). Then decode_check
 #    (the 12-step model check now decodes a block-major cache) and e2e_uniform (the step's cache is block-major).
+#    All three paid on H100s in the forty-ninth session (results/*_h100_s49*, notes §31: block-major 0.3-4.0% faster
+#    by span, 64k x 8 at 4.89-5.01x cuDNN over three calls); kept for an H200.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~114 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,

@@ -10,7 +10,7 @@
 | oskvp_k3v2 | as oskvp with 3-bit key codes, 2-bit value codes | oskvp_cache |
 | oskvp_sym | as oskvp with codebooks symmetric about each channel's mean (a third less kernel work) | oskvp_cache |
 | oskvp_k3v2_sym | as oskvp_k3v2 with symmetric codebooks (four key plane types in the kernel instead of seven) | oskvp_cache |
-| oskvp_uniform | as oskvp with equally spaced codebooks (the codes are the tensor-core operand), values stored tokens contiguous; decode attention through the Mosaic GPU core on the GPU | oskvp_cache |
+| oskvp_uniform | as oskvp with equally spaced codebooks (the codes are the tensor-core operand), values stored block-major for the core; decode attention through the Mosaic GPU core on the GPU | oskvp_cache |
 | oskvp_static | OS-KVP 2-bit with per-(layer, head) calibration; `static.calibrate_model` + `static.install` first (the CLIs do it: `moe_jax.cli.setup_kv_cache`) | static |
 
 The per-head quantizer API is `moe_jax.kv_quant.oskvp` (`calibrate`, `quantize`, `dequantize`, `storage_bytes`).
