@@ -217,9 +217,9 @@ class OSKVPLayerCache:
     return self.implementation
 
   def runs_mosaic_core(self, n_heads: int) -> bool:
-    """Whether decode attention with `n_heads` query heads runs the fused Mosaic GPU core (`_attend`): a
-    cache in a Mosaic GPU value layout (`values_for_mosaic`) decoded by "pallas" on a Hopper GPU, or off the GPU in Mosaic GPU's interpreter, at
-    shapes `oskvp_uniform_codes.mosaic_tiling` takes. Reads static shapes only (abstract caches too)."""
+    """Whether decode attention with `n_heads` query heads runs the fused Mosaic GPU core (`_attend`): a cache in a
+    Mosaic GPU value layout (`values_for_mosaic`) decoded by "pallas" on a Hopper GPU, or off the GPU in Mosaic GPU's
+    interpreter, at shapes `oskvp_uniform_codes.mosaic_tiling` takes. Reads static shapes only (abstract caches too)."""
     if not (self.values_for_mosaic and self._implementation() == "pallas" and self.hi_k is None
             and self.hi_v is None):
       return False
