@@ -49,7 +49,8 @@ class OSKVPMode:
       `oskvp_decode_core_mgpu.py`; `oskvp_uniform_codes.resolved_core`), which decode
       attention uses on the GPU where it applies (`oskvp_uniform_codes.mosaic_tiling`; the cache then stores its
       values as those cores stream them, `block_major_values`); elsewhere the Triton kernel (two plane types:
-      uniform codebooks are symmetric) or the XLA reference over the token-major view. Fidelity in benchmarks/results/kv_cache.md.
+      uniform codebooks are symmetric) or the XLA reference over the token-major view. Fidelity in
+      benchmarks/results/kv_cache.md.
     refit_at_first_flush: a sequence whose prompt is shorter than the window (nothing coded at prefill) is fitted
       when its window is first full, on those R tokens, so its codes come from a fit on R tokens, the coded ones
       among them, instead of one on the prompt alone (a prompt shorter than H falls back to a permutation basis and
