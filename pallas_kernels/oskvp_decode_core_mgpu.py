@@ -610,8 +610,8 @@ def decode_core_mgpu(kcodes: jax.Array, vcodes: jax.Array, qd: jax.Array, qs: ja
     kout: float8_e4m3fn [BK, S, 8], the fp8 key outlier channels of each token (as the cache stores them); vout:
       float8_e4m3fn [BK, 8, S], the value outlier channels in vcodes' layout (or [BK, S/128, 8, 128]); qo: f16
       [BK, 8, 8], the key-outlier query per head in base-2 logits (the channel scales folded in; the caller applies
-      the value channels' scales to the output). Adds Σ_o qo · kout to the scores (f16 wgmma, A built in registers) and returns
-      the value-outlier sums too. All three or none (codes only).
+      the value channels' scales to the output). Adds Σ_o qo · kout to the scores (f16 wgmma, A built in registers)
+      and returns the value-outlier sums too. All three or none (codes only).
     block_s: tokens per pipeline step: 64, 128 or 256 (two passes of 128 per step, one max reduction, fence and
       set of value wgmmas; value_outliers "fp8_stacked" only; on the H200 not faster than 128 with outliers, 9%
       faster on codes alone: benchmarks/notes_mgpu_oskvp.md §20).
