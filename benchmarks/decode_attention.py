@@ -257,7 +257,7 @@ def token_major(a):
   kernel's layout)."""
   a = list(a)
   blocks = a[5].ndim == 5
-  a[5], a[6] = (jnp.swapaxes(vl.token_contiguous(x, blocks), -1, -2) for x in (a[5], a[6]))
+  a[5], a[6] = (jnp.swapaxes(vl.from_block_major(x, blocks), -1, -2) for x in (a[5], a[6]))
   return tuple(a)
 
 

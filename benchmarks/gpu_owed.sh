@@ -68,7 +68,7 @@
 #    token-contiguous layout ([H/4, S]: 40 rows of 128 bytes a block, S bytes apart) against a block-major one (a
 #    block's rows contiguous), same bytes (`oskvp_stream_layout_probe.py`). If block-major streams faster, a
 #    block-major value cache could take the core closer to the read-only bandwidth. Paid on an H100 in the
-#    forty-ninth session (results/oskvp_stream_layout_h100_s49.md: block-major 2.6-3.1% faster in all six cases).
+#    forty-ninth session (results/oskvp_stream_layout_h100_s49.md: block-major 2.4-3.0% less time in all six cases).
 # 14. (forty-ninth session) value_layout: the cache now stores uniform values block-major (`OSKVPMode.
 #    block_major_values`, `pallas_kernels/oskvp_value_layout.py`); the wired path with the mma core, block-major
 #    against tokens contiguous, 4k-128k x 8 / 32, cuDNN beside (both layouts checked first). Then decode_check

@@ -418,7 +418,7 @@ def _check_inputs(kcodes, vcodes, qd, qs, block_s, splits, max_concurrent_steps)
     raise TypeError(f"kcodes, vcodes must be uint8, qd int8 and qs float32; got {kcodes.dtype}, {vcodes.dtype}, "
                     f"{qd.dtype}, {qs.dtype}")
   bk, s, q = kcodes.shape
-  if vl.is_block_major(vcodes, "vcodes", bk, q, s) and block_s != vl.BLOCK:
+  if vl.check_value_operand(vcodes, "vcodes", bk, q, s) and block_s != vl.BLOCK:
     raise ValueError(f"block_s={block_s}: block-major vcodes take {vl.BLOCK}-token steps")
   if qd.shape != (bk, N, 4 * q) or qs.shape != (bk, N):
     raise ValueError(f"qd {qd.shape} must be [BK, {N}, H={4 * q}] and qs {qs.shape} [BK, {N}]")
@@ -533,7 +533,7 @@ def check_optional_inputs(bk: int, s: int, lengths, kout, vout, qo) -> bool:
   if outliers and vout.dtype != jnp.float8_e4m3fn:
     raise ValueError(f"vout is {vout.dtype}, must be float8_e4m3fn")
   if outliers:
-    vl.is_block_major(vout, "vout", bk, OUTLIERS, s)
+    vl.check_value_operand(vout, "vout", bk, OUTLIERS, s)
   if outliers and (qo.shape != (bk, N, OUTLIERS) or qo.dtype != jnp.float16):
     raise ValueError(f"qo {qo.shape} {qo.dtype} must be float16 [BK, {N}, {OUTLIERS}]")
   return outliers
@@ -544,7 +544,7 @@ def check_split_inputs(bk: int, s: int, qs_row, kout, vout, qo16) -> None:
   if qs_row.shape != (bk, QS_SLOTS) or kout.shape != (bk, s, OUTLIERS) or qo16.shape != (bk, N, 2 * OUTLIERS):
     raise ValueError(f"qs_row {qs_row.shape}, kout {kout.shape}, qo16 {qo16.shape} must be "
                      f"[BK, 32], [BK, S, 8], [BK, 8, 16] with BK={bk}, S={s}")
-  vl.is_block_major(vout, "vout", bk, OUTLIERS, s)
+  vl.check_value_operand(vout, "vout", bk, OUTLIERS, s)
   for name, x, dtype in (("qs_row", qs_row, jnp.float32), ("kout", kout, jnp.float8_e4m3fn),
                          ("vout", vout, jnp.float8_e4m3fn), ("qo16", qo16, jnp.float16)):
     if x.dtype != dtype:

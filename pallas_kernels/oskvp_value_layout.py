@@ -9,7 +9,7 @@ outlier channels), S tokens:
     contiguous 128·X bytes (4 KB of codes and 1 KB of outliers at H = 128), like the key codes.
 
 Both hold the same bytes, and a step's shared-memory tile [X, 128] is the same in both: only the global addresses of
-the TMA copies differ. On an H100 the cores' TMA ring alone streamed 2.6–3.1% faster block-major at 64k / 128k
+the TMA copies differ. On an H100 the cores' TMA ring alone took 2.4–3.0% less time block-major at 64k / 128k
 (`benchmarks/oskvp_stream_layout_probe.py`, results/oskvp_stream_layout_h100_s49.md). Block-major needs S to be a
 multiple of `BLOCK` and a core step of `BLOCK` tokens.
 """
@@ -34,16 +34,17 @@ def block_major(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x.reshape(*lead, rows, s // BLOCK, BLOCK), -3, -2)
 
 
-def token_contiguous(x: jax.Array, blocks: bool) -> jax.Array:
-  """[..., S/BLOCK, X, BLOCK] (blocks) or [..., X, S] -> [..., X, S]: `block_major`'s inverse, or x itself."""
+def from_block_major(x: jax.Array, blocks: bool = True) -> jax.Array:
+  """[..., S/BLOCK, X, BLOCK] (blocks) -> [..., X, S] tokens contiguous: `block_major`'s inverse (blocks False: x
+  is already [..., X, S] and comes back as it is)."""
   if not blocks:
     return x
   *lead, n, rows, block = x.shape
   return jnp.swapaxes(x, -3, -2).reshape(*lead, rows, n * block)
 
 
-def is_block_major(x, name: str, bk: int, rows: int, s: int) -> bool:
-  """Whether a core's value argument `name` is block-major [BK, S/128, X, 128] (True) or tokens contiguous
+def check_value_operand(x, name: str, bk: int, rows: int, s: int) -> bool:
+  """Checks a core's value argument `name`: block-major [BK, S/128, X, 128] (returns True) or tokens contiguous
   [BK, X, S] (False); any other shape is refused naming the field."""
   if x.shape == (bk, rows, s):
     return False

@@ -72,7 +72,7 @@ class OSKVPMode:
     block_major_values: a uniform cache whose capacity is a multiple of 128 stores its value codes and outliers
       block-major ([B, K, S/128, X, 128]: each 128-token block's rows contiguous, `oskvp_cache.value_layout_for`),
       else tokens contiguous ([B, K, X, S]). The Mosaic GPU cores take either; the same bytes. On an H100 their TMA
-      ring alone streamed block-major values 2.6–3.1% faster (results/oskvp_stream_layout_h100_s49.md).
+      ring alone took 2.4–3.0% less time with block-major values (results/oskvp_stream_layout_h100_s49.md).
     fit_implementation: the codebooks' Lloyd iterations at prefill and refit (`oskvp.fit`'s lloyd_implementation):
       "auto" (on the GPU the Pallas kernel unless few heads have many samples, `lloyd.auto_implementation`; XLA
       elsewhere), "pallas" or "xla".

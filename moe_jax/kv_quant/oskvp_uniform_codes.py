@@ -69,9 +69,9 @@ def attend_codes(q_rot: jax.Array, kcodes: jax.Array, vcodes_t: jax.Array, cb_k:
     raise ValueError(f"the kernel takes {dc.OUTLIERS} outlier channels per side, got {o}")
   if implementation == "xla":
     blocks = vcodes_t.ndim == 4
-    vcodes_t = vl.token_contiguous(vcodes_t, blocks)
+    vcodes_t = vl.from_block_major(vcodes_t, blocks)
     if outliers is not None:
-      outliers = (*outliers[:2], vl.token_contiguous(outliers[2], blocks), outliers[3])
+      outliers = (*outliers[:2], vl.from_block_major(outliers[2], blocks), outliers[3])
     c0_k, d_k = uniform_steps(cb_k.astype(jnp.float32))
     keys = c0_k[:, None, :] + d_k[:, None, :] * ks.key_planes_reference(kcodes, 1).astype(jnp.float32)  # [BK, S, H]
     if outliers is not None:

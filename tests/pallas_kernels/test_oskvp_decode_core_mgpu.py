@@ -166,7 +166,7 @@ def test_block_major_values_give_the_same_outputs():
   lens = jnp.array([1, 300, 512], jnp.int32)
   vcb, voutb = vl.block_major(vc), vl.block_major(vout)
   assert vcb.shape == (bk, s // 128, Q, 128)
-  np.testing.assert_array_equal(np.asarray(vl.token_contiguous(vcb, True)), np.asarray(vc))
+  np.testing.assert_array_equal(np.asarray(vl.from_block_major(vcb, True)), np.asarray(vc))
   kw = dict(block_s=128, splits=2, max_concurrent_steps=2, interpret=True)
   want = dc.decode_core_mgpu(kc, vc, qd, qs, lens, kout, vout, qo, return_lse2=True, **kw)
   got = dc.decode_core_mgpu(kc, vcb, qd, qs, lens, kout, voutb, qo, return_lse2=True, **kw)
@@ -263,15 +263,20 @@ def test_gpu_route_lowers():
 
 
 def test_gpu_route_lowers_block_major_values():
-  """Block-major values lower to the same wgmmas, the TMA source being the [BK, S/128 · X, 128] view (one
-  contiguous 4 KB of codes and 1 KB of outliers a step) instead of [BK, X, S]."""
+  """Block-major values lower to the same wgmmas as tokens-contiguous ones (the s8 key and value ones, the outliers'
+  f16 and e4m3 ones), the TMA source being the [BK, S/128 · X, 128] view (one contiguous 4 KB of codes and 1 KB of
+  outliers a step) instead of [BK, X, S]."""
   kc, vc, qd, qs, ko, vo, qo = _abstract_inputs(2048)
   vcb, vob = (jax.ShapeDtypeStruct((2, 16, x, 128), d) for x, d in ((Q, jnp.uint8), (dc.OUTLIERS, vo.dtype)))
   f = jax.jit(lambda *a: dc.decode_core_mgpu(*a[:4], None, *a[4:], block_s=128, splits=2, max_concurrent_steps=2))
-  text = mosaic_module_text(f.trace(kc, vcb, qd, qs, ko, vob, qo).lower(lowering_platforms=("cuda",)))
-  assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.s32\.s8\.s8", text)) == 16
-  assert "memref<2x512x128xi8>" in text and "memref<2x128x128xf8E4M3FN>" in text
-  assert "memref<2x32x2048xi8>" not in text and "memref<2x8x2048xf8E4M3FN>" not in text
+  tokens, blocks = (mosaic_module_text(f.trace(kc, v, qd, qs, ko, o, qo).lower(lowering_platforms=("cuda",)))
+                    for v, o in ((vc, vo), (vcb, vob)))
+  wgmmas = lambda text: sorted(re.findall(r"wgmma\.mma_async\.sync\.aligned\.[a-z0-9.]+", text))
+  assert wgmmas(blocks) == wgmmas(tokens)
+  assert len(re.findall(r"m64n8k32\.s32\.s8\.s8", " ".join(wgmmas(blocks)))) == 16
+  assert "memref<2x512x128xi8>" in blocks and "memref<2x128x128xf8E4M3FN>" in blocks
+  assert "memref<2x32x2048xi8>" not in blocks and "memref<2x8x2048xf8E4M3FN>" not in blocks
+  assert "memref<2x32x2048xi8>" in tokens
 
 
 def test_gpu_route_lowers_two_passes_per_step():

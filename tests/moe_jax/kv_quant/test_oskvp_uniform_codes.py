@@ -248,10 +248,29 @@ def test_value_layouts_decode_like_the_token_major_one(layout):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
 
 
+@pytest.mark.parametrize("layout", ["block_major", "token_contiguous"])
+def test_a_flush_across_a_block_boundary(layout):
+  """A window flush whose R tokens straddle a 128-token block (n_comp = 120, R = 16: tokens 120..135) writes the
+  same codes and outliers in every layout as token-major; a row that does not flush (its write dropped past S)
+  leaves the store unchanged."""
+  c = _cache(zero_outliers=False)
+  c = dataclasses.replace(c, n_comp=jnp.array([120, 120], jnp.int32), n_res=jnp.array([R, R - 1], jnp.int32))
+  want = _relaid(c, "token_major")._flush()
+  got = _relaid(c, layout)._flush()
+  for a, b_ in zip(got.value_store(), want.value_store()):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8))
+  before = np.asarray(c.value_store()[0])
+  after = np.asarray(got.value_store()[0])
+  assert (after[0, :, 120:136] != before[0, :, 120:136]).any()  # row 0 flushed across the boundary
+  np.testing.assert_array_equal(after[1], before[1])  # row 1 did not flush
+  np.testing.assert_array_equal(np.asarray(got.n_comp), [136, 120])
+
+
 def test_block_major_values_through_the_wired_path():
   """`uniform_decode_attention` (the core in interpret mode, the Pallas glue) gives bit-equal outputs on the same
-  cache with its values block-major or tokens contiguous (the same shared-memory tiles), and the cache's layout is
-  the one `value_layout_for` picks: block-major where the capacity is a multiple of 128, unless turned off."""
+  cache with its values block-major or tokens contiguous (the same shared-memory tiles); `value_layout_for` picks
+  block-major for a uniform cache whose capacity is a multiple of 128 unless turned off (the mode's cache here is
+  block-major: `_cache` asserts it)."""
   c = _cache(zero_outliers=False)
   q = jax.random.normal(jax.random.PRNGKey(12), (B, K * G, H))
   np.testing.assert_array_equal(_wired(c, q), _wired(_relaid(c, "token_contiguous"), q))
