@@ -27,8 +27,9 @@ demo: $(STAMP)
 # replacing a worker.
 PYTEST_WORKERS := -n 2 --dist load --max-worker-restart=6 --reruns=2 --only-rerun="crashed while running"
 
+# --durations: every run's log ends with its slowest tests, the place to look when the suite's time creeps up.
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest $(PYTEST_WORKERS) tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest $(PYTEST_WORKERS) --durations=30 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache
