@@ -26,6 +26,7 @@ from jax.profiler import ProfileData
 
 from benchmarks import chained_timing
 from benchmarks import decode_attention as da
+from benchmarks import decode_attention_mosaic as mos
 
 
 def _impls(b: int, s: int) -> dict:
@@ -37,17 +38,17 @@ def _impls(b: int, s: int) -> dict:
     return (q_of(i), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
   return {
-      "oskvp_mosaic_uniform": (da.mosaic_uniform, lambda i: da.uniform_args(jax.random.key(i), b, s),
+      "oskvp_mosaic_uniform": (mos.mosaic_uniform, lambda i: mos.uniform_args(jax.random.key(i), b, s),
                                da.oskvp_bytes(b, s)),
-      "oskvp_mosaic_uniform_xla_glue": (functools.partial(da.mosaic_uniform, glue="xla"),
-                                        lambda i: da.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
+      "oskvp_mosaic_uniform_xla_glue": (functools.partial(mos.mosaic_uniform, glue="xla"),
+                                        lambda i: mos.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
       # the warp-level core, the wired path's default on a GPU since the forty-first session (the rows above: wgmma)
-      "oskvp_mosaic_uniform_mma": (functools.partial(da.mosaic_uniform, core="mma"),
-                                   lambda i: da.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
+      "oskvp_mosaic_uniform_mma": (functools.partial(mos.mosaic_uniform, core="mma"),
+                                   lambda i: mos.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
       # and with U_vᵀ inside its epilogue (forty-sixth session)
       "oskvp_mosaic_uniform_mma_orot_epilogue": (
-          functools.partial(da.mosaic_uniform, core="mma", output_rotation="epilogue"),
-          lambda i: da.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
+          functools.partial(mos.mosaic_uniform, core="mma", output_rotation="epilogue"),
+          lambda i: mos.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
       "cudnn_bf16": (da.cudnn_bf16, kv_bshk, 2 * b * da.KV_HEADS * s * da.HEAD_DIM * 2),
   }
 

@@ -42,17 +42,18 @@ def op_sweep(draws: int, limit: float) -> bool:
   n_comp drawn from the block edges (multiples of 32 and 128, ±1) and at random, n_res in [1, R] at random; prints the worst
   relative L2 error per core and the lengths where it occurred; returns whether all are within `limit`."""
   from benchmarks import decode_attention as da  # pylint: disable=g-import-not-at-top
+  from benchmarks import decode_attention_mosaic as mos  # pylint: disable=g-import-not-at-top
   b, s = 3, 1024
   rng = np.random.default_rng(1)
   edges = [0, 1, 31, 32, 33, 127, 128, 129, 255, 256, 257, 384, 512, 640, 896, 1023, 1024]
-  fns = {core: jax.jit(lambda *a, core=core: da.mosaic_uniform(*a, core=core)) for core in ("wgmma", "mma")}
+  fns = {core: jax.jit(lambda *a, core=core: mos.mosaic_uniform(*a, core=core)) for core in ("wgmma", "mma")}
   ref = jax.jit(da.oskvp_decode_attention_reference)
   worst = {core: (0.0, None) for core in fns}
   for i in range(draws):
-    a = list(da.uniform_args(jax.random.key(100 + i), b, s))
+    a = list(mos.uniform_args(jax.random.key(100 + i), b, s))
     n_comp = rng.choice(edges, b) if i % 2 else rng.integers(0, s + 1, b)
     a[13], a[14] = jnp.asarray(n_comp, jnp.int32), jnp.asarray(rng.integers(1, da.WINDOW + 1, b), jnp.int32)
-    want = ref(*da.token_major(a))
+    want = ref(*mos.token_major(a))
     for core, fn in fns.items():
       rel = da.rel_l2(fn(*a), want)
       if rel >= worst[core][0]:
