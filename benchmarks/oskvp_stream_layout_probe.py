@@ -9,7 +9,7 @@ token-contiguous arrays [H/4, S] and [8, S]: 40 rows of 128 bytes, S bytes apart
 its 335.5 MB (80 bytes a token and row) at ~91.5% of the span copy, and the ring alone (`ablate="no_compute"`, 118.8 µs)
 at ~91% of the read-only sum by span (notes_mgpu_oskvp.md §25, §29, §30). This kernel is that ring with nothing else:
 each program (a row, a split) pipes its blocks through shared memory (`plgpu.emit_pipeline`, the core's block specs and
-swizzles) and computes nothing. Layouts: "strided" (the cache's: values [BK, H/4, S]) and "block_major" (values [BK,
+swizzles) and computes nothing. Layouts: "strided" (the cache's until block-major values: [BK, H/4, S]) and "block_major" (values [BK,
 S/128 · H/4, 128]: a block's value rows contiguous, 4 KB and 1 KB like the keys'). Same bytes, same boxes in shared
 memory; only the global addresses differ. On an H100 block_major took 2.4–3.0% less time in every case
 (results/oskvp_stream_layout_h100_s49.md), so uniform caches now store their values block-major
@@ -38,6 +38,7 @@ from benchmarks import report_files
 from benchmarks.cupti import cupti_median_ms
 from pallas_kernels import oskvp_decode_core_mgpu as dc
 from pallas_kernels import oskvp_key_scores_mgpu as ks
+from pallas_kernels import oskvp_value_layout as vl
 
 BLOCK, Q, O, KO_TOKENS = 128, 32, 8, 8  # tokens a step; code bytes a token (H = 128); outlier channels; ko rows
 LAYOUTS = ("strided", "block_major")
@@ -61,14 +62,10 @@ def _kernel(kc_ref, vc_ref, ko_ref, vo_ref, qs_ref, out_ref, *, qs_smem, bar, st
   specs = [plgpu.BlockSpec((BLOCK, Q), lambda i: (i, 0), transforms=ks.swizzled(Q)),
            plgpu.BlockSpec((BLOCK // KO_TOKENS, KO_TOKENS * O), lambda i: (i, 0))]
   srcs = [kc_ref.at[bk, tokens], ko_ref.at[bk, pl.ds(sp * rows, rows)]]
-  if layout == "strided":
-    specs += [plgpu.BlockSpec((Q, BLOCK), lambda i: (0, i), transforms=ks.swizzled(BLOCK)),
-              plgpu.BlockSpec((O, BLOCK), lambda i: (0, i), transforms=ks.swizzled(BLOCK))]
-    srcs += [vc_ref.at[bk, :, tokens], vo_ref.at[bk, :, tokens]]
-  else:
-    specs += [plgpu.BlockSpec((Q, BLOCK), lambda i: (i, 0), transforms=ks.swizzled(BLOCK)),
-              plgpu.BlockSpec((O, BLOCK), lambda i: (i, 0), transforms=ks.swizzled(BLOCK))]
-    srcs += [vc_ref.at[bk, pl.ds(sp * steps * Q, steps * Q)], vo_ref.at[bk, pl.ds(sp * steps * O, steps * O)]]
+  for ref, x in ((vc_ref, Q), (vo_ref, O)):  # the cores' own value rings (`oskvp_value_layout.ring_source`)
+    spec, src = vl.ring_source(ref, x, bk, sp, steps, BLOCK, lambda i: i, blocks=layout == "block_major")
+    specs.append(spec)
+    srcs.append(src)
 
   def body(idx, *tiles):  # the ring alone: nothing computed
     del idx, tiles
@@ -103,9 +100,8 @@ def inputs(key, rows: int, s: int, layout: str):
   byte = lambda k, shape: jax.random.randint(k, shape, 0, 256, jnp.int32).astype(jnp.uint8)
   kc, ko = byte(k1, (rows, s, Q)), byte(k2, (rows, s // KO_TOKENS, KO_TOKENS * O))
   vc, vo = byte(k3, (rows, Q, s)), byte(k4, (rows, O, s))
-  if layout == "block_major":
-    blocks = lambda x: x.reshape(rows, x.shape[1], s // BLOCK, BLOCK).transpose(0, 2, 1, 3).reshape(rows, -1, BLOCK)
-    vc, vo = blocks(vc), blocks(vo)
+  if layout == "block_major":  # as the cores take it: [BK, S/128 · X, 128]
+    vc, vo = (vl.ring_operand(vl.block_major(x)) for x in (vc, vo))
   qs = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.float32)[:, None], (rows, 32))
   return kc, vc, ko, vo, qs
 
