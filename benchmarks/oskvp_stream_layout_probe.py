@@ -9,10 +9,10 @@ token-contiguous arrays [H/4, S] and [8, S]: 40 rows of 128 bytes, S bytes apart
 its 335.5 MB (80 bytes a token and row) at ~91.5% of the span copy, and the ring alone (`ablate="no_compute"`, 118.8 µs)
 at ~91% of the read-only sum by span (notes_mgpu_oskvp.md §25, §29, §30). This kernel is that ring with nothing else:
 each program (a row, a split) pipes its blocks through shared memory (`plgpu.emit_pipeline`, the core's block specs and
-swizzles) and computes nothing. Layouts: "strided" (the cache's until block-major values: [BK, H/4, S]) and "block_major" (values [BK,
-S/128 · H/4, 128]: a block's value rows contiguous, 4 KB and 1 KB like the keys'). Same bytes, same boxes in shared
-memory; only the global addresses differ. On an H100 block_major took 2.4–3.0% less time in every case
-(results/oskvp_stream_layout_h100_s49.md), so uniform caches now store their values block-major
+swizzles) and computes nothing. Layouts: "strided" (the cache's until block-major values: [BK, H/4, S]) and
+"block_major" (values [BK, S/128 · H/4, 128]: a block's value rows contiguous, 4 KB and 1 KB like the keys'). Same
+bytes, same boxes in shared memory; only the global addresses differ. On an H100 block_major took 2.4–3.0% less time in
+every case (results/oskvp_stream_layout_h100_s49.md), so uniform caches now store their values block-major
 (`pallas_kernels/oskvp_value_layout.py`, notes_mgpu_oskvp.md §31).
 
 Timing: CUPTI kernel time, median of --iters calls, beside an XLA read-only sum of a 1 GiB array timed the same way
