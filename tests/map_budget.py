@@ -4,8 +4,8 @@ XLA:CPU maps every executable it loads into the process (code, read-only data an
 a small program), and jax keeps every executable in its caches for the life of the process. A pytest worker compiles
 tens of thousands of small programs over the suite (eager ops at new shapes, interpret-mode kernels), so its
 mappings only grow. On 2026-12-06 a worker reached 63,636 mappings against the limit of 65,530 and segfaulted in its
-next compile: a failed `mmap` inside XLA. That was the cause of the workers' crashes at scattered tests (README,
-"Set-up"); the other worker of that run stood at 37,000.
+next compile: a failed `mmap` inside XLA. That was the cause of the workers' crashes at scattered tests
+(tests/README.md); the other worker of that run stood at 37,000.
 
 `release_if_over` (called after every test by tests/conftest.py) clears jax's caches once the process holds more than
 `fraction` of the limit (and `margin` of it more than the last clear left); `jax.clear_caches` drops the executables

@@ -4,7 +4,7 @@ test in `attempts` × `timeout_s` instead of hanging the suite, and the interpre
 The deadlock runs in a process of its own: the abandoned warpgroups can leave that process unsafe for XLA. In the
 suite's workers a later compile segfaulted in the worker that had run it (the first two crashes of 2026-12-06, each at
 the first test of test_vq2_grouped_matmul_mgpu_ws.py after it; tests/worker_crash_report.py records the watchdog's
-give-ups). XLA's CPU crash has other triggers as well (README "Set-up").
+give-ups). XLA's CPU crash has other triggers as well (tests/README.md).
 """
 
 import os
