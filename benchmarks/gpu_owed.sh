@@ -77,8 +77,8 @@
 #    by span, 64k x 8 at 4.89-5.01x cuDNN over three calls); value_layout again on an H100 in the fiftieth
 #    (results/decode_attention_value_layout_h100_s50.md: 64k x 8 4.90x, block-major 2.5% faster); kept for an H200.
 # 15. (fiftieth session) the first call on an H200, in one device call (the bf16 row of 32k x 312, 84 GB, needs the
-#    H200's memory, so the call may ask for one): the e2e step's three 32k x 312 rows, then the issue's cells (64k /
-#    128k x 8 / 32) with the mma core, both value layouts and cuDNN: STEPS="h200_e2e h200_attention".
+#    H200's memory, so the call may ask for one): the issue's cells (64k / 128k x 8 / 32) with the mma core, both value
+#    layouts and cuDNN, then the e2e step's three 32k x 312 rows: STEPS="h200_attention h200_e2e" (limits 480 s).
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~114 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -86,7 +86,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="h200_e2e h200_attention value_layout splits wide_epilogue layout_probe e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="h200_attention h200_e2e value_layout splits wide_epilogue layout_probe e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -103,11 +103,11 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 # both bf16 peers and the WS kernel's fused SwiGLU, the issue's grid), last timed on an H200 in the twenty-fourth session.
 # prefill_fit, attention and (three row counts of) experts ran on an H100 in the fortieth (results/*_h100_s40.md,
 # e.g. decode_attention_mosaic_h100_s40.md); kept for an H200.
-run h200_e2e 300 python3 benchmarks/e2e_decode.py --steps=8 --full_depth_check=false --time_budget_s=200 \
-  --cases=bf16+bf16:32768:312,int4+oskvp_uniform:32768:312,int4+oskvp:32768:312 --out="$OUT/h200_e2e"
-run h200_attention 280 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
+run h200_attention 230 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
   --contexts=65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_value_layout=blocks,tokens \
   --out="$OUT/h200_attention"
+run h200_e2e 250 python3 benchmarks/e2e_decode.py --steps=8 --full_depth_check=false --time_budget_s=170 \
+  --cases=bf16+bf16:32768:312,int4+oskvp_uniform:32768:312,int4+oskvp:32768:312 --out="$OUT/h200_e2e"
 run value_layout 420 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
   --contexts=4096,16384,65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_value_layout=blocks,tokens \
   --out="$OUT/value_layout"
