@@ -75,7 +75,7 @@
 #    (the 12-step model check now decodes a block-major cache) and e2e_uniform (the step's cache is block-major).
 #    All three paid on H100s in the forty-ninth session (results/*_h100_s49*, notes §31: block-major 0.3-4.0% faster
 #    by span, 64k x 8 at 4.89-5.01x cuDNN over three calls); value_layout again on an H100 in the fiftieth
-#    (results/decode_attention_value_layout_h100_s50.md: 64k x 8 4.90x, block-major 2.5% faster); kept for an H200.
+#    (results/decode_attention_value_layout_h100_s50.md: 64k x 8 4.90x, block-major 2.4% less time); kept for an H200.
 # 15. (fiftieth session) the first call on an H200, in one device call (the bf16 row of 32k x 312, 84 GB, needs the
 #    H200's memory, so the call may ask for one): the issue's cells (64k / 128k x 8 / 32) with the mma core, both value
 #    layouts and cuDNN, then the e2e step's three 32k x 312 rows: STEPS="h200_attention h200_e2e" (limits 480 s).
