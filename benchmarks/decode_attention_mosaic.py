@@ -13,10 +13,12 @@ import numpy as np
 
 from benchmarks.decode_attention import WINDOW, oskvp_args, rel_l2
 from pallas_kernels.oskvp_decode_attention import oskvp_decode_attention_reference
+from moe_jax.kv_quant import oskvp_cache
 from pallas_kernels.oskvp_random import uniform_codebooks
-from pallas_kernels import oskvp_value_layout as vl
 
-VALUE_LAYOUTS = ("blocks", "tokens")  # --mosaic_value_layout: block-major (the cache's, S % 128 == 0) or [X, S]
+# --mosaic_value_layout -> the cache's name for it: block-major (the cache's where S % 128 == 0) or [X, S]
+CACHE_LAYOUTS = {"blocks": "block_major", "tokens": "token_contiguous"}
+VALUE_LAYOUTS = tuple(CACHE_LAYOUTS)
 
 
 def uniform_args(key, b, s, value_layout: str = "blocks"):
@@ -28,9 +30,8 @@ def uniform_args(key, b, s, value_layout: str = "blocks"):
   a = list(oskvp_args(key, b, s))
   for i, kk in ((4, 1), (8, 2)):  # cb_k, cb_v
     a[i] = uniform_codebooks(jax.random.fold_in(key, kk), a[i].shape[:-1], outliers=8)
-  a[5], a[6] = jnp.swapaxes(a[5], -1, -2), jnp.swapaxes(a[6], -1, -2)  # codes_v, outl_v [B, K, X, S]
-  if value_layout == "blocks":
-    a[5], a[6] = vl.block_major(a[5]), vl.block_major(a[6])
+  # codes_v, outl_v: token-major [B, K, S, X] -> as the cache stores them (its own converter)
+  a[5], a[6] = (oskvp_cache.stored_values(x, CACHE_LAYOUTS[value_layout]) for x in (a[5], a[6]))
   return tuple(a)
 
 
@@ -93,8 +94,8 @@ def token_major(a):
   """uniform_args (either value layout) -> the same cache with token-major values (the XLA reference's and Triton
   kernel's layout)."""
   a = list(a)
-  blocks = a[5].ndim == 5
-  a[5], a[6] = (jnp.swapaxes(vl.from_block_major(x, blocks), -1, -2) for x in (a[5], a[6]))
+  layout = CACHE_LAYOUTS["blocks" if a[5].ndim == 5 else "tokens"]
+  a[5], a[6] = (oskvp_cache.token_major_values(x, layout) for x in (a[5], a[6]))
   return tuple(a)
 
 

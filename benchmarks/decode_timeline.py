@@ -37,18 +37,16 @@ def _impls(b: int, s: int) -> dict:
     k, v = da.bf16_cache(jax.random.key(i), b, s)
     return (q_of(i), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
+  uniform = lambda i: mos.uniform_args(jax.random.key(i), b, s)
   return {
-      "oskvp_mosaic_uniform": (mos.mosaic_uniform, lambda i: mos.uniform_args(jax.random.key(i), b, s),
-                               da.oskvp_bytes(b, s)),
-      "oskvp_mosaic_uniform_xla_glue": (functools.partial(mos.mosaic_uniform, glue="xla"),
-                                        lambda i: mos.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
+      "oskvp_mosaic_uniform": (mos.mosaic_uniform, uniform, da.oskvp_bytes(b, s)),
+      "oskvp_mosaic_uniform_xla_glue": (functools.partial(mos.mosaic_uniform, glue="xla"), uniform,
+                                        da.oskvp_bytes(b, s)),
       # the warp-level core, the wired path's default on a GPU since the forty-first session (the rows above: wgmma)
-      "oskvp_mosaic_uniform_mma": (functools.partial(mos.mosaic_uniform, core="mma"),
-                                   lambda i: mos.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
+      "oskvp_mosaic_uniform_mma": (functools.partial(mos.mosaic_uniform, core="mma"), uniform, da.oskvp_bytes(b, s)),
       # and with U_vᵀ inside its epilogue (forty-sixth session)
       "oskvp_mosaic_uniform_mma_orot_epilogue": (
-          functools.partial(mos.mosaic_uniform, core="mma", output_rotation="epilogue"),
-          lambda i: mos.uniform_args(jax.random.key(i), b, s), da.oskvp_bytes(b, s)),
+          functools.partial(mos.mosaic_uniform, core="mma", output_rotation="epilogue"), uniform, da.oskvp_bytes(b, s)),
       "cudnn_bf16": (da.cudnn_bf16, kv_bshk, 2 * b * da.KV_HEADS * s * da.HEAD_DIM * 2),
   }
 

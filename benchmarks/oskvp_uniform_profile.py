@@ -4,8 +4,8 @@ Run on the H200:  PYTHONPATH=$PWD python3 benchmarks/oskvp_uniform_profile.py --
 Times one decode-attention call at context × batch (default 64k × 8; 32 query / 8 kv heads, H = 128, window 128)
 with CUPTI (`jax.experimental.mosaic.gpu.profiler`, L2 flushed before each call), median over calls of each kernel,
 and writes oskvp_uniform_profile.{md,json}: where the time goes between the core and the XLA glue around it. The
-core is `benchmarks.decode_attention_mosaic.mosaic_uniform`'s default, the wgmma core (the wired path's default until the
-forty-first session; the warp-level core is `decode_attention.py --mosaic_core=mma`).
+core is `benchmarks.decode_attention_mosaic.mosaic_uniform`'s default, the wgmma core (the wired path's default until
+the forty-first session; the warp-level core is `decode_attention.py --mosaic_core=mma`).
 """
 
 from __future__ import annotations
