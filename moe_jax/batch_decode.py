@@ -112,6 +112,8 @@ def check_paths(input_path: str, output_path: str) -> None:
     raise ValueError(f"--input={input_path!r} is not a readable file")
   if os.path.isdir(output_path):
     raise ValueError(f"--output={output_path!r} is a directory, not a JSONL file")
+  if os.path.exists(output_path) and os.path.samefile(input_path, output_path):  # its results would be appended to it
+    raise ValueError(f"--output={output_path!r} is the --input file: results are appended to --output")
   parent = os.path.dirname(os.path.abspath(output_path))
   if (os.path.exists(output_path) and not os.access(output_path, os.W_OK)) or not os.access(parent, os.W_OK | os.X_OK):
     raise ValueError(f"--output={output_path!r} cannot be written (its directory must exist and be writable)")
@@ -214,6 +216,14 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
   return counts
 
 
+def int_list(name: str, values) -> tuple[int, ...]:
+  """A list flag's values as ints (ValueError naming --name otherwise)."""
+  try:
+    return tuple(int(x) for x in values)
+  except ValueError:
+    raise ValueError(f"--{name}={','.join(values)!r} must be a comma-separated list of ints") from None
+
+
 def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
@@ -221,11 +231,13 @@ def main(argv):
 
   f = flags.FLAGS
   check_paths(f.input, f.output)
+  prefill_lengths, prefill_batches = int_list("prefill_lengths", f.prefill_lengths), int_list("prefill_batches",
+                                                                                                f.prefill_batches)
   config, model, tokenizer = cli.from_flags(f)
   cache_len = f.cache_len or config.max_seq_len
-  lengths = tuple(sorted({min(int(x), cache_len) for x in f.prefill_lengths}))
+  lengths = tuple(sorted({min(x, cache_len) for x in prefill_lengths}))
   engine_config = EngineConfig(num_slots=f.slots, cache_len=cache_len, kv_cache=f.kv_cache, prefill_lengths=lengths,
-                               prefill_batches=tuple(int(x) for x in f.prefill_batches),
+                               prefill_batches=prefill_batches,
                                max_queue=max(4 * f.slots, 64), seed=f.seed)
   counts = run(model, tokenizer, input_path=f.input, output_path=f.output, engine_config=engine_config,
                max_tokens=f.max_tokens, progress=not f.quiet)

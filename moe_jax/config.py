@@ -92,10 +92,18 @@ class ModelConfig:
     if not isinstance(self.dense_layers, tuple):
       raise ValueError(f"dense_layers={self.dense_layers!r} must be a tuple of layer indices")
     for i in self.dense_layers:
+      if not isinstance(i, int) or isinstance(i, bool):  # 1.5 matched no layer, True was layer 1
+        raise ValueError(f"dense_layers contains {i!r}: layer indices must be ints")
       if not 0 <= i < self.n_layers:
         raise ValueError(f"dense_layers contains {i}, outside [0, n_layers={self.n_layers})")
     if self.dense_layers and self.dense_hidden <= 0:
       raise ValueError(f"dense_hidden={self.dense_hidden} must be > 0 when dense_layers is set")
+    for field in ("shared_expert_gate", "norm_topk_prob", "qk_norm", "qkv_bias", "tie_embeddings"):
+      if not isinstance(getattr(self, field), bool):  # a config.json's "false" is a true string
+        raise ValueError(f"{field}={getattr(self, field)!r} must be true or false")
+    for field in ("rope_theta", "rms_eps"):
+      if not isinstance(getattr(self, field), (int, float)) or isinstance(getattr(self, field), bool):
+        raise ValueError(f"{field}={getattr(self, field)!r} must be a number")
     if self.router not in ("softmax", "sigmoid"):
       raise ValueError(f"router={self.router!r} must be 'softmax' or 'sigmoid'")
     if not 0 < self.rope_theta < float("inf"):  # also refuses NaN

@@ -139,8 +139,8 @@ def evaluate(model: nnx.Module, config: ModelConfig, *, kv_cache: str = "bf16", 
     raise ValueError(f"prefix={prefix} must be in [1, context={context}]")
   if windows is None and (not isinstance(n_windows, int) or n_windows < 1):
     raise ValueError(f"n_windows={n_windows!r} must be an int >= 1")
-  if context + 1 > config.max_seq_len:
-    raise ValueError(f"context={context} + 1 exceeds max_seq_len={config.max_seq_len} of {config.name!r}")
+  if context > config.max_seq_len:  # the model is fed `context` tokens (the last of a window is only a target)
+    raise ValueError(f"context={context} exceeds max_seq_len={config.max_seq_len} of {config.name!r}")
   if windows is None:
     val = data_lib.load_corpus()["validation"].tokens
     windows = data_lib.eval_windows(val, n_windows=n_windows, seq_len=context)
@@ -155,7 +155,7 @@ def evaluate(model: nnx.Module, config: ModelConfig, *, kv_cache: str = "bf16", 
     raise ValueError(f"windows: {e}") from e
   windows = windows.astype(np.int32)
   targets = windows[:, prefix:]
-  cache_len = context + 1
+  cache_len = context
 
   t0 = time.time()
   base_logp, base_cache = teacher_forced_logprobs(model, jnp.asarray(windows), prefix=prefix,
@@ -233,7 +233,11 @@ def main(argv):
   from moe_jax import cli  # pylint: disable=g-import-not-at-top
 
   f = absl_flags.FLAGS
-  if f.record:
+  if f.record:  # the checkpoint's metrics.json is measured with the defaults; another setting would be dropped
+    given = [name for name in ("kv_cache", "kv_calib_windows", "expert_quant", "routing", "n_windows", "context",
+                               "prefix", "json") if f[name].present]
+    if given:
+      raise ValueError(f"--record measures the checkpoint with the defaults; drop --{', --'.join(given)}")
     print(json.dumps(record_metrics(f.checkpoint), indent=2))
     return
   config, model = cli.load_checkpoint(f.checkpoint)

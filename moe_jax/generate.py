@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import decode
-from moe_jax.flat_model import FlatModel
+from moe_jax.flat_model import FlatModel, module
 from moe_jax.kv_cache import KVCache
 from moe_jax.sampling import SamplingParams, sample
 from moe_jax.tokenizer import PAD_ID, decode_continuation
@@ -69,6 +69,8 @@ def decode_loop(model, cache: KVCache, first_logits: jax.Array, key: jax.Array, 
     i, _, _, done, _, _, _ = state
     return (i < max_new_tokens) & ~jnp.all(done)
 
+  model = module(model)  # a FlatModel's module (`FlatModel.of(model)` is a valid argument)
+
   def body(state):
     i, cache, tok, done, out, n, key = state
     logits, cache = model.decode(cache, tok[:, None])
@@ -86,6 +88,21 @@ def decode_loop(model, cache: KVCache, first_logits: jax.Array, key: jax.Array, 
   return out, n, cache
 
 
+def _checked_max_new_tokens(max_new_tokens) -> int:
+  if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+  return int(max_new_tokens)
+
+
+def _cache_len(tokens: np.ndarray, max_new_tokens: int, cache_len: int | None) -> int:
+  """cache_len, by default the prompts' positions + max_new_tokens - 1 (the last new token is not fed back)."""
+  if cache_len is not None:
+    return cache_len
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+  return int(tokens.shape[1]) + max_new_tokens - 1
+
+
 def generate(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), eos_id: int | None = None, kv_cache: str = "bf16",
              cache_len: int | None = None) -> GenerateOutput:
@@ -101,13 +118,11 @@ def generate(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
     kv_cache: cache mode name.
     cache_len: cache positions; default prompt length + max_new_tokens - 1 (the last new token is not fed back).
   """
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-  max_new_tokens = int(max_new_tokens)
+  max_new_tokens = _checked_max_new_tokens(max_new_tokens)
   if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < model.config.vocab_size):
     raise ValueError(f"eos_id={eos_id!r} must be None or a token id in [0, vocab_size={model.config.vocab_size})")
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  cache_len = int(tokens.shape[1]) + max_new_tokens - 1 if cache_len is None else cache_len
+  cache_len = _cache_len(tokens, max_new_tokens, cache_len)
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
   logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len, last_only=True)
   out, n, cache = decode_loop(model, cache, logits, key,
@@ -119,8 +134,9 @@ def stream(model, tokens, lengths, *, key: jax.Array, max_new_tokens: int,
            sampling: SamplingParams = SamplingParams(), kv_cache: str = "bf16",
            cache_len: int | None = None) -> Iterator[np.ndarray]:
   """Python-driven decode for debugging: yields the int32 [B] tokens of each step as they are produced."""
+  max_new_tokens = _checked_max_new_tokens(max_new_tokens)
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  cache_len = int(tokens.shape[1]) + max_new_tokens - 1 if cache_len is None else cache_len
+  cache_len = _cache_len(tokens, max_new_tokens, cache_len)
   decode.validate_prompts(model.config, tokens, lengths, cache_len=cache_len, max_new_tokens=max_new_tokens)
   model = FlatModel.of(model)  # one walk of the parameters, not one per step
   step_logits, cache = decode.prefill(model, tokens, lengths, kv_cache=kv_cache, cache_len=cache_len, last_only=True)

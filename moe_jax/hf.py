@@ -187,6 +187,8 @@ class HFTokenizer:
     return self.tokenizer.get_vocab_size()
 
   def encode(self, text: str) -> list[int]:
+    """The ids of text; UnicodeEncodeError (a ValueError) where it is not UTF-8, as the byte tokenizer's."""
+    text.encode("utf-8")  # a lone surrogate ("\ud800"), which `tokenizers` refuses with a TypeError
     return list(self.tokenizer.encode(text).ids)
 
   def decode(self, ids) -> str:

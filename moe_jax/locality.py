@@ -25,9 +25,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from moe_jax import routing
+from moe_jax import decode, routing
 from moe_jax.dispatch import LocalDispatch
 from moe_jax.moe import MoE
 from moe_jax.surrogates import LowRankExperts, build_surrogates
@@ -70,12 +71,12 @@ class LCVCConfig:
 
 
 def check_threshold_update(target: float, step: float, target_name: str = "target", step_name: str = "step") -> None:
-  """Raises ValueError naming a target remote rate outside [0, 1] or a step not > 0 (NaN too: a NaN τ would switch
-  the penalty off)."""
+  """Raises ValueError naming a target remote rate outside [0, 1] or a step not finite and > 0 (NaN or inf: a NaN τ
+  would switch the penalty off)."""
   if not 0.0 <= target <= 1.0:
     raise ValueError(f"{target_name}={target} must be in [0, 1]")
-  if not step > 0:
-    raise ValueError(f"{step_name}={step} must be > 0")
+  if not 0 < step < float("inf"):  # an infinite step makes τ NaN where the rate meets the target (inf · 0)
+    raise ValueError(f"{step_name}={step} must be finite and > 0")
 
 
 class LCVCThreshold(nnx.Variable):
@@ -253,9 +254,18 @@ def set_surrogates(model, on: bool):
   return model
 
 
+def routing_stats(model, tokens) -> dict[str, jax.Array]:
+  """Per-MoE-layer remote and surrogate rates on a full causal pass over int tokens [B, T]: {name: float32
+  [n_moe_layers]}. Raises ValueError naming a token id outside the vocabulary (its embedding would be NaN)."""
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must be int [batch, length], got {tokens.dtype} {tokens.shape}")
+  decode.check_token_ids(model.config, tokens)
+  return _routing_stats(model, jnp.asarray(tokens, jnp.int32))
+
+
 @jax.jit
-def routing_stats(model, tokens: jax.Array) -> dict[str, jax.Array]:
-  """Per-MoE-layer remote and surrogate rates on a full causal pass: {name: float32 [n_moe_layers]}."""
+def _routing_stats(model, tokens: jax.Array) -> dict[str, jax.Array]:
   _, auxes, _ = model.forward(tokens)
   return {name: jnp.stack([a[name] for a in auxes]) for name in ("remote_rate", "surrogate_rate")}
 
@@ -272,7 +282,7 @@ def tune_thresholds(model, token_batches, *, target: float | None = None, step: 
   layers = moe_layers(model)
   history = []
   for tokens in token_batches:
-    rates = routing_stats(model, jnp.asarray(tokens, jnp.int32))["remote_rate"]
+    rates = routing_stats(model, tokens)["remote_rate"]
     for layer, rate in zip(layers, rates):
       tgt = layer.lcvc.target_remote_rate if target is None else target
       stp = layer.lcvc.threshold_step if step is None else step

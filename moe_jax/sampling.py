@@ -94,7 +94,9 @@ def sorted_candidates(logits: jax.Array, temperature: jax.Array, top_k: jax.Arra
   -inf where top-k or top-p drops the token)."""
   v = logits.shape[-1]
   scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
-  order = jnp.argsort(-scaled, axis=-1)  # [B, V] most likely first
+  # [B, V] most likely first, by the logits themselves (the same order for any temperature > 0): at a temperature of
+  # ~1e38 the scaled logits all round to 0, and ranking those kept top-k's tokens by vocabulary index.
+  order = jnp.argsort(-logits.astype(jnp.float32), axis=-1)
   sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
   rank = jnp.arange(v)[None, :]
   keep = (top_k[:, None] == 0) | (rank < top_k[:, None])

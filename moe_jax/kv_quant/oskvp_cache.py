@@ -314,6 +314,8 @@ def _refit_in_chunks(layers: tuple[OSKVPLayerCache, ...], todo: jax.Array) -> tu
   with the matrices too).
   Leaves the `refit` flags as they are."""
   b = todo.shape[1]
+  if b == 0:  # an empty batch: nothing to refit (and no row for the fits' gathers to read)
+    return layers
   c = min(b, max(1, layers[0].refit_mode.refit_chunk // len(layers)))  # rows per fit
   any_layer = jnp.any(todo, axis=0)  # [B]
   order = jnp.nonzero(any_layer, size=b + c, fill_value=0)[0]  # the rows to refit first, then padding

@@ -129,6 +129,8 @@ class OSKVPMode:
       raise ValueError(f"outlier_fraction={self.outlier_fraction} must be in [0, 1)")
     if self.max_fit_tokens < 1:
       raise ValueError(f"max_fit_tokens={self.max_fit_tokens} must be >= 1")
+    if not isinstance(self.n_iters, int) or isinstance(self.n_iters, bool) or self.n_iters < 0:
+      raise ValueError(f"n_iters={self.n_iters!r} must be an int >= 0 (Lloyd-Max iterations)")
     if self.rope_shifts < 1:
       raise ValueError(f"rope_shifts={self.rope_shifts} must be >= 1")
     if self.refit_chunk < 1:

@@ -186,7 +186,8 @@ class Engine:
       request_id: unique id (default: an engine-assigned int).
       on_token: called with each token as it is produced (on the engine's thread).
       on_finish: called with the handle when the request ends.
-      block, timeout: when the queue is full, wait for room (up to `timeout` s) instead of raising at once.
+      block, timeout: when the queue is full, wait for room (up to `timeout` s) instead of raising at once; a
+        caller-driven engine (not `running`) is stepped meanwhile.
 
     Returns:
       the request's `RequestHandle`.
@@ -200,17 +201,25 @@ class Engine:
                            vocab_size=self.vocab_size, cache_len=c.cache_len, max_prompt_len=c.max_prompt_len,
                            request_id=request_id)
     handle = RequestHandle(req, self, on_token=on_token, on_finish=on_finish)
-    with self._cv:
-      if req.request_id in self._ids:
-        raise InvalidRequest(f"request_id={req.request_id!r} is already in use")
-      if len(self._queue) >= c.max_queue:
-        if not block or not self._cv.wait_for(lambda: len(self._queue) < c.max_queue, timeout=timeout):
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    while True:
+      with self._cv:
+        if req.request_id in self._ids:
+          raise InvalidRequest(f"request_id={req.request_id!r} is already in use")
+        if len(self._queue) < c.max_queue:
+          self._ids.add(req.request_id)
+          handle.submit_time = time.perf_counter()
+          self._queue.append(handle)
+          self._cv.notify_all()
+          return handle
+        left = None if deadline is None else deadline - time.perf_counter()
+        if not block or (left is not None and left <= 0):
           raise QueueFull(f"{len(self._queue)} requests pending (max_queue={c.max_queue}); retry later")
-      self._ids.add(req.request_id)
-      handle.submit_time = time.perf_counter()
-      self._queue.append(handle)
-      self._cv.notify_all()
-    return handle
+        if self.running:  # the engine's thread makes room
+          self._cv.wait_for(lambda: len(self._queue) < c.max_queue, timeout=left)
+          continue
+      self.check_not_in_callback()  # a caller-driven engine: make room by stepping it, as `RequestHandle.wait` does
+      self.step()
 
   @property
   def running(self) -> bool:

@@ -6,7 +6,8 @@
 
 POST /v1/completions takes {"prompt": text or token ids, "max_tokens", "temperature", "top_p", "top_k" (extension),
 "stop": a string or list of strings, "stream"} ("n" / "best_of" other than 1 are refused: one completion per
-request) and answers a `text_completion` object, or with "stream": true
+request; so are "logprobs", "echo", "seed", "suffix", "logit_bias" and the penalties unless off, and any field not
+named here but "model" and "user") and answers a `text_completion` object, or with "stream": true
 server-sent events, one `data: {...}` chunk per text delta and `data: [DONE]` at the end. A stop string ends the
 request, streamed or not, at the token that completes it (the engine frees the slot then); the text ends just before
 the stop string (as in OpenAI's API) and `usage.completion_tokens` counts the tokens generated up to and including
@@ -36,6 +37,10 @@ from moe_jax.serving.request import InvalidRequest, QueueFull, RequestFailed, Re
 
 _SAMPLING = ("temperature", "top_p", "top_k")
 _ONE_CHOICE = ("n", "best_of")
+# OpenAI fields this server does not implement: refused (400) unless at a value that leaves the answer as it is.
+_UNSUPPORTED = {"logprobs": (None,), "echo": (False, None), "seed": (None,), "suffix": (None, ""),
+                "logit_bias": (None, {}), "presence_penalty": (0, None), "frequency_penalty": (0, None)}
+_ACCEPTED = {"model", "user", "prompt", "max_tokens", "stop", "stream", *_SAMPLING, *_ONE_CHOICE, *_UNSUPPORTED}
 
 
 class TextStream:
@@ -177,6 +182,12 @@ class DisconnectWatch:
 def _parse(body: dict, tokenizer) -> dict:
   if not isinstance(body, dict):
     raise InvalidRequest("the request body must be a JSON object")
+  unknown = sorted(set(body) - _ACCEPTED)
+  if unknown:  # a misspelt field would otherwise be dropped without a word
+    raise InvalidRequest(f"unrecognized request field(s): {', '.join(map(repr, unknown))}")
+  for name, off in _UNSUPPORTED.items():
+    if name in body and not any(body[name] == v and isinstance(body[name], bool) == isinstance(v, bool) for v in off):
+      raise InvalidRequest(f"\"{name}\"={body[name]!r} is not supported by this server (leave it out)")
   prompt = body.get("prompt")
   if isinstance(prompt, str):
     ids = tokenizer.encode(prompt)

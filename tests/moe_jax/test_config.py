@@ -22,6 +22,11 @@ from moe_jax.config import ModelConfig, analytical_report, param_counts
     (dict(rms_eps=float("nan")), "rms_eps"),
     (dict(shared_expert_hidden=8.0), "shared_expert_hidden"),  # before: a shape error inside jax.random
     (dict(dense_layers=(0,), dense_hidden=4.5), "dense_hidden"),
+    (dict(dense_layers=(1.5,), dense_hidden=8), "dense_layers"),  # before: accepted, and no layer was dense
+    (dict(dense_layers=(True,), dense_hidden=8), "dense_layers"),  # before: layer 1
+    (dict(qk_norm="false"), "qk_norm"),  # before: a true string, QK-norm on
+    (dict(tie_embeddings=1), "tie_embeddings"),
+    (dict(rope_theta="1e4"), "rope_theta"),  # before: a bare TypeError from the comparison
 ])
 def test_invalid_config_names_the_field(changes, field):
   with pytest.raises(ValueError, match=field):

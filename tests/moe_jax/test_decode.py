@@ -11,7 +11,6 @@ import pytest
 from moe_jax import decode
 from moe_jax.generate import generate, pad_batch, prompt_cache_len, stream
 from moe_jax.sampling import SamplingParams, sample, sorted_candidates
-from moe_jax.tokenizer import EOS_ID
 
 
 def _rand_tokens(shape, vocab=256, seed=0):
@@ -110,6 +109,18 @@ def test_sampling_params_take_numpy_scalars_and_top_p_one_keeps_every_token():
   assert np.isfinite(np.asarray(cand)).all()
   _, cand = sorted_candidates(logits, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.full(1, 0.5))
   assert np.isfinite(np.asarray(cand)).sum() == 1
+
+
+def test_top_k_keeps_the_most_likely_tokens_at_any_temperature():
+  """At a temperature of 1e38 the scaled logits all round to 0; top-k ranked them by vocabulary index and drew only
+  the two least likely tokens here. It ranks by the logits now, the same order for every temperature > 0."""
+  logits = jnp.array([[-10.0, -10.0, 5.0, 4.0]])
+  for t in (1.0, 1e30, 1e38):
+    order, cand = sorted_candidates(logits, jnp.full(1, t), jnp.full(1, 2, jnp.int32), jnp.ones(1))
+    assert set(np.asarray(order[0, :2]).tolist()) == {2, 3} and np.isfinite(np.asarray(cand)).sum() == 2, t
+    draws = {int(sample(logits, jax.random.key(i), jnp.full(1, t), jnp.full(1, 2, jnp.int32), jnp.ones(1))[0])
+             for i in range(20)}
+    assert draws <= {2, 3}, (t, draws)
 
 
 def test_sampling_follows_the_distribution():
@@ -297,6 +308,20 @@ def test_decode_step_names_a_cache_of_another_model(tiny_model, tiny_config):
 def test_generate_takes_a_numpy_integer_max_new_tokens(tiny_model):
   out = generate(tiny_model, np.ones((1, 2), np.int32), [2], key=jax.random.key(0), max_new_tokens=np.int64(2))
   assert out.tokens.shape == (1, 2)
+
+
+def test_generate_and_stream_take_a_flat_model_and_name_bad_arguments(tiny_model):
+  """`FlatModel.of(model)` (the README: every entry point takes one) failed inside generate's jitted loop with an
+  AttributeError; 1-D tokens gave an IndexError and stream's max_new_tokens=0 a message about cache_len."""
+  from moe_jax.flat_model import FlatModel  # pylint: disable=g-import-not-at-top
+  toks, key = np.array([[3, 4, 5]], np.int32), jax.random.key(0)
+  out = generate(FlatModel.of(tiny_model), toks, [3], key=key, max_new_tokens=3)
+  np.testing.assert_array_equal(out.tokens, generate(tiny_model, toks, [3], key=key, max_new_tokens=3).tokens)
+  for run in (generate, lambda *a, **k: list(stream(*a, **k))):
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, length\], got shape \(3,\)"):
+      run(tiny_model, toks[0], [3], key=key, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be an int >= 1"):
+      run(tiny_model, toks, [3], key=key, max_new_tokens=0)
 
 
 def test_generate_names_an_eos_id_outside_the_vocabulary(tiny_model, tiny_config):

@@ -79,6 +79,34 @@ def test_given_windows_are_checked_before_the_model_runs(tiny_model, tiny_config
     eval_lib.evaluate(tiny_model, tiny_config, windows=np.asarray(windows) + 0.5, context=CONTEXT, prefix=PREFIX)
 
 
+def test_a_context_of_max_seq_len_runs(tiny_model, tiny_config, windows):
+  """A window feeds `context` tokens (its last is only a target); the harness asked for context + 1 positions and
+  refused context == max_seq_len. The model at that limit scores as the same weights with room to spare."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  at_limit = dataclasses.replace(tiny_config, max_seq_len=CONTEXT)
+  model = nnx.clone(tiny_model)
+  model.config = at_limit
+  out = eval_lib.evaluate(model, at_limit, kv_cache="fp32", windows=windows, context=CONTEXT, prefix=PREFIX)
+  ref = eval_lib.evaluate(tiny_model, tiny_config, kv_cache="fp32", windows=windows, context=CONTEXT, prefix=PREFIX)
+  np.testing.assert_allclose(out["bpb"], ref["bpb"], rtol=1e-6)
+  with pytest.raises(ValueError, match=f"context={CONTEXT + 1} exceeds max_seq_len={CONTEXT}"):
+    eval_lib.evaluate(model, at_limit, windows=np.zeros((1, CONTEXT + 2), np.int32), context=CONTEXT + 1,
+                      prefix=PREFIX)
+
+
+def test_record_refuses_the_settings_it_would_drop(tmp_path):
+  """`--record` measures with the defaults; before, it took --kv_cache / --expert_quant / --context ... (even names
+  of no mode) and wrote the defaults' metrics without a word."""
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-m", "moe_jax.eval", f"--checkpoint={tmp_path}/none", "--record",
+                      "--kv_cache=int8", "--context=32"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode != 0
+  assert "--record measures the checkpoint with the defaults; drop --kv_cache, --context" in r.stderr, r.stderr[-2000:]
+
+
 def test_shipped_checkpoint_reproduces_its_recorded_bpb():
   recorded = checkpoints.recorded_metrics("tiny-trained")
   config, model = checkpoints.load("tiny-trained")

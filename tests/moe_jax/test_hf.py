@@ -249,6 +249,18 @@ def test_tokenizer():
   assert tok.decode(np.asarray([ids + [tok.eos_id]])) == text  # special tokens dropped, any shape accepted
 
 
+def test_tokenizer_refuses_text_utf8_cannot_hold_as_the_byte_tokenizer_does():
+  """A lone surrogate (valid JSON, e.g. a batch_decode line or a server prompt): `tokenizers` raised a TypeError,
+  which the callers (catching UnicodeError / ValueError, as the byte tokenizer raises) did not expect: one such
+  line stopped a whole batch_decode run, at every resume."""
+  from moe_jax import batch_decode  # pylint: disable=g-import-not-at-top
+  tok = hf.load_tokenizer(fixture("mixtral"))
+  with pytest.raises(UnicodeEncodeError):
+    tok.encode("bad \ud800 text")
+  with pytest.raises(batch_decode.BadLine, match="\"prompt\" is not encodable text"):
+    batch_decode.parse_line('{"id": 2, "prompt": "bad \\ud800 text"}', tok, 4)
+
+
 def test_tokenizer_missing(tmp_path):
   with pytest.raises(ValueError, match="no tokenizer.json"):
     hf.load_tokenizer(fixture("qwen3_moe"))

@@ -175,10 +175,29 @@ def test_surrogate_scope_decode_keeps_a_one_token_prefill_exact():
   assert float(np.abs(np.asarray(step_a) - np.asarray(step_b)).max()) > 1e-3
 
 
-def test_tune_thresholds_refuses_a_nan_step():
+def test_tune_thresholds_refuses_a_nan_or_infinite_step():
+  """An infinite γ made τ NaN where the rate met the target (inf · sign(0)), switching the penalty off silently."""
   model = locality.make_lcvc(decode.init_model(_TOY, seed=0), locality.LCVCConfig(n_nodes=2))
-  with pytest.raises(ValueError, match="step=nan must be > 0"):
-    locality.tune_thresholds(model, [np.zeros((2, 4), np.int32)], step=float("nan"))
+  for step in (float("nan"), float("inf")):
+    with pytest.raises(ValueError, match=f"step={step} must be finite and > 0"):
+      locality.tune_thresholds(model, [np.zeros((2, 4), np.int32)], step=step)
+  with pytest.raises(ValueError, match="threshold_step=inf must be finite and > 0"):
+    locality.LCVCConfig(n_nodes=2, threshold_step=float("inf"))
+
+
+def test_routing_stats_and_tuning_refuse_ids_outside_the_vocabulary():
+  """Before: an id past the vocabulary gave NaN activations, a remote rate of 0.5 and a τ moved on it, silently."""
+  model = locality.make_lcvc(decode.init_model(_TOY, seed=0), locality.LCVCConfig(n_nodes=2))
+  before = [float(layer.threshold[...]) for layer in locality.moe_layers(model)]
+  bad = np.zeros((2, 4), np.int32)
+  bad[1, 2] = _TOY.vocab_size + 5
+  with pytest.raises(ValueError, match=rf"token id {_TOY.vocab_size + 5} at tokens\[1, 2\] is outside"):
+    locality.routing_stats(model, bad)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    locality.tune_thresholds(model, [bad])
+  assert [float(layer.threshold[...]) for layer in locality.moe_layers(model)] == before  # τ untouched
+  with pytest.raises(ValueError, match=r"tokens must be int \[batch, length\]"):
+    locality.routing_stats(model, np.zeros((4,), np.int32))
 
 
 def test_set_penalty_takes_a_traced_value_under_jit(tiny_model):

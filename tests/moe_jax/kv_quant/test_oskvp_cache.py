@@ -234,6 +234,8 @@ def test_implementation_switch():
     OSKVPMode(uniform=True, symmetric=True)
   with pytest.raises(ValueError, match=r"outlier_fraction=1.5 must be in \[0, 1\)"):
     OSKVPMode(outlier_fraction=1.5)  # before: only at the first prefill
+  with pytest.raises(ValueError, match=r"n_iters=-1 must be an int >= 0"):
+    OSKVPMode(n_iters=-1)  # before: accepted, ran as 0 iterations
 
 
 def test_symmetric_mode_reaches_the_bitplane_kernel():
@@ -268,6 +270,16 @@ def test_uniform_mode_marks_a_symmetric_cache():
   for cb in (c.cb_k, c.cb_v):
     steps = np.diff(np.asarray(cb)[..., o:, :], axis=-1)
     np.testing.assert_allclose(steps, np.broadcast_to(steps[..., :1], steps.shape), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["oskvp", "oskvp_uniform"])
+def test_a_decode_step_on_an_empty_batch(tiny_model, mode):
+  """B = 0: the prefill builds empty caches and a step gives [0, V] logits (before: the refit's one-row fit gathered
+  a row of an empty batch and failed inside XLA, in a batch-0 gather)."""
+  _, cache = decode.prefill(tiny_model, np.zeros((0, 4), np.int32), np.zeros((0,), np.int32), kv_cache=mode,
+                            cache_len=16)
+  logits, cache = decode.decode_step(tiny_model, cache, np.zeros((0,), np.int32))
+  assert logits.shape == (0, tiny_model.config.vocab_size) and cache.lengths.shape == (0,)
 
 
 def test_model_decode_tracks_bf16_cache(tiny_model):

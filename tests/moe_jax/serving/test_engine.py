@@ -346,10 +346,15 @@ def test_full_queue_gives_back_pressure(tiny_model):
   handles = [eng.submit([1, 2, 3], max_tokens=2) for _ in range(3)]
   with pytest.raises(QueueFull, match="max_queue=3"):
     eng.submit([1, 2, 3], max_tokens=2)
-  with pytest.raises(QueueFull):
-    eng.submit([1, 2, 3], max_tokens=2, block=True, timeout=0.05)
+  with pytest.raises(QueueFull, match="max_queue=3"):
+    eng.submit([1, 2, 3], max_tokens=2, block=True, timeout=0)
   eng.step()  # admits the queued requests into slots: room again
   handles.append(eng.submit([1, 2, 3], max_tokens=2))
+  handles += [eng.submit([1, 2, 3], max_tokens=2) for _ in range(2)]  # the queue is full again
+  # Blocking on a caller-driven engine (no thread steps it) steps it, as a handle's wait does: before, it waited
+  # forever for room that only a step could make.
+  handles.append(eng.submit([1, 2, 3], max_tokens=2, block=True))
+  assert eng.num_queued <= 3
   eng.run_until_idle()
   assert all(h.status == "finished" and len(h.tokens) == 2 for h in handles)
   # A blocked submitter gets in once a background engine drains the queue.

@@ -216,6 +216,19 @@ def test_batch_decode_checks_its_paths_first(tmp_path):
     batch_decode.check_paths(str(src), str(tmp_path))
   with pytest.raises(ValueError, match=r"--output='.*missing/out.jsonl' cannot be written"):
     batch_decode.check_paths(str(src), str(tmp_path / "missing" / "out.jsonl"))
+  # The input as the output: its last line (no newline) was cut as a torn record, the others skipped as done, and
+  # the results appended to it. Refused, by either path to the file.
+  (tmp_path / "link.jsonl").symlink_to(src)
+  for same in (src, tmp_path / "link.jsonl", tmp_path / "." / "in.jsonl"):
+    with pytest.raises(ValueError, match="is the --input file"):
+      batch_decode.check_paths(str(src), str(same))
+  assert src.read_text() == '{"id": 1, "tokens": [1]}\n'
+
+
+def test_batch_decode_names_a_list_flag_that_is_not_ints():
+  assert batch_decode.int_list("prefill_lengths", ["32", "128"]) == (32, 128)
+  with pytest.raises(ValueError, match="--prefill_lengths='32,abc' must be a comma-separated list of ints"):
+    batch_decode.int_list("prefill_lengths", ["32", "abc"])
 
 
 def test_serve_bench_names_an_unusable_out_before_building_the_model(tmp_path):

@@ -78,6 +78,16 @@ def test_token_id_prompt_and_models_route(server):
     ({"prompt": "hi", "stream": "yes"}, "\"stream\" must be true or false"),
     ({"prompt": "hi", "n": 3}, "one completion per request"),
     ({"prompt": "hi", "max_tokens": 2, "n": 1, "stream": False}, None),
+    # Fields the server does not implement, refused unless off (before: dropped, a 200 as if absent), and typos.
+    ({"prompt": "hi", "logprobs": 5}, "\"logprobs\"=5 is not supported"),
+    ({"prompt": "hi", "echo": True}, "\"echo\"=True is not supported"),
+    ({"prompt": "hi", "seed": 7}, "\"seed\"=7 is not supported"),
+    ({"prompt": "hi", "logit_bias": {"104": -100}}, "\"logit_bias\""),
+    ({"prompt": "hi", "presence_penalty": 2.0}, "\"presence_penalty\"=2.0 is not supported"),
+    ({"prompt": "hi", "max_token": 4}, "unrecognized request field(s): 'max_token'"),
+    ({"prompt": "hi", "max_tokens": 2, "model": "tiny", "user": "u", "echo": False, "logprobs": None,
+      "frequency_penalty": 0.0, "logit_bias": {}}, None),
+    ({"prompt": [104, True, 105]}, "the boolean True at prompt[1]"),  # before: taken as token 1
 ])
 def test_bad_requests_get_400(server, body, message):
   _, url = server
