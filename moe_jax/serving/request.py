@@ -81,13 +81,13 @@ class Request:
   request_id: object
 
 
-def _bool_or_dtype(prompt, arr: np.ndarray) -> str:
-  """What a prompt that is not all ints holds: a boolean (which numpy would take as 0 / 1), else its dtype."""
+def _first_boolean(prompt) -> str | None:
+  """The first boolean in a list prompt, described (numpy would take it as token 0 or 1), or None."""
   if isinstance(prompt, (list, tuple)):
     for i, t in enumerate(prompt):
       if isinstance(t, (bool, np.bool_)):
         return f"the boolean {t!r} at prompt[{i}]"
-  return f"dtype {arr.dtype}"
+  return None
 
 
 def validate_request(prompt, *, max_tokens: int, sampling, stop_tokens: Sequence[int], vocab_size: int,
@@ -111,9 +111,9 @@ def validate_request(prompt, *, max_tokens: int, sampling, stop_tokens: Sequence
     raise InvalidRequest(f"prompt must be a flat list of token ids, got shape {arr.shape}")
   if arr.size == 0:
     raise InvalidRequest("empty prompt: a request needs at least one prompt token")
-  if not np.issubdtype(arr.dtype, np.integer) or (
-      isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt)):
-    raise InvalidRequest(f"prompt token ids must be integers, got {_bool_or_dtype(prompt, arr)}")
+  boolean = _first_boolean(prompt)
+  if boolean is not None or not np.issubdtype(arr.dtype, np.integer):
+    raise InvalidRequest(f"prompt token ids must be integers, got {boolean or f'dtype {arr.dtype}'}")
   bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
   if bad.size:
     raise InvalidRequest(f"token id {int(arr[bad[0]])} at prompt[{int(bad[0])}] is outside the vocabulary "
