@@ -477,7 +477,7 @@ def plane_codebooks(cb, poly: bool = False):
 
 
 def merge_partials(acc, acco, m, l, scale_v, u_v, groups: int, dtype):
-  """Log-sum-exp merge over splits and rotation back.
+  """Log-sum-exp merge over splits and rotation back (zeros for a row with no visible token, as the reference).
 
   Args:
     acc [B, K, NS+1, 4, GP, Q], acco [B, K, NS+1, GP, >= O], m, l [B, K, NS+1, GP] (f32); scale_v [B, K, O];
@@ -493,7 +493,7 @@ def merge_partials(acc, acco, m, l, scale_v, u_v, groups: int, dtype):
   denom = (w * l).sum(axis=2)  # [B, K, G]
   o_rot = jnp.einsum("BKSG,BKSPGQ->BKGPQ", w, acc, precision=lax.Precision.HIGHEST).reshape(b, kh, groups, 4 * qd)
   o_out = jnp.einsum("BKSG,BKSGO->BKGO", w, acco, precision=lax.Precision.HIGHEST) * scale_v[:, :, None, :]
-  o_rot = o_rot.at[..., :o_out.shape[-1]].add(o_out) / denom[..., None]
+  o_rot = o_rot.at[..., :o_out.shape[-1]].add(o_out) / jnp.where(denom > 0, denom, 1.0)[..., None]  # empty row: 0
   o = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=lax.Precision.HIGHEST)
   return o.reshape(b, kh * groups, 4 * qd).astype(dtype)
 
@@ -547,18 +547,33 @@ def check_layout(*args, hi_k=None) -> None:
       raise ValueError(f"{name} must be an integer array (valid tokens per row), got dtype {a[name].dtype}")
 
 
-def check_kernel_shapes(q, codes_k, outl_k) -> None:
-  """What the Pallas kernel needs beyond `check_layout`: H a multiple of 64, G = N / K a power of two, 1..H outliers."""
+def kernel_shape_problem(q, codes_k, outl_k, outl_v, res_k) -> str | None:
+  """Why the Pallas kernel cannot take these shapes (beyond `check_layout`), or None: H a power of two >= 64 (each
+  code plane is a Triton dot of >= 16 columns, and Triton's tiles are powers of two), G = N / K a power of two,
+  1..H outlier channels, as many for the values as for the keys (one count sizes both tiles), and a store and a
+  window of at least one slot each."""
   _, n, h = q.shape
-  kh = codes_k.shape[1]
-  if h % 64:
-    raise ValueError(f"head dim {h=} must be a multiple of 64 (each code plane is a Triton dot of >= 16)")
+  kh, s, r = codes_k.shape[1], codes_k.shape[2], res_k.shape[2]
+  if h < 64 or h & (h - 1):
+    return f"head dim {h=} must be a power of two >= 64 (Triton tiles; each code plane a dot of >= 16)"
   g = n // kh
   if g & (g - 1):
-    raise ValueError(f"G = N / K = {g} must be a power of two")
-  o = outl_k.shape[-1]
+    return f"G = N / K = {g} must be a power of two"
+  o, o_v = outl_k.shape[-1], outl_v.shape[-1]
   if not 1 <= o <= h:
-    raise ValueError(f"outlier channels {o=} must be in [1, H]")
+    return f"outlier channels {o=} must be in [1, H]"
+  if o_v != o:
+    return f"outl_v has {o_v} outlier channels and outl_k {o}: the kernel reads both with one count"
+  if s < 1 or r < 1:
+    return f"the store (S={s}) and the window (R={r}) must hold at least one slot each"
+  return None
+
+
+def check_kernel_shapes(q, codes_k, outl_k, outl_v, res_k) -> None:
+  """Raises ValueError with `kernel_shape_problem`'s reason, if any."""
+  problem = kernel_shape_problem(q, codes_k, outl_k, outl_v, res_k)
+  if problem is not None:
+    raise ValueError(problem)
 
 
 @functools.partial(jax.jit, static_argnames=["interpret", "config", "poison", "symmetric_codebooks"])
@@ -668,7 +683,7 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
     return oskvp_decode_attention_reference(*args, hi_k=hi_k)
   if implementation != "pallas":
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
-  check_kernel_shapes(q, codes_k, outl_k)
+  check_kernel_shapes(q, codes_k, outl_k, outl_v, res_k)
   check_triton_offsets(codes_k=codes_k, codes_v=codes_v, outl_k=outl_k, outl_v=outl_v)
   g = q.shape[1] // codes_k.shape[1]
   return _oskvp_pallas(*args, hi_k, interpret=interpret, config=config or default_config(q.shape[-1], g),

@@ -549,7 +549,7 @@ def merge_bitplane_partials(acc, acco, m, l, cb_v, scale_v, u_v, groups: int, dt
   o_rot = slots[:, :, 0] + l_comp[..., None] * deltas[:, :, None, 0]
   o_rot += jnp.einsum("BKTGH,BKTH->BKGH", slots[:, :, 1:], deltas[:, :, 1:n_slots], precision=hi)
   o_out = jnp.einsum("BKSG,BKSGO->BKGO", w, acco, precision=hi) * scale_v[:, :, None, :]
-  o_rot = o_rot.at[..., :o_dim].add(o_out) / denom[..., None]
+  o_rot = o_rot.at[..., :o_dim].add(o_out) / jnp.where(denom > 0, denom, 1.0)[..., None]  # an empty row: zeros
   o = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=hi)
   return o.reshape(b, kh * groups, h).astype(dtype)
 
@@ -567,7 +567,8 @@ def merge_rotated_partials(o, m, l, u_v, dtype):
   m, l = m[..., :g], l[..., :g]
   w = jnp.exp(m - m.max(axis=2, keepdims=True))  # [B, K, NS+1, G]
   o_rot = jnp.einsum("BKSG,BKSPGQ->BKGPQ", w, o, precision=lax.Precision.HIGHEST).reshape(b, kh, g, 4 * qd)
-  o_rot = o_rot / (w * l).sum(axis=2)[..., None]
+  denom = (w * l).sum(axis=2)  # [B, K, G]
+  o_rot = o_rot / jnp.where(denom > 0, denom, 1.0)[..., None]  # a row with no visible token: zeros
   out = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=lax.Precision.HIGHEST)
   return out.reshape(b, kh * g, 4 * qd).astype(dtype)
 

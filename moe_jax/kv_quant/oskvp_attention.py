@@ -130,16 +130,20 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   codebooks) against 1.88 for the XLA reference and 0.534 for cuDNN on a bf16 cache
   (benchmarks/results/decode_attention.md). The Pallas kernel reads 2-bit values, and 2- or 3-bit keys where
   `supports_key_high_bits` (the compact bit-plane form: head dim >= 128, G <= 8); other caches (3-bit values, 3-bit
-  keys at head dim 64 or G = 16) fall back to "xla". symmetric_codebooks: the caches of `OSKVPMode(symmetric=True)`;
+  keys at head dim 64 or G = 16) fall back to "xla", and so under "auto" do shapes the kernel does not take
+  (`kernel_shape_problem`: e.g. head dim 32, no outlier channels; "pallas" names them). symmetric_codebooks: the caches of `OSKVPMode(symmetric=True)`;
   lets the kernel skip a plane type."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
-  if implementation == "auto":
+  auto = implementation == "auto"
+  if auto:
     implementation = "pallas" if backend.on_gpu() else "xla"
   args = (q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, scale_v, cb_v, u_k, u_v, res_k, res_v, n_comp, n_res)
   if implementation == "pallas" and hi_v is None:
     # Imported here: the kernel lives in pallas_kernels/ and the XLA path must work without it.
     from pallas_kernels import oskvp_decode_attention as kernel  # pylint: disable=g-import-not-at-top
+    if auto and kernel.kernel_shape_problem(q, codes_k, outl_k, outl_v, res_k) is not None:
+      return oskvp_decode_attention_xla(*args, hi_k=hi_k, hi_v=hi_v)  # e.g. head dim 32: "pallas" would name why
     if hi_k is None or kernel.supports_key_high_bits(q.shape[-1], q.shape[1] // codes_k.shape[1]):
       return kernel.oskvp_decode_attention(*args, hi_k=hi_k, interpret=interpret,
                                            symmetric_codebooks=symmetric_codebooks)

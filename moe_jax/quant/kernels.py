@@ -44,6 +44,15 @@ def _pad_lhs(lhs: jax.Array, kp: int) -> jax.Array:
   return lhs if lhs.shape[1] == kp else jnp.pad(lhs, ((0, 0), (0, kp - lhs.shape[1])))
 
 
+def _check_operands(lhs: jax.Array, w: QuantizedExperts, group_sizes: jax.Array) -> None:
+  """ValueError naming an lhs whose K is not the weight's (the kernels zero-pad lhs to the weight's stored Kp, so a
+  wrong K was padded, not refused) and non-integer group_sizes (the kernels' int32 cast truncated them)."""
+  if lhs.ndim != 2 or lhs.shape[1] != w.shape[1]:
+    raise ValueError(f"lhs {tuple(lhs.shape)} must be [M, K = {w.shape[1]}] for the expert weight {tuple(w.shape)}")
+  if not jnp.issubdtype(jnp.asarray(group_sizes).dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be integers, got dtype {jnp.asarray(group_sizes).dtype}")
+
+
 def _check_mosaic_gpu(kind: str) -> None:
   if not hopper.mosaic_gpu_runs():
     raise ValueError(f"experts of kind {kind!r} (quant.to_mgpu_layout) run through a Mosaic GPU kernel that needs "
@@ -64,6 +73,7 @@ def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Ar
   """lhs [M, K] sorted by expert, rhs [E, K, N] (QuantizedExperts), group_sizes int32 [E] -> float32 [M, N]."""
   if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
     return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
+  _check_operands(lhs, rhs, group_sizes)
   if lhs.shape[0] == 0:  # no rows (as ragged_dot allows): no kernel to launch
     return jnp.zeros((0, rhs.shape[-1]), jnp.float32)
   if rhs.kind in ("int4_mgpu", "vq2_mgpu"):
@@ -82,6 +92,7 @@ def pallas_fused_swiglu(x_sorted: jax.Array, w_gate, w_up, group_sizes: jax.Arra
     g = pallas_grouped_matmul(x_sorted, w_gate, group_sizes)
     u = pallas_grouped_matmul(x_sorted, w_up, group_sizes)
     return (jax.nn.silu(g) * u).astype(x_sorted.dtype)
+  _check_operands(x_sorted, w_gate, group_sizes)
   x = _pad_lhs(x_sorted, w_gate.kp)
   fn = v2.vq2_grouped_swiglu if w_gate.kind == "vq2" else i4.int4_grouped_swiglu
   return fn(x, w_gate.data, w_up.data, group_sizes.astype(jnp.int32), group_size=w_gate.group_size,
@@ -94,6 +105,7 @@ def pallas_gate_up_swiglu(x_sorted: jax.Array, w_gate_up, group_sizes: jax.Array
   rounded to bf16, with the weight's kernel options)."""
   if not isinstance(w_gate_up, QuantizedExperts) or w_gate_up.kind != "int4_mgpu_gate_up":
     return experts_lib.GATE_UP_SWIGLU["xla"](x_sorted, w_gate_up, group_sizes)
+  _check_operands(x_sorted, w_gate_up, group_sizes)
   return _ws_call(x_sorted, w_gate_up, group_sizes, swiglu=True)
 
 

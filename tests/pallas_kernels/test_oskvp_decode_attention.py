@@ -170,6 +170,42 @@ def test_bitplane_form_rejects_small_heads_and_default_picks_by_head_dim():
       DecodeBlockConfig(form="bitplane", **{field: True})
 
 
+def test_a_row_with_no_visible_token_gives_zeros_as_the_reference():
+  """n_comp = n_res = 0 in one row: the merges divided 0 by 0 there (NaN in every form); the reference gives zeros."""
+  for h, config in ((64, CONFIGS["mma"]), (64, CONFIGS["lut"]), (128, BITPLANE)):
+    args = random_oskvp_inputs(21, batch=2, heads=4, kv_heads=2, head_dim=h, capacity=64, window=16, n_comp=[0, 10],
+                               n_res=[0, 3])
+    out = np.asarray(oskvp_decode_attention(*args, interpret=True, config=config), np.float32)
+    ref = np.asarray(oskvp_decode_attention_reference(*args), np.float32)
+    assert not ref[0].any() and not out[0].any(), config.form
+    assert rel_err(out[1], ref[1]) < TOL[config.form]
+
+
+def test_shapes_the_kernel_cannot_take_are_named_and_auto_falls_back_to_xla(monkeypatch):
+  """Keys and values with different outlier counts ran, reading outl_v with outl_k's count (0.36-0.57 relative
+  error, NaN with fewer); head dim 192 passed the old "multiple of 64" check and failed in Triton's lowering; an
+  empty window failed inside Pallas' interpreter. "auto" on a GPU sent shapes the kernel refuses (head dim 32, as
+  the tiny config's) to it instead of to XLA."""
+  from moe_jax import backend  # pylint: disable=g-import-not-at-top
+  from moe_jax.kv_quant import oskvp_attention  # pylint: disable=g-import-not-at-top
+  shape = dict(batch=1, heads=4, kv_heads=2, capacity=64, n_comp=[40], n_res=[3])
+  args = random_oskvp_inputs(22, head_dim=64, window=16, **shape)
+  outl_v16 = jnp.zeros((*args[6].shape[:3], 16), args[6].dtype)
+  mixed = args[:6] + (outl_v16, jnp.ones((*args[7].shape[:2], 16), jnp.float32)) + args[8:]
+  cases = [(mixed, "outl_v has 16 outlier channels and outl_k 8"),
+           (random_oskvp_inputs(23, head_dim=192, window=16, **shape), "head dim h=192 must be a power of two"),
+           (random_oskvp_inputs(24, head_dim=32, window=16, **shape), "head dim h=32 must be a power of two >= 64"),
+           (random_oskvp_inputs(25, head_dim=64, window=0, **dict(shape, n_res=[0])), "the window \\(R=0\\)")]
+  monkeypatch.setattr(backend, "on_gpu", lambda: True)
+  for case, message in cases:
+    with pytest.raises(ValueError, match=message):
+      oskvp_decode_attention(*case, interpret=True)
+    auto = oskvp_attention.oskvp_decode_attention(*case, implementation="auto")  # the XLA reference, not the kernel
+    np.testing.assert_array_equal(np.asarray(auto, np.float32),
+                                  np.asarray(oskvp_attention.oskvp_decode_attention(*case, implementation="xla"),
+                                             np.float32))
+
+
 @pytest.mark.parametrize("name", list(CONFIGS) + list(BITPLANE_CONFIGS))
 def test_lowers_to_triton_ir_for_hopper(name):
   """Lowers the real (non-interpret) kernel to Triton IR for an H100-class GPU on the CPU (`hopper_lowering.py`);

@@ -156,6 +156,21 @@ def test_pallas_registry_runs_vq2_and_falls_back_for_arrays():
                              np.asarray(_ragged_dot(x, _w(5), gs)), rtol=1e-6)
 
 
+def test_kernel_routes_name_an_lhs_of_another_k_and_float_group_sizes():
+  """The routes zero-pad lhs to the weight's stored Kp: an lhs of fewer columns than the weight's K ran, its missing
+  columns taken as zeros ("xla" refuses it), and float group_sizes were truncated by the int32 cast."""
+  q = quant.quantize_weight(_w(5), quant.QuantSpec("int4"))
+  gs = jnp.asarray([4, 5], jnp.int32)
+  for k in (K - 8, K + 8):
+    x = jnp.ones((9, k))
+    with pytest.raises(ValueError, match=rf"lhs \(9, {k}\) must be \[M, K = {K}\]"):
+      kernels.pallas_grouped_matmul(x, q, gs)
+    with pytest.raises(ValueError, match=rf"lhs \(9, {k}\) must be \[M, K = {K}\]"):
+      kernels.pallas_fused_swiglu(x, q, q, gs)
+  with pytest.raises(ValueError, match="group_sizes must be integers, got dtype float32"):
+    kernels.pallas_grouped_matmul(jnp.ones((9, K)), q, jnp.asarray([4.5, 4.5]))
+
+
 def test_quantized_model_pallas_fused_matches_xla(tiny_model):
   tokens = jnp.asarray([[5, 17, 99, 3, 42]], jnp.int32)
   q = quant.quantize_experts(nnx.clone(tiny_model), "int4")
