@@ -223,6 +223,8 @@ def _check(lhs, ws: Int4Weights, group_size: int, what: str = "weights"):
   if ws.scale.shape != (e, kp // group_size, n):
     raise ValueError(f"{what}.scale has shape {ws.scale.shape} but group_size={group_size} needs "
                      f"{(e, kp // group_size, n)}: pass the group_size the weights were quantized with")
+  if ws.zero.shape != ws.scale.shape:  # read at the scale's indices: a smaller one past its end
+    raise ValueError(f"{what}.zero has shape {ws.zero.shape}, not the scale's {ws.scale.shape}")
   return e, kp, n
 
 
@@ -238,6 +240,7 @@ def _plan(lhs, weight_sets, group_sizes, group_size, block_m, block_n, split_k, 
   for w, what, shape in zip(weight_sets, names, shapes):
     ragged_tiles.check_same_shape(shapes[0], shape)
     ragged_tiles.check_grouped_args(group_sizes, w.in_scale, e, kp, what)
+  ragged_tiles.check_tiles(block_m, block_n)
   bn = ragged_tiles.pick_block_n(n, block_n)
   m, n_groups = lhs.shape[0], kp // group_size
   bm = block_m or ragged_tiles.pick_block_m(m, e, smallest=8 if nk else 16)

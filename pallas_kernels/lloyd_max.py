@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -191,10 +192,12 @@ def lloyd_max(x: jax.Array, w: jax.Array, init: jax.Array, n_iters: int, *, unif
   _check(x, w, init, block_n, block_h)
   if uniform and init.shape[1] != len(UNIFORM_Z):
     raise ValueError(f"uniform=True needs init of {len(UNIFORM_Z)} levels, got {init.shape[1]}")
+  if not isinstance(n_iters, (int, np.integer)) or isinstance(n_iters, bool) or n_iters < 0:
+    raise ValueError(f"n_iters={n_iters!r} must be an int >= 0")
+  if implementation not in ("pallas", "xla"):
+    raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
   if implementation == "xla" or x.shape[0] == 0:  # no samples: the reference keeps the starting levels
     return lloyd_max_reference(x, w, init, n_iters, uniform=uniform)
-  if implementation != "pallas":
-    raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
   return _pallas(x, w, init, n_iters=n_iters, uniform=uniform, block_n=block_n, block_h=block_h,
                  interpret=interpret)
 

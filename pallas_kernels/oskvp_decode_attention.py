@@ -141,6 +141,20 @@ BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_d
 PLAIN_ROWS = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=1)
 
 
+def check_kernel_args(*, groups: int, num_splits, **extents) -> None:
+  """Raises ValueError naming what the split-K Triton decode kernels (KIVI, per-token) cannot take: more than 16
+  query heads per kv head and not a power of two (the query tile has max(G, 16) rows), num_splits not None or an
+  int >= 1, or an empty extent (`extents`: name=length, e.g. S=..., R=...)."""
+  if groups > MMA_ROWS and groups & (groups - 1):
+    raise ValueError(f"G = N / K = {groups} query heads per kv head must be <= {MMA_ROWS} or a power of two (the "
+                     "query tile's rows)")
+  if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
+    raise ValueError(f"num_splits={num_splits!r} must be None or an int >= 1")
+  for name, size in extents.items():
+    if size < 1:
+      raise ValueError(f"{name}={size}: the kernel needs at least one slot there (implementation='xla' takes it)")
+
+
 def check_triton_offsets(**arrays) -> None:
   """Raises a ValueError naming any input of 2^31 or more elements.
 

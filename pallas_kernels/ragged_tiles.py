@@ -69,8 +69,17 @@ def pick_split_k(m: int, n_experts: int, n_tiles: int, n_groups: int, programs: 
   return split
 
 
+def check_tiles(block_m: int | None, block_n: int | None) -> None:
+  """Raises ValueError naming a tile size Triton cannot take: block_m (None: picked) and block_n powers of two
+  >= 8 and >= 16."""
+  for name, size, lo in (("block_m", block_m, 8), ("block_n", block_n, 16)):
+    if size is not None and (not isinstance(size, int) or size < lo or size & (size - 1)):
+      raise ValueError(f"{name}={size!r} must be a power of two >= {lo}")
+
+
 def pick_block_n(n: int, preferred: int = 128) -> int:
-  """The largest power of two <= preferred that divides n (at least 16)."""
+  """The largest power of two <= preferred that divides n (at least 16); preferred checked by `check_tiles`."""
+  check_tiles(None, preferred)
   bn = preferred
   while bn > 16 and n % bn:
     bn //= 2
@@ -109,16 +118,20 @@ def ragged_call(lhs: jax.Array, group_sizes: jax.Array, weight_sets: Sequence[tu
       point in after the matmul (`load_x.rowsum(g)`).
 
   Returns:
-    [M, N] in out_dtype; rows past sum(group_sizes) are zero.
+    [M, N] in out_dtype; rows past sum(group_sizes) are zero (negative sizes count as 0).
   """
   m, _ = lhs.shape
   e = group_sizes.shape[0]
+  check_tiles(block_m, block_n)
   bm = block_m or pick_block_m(m, e)
   bn = pick_block_n(n, block_n)
   if split_k < 1 or n_groups % split_k:
     raise ValueError(f"split_k={split_k} must divide the {n_groups} K groups")
   per_split = n_groups // split_k
-  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])  # [E + 1]
+  # [E + 1]; a negative size counts as 0 and offsets stop at M (as ragged_dot: no row is read or written outside
+  # lhs and the output whatever group_sizes holds, which under jit cannot be checked).
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  offsets = jnp.minimum(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)]), m)
   flat, tree = jax.tree.flatten(list(weight_sets))
   n_acc = len(weight_sets)
   epilogue = epilogue or (lambda accs: accs[0])

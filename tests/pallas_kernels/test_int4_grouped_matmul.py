@@ -139,6 +139,33 @@ def test_fused_swiglu_nk_layout(split_k):
     i4.int4_grouped_swiglu(x, i4.to_nk_layout(gate), up, gs, interpret=True)
 
 
+@pytest.mark.parametrize("sizes", [[3, -2, 4, 1], [-2, 6, 0, 2], [3, 0, 4, 9]])
+def test_negative_group_sizes_and_sizes_past_m_stay_in_bounds(sizes):
+  """group_sizes cannot be checked under jit. A negative size read and wrote rows before the lhs' start (all-NaN
+  output in the interpreter, out of bounds on a GPU); sizes summing past M ran the last expert past M. Offsets now
+  count a negative size as 0 and stop at M = 8 rows (ragged_dot's contract leaves such sizes undefined): the
+  reference on the sizes so cut."""
+  gs, x, ws = jnp.asarray(sizes, jnp.int32), jax.random.normal(jax.random.key(9), (8, K)), _weights(jax.random.key(8))
+  cut = np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), 8))
+  want = np.asarray(i4.int4_grouped_matmul_reference(x, ws, jnp.asarray(cut, jnp.int32)))
+  for w in (ws, i4.to_nk_layout(ws)):
+    got = np.asarray(i4.int4_grouped_matmul(x, w, gs, interpret=True, poison=float("nan")))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_tile_sizes_and_zero_points_are_checked():
+  """block_n=48 or block_m=12 failed in Triton's lowering; a zero-point array smaller than the scales was read past
+  its end (or crashed in the interpreter's slicing)."""
+  ws, x, gs = _weights(jax.random.key(0)), jnp.zeros((4, K)), jnp.asarray([4, 0, 0, 0])
+  with pytest.raises(ValueError, match="block_n=48 must be a power of two >= 16"):
+    i4.int4_grouped_matmul(x, ws, gs, block_n=48, interpret=True)
+  with pytest.raises(ValueError, match="block_m=12 must be a power of two >= 8"):
+    i4.int4_grouped_matmul(x, ws, gs, block_m=12, interpret=True)
+  with pytest.raises(ValueError, match=rf"weights.zero has shape \(1, 2, {N}\), not the scale's"):
+    i4.int4_grouped_matmul(x, ws._replace(zero=ws.zero[:1]), gs, interpret=True)
+
+
 def test_k_mismatch_is_rejected():
   with pytest.raises(ValueError, match="pad lhs"):
     i4.int4_grouped_matmul(jnp.zeros((4, K - 8)), _weights(jax.random.key(0)), jnp.asarray([4, 0, 0, 0]),

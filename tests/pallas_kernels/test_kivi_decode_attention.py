@@ -110,6 +110,16 @@ def test_rejects_bad_arguments():
     call(q, *cache[:-2], cache[-2][:1], cache[-1])
   with pytest.raises(ValueError, match="implementation"):
     call(q, *cache, implementation="cuda")
+  # Before: failed in Triton's lowering (a 24-row query tile), ran truncating float lengths (the reference does
+  # not), failed inside Pallas' interpreter (an empty window) or numpy (num_splits=-1).
+  with pytest.raises(ValueError, match="G = N / K = 24 query heads per kv head must be <= 16 or a power of two"):
+    call(jnp.zeros((2, 48, 128)), *cache)
+  with pytest.raises(ValueError, match="n_res must be an integer array"):
+    call(q, *cache[:-1], cache[-1].astype(jnp.float32))
+  with pytest.raises(ValueError, match="R=0: the kernel needs at least one slot"):
+    call(q, *cache[:6], cache[6][:, :, :0], cache[7][:, :, :0], *cache[8:])
+  with pytest.raises(ValueError, match="num_splits=-1 must be None or an int >= 1"):
+    call(q, *cache, num_splits=-1)
 
 
 def test_refuses_caches_the_triton_offsets_cannot_index():

@@ -114,6 +114,9 @@ def test_lowers_to_triton_under_vmap():
     (dict(x=jnp.zeros((8, 32), jnp.int32)), "x must be floating"),
     (dict(uniform=True, init=jnp.zeros((32, 8))), "uniform"),
     (dict(implementation="cuda"), "implementation"),
+    (dict(implementation="cuda", x=jnp.zeros((0, 32)), w=jnp.ones((0,))), "implementation"),  # before: ignored
+    (dict(n_iters=-1), "n_iters=-1 must be an int >= 0"),  # before: the starting levels
+    (dict(n_iters=2.5), "n_iters=2.5 must be an int >= 0"),  # before: a TypeError inside fori_loop
 ])
 def test_bad_inputs_are_named(args, match):
   kw = dict(x=jnp.zeros((8, 32)), w=jnp.ones((8,)), init=jnp.zeros((32, 4)), n_iters=2) | args

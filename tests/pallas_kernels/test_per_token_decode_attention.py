@@ -85,6 +85,16 @@ def test_rejects_bad_arguments():
     call(q, k, v, k_scale, v_scale, lengths, block_s=48)
   with pytest.raises(ValueError, match="implementation"):
     call(q, k, v, k_scale, v_scale, lengths, implementation="cuda")
+  # Before: failed in Triton's lowering (a 24-row query tile), ran truncating float lengths (the reference does
+  # not), failed inside Pallas' interpreter (an empty cache) or numpy (num_splits=-1).
+  with pytest.raises(ValueError, match="G = N / K = 24 query heads per kv head must be <= 16 or a power of two"):
+    call(jnp.zeros((2, 48, 64)), k, v, k_scale, v_scale, lengths)
+  with pytest.raises(ValueError, match="lengths must be an integer array"):
+    call(q, k, v, k_scale, v_scale, lengths.astype(jnp.float32))
+  with pytest.raises(ValueError, match="S=0: the kernel needs at least one slot"):
+    call(q, k[:, :0], v[:, :0], k_scale[:, :0], v_scale[:, :0], lengths)
+  with pytest.raises(ValueError, match="num_splits=-1 must be None or an int >= 1"):
+    call(q, k, v, k_scale, v_scale, lengths, num_splits=-1)
 
 
 def test_refuses_caches_the_triton_offsets_cannot_index():
