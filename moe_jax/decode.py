@@ -115,16 +115,22 @@ def check_step_tokens(config: ModelConfig, cache: KVCache, tokens) -> None:
     check_token_ids(config, tokens)
 
 
-def _checked_step(model: Transformer | FlatModel, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
-  model = module(model)
-  if len(cache.layers) != len(model.blocks):
-    raise ValueError(f"cache has {len(cache.layers)} layers but the model has {len(model.blocks)}: pass the cache "
+def check_cache(config: ModelConfig, cache: KVCache) -> None:
+  """Raises ValueError unless `cache` has the model's layers, kv heads and head dim (a cache of another model: its
+  extra or missing layers would be dropped by the blocks' zip, other shapes fail deep in XLA)."""
+  if len(cache.layers) != config.n_layers:
+    raise ValueError(f"cache has {len(cache.layers)} layers but the model has {config.n_layers}: pass the cache "
                      "that prefill built for this model")
-  want = (model.config.n_kv_heads, model.config.head_dim)
+  want = (config.n_kv_heads, config.head_dim)
   for i, layer in enumerate(cache.layers):
     if layer.kv_shape != want:
       raise ValueError(f"cache layer {i} holds {layer.kv_shape[0]} kv heads of dim {layer.kv_shape[1]} but the model "
                        f"has {want[0]} of dim {want[1]}: pass the cache that prefill built for this model")
+
+
+def _checked_step(model: Transformer | FlatModel, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
+  model = module(model)
+  check_cache(model.config, cache)
   return step_logits(model, cache, tokens)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import time
 from typing import Any, Callable
@@ -88,6 +89,9 @@ class TrainConfig:
         raise ValueError(f"{f}={v!r} must be a positive int")
     if self.warmup < 0 or self.eval_every < 0:
       raise ValueError(f"warmup={self.warmup} and eval_every={self.eval_every} must be >= 0")
+    for f in ("lr", "weight_decay", "clip_norm", "min_lr_ratio", "lb_coef", "z_coef", "bias_update_rate"):
+      if not math.isfinite(getattr(self, f)):  # NaN passes every comparison below and trains NaN silently
+        raise ValueError(f"{f}={getattr(self, f)} must be a finite number")
     if not self.clip_norm > 0:  # a negative clip would flip the gradient's sign
       raise ValueError(f"clip_norm={self.clip_norm} must be > 0")
     if not self.weight_decay >= 0:
@@ -98,6 +102,8 @@ class TrainConfig:
       raise ValueError(f"compute_dtype={self.compute_dtype!r} must be 'float32' or 'bfloat16'")
     if self.bias_update_rate < 0 or self.lb_coef < 0 or self.z_coef < 0:
       raise ValueError("bias_update_rate, lb_coef and z_coef must be >= 0")
+    if not isinstance(self.seed, int) or self.seed < 0:  # numpy's data order refuses it only after the model is built
+      raise ValueError(f"seed={self.seed!r} must be an int >= 0")
 
 
 def learning_rate(tc: TrainConfig, step: jax.Array, total_steps: jax.Array) -> jax.Array:
@@ -331,6 +337,8 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, *, max_seconds: fl
     raise ValueError(f"seq_len={tc.seq_len} exceeds max_seq_len={config.max_seq_len} of config {config.name!r}")
   if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 1):
     raise ValueError(f"stop_at={stop_at!r} must be an int >= 1 (None: run the whole schedule)")
+  if auto_steps and not (max_seconds is not None and max_seconds > 0):  # before: ignored, the total never fixed
+    raise ValueError(f"auto_steps fits the total steps to max_seconds, which must be > 0 (got {max_seconds!r})")
   corpus = corpus or data_lib.load_corpus()
   train_tokens, val_tokens = corpus["train"].tokens, corpus["validation"].tokens
   print(f"corpus: {data_lib.describe(corpus)}", flush=True)

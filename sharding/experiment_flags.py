@@ -13,6 +13,15 @@ def check_expert_nodes(f, layouts: list[tuple[int, int]], n_experts: int) -> Non
       raise ValueError(f"layouts={f.layouts!r}: {n} nodes do not divide the model's {n_experts} experts")
 
 
+def check_model_limits(f, max_seq_len: int) -> None:
+  """Refuses, by name, --context and --prompt_len / --steps past the model's max_seq_len (the quality windows ran
+  past it silently under jit; every timed row failed and the run still exited 0)."""
+  if f.context > max_seq_len:
+    raise ValueError(f"context={f.context} exceeds the model's max_seq_len={max_seq_len}")
+  if f.prompt_len + f.steps + 2 > max_seq_len:  # the timed decode's cache (`decode_benchmark`)
+    raise ValueError(f"prompt_len={f.prompt_len} + steps={f.steps} + 2 exceeds the model's max_seq_len={max_seq_len}")
+
+
 def check_flags(f, n_devices: int | None = None, n_experts: int | None = None) -> list[tuple[int, int]]:
   """The flags' layouts [(nodes, local)], after refusing, by name, settings that would fail (or time nothing) in
   every row of the sweep instead of before it; with `n_devices` / `n_experts`, also layouts larger than the devices
@@ -43,4 +52,6 @@ def check_flags(f, n_devices: int | None = None, n_experts: int | None = None) -
     raise ValueError(f"rank={f.rank} must be >= 1 (the layout rows decode remote experts by rank-`rank` surrogates)")
   if any(int(v) < 0 for v in f.ranks.split(",")):
     raise ValueError(f"ranks={f.ranks!r} must be >= 0")
+  if not all(0 <= float(v) < float("inf") for v in f.lambdas.split(",")):  # before: the sweep died after the rows
+    raise ValueError(f"lambdas={f.lambdas!r} must be finite and >= 0")
   return layouts

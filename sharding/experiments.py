@@ -89,7 +89,10 @@ class Quality:
   def __init__(self, model, windows: np.ndarray, prefix: int):
     self.windows, self.prefix = jnp.asarray(windows), prefix
     self.targets = windows[:, prefix:]
-    self.cache_len = windows.shape[1]
+    self.cache_len = windows.shape[1] - 1  # the model is fed all but a window's last token (as `moe_jax.eval`)
+    if self.cache_len > model.config.max_seq_len:  # inside the jit the prefill's checks cannot see it
+      raise ValueError(f"windows of {windows.shape[1]} tokens need {self.cache_len} positions, past the model's "
+                       f"max_seq_len={model.config.max_seq_len}")
     self.base = self._logp(model)
     self.base_bpb = eval_lib.bits_per_byte(self.base, self.targets)
 
@@ -174,6 +177,7 @@ def run(f) -> dict:
   layouts = experiment_flags.check_flags(f, n_devices=jax.device_count())
   config, model, trained = load_model(f.config)
   experiment_flags.check_expert_nodes(f, layouts, config.n_experts)
+  experiment_flags.check_model_limits(f, config.max_seq_len)
   windows, calib = token_data(config, n_windows=f.windows, context=f.context, n_calib=4, calib_len=f.context)
   quality = Quality(model, windows, f.prefix)
   rows, sweep, bytes_rows = [], [], []

@@ -84,8 +84,9 @@ class ExpertParallelDispatch:
   def __post_init__(self):
     if self.transport not in TRANSPORTS:
       raise ValueError(f"transport={self.transport!r} must be one of {TRANSPORTS}")
-    if self.capacity is not None and self.capacity < 1:
-      raise ValueError(f"capacity={self.capacity} must be >= 1 or None")
+    if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
+                                      or self.capacity < 1):
+      raise ValueError(f"capacity={self.capacity!r} must be an int >= 1 or None")
 
   @property
   def group_axes(self):

@@ -183,6 +183,7 @@ class ShardedModel:
     """The jitted decode step (state, cache, tokens [B]) -> (logits [B, V], cache), for timing and HLO inspection.
     donate=True: a step that donates its cache argument (a timed loop then updates the cache in place instead of
     copying it every step; the cache passed in is consumed)."""
+    decode.check_cache(self.config, cache)  # the unsharded step's check: another model's cache ran here
     b = self._batch()
     key = ("decode", jax.tree_util.tree_structure(cache), donate)  # one step per cache mode (its pytree structure)
     if key not in self._cache:
@@ -230,14 +231,27 @@ def shard(model, mesh: Mesh, *, layout: str = "ep", surrogate_decode: bool = Fal
     mesh: a ("node", "local") mesh (`sharding.meshes`).
     layout: "ep" (shard_map, expert-parallel, data-parallel attention) or "ep_tp" (jit with shardings).
     surrogate_decode: decode with LCVC surrogates for remote experts and a node-local dispatch (no collective
-      across "node"); prefill stays exact.
-    transport: the expert-parallel dispatch's transport ("padded", "ragged", "ragged_emulated").
-    capacity: padded rows per (source, destination); None = dropless worst case.
+      across "node"); prefill stays exact. This replaces an LCVC model's own switch (`LCVCConfig.surrogates`,
+      `locality.set_surrogates`): the sharded model equals `set_surrogates(model, False)` at prefill and
+      `set_surrogates(model, surrogate_decode)` at decode. surrogate_scope="all" (surrogates at prefill too) is
+      refused with surrogate_decode=True.
+    transport: the expert-parallel dispatch's transport ("padded", "ragged", "ragged_emulated"); layout "ep" only.
+    capacity: padded rows per (source, destination); None = dropless worst case; layout "ep" only.
   """
   rules.spec((), layout)  # validates the layout name
   n, l = mesh.shape[NODE], mesh.shape[LOCAL]
   _check_lcvc_nodes(model, n)
   _check_interpreted_mosaic(model, mesh, layout)
+  if surrogate_decode and any(getattr(getattr(b.ffn, "lcvc", None), "surrogate_scope", None) == "all"
+                              for b in model.blocks):
+    raise ValueError("surrogate_decode=True with surrogate_scope='all': the sharded prefill is exact, so it would "
+                     "differ from the model's; use surrogate_scope='decode'")
+  if layout != "ep" and (transport != "padded" or capacity is not None):  # before: ignored
+    raise ValueError(f"transport={transport!r} / capacity={capacity!r} set the 'ep' layout's dispatch; "
+                     f"layout={layout!r} partitions by the compiler (leave them at 'padded' / None)")
+  if layout == "ep" and transport == "ragged" and mesh.devices.flat[0].platform == "cpu":
+    raise ValueError("transport='ragged' needs a GPU (XLA:CPU does not implement ragged-all-to-all); on the CPU "
+                     "use 'ragged_emulated', which runs the same bookkeeping over a padded all-to-all")
   if layout == "ep":
     prefill_model = _set_surrogates(with_dispatch(model, ExpertParallelDispatch(n, l, False, transport, capacity)),
                                     False)

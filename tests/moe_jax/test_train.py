@@ -117,6 +117,11 @@ def test_a_resumed_auto_steps_run_keeps_the_total_it_fixed(config):
 @pytest.mark.parametrize("change, message", [
     (dict(clip_norm=-1.0), "clip_norm=-1.0 must be > 0"),  # before: trained uphill (optax scaled by max_norm < 0)
     (dict(weight_decay=-0.1), "weight_decay=-0.1 must be >= 0"),
+    (dict(lr=float("nan")), "lr=nan must be a finite number"),  # before: every metric and checkpoint NaN
+    (dict(lr=float("inf")), "lr=inf must be a finite number"),
+    (dict(z_coef=float("nan")), "z_coef=nan must be a finite number"),
+    (dict(weight_decay=float("inf")), "weight_decay=inf must be a finite number"),
+    (dict(seed=-1), "seed=-1 must be an int >= 0"),  # before: numpy's error, after the model was built
 ])
 def test_train_config_names_bad_optimizer_settings(change, message):
   with pytest.raises(ValueError, match=message):
@@ -186,3 +191,6 @@ def test_validation_runs_at_eval_every_even_off_the_logging_steps(config, tmp_pa
   assert [m["step"] for m in lines if "val_bpb" in m] == [3, 6]
   with pytest.raises(ValueError, match="--warmup=2 must be >= 30"):
     train.train(config, TC, str(tmp_path / "auto"), progress=False, max_seconds=60, auto_steps=True)
+  for max_seconds in (None, 0):  # before: auto_steps ignored, the total never fixed
+    with pytest.raises(ValueError, match=rf"to max_seconds, which must be > 0 \(got {max_seconds}\)"):
+      train.train(config, TC, str(tmp_path / "auto"), progress=False, max_seconds=max_seconds, auto_steps=True)

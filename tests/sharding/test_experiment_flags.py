@@ -24,6 +24,7 @@ def test_good_flags_give_the_layouts():
     (dict(prefix=129), r"prefix=129 must be in \[1, context=128\]"),
     (dict(prefix=0), r"prefix=0 must be in \[1, context=128\]"),
     (dict(windows=0), "windows=0 must be >= 1"),
+    (dict(lambdas="0,-1"), "lambdas='0,-1' must be finite and >= 0"),  # before: the sweep died after the rows
 ])
 def test_bad_flags_are_named(change, message):
   with pytest.raises(ValueError, match=message):
@@ -40,3 +41,13 @@ def test_bad_flags_are_named(change, message):
 def test_layouts_that_cannot_run_and_ranks_are_named(change, sizes, message):
   with pytest.raises(ValueError, match=message):
     experiments.check_flags(types.SimpleNamespace(**{**GOOD, **change}), **sizes)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(context=2048), "context=2048 exceeds the model's max_seq_len=1024"),  # before: ran past it under jit
+    (dict(prompt_len=1023), r"prompt_len=1023 \+ steps=20 \+ 2 exceeds"),  # before: every row failed, exit 0
+])
+def test_flags_past_the_models_length_are_named(change, message):
+  experiments.check_model_limits(types.SimpleNamespace(**GOOD), max_seq_len=1024)
+  with pytest.raises(ValueError, match=message):
+    experiments.check_model_limits(types.SimpleNamespace(**{**GOOD, **change}), max_seq_len=1024)

@@ -108,6 +108,22 @@ def test_sharded_entry_points_name_bad_input_and_impossible_layouts(model, token
   lcvc = locality.with_lcvc(model, locality.LCVCConfig(n_nodes=2, penalty=1.0))
   with pytest.raises(ValueError, match=r"LCVC n_nodes=2 differs from the mesh's node axis \(4\)"):
     runner.shard(lcvc, meshes.make_mesh(layout="4x2"))  # before: tokens and experts placed on different nodes
+  # Another model's cache (a layer more): the unsharded step refuses it, the sharded one ran the blocks it had.
+  two_layers = decode.init_model(tiny_config.replace(n_layers=2, max_seq_len=32))
+  _, other = decode.prefill(two_layers, tokens, lengths, kv_cache="bf16", cache_len=16)
+  with pytest.raises(ValueError, match="cache has 2 layers but the model has 1"):
+    sm.decode_step(other, np.zeros((8,), np.int32))
+  # Options a layout ignored or that failed deep in XLA.
+  with pytest.raises(ValueError, match=r"transport='ragged_emulated' / capacity=None set the 'ep' layout's"):
+    runner.shard(model, meshes.make_mesh(layout="4x2"), layout="ep_tp", transport="ragged_emulated")
+  with pytest.raises(ValueError, match="capacity=2.5 must be an int >= 1 or None"):
+    runner.shard(model, mesh, capacity=2.5)
+  with pytest.raises(ValueError, match="transport='ragged' needs a GPU"):
+    runner.shard(model, mesh, transport="ragged")
+  scope_all = locality.make_lcvc(model, locality.LCVCConfig(n_nodes=2, surrogates=True, surrogate_scope="all"),
+                                 rank=2)
+  with pytest.raises(ValueError, match="surrogate_decode=True with surrogate_scope='all'"):
+    runner.shard(scope_all, mesh, surrogate_decode=True)  # before: its prefill ran exact, silently
 
 
 def _dispatch_body(x, w, ids, w_gate, w_up, w_down, *, dispatcher, n_experts):
