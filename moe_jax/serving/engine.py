@@ -215,11 +215,12 @@ class Engine:
         left = None if deadline is None else deadline - time.perf_counter()
         if not block or (left is not None and left <= 0):
           raise QueueFull(f"{len(self._queue)} requests pending (max_queue={c.max_queue}); retry later")
-        if self.running:  # the engine's thread makes room
-          self._cv.wait_for(lambda: len(self._queue) < c.max_queue, timeout=left)
+        self.check_not_in_callback()  # inside a step, waiting would wait on the thread that must make room
+        if self.running:  # the engine's thread makes room; re-checked often, so a stop() meanwhile is noticed
+          self._cv.wait_for(lambda: len(self._queue) < c.max_queue or not self.running,
+                            timeout=0.05 if left is None else min(left, 0.05))
           continue
-      self.check_not_in_callback()  # a caller-driven engine: make room by stepping it, as `RequestHandle.wait` does
-      self.step()
+      self.step()  # a caller-driven engine: make room by stepping it, as `RequestHandle.wait` does
 
   @property
   def running(self) -> bool:
@@ -303,8 +304,16 @@ class Engine:
           self._cv.wait_for(lambda: self._queue or self._stop.is_set(), timeout=0.1)
 
   def warmup(self) -> int:
-    """Compiles every shape the scheduler uses, on dummy data that leaves the slots untouched. Returns the number of
-    traces it caused."""
+    """Compiles every shape the scheduler uses, on dummy data. Returns the number of traces it caused. Needs an idle
+    engine (RuntimeError otherwise): its decode step runs every slot as inactive, which keeps their lengths but not
+    a compressed cache's state (a request in flight on a kivi2 or OS-KVP cache decoded differently after it)."""
+    with self._step_lock:
+      if self.has_work():
+        raise RuntimeError(f"warmup() needs an idle engine ({self.num_queued} queued, {self.num_active} active): "
+                           "call it before submitting, or after run_until_idle()")
+      return self._warmup()
+
+  def _warmup(self) -> int:
     c, b = self.config, self.config.num_slots
     before = steps.total_traces()
     drop = lambda p: np.full((p,), b, np.int32)  # noqa: E731  out-of-range slots: insert drops every row

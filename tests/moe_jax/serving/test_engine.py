@@ -524,3 +524,56 @@ def test_oskvp_short_prompts_refit_in_their_slot_and_free_slots_never_do(tiny_mo
     lg, cache = decode.decode_step(tiny_model, cache, np.asarray([ref[-1]], np.int32))
     ref.append(int(jnp.argmax(lg[0])))
   assert h.result() == ref
+
+
+def test_warmup_refuses_a_busy_engine(tiny_model):
+  """warmup's decode step runs every slot as inactive: it kept their lengths but moved a compressed cache's state
+  on (kivi2 / OS-KVP requests in flight decoded differently after it), so it now needs an idle engine."""
+  eng = Engine(tiny_model, CONFIG)
+  h = eng.submit([1, 2, 3], max_tokens=4)
+  with pytest.raises(RuntimeError, match=r"warmup\(\) needs an idle engine \(1 queued, 0 active\)"):
+    eng.warmup()
+  eng.step()
+  with pytest.raises(RuntimeError, match=r"needs an idle engine \(0 queued, 1 active\)"):
+    eng.warmup()
+  eng.run_until_idle()
+  assert h.status == "finished" and eng.warmup() >= 0
+
+
+def test_a_blocking_submit_in_a_callback_is_refused_and_one_blocked_over_a_stop_gets_in(tiny_model):
+  """On a started engine: a blocking submit inside on_finish (the engine's own thread) waited for room only that
+  thread could make, and the engine hung; a submit blocked when stop() came never noticed the engine had become
+  caller-driven, and hung."""
+  eng = Engine(tiny_model, dataclasses.replace(CONFIG, num_slots=1, max_queue=1))
+  errors = []
+
+  def follow_up(handle):
+    try:
+      eng.submit([4, 5], max_tokens=2, block=True)
+    except RuntimeError as e:
+      errors.append(str(e))
+
+  eng.start()
+  try:
+    first = eng.submit([1, 2, 3], max_tokens=20, on_finish=follow_up)
+    while eng.num_active == 0:  # admitted: the slot is busy
+      time.sleep(0.005)
+    other = eng.submit([6, 7], max_tokens=4)  # the queue is full until the step after `first` finishes
+    assert first.wait(120) and other.wait(120), "the engine hung"
+  finally:
+    eng.stop()
+  assert errors and "may not step the engine or wait" in errors[0], errors
+
+  eng.start()
+  eng.submit([1, 2, 3], max_tokens=25)
+  while True:
+    try:
+      eng.submit([6, 7], max_tokens=2)
+    except QueueFull:
+      break
+  done = threading.Event()
+  threading.Thread(target=lambda: (eng.submit([8, 9], max_tokens=2, block=True), done.set()), daemon=True).start()
+  time.sleep(0.2)
+  eng.stop()
+  assert done.wait(60), "the blocked submit did not return after stop()"
+  eng.run_until_idle()
