@@ -64,6 +64,7 @@ def _ws_call(lhs: jax.Array, w: QuantizedExperts, group_sizes: jax.Array, **kw) 
   """The warp-specialized Mosaic GPU kernel of a to_mgpu_layout weight (int4 or vq2): lhs padded to its Kp and rounded
   to bf16 (the kernels' contract), the weight's stored kernel options; refuses where Mosaic GPU does not run."""
   _check_mosaic_gpu(w.kind)
+  _check_operands(lhs, w, group_sizes)
   x = _pad_lhs(lhs, w.kp).astype(jnp.bfloat16)
   fn = vmws.vq2_grouped_matmul_mgpu_ws if w.kind == "vq2_mgpu" else mws.int4_grouped_matmul_mgpu_ws
   return fn(x, w.data, group_sizes.astype(jnp.int32), interpret=backend.interpret_kernels(), **dict(w.options), **kw)
@@ -73,11 +74,11 @@ def pallas_grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Ar
   """lhs [M, K] sorted by expert, rhs [E, K, N] (QuantizedExperts), group_sizes int32 [E] -> float32 [M, N]."""
   if not isinstance(rhs, QuantizedExperts) or rhs.kind not in KERNEL_KINDS:
     return experts_lib.GROUPED_MATMULS["xla"](lhs, rhs, group_sizes)
+  if rhs.kind in ("int4_mgpu", "vq2_mgpu") and lhs.shape[0]:
+    return _ws_call(lhs, rhs, group_sizes)  # the GPU checked first, then the operands
   _check_operands(lhs, rhs, group_sizes)
   if lhs.shape[0] == 0:  # no rows (as ragged_dot allows): no kernel to launch
     return jnp.zeros((0, rhs.shape[-1]), jnp.float32)
-  if rhs.kind in ("int4_mgpu", "vq2_mgpu"):
-    return _ws_call(lhs, rhs, group_sizes)
   x = _pad_lhs(lhs, rhs.kp)
   fn = v2.vq2_grouped_matmul if rhs.kind == "vq2" else i4.int4_grouped_matmul
   return fn(x, rhs.data, group_sizes.astype(jnp.int32), group_size=rhs.group_size,
@@ -105,7 +106,6 @@ def pallas_gate_up_swiglu(x_sorted: jax.Array, w_gate_up, group_sizes: jax.Array
   rounded to bf16, with the weight's kernel options)."""
   if not isinstance(w_gate_up, QuantizedExperts) or w_gate_up.kind != "int4_mgpu_gate_up":
     return experts_lib.GATE_UP_SWIGLU["xla"](x_sorted, w_gate_up, group_sizes)
-  _check_operands(x_sorted, w_gate_up, group_sizes)
   return _ws_call(x_sorted, w_gate_up, group_sizes, swiglu=True)
 
 
