@@ -128,8 +128,8 @@ def ragged_call(lhs: jax.Array, group_sizes: jax.Array, weight_sets: Sequence[tu
   if split_k < 1 or n_groups % split_k:
     raise ValueError(f"split_k={split_k} must divide the {n_groups} K groups")
   per_split = n_groups // split_k
-  # [E + 1]; a negative size counts as 0 and offsets stop at M (as ragged_dot: no row is read or written outside
-  # lhs and the output whatever group_sizes holds, which under jit cannot be checked).
+  # [E + 1]; a negative size counts as 0 and offsets stop at M, so no row outside lhs and the output is read or
+  # written whatever group_sizes holds (under jit it cannot be checked; ragged_dot leaves such sizes undefined).
   sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
   offsets = jnp.minimum(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)]), m)
   flat, tree = jax.tree.flatten(list(weight_sets))

@@ -131,8 +131,8 @@ def oskvp_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v, outl_v, s
   (benchmarks/results/decode_attention.md). The Pallas kernel reads 2-bit values, and 2- or 3-bit keys where
   `supports_key_high_bits` (the compact bit-plane form: head dim >= 128, G <= 8); other caches (3-bit values, 3-bit
   keys at head dim 64 or G = 16) fall back to "xla", and so under "auto" do shapes the kernel does not take
-  (`kernel_shape_problem`: e.g. head dim 32, no outlier channels; "pallas" names them). symmetric_codebooks: the caches of `OSKVPMode(symmetric=True)`;
-  lets the kernel skip a plane type."""
+  (`kernel_shape_problem`: e.g. head dim 32, no outlier channels; "pallas" names them). symmetric_codebooks: the
+  caches of `OSKVPMode(symmetric=True)`; lets the kernel skip a plane type."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
   auto = implementation == "auto"

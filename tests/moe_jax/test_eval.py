@@ -101,8 +101,9 @@ def test_record_refuses_the_settings_it_would_drop(tmp_path):
   import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-m", "moe_jax.eval", f"--checkpoint={tmp_path}/none", "--record",
-                      "--kv_cache=int8", "--context=32"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+  args = [sys.executable, "-m", "moe_jax.eval", f"--checkpoint={tmp_path}/none", "--record", "--kv_cache=int8",
+          "--context=32"]
+  r = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode != 0
   assert "--record measures the checkpoint with the defaults; drop --kv_cache, --context" in r.stderr, r.stderr[-2000:]
 
