@@ -47,16 +47,38 @@ def _get(hf: dict, key: str, default=None, *, required: bool = False):
   return default
 
 
+def _typed(hf: dict, key: str, kind: str, default=None, *, required: bool = False):
+  """`_get` of a field that must be a bool, an int or a number ("bool" / "int" / "float"; an int is a number, a
+  bool is neither): ValueError naming the key otherwise. A cast would take "false" as True and cut 2.7 to 2."""
+  v = _get(hf, key, default, required=required)
+  ok = {"bool": isinstance(v, bool), "int": isinstance(v, int) and not isinstance(v, bool),
+        "float": isinstance(v, (int, float)) and not isinstance(v, bool)}[kind]
+  if v is not None and not ok:
+    want = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind]
+    raise ValueError(f"config.json {key}={v!r} must be {want}")
+  return float(v) if kind == "float" and v is not None else v
+
+
+def _n_experts(hf: dict) -> int:
+  """Qwen's `num_experts`, or `num_local_experts` (0 if neither)."""
+  return _typed(hf, "num_experts", "int") or _typed(hf, "num_local_experts", "int", 0)
+
+
 def rope_theta(hf: dict, default: float) -> float:
   """RoPE base from `rope_parameters` (transformers 5) or `rope_theta` (4.x); only plain RoPE is supported."""
   params = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or {}
   for field, d in (("rope_parameters", params), ("rope_scaling", scaling)):  # each on its own: either may scale
+    if not isinstance(d, dict):
+      raise ValueError(f"config.json {field}={d!r} must be an object")
     kind = d.get("rope_type") or d.get("type") or "default"
     if kind != "default":
       raise ValueError(f"config.json {field} rope_type={kind!r} is not supported (only plain RoPE, "
                        "rope_type='default')")
-  return float(params.get("rope_theta") or hf.get("rope_theta") or default)
+  theta = params.get("rope_theta") or _typed(hf, "rope_theta", "float") or default
+  if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+    raise ValueError(f"config.json rope_parameters.rope_theta={theta!r} must be a number")
+  return float(theta)
 
 
 def _check_common(hf: dict) -> None:
@@ -67,25 +89,25 @@ def _check_common(hf: dict) -> None:
 
 def _max_seq_len(hf: dict) -> int:
   """max_position_embeddings, capped at the sliding window when one is on (then the window never slides)."""
-  n = int(_get(hf, "max_position_embeddings", 4096))
-  window = hf.get("sliding_window")
-  if hf.get("use_sliding_window", True) and window:
-    n = min(n, int(window))
+  n = _typed(hf, "max_position_embeddings", "int", 4096)
+  window = _typed(hf, "sliding_window", "int")
+  if _typed(hf, "use_sliding_window", "bool", True) and window:
+    n = min(n, window)
   return n
 
 
 def base_config(hf: dict, *, name: str, dtype: str, rope_default: float) -> dict:
   """ModelConfig fields every Llama-style family shares."""
   _check_common(hf)
-  d = int(_get(hf, "hidden_size", required=True))
-  n = int(_get(hf, "num_attention_heads", required=True))
+  d = _typed(hf, "hidden_size", "int", required=True)
+  n = _typed(hf, "num_attention_heads", "int", required=True)
   return dict(
-      name=name, vocab_size=int(_get(hf, "vocab_size", required=True)), d_model=d,
-      n_layers=int(_get(hf, "num_hidden_layers", required=True)), n_heads=n,
-      n_kv_heads=int(_get(hf, "num_key_value_heads", n)), head_dim=int(_get(hf, "head_dim", d // n)),
-      n_experts_per_tok=int(_get(hf, "num_experts_per_tok", required=True)),
-      tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)), rope_theta=rope_theta(hf, rope_default),
-      rms_eps=float(_get(hf, "rms_norm_eps", 1e-6)), max_seq_len=_max_seq_len(hf), param_dtype=dtype)
+      name=name, vocab_size=_typed(hf, "vocab_size", "int", required=True), d_model=d,
+      n_layers=_typed(hf, "num_hidden_layers", "int", required=True), n_heads=n,
+      n_kv_heads=_typed(hf, "num_key_value_heads", "int", n), head_dim=_typed(hf, "head_dim", "int", d // n),
+      n_experts_per_tok=_typed(hf, "num_experts_per_tok", "int", required=True),
+      tie_embeddings=_typed(hf, "tie_word_embeddings", "bool", False), rope_theta=rope_theta(hf, rope_default),
+      rms_eps=_typed(hf, "rms_norm_eps", "float", 1e-6), max_seq_len=_max_seq_len(hf), param_dtype=dtype)
 
 
 def qwen_dense_layers(hf: dict, n_layers: int) -> tuple[int, ...]:
@@ -182,8 +204,8 @@ class MixtralConverter(Converter):
 
   def model_config(self, hf: dict, *, name: str, dtype: str) -> ModelConfig:
     fields = base_config(hf, name=name, dtype=dtype, rope_default=1e6)
-    return ModelConfig(**fields, n_experts=int(_get(hf, "num_local_experts", required=True)),
-                       expert_hidden=int(_get(hf, "intermediate_size", required=True)), norm_topk_prob=True)
+    return ModelConfig(**fields, n_experts=_typed(hf, "num_local_experts", "int", required=True),
+                       expert_hidden=_typed(hf, "intermediate_size", "int", required=True), norm_topk_prob=True)
 
   def moe_weights(self, c, src, p, ffn):
     # transformers 5 names the block `mlp` in memory; files written by save_pretrained keep `block_sparse_moe`.
@@ -202,10 +224,10 @@ class Qwen3MoeConverter(Converter):
       raise ValueError("config.json attention_bias=True is not supported for qwen3_moe (o_proj bias)")
     fields = base_config(hf, name=name, dtype=dtype, rope_default=10000.0)
     dense = qwen_dense_layers(hf, fields["n_layers"])
-    return ModelConfig(**fields, n_experts=int(_get(hf, "num_experts") or _get(hf, "num_local_experts", 0)),
-                       expert_hidden=int(_get(hf, "moe_intermediate_size", required=True)), dense_layers=dense,
-                       dense_hidden=int(_get(hf, "intermediate_size", 0)) if dense else 0,
-                       norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)), qk_norm=True)
+    return ModelConfig(**fields, n_experts=_n_experts(hf),
+                       expert_hidden=_typed(hf, "moe_intermediate_size", "int", required=True), dense_layers=dense,
+                       dense_hidden=_typed(hf, "intermediate_size", "int", 0) if dense else 0,
+                       norm_topk_prob=_typed(hf, "norm_topk_prob", "bool", False), qk_norm=True)
 
 
 class Qwen2MoeConverter(Converter):
@@ -214,13 +236,13 @@ class Qwen2MoeConverter(Converter):
   def model_config(self, hf: dict, *, name: str, dtype: str) -> ModelConfig:
     fields = base_config(hf, name=name, dtype=dtype, rope_default=10000.0)
     dense = qwen_dense_layers(hf, fields["n_layers"])
-    shared = int(_get(hf, "shared_expert_intermediate_size", required=True))
-    return ModelConfig(**fields, n_experts=int(_get(hf, "num_experts") or _get(hf, "num_local_experts", 0)),
-                       expert_hidden=int(_get(hf, "moe_intermediate_size", required=True)), dense_layers=dense,
-                       dense_hidden=int(_get(hf, "intermediate_size", 0)) if dense else 0,
+    shared = _typed(hf, "shared_expert_intermediate_size", "int", required=True)
+    return ModelConfig(**fields, n_experts=_n_experts(hf),
+                       expert_hidden=_typed(hf, "moe_intermediate_size", "int", required=True), dense_layers=dense,
+                       dense_hidden=_typed(hf, "intermediate_size", "int", 0) if dense else 0,
                        shared_expert_hidden=shared, shared_expert_gate=shared > 0,
-                       norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)),
-                       qkv_bias=bool(_get(hf, "qkv_bias", True)))
+                       norm_topk_prob=_typed(hf, "norm_topk_prob", "bool", False),
+                       qkv_bias=_typed(hf, "qkv_bias", "bool", True))
 
 
 CONVERTERS: dict[str, Converter] = {}

@@ -172,6 +172,23 @@ def test_unsupported_options(tmp_path):
     hf.load(path)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("tie_word_embeddings", "false", "must be true or false"),  # before: tied (logits off by up to 20.5)
+    ("norm_topk_prob", "false", "must be true or false"),  # before: renormalised
+    ("num_experts_per_tok", True, "must be an integer"),  # before: top-1
+    ("num_hidden_layers", 4.9, "must be an integer"),  # before: 4 layers
+    ("use_sliding_window", "false", "must be true or false"),  # before: the window capped max_seq_len
+    ("rope_parameters", [1], "must be an object"),  # before: an AttributeError
+])
+def test_config_fields_of_the_wrong_type_are_named(tmp_path, field, value, message):
+  """The converters cast config.json's fields (bool("false") is True, int(4.9) is 4), so a wrong type built another
+  model without a word; now the field is named."""
+  path = copy("qwen2_moe", tmp_path)
+  edit_json(os.path.join(path, "config.json"), **{field: value})
+  with pytest.raises(ValueError, match=f"config.json {field}=.* {message}"):
+    hf.load(path)
+
+
 def test_not_a_model_directory(tmp_path):
   with pytest.raises(ValueError, match="no config.json"):
     hf.load(str(tmp_path))
