@@ -16,7 +16,7 @@ import numpy as np
 from moe_jax import checkpoints
 from moe_jax.quant.experts import expert_bytes, expert_weights, quantize_experts, spec_for
 from moe_jax.quant.formats import QuantizedExperts
-from moe_jax.quant.io import save_quantized
+from moe_jax.quant.io import check_out_dir, save_quantized
 
 
 def reconstruction_errors(original: dict, quantized: dict) -> dict[str, list[float]]:
@@ -33,14 +33,20 @@ def reconstruction_errors(original: dict, quantized: dict) -> dict[str, list[flo
 
 
 def convert(checkpoint: str, expert_quant: str, out: str, *, sparsity: str | None = None) -> dict:
+  """Quantizes `checkpoint`'s experts by `expert_quant` (+ `sparsity`: "2:4", None for the mode's own, "none" for
+  dense) into `out`; returns the sizes, the mean reconstruction error and the sparsity used."""
+  spec = spec_for(expert_quant, None if sparsity == "none" else sparsity)
+  if sparsity == "none" and spec.sparsity:  # before: ignored, the output 2:4-sparse and reported as dense
+    raise ValueError(f"sparsity='none' with expert_quant={expert_quant!r}, a {spec.sparsity}-sparse mode: choose a "
+                     "dense mode instead")
+  check_out_dir(out)  # before the model loads and quantizes
   config, model = checkpoints.load(checkpoint)
-  spec = spec_for(expert_quant, sparsity)
   before = expert_bytes(model)
   original = {k: np.asarray(v) for k, v in expert_weights(model).items()}
   quantize_experts(model, spec)
   errors = reconstruction_errors(original, expert_weights(model))
   save_quantized(model, config, spec, out, source=checkpoint)
-  return {"out": out, "expert_quant": expert_quant, "sparsity": sparsity, "expert_bytes_before": before,
+  return {"out": out, "expert_quant": expert_quant, "sparsity": spec.sparsity, "expert_bytes_before": before,
           "expert_bytes_after": expert_bytes(model), "mean_rel_error": float(np.mean([np.mean(v) for v in
                                                                                      errors.values()]))}
 
@@ -48,8 +54,7 @@ def convert(checkpoint: str, expert_quant: str, out: str, *, sparsity: str | Non
 def main(argv):
   del argv
   f = flags.FLAGS
-  sparsity = None if f.sparsity in ("", "none") else f.sparsity
-  print(json.dumps(convert(f.checkpoint, f.expert_quant, f.out, sparsity=sparsity), indent=2))
+  print(json.dumps(convert(f.checkpoint, f.expert_quant, f.out, sparsity=f.sparsity or None), indent=2))
 
 
 if __name__ == "__main__":

@@ -47,10 +47,7 @@ def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, 
     raise ValueError(f"the model's state differs from what load_quantized rebuilds (extra {extra[:3]}, missing "
                      f"{missing[:3]}): save the plain quantized model, before locality.make_lcvc / with_lcvc")
 
-  directory = os.path.abspath(directory)
-  if os.path.isfile(os.path.join(directory, "config.json")):  # --checkpoint would then load that model instead
-    raise ValueError(f"{directory!r} holds an exported checkpoint (config.json): save the quantized one in another "
-                     "directory")
+  directory = check_out_dir(directory)
   os.makedirs(directory, exist_ok=True)
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(os.path.join(directory, "params"), nnx.to_pure_dict(nnx.state(model)), force=True)
@@ -59,6 +56,24 @@ def save_quantized(model, config: ModelConfig, spec: QuantSpec, directory: str, 
           "expert_bytes": expert_bytes(model)}
   with open(os.path.join(directory, "quant.json"), "w") as f:
     json.dump(meta, f, indent=2)
+  return directory
+
+
+def check_out_dir(directory: str) -> str:
+  """The absolute path `save_quantized` writes to, after refusing by name: an empty path (it was the working
+  directory), a file, an exported checkpoint's directory (`--checkpoint` would load that model instead) and a
+  `params/` that no `save_quantized` wrote (no quant.json beside it: orbax's forced save replaced it)."""
+  if not directory:
+    raise ValueError("out='' names no directory (it was taken as the working directory)")
+  directory = os.path.abspath(directory)
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"out={directory!r} is a file, not a directory")
+  if os.path.isfile(os.path.join(directory, "config.json")):
+    raise ValueError(f"{directory!r} holds an exported checkpoint (config.json): save the quantized one in another "
+                     "directory")
+  if os.path.exists(os.path.join(directory, "params")) and not os.path.isfile(os.path.join(directory, "quant.json")):
+    raise ValueError(f"{directory!r} has a params/ that no save_quantized wrote (no quant.json): it would be "
+                     "replaced; choose another directory")
   return directory
 
 

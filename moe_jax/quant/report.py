@@ -95,8 +95,13 @@ def main(argv):
   for m in modes:
     if m not in MODES:
       raise ValueError(f"--modes contains {m!r}; choose from {sorted(MODES)}")
+  if f.n_windows < 1:  # before: refused only after the model loaded and a mode was quantized
+    raise ValueError(f"--n_windows={f.n_windows} must be >= 1")
+  try:  # the output's folder first: before, an unusable --out failed after every mode was measured
+    os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--out={f.out!r}: its folder cannot be created ({e})") from None
   result = quality(f.checkpoint, modes, n_windows=f.n_windows)
-  os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
   with open(f.out + ".json", "w") as fh:
     json.dump(result, fh, indent=1)
   with open(f.out + ".md", "w") as fh:

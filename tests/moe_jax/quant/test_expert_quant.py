@@ -195,6 +195,25 @@ def test_quantizing_twice_is_refused_and_surrogates_read_quantized_experts(tiny_
     np.testing.assert_array_equal(a, b)
 
 
+def test_convert_checks_its_output_and_sparsity_before_any_work(tmp_path, monkeypatch):
+  """Before: --out= wrote into the working directory; an existing params/ of the user's was replaced (orbax's
+  forced save); a file failed in os.makedirs after the quantization; --sparsity=none on a 2:4 mode was ignored
+  and reported as dense. All are refused now before the checkpoint loads."""
+  from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
+  from moe_jax.quant import convert  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(checkpoints, "load", lambda *a, **k: pytest.fail("loaded the checkpoint first"))
+  (tmp_path / "mine" / "params").mkdir(parents=True)
+  (tmp_path / "mine" / "params" / "keep.txt").write_text("keep")
+  (tmp_path / "file").write_text("")
+  for out, message in (("", "out='' names no directory"), (str(tmp_path / "mine"), "params/ that no save_quantized"),
+                       (str(tmp_path / "file"), "is a file")):
+    with pytest.raises(ValueError, match=message):
+      convert.convert("tiny-trained", "int4", out)
+  assert (tmp_path / "mine" / "params" / "keep.txt").read_text() == "keep"
+  with pytest.raises(ValueError, match="sparsity='none' with expert_quant='int4_sp24', a 2:4-sparse mode"):
+    convert.convert("tiny-trained", "int4_sp24", str(tmp_path / "new"), sparsity="none")
+
+
 def test_unreadable_quantized_checkpoints_are_refused_before_writing(tiny_model, tiny_config, tmp_path):
   from moe_jax import checkpoints  # pylint: disable=g-import-not-at-top
   q = quant.quantize_experts(nnx.clone(tiny_model), "int4")
@@ -561,3 +580,17 @@ def test_gradients_through_the_pallas_routes_are_the_xla_routes():
     g_kernel, g_xla = jax.grad(loss(f_kernel))(x), jax.grad(loss(f_xla))(x)
     np.testing.assert_allclose(g_kernel, g_xla, rtol=1e-5, atol=1e-6)
     assert float(jnp.linalg.norm(g_xla)) > 1.0
+
+
+def test_the_report_cli_checks_its_windows_and_output_before_measuring(tmp_path):
+  """--n_windows=0 and an --out whose folder cannot be made were refused only after the model loaded and the modes
+  were quantized (and measured, for --out)."""
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu")
+  (tmp_path / "file").write_text("")
+  for args, message in ((["--n_windows=0"], "--n_windows=0 must be >= 1"),
+                        ([f"--out={tmp_path}/file/sub/qr"], "its folder cannot be created")):
+    r = subprocess.run([sys.executable, "-m", "moe_jax.quant.report", "--modes=int4", *args], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
