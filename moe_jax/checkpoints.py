@@ -183,8 +183,7 @@ def load(name_or_dir: str, *, param_dtype: str | None = None,
 
   directory = resolve(name_or_dir)
   path = os.path.join(directory, "config.json")
-  with open(path) as f:
-    meta = json.load(f)
+  meta = read_json(path)
   if not isinstance(meta, dict) or "model" not in meta:
     hint = (" (a Hugging Face checkpoint: load it with --hf / moe_jax.hf)" if isinstance(meta, dict)
             and "model_type" in meta else "")
@@ -222,6 +221,15 @@ def load(name_or_dir: str, *, param_dtype: str | None = None,
                       if arr.dtype != leaf.dtype else jnp.asarray(arr))
   nnx.update(model, jax.tree_util.tree_unflatten(treedef, new_leaves))
   return config, model
+
+
+def read_json(path: str) -> Any:
+  """The JSON in `path`; ValueError naming the file where it is not JSON (a truncated write, say)."""
+  with open(path) as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 def recorded_metrics(name_or_dir: str) -> dict[str, Any]:

@@ -85,9 +85,14 @@ def load_quantized(directory: str, *, moe_implementation: str = "xla"):
   directory = os.path.abspath(directory)
   if not os.path.isfile(os.path.join(directory, "quant.json")):
     raise ValueError(f"{directory!r} is not a directory written by save_quantized (no quant.json)")
-  with open(os.path.join(directory, "quant.json")) as f:
-    meta = json.load(f)
+  path = os.path.join(directory, "quant.json")
+  meta = checkpoints.read_json(path)
+  if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict) or not isinstance(meta.get("spec"), dict):
+    raise ValueError(f"{path} must hold the \"model\" and \"spec\" objects save_quantized writes")
   config = checkpoints.config_from_json(meta["model"])
+  unknown = sorted(set(meta["spec"]) - {f.name for f in dataclasses.fields(QuantSpec)})
+  if unknown:
+    raise ValueError(f"{path}: spec has fields QuantSpec does not know: {unknown}")
   spec = QuantSpec(**meta["spec"])
   model = nnx.eval_shape(lambda: quantize_experts(
       Transformer(config, rngs=nnx.Rngs(0), moe_implementation=moe_implementation), spec, calib="structure"))

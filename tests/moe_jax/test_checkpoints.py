@@ -1,5 +1,7 @@
 """Checkpoints: the orbax train-state round trip is bitwise; the shipped format round-trips and loads."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +114,21 @@ def test_shipped_checkpoint_loads_and_is_small():
   logits = np.asarray(decode.logits(model, tokens))
   # A trained byte model is confident on boilerplate: "import s" -> "y" after "import os\nimport s".
   assert np.argmax(logits[0, tokens.shape[1] - 4]) == ord("y")
+
+
+def test_corrupt_metadata_is_named_with_its_file(tmp_path):
+  """A truncated config.json gave a bare JSONDecodeError; a quant.json of {} a KeyError 'model'; an unknown spec
+  field a TypeError from QuantSpec. Each now names the file."""
+  from moe_jax.quant import io as quant_io  # pylint: disable=g-import-not-at-top
+  (tmp_path / "cfg").mkdir()
+  (tmp_path / "cfg" / "config.json").write_text('{"model": ')
+  with pytest.raises(ValueError, match=r"cfg/config.json is not valid JSON"):
+    checkpoints.load(str(tmp_path / "cfg"))
+  (tmp_path / "q").mkdir()
+  (tmp_path / "q" / "quant.json").write_text("{}")
+  with pytest.raises(ValueError, match=r"q/quant.json must hold the \"model\" and \"spec\" objects"):
+    quant_io.load_quantized(str(tmp_path / "q"))
+  model_json = checkpoints.config_to_json(checkpoints.load("tiny-trained")[0])
+  (tmp_path / "q" / "quant.json").write_text(json.dumps({"model": model_json, "spec": {"fmt": "int4", "foo": 1}}))
+  with pytest.raises(ValueError, match=r"spec has fields QuantSpec does not know: \['foo'\]"):
+    quant_io.load_quantized(str(tmp_path / "q"))
