@@ -146,6 +146,12 @@ def step_logits(model: Transformer, cache: KVCache, tokens: jax.Array) -> tuple[
   return jnp.where(full[:, None], jnp.nan, out[:, 0]), cache
 
 
+def check_prompt_shape(tokens: np.ndarray) -> None:
+  """Raises ValueError unless the prompts are [batch, length]."""
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+
+
 def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, max_new_tokens: int = 0) -> None:
   """Raises ValueError naming the field for prompts the model cannot run.
 
@@ -161,8 +167,7 @@ def validate_prompts(config: ModelConfig, tokens, lengths, *, cache_len: int, ma
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
   if not isinstance(cache_len, (int, np.integer)) or cache_len < 1:
     raise ValueError(f"cache_len={cache_len!r} must be an int >= 1")
-  if tokens.ndim != 2:
-    raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+  check_prompt_shape(tokens)
   if tokens.shape[1] > cache_len:
     raise ValueError(f"tokens has {tokens.shape[1]} positions but cache_len={cache_len}: trim the padding to at most "
                      "cache_len or give a longer cache")

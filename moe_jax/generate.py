@@ -98,8 +98,7 @@ def _cache_len(tokens: np.ndarray, max_new_tokens: int, cache_len: int | None) -
   """cache_len, by default the prompts' positions + max_new_tokens - 1 (the last new token is not fed back)."""
   if cache_len is not None:
     return cache_len
-  if tokens.ndim != 2:
-    raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+  decode.check_prompt_shape(tokens)
   return int(tokens.shape[1]) + max_new_tokens - 1
 
 

@@ -25,7 +25,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from moe_jax import decode, routing
@@ -256,11 +255,8 @@ def set_surrogates(model, on: bool):
 
 def routing_stats(model, tokens) -> dict[str, jax.Array]:
   """Per-MoE-layer remote and surrogate rates on a full causal pass over int tokens [B, T]: {name: float32
-  [n_moe_layers]}. Raises ValueError naming a token id outside the vocabulary (its embedding would be NaN)."""
-  tokens = np.asarray(tokens)
-  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"tokens must be int [batch, length], got {tokens.dtype} {tokens.shape}")
-  decode.check_token_ids(model.config, tokens)
+  [n_moe_layers]}. Tokens are checked as for `decode.logits` (an id outside the vocabulary has a NaN embedding)."""
+  decode.check_logits_tokens(model.config, tokens)
   return _routing_stats(model, jnp.asarray(tokens, jnp.int32))
 
 

@@ -240,7 +240,6 @@ def _plan(lhs, weight_sets, group_sizes, group_size, block_m, block_n, split_k, 
   for w, what, shape in zip(weight_sets, names, shapes):
     ragged_tiles.check_same_shape(shapes[0], shape)
     ragged_tiles.check_grouped_args(group_sizes, w.in_scale, e, kp, what)
-  ragged_tiles.check_tiles(block_m, block_n)
   bn = ragged_tiles.pick_block_n(n, block_n)
   m, n_groups = lhs.shape[0], kp // group_size
   bm = block_m or ragged_tiles.pick_block_m(m, e, smallest=8 if nk else 16)

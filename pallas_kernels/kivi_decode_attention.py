@@ -30,9 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masked_softmax
-from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, check_kernel_args, check_triton_offsets,
-                                                   default_num_splits, merge_split_partials, online_softmax_update,
-                                                   run_blocks, split_range, unpack_codes, window_attention)
+from pallas_kernels.decode_checks import check_integer_lengths, check_kernel_args, check_triton_offsets
+from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, default_num_splits, merge_split_partials,
+                                                   online_softmax_update, run_blocks, split_range, unpack_codes,
+                                                   window_attention)
 
 GROUP = 32  # KIVI's group: tokens per key scale, channels per value scale
 
@@ -152,9 +153,7 @@ def check_inputs(q, codes_k, k_scale, k_zero, codes_v, v_scale, v_zero, res_k, r
     raise ValueError(f"the {kh} kv heads must divide the {n} query heads")
   if n_comp.shape != (b,) or n_res.shape != (b,):
     raise ValueError(f"n_comp and n_res must be [B] = [{b}], got {n_comp.shape} and {n_res.shape}")
-  for name, x in (("n_comp", n_comp), ("n_res", n_res)):  # floats were truncated by the kernel, not the reference
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"{name} must be an integer array (tokens per row), got dtype {x.dtype}")
+  check_integer_lengths(n_comp=n_comp, n_res=n_res)
 
 
 @functools.partial(jax.jit, static_argnames=("num_splits", "interpret"))
@@ -212,8 +211,8 @@ def kivi_decode_attention(q, codes_k, k_scale, k_zero, codes_v, v_scale, v_zero,
     return kivi_decode_attention_reference(*args)
   if implementation != "pallas":
     raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
-  check_kernel_args(groups=q.shape[1] // codes_k.shape[1], num_splits=num_splits, S=codes_k.shape[2],
-                    R=res_k.shape[2])
+  check_kernel_args(groups=q.shape[1] // codes_k.shape[1], min_rows=MMA_ROWS, num_splits=num_splits,
+                    S=codes_k.shape[2], R=res_k.shape[2])
   check_triton_offsets(codes_k=codes_k, codes_v=codes_v, k_scale=k_scale, k_zero=k_zero, v_scale=v_scale,
                        v_zero=v_zero)
   return _pallas(*args, num_splits=num_splits, interpret=interpret)

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masked_softmax
+from pallas_kernels.decode_checks import check_integer_lengths, check_triton_offsets
 
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - m) is 0 and never NaN.
 MMA_ROWS = 16  # smallest M of a Triton dot.
@@ -139,36 +140,6 @@ BITPLANE = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_d
                              outlier_f16=True, masked_value_planes=True, pallas_prologue=True, values_in_kernel=None)
 # The bit-plane default before compact rows (one dot per operand digit, one query digit): kept for comparisons.
 PLAIN_ROWS = DecodeBlockConfig(form="bitplane", block_s=256, num_stages=1, query_digits=1)
-
-
-def check_kernel_args(*, groups: int, num_splits, **extents) -> None:
-  """Raises ValueError naming what the split-K Triton decode kernels (KIVI, per-token) cannot take: more than 16
-  query heads per kv head and not a power of two (the query tile has max(G, 16) rows), num_splits not None or an
-  int >= 1, or an empty extent (`extents`: name=length, e.g. S=..., R=...)."""
-  if groups > MMA_ROWS and groups & (groups - 1):
-    raise ValueError(f"G = N / K = {groups} query heads per kv head must be <= {MMA_ROWS} or a power of two (the "
-                     "query tile's rows)")
-  if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
-    raise ValueError(f"num_splits={num_splits!r} must be None or an int >= 1")
-  for name, size in extents.items():
-    if size < 1:
-      raise ValueError(f"{name}={size}: the kernel needs at least one slot there (implementation='xla' takes it)")
-
-
-def check_triton_offsets(**arrays) -> None:
-  """Raises a ValueError naming any input of 2^31 or more elements.
-
-  Pallas' Triton lowering (jax 0.11.2, `_compute_offsets_from_indices`) indexes an input with int32 element offsets
-  unless it is larger than 2^32 bytes, so an 8-bit input of 2^31 to 2^32 elements is read at wrapped offsets: on
-  the H200 the per-token int8 kernel at 32 rows × 131072 tokens × 8 kv heads × 128 channels stopped with an
-  illegal address (`benchmarks/results/quantized_cache_decode.log`). Larger inputs get int64 offsets but are not
-  measured, so every input of 2^31 or more elements is refused.
-  """
-  for name, x in arrays.items():
-    if x.size >= 2**31:
-      raise ValueError(f"{name} {tuple(x.shape)} {x.dtype} has {x.size} >= 2^31 elements: the Triton kernel would "
-                       "index it with int32 offsets, which wrap. Use implementation='xla', or fewer batch rows per "
-                       "call.")
 
 
 # Compact rows hold both query digits of G heads in one 16-row tile: G <= 8. Past that (e.g. qwen3_235b_a22b's
@@ -338,12 +309,18 @@ def online_softmax_update(scores, valid, m, l):
   return p, alpha, m_new, alpha * l + p.sum(axis=1)
 
 
+def nonzero_denominator(denom: jax.Array) -> jax.Array:
+  """A softmax denominator safe to divide by: 1 where it is 0 (a row with no visible token, whose sums are 0 too),
+  so that the row comes out zero as in the references, not 0 / 0."""
+  return jnp.where(denom > 0, denom, 1.0)
+
+
 def merge_split_partials(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
   """acc [..., NS, G, H], m, l [..., NS, G] (f32 partials of NS splits) -> [..., G, H] by log-sum-exp; zeros where
   no split saw a token."""
   w = jnp.exp(m - m.max(axis=-2, keepdims=True))  # [..., NS, G]; empty splits (m = NEG_INF, l = 0) weigh 0
   denom = (w * l).sum(axis=-2)[..., None]
-  return (w[..., None] * acc).sum(axis=-3) / jnp.where(denom > 0, denom, 1.0)
+  return (w[..., None] * acc).sum(axis=-3) / nonzero_denominator(denom)
 
 
 def run_blocks(nblocks, load_block, compute, state0, prefetch: bool):
@@ -507,7 +484,7 @@ def merge_partials(acc, acco, m, l, scale_v, u_v, groups: int, dtype):
   denom = (w * l).sum(axis=2)  # [B, K, G]
   o_rot = jnp.einsum("BKSG,BKSPGQ->BKGPQ", w, acc, precision=lax.Precision.HIGHEST).reshape(b, kh, groups, 4 * qd)
   o_out = jnp.einsum("BKSG,BKSGO->BKGO", w, acco, precision=lax.Precision.HIGHEST) * scale_v[:, :, None, :]
-  o_rot = o_rot.at[..., :o_out.shape[-1]].add(o_out) / jnp.where(denom > 0, denom, 1.0)[..., None]  # empty row: 0
+  o_rot = o_rot.at[..., :o_out.shape[-1]].add(o_out) / nonzero_denominator(denom)[..., None]
   o = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=lax.Precision.HIGHEST)
   return o.reshape(b, kh * groups, 4 * qd).astype(dtype)
 
@@ -556,9 +533,7 @@ def check_layout(*args, hi_k=None) -> None:
     if tuple(a[name].shape) != shape:
       raise ValueError(f"{name} must have shape {shape} for q {tuple(a['q'].shape)} and codes_k "
                        f"{tuple(a['codes_k'].shape)}, got {tuple(a[name].shape)}")
-  for name in ("n_comp", "n_res"):
-    if not jnp.issubdtype(a[name].dtype, jnp.integer):
-      raise ValueError(f"{name} must be an integer array (valid tokens per row), got dtype {a[name].dtype}")
+  check_integer_lengths(n_comp=a["n_comp"], n_res=a["n_res"])
 
 
 def kernel_shape_problem(q, codes_k, outl_k, outl_v, res_k) -> str | None:

@@ -54,8 +54,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, DecodeBlockConfig, default_num_splits,
-                                                   fp8_rows, poison_outputs, run_blocks, split_range,
-                                                   window_attention)
+                                                   fp8_rows, nonzero_denominator, poison_outputs, run_blocks,
+                                                   split_range, window_attention)
 from pallas_kernels.oskvp_decode_prologue import compact_query_pallas
 
 PLANE_TYPES = 3  # b0, b1, b0 & b1; symmetric codebooks (d3 = 0) need the first two only
@@ -549,7 +549,7 @@ def merge_bitplane_partials(acc, acco, m, l, cb_v, scale_v, u_v, groups: int, dt
   o_rot = slots[:, :, 0] + l_comp[..., None] * deltas[:, :, None, 0]
   o_rot += jnp.einsum("BKTGH,BKTH->BKGH", slots[:, :, 1:], deltas[:, :, 1:n_slots], precision=hi)
   o_out = jnp.einsum("BKSG,BKSGO->BKGO", w, acco, precision=hi) * scale_v[:, :, None, :]
-  o_rot = o_rot.at[..., :o_dim].add(o_out) / jnp.where(denom > 0, denom, 1.0)[..., None]  # an empty row: zeros
+  o_rot = o_rot.at[..., :o_dim].add(o_out) / nonzero_denominator(denom)[..., None]
   o = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=hi)
   return o.reshape(b, kh * groups, h).astype(dtype)
 
@@ -567,8 +567,7 @@ def merge_rotated_partials(o, m, l, u_v, dtype):
   m, l = m[..., :g], l[..., :g]
   w = jnp.exp(m - m.max(axis=2, keepdims=True))  # [B, K, NS+1, G]
   o_rot = jnp.einsum("BKSG,BKSPGQ->BKGPQ", w, o, precision=lax.Precision.HIGHEST).reshape(b, kh, g, 4 * qd)
-  denom = (w * l).sum(axis=2)  # [B, K, G]
-  o_rot = o_rot / jnp.where(denom > 0, denom, 1.0)[..., None]  # a row with no visible token: zeros
+  o_rot = o_rot / nonzero_denominator((w * l).sum(axis=2))[..., None]
   out = jnp.einsum("BKGJ,BKHJ->BKGH", o_rot, u_v, precision=lax.Precision.HIGHEST)
   return out.reshape(b, kh * g, 4 * qd).astype(dtype)
 

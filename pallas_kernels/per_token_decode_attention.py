@@ -27,9 +27,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masked_softmax
-from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, check_kernel_args, check_triton_offsets,
-                                                   default_num_splits, fp8_rows, merge_split_partials,
-                                                   online_softmax_update, run_blocks, split_range)
+from pallas_kernels.decode_checks import check_integer_lengths, check_kernel_args, check_triton_offsets
+from pallas_kernels.oskvp_decode_attention import (MMA_ROWS, NEG_INF, default_num_splits, fp8_rows,
+                                                   merge_split_partials, online_softmax_update, run_blocks,
+                                                   split_range)
 
 DTYPES = ("float8_e4m3fn", "int8")
 
@@ -100,8 +101,7 @@ def check_inputs(q, k, v, k_scale, v_scale, lengths) -> None:
     raise ValueError(f"head dim H={h} must be a power of two >= 16 (Triton tiles)")
   if lengths.shape != (b,):
     raise ValueError(f"lengths must be [B] = [{b}], got {lengths.shape}")
-  if not jnp.issubdtype(lengths.dtype, jnp.integer):  # floats were truncated by the kernel, not the reference
-    raise ValueError(f"lengths must be an integer array (tokens per row), got dtype {lengths.dtype}")
+  check_integer_lengths(lengths=lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "num_splits", "num_warps", "num_stages", "interpret"))
@@ -160,7 +160,7 @@ def per_token_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_scale
     raise ValueError(f"implementation={implementation!r} must be 'pallas' or 'xla'")
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"block_s={block_s} must be a power of two >= 16")
-  check_kernel_args(groups=q.shape[1] // k.shape[2], num_splits=num_splits, S=k.shape[1])
+  check_kernel_args(groups=q.shape[1] // k.shape[2], min_rows=MMA_ROWS, num_splits=num_splits, S=k.shape[1])
   check_triton_offsets(k=k, v=v)
   return _pallas(q, k, v, k_scale, v_scale, lengths, block_s=block_s, num_splits=num_splits, num_warps=num_warps,
                  num_stages=num_stages, interpret=interpret)

@@ -122,7 +122,7 @@ def ragged_call(lhs: jax.Array, group_sizes: jax.Array, weight_sets: Sequence[tu
   """
   m, _ = lhs.shape
   e = group_sizes.shape[0]
-  check_tiles(block_m, block_n)
+  check_tiles(block_m, None)  # block_n: by pick_block_n
   bm = block_m or pick_block_m(m, e)
   bn = pick_block_n(n, block_n)
   if split_k < 1 or n_groups % split_k:

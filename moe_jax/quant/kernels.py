@@ -49,8 +49,9 @@ def _check_operands(lhs: jax.Array, w: QuantizedExperts, group_sizes: jax.Array)
   wrong K was padded, not refused) and non-integer group_sizes (the kernels' int32 cast truncated them)."""
   if lhs.ndim != 2 or lhs.shape[1] != w.shape[1]:
     raise ValueError(f"lhs {tuple(lhs.shape)} must be [M, K = {w.shape[1]}] for the expert weight {tuple(w.shape)}")
-  if not jnp.issubdtype(jnp.asarray(group_sizes).dtype, jnp.integer):
-    raise ValueError(f"group_sizes must be integers, got dtype {jnp.asarray(group_sizes).dtype}")
+  dtype = jnp.result_type(group_sizes)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be integers, got dtype {dtype}")
 
 
 def _check_mosaic_gpu(kind: str) -> None:

@@ -196,7 +196,7 @@ def test_routing_stats_and_tuning_refuse_ids_outside_the_vocabulary():
   with pytest.raises(ValueError, match="outside the vocabulary"):
     locality.tune_thresholds(model, [bad])
   assert [float(layer.threshold[...]) for layer in locality.moe_layers(model)] == before  # τ untouched
-  with pytest.raises(ValueError, match=r"tokens must be int \[batch, length\]"):
+  with pytest.raises(ValueError, match=r"tokens must be an integer array \[batch, length\]"):
     locality.routing_stats(model, np.zeros((4,), np.int32))
 
 
