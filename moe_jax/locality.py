@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moe_jax import decode, routing
@@ -147,8 +148,10 @@ def lcvc_select(logits: jax.Array, *, k: int, router: str, norm_topk_prob: bool,
 
 
 def update_threshold(threshold: jax.Array, remote_rate: jax.Array, target: float, step: float) -> jax.Array:
-  """DeepSeek-V3-style sign update: raise τ (fewer exceptions) when too many pairs are remote, else lower it."""
-  return jnp.clip(threshold + step * jnp.sign(remote_rate - target), 0.0, 1.0)
+  """DeepSeek-V3-style sign update: raise τ (fewer exceptions) when too many pairs are remote, else lower it. A rate
+  that is not finite (no token was routed) leaves τ as it was: a NaN τ would switch the penalty off for good."""
+  moved = jnp.clip(threshold + step * jnp.sign(remote_rate - target), 0.0, 1.0)
+  return jnp.where(jnp.isfinite(remote_rate), moved, threshold)
 
 
 class LCVCMoE(MoE):
@@ -255,8 +258,11 @@ def set_surrogates(model, on: bool):
 
 def routing_stats(model, tokens) -> dict[str, jax.Array]:
   """Per-MoE-layer remote and surrogate rates on a full causal pass over int tokens [B, T]: {name: float32
-  [n_moe_layers]}. Tokens are checked as for `decode.logits` (an id outside the vocabulary has a NaN embedding)."""
+  [n_moe_layers]}. Tokens are checked as for `decode.logits` (an id outside the vocabulary has a NaN embedding), and
+  must not be empty (the rates of no token are NaN)."""
   decode.check_logits_tokens(model.config, tokens)
+  if not np.size(tokens):
+    raise ValueError(f"tokens of shape {np.shape(tokens)} are empty: a routing rate needs at least one token")
   return _routing_stats(model, jnp.asarray(tokens, jnp.int32))
 
 

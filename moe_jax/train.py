@@ -228,7 +228,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def _cast(tree, dtype):
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+  """Float leaves in `dtype`, except the router's: routing runs in float32 at inference (`MoE` keeps `w_router`
+  float32 whatever param_dtype), and training must choose the experts inference will."""
+  def cast(path, x):
+    if not jnp.issubdtype(x.dtype, jnp.floating) or "w_router" in jax.tree_util.keystr(path):
+      return x
+    return x.astype(dtype)
+  return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 @functools.lru_cache(maxsize=8)  # one compilation per (model structure, options) in a process

@@ -87,6 +87,9 @@ class ExpertParallelDispatch:
     if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
                                       or self.capacity < 1):
       raise ValueError(f"capacity={self.capacity!r} must be an int >= 1 or None")
+    if self.capacity is not None and self.transport != "padded":  # before: ignored (the ragged ones are dropless)
+      raise ValueError(f"capacity={self.capacity!r} sizes the padded transport's buffers; transport="
+                       f"{self.transport!r} sends exactly the rows it has (leave capacity=None)")
 
   @property
   def group_axes(self):
@@ -192,9 +195,17 @@ class ExpertParallelDispatch:
     return jnp.where(valid[:, None], y_pairs, 0)
 
 
-def capacity_overflow(ids: jax.Array, *, n_experts: int, n_devices: int, capacity: int) -> jax.Array:
+def capacity_overflow(ids: jax.Array, *, n_experts: int, n_devices: int, capacity: int,
+                      node: int | None = None, n_nodes: int = 1) -> jax.Array:
   """Pairs a padded dispatch with `capacity` rows per (source, destination) could not place, for ids of one
-  source device [T, X] (global view; no mesh needed). 0 means the capacity was enough."""
+  source device [T, X] (global view; no mesh needed). 0 means the capacity was enough.
+
+  A node-local dispatch (`node_local=True`, decode with surrogates) sends only the pairs whose expert is on the
+  source's node: pass that `node` and the mesh's `n_nodes` to count only those (the others go to surrogates)."""
   dest = ids.reshape(-1) // (n_experts // n_devices)
   counts = jnp.bincount(dest, length=n_devices)
+  if node is not None:
+    if n_devices % n_nodes or not 0 <= node < n_nodes:
+      raise ValueError(f"node={node} must be in [0, n_nodes={n_nodes}) and n_nodes must divide n_devices={n_devices}")
+    counts = jnp.where(jnp.arange(n_devices) // (n_devices // n_nodes) == node, counts, 0)
   return jnp.sum(jnp.maximum(counts - capacity, 0))

@@ -236,7 +236,8 @@ def shard(model, mesh: Mesh, *, layout: str = "ep", surrogate_decode: bool = Fal
       `set_surrogates(model, surrogate_decode)` at decode. surrogate_scope="all" (surrogates at prefill too) is
       refused with surrogate_decode=True.
     transport: the expert-parallel dispatch's transport ("padded", "ragged", "ragged_emulated"); layout "ep" only.
-    capacity: padded rows per (source, destination); None = dropless worst case; layout "ep" only.
+    capacity: padded rows per (source, destination); None = dropless worst case; layout "ep", transport "padded"
+      only.
   """
   rules.spec((), layout)  # validates the layout name
   n, l = mesh.shape[NODE], mesh.shape[LOCAL]

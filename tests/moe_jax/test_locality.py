@@ -89,6 +89,12 @@ def test_threshold_sign_update_moves_toward_target():
   assert float(locality.update_threshold(jnp.float32(0.99), 0.9, 0.1, 0.05)) == 1.0
 
 
+def test_a_rate_that_is_not_finite_leaves_the_threshold_as_it_was():
+  """Before: a NaN rate (no token routed) made τ NaN for good, and `p <= NaN` switched the penalty off."""
+  for rate in (float("nan"), float("inf")):
+    assert float(locality.update_threshold(jnp.float32(0.4), rate, 0.1, 0.05)) == pytest.approx(0.4)
+
+
 def test_lcvc_layer_with_zero_penalty_equals_moe(tiny_model):
   moe = tiny_model.blocks[0].ffn
   x = jax.random.normal(jax.random.key(5), (4, 6, tiny_model.config.d_model))
@@ -198,6 +204,18 @@ def test_routing_stats_and_tuning_refuse_ids_outside_the_vocabulary():
   assert [float(layer.threshold[...]) for layer in locality.moe_layers(model)] == before  # τ untouched
   with pytest.raises(ValueError, match=r"tokens must be an integer array \[batch, length\]"):
     locality.routing_stats(model, np.zeros((4,), np.int32))
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)])
+def test_routing_stats_and_tuning_refuse_an_empty_batch(shape):
+  """Before: an empty batch had a NaN remote rate, which made τ NaN and routing exact from then on."""
+  model = locality.make_lcvc(decode.init_model(_TOY, seed=0), locality.LCVCConfig(n_nodes=2))
+  before = [float(layer.threshold[...]) for layer in locality.moe_layers(model)]
+  tokens = np.zeros((2, 4), np.int32)
+  with pytest.raises(ValueError, match=rf"tokens of shape \({shape[0]}, {shape[1]}\) are empty"):
+    locality.tune_thresholds(model, [tokens, np.zeros(shape, np.int32), tokens])
+  assert [float(layer.threshold[...]) for layer in locality.moe_layers(model)] != before  # the first batch ran
+  assert all(np.isfinite(float(layer.threshold[...])) for layer in locality.moe_layers(model))
 
 
 def test_set_penalty_takes_a_traced_value_under_jit(tiny_model):

@@ -201,6 +201,29 @@ def test_small_capacity_is_counted_and_never_silent():
   np.testing.assert_allclose(small[~bad_tokens], np.asarray(full)[~bad_tokens], rtol=1e-5, atol=1e-5)  # ... others exact
 
 
+def test_a_node_local_overflow_counts_only_the_pairs_it_sends(model):
+  """A node-local dispatch sends only pairs whose expert is on the token's node: `capacity_overflow(node=)` counts
+  those (before: every pair, 32 where 16 overflowed), and a ragged transport refuses a capacity it would ignore."""
+  e, d, f, t, k = 8, 16, 8, 32, 2
+  x, _, _, weights = _dispatch_inputs(jax.random.key(4), e=e, d=d, f=f, t=t, k=k)
+  ids = np.stack([np.zeros((t,), np.int32), np.ones((t,), np.int32)], axis=1)  # experts of devices 0, 1 (node 0)
+  w = np.full((t, k), 0.5, np.float32)
+  mesh = meshes.make_mesh(layout="2x4")
+  small = np.asarray(_run_dispatch(ep.ExpertParallelDispatch(2, 4, True, capacity=2), mesh, x, w, ids, weights))
+  count = jax.jit(functools.partial(ep.capacity_overflow, n_experts=e, n_devices=8, capacity=2, n_nodes=2),
+                  static_argnames=("node",))
+  overflow = sum(int(count(r, node=device // 4)) for device, r in enumerate(np.asarray(ids).reshape(8, -1)))
+  assert overflow == 4 * 2 * 2  # node 0's 4 devices: 4 tokens, 2 fit per destination, 2 destinations; node 1: none
+  assert (~np.isfinite(small).all(axis=1)).sum() == 4 * 2
+  with pytest.raises(ValueError, match=r"node=2 must be in \[0, n_nodes=2\)"):
+    ep.capacity_overflow(ids, n_experts=e, n_devices=8, capacity=2, node=2, n_nodes=2)
+  for transport in ("ragged", "ragged_emulated"):
+    with pytest.raises(ValueError, match=f"capacity=2 sizes the padded transport's buffers; transport='{transport}'"):
+      ep.ExpertParallelDispatch(2, 4, transport=transport, capacity=2)
+  with pytest.raises(ValueError, match="sizes the padded transport's buffers"):
+    runner.shard(model, mesh, transport="ragged_emulated", capacity=2)
+
+
 def test_ragged_transport_lowers_to_ragged_all_to_all():
   """XLA:CPU cannot compile ragged-all-to-all, but the GPU variant must trace and lower to it (the bookkeeping
   around it is checked numerically through the emulated collective above)."""
