@@ -77,9 +77,9 @@ def _step(load_x, ws: VQ2Weights, e, g, n0, acc, *, group_size: int, bn: int, ab
   d = None
   for j in range(4):
     x = load_x(g * group_size + j * quarter, quarter)  # [bm, G/4]
-    if ws.in_scale is not None:
-      x = (x.astype(jnp.float32) * ws.in_scale[e, pl.ds(g * group_size + j * quarter, quarter)][None, :]
-           ).astype(x.dtype)
+    if ws.in_scale is not None:  # float16 stays float32 once scaled: x · (1/a) passes 65504 on a quiet channel
+      scaled = x.astype(jnp.float32) * ws.in_scale[e, pl.ds(g * group_size + j * quarter, quarter)][None, :]
+      x = scaled if x.dtype == jnp.float16 else scaled.astype(x.dtype)
     dj = jnp.dot(x, coords[j].astype(x.dtype), preferred_element_type=jnp.float32)
     d = dj if d is None else d + dj
   return acc + ws.scale[e, g, nt].astype(jnp.float32)[None, :] * d

@@ -69,8 +69,15 @@ def prune_24(w: jax.Array, group_size: int, importance: jax.Array | None = None)
     w: [E, Kp, N].
     importance: [E, Kp] mean squared input per channel (None: magnitude only).
   """
-  sal = jnp.abs(w) if importance is None else jnp.abs(w) * jnp.sqrt(importance)[:, :, None]
-  rank = jnp.argsort(jnp.argsort(quads(sal, group_size), axis=2), axis=2)  # 0 = least salient
+  mag = quads(jnp.abs(w), group_size)
+  if importance is None:
+    order = jnp.argsort(mag, axis=2)
+  else:  # saliency |w|·sqrt(E[x²]), ties (channels no calibration row reached) broken by magnitude
+    sal = quads(jnp.abs(w) * jnp.sqrt(importance)[:, :, None], group_size)
+    by_mag = jnp.argsort(mag, axis=2)
+    order = jnp.take_along_axis(by_mag, jnp.argsort(jnp.take_along_axis(sal, by_mag, axis=2), axis=2, stable=True),
+                                axis=2)
+  rank = jnp.argsort(order, axis=2)  # 0 = least salient
   return (rank >= 2).reshape(w.shape)
 
 
@@ -80,7 +87,8 @@ def _rtn(wg: jax.Array, keep: jax.Array | None, ratio: jax.Array | float = 1.0):
   lo = jnp.min(wg if keep is None else jnp.where(keep, wg, big), axis=-2, keepdims=True)
   hi = jnp.max(wg if keep is None else jnp.where(keep, wg, -big), axis=-2, keepdims=True)
   lo, hi = jnp.minimum(lo, 0.0) * ratio, jnp.maximum(hi, 0.0) * ratio
-  scale = jnp.maximum((hi - lo) / 15.0, jnp.finfo(jnp.bfloat16).tiny).astype(jnp.bfloat16)  # 0 only for 0 groups
+  # hi/15 − lo/15, not (hi − lo)/15: the difference overflows for weights past half of float32's range
+  scale = jnp.maximum(hi / 15.0 - lo / 15.0, jnp.finfo(jnp.bfloat16).tiny).astype(jnp.bfloat16)  # 0 only for 0 groups
   s = scale.astype(jnp.float32)
   zero = jnp.clip(jnp.round(-lo / s), 0, 15).astype(jnp.int32)
   q = jnp.clip(jnp.round(wg / s) + zero, 0, 15).astype(jnp.int32)
@@ -108,7 +116,13 @@ def awq_scales(w: jax.Array, x: jax.Array, group_size: int, keep: jax.Array | No
     keep: optional 2:4 keep mask [E, Kp, N].
   """
   mean_abs = jnp.sum(jnp.abs(x), axis=1) / jnp.maximum(jnp.sum(jnp.any(x != 0, axis=2), axis=1), 1)[:, None]
-  mean_abs = jnp.maximum(mean_abs, 1e-6)  # [E, Kp]
+  # A channel no calibration row reached (K padding, or quiet at calibration) is scaled as the typical channel
+  # (a = 1): floored at 1e-6, it was shrunk ~1e3-fold, its weights quantized to 0 and 1/a made the kernels'
+  # x · (1/a) overflow float16 and cancel badly if the channel is active at inference.
+  seen = mean_abs > 0  # [E, Kp]
+  log_mean = jnp.sum(jnp.where(seen, jnp.log(jnp.where(seen, mean_abs, 1.0)), 0.0), axis=1, keepdims=True)
+  typical = jnp.exp(log_mean / jnp.maximum(jnp.sum(seen, axis=1, keepdims=True), 1))  # geometric mean of the seen
+  mean_abs = jnp.maximum(jnp.where(seen, mean_abs, typical), 1e-6)  # [E, Kp]
 
   def err_for(alpha):
     a = mean_abs ** alpha

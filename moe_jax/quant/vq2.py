@@ -87,8 +87,9 @@ def _refit_scale(w: jax.Array, w_unit: jax.Array, h: jax.Array | None = None) ->
   """Least-squares scale per group column: w, w_unit [..., G, N] (and optional channel weights h [..., G, 1]) ->
   bf16 [..., N]."""
   h = 1.0 if h is None else h
-  s = jnp.sum(h * w * w_unit, axis=-2) / jnp.maximum(jnp.sum(h * w_unit ** 2, axis=-2), 1e-12)
-  return s.astype(jnp.bfloat16)
+  rms = _rms(w, axis=-2)  # the sum of G products w·c overflows float32 for |w| past ~1e37; fitted on w / rms
+  s = jnp.sum(h * (w / rms) * w_unit, axis=-2) / jnp.maximum(jnp.sum(h * w_unit ** 2, axis=-2), 1e-12)
+  return (s * rms[..., 0, :]).astype(jnp.bfloat16)
 
 
 def _rms(x: jax.Array, axis) -> jax.Array:
@@ -152,7 +153,8 @@ def quantize_vq2(w: jax.Array, *, group_size: int = 128, codebook: str = "expert
   cb = jnp.broadcast_to(unpack_codebook(packed), (e, CODEBOOK_SIZE, 4))
   unit = jax.vmap(lambda c, i: c[i])(cb, idx).reshape(e, ng, eighth, n, 4)
   unit_vals = jnp.concatenate([unit[..., 0:2], unit[..., 2:4]], axis=2)  # [E, Kg, G/4, N, 2]
-  s = jnp.sum(vals * unit_vals, axis=(2, 4)) / jnp.maximum(jnp.sum(unit_vals ** 2, axis=(2, 4)), 1e-12)
+  s = jnp.sum(vals / rms * unit_vals, axis=(2, 4)) / jnp.maximum(jnp.sum(unit_vals ** 2, axis=(2, 4)), 1e-12)
+  s = s * rms[:, :, 0, :, 0]  # fitted on vals / rms: the sum overflows float32 for |w| past ~1e37
   meta = (mask[:, :, :eighth] | (mask[:, :, eighth:] << 4)).astype(jnp.uint8).reshape(e, kp // 8, n)
   data = VQ2SparseWeights(idx.reshape(e, kp // 8, n).astype(jnp.uint8), meta, packed, s.astype(jnp.bfloat16), None)
   return QuantizedExperts(data, kind="vq2_sp24", k=k, group_size=group_size)
