@@ -340,17 +340,17 @@ def _compact_kernel(qd_ref, qw_ref, qc_ref, qp_ref, qo_ref, ck_ref, ok_ref, cv_r
     return jnp.where(sel == 0, x.reshape(n_groups, groups, x.shape[-1]), 0.0).sum(axis=0)
 
   def write_values(acc, acco, m, l, l_comp):
-    """o[p] = c0_p l_comp + slot 0 + sum_type d_type,p * (the value digits folded) (+ outliers in plane 0)."""
+    """o[p] = c0_p l_comp + slot 0 + sum_type d_type,p * (the value digits folded) (+ the outliers of plane p)."""
     op = acco.shape[1]
+    scale = plgpu.load(sv_ref.at[pl.ds(0, op)], mask=jnp.arange(op) < o_dim, other=0.0)  # [OP]
     for p in range(4):
       cb = [cbv_ref[pl.ds(p * q_dim, q_dim), c].astype(jnp.float32)[None, :] for c in range(4)]  # [1, Q] each
       deltas = [cb[1] - cb[0], cb[2] - cb[0], cb[3] - cb[2] - cb[1] + cb[0]]
       o = first_group(acc[0][p]) + l_comp[:, None] * cb[0]
       for t in range(types):
         o += deltas[t] * fold(acc[1 + t][p])
-      if p == 0:  # outlier channels j < O sit in plane 0's first columns: place [R, OP] into [R, Q] exactly
-        scale = plgpu.load(sv_ref.at[pl.ds(0, op)], mask=jnp.arange(op) < o_dim, other=0.0)  # [OP]
-        place = (jnp.arange(op)[:, None] == jnp.arange(q_dim)[None, :]).astype(jnp.float32)  # [OP, Q]
+      if p * q_dim < op:  # outlier channel j < O sits in plane j // Q, column j % Q: place [R, OP] into [R, Q]
+        place = (jnp.arange(op)[:, None] == p * q_dim + jnp.arange(q_dim)[None, :]).astype(jnp.float32)  # [OP, Q]
         o += first_group(((acco * scale[None, :])[:, :, None] * place[None]).sum(axis=1))
       o_ref[p] = o
     m_ref[...] = m

@@ -117,6 +117,15 @@ def test_bitplane_compact_rows_g1_and_g8():
            kv_heads=2, head_dim=128, capacity=200, window=16, n_comp=[200], n_res=[7])
 
 
+@pytest.mark.parametrize("outliers,symmetric", [(64, False), (100, False), (40, True)])
+def test_bitplane_outliers_past_the_first_plane(outliers, symmetric):
+  """More outlier channels than a plane's H/4: with the values applied in the kernel (the default for general
+  codebooks), channels past the first plane were dropped (relative error ~1 in rotated channels 32-63)."""
+  config = dataclasses.replace(BITPLANE, block_s=64, num_splits=2, values_in_kernel=True)
+  run_case(23, config, symmetric=symmetric, batch=2, heads=4, kv_heads=2, head_dim=128, capacity=200, window=16,
+           outliers=outliers, n_comp=[200, 37], n_res=[5, 16])
+
+
 def test_masked_planes_times_their_scales_are_the_bit_planes():
   """planes(masked=True) leaves each bit in place (b1 of plane 3 is int8 -128): times `masked_plane_scales` it is the
   0/1 plane exactly, for every byte value and every plane and type."""
