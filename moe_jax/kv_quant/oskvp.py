@@ -162,7 +162,7 @@ def _moments(x: jax.Array, w: jax.Array | None) -> tuple[jax.Array, ...]:
   x = x.astype(jnp.float32)
   w = jnp.ones((x.shape[0],), jnp.float32) if w is None else w.astype(jnp.float32)
   finite = jnp.all(jnp.isfinite(x), axis=-1)
-  w = jnp.where(finite, w, 0.0)
+  w = jnp.where(finite & jnp.isfinite(w) & (w > 0), w, 0.0)  # a NaN, inf or negative weight leaves its row out
   x = jnp.where(finite[:, None], x, 0.0)
   count = jnp.sum(w)
   wn = w / jnp.maximum(count, 1e-30)
@@ -325,7 +325,7 @@ def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, we
     x: f32 [N, H] calibration keys (post-RoPE) or values.
     outlier_fraction: fraction of channels kept in fp8 (rounded by `n_outliers`).
     bits: 2 (4 levels) or 3 (8 levels).
-    weights: optional f32 [N], 0 for rows to ignore (padding).
+    weights: optional f32 [N], finite and >= 0; 0 for rows to ignore (padding).
     symmetric: codebooks symmetric about each channel's mean (see `fit`).
     uniform: equally spaced codebooks (see `fit`).
 
@@ -347,6 +347,15 @@ def calibrate(x: jax.Array, *, outlier_fraction: float = 0.08, bits: int = 2, we
       row, col = np.argwhere(bad)[0]
       raise ValueError(f"calibration data has {int(bad.sum())} non-finite values (first at x[{row}, {col}]); "
                        "drop those rows or pass weights=0 for them")
+  if weights is not None:
+    if np.shape(weights) != x.shape[:1]:
+      raise ValueError(f"weights must have shape [N] = {x.shape[:1]} (one per row of x), got {np.shape(weights)}")
+    if not isinstance(weights, jax.core.Tracer):
+      w = np.asarray(weights, np.float32)
+      bad = ~(np.isfinite(w) & (w >= 0))
+      if bad.any():
+        first = int(np.argmax(bad))
+        raise ValueError(f"weights must be finite and >= 0 (0 leaves a row out), got weights[{first}]={w[first]}")
   return fit(x, weights, n_outlier=n_outliers(x.shape[1], outlier_fraction), bits=bits, n_iters=n_iters,
              min_samples=min_samples, symmetric=symmetric, uniform=uniform)
 

@@ -294,6 +294,22 @@ def test_degenerate_non_finite():
     np.testing.assert_allclose(a, b, atol=2e-4)
 
 
+def test_row_weights_that_are_not_finite_or_negative():
+  """Before: a NaN or inf weight made the mean NaN, a negative one entered count and mean but not cov; every
+  parameter came back NaN and every token coded with them dequantized to NaN. `calibrate` names them; inside jit
+  `fit` leaves those rows out, as it does rows of non-finite x."""
+  x = planted(jax.random.PRNGKey(9), 256, 32)
+  for bad in (jnp.nan, jnp.inf, -1.0):
+    with pytest.raises(ValueError, match=rf"weights must be finite and >= 0 .* got weights\[7\]={bad}"):
+      oskvp.calibrate(x, weights=jnp.ones(256).at[7].set(bad))
+    p_bad = oskvp.fit(x, jnp.ones(256).at[7].set(bad).at[30].set(bad), n_outlier=8)
+    p_ref = oskvp.calibrate(x, weights=jnp.ones(256).at[7].set(0.0).at[30].set(0.0))
+    for a, b in zip(jax.tree_util.tree_leaves(p_bad), jax.tree_util.tree_leaves(p_ref)):
+      np.testing.assert_allclose(a, b, atol=2e-4)
+  with pytest.raises(ValueError, match=r"weights must have shape \[N\] = \(256,\)"):
+    oskvp.calibrate(x, weights=jnp.ones(255))
+
+
 def test_bad_shapes_raise():
   with pytest.raises(ValueError, match="head_dim"):
     oskvp.calibrate(jnp.ones((10, 12)))
