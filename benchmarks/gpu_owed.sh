@@ -79,6 +79,9 @@
 # 15. (fiftieth session) the first call on an H200, in one device call (the bf16 row of 32k x 312, 84 GB, needs the
 #    H200's memory, so the call may ask for one): the issue's cells (64k / 128k x 8 / 32) with the mma core, both value
 #    layouts and cuDNN, then the e2e step's three 32k x 312 rows: STEPS="h200_attention h200_e2e" (limits 480 s).
+# 16. (fifty-second session) kernel_checks: the Triton paths changed on the CPU only (the OS-KVP bit-plane value
+#    outliers past plane 0 and a row with no visible token; int4 with AWQ scales and a float16 lhs; negative group
+#    sizes / sizes past M), each against its reference (benchmarks/kernel_checks.py, < 2 min, any card).
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~114 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
@@ -86,7 +89,7 @@
 # STEPS="refit_parts key_bits3", then STEPS="across48 across48_b32 parts48" (default: all; unknown names refused).
 set -u
 OUT=${OUT:-/tmp/out}
-ALL="h200_attention h200_e2e value_layout splits wide_epilogue layout_probe e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
+ALL="h200_attention h200_e2e kernel_checks value_layout splits wide_epilogue layout_probe e2e_uniform orot timeline_orot epilogue_bench decode_check_norefit orot_short qrot mma_core decode_check decode_check_wgmma prefill_fit attention experts float16_trace refit refit_b32 refit_parts key_bits3 across48 across48_b32 parts48"
 STEPS=${STEPS:-$ALL}
 for s in $STEPS; do [[ " $ALL " == *" $s "* ]] || { echo "unknown step $s (steps: $ALL)" >&2; exit 2; }; done
 export PYTHONPATH=.
@@ -106,6 +109,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/driver.log"
 run h200_attention 230 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
   --contexts=65536,131072 --batches=8,32 --mosaic_core=mma --mosaic_value_layout=blocks,tokens \
   --out="$OUT/h200_attention"
+run kernel_checks 150 python3 benchmarks/kernel_checks.py --out="$OUT/kernel_checks"
 run h200_e2e 250 python3 benchmarks/e2e_decode.py --steps=8 --full_depth_check=false --time_budget_s=170 \
   --cases=bf16+bf16:32768:312,int4+oskvp_uniform:32768:312,int4+oskvp:32768:312 --out="$OUT/h200_e2e"
 run value_layout 420 python3 benchmarks/decode_attention.py --mosaic_grid --mosaic_only --span \
