@@ -150,8 +150,8 @@ def param_counts(c: ModelConfig) -> dict[str, int]:
   router = n_moe * c.d_model * c.n_experts
   dense = n_dense * 3 * c.d_model * c.dense_hidden
   total = embed + head + attn + router + dense + n_moe * (c.n_experts * expert + shared) + c.d_model
-  active = head + attn + router + dense + n_moe * (c.n_experts_per_tok * expert + shared) + c.d_model
-  # The embedding row read per token is negligible; the LM head is read whole.
+  # The embedding row read per token is negligible; the LM head (the embedding itself when tied) is read whole.
+  active = embed + attn + router + dense + n_moe * (c.n_experts_per_tok * expert + shared) + c.d_model
   return {"total": total, "active": active, "per_expert": expert, "embedding": embed}
 
 

@@ -222,9 +222,9 @@ def record_metrics(name_or_dir: str) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
   keys = ["model", "kv_cache", "expert_quant", "routing", "context", "prefix", "n_windows", "scored_tokens", "bpb",
           "baseline_bpb", "agreement", "kl", "kv_cache_bytes"]
-  fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
+  fmt = lambda k, v: (f"{v:.2e}" if k == "kl" else f"{v:.4f}") if isinstance(v, float) else str(v)  # small KLs
   return ("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n| "
-          + " | ".join(fmt(result[k]) for k in keys) + " |")
+          + " | ".join(fmt(k, result[k]) for k in keys) + " |")
 
 
 def main(argv):

@@ -218,10 +218,11 @@ def main(argv):
   out, n = np.asarray(out), np.asarray(n)
   for b in range(f.batch):
     print(f"[{b}] {f.prompt}{decode_continuation(tok, prompt, out[b, : n[b]])}")
-  steps = int(n.max())
+  steps = int(n.max())  # tokens of the longest row: the first sampled from the prefill's logits, then steps - 1
+  # decode steps; tokens/s counts the tokens generated (rows stopped at EOS generate fewer)
   print(f"config={config.name} batch={f.batch} prompt_tokens={len(prompt)} new_tokens={steps} "
-        f"kv_cache={f.kv_cache} | prefill {t_prefill * 1e3:.2f} ms | decode {t_decode * 1e3 / steps:.3f} ms/token | "
-        f"{f.batch * steps / (t_prefill + t_decode):.1f} tokens/s | KV cache {cache.nbytes():,} bytes "
+        f"kv_cache={f.kv_cache} | prefill {t_prefill * 1e3:.2f} ms | decode {t_decode * 1e3 / max(steps - 1, 1):.3f} "
+        f"ms/step | {int(n.sum()) / (t_prefill + t_decode):.1f} tokens/s | KV cache {cache.nbytes():,} bytes "
         f"| device {jax.devices()[0].device_kind}")
 
 

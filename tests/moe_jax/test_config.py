@@ -52,6 +52,14 @@ def test_param_counts_match_published(name, total, active):
   assert abs(counts["active"] + embed - active) / active < 0.05
 
 
+def test_tying_the_embeddings_saves_total_parameters_not_active_ones():
+  """A tied LM head is the embedding, read whole for every token (before: V·D left out of "active")."""
+  c = configs.get("tiny")
+  untied, tied = param_counts(c.replace(tie_embeddings=False)), param_counts(c.replace(tie_embeddings=True))
+  assert untied["total"] - tied["total"] == c.vocab_size * c.d_model
+  assert tied["active"] == untied["active"]
+
+
 def test_seed_preset_is_480b_with_32_active_experts():
   c = configs.get("seed_480b")
   assert c.n_experts_per_tok == 32

@@ -49,6 +49,7 @@ def test_baseline_and_a_registered_variant(tiny_model, tiny_config, windows):
   again = eval_lib.evaluate(tiny_model, tiny_config, windows=windows, context=CONTEXT, prefix=PREFIX)
   assert again["bpb"] == base["bpb"]
   assert "| bpb |" in eval_lib.markdown(out)
+  assert f"| {out['kl']:.2e} |" in eval_lib.markdown(out)  # a KL of 4e-5 printed as 0.0000 before
 
 
 @pytest.mark.parametrize("flag", ["kv_cache", "expert_quant", "routing"])
@@ -114,5 +115,7 @@ def test_shipped_checkpoint_reproduces_its_recorded_bpb():
   rec = recorded["decode_eval"]
   out = eval_lib.evaluate(model, config, n_windows=rec["n_windows"], context=rec["context"], prefix=rec["prefix"])
   assert abs(out["bpb"] - rec["bpb"]) <= 0.01 * rec["bpb"], (out["bpb"], rec["bpb"])
+  # The cache it records is the one evaluate builds (context positions; it had one more before 95e0202).
+  assert out["kv_cache_bytes"] == rec["kv_cache_bytes"], (out["kv_cache_bytes"], rec["kv_cache_bytes"])
   # And it is clearly a trained model: far below the unigram baseline of the same corpus.
   assert out["bpb"] < 0.5 * recorded["unigram_bpb"]
