@@ -219,7 +219,8 @@ def time_case(model, config, kv: str, context: int, c: int) -> dict:
   times = []
   for i in range(FLAGS.warmup + FLAGS.steps):
     t = time.perf_counter()
-    nxt, finite, cache = steps.decode_slots(flat, cache, tokens, active, key, np.int32(i), temp, top_k, top_p)
+    nxt, finite, cache = steps.decode_slots(flat, cache, tokens, active, key, np.array([i, 0], np.uint32), temp,
+                                            top_k, top_p)
     tokens = np.asarray(nxt)  # the engine's device-to-host copy of the step's tokens
     times.append(time.perf_counter() - t)
     if i == 0:

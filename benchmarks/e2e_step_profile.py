@@ -51,13 +51,14 @@ def profile_case(model, config, kv: str, context: int, c: int) -> dict:
   wall, i = [], 0
   for i in range(FLAGS.warmup + FLAGS.steps):
     t = time.perf_counter()
-    nxt, _, cache = steps.decode_slots(flat, cache, tokens, active, key, np.int32(i), temp, top_k, top_p)
+    nxt, _, cache = steps.decode_slots(flat, cache, tokens, active, key, np.array([i, 0], np.uint32), temp, top_k,
+                                       top_p)
     tokens = np.asarray(nxt)
     wall.append(time.perf_counter() - t)
   per_kernel, names = collections.defaultdict(list), None
   for j in range(FLAGS.iters):
     (nxt, _, cache), timings = cupti_kernels(lambda j=j: steps.decode_slots(
-        flat, cache, tokens, active, key, np.int32(i + 1 + j), temp, top_k, top_p))  # noqa: B023
+        flat, cache, tokens, active, key, np.array([i + 1 + j, 0], np.uint32), temp, top_k, top_p))  # noqa: B023
     tokens = np.asarray(nxt)
     names = [n for n, _ in timings]
     for k, (_, ms) in enumerate(timings):

@@ -24,6 +24,7 @@ import sys
 from typing import Callable
 
 from moe_jax.serving import Engine, EngineConfig, InvalidRequest, QueueFull
+from moe_jax.serving.request import validate_request
 from moe_jax.tokenizer import decode_continuation
 
 _SAMPLING = ("temperature", "top_k", "top_p")
@@ -183,10 +184,19 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
         continue
       if rid is not None:
         first_line[rid] = line_no
+      stops = None if error is not None else list(req["stop"]) + ([eos] if eos is not None else [])
+      if error is None:  # the engine's own checks, before `done` too: a refused line is bad on a resume as well
+        try:
+          validate_request(req["prompt"], max_tokens=req["max_tokens"], sampling=req["sampling"], stop_tokens=stops,
+                           vocab_size=engine.vocab_size, cache_len=engine_config.cache_len,
+                           max_prompt_len=engine_config.max_prompt_len, request_id=rid)
+        except InvalidRequest as e:
+          error = e
       if error is not None:
         counts["bad"] += 1
-        log(f"{input_path}:{line_no}: bad line: {error}")
-        if rid is not None and rid not in done:  # in the output too, as the engine's refusals
+        log(f"{input_path}:{line_no}: id {rid!r} rejected: {error}" if isinstance(error, InvalidRequest) else
+            f"{input_path}:{line_no}: bad line: {error}")
+        if rid is not None and rid not in done:  # in the output too, once
           write({"id": rid, "line": line_no, "error": str(error)})
         tick()
         continue
@@ -194,7 +204,6 @@ def run(model, tokenizer, *, input_path: str, output_path: str, engine_config: E
         counts["skipped"] += 1
         tick()
         continue
-      stops = list(req["stop"]) + ([eos] if eos is not None else [])
       while True:
         try:
           engine.submit(req["prompt"], max_tokens=req["max_tokens"], sampling=req["sampling"], stop_tokens=stops,

@@ -73,7 +73,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
   noise = jax.random.gumbel(key, logits.shape, jnp.float32)
 
   def whole_rows():  # no row drops a token: a draw over each whole row, no sort
-    return jnp.argmax(logits / jnp.maximum(temperature, 1e-6)[:, None] + noise, axis=-1).astype(jnp.int32)
+    return jnp.argmax(scale_logits(logits, temperature) + noise, axis=-1).astype(jnp.int32)
 
   def sorted_rows():
     order, candidates = sorted_candidates(logits, temperature, top_k, top_p)
@@ -88,12 +88,21 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
   return jnp.where(temperature > 0, sampled, greedy)
 
 
+def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """f32 [B, V] logits, temperature f32 [B] -> (logits − the row's max) / temperature: any temperature > 0 as given,
+  the top token at 0 so that a tiny one cannot overflow it (the others go to −inf: greedy in the limit). Rows at 0
+  are divided by 1 (their draw is not used). Before, temperatures under 1e-6 were taken as 1e-6."""
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows all −inf or with +inf keep their logits
+  return (logits - top) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+
 def sorted_candidates(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                       top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
   """What `sample` draws from: (order int32 [B, V], most likely first; the temperature-scaled logits in that order,
   -inf where top-k or top-p drops the token)."""
   v = logits.shape[-1]
-  scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+  scaled = scale_logits(logits.astype(jnp.float32), temperature)
   # [B, V] most likely first, by the logits themselves (the same order for any temperature > 0): at a temperature of
   # ~1e38 the scaled logits all round to 0, and ranking those kept top-k's tokens by vocabulary index.
   order = jnp.argsort(-logits.astype(jnp.float32), axis=-1)

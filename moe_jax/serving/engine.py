@@ -324,10 +324,10 @@ class Engine:
                                    cache_len=c.cache_len)
       if c.chunked:
         last, rows = steps.extend(self._flat, rows, np.zeros((p, c.prefill_lengths[-1]), np.int32), ones, last)
-      steps.sample_rows(last, self._key, np.int32(0), *self._params(p))
+      steps.sample_rows(last, self._key, np.zeros((2,), np.uint32), *self._params(p))
       self.cache = steps.insert(self.cache, rows, drop(p))
-    out = steps.decode_slots(self._flat, self.cache, self._tokens, np.zeros((b,), bool), self._key, np.int32(0),
-                             self._temperature, self._top_k, self._top_p)
+    out = steps.decode_slots(self._flat, self.cache, self._tokens, np.zeros((b,), bool), self._key,
+                             np.zeros((2,), np.uint32), self._temperature, self._top_k, self._top_p)
     self.cache = out[2]
     jax.block_until_ready(self.cache)
     return steps.total_traces() - before
@@ -338,9 +338,11 @@ class Engine:
   def _params(p: int):
     return np.zeros((p,), np.float32), np.zeros((p,), np.int32), np.ones((p,), np.float32)
 
-  def _next_key_step(self) -> np.int32:
+  def _next_key_step(self) -> np.ndarray:
+    """uint32 [2], the step count's low and high words (an int32 count overflowed after 2³¹ steps, ~87 days at
+    3.5 ms a step, and failed every request from then on)."""
     self._step_counter += 1
-    return np.int32(self._step_counter)
+    return np.array([self._step_counter & 0xFFFFFFFF, self._step_counter >> 32], np.uint32)
 
   def _end(self, handle: RequestHandle, status: str, reason: str, error=None) -> None:
     with self._cv:

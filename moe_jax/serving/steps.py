@@ -85,13 +85,18 @@ def extend(model, cache: KVCache, tokens: jax.Array, valid: jax.Array, last: jax
   return last, cache.replace(lengths=starts + valid)
 
 
+def step_key(key: jax.Array, step: jax.Array) -> jax.Array:
+  """The key of one engine step: step uint32 [2] (the count's low and high words) folded into key."""
+  return jax.random.fold_in(jax.random.fold_in(key, step[0]), step[1])
+
+
 @jax.jit
 @_count("sample_rows")
 def sample_rows(last: jax.Array, key: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
                 top_p: jax.Array):
   """First tokens of prefilled rows: last [P, V] -> (int32 [P], bool [P] logits all finite)."""
   finite = jnp.all(jnp.isfinite(last), axis=-1)
-  return _sample_or_argmax(last, jax.random.fold_in(key, step), temperature, top_k, top_p), finite
+  return _sample_or_argmax(last, step_key(key, step), temperature, top_k, top_p), finite
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -120,7 +125,7 @@ def decode_slots(model, cache: KVCache, tokens: jax.Array, active: jax.Array, ke
     cache: KVCache of B slots (donated).
     tokens: int32 [B], each slot's last token.
     active: bool [B].
-    key: PRNG key; step: int32 scalar folded into it.
+    key: PRNG key; step: uint32 [2], the engine's step count (low, high words) folded into it.
     temperature, top_k, top_p: per-slot sampling parameters [B].
 
   Returns:
@@ -130,7 +135,7 @@ def decode_slots(model, cache: KVCache, tokens: jax.Array, active: jax.Array, ke
   logits, new = _module(model).decode(cache, tokens[:, None])
   logits = logits[:, 0]
   finite = jnp.all(jnp.isfinite(logits), axis=-1)
-  nxt = _sample_or_argmax(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
+  nxt = _sample_or_argmax(logits, step_key(key, step), temperature, top_k, top_p)
   return nxt, finite, new.replace(lengths=jnp.where(active, new.lengths, cache.lengths))
 
 

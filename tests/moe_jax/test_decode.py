@@ -123,6 +123,18 @@ def test_top_k_keeps_the_most_likely_tokens_at_any_temperature():
     assert draws <= {2, 3}, (t, draws)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.999])  # the whole-row draw and the sorted candidates
+def test_temperatures_under_1e_6_are_taken_as_given(top_p):
+  """Two logits one float32 ulp apart at 10 (9.5e-7): at T = 1e-6 the lower is drawn with probability
+  1 / (1 + e^0.954) = 0.278, at T = 1e-7 with 7e-5 (greedy in the limit). Before, any T under 1e-6 was taken as 1e-6."""
+  hi = np.nextafter(np.float32(10.0), np.float32(11.0))
+  logits = jnp.asarray([[10.0, hi]], jnp.float32)
+  keys = jax.random.split(jax.random.key(3), 4000)
+  for t, p_low, tol in ((1e-6, 1 / (1 + np.exp((hi - 10.0) / 1e-6)), 0.03), (1e-7, 0.0, 0.002)):
+    draw = jax.vmap(lambda k, t=t: sample(logits, k, jnp.full(1, t), jnp.zeros(1, jnp.int32), jnp.full(1, top_p)))(keys)
+    assert abs(float(np.mean(np.asarray(draw) == 0)) - p_low) <= tol, (t, float(np.mean(np.asarray(draw) == 0)))
+
+
 def test_sampling_follows_the_distribution():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
   n = 20000

@@ -341,6 +341,20 @@ def test_a_freed_slot_forgets_its_sampling_parameters(engine):
   assert not engine._temperature.any() and not engine._top_k.any() and (engine._top_p == 1).all()
 
 
+def test_the_step_count_goes_past_int32(engine, good_reference):
+  """Before: the key's step count was an int32; at 2³¹ steps (~87 days at 3.5 ms) np.int32 overflowed and every
+  request failed from then on. Greedy requests still match the reference past 2³¹ and 2³²."""
+  good, ref = good_reference
+  for start in (2**31 - 3, 2**32 - 2):
+    engine._step_counter = start  # pylint: disable=protected-access
+    handles = [engine.submit(p, max_tokens=MAX_NEW) for p in good]
+    handles.append(engine.submit([3, 4], max_tokens=4, sampling={"temperature": 1.0}))
+    engine.run_until_idle()
+    assert all(h.status == "finished" for h in handles), [(h.status, h.error) for h in handles]
+    assert [h.tokens for h in handles[:2]] == [expected(r, MAX_NEW) for r in ref]
+    assert engine._step_counter > start + 4  # pylint: disable=protected-access
+
+
 def test_full_queue_gives_back_pressure(tiny_model):
   eng = Engine(tiny_model, dataclasses.replace(CONFIG, max_queue=3))
   handles = [eng.submit([1, 2, 3], max_tokens=2) for _ in range(3)]

@@ -99,6 +99,26 @@ def test_batch_decode_counts_and_reports_a_duplicate_id_alike_on_a_run_and_its_r
       ("7", 6, False), ("a", 1, False), ("b", 2, False), ("c", 4, True)]
 
 
+def test_batch_decode_counts_a_line_the_engine_refuses_as_bad_on_a_resume_too(tmp_path, tiny_model):
+  """Before: refused by the engine, a line was "bad" on the first run and "skipped" (unreported) on the resume, as its
+  error record made its id "done"; a line refused while parsing stayed "bad". Both are bad on every run now."""
+  lines = [json.dumps({"id": "a", "prompt": "x", "max_tokens": 2}), json.dumps({"id": "b", "prompt": 5}),
+           json.dumps({"id": "c", "tokens": [1, 999]}), json.dumps({"id": "d", "prompt": "p" * 40})]
+  src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  _write(src, lines)
+  kwargs = dict(input_path=str(src), output_path=str(out), engine_config=ENGINE, max_tokens=3, progress=False)
+  runs = []
+  for _ in range(2):
+    logs = []
+    runs.append((batch_decode.run(tiny_model, ByteTokenizer(), log=logs.append, **kwargs), logs, out.read_text()))
+  (first, first_logs, first_out), (second, second_logs, second_out) = runs
+  assert first == {"lines": 4, "skipped": 0, "bad": 3, "finished": 1, "failed": 0}
+  assert second == {"lines": 4, "skipped": 1, "bad": 3, "finished": 0, "failed": 0}
+  assert first_logs == second_logs and len(first_logs) == 3
+  assert first_logs[1].startswith(f"{src}:3: id 'c' rejected: token id 999")
+  assert second_out == first_out and len(first_out.splitlines()) == 4  # one record per id, none added
+
+
 def test_batch_decode_keeps_json_lines_whose_strings_hold_unicode_line_separators(tmp_path, tiny_model):
   prompts = {"a": "plain", "b": "x\u2028y", "c": "p\u0085q\u2029", "d": "last"}
   src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
