@@ -108,8 +108,8 @@ def _rowsum(x, transposed: bool):
 def _scaled_x(load_x, ws: Int4Weights, e):
   def x_at(k0, size):  # [bm, size], times 1/a when the weights carry activation scales
     x = load_x(k0, size)
-    if ws.in_scale is not None:  # float16 stays float32 once scaled: 1/a reaches ~1e6 on a channel quiet at
-      scaled = x.astype(jnp.float32) * ws.in_scale[e, pl.ds(k0, size)][None, :]  # calibration, past 65504 times x
+    if ws.in_scale is not None:  # float16 stays float32 once scaled: 1/a is large on a channel quiet at
+      scaled = x.astype(jnp.float32) * ws.in_scale[e, pl.ds(k0, size)][None, :]  # calibration; x/a passes 65504
       x = scaled if x.dtype == jnp.float16 else scaled.astype(x.dtype)
     return x
   return x_at
