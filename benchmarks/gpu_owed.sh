@@ -81,7 +81,8 @@
 #    layouts and cuDNN, then the e2e step's three 32k x 312 rows: STEPS="h200_attention h200_e2e" (limits 480 s).
 # 16. (fifty-second session) kernel_checks: the Triton paths changed on the CPU only (the OS-KVP bit-plane value
 #    outliers past plane 0 and a row with no visible token; int4 with AWQ scales and a float16 lhs; negative group
-#    sizes / sizes past M), each against its reference (benchmarks/kernel_checks.py, < 2 min, any card).
+#    sizes / sizes past M), each against its reference (benchmarks/kernel_checks.py, < 2 min, any card). Paid on an
+#    H100 in the fifty-second session (results/kernel_checks_h100_s52.md: 24 / 24); rerun after a Triton change.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~114 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,
