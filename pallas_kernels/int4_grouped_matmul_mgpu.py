@@ -50,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels import int4_grouped_matmul as i4
+from pallas_kernels import ragged_tiles
 from pallas_kernels.interpret_settle import settled_when_interpreted
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
@@ -117,7 +118,10 @@ def row_tiles(group_sizes: jax.Array, m: int, block_r: int, m_loaded: int | None
   M' - R - 8 (M' = m_loaded, the rows of the padded lhs; default M).
   """
   e = group_sizes.shape[0]
-  sizes = jnp.concatenate([group_sizes.astype(jnp.int32), jnp.maximum(m - group_sizes.sum(), 0)[None]])  # [E + 1]
+  # A negative size counts as 0 and the rows stop at M: sizes summing past M made tiles store past the output.
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+  cut = jnp.diff(ends, prepend=0)
+  sizes = jnp.concatenate([cut, (m - ends[-1])[None]])  # [E + 1]: the virtual expert E holds the rest
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)[:-1]])
   n_tiles = -(-sizes // block_r)  # [E + 1]
   tile_end = jnp.cumsum(n_tiles)
@@ -292,9 +296,11 @@ _STATIC = ("block_n", "block_k", "block_r", "max_concurrent_steps", "interpret",
 DEQUANTS = ("ptx", "jnp")
 
 
-def check_inputs(lhs: jax.Array, weights: MgpuInt4Weights, dequant: str, interpret, block_r: int | None):
+def check_inputs(lhs: jax.Array, weights: MgpuInt4Weights, dequant: str, interpret, block_r: int | None,
+                 group_sizes: jax.Array):
   """Validates the common arguments of the Mosaic int4 kernels. Returns (dequant, block_r, (M, Kp, E, N)): "jnp" in
-  interpret mode (the interpreter runs no inline PTX) and block_r defaulted to 8 up to 8 rows per expert, else 16."""
+  interpret mode (the interpreter runs no inline PTX) and block_r defaulted to 8 up to 8 rows per expert, else 16.
+  group_sizes must be integer [E] (another length streamed the wrong expert's weights, floats were truncated)."""
   if dequant not in DEQUANTS:
     raise ValueError(f"dequant={dequant!r} must be one of {DEQUANTS}")
   if not isinstance(weights, (MgpuInt4Weights, MgpuInt4WeightsShift)):
@@ -307,6 +313,7 @@ def check_inputs(lhs: jax.Array, weights: MgpuInt4Weights, dequant: str, interpr
     raise ValueError(f"lhs has K={kp} but the int4 weights hold Kp={kq}; pad lhs with zeros to Kp")
   if kp % _G:
     raise ValueError(f"Kp={kp} must be a multiple of {_G}")
+  ragged_tiles.check_grouped_args(group_sizes, None, e, kp, "weights")
   block_r = block_r or (8 if m <= 8 * e else 16)
   if block_r not in (8, 16):
     raise ValueError(f"block_r={block_r} must be 8 or 16")
@@ -335,7 +342,7 @@ def int4_grouped_matmul_mgpu(lhs: jax.Array, weights: MgpuInt4Weights, group_siz
     dequant: "jnp" (Mosaic's int4 -> bf16 cast, then (w - z') * s) or "ptx" (one inline-PTX sequence per 2 weights;
       GPU only: interpret mode uses "jnp").
   """
-  dequant, block_r, (m, kp, e, n) = check_inputs(lhs, weights, dequant, interpret, block_r)
+  dequant, block_r, (m, kp, e, n) = check_inputs(lhs, weights, dequant, interpret, block_r, group_sizes)
   if nibble_order(weights) != "prmt":
     raise TypeError("int4_grouped_matmul_mgpu reads the prmt nibble order (MgpuInt4Weights); the shift order is for "
                     "int4_grouped_matmul_mgpu_ws")

@@ -504,7 +504,7 @@ def int4_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuInt4Weights | MgpuI
       so out[m, n] = sum_k x[m, k] s[e, k // 128, n]) instead of loading and decoding the int4 tile: with the
       kernel and no_compute it splits the compute's time over the stream into decode and the rest; "" is the kernel.
   """
-  dequant, _, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, 8)
+  dequant, _, (m, kp, e, n) = mg.check_inputs(lhs, weights, dequant, interpret, 8, group_sizes)
   if n % _WG_N:
     raise ValueError(f"N={n} must be a multiple of {_WG_N}")
   check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k,

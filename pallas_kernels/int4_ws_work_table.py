@@ -95,13 +95,17 @@ def _tiles(starts, sizes, block_r, aligned):
   return (sizes + block_r - 1) // block_r
 
 
-def _prefix(sizes, ids, block_r, scan: bool = False, aligned: bool = False):
+def _prefix(sizes, ids, block_r, m, scan: bool = False, aligned: bool = False):
   """Start and end ([Ep] each) of the experts' rows and row tiles, and their totals: inclusive prefix sums as masked
-  sums over [Ep, Ep], or as scans (`jnp.cumsum`, which Triton lowers to one tt.scan) when `scan`."""
+  sums over [Ep, Ep], or as scans (`jnp.cumsum`, which Triton lowers to one tt.scan) when `scan`. A negative size
+  counts as 0 and the rows stop at M (group_sizes cannot be checked under jit; sizes summing past M made tiles store
+  past the output and read shared memory out of range)."""
   cumsum = jnp.cumsum if scan else (
       lambda v: jnp.sum(jnp.where(ids[:, None] >= ids[None, :], v[None, :], 0), axis=1))
-  ends = cumsum(sizes)
-  starts = ends - sizes
+  sizes = jnp.maximum(sizes, 0)
+  inclusive = cumsum(sizes)
+  ends, starts = jnp.minimum(inclusive, m), jnp.minimum(inclusive - sizes, m)
+  sizes = ends - starts
   tiles = _tiles(starts, sizes, block_r, aligned)
   tile_end = cumsum(tiles)
   return starts, ends, tile_end - tiles, tile_end, jnp.sum(sizes), jnp.sum(tiles)
@@ -113,7 +117,7 @@ def work_table_reference(group_sizes: jax.Array, m: int, m_loaded: int, *, block
   """group_sizes int32 [E] -> the table int32 [n_ctas, I, 8] in jnp (masked sums: no search, gather or
   concatenation)."""
   ids = jnp.arange(n_experts, dtype=jnp.int32)
-  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(group_sizes.astype(jnp.int32), ids, block_r,
+  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(group_sizes.astype(jnp.int32), ids, block_r, m,
                                                                    aligned=aligned)
   per_cta = table_rows(m, n_experts, block_r=block_r, n_tiles=n_tiles, n_ctas=n_ctas, aligned=aligned)
   w = (jnp.arange(n_ctas, dtype=jnp.int32)[:, None] + jnp.arange(per_cta, dtype=jnp.int32)[None, :] * n_ctas)
@@ -129,8 +133,8 @@ def _kernel(gs_ref, out_ref, *, n_experts: int, ep: int, block: int, per_cta: in
   # gs_ref int32 [E]; out_ref int32 [n_ctas · I, 8] (flat rows p = c · I + i).
   ids = jnp.arange(ep, dtype=jnp.int32)
   sizes = plgpu.load(gs_ref.at[pl.ds(0, ep)], mask=ids < n_experts, other=0)
-  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"], prefix == "scan",
-                                                                   kw["aligned"])
+  starts, ends, tile_start, tile_end, total, total_tiles = _prefix(sizes, ids, kw["block_r"], kw["m"],
+                                                                   prefix == "scan", kw["aligned"])
   p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # [block] flat rows
   c = p // per_cta
   w = c + (p % per_cta) * n_ctas

@@ -272,6 +272,8 @@ def rotating_epilogue_shape_error(window: int, splits: int, head_dim: int, group
   """Why `rotating_epilogue` cannot take these shapes (`epilogue_shape_error`'s, and at most `MAX_ROTATING_SPLITS`
   splits: one program holds all H channels' acc), or None."""
   error = epilogue_shape_error(window, splits, head_dim, RUN, group)
+  if error is None and head_dim & (head_dim - 1):  # its output channels default to H, a power of two
+    return f"head_dim={head_dim}: the rotating epilogue takes a power of two"
   if error is None and splits > MAX_ROTATING_SPLITS:
     return (f"splits={splits}: the rotating epilogue takes at most {MAX_ROTATING_SPLITS} (one program holds all H "
             "channels)")

@@ -72,6 +72,7 @@ import numpy as np
 from pallas_kernels import int4_grouped_matmul_mgpu as mg
 from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws4
 from pallas_kernels import int4_ws_work_table as wt
+from pallas_kernels import ragged_tiles
 from pallas_kernels import vq2_grouped_matmul as v2
 from pallas_kernels import ws_pipeline as wp
 from pallas_kernels.interpret_settle import settled_when_interpreted
@@ -379,8 +380,7 @@ def vq2_grouped_matmul_mgpu_ws(lhs: jax.Array, weights: MgpuVQ2Weights, group_si
     raise ValueError(f"index_extract={index_extract!r} must be one of {INDEX_EXTRACTS}")
   if ablate == "no_lookup" and interpret:
     raise ValueError("ablate='no_lookup' takes the GPU's look-ups; interpret mode runs them in jnp")
-  if group_sizes.shape != (e,):
-    raise ValueError(f"group_sizes has shape {group_sizes.shape}, expected ({e},)")
+  ragged_tiles.check_grouped_args(group_sizes, None, e, kp, "weights")  # integer [E]
   ws4.check_options(kp, n, block_r=block_r, num_compute_wgs=num_compute_wgs, block_k=block_k, table_impl=table_impl)
   block_r = block_r or ws4.default_block_r(m, e, True)
   num_ctas = num_ctas or (4 if interpret else wp.num_sms())

@@ -31,6 +31,7 @@ from pallas_kernels import oskvp_uniform_epilogue as epi
 from pallas_kernels import oskvp_uniform_prologue as pro
 from pallas_kernels import oskvp_value_layout as vl
 from pallas_kernels import oskvp_value_sums_mgpu as vs
+from pallas_kernels.decode_checks import check_integer_lengths
 # The jnp glue lives in pallas_kernels (the Triton prologue and epilogue build their references from it); re-exported.
 from pallas_kernels.oskvp_uniform_glue import (  # pylint: disable=unused-import
     LOG2E, merge_lse2, outlier_query, query_digits, uniform_steps, window_attention)
@@ -294,6 +295,7 @@ def uniform_decode_attention(q, codes_k, outl_k, scale_k, cb_k, codes_v_t, outl_
   """
   if query_rotation not in QUERY_ROTATIONS:
     raise ValueError(f"query_rotation={query_rotation!r} must be one of {QUERY_ROTATIONS}")
+  check_integer_lengths(n_comp=n_comp, n_res=n_res)  # the Pallas glue truncated floats; the XLA glue refused them
   if output_rotation not in OUTPUT_ROTATIONS:
     raise ValueError(f"output_rotation={output_rotation!r} must be one of {OUTPUT_ROTATIONS}")
   b, n, h = q.shape

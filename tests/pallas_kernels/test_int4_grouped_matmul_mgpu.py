@@ -50,6 +50,30 @@ def test_matches_reference(sizes, extra, cfg):
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
 
 
+def _cut(sizes, m):
+  """group_sizes as the kernels take them: a negative size counts as 0, the rows stop at M."""
+  return jnp.asarray(np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), m)), jnp.int32)
+
+
+@pytest.mark.parametrize("sizes,m", [([3, -2, 4, 1], 8), ([5, 0, 9, 4], 12), ([20, 20, 0, 0], 24)])
+def test_negative_sizes_and_sizes_past_m_stay_in_bounds(sizes, m):
+  """group_sizes cannot be checked under jit. Sizes summing past M made tiles store past the output (an
+  out-of-bounds copy in the interpreter); now they count from 0 and stop at M, as the Triton kernels' offsets."""
+  x = jax.random.normal(jax.random.key(m), (m, K), jnp.bfloat16)
+  ws = _weights(jax.random.key(m + 1))
+  got = np.asarray(mg.int4_grouped_matmul_mgpu(x, mg.to_mgpu_layout(ws), jnp.asarray(sizes, jnp.int32), interpret=True))
+  want = np.asarray(i4.int4_grouped_matmul_reference(x, ws, _cut(sizes, m)))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
+
+
+def test_group_sizes_of_another_length_or_dtype_are_refused():
+  """Before: [2, 3] for 4 experts streamed expert 2's weights into the rows past the groups; floats were truncated."""
+  x, _, ws = _inputs([3, 0, 17, 1], 0)
+  for gs in (jnp.asarray([2, 3], jnp.int32), jnp.asarray([3.0, 0, 17, 1], jnp.float32)):
+    with pytest.raises(ValueError, match=r"group_sizes must be an integer array of shape \(4,\)"):
+      mg.int4_grouped_matmul_mgpu(x, mg.to_mgpu_layout(ws), gs, interpret=True)
+
+
 def test_no_races_in_the_interpreter():
   """The interpreter's happens-before race detector sees no race between TMA, barriers, wgmma and the stores.
 

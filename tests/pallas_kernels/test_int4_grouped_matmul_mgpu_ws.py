@@ -96,6 +96,21 @@ def test_matches_reference(sizes, extra, n, cfg, interpreted):
   assert not np.any(got[sum(sizes):])  # rows of no expert are zero
 
 
+@pytest.mark.parametrize("sizes,m", [([3, -2, 4, 1], 8), ([20, 20, 0, 0], 24)])
+def test_negative_sizes_and_sizes_past_m_stay_in_bounds(sizes, m, interpreted):
+  """Sizes summing past M made the work table's tiles store past the output and read shared memory past their
+  window (an out-of-bounds copy in the interpreter); they now count from 0 and stop at M, in the table's prefix."""
+  x, w = _draw(m, 128)
+  wm = ws.to_mgpu_layout(w)
+  got = np.asarray(interpreted(lambda: ws.int4_grouped_matmul_mgpu_ws(x, wm, jnp.asarray(sizes, jnp.int32),
+                                                                      interpret=True, num_ctas=2)))
+  cut = jnp.asarray(np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), m)), jnp.int32)
+  want = np.asarray(ws.int4_grouped_matmul_mgpu_ws_form_reference(x, wm, cut, "acc_scale"))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(want).max()))
+  with pytest.raises(ValueError, match=r"group_sizes must be an integer array of shape \(4,\)"):
+    ws.int4_grouped_matmul_mgpu_ws(x, wm, jnp.asarray([m], jnp.int32), interpret=True)
+
+
 # (gate group sizes, rows of no expert, F, kernel config) of the fused gate/up + SwiGLU form: 2F = 192 columns in N
 # tiles at 0 and 64 (the second tile's first warpgroup does not store), virtual rows; one CTA chaining 3 items with
 # 16-row tiles and a ring of 1.

@@ -49,6 +49,20 @@ def test_kernel_matches_reference(experts, prefix, block, aligned):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("sizes,m", [([3, -2, 4, 1], 8), ([20, 20, 0, 0], 24), ([-5, 30, 1, 2], 16)])
+def test_negative_sizes_and_sizes_past_m_are_cut(sizes, m):
+  """The table of sizes with a negative entry or summing past M is the table of the sizes cut at 0 and at M, in
+  the kernel (scan and masked prefix) as in the reference; every row is stored once."""
+  cut = np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), m))
+  kw = dict(m=m, m_loaded=max(m + (-m % 8), 16), block_r=8, n_tiles=2, n_experts=4, n_ctas=3)
+  want = np.asarray(wt.work_table_reference(jnp.asarray(cut, jnp.int32), **kw))
+  np.testing.assert_array_equal(np.asarray(wt.work_table_reference(jnp.asarray(sizes, jnp.int32), **kw)), want)
+  for prefix in wt.PREFIXES:
+    got = wt.work_table(jnp.asarray(sizes, jnp.int32), **kw, interpret=True, prefix=prefix, block=16)
+    np.testing.assert_array_equal(np.asarray(got), want)
+  _check_coverage(want, list(cut), m, kw["m_loaded"], 8, 2, False)
+
+
 def test_kernel_rejects_bad_arguments():
   with pytest.raises(ValueError, match="group_sizes"):
     wt.work_table(jnp.zeros((4,), jnp.int32), 8, 16, block_r=8, n_tiles=1, n_experts=5, n_ctas=2, interpret=True)

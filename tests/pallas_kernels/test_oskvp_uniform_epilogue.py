@@ -100,6 +100,8 @@ def test_rotating_epilogue_refuses_what_one_program_cannot_hold():
     epi.rotating_epilogue(*_inputs(0, 1, 1, 16), interpret=True, out_channels=48)
   assert "window R=96" in epi.rotating_epilogue_shape_error(96, 16, 128)
   assert epi.rotating_epilogue_shape_error(128, 64, 128, group=8) is None
+  # H = 384 passed the check and failed in the kernel over out_channels, an argument the caller never passed
+  assert "head_dim=384: the rotating epilogue takes a power of two" in epi.rotating_epilogue_shape_error(128, 4, 384)
 
 
 @pytest.mark.parametrize("h,hc", [(128, 32), (128, 16), (256, 32), (256, 16)])

@@ -83,6 +83,16 @@ def test_matches_float32_dequantization(sizes, extra, n, books, cfg, interpreted
   assert not np.any(got[rows:])
 
 
+def test_sizes_past_m_stay_in_bounds(interpreted):
+  """[20, 20] rows for M = 24: an out-of-bounds copy before; the rows stop at M (expert 1 gets rows 20-23)."""
+  w = vm.to_mgpu_layout(_weights(64, seed=3))
+  x = jax.random.normal(jax.random.key(24), (24, K), jnp.bfloat16)
+  got = np.asarray(interpreted(lambda: vm.vq2_grouped_matmul_mgpu_ws(x, w, jnp.asarray([20, 20, 0, 0], jnp.int32),
+                                                                     interpret=True, num_ctas=2)))
+  want = np.asarray(vm.vq2_grouped_matmul_mgpu_ws_reference(x, w, jnp.asarray([20, 4, 0, 0], jnp.int32)))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.fixture
 def table_in_jnp(monkeypatch):
   """Lowering for CUDA on the CPU: the work table's Triton kernel needs a GPU to lower, so take its jnp reference."""
@@ -159,8 +169,10 @@ def test_refusals_name_the_field():
     vm.vq2_grouped_matmul_mgpu_ws(x.astype(jnp.float32), m, gs)
   with pytest.raises(ValueError, match="lhs has K=128 but the vq2 weights hold Kp=256"):
     vm.vq2_grouped_matmul_mgpu_ws(x[:, :128], m, gs)
-  with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\), expected \(4,\)"):
+  with pytest.raises(ValueError, match=r"group_sizes must be an integer array of shape \(4,\) .* int32 \(3,\)"):
     vm.vq2_grouped_matmul_mgpu_ws(x, m, gs[:3])
+  with pytest.raises(ValueError, match=r"group_sizes must be an integer array .* float32 \(4,\)"):
+    vm.vq2_grouped_matmul_mgpu_ws(x, m, gs.astype(jnp.float32))  # before: truncated
   with pytest.raises(ValueError, match="N=96 must be a multiple of 64"):
     vm.vq2_grouped_matmul_mgpu_ws(x, vm.to_mgpu_layout(_weights(96)), gs)
   with pytest.raises(ValueError, match="block_k=384 must be a multiple of 128 dividing the padded K = 256"):

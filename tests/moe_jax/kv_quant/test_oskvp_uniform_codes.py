@@ -305,6 +305,17 @@ def test_mosaic_tiling():
                                 c.u_k, c.u_v, c.res_k, c.res_v, c.n_comp, c.n_res, interpret=True)
 
 
+def test_float_lengths_are_refused_by_both_glues():
+  """Before: the Pallas glue truncated n_comp = 100.5 to 100 (the XLA glue refused it)."""
+  c = _cache()
+  q = jnp.zeros((B, K * 2, H))
+  args = list(_cache_args(c))
+  args[-2] = args[-2].astype(jnp.float32)
+  for glue in ("pallas", "xla"):
+    with pytest.raises(ValueError, match="n_comp must be an integer array"):
+      uc.uniform_decode_attention(q, *args, interpret=True, glue=glue)
+
+
 def test_wired_tiling_follows_the_core():
   """The splits are the core's: the mma core takes the fewest that put MOSAIC_PROGRAMS (512) programs in flight, at
   most 32; the wgmma core (the interpreter's, the XLA glue's, or asked for) starts from 16 and raises to 128;
