@@ -79,10 +79,11 @@
 # 15. (fiftieth session) the first call on an H200, in one device call (the bf16 row of 32k x 312, 84 GB, needs the
 #    H200's memory, so the call may ask for one): the issue's cells (64k / 128k x 8 / 32) with the mma core, both value
 #    layouts and cuDNN, then the e2e step's three 32k x 312 rows: STEPS="h200_attention h200_e2e" (limits 480 s).
-# 16. (fifty-second session) kernel_checks: the Triton paths changed on the CPU only (the OS-KVP bit-plane value
+# 16. (fifty-second session) kernel_checks: the Triton / Mosaic paths changed on the CPU only (the OS-KVP bit-plane value
 #    outliers past plane 0 and a row with no visible token; int4 with AWQ scales and a float16 lhs; negative group
 #    sizes / sizes past M), each against its reference (benchmarks/kernel_checks.py, < 2 min, any card). Paid on an
-#    H100 in the fifty-second session (results/kernel_checks_h100_s52.md: 24 / 24); rerun after a Triton change.
+#    H100 in the fifty-second session (results/kernel_checks_h100_s52.md: 24 / 24) before the Mosaic grouped
+#    matmuls' group-size cut (item 4 of the script); rerun for it, and after any Triton / Mosaic change.
 # Each step logs to $OUT/<name>.log; benches write their reports as they go, so a step cut by its limit keeps what
 # it measured. Filter allocator warnings out of what you read back: they can bury the tail. The limits sum to ~114 min.
 # The steps sum to more than one call's 600 s: pass a subset, e.g. STEPS=prefill_fit, STEPS=attention,

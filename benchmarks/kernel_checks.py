@@ -10,6 +10,9 @@
    active at inference (x = 300), lhs float16 (the scaled lhs stays float32: it passes 65504) and bfloat16.
 3. The int4 grouped matmul with group sizes that are negative or sum past M (offsets count a negative size as 0
    and stop at M): the reference on the sizes so cut.
+4. The same group sizes through the Mosaic GPU grouped matmuls (`int4_grouped_matmul_mgpu`, `..._mgpu_ws`,
+   `vq2_grouped_matmul_mgpu_ws`) and the work table's Triton kernel (`int4_ws_work_table.work_table`: exact, its
+   error column is the largest difference from the reference table).
 
 A case passes when its output is finite and its relative L2 error is under its tolerance (bf16 operands: 1.5e-2;
 float16 / float32: 2e-3); an empty row must be exactly 0. Exits 1 if any case fails. Writes <out>.md and <out>.json.
@@ -93,6 +96,44 @@ def int4_offset_cases(interpret: bool):
                  rel_err=rel_l2(out, ref), finite=bool(np.isfinite(out).all()), tol=1.5e-2)
 
 
+def mosaic_grouped_cases(interpret: bool):
+  """The Mosaic GPU grouped matmuls (one warpgroup, warp-specialized int4 and vq2) and the work table's Triton
+  kernel with group sizes negative or past M: the reference on the sizes cut at 0 and at M."""
+  from pallas_kernels import int4_grouped_matmul_mgpu as mg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import int4_grouped_matmul_mgpu_ws as ws  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import int4_ws_work_table as wt  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import vq2_grouped_matmul as v2  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import vq2_grouped_matmul_mgpu_ws as vm  # pylint: disable=g-import-not-at-top
+  e, k, n = 4, 256, 128
+  ks = jax.random.split(jax.random.key(5), 5)
+  w4 = i4.Int4Weights(packed=jax.random.bits(ks[0], (e, k // 2, n), jnp.uint8),
+                      scale=jax.random.uniform(ks[1], (e, k // 128, n), jnp.float32, 0.01, 0.1).astype(jnp.bfloat16),
+                      zero=jax.random.randint(ks[2], (e, k // 128, n), 0, 16).astype(jnp.uint8))
+  wv = vm.to_mgpu_layout(v2.VQ2Weights(jax.random.bits(ks[3], (e, k // 4, n), jnp.uint8),
+                                       v2.pack_codebook(jax.random.normal(ks[4], (e, 256, 4))),
+                                       jnp.full((e, k // 128, n), 0.05, jnp.bfloat16)))
+  for sizes, m in (([3, -2, 4, 1], 8), ([20, 20, 0, 0], 24), ([-5, 30, 1, 2], 16)):
+    cut = jnp.asarray(np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), m)), jnp.int32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+    kw = dict(m=m, m_loaded=max(m + (-m % 8), 16), block_r=8, n_tiles=2, n_experts=e, n_ctas=3)
+    table = np.asarray(wt.work_table(gs, **kw, interpret=interpret))
+    want_table = np.asarray(wt.work_table_reference(cut, **kw))
+    yield dict(check="work_table", case=f"group_sizes {sizes}, M={m}", form="Triton work table",
+               rel_err=float(np.abs(table - want_table).max()), finite=True, tol=0.5)  # integer: exact
+    runs = {"int4 mgpu": (lambda: mg.int4_grouped_matmul_mgpu(x, mg.to_mgpu_layout(w4), gs, interpret=interpret),
+                          lambda: i4.int4_grouped_matmul_reference(x, w4, cut)),
+            "int4 mgpu ws": (lambda: ws.int4_grouped_matmul_mgpu_ws(x, ws.to_mgpu_layout(w4), gs,
+                                                                     interpret=interpret),
+                             lambda: i4.int4_grouped_matmul_reference(x, w4, cut)),
+            "vq2 mgpu ws": (lambda: vm.vq2_grouped_matmul_mgpu_ws(x, wv, gs, interpret=interpret),
+                            lambda: vm.vq2_grouped_matmul_mgpu_ws_reference(x, wv, cut))}
+    for name, (run, ref) in runs.items():
+      out, want = np.asarray(run(), np.float32), np.asarray(ref(), np.float32)
+      yield dict(check="mosaic_offsets", case=f"group_sizes {sizes}, M={m}", form=name, rel_err=rel_l2(out, want),
+                 finite=bool(np.isfinite(out).all()), tol=1.5e-2)
+
+
 def passed(row) -> bool:
   return row["finite"] and row["rel_err"] < row["tol"] and row.get("empty_row_max", 0.0) == 0.0
 
@@ -103,7 +144,7 @@ def main():
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU): checks the script only")
   args = ap.parse_args()
   rows = []
-  for cases in (oskvp_cases, int4_awq_cases, int4_offset_cases):
+  for cases in (oskvp_cases, int4_awq_cases, int4_offset_cases, mosaic_grouped_cases):
     for row in cases(args.interpret):
       row["passed"] = passed(row)
       rows.append(row)
