@@ -79,7 +79,7 @@
 # 15. (fiftieth session) the first call on an H200, in one device call (the bf16 row of 32k x 312, 84 GB, needs the
 #    H200's memory, so the call may ask for one): the issue's cells (64k / 128k x 8 / 32) with the mma core, both value
 #    layouts and cuDNN, then the e2e step's three 32k x 312 rows: STEPS="h200_attention h200_e2e" (limits 480 s).
-# 16. (fifty-second session) kernel_checks: the Triton / Mosaic paths changed on the CPU only (the OS-KVP bit-plane value
+# 16. (fifty-second session) kernel_checks: Triton / Mosaic paths changed on the CPU only (the OS-KVP bit-plane value
 #    outliers past plane 0 and a row with no visible token; int4 with AWQ scales and a float16 lhs; negative group
 #    sizes / sizes past M), each against its reference (benchmarks/kernel_checks.py, < 2 min, any card). Paid on an
 #    H100 in the fifty-second session (results/kernel_checks_h100_s52.md: 24 / 24) before the Mosaic grouped
