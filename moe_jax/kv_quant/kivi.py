@@ -105,9 +105,17 @@ class KIVILayerCache:
   n_comp: jax.Array
   n_res: jax.Array
   implementation: str = struct.field(pytree_node=False, default="xla")
+  capacity: int | None = struct.field(pytree_node=False, default=None)  # cache_len asked for (None: the storage)
 
   @property
   def max_len(self) -> int:
+    """S, the positions the caller asked for (`cache_len`): a decode step past it gives NaN logits, as in every
+    mode, although the storage is rounded up to a multiple of 32 (before, the guard fired only there)."""
+    return self.storage_len if self.capacity is None else self.capacity
+
+  @property
+  def storage_len(self) -> int:
+    """The positions stored: cache_len rounded up to a multiple of the group size."""
     return self.codes_k.shape[2]
 
   @property
@@ -127,7 +135,7 @@ class KIVILayerCache:
     full = self.n_res == r
     ck, sk, zk = quantize_keys(self.res_k.astype(jnp.float32))  # [B, K, R, H/4], [B, K, R/32, H]
     cv, sv, zv = quantize_values(self.res_v.astype(jnp.float32))
-    pos = jnp.where(full, self.n_comp, self.max_len)
+    pos = jnp.where(full, self.n_comp, self.storage_len)  # past the storage: dropped
     rows = jnp.arange(b)[:, None]
     idx = pos[:, None] + jnp.arange(r)[None, :]
     gidx = pos[:, None] // GROUP + jnp.arange(r // GROUP)[None, :]
@@ -143,7 +151,7 @@ class KIVILayerCache:
   @jax.jit
   def dequantized(self) -> tuple[jax.Array, jax.Array]:
     """(k_hat, v_hat) f32 [B, S, K, H] in token order: compressed [0, n_comp), window after it, zeros beyond."""
-    s, r = self.max_len, self.window
+    s, r = self.storage_len, self.window
     rows = jnp.arange(self.n_comp.shape[0])[:, None]
     idx = jnp.clip(self.n_comp[:, None] + jnp.arange(r)[None, :], 0, s - 1)
     live = (jnp.arange(r)[None, :] < self.n_res[:, None])[:, None, :, None]
@@ -172,7 +180,7 @@ class KIVILayerCache:
                                 interpret=backend.interpret_kernels())
       return o, cache
     kh, vh = cache.dequantized()
-    visible = (jnp.arange(cache.max_len)[None, :] < (cache.n_comp + cache.n_res)[:, None])[:, None, :]
+    visible = (jnp.arange(cache.storage_len)[None, :] < (cache.n_comp + cache.n_res)[:, None])[:, None, :]
     return masked_gqa_attention(q[:, None], kh, vh, visible)[:, 0], cache
 
   def extend(self, q, k, v, starts):
@@ -196,7 +204,7 @@ class KIVIMode:
       raise ValueError(f"implementation={self.implementation!r} must be 'xla' or 'pallas'")
 
   def from_prefill(self, k, v, lengths, cache_len: int, *, layer: int) -> KIVILayerCache:
-    """k, v: [B, T, K, H] -> KIVILayerCache with S = cache_len rounded up to a multiple of 32."""
+    """k, v: [B, T, K, H] -> KIVILayerCache of cache_len positions (stored rounded up to a multiple of 32)."""
     del layer
     b, t, kh, h = k.shape
     if h % 4 or (h > GROUP and h % GROUP):
@@ -215,4 +223,5 @@ class KIVIMode:
     live = (jnp.arange(self.window)[None, :] < n_res[:, None])[:, None, :, None]
     res = lambda x: jnp.where(live, jnp.take_along_axis(x, idx[:, None, :, None], axis=2), 0.0).astype(jnp.bfloat16)
     return KIVILayerCache(codes_k=ck, codes_v=cv, k_scale=sk, k_zero=zk, v_scale=sv, v_zero=zv, res_k=res(kt),
-                          res_v=res(vt), n_comp=n_comp, n_res=n_res, implementation=self.implementation)
+                          res_v=res(vt), n_comp=n_comp, n_res=n_res, implementation=self.implementation,
+                          capacity=cache_len)

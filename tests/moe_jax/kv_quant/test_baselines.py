@@ -71,7 +71,7 @@ def test_kivi_cache_flushes_and_attends_over_what_it_stores():
   cache = jax.jit(lambda k, v: KIVIMode(window=32).from_prefill(k, v, lengths, 100, layer=0))(k, v)
   np.testing.assert_array_equal(cache.n_comp, [64, 32])
   np.testing.assert_array_equal(cache.n_res, [6, 1])
-  assert cache.codes_k.shape == (B, K, 128, H // 4) and cache.max_len == 128
+  assert cache.codes_k.shape == (B, K, 128, H // 4) and cache.storage_len == 128 and cache.max_len == 100
   step = jax.jit(lambda c, q, k, v: c.extend(q, k, v, jnp.zeros(B, jnp.int32)))
   prefilled, outs = cache, []
   for t in range(30):
