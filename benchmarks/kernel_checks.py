@@ -43,6 +43,12 @@ def rel_l2(out, ref) -> float:
   return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def cut_sizes(sizes, m: int) -> jax.Array:
+  """The group sizes the kernels run on: a negative size counts as 0 and the rows stop at M (numpy, independent of
+  the kernels' own cut)."""
+  return jnp.asarray(np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), m)), jnp.int32)
+
+
 def oskvp_cases(interpret: bool):
   """Rows of the OS-KVP checks: a batch of 3 with row 1 empty (no compressed token, empty window)."""
   shape = dict(batch=3, heads=8, kv_heads=2, head_dim=128, capacity=300, window=64, n_comp=[300, 0, 37],
@@ -87,8 +93,7 @@ def int4_offset_cases(interpret: bool):
                       zero=jax.random.randint(ks[2], (e, k // 128, n), 0, 16).astype(jnp.uint8))
   x = jax.random.normal(ks[3], (8, k)).astype(jnp.bfloat16)
   for sizes in ([3, -2, 4, 1], [-2, 6, 0, 2], [3, 0, 4, 9]):
-    cut = np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), 8))
-    ref = np.asarray(i4.int4_grouped_matmul_reference(x, ws, jnp.asarray(cut, jnp.int32)), np.float32)
+    ref = np.asarray(i4.int4_grouped_matmul_reference(x, ws, cut_sizes(sizes, 8)), np.float32)
     for layout, w in (("uint8", ws), ("nk", i4.to_nk_layout(ws))):
       out = np.asarray(i4.int4_grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), interpret=interpret,
                                               poison=float("nan")), np.float32)
@@ -113,7 +118,7 @@ def mosaic_grouped_cases(interpret: bool):
                                        v2.pack_codebook(jax.random.normal(ks[4], (e, 256, 4))),
                                        jnp.full((e, k // 128, n), 0.05, jnp.bfloat16)))
   for sizes, m in (([3, -2, 4, 1], 8), ([20, 20, 0, 0], 24), ([-5, 30, 1, 2], 16)):
-    cut = jnp.asarray(np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.maximum(sizes, 0))]), m)), jnp.int32)
+    cut = cut_sizes(sizes, m)
     gs = jnp.asarray(sizes, jnp.int32)
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
     kw = dict(m=m, m_loaded=max(m + (-m % 8), 16), block_r=8, n_tiles=2, n_experts=e, n_ctas=3)

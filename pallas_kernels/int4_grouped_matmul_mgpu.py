@@ -118,10 +118,9 @@ def row_tiles(group_sizes: jax.Array, m: int, block_r: int, m_loaded: int | None
   M' - R - 8 (M' = m_loaded, the rows of the padded lhs; default M).
   """
   e = group_sizes.shape[0]
-  # A negative size counts as 0 and the rows stop at M: sizes summing past M made tiles store past the output.
-  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
-  cut = jnp.diff(ends, prepend=0)
-  sizes = jnp.concatenate([cut, (m - ends[-1])[None]])  # [E + 1]: the virtual expert E holds the rest
+  # Cut as the Triton kernels' offsets: sizes summing past M made tiles store past the output.
+  offsets = ragged_tiles.group_offsets(group_sizes, m)
+  sizes = jnp.concatenate([jnp.diff(offsets), (m - offsets[-1])[None]])  # [E + 1]: the virtual expert E the rest
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)[:-1]])
   n_tiles = -(-sizes // block_r)  # [E + 1]
   tile_end = jnp.cumsum(n_tiles)

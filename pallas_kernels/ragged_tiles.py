@@ -69,6 +69,14 @@ def pick_split_k(m: int, n_experts: int, n_tiles: int, n_groups: int, programs: 
   return split
 
 
+def group_offsets(group_sizes: jax.Array, m: int) -> jax.Array:
+  """int32 [E + 1], the first row of each group and M: a negative size counts as 0 and the offsets stop at M, so no
+  row outside lhs and the output is read or written whatever group_sizes holds (under jit it cannot be checked;
+  ragged_dot leaves such sizes undefined)."""
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  return jnp.minimum(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)]), m)
+
+
 def check_tiles(block_m: int | None, block_n: int | None) -> None:
   """Raises ValueError naming a tile size Triton cannot take: block_m (None: picked) and block_n powers of two
   >= 8 and >= 16."""
@@ -128,10 +136,7 @@ def ragged_call(lhs: jax.Array, group_sizes: jax.Array, weight_sets: Sequence[tu
   if split_k < 1 or n_groups % split_k:
     raise ValueError(f"split_k={split_k} must divide the {n_groups} K groups")
   per_split = n_groups // split_k
-  # [E + 1]; a negative size counts as 0 and offsets stop at M, so no row outside lhs and the output is read or
-  # written whatever group_sizes holds (under jit it cannot be checked; ragged_dot leaves such sizes undefined).
-  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-  offsets = jnp.minimum(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)]), m)
+  offsets = group_offsets(group_sizes, m)
   flat, tree = jax.tree.flatten(list(weight_sets))
   n_acc = len(weight_sets)
   epilogue = epilogue or (lambda accs: accs[0])
